@@ -1,0 +1,121 @@
+"""Plain data types that cross module boundaries: sampling settings, requests, outputs.
+
+Stdlib only. The engine fills these; the CLI, the server and the benchmarks read them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvlab.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (OpenAI / vLLM semantics)."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 disables; divides positive logits of seen tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to report per token
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a list of non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the top alternatives at that step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock marks of one request (time.perf_counter seconds)."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # first step that computed any of its tokens
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per generated token
+    prefill_seconds: float = 0.0  # time of the steps that computed its prompt
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    output_tokens: int  # generated so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    timings: RequestTimings | None = None
