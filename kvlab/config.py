@@ -1,0 +1,57 @@
+"""ModelConfig: the shape of a transformer, built once from checkpoint metadata and frozen.
+
+Stdlib only. Each architecture file in kvlab/models turns GGUF metadata or an HF
+config.json into one of these; everything downstream reads it and never mutates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # llama3 frequency scaling (Llama 3.1/3.2): None or a tuple
+    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    llama3: tuple[float, float, float, int] | None = None
+    linear_factor: float = 1.0  # positions divided by this ("linear" rope scaling)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    local_rope: RopeConfig | None = None  # rope of sliding-window layers when it differs
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: "full" or "sliding"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
+    final_logit_softcapping: float | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding" and self.sliding_window is not None
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """Key + value bytes one token adds to the cache, summed over layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element

@@ -1,0 +1,141 @@
+"""Paged attention over a flat slot pool, and the per-step metadata it reads.
+
+Every sequence's keys and values live in `[num_slots, kv_heads, head_dim]` tensors, one
+pair per layer; slot = block_id * block_size + offset. A step's new tokens from all
+sequences are packed into one `[T, ...]` batch; the metadata says where each token's K/V
+is written (slot_mapping) and which slots each sequence attends to.
+
+    packed queries:  | seq0: 5 prompt tokens | seq1: 1 | seq2: 1 |
+    seq0 keys:       slots of positions 0..4   (prefill: causal mask inside the chunk)
+    seq1 keys:       slots of positions 0..n1  (decode: one query, all earlier keys)
+
+Prefill sequences run one by one (one big product each); decode sequences run as one
+padded batch so a step with many users costs one call per layer, not one per user.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Queries that share one attention call.
+
+    rows:    [n] indices into the packed token batch
+    slots:   [B, C] slot of each attended key (padded with 0 where masked)
+    mask:    [B, Q, C] True where the query may attend to the key
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    num_seqs: int
+    queries_per_seq: int
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's part of a step: tokens [start, start + num_new) of its context."""
+
+    start: int  # tokens already in the cache before this step
+    num_new: int
+    slots: torch.Tensor  # [start + num_new] slot of every position so far
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    groups_full: tuple[AttentionGroup, ...]
+    groups_sliding: tuple[AttentionGroup, ...]
+
+    def groups(self, sliding: bool) -> tuple[AttentionGroup, ...]:
+        return self.groups_sliding if sliding else self.groups_full
+
+
+def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.device
+                   ) -> AttentionMetadata:
+    """Pack spans (in batch order) into slot mapping and attention groups."""
+    offsets, row = [], 0
+    for s in spans:
+        offsets.append(row)
+        row += s.num_new
+    slot_mapping = torch.cat([s.slots[s.start:s.end] for s in spans]).to(device)
+    full = _groups(spans, offsets, None, device)
+    sliding = _groups(spans, offsets, window, device) if window else full
+    return AttentionMetadata(slot_mapping, full, sliding)
+
+
+def _groups(spans: list[SeqSpan], offsets: list[int], window: int | None,
+            device: torch.device) -> tuple[AttentionGroup, ...]:
+    decode = [i for i, s in enumerate(spans) if s.num_new == 1]
+    groups = [_prefill_group(spans[i], offsets[i], window, device)
+              for i, s in enumerate(spans) if s.num_new > 1]
+    if decode:
+        groups.append(_decode_group([spans[i] for i in decode], [offsets[i] for i in decode],
+                                    window, device))
+    return tuple(groups)
+
+
+def _key_range(span: SeqSpan, window: int | None) -> int:
+    """First key position any query of this span can see (older keys are outside the window)."""
+    if window is None:
+        return 0
+    return max(0, span.start - window + 1)
+
+
+def _prefill_group(span: SeqSpan, offset: int, window: int | None,
+                   device: torch.device) -> AttentionGroup:
+    first = _key_range(span, window)
+    k_pos = torch.arange(first, span.end)
+    q_pos = torch.arange(span.start, span.end)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= (q_pos[:, None] - k_pos[None, :]) < window
+    rows = torch.arange(offset, offset + span.num_new)
+    return AttentionGroup(rows.to(device), span.slots[first:span.end][None].to(device),
+                          mask[None].to(device), 1, span.num_new)
+
+
+def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
+                  device: torch.device) -> AttentionGroup:
+    firsts = [_key_range(s, window) for s in spans]
+    width = max(s.end - f for s, f in zip(spans, firsts))
+    slots = torch.zeros(len(spans), width, dtype=torch.long)
+    mask = torch.zeros(len(spans), 1, width, dtype=torch.bool)
+    for b, (s, f) in enumerate(zip(spans, firsts)):
+        n = s.end - f
+        slots[b, :n] = s.slots[f:s.end]
+        mask[b, 0, :n] = True
+    rows = torch.tensor(offsets, dtype=torch.long)
+    return AttentionGroup(rows.to(device), slots.to(device), mask.to(device), len(spans), 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    sliding: bool, scale: float) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H * D].
+
+    Writes the new K/V into the cache first, then reads every attended key from it.
+    """
+    k_cache, v_cache = cache  # [num_slots, KVH, D] each
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for g in meta.groups(sliding):
+        qg = q.index_select(0, g.rows).view(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
+        kg = k_cache[g.slots].to(q.dtype)  # [B, C, KVH, D]
+        vg = v_cache[g.slots].to(q.dtype)
+        og = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+            attn_mask=g.mask[:, None], scale=scale, enable_gqa=True)
+        out.index_copy_(0, g.rows, og.transpose(1, 2).reshape(-1, num_heads, head_dim))
+    return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,159 @@
+"""Gemma 3 (text): sliding-window local layers between global ones, QK-norm, pre and
+post norms around attention and MLP, GeGLU, embeddings scaled by sqrt(hidden), tied output.
+
+Norm weights are held as the full multiplier: GGUF stores 1 + w already, HF stores w and
+gets 1 added at load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.config import ModelConfig, RopeConfig
+from kvlab.models.attention import AttentionMetadata, paged_attention
+from kvlab.models.layers import (Weight, apply_rope, embed, linear, rms_norm, rope_cos_sin,
+                                 rope_inv_freq)
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+
+GGUF_NAMES = NameTable(
+    globals={"token_embd.weight": "embed", "output_norm.weight": "norm"},
+    layer_prefix="blk.{i}.",
+    layer={"attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
+           "attn_v.weight": "v", "attn_output.weight": "o",
+           "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+           "post_attention_norm.weight": "post_attn_norm", "ffn_norm.weight": "mlp_norm",
+           "post_ffw_norm.weight": "post_mlp_norm", "ffn_gate.weight": "gate",
+           "ffn_up.weight": "up", "ffn_down.weight": "down"},
+)
+HF_NAMES = NameTable(
+    globals={"model.embed_tokens.weight": "embed", "model.norm.weight": "norm"},
+    layer_prefix="model.layers.{i}.",
+    layer={"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
+           "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+           "self_attn.o_proj.weight": "o", "self_attn.q_norm.weight": "q_norm",
+           "self_attn.k_norm.weight": "k_norm",
+           "post_attention_layernorm.weight": "post_attn_norm",
+           "pre_feedforward_layernorm.weight": "mlp_norm",
+           "post_feedforward_layernorm.weight": "post_mlp_norm",
+           "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
+           "mlp.down_proj.weight": "down"},
+)
+NORMS = {"norm", "attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"}
+LOCAL_ROPE_THETA = 10000.0  # GGUF does not store it; Gemma 3 uses 10k on local layers
+
+
+def _layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Every `pattern`-th layer is global, the rest slide (Gemma 3's 5:1 layout)."""
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+
+
+def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    g = gguf_get(meta, "gemma3")
+    heads, layers = int(g("attention.head_count")), int(g("block_count"))
+    head_dim = int(g("attention.key_length"))
+    scaling = (RopeConfig(theta=float(g("rope.freq_base", 1e6)),
+                          linear_factor=float(g("rope.scaling.factor", 1.0))))
+    return ModelConfig(
+        architecture="gemma3", vocab_size=len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=int(g("embedding_length")), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv")), head_dim=head_dim,
+        intermediate_size=int(g("feed_forward_length")),
+        max_position_embeddings=int(g("context_length")),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope=scaling,
+        local_rope=RopeConfig(theta=LOCAL_ROPE_THETA),
+        sliding_window=int(g("attention.sliding_window")), layer_types=_layer_types(layers),
+        tie_word_embeddings=True, qk_norm=True, attn_scale=head_dim ** -0.5,
+        final_logit_softcapping=g("final_logit_softcapping", None),
+        name=str(meta.get("general.name", "gemma3")))
+
+
+def _hf_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention", {"rope_theta": cfg.get("rope_theta", 1e6)})
+    local = params.get("sliding_attention",
+                       {"rope_theta": cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA)})
+    factor = float(full.get("factor", 1.0)) if full.get("rope_type") == "linear" else 1.0
+    return (RopeConfig(theta=float(full["rope_theta"]), linear_factor=factor),
+            RopeConfig(theta=float(local["rope_theta"])))
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    layer_types = (tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+                   if types else _layer_types(layers, cfg.get("sliding_window_pattern", 6)))
+    rope, local = _hf_ropes(cfg)
+    return ModelConfig(
+        architecture="gemma3", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        num_layers=layers, num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        intermediate_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=rope, local_rope=local,
+        sliding_window=cfg.get("sliding_window"), layer_types=layer_types,
+        tie_word_embeddings=True, qk_norm=True,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", cfg["head_dim"])) ** -0.5,
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        name=cfg.get("_name_or_path", "gemma3"))
+
+
+class Gemma3Model:
+    """Weights (frozen after load) plus the forward pass; run state comes in as arguments."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
+                 layers: list[dict[str, Weight]]) -> None:
+        self.config, self.weights, self.layers = config, weights, layers
+        self.inv_freq_global = rope_inv_freq(config.rope, config.head_dim)
+        self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope, config.head_dim)
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
+        c = self.config
+        x = embed(ids, self.weights["embed"]) * self.embed_scale.to(torch.float32)
+        ropes = {False: rope_cos_sin(positions, self.inv_freq_global),
+                 True: rope_cos_sin(positions, self.inv_freq_local)}
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            sliding = c.is_sliding(i)
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            h = self.attention(h, layer, ropes[sliding], cache, meta, sliding)
+            x = x + rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            h = F.gelu(linear(h, layer["gate"]), approximate="tanh") * linear(h, layer["up"])
+            x = x + rms_norm(linear(h, layer["down"]), layer["post_mlp_norm"], c.rms_norm_eps)
+        return x
+
+    def attention(self, h: torch.Tensor, layer: dict[str, Weight],
+                  rope: tuple[torch.Tensor, torch.Tensor],
+                  cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  sliding: bool) -> torch.Tensor:
+        c = self.config
+        q = linear(h, layer["q"]).view(-1, c.num_heads, c.head_dim)
+        k = linear(h, layer["k"]).view(-1, c.num_kv_heads, c.head_dim)
+        v = linear(h, layer["v"]).view(-1, c.num_kv_heads, c.head_dim)
+        q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), *rope)
+        k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), *rope)
+        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
+        return linear(out, layer["o"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 through the tied embedding matrix."""
+        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        out = linear(h, self.weights["embed"]).float()
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else torch.tanh(out / cap) * cap
+
+
+def _hf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    return t.float() + 1.0 if name in NORMS else t
+
+
+SPEC = ArchSpec(
+    name="gemma3", model_cls=Gemma3Model, config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf, gguf_names=GGUF_NAMES, hf_names=HF_NAMES,
+    hf_transform=_hf_transform, hf_architectures=("Gemma3ForCausalLM", "Gemma3TextModel"))

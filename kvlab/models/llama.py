@@ -1,0 +1,155 @@
+"""Llama (2, 3.x): RMSNorm, rotary attention with grouped KV heads, SwiGLU MLP.
+
+Also the base the Qwen files build on: Qwen2 adds a QKV bias, Qwen3 adds QK-norm, both
+switched on by the config, so this file holds the forward pass they share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.config import ModelConfig, RopeConfig
+from kvlab.models.attention import AttentionMetadata, paged_attention
+from kvlab.models.layers import (Weight, apply_rope, embed, linear, rms_norm, rope_cos_sin,
+                                 rope_inv_freq)
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
+
+# checkpoint name -> kvlab name; "{i}" is the layer index
+GGUF_NAMES = NameTable(
+    globals={"token_embd.weight": "embed", "output_norm.weight": "norm",
+             "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs"},
+    layer_prefix="blk.{i}.",
+    layer={"attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
+           "attn_v.weight": "v", "attn_output.weight": "o", "ffn_norm.weight": "mlp_norm",
+           "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+           "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+           "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"},
+)
+HF_NAMES = NameTable(
+    globals={"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
+             "lm_head.weight": "lm_head"},
+    layer_prefix="model.layers.{i}.",
+    layer={"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
+           "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+           "self_attn.o_proj.weight": "o", "post_attention_layernorm.weight": "mlp_norm",
+           "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
+           "mlp.down_proj.weight": "down", "self_attn.q_proj.bias": "q_bias",
+           "self_attn.k_proj.bias": "k_bias", "self_attn.v_proj.bias": "v_bias",
+           "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"},
+)
+
+
+def config_from_gguf(meta: dict[str, Any], arch: str = "llama") -> ModelConfig:
+    g = gguf_get(meta, arch)
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    head_dim = int(g("attention.key_length", hidden // heads))
+    vocab = g("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
+        num_layers=int(g("block_count")), num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
+        intermediate_size=int(g("feed_forward_length")),
+        max_position_embeddings=int(g("context_length")),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=RopeConfig(theta=float(g("rope.freq_base", 10000.0)),
+                        linear_factor=_gguf_linear_factor(g)),
+        tie_word_embeddings=True,  # refined by the loader: untied when output.weight exists
+        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        name=str(meta.get("general.name", arch)))
+
+
+def _gguf_linear_factor(g: Any) -> float:
+    if g("rope.scaling.type", "none") == "linear":
+        return float(g("rope.scaling.factor", 1.0))
+    return 1.0
+
+
+def config_from_hf(cfg: dict[str, Any], arch: str = "llama") -> ModelConfig:
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    return ModelConfig(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg["intermediate_size"],
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=hf_rope(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        qk_norm=arch == "qwen3", name=cfg.get("_name_or_path", arch))
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo the row interleaving llama.cpp's converter applies to Llama's q/k weights.
+
+    GGUF stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...) for ggml's
+    interleaved rope; kvlab rotates halves as HF does, so rows go back to halves.
+    """
+    rows = w.shape[0]
+    return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+class LlamaModel:
+    """Weights (frozen after load) plus the forward pass; run state comes in as arguments."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
+                 layers: list[dict[str, Weight]]) -> None:
+        self.config, self.weights, self.layers = config, weights, layers
+        inv = rope_inv_freq(config.rope, config.head_dim)
+        if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
+            inv = inv / weights["rope_freqs"].float()
+        self.inv_freq = inv
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
+        x = embed(ids, self.weights["embed"])
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
+            x = x + self.attention(h, layer, cos, sin, cache, meta)
+            h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
+            x = x + linear(F.silu(linear(h, layer["gate"])) * linear(h, layer["up"]),
+                           layer["down"])
+        return x
+
+    def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
+                  sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        q = linear(h, layer["q"], layer.get("q_bias")).view(-1, c.num_heads, c.head_dim)
+        k = linear(h, layer["k"], layer.get("k_bias")).view(-1, c.num_kv_heads, c.head_dim)
+        v = linear(h, layer["v"], layer.get("v_bias")).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, cache, meta, sliding=False, scale=c.scale)
+        return linear(out, layer["o"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32, for the positions whose next token is needed."""
+        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        head = self.weights.get("lm_head", self.weights["embed"])
+        return linear(h, head).float()
+
+
+def _gguf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    if name == "q":
+        return unpermute_qk(t, config.num_heads)
+    if name == "k":
+        return unpermute_qk(t, config.num_kv_heads)
+    return t
+
+
+SPEC = ArchSpec(
+    name="llama", model_cls=LlamaModel, config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf, gguf_names=GGUF_NAMES, hf_names=HF_NAMES,
+    gguf_transform=_gguf_transform, hf_architectures=("LlamaForCausalLM",))

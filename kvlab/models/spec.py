@@ -1,0 +1,73 @@
+"""What an architecture file declares: config parsers, checkpoint name tables, the model class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlab.config import ModelConfig, RopeConfig
+from kvlab.errors import ModelLoadError
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class NameTable:
+    """Checkpoint tensor names -> kvlab names, for global tensors and per-layer tensors."""
+
+    globals: dict[str, str]
+    layer_prefix: str  # e.g. "blk.{i}."
+    layer: dict[str, str]
+
+
+def _identity(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    model_cls: type
+    config_from_gguf: Callable[[dict[str, Any]], ModelConfig]
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    gguf_names: NameTable
+    hf_names: NameTable
+    # fix-ups applied to a tensor's rows at load, by kvlab name (q/k permutation, norm offset)
+    gguf_transform: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] = _identity
+    hf_transform: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] = _identity
+    hf_architectures: tuple[str, ...] = field(default_factory=tuple)
+
+
+def gguf_get(meta: dict[str, Any], arch: str) -> Callable[..., Any]:
+    """Reader of `{arch}.{key}` metadata that says which key is missing."""
+
+    def get(key: str, default: Any = _MISSING) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is _MISSING:
+            raise ModelLoadError(f"GGUF metadata lacks required key {full!r}")
+        return default
+
+    return get
+
+
+def hf_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """RopeConfig from an HF config's rope_theta / rope_scaling (or rope_parameters)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta", scaling.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                  float(scaling["high_freq_factor"]),
+                  int(scaling["original_max_position_embeddings"]))
+        return RopeConfig(theta=theta, llama3=llama3)
+    if kind == "linear":
+        return RopeConfig(theta=theta, linear_factor=float(scaling["factor"]))
+    if kind not in ("default", None):
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported "
+                             "(valid: default, linear, llama3)")
+    return RopeConfig(theta=theta)

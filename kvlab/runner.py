@@ -1,0 +1,71 @@
+"""SchedulerOutput -> tensors -> logits. Owns the paged KV tensors.
+
+The KV pool is one pair of `[num_blocks * block_size, kv_heads, head_dim]` tensors per
+layer, allocated once (zero pages are only touched, and so only resident, when used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.config import ModelConfig
+from kvlab.models.attention import SeqSpan, build_metadata
+from kvlab.scheduler import SchedulerOutput
+
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    seq_ids: list[str]  # the sequences that need a next token, in row order
+    logits: torch.Tensor  # [len(seq_ids), vocab] fp32
+
+
+class ModelRunner:
+    def __init__(self, model: object, config: ModelConfig, num_blocks: int, block_size: int,
+                 kv_dtype: str = "f32", device: str = "cpu") -> None:
+        self.model, self.config = model, config
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.device = torch.device(device)
+        self.kv_dtype = KV_DTYPES[kv_dtype]
+        slots = num_blocks * block_size
+        shape = (slots, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                          for _ in range(config.num_layers)]  # (k, v) per layer
+        self._offsets = torch.arange(block_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.config.kv_bytes_per_token(self.kv_caches[0][0].element_size()))
+
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        spans, ids, positions = [], [], []
+        for s in out.scheduled:
+            end = s.start + len(s.token_ids)
+            spans.append(SeqSpan(s.start, len(s.token_ids), self._slots(s.block_table, end)))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, end))
+        meta = build_metadata(spans, self.config.sliding_window, self.device)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
+            rows, seq_ids, row = [], [], 0
+            for s in out.scheduled:
+                row += len(s.token_ids)
+                if s.needs_logits:
+                    rows.append(row - 1)
+                    seq_ids.append(s.seq_id)
+            if not rows:
+                return StepLogits([], hidden.new_empty(0, self.config.vocab_size))
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = self.model.logits(hidden.index_select(0, index))
+        return StepLogits(seq_ids, logits)
+
+    def _slots(self, block_table: list[int], end: int) -> torch.Tensor:
+        """[end] slot of each position 0..end-1: table[pos // bs] * bs + pos % bs."""
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[:, None] * self.block_size + self._offsets[None, :]).flatten()[:end]

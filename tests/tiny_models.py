@@ -1,0 +1,151 @@
+"""Tiny random-weight checkpoints built with transformers, saved as safetensors and as GGUF.
+
+The GGUF copy is written with the `gguf` package's writer using llama.cpp's conventions
+(tensor names, Llama q/k row interleaving, Gemma's norm weights stored as 1 + w), so both
+of kvlab's loaders can be checked against the same transformers reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def hf_config(arch: str):  # noqa: ANN201 - a transformers config object
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**_COMMON, rope_theta=10000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**_COMMON, rope_theta=1e6)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1e6)
+    if arch == "gemma3":
+        # six layers: GGUF carries no layer pattern, Gemma 3's is five sliding then one global
+        common = {**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6}
+        return tf.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 1e4}})
+    raise ValueError(arch)
+
+
+def build(arch: str, out_dir: Path, seed: int = 0):  # noqa: ANN201
+    """Random model in fp32; writes out_dir/hf (safetensors) and out_dir/model.gguf."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch)
+    cls = tf.Gemma3ForCausalLM if arch == "gemma3" else tf.AutoModelForCausalLM
+    model = cls.from_config(cfg, torch_dtype=torch.float32) if arch != "gemma3" else cls(cfg)
+    with torch.no_grad():  # random norms so a wrong norm convention shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if arch == "gemma3" else 1.0))
+    model.eval()
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    write_gguf(arch, model, out_dir / "model.gguf")
+    return model
+
+
+def write_gguf(arch: str, model, path: Path) -> None:  # noqa: ANN001
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    w.add_uint32(f"{arch}.attention.key_length", head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
+    theta = _rope_theta(cfg, arch)
+    w.add_float32(f"{arch}.rope.freq_base", theta)
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    for name, t in _gguf_tensors(arch, model):
+        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _rope_theta(cfg, arch: str) -> float:  # noqa: ANN001
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "gemma3":
+        return float(params["full_attention"]["rope_theta"])
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_LAYER_LLAMA = {"post_attention_layernorm": "ffn_norm"}
+_LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_tensors(arch: str, model):  # noqa: ANN001, ANN202
+    cfg = model.config
+    table = {**_LAYER, **(_LAYER_GEMMA if arch == "gemma3" else _LAYER_LLAMA)}
+    for name, t in model.state_dict().items():
+        if name == "model.embed_tokens.weight":
+            yield "token_embd.weight", t
+        elif name == "model.norm.weight":
+            yield "output_norm.weight", t + 1 if arch == "gemma3" else t
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                yield "output.weight", t
+        elif name.startswith("model.layers."):
+            yield _layer_tensor(arch, cfg, name, t, table)
+    if arch == "llama":
+        yield "rope_freqs.weight", _llama3_freq_factors(model)
+
+
+def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):  # noqa: ANN001
+    _, _, i, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    if arch == "gemma3" and module.endswith("norm"):
+        t = t + 1
+    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
+        t = _permute(t, heads)
+    return f"blk.{i}.{table[module]}.{kind}", t
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves for ggml's rope."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def _llama3_freq_factors(model) -> torch.Tensor:  # noqa: ANN001
+    """Per-frequency divisors that turn plain rope into llama3-scaled rope."""
+    rotary = model.model.rotary_emb
+    head_dim = rotary.inv_freq.shape[0] * 2
+    theta = _rope_theta(model.config, "llama")
+    plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return plain / rotary.inv_freq.float()
