@@ -18,7 +18,7 @@ class SamplingParams:
 
     max_tokens: int = 128
     temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 disables
+    top_k: int = 0  # 0 or -1 disables
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # 1 disables; divides positive logits of seen tokens
@@ -42,7 +42,7 @@ class SamplingParams:
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables), got {self.top_k}"),
+            (self.top_k >= -1, f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0,

@@ -80,14 +80,26 @@ def write_gguf(arch: str, model, path: Path) -> None:  # noqa: ANN001
     w.add_float32(f"{arch}.rope.freq_base", theta)
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(cfg.vocab_size)])
+    _add_byte_tokenizer(w, cfg.vocab_size)
     for name, t in _gguf_tensors(arch, model):
         w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add_byte_tokenizer(w, vocab_size: int) -> None:  # noqa: ANN001
+    """A merge-free byte-level BPE vocabulary: printable ASCII, then space and newline."""
+    tokens = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
+    assert len(tokens) == vocab_size
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", [1] * vocab_size)
+    w.add_array("tokenizer.ggml.merges", ["! !"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", vocab_size - 1)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
 
 
 def _rope_theta(cfg, arch: str) -> float:  # noqa: ANN001

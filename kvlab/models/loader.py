@@ -6,6 +6,7 @@ for dense weights; float tensors are cast to the compute dtype; norms and biases
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
+from kvlab.metrics import ModelCost
 from kvlab.kernels import QuantizedWeight, dequantize, quantize
 from kvlab.models import find_arch
 from kvlab.models.layers import Weight
@@ -31,11 +33,42 @@ class LoadOptions:
 
 
 @dataclass(frozen=True)
+class TensorStat:
+    name: str  # kvlab name, e.g. "layers.3.q"
+    shape: tuple[int, ...]
+    qtype: str  # storage type in memory: "Q4_K", "F32", ...
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     spec: ArchSpec
     config: ModelConfig
     model: Any  # the architecture's model class
-    weight_bytes: int  # resident bytes of all weights
+    tensors: tuple[TensorStat, ...]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(t.shape) for t in self.tensors)
+
+    def cost(self, kv_bytes_per_element: int) -> ModelCost:
+        c = self.config
+        embed = next(t for t in self.tensors if t.name == "embed")
+        tied = not any(t.name == "lm_head" for t in self.tensors)
+        matmul = sum(math.prod(t.shape) for t in self.tensors
+                     if t.name.startswith("layers.") and len(t.shape) == 2)
+        decode_bytes = self.weight_bytes - embed.nbytes + embed.nbytes // embed.shape[0]
+        if tied:
+            decode_bytes += embed.nbytes
+        return ModelCost(
+            decode_weight_bytes=decode_bytes, matmul_params=matmul,
+            head_params=c.vocab_size * c.hidden_size,
+            kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
+            attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim)
 
 
 def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
@@ -54,9 +87,10 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
               for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
     model = spec.model_cls(config, weights, layers)
-    total = sum(_nbytes(w) for w in weights.values())
-    total += sum(_nbytes(w) for layer in layers for w in layer.values())
-    return LoadedModel(spec, config, model, total)
+    stats = [_stat(name, w) for name, w in weights.items()]
+    stats += [_stat(f"layers.{i}.{name}", w) for i, layer in enumerate(layers)
+              for name, w in layer.items()]
+    return LoadedModel(spec, config, model, tuple(stats))
 
 
 def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, str]]:
@@ -88,5 +122,8 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
     return t.to(options.dtype)
 
 
-def _nbytes(w: Weight) -> int:
-    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+def _stat(name: str, w: Weight) -> TensorStat:
+    if isinstance(w, QuantizedWeight):
+        return TensorStat(name, tuple(w.shape), w.qtype.name, w.nbytes)
+    kind = str(w.dtype).removeprefix("torch.").replace("float", "F").replace("bF", "BF")
+    return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size())

@@ -1,0 +1,176 @@
+"""Per-sequence block tables over the block pool: allocation, prefix reuse, slot mapping.
+
+Plain Python, no torch. The scheduler asks it for room; the runner reads block tables and
+slot mappings from it to address the paged KV tensors.
+
+Block table and slot mapping (block_size = 4, a sequence of 10 tokens)::
+
+    token position   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    logical block       0    |    1    |    2
+    block table  [7, 2, 5]:  logical block i lives in physical block table[i]
+    physical block      7    |    2    |    5
+    slot = table[pos // 4] * 4 + pos % 4
+                    28..31   |  8..11  | 20 21
+
+Blocks 0 and 1 are full; once their tokens are computed they can be registered in the prefix
+cache. Block 2 is partial and never is: its KV is still being written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvlab.cache.block_pool import BlockPool, hash_block_tokens
+
+
+@dataclass
+class PrefixStats:
+    """Prompt tokens looked up in the prefix cache and how many were found."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _SeqBlocks:
+    """One sequence's block table and the prefix chain of its cached full blocks."""
+
+    table: list[int] = field(default_factory=list)
+    cached_keys: list[int] = field(default_factory=list)  # key of each cached block, in order
+    cached_links: list[int] = field(default_factory=list)  # content_id to link the next block to
+    chain_broken: bool = False  # a key collision: later blocks of this sequence stay uncached
+
+
+class KVCacheManager:
+    """Owns which KV blocks each sequence (by id) uses, and the prefix cache over them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_stats = PrefixStats()
+        self._seqs: dict[str, _SeqBlocks] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (evictable cached ones count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, token_ids: list[int]) -> tuple[list[int], int]:
+        """Longest chain of cached full blocks that starts this prompt, and its token count.
+
+        Never covers the whole prompt: the last token must be computed to produce logits, so at
+        most (len - 1) // block_size blocks. Takes no references; pass the blocks straight to
+        allocate_slots. Each call counts the prompt in prefix_stats, so call it once per
+        admission attempt.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        blocks: list[int] = []
+        key: int | None = None
+        link: int | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = hash_block_tokens(key, tokens)
+            block = self.pool.lookup(key, tokens, link)
+            if block is None:
+                break
+            blocks.append(block.block_id)
+            link = block.content_id
+        num_tokens = len(blocks) * bs
+        self.prefix_stats.queries += len(token_ids)
+        self.prefix_stats.hits += num_tokens
+        return blocks, num_tokens
+
+    def allocate_slots(
+        self, seq_id: str, num_total_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Grow seq_id's block table to cover num_total_tokens tokens.
+
+        On the first call, computed_blocks (from get_computed_blocks) start the table and get a
+        reference each. Returns False and changes nothing when there are not enough free blocks.
+        """
+        seq = self._seqs.get(seq_id)
+        computed = list(computed_blocks or [])
+        if seq is not None and computed:
+            raise ValueError(f"computed_blocks given for {seq_id!r}, which already has blocks")
+        have = len(seq.table) if seq is not None else len(computed)
+        num_new = max(0, self.num_blocks_for(num_total_tokens) - have)
+        reviving = sum(1 for b in computed if self.pool.ref_count(b) == 0)
+        self._check_still_cached(computed)
+        if num_new > self.pool.num_free_blocks - reviving:
+            return False
+        if seq is None:
+            seq = self._seqs[seq_id] = _SeqBlocks()
+            self.pool.touch(computed)  # before allocate, so these are not evicted by it
+            seq.table.extend(computed)
+        seq.table.extend(self.pool.allocate(num_new))
+        return True
+
+    def block_table(self, seq_id: str) -> list[int]:
+        seq = self._seqs.get(seq_id)
+        return list(seq.table) if seq is not None else []
+
+    def slots(self, seq_id: str, start: int, end: int) -> list[int]:
+        """KV slot of each token position in [start, end): block_id * block_size + offset."""
+        table = self._seqs[seq_id].table if seq_id in self._seqs else []
+        bs = self.block_size
+        if not 0 <= start <= end <= len(table) * bs:
+            raise IndexError(
+                f"positions [{start}, {end}) of {seq_id!r} are outside its "
+                f"{len(table)} blocks ({len(table) * bs} slots)"
+            )
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register seq_id's full blocks whose tokens are all computed in the prefix cache.
+
+        token_ids are the sequence's tokens so far (prompt + output); a partial last block is
+        never registered. Idempotent: blocks registered earlier are skipped.
+        """
+        seq = self._seqs.get(seq_id)
+        if not self.enable_prefix_caching or seq is None or seq.chain_broken:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens, len(token_ids)) // bs
+        for i in range(len(seq.cached_keys), min(num_full, len(seq.table))):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent_key = seq.cached_keys[-1] if seq.cached_keys else None
+            parent_link = seq.cached_links[-1] if seq.cached_links else None
+            key = hash_block_tokens(parent_key, tokens)
+            link = self.pool.cache_block(seq.table[i], key, tokens, parent_link)
+            if link is None:
+                seq.chain_broken = True
+                return
+            seq.cached_keys.append(key)
+            seq.cached_links.append(link)
+
+    def free(self, seq_id: str) -> None:
+        """Release all of seq_id's blocks, tail first so its tail is evicted before its head."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.free(list(reversed(seq.table)))
+
+    def _check_still_cached(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if not self.pool.is_cached(block_id):
+                raise ValueError(
+                    f"computed block {block_id} is no longer cached: call allocate_slots right "
+                    "after get_computed_blocks, before any other allocation"
+                )

@@ -1,0 +1,1 @@
+"""The `kvlab` command: one module per subcommand, each with `register(subparsers)`."""

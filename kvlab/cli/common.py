@@ -1,0 +1,58 @@
+"""Flags shared by the subcommands that load a model, and their mapping to engine settings."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlab.engine import EngineConfig
+from kvlab.request import SamplingParams
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="a .gguf file or an HF model directory (default: Gemma 3 270M Q4_K_M)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16")
+    p.add_argument("--kv-dtype", default="f32", help="KV cache dtype: f32 | bf16 | f16")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache pool size in GiB")
+    p.add_argument("--dequantize", action="store_true",
+                   help="dequantize GGUF weights to the compute dtype at load")
+    p.add_argument("--quantize", choices=("q8_0", "q4_k"), default=None,
+                   help="quantize a safetensors model's weights at load")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=128)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="0 means greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    fields = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
+                  max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+                  keep_quantized=not args.dequantize, quantize=args.quantize,
+                  device=args.device)
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)

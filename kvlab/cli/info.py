@@ -1,0 +1,62 @@
+"""`kvlab info MODEL`: architecture, parameters, quant types and bytes, context, KV bytes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+from kvlab.models.loader import LoadedModel, LoadOptions, load_model
+from kvlab.weights import default_model_path, open_checkpoint
+
+
+def register(subs: argparse._SubParsersAction) -> None:
+    p = subs.add_parser("info", help="describe a model checkpoint")
+    p.add_argument("model", nargs="?", default=None, help=".gguf file or HF directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def describe(loaded: LoadedModel, path: str) -> dict:
+    c = loaded.config
+    by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for t in loaded.tensors:
+        n = 1
+        for d in t.shape:
+            n *= d
+        by_type[t.qtype][0] += n
+        by_type[t.qtype][1] += t.nbytes
+    cost = loaded.cost(2)
+    return {
+        "path": path, "architecture": c.architecture, "name": c.name,
+        "parameters": loaded.num_params, "weight_bytes": loaded.weight_bytes,
+        "quant_types": {k: {"parameters": v[0], "bytes": v[1]} for k, v in by_type.items()},
+        "layers": c.num_layers, "hidden_size": c.hidden_size, "heads": c.num_heads,
+        "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+        "context_length": c.max_position_embeddings, "sliding_window": c.sliding_window,
+        "kv_bytes_per_token_f16": int(c.kv_bytes_per_token(2)),
+        "kv_bytes_per_token_f32": int(c.kv_bytes_per_token(4)),
+        "decode_bytes_per_token": cost.decode_weight_bytes,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    path = str(args.model or default_model_path())
+    info = describe(load_model(open_checkpoint(path), LoadOptions()), path)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['name']} ({info['architecture']})  {path}")
+    print(f"parameters      {info['parameters'] / 1e6:.1f} M, weights "
+          f"{info['weight_bytes'] / 1e6:.1f} MB in memory")
+    for qtype, v in sorted(info["quant_types"].items(), key=lambda kv: -kv[1]["bytes"]):
+        print(f"  {qtype:6s} {v['parameters'] / 1e6:9.2f} M params  {v['bytes'] / 1e6:9.2f} MB")
+    print(f"layers {info['layers']}, hidden {info['hidden_size']}, heads {info['heads']} "
+          f"(KV {info['kv_heads']}), head dim {info['head_dim']}, vocab {info['vocab_size']}")
+    window = info["sliding_window"]
+    print(f"context length  {info['context_length']}"
+          + (f" (sliding window {window} on local layers)" if window else ""))
+    print(f"KV cache        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB/token in f16, "
+          f"{info['kv_bytes_per_token_f32'] / 1024:.1f} KiB/token in f32")
+    print(f"decode reads    {info['decode_bytes_per_token'] / 1e6:.1f} MB of weights per token")
+    return 0

@@ -1,0 +1,49 @@
+"""`kvlab run "prompt"`: stream the continuation to stdout, then metrics to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvlab.cli.common import add_model_flags, add_sampling_flags, engine_config, sampling_params
+from kvlab.llm import LLM
+
+
+def register(subs: argparse._SubParsersAction) -> None:
+    p = subs.add_parser("run", help="generate text from a prompt and report timings")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user turn with the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON record instead")
+    add_model_flags(p)
+    add_sampling_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = LLM(args.model, engine_config(args))
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    text, last = [], None
+    for out in llm.stream(prompt, params):
+        text.append(out.text_delta)
+        if not args.json:
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+        last = out
+    assert last is not None
+    metrics = llm.engine.metrics(last)
+    if args.json:
+        record = {"model": llm.engine.model_name, "text": "".join(text),
+                  "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                  "metrics": metrics.as_dict()}
+        print(json.dumps(record))
+    else:
+        sys.stdout.write("\n")
+        print(f"\n--- {llm.engine.model_name} ({last.finish_reason.value}) ---",
+              file=sys.stderr)
+        print(metrics.summary(), file=sys.stderr)
+    return 0

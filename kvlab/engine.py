@@ -1,0 +1,256 @@
+"""The engine: add_request / step / abort. The only place that joins tokenizer, scheduler,
+runner and sampler.
+
+One `step()` = schedule (plain Python) -> run the model on the packed batch -> sample the
+sequences that reached the end of their known tokens -> detokenize, check stops, emit
+RequestOutputs. Not thread-safe: one thread drives it (the server runs it in a worker).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache import KVCacheManager
+from kvlab.errors import KvlabError, RequestError
+from kvlab.metrics import GenerationMetrics, ModelCost
+from kvlab.models.loader import LoadedModel, LoadOptions, load_model
+from kvlab.request import (FinishReason, RequestOutput, RequestTimings, SamplingParams,
+                           TokenLogprob)
+from kvlab.runner import KV_DTYPES, ModelRunner
+from kvlab.sampler import SampleResult, SamplingBatch, sample
+from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kvlab.stop import StopStringFilter
+from kvlab.tokenizer import (IncrementalDetokenizer, Tokenizer, load_gguf_tokenizer,
+                             load_hf_tokenizer)
+from kvlab.weights import default_model_path, open_checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"  # compute dtype of dense weights and activations
+    kv_dtype: str = "f32"
+    block_size: int = 16
+    kv_cache_gib: float = 2.0  # KV pool size; pages are only resident once used
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    keep_quantized: bool = True
+    quantize: str | None = None
+    threads: int | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise KvlabError(f"--dtype {self.dtype!r} is not supported (valid: "
+                             f"{', '.join(DTYPES)})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise KvlabError(f"--kv-dtype {self.kv_dtype!r} is not supported (valid: "
+                             f"{', '.join(KV_DTYPES)})")
+        if self.block_size < 1 or self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
+            raise KvlabError("block size, KV cache size and max sequences must be positive")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    kv_bytes_per_token: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which found
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stops: StopStringFilter
+    generator: torch.Generator
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig,
+                 model_name: str = "") -> None:
+        self.loaded, self.tokenizer, self.config = loaded, tokenizer, config
+        self.model_name = model_name or loaded.config.name
+        kv_bpt = loaded.config.kv_bytes_per_token(torch.empty(0, dtype=KV_DTYPES[
+            config.kv_dtype]).element_size())
+        num_blocks = max(1, int(config.kv_cache_gib * 2**30 / (kv_bpt * config.block_size)))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
+                                                   config.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size,
+                                  config.kv_dtype, config.device)
+        capacity = num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings, capacity)
+        self.cost: ModelCost = loaded.cost(self.runner.kv_caches[0][0].element_size())
+        self.requests: dict[str, _Request] = {}
+
+    @classmethod
+    def from_model(cls, model_path: str | None = None,
+                   config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+            from kvlab.kernels import set_num_threads
+            set_num_threads(config.threads)
+        path = model_path or default_model_path()
+        ckpt = open_checkpoint(path)
+        options = LoadOptions(DTYPES[config.dtype], config.keep_quantized, config.quantize)
+        loaded = load_model(ckpt, options)
+        tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
+                     else load_hf_tokenizer(ckpt.path))
+        return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> list[int]:
+        """Queue a request; returns its prompt token ids."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids, params)
+        seq = Sequence(request_id, ids, len(ids), params)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        self.requests[request_id] = _Request(seq, detok, stops, gen)
+        self.scheduler.add(seq)
+        return ids
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(ids) + params.max_tokens} exceeds the context length "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
+            block_size=self.config.block_size, kv_bytes_per_token=self.cost.kv_bytes_per_token,
+            prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits)
+
+    def metrics(self, out: RequestOutput) -> GenerationMetrics:
+        """Timing summary of a finished request."""
+        assert out.timings is not None
+        return GenerationMetrics.from_timings(out.timings, self.cost, out.prompt_tokens,
+                                              out.cached_tokens, out.output_tokens)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return self._stall_outputs()
+        start = time.perf_counter()
+        logits = self.runner.execute(sched)
+        sampled = self._sample(logits.seq_ids, logits.logits)
+        now = time.perf_counter()
+        self._account(sched, start, now)
+        self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
+                                      for s in sched.scheduled})
+        outputs = []
+        for row, seq_id in enumerate(logits.seq_ids):
+            outputs.append(self._append_token(self.requests[seq_id], sampled, row, now))
+        return outputs
+
+    def _stall_outputs(self) -> list[RequestOutput]:
+        """Nothing fits in the KV pool even alone: fail the oldest waiting request."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        req = self.requests[self.scheduler.waiting[0].seq_id]
+        return [self._finish(req, FinishReason.LENGTH, "")]
+
+    def _sample(self, seq_ids: list[str], logits: torch.Tensor) -> SampleResult | None:
+        if not seq_ids:
+            return None
+        reqs = [self.requests[i] for i in seq_ids]
+        batch = SamplingBatch.build(
+            [r.seq.params for r in reqs], [r.seq.token_ids[:r.seq.num_prompt_tokens]
+                                           for r in reqs],
+            [r.seq.output_ids for r in reqs], [r.generator for r in reqs], self.runner.device)
+        return sample(logits, batch)
+
+    def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
+        for s in sched.scheduled:
+            t = self.requests[s.seq_id].timings
+            if t.scheduled is None:
+                t.scheduled = start
+            if s.prefill_tokens:
+                t.prefill_seconds += now - start
+
+    def _append_token(self, req: _Request, sampled: SampleResult, row: int,
+                      now: float) -> RequestOutput:
+        seq, params = req.seq, req.seq.params
+        token = int(sampled.token_ids[row])
+        seq.token_ids.append(token)
+        req.timings.token_times.append(now)
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        logprobs = [self._logprob(sampled, row, token)] if params.logprobs is not None else []
+        stop_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_ids)
+        delta = (req.stops.push(req.detok.flush()) + req.stops.flush() if stop_token
+                 else req.stops.push(req.detok.push(token)))
+        if stop_token or req.stops.stopped:
+            return self._finish(req, FinishReason.STOP, delta, [token], logprobs)
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            delta += req.stops.push(req.detok.flush()) + req.stops.flush()
+            return self._finish(req, FinishReason.LENGTH, delta, [token], logprobs)
+        return self._output(req, [token], delta, None, logprobs)
+
+    def _logprob(self, sampled: SampleResult, row: int, token: int) -> TokenLogprob:
+        top = list(zip(sampled.top_ids[row].tolist(), sampled.top_logprobs[row].tolist()))
+        return TokenLogprob(token, float(sampled.logprobs[row]), top)
+
+    def _finish(self, req: _Request, reason: FinishReason, delta: str,
+                tokens: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        req.timings.finished = time.perf_counter()
+        self.scheduler.finish(req.seq)
+        self.requests.pop(req.seq.seq_id, None)
+        return self._output(req, tokens or [], delta, reason, logprobs or [])
+
+    def _output(self, req: _Request, tokens: list[int], delta: str,
+                reason: FinishReason | None, logprobs: list[TokenLogprob]) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.seq_id, new_token_ids=tokens, text_delta=delta,
+            finished=reason is not None, finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
+            output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
+            timings=req.timings)

@@ -1,0 +1,244 @@
+"""Logits -> token ids: a pure tensor function composed of small filters.
+
+Per step the engine builds one SamplingBatch from its requests (the only place that reads
+Python lists), then calls sample(). Inside sample() there is no host sync: per-row settings are
+[B] tensors, and what must be known on the host (the largest top_k, the number of logprobs,
+which rows are seeded) was decided when the batch was built.
+
+Order, as in HF transformers and vLLM:
+
+    raw logits --log_softmax--> reported logprobs (the model's own distribution)
+    raw logits -> repetition penalty -> presence / frequency penalties
+               -> greedy rows: argmax
+               -> sampled rows: temperature -> top-k -> top-p -> min-p -> softmax
+                  -> argmax(probs / q), q ~ Exponential(1) drawn with the row's generator
+
+The exponential race picks token i with probability probs[i] (the index of the smallest of
+independent Exp(rate=probs[i]) variables), and each row draws its own noise, so a seeded request
+gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvlab.request import SamplingParams
+
+
+@dataclass
+class TokenIds:
+    """Ragged token id lists as one padded tensor pair."""
+
+    ids: Tensor  # [B, L] int64, padded with 0
+    valid: Tensor  # [B, L] float32, 1 for a real token, 0 for padding
+
+    @classmethod
+    def build(cls, rows: Sequence[Sequence[int]], device: torch.device | str) -> TokenIds:
+        width = max(1, max((len(r) for r in rows), default=0))
+        ids = [list(r) + [0] * (width - len(r)) for r in rows]
+        valid = [[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows]
+        return cls(
+            ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            valid=torch.tensor(valid, dtype=torch.float32, device=device),
+        )
+
+    def counts(self, vocab_size: int) -> Tensor:
+        """[B, V] float32: how many times each token id occurs in each row."""
+        counts = torch.zeros(self.ids.shape[0], vocab_size, device=self.ids.device)
+        return counts.scatter_add_(1, self.ids, self.valid)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step as tensors. A field is None when no row uses it."""
+
+    greedy: Tensor  # [B] bool
+    temperature: Tensor  # [B] float32; 1 on greedy rows so nothing divides by 0
+    top_k: Tensor | None  # [B] int64, 0 disables
+    top_p: Tensor | None  # [B] float32, 1 disables
+    min_p: Tensor | None  # [B] float32, 0 disables
+    repetition_penalty: Tensor | None  # [B] float32, 1 disables
+    seen_tokens: TokenIds | None  # prompt + output ids of rows with a repetition penalty
+    presence_penalty: Tensor | None  # [B] float32
+    frequency_penalty: Tensor | None  # [B] float32
+    output_tokens: TokenIds | None  # output ids of rows with a presence/frequency penalty
+    seeded_rows: list[tuple[int, torch.Generator]]  # sampled rows that own a generator
+    any_unseeded_sampled: bool  # some sampled row draws from the default generator
+    all_greedy: bool
+    max_top_k: int
+    num_logprobs: int  # K: the most top alternatives any row asked for
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Build once per step. A generator must live on `device`; None uses torch's default."""
+        if not len(params) == len(prompt_ids) == len(output_ids) == len(generators):
+            raise ValueError(
+                f"one entry per row expected: {len(params)} params, {len(prompt_ids)} prompts, "
+                f"{len(output_ids)} outputs, {len(generators)} generators"
+            )
+        greedy = [p.greedy for p in params]
+        use_rep = [p.repetition_penalty != 1.0 for p in params]
+        use_pf = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        seen = [list(a) + list(b) if u else [] for a, b, u in zip(prompt_ids, output_ids, use_rep)]
+        outputs = [list(b) if u else [] for b, u in zip(output_ids, use_pf)]
+        return cls(
+            greedy=_column(greedy, device, torch.bool),
+            temperature=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
+            top_k=_column_if(any(p.top_k > 0 for p in params), [p.top_k for p in params], device,
+                             torch.int64),
+            top_p=_column_if(any(p.top_p < 1 for p in params), [p.top_p for p in params], device),
+            min_p=_column_if(any(p.min_p > 0 for p in params), [p.min_p for p in params], device),
+            repetition_penalty=_column_if(
+                any(use_rep), [p.repetition_penalty for p in params], device
+            ),
+            seen_tokens=TokenIds.build(seen, device) if any(use_rep) else None,
+            presence_penalty=_column_if(any(use_pf), [p.presence_penalty for p in params], device),
+            frequency_penalty=_column_if(any(use_pf), [p.frequency_penalty for p in params], device),
+            output_tokens=TokenIds.build(outputs, device) if any(use_pf) else None,
+            seeded_rows=[(i, g) for i, g in enumerate(generators) if g is not None and not greedy[i]],
+            any_unseeded_sampled=any(g is None and not gr for g, gr in zip(generators, greedy)),
+            all_greedy=all(greedy),
+            max_top_k=max((p.top_k for p in params), default=0),
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        )
+
+
+def _column(
+    values: Sequence[float], device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _column_if(
+    used: bool,
+    values: Sequence[float],
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor | None:
+    """The [B] column of a setting, or None when no row uses it (its filter is then skipped)."""
+    return _column(values, device, dtype) if used else None
+
+
+@dataclass
+class SampleResult:
+    """The chosen tokens and their log-probabilities under the raw model distribution."""
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32: log_softmax(raw logits) at the chosen token
+    top_ids: Tensor  # [B, K] int64, K = batch.num_logprobs (may be 0)
+    top_logprobs: Tensor  # [B, K] float32
+
+
+# --- filters: [B, V] logits in, new [B, V] logits out; per-row settings as [B] tensors ---
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """HF semantics: on seen tokens, positive logits are divided by the penalty, others multiplied."""
+    r = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency_penalty(
+    logits: Tensor, counts: Tensor, presence: Tensor, frequency: Tensor
+) -> Tensor:
+    """OpenAI semantics over output tokens: logit -= frequency * count + presence * (count > 0)."""
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    return logits / temperature[:, None]
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor, max_top_k: int) -> Tensor:
+    """Keep each row's k largest logits (ties with the k-th are kept); k = 0 keeps all."""
+    max_k = min(max_top_k, logits.shape[-1])
+    if max_k <= 0:
+        return logits
+    top_values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
+    kth = top_values.gather(1, (top_k.clamp(1, max_k) - 1)[:, None])  # [B, 1]
+    kth = kth.masked_fill((top_k <= 0)[:, None], float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= (1 - top_p)[:, None]
+    drop_sorted[:, -1] = False  # the most likely token always stays
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens with probability below min_p times the top token's (in log space)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+# --- composition ---
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    vocab = logits.shape[-1]
+    if batch.repetition_penalty is not None and batch.seen_tokens is not None:
+        seen = batch.seen_tokens.counts(vocab) > 0
+        logits = apply_repetition_penalty(logits, seen, batch.repetition_penalty)
+    presence, frequency = batch.presence_penalty, batch.frequency_penalty
+    if batch.output_tokens is not None and presence is not None and frequency is not None:
+        counts = batch.output_tokens.counts(vocab)
+        logits = apply_presence_frequency_penalty(logits, counts, presence, frequency)
+    return logits
+
+
+def apply_sampling_filters(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature, then top-k, top-p and min-p: the distribution sampled rows draw from."""
+    logits = apply_temperature(logits, batch.temperature)
+    if batch.top_k is not None:
+        logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.top_p is not None:
+        logits = apply_top_p(logits, batch.top_p)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    return logits
+
+
+def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
+    """[B, V] Exp(1) noise; each seeded row is drawn with its own generator."""
+    q = torch.empty_like(like)
+    if batch.any_unseeded_sampled:
+        q.exponential_()
+    for row, generator in batch.seeded_rows:
+        q[row].exponential_(generator=generator)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)  # a 0 draw would divide 0 probs by 0
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
+    """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    penalized = apply_penalties(logits, batch)
+    token_ids = penalized.argmax(dim=-1)
+    if not batch.all_greedy:
+        probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
+        sampled = (probs / exponential_noise(probs, batch)).argmax(dim=-1)
+        token_ids = torch.where(batch.greedy, token_ids, sampled)
+    top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
+    return SampleResult(
+        token_ids=token_ids,
+        logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )

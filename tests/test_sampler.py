@@ -1,0 +1,220 @@
+"""Sampler: each filter on a hand-computed example, seeding, greedy, logprobs, statistics."""
+
+import math
+
+import pytest
+import torch
+
+from kvlab.request import SamplingParams
+from kvlab.sampler import (
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    sample,
+)
+
+NEG_INF = float("-inf")
+
+
+def make_batch(params, prompts=None, outputs=None, seeds=None) -> SamplingBatch:
+    n = len(params)
+    generators = [
+        None if s is None else torch.Generator().manual_seed(s) for s in (seeds or [None] * n)
+    ]
+    return SamplingBatch.build(
+        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)],
+        generators, "cpu",
+    )
+
+
+def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+# --- each filter alone ---
+
+
+def test_temperature():
+    out = apply_temperature(torch.tensor([[2.0, -4.0], [2.0, -4.0]]), torch.tensor([2.0, 0.5]))
+    assert torch.equal(out, torch.tensor([[1.0, -2.0], [4.0, -8.0]]))
+
+
+def test_top_k_per_row():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]] * 3)
+    out = apply_top_k(logits, torch.tensor([2, 0, 9]), max_top_k=9)
+    assert torch.equal(out[0], torch.tensor([NEG_INF, 5.0, NEG_INF, 4.0]))
+    assert torch.equal(out[1], logits[1])  # 0 disables
+    assert torch.equal(out[2], logits[2])  # k beyond the vocab keeps all
+
+
+def test_top_p_per_row():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().repeat(4, 1)
+    out = apply_top_p(logits, torch.tensor([0.75, 0.45, 0.81, 1.0]))
+    kept = torch.isfinite(out)
+    assert kept.tolist() == [
+        [True, True, False],  # 0.5 + 0.3 reaches 0.75
+        [True, False, False],  # 0.5 alone reaches 0.45
+        [True, True, True],  # 0.8 < 0.81 needs the third
+        [True, True, True],  # 1 disables
+    ]
+    assert torch.equal(out[kept], logits[kept])
+
+
+def test_min_p_per_row():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(3, 1)
+    out = apply_min_p(logits, torch.tensor([0.5, 0.2, 0.0]))
+    assert torch.isfinite(out).tolist() == [
+        [True, True, False, False],  # below 0.5 * 0.5 = 0.25 dropped
+        [True, True, True, False],  # below 0.2 * 0.5 = 0.1 dropped
+        [True, True, True, True],  # 0 disables
+    ]
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
+    assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, -1.0]]))
+
+
+def test_presence_and_frequency_penalties():
+    counts = torch.tensor([[2.0, 0.0, 1.0, 0.0]])
+    out = apply_presence_frequency_penalty(
+        torch.zeros(1, 4), counts, torch.tensor([0.5]), torch.tensor([0.25])
+    )
+    assert torch.allclose(out, torch.tensor([[-1.0, 0.0, -0.75, 0.0]]))
+
+
+def test_penalties_from_batch_use_the_right_tokens():
+    # repetition: prompt + output tokens; presence / frequency: output tokens only
+    params = [
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(),
+    ]
+    batch = make_batch(params, prompts=[[0], [0], [0]], outputs=[[1, 1], [1, 1, 2], [1]])
+    logits = torch.tensor([[4.0, 4.0, 4.0, 4.0]]).repeat(3, 1)
+    out = apply_penalties(logits, batch)
+    assert torch.allclose(out, torch.tensor([
+        [2.0, 2.0, 4.0, 4.0],
+        [4.0, 4.0 - 0.5 - 0.5, 4.0 - 0.5 - 0.25, 4.0],
+        [4.0, 4.0, 4.0, 4.0],
+    ]))
+
+
+# --- sample() ---
+
+
+def test_greedy_is_argmax_of_penalized_logits():
+    logits = random_logits(6, 50)
+    batch = make_batch([SamplingParams(temperature=0)] * 6)
+    assert torch.equal(sample(logits, batch).token_ids, logits.argmax(-1))
+    top = logits.argmax(-1)[0].item()
+    rep = make_batch([SamplingParams(temperature=0, repetition_penalty=1e3)], prompts=[[top]])
+    masked = logits[:1].clone()
+    masked[0, top] = NEG_INF
+    assert sample(logits[:1], rep).token_ids.item() == masked.argmax(-1).item()
+
+
+def test_greedy_rows_in_a_mixed_batch():
+    logits = random_logits(4, 30)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.5),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5)]
+    out = sample(logits, make_batch(params, seeds=[1, 2, None, 3])).token_ids
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_k=1, temperature=1.3),
+    SamplingParams(top_p=1e-6, temperature=1.3),
+    SamplingParams(min_p=1.0, temperature=1.3),
+])
+def test_degenerate_filters_equal_greedy(params):
+    logits = random_logits(32, 100, seed=1)
+    out = sample(logits, make_batch([params] * 32)).token_ids
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_same_seed_same_tokens_batched_or_alone():
+    logits = random_logits(5, 40, seed=2) / 3  # flat enough that every sampled row varies
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, top_k=10, min_p=0.05, seed=8),
+              SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=9)]
+    seeds = [p.seed for p in params]
+    prompts = [[1, 2, 3]] * 5
+
+    def run(rows: list[int], steps: int = 12) -> list[list[int]]:
+        gens = [None if seeds[r] is None else torch.Generator().manual_seed(seeds[r])
+                for r in rows]
+        outputs: list[list[int]] = [[] for _ in rows]
+        for _ in range(steps):
+            batch = SamplingBatch.build([params[r] for r in rows], [prompts[r] for r in rows],
+                                        outputs, gens, "cpu")
+            for out, tok in zip(outputs, sample(logits[rows], batch).token_ids.tolist()):
+                out.append(tok)
+        return outputs
+
+    batched = run([0, 1, 2, 3, 4])
+    for r in (0, 3, 4):
+        assert run([r]) == [batched[r]]
+        assert run([r]) == run([r])
+    assert all(len(set(batched[r])) > 1 for r in (0, 1, 3, 4))  # it really samples
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = random_logits(3, 20, seed=3)
+    params = [SamplingParams(temperature=0.5, top_k=3, repetition_penalty=1.5, logprobs=4),
+              SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1),
+              SamplingParams(temperature=1.0)]
+    result = sample(logits, make_batch(params, outputs=[[0], [1], [2]], seeds=[0, 1, 2]))
+    raw = torch.log_softmax(logits, dim=-1)
+    expected = raw.gather(1, result.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(result.logprobs, expected)
+    assert result.top_ids.shape == (3, 4) and result.top_logprobs.shape == (3, 4)
+    assert torch.equal(result.top_ids, raw.topk(4, dim=-1).indices)
+    assert torch.allclose(result.top_logprobs, raw.topk(4, dim=-1).values)
+
+
+def test_no_logprobs_requested_gives_empty_top():
+    result = sample(random_logits(2, 10), make_batch([SamplingParams(temperature=0)] * 2))
+    assert result.top_ids.shape == (2, 0) and result.top_logprobs.shape == (2, 0)
+    assert result.token_ids.dtype == torch.int64
+
+
+def test_sample_does_not_modify_logits():
+    logits = random_logits(2, 10)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_k=3, top_p=0.8, repetition_penalty=1.2)] * 2
+    sample(logits, make_batch(params, prompts=[[1], [2]], seeds=[0, 1]))
+    assert torch.equal(logits, before)
+
+
+def test_build_rejects_ragged_inputs():
+    with pytest.raises(ValueError, match="one entry per row"):
+        SamplingBatch.build([SamplingParams()], [[1], [2]], [[]], [None], "cpu")
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_match_softmax(seeded):
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    n = 20_000
+    logits = probs.log().repeat(n, 1)
+    params = [SamplingParams(temperature=1.0)] * n
+    generator = torch.Generator().manual_seed(1234)  # shared: each row draws in turn
+    batch = SamplingBatch.build(params, [[]] * n, [[]] * n, [generator if seeded else None] * n,
+                                "cpu")
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        tokens = sample(logits, batch).token_ids
+    observed = torch.bincount(tokens, minlength=4).double()
+    expected = probs.double() * n
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < 16.27, (observed.tolist(), chi2)  # 3 dof, p = 0.001
+    assert math.isclose(observed.sum().item(), n)
