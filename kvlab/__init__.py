@@ -1,0 +1,24 @@
+"""kvlab: an LLM inference engine that is fast, real, and honest about where every
+millisecond goes.
+
+    from kvlab import LLM, SamplingParams
+    LLM().generate("The capital of France is", SamplingParams(max_tokens=32))
+"""
+
+import os
+
+# kvlab's C kernels run their own worker threads beside torch's OpenMP pool; OpenMP's default
+# busy-waiting after each parallel region would steal those cores, so idle torch threads sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from kvlab.request import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: importing kvlab must not load torch
+    if name == "LLM":
+        from kvlab.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -73,6 +73,15 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+@dataclass(frozen=True)
+class KVView:
+    block_table: list[int]  # physical block ids, in position order
+    num_tokens: int  # tokens whose K/V are in the cache
+    num_cached_tokens: int  # of which the prefix cache served (the first blocks)
+    block_size: int
+    bytes_per_token: int
+
+
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
@@ -89,7 +98,11 @@ class Engine:
         self.model_name = model_name or loaded.config.name
         kv_bpt = loaded.config.kv_bytes_per_token(torch.empty(0, dtype=KV_DTYPES[
             config.kv_dtype]).element_size())
-        num_blocks = max(1, int(config.kv_cache_gib * 2**30 / (kv_bpt * config.block_size)))
+        by_memory = int(config.kv_cache_gib * 2**30 / (kv_bpt * config.block_size))
+        # no more blocks than max_num_seqs full-length sequences could ever use
+        by_need = -(-loaded.config.max_position_embeddings * config.max_num_seqs
+                    // config.block_size)
+        num_blocks = max(1, min(by_memory, by_need))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv)
@@ -162,6 +175,17 @@ class Engine:
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             block_size=self.config.block_size, kv_bytes_per_token=self.cost.kv_bytes_per_token,
             prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits)
+
+    def kv_view(self, request_id: str) -> KVView | None:
+        """Where a live request's KV cache lives: its block table and what came from the cache."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        seq = req.seq
+        return KVView(block_table=self.kv.block_table(request_id),
+                      num_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
+                      block_size=self.config.block_size,
+                      bytes_per_token=self.cost.kv_bytes_per_token)
 
     def metrics(self, out: RequestOutput) -> GenerationMetrics:
         """Timing summary of a finished request."""

@@ -1,7 +1,7 @@
 """SchedulerOutput -> tensors -> logits. Owns the paged KV tensors.
 
 The KV pool is one pair of `[num_blocks * block_size, kv_heads, head_dim]` tensors per
-layer, allocated once (zero pages are only touched, and so only resident, when used).
+layer, allocated once; its pages only become resident when written.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ class ModelRunner:
         self.kv_dtype = KV_DTYPES[kv_dtype]
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        # empty, not zeros: pages become resident only when written, and attention only
+        # ever reads slots that were written (padding repeats a sequence's own slot)
+        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.empty(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(config.num_layers)]  # (k, v) per layer
         self._offsets = torch.arange(block_size)
 

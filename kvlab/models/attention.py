@@ -26,7 +26,7 @@ class AttentionGroup:
     """Queries that share one attention call.
 
     rows:    [n] indices into the packed token batch
-    slots:   [B, C] slot of each attended key (padded with 0 where masked)
+    slots:   [B, C] slot of each attended key (padding repeats a real slot, masked out)
     mask:    [B, Q, C] True where the query may attend to the key
     """
 
@@ -108,11 +108,12 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
                   device: torch.device) -> AttentionGroup:
     firsts = [_key_range(s, window) for s in spans]
     width = max(s.end - f for s, f in zip(spans, firsts))
-    slots = torch.zeros(len(spans), width, dtype=torch.long)
+    slots = torch.empty(len(spans), width, dtype=torch.long)
     mask = torch.zeros(len(spans), 1, width, dtype=torch.bool)
     for b, (s, f) in enumerate(zip(spans, firsts)):
         n = s.end - f
         slots[b, :n] = s.slots[f:s.end]
+        slots[b, n:] = s.slots[f]  # padding reads a written slot: masked, but never NaN
         mask[b, 0, :n] = True
     rows = torch.tensor(offsets, dtype=torch.long)
     return AttentionGroup(rows.to(device), slots.to(device), mask.to(device), len(spans), 1)

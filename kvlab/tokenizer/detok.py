@@ -1,0 +1,39 @@
+"""Streaming detokenization: token ids in, final text deltas out.
+
+Bytes accumulate in an incremental UTF-8 decoder, so a character split across tokens (emoji,
+CJK, byte-fallback pieces) is held back until complete instead of printing as U+FFFD; the
+deltas concatenate to exactly `Tokenizer.decode(all ids)`.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+from kvlab.tokenizer.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated ids into text as they arrive."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first = True  # the first emitted token may lose its SentencePiece space prefix
+
+    def push(self, token_id: int) -> str:
+        """Text that is now final after `token_id` (may be "" while a character is incomplete)."""
+        if self._skip_special and self._tokenizer.is_special(token_id):
+            return ""
+        piece = self._tokenizer.token_bytes(token_id)
+        if not piece:  # e.g. an id beyond the vocabulary; decode() skips these too
+            return ""
+        if self._first:
+            self._first = False
+            if self._tokenizer.strip_leading_space and piece.startswith(b" "):
+                piece = piece[1:]
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)

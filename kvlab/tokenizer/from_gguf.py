@@ -1,0 +1,162 @@
+"""Building a `Tokenizer` from GGUF tokenizer metadata, with llama.cpp's semantics.
+
+`tokenizer.ggml.model` picks the subword model: "llama" is SentencePiece-style BPE (scores,
+byte fallback, U+2581 spaces), "gpt2" is byte-level BPE (ranked merges, a pre-tokenizer regex
+chosen by `tokenizer.ggml.pre`). Token types decide the rest: control, unknown and user-defined
+tokens written in the text are matched literally first; control, unknown and unused tokens are
+"special" (hidden when decoding skips specials).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvlab.errors import ModelLoadError
+from kvlab.tokenizer.bpe import ByteLevelBPE, pre_tokenizer_for, unicode_to_byte
+from kvlab.tokenizer.chat import FALLBACK_TEMPLATES
+from kvlab.tokenizer.specials import SpecialSplitter
+from kvlab.tokenizer.spm import SPACE_MARK, SentencePieceBPE
+from kvlab.tokenizer.tokenizer import Tokenizer
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type
+_LITERAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)  # matched in raw text before subword merging
+_SPECIAL_TYPES = (UNKNOWN, CONTROL, UNUSED)
+SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE"}
+
+# Tokens that end a turn in common chat formats; each one in the vocabulary also stops generation.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>")
+
+
+def load_gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
+    """A `Tokenizer` from GGUF metadata (plain values, as `GGUFFile(path).metadata` gives)."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_MODELS:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
+        raise ModelLoadError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "
+                             f"supported: {supported}")
+    tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens vocabulary")
+    types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    _check_length(metadata, "tokenizer.ggml.token_type", len(tokens))
+    _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
+    token_to_id = {text: i for i, text in enumerate(tokens)}
+    is_spm = model == "llama"
+    if is_spm:
+        subword, pieces = _spm_parts(metadata, tokens, types, token_to_id)
+    else:
+        subword, pieces = _bpe_parts(metadata, tokens, types, token_to_id)
+    space_prefix = is_spm and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
+    arch = metadata.get("general.architecture", "")
+    template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(arch)
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    return Tokenizer(
+        encode_text=_fragment_encoder(SpecialSplitter(literal), subword, space_prefix),
+        pieces=pieces,
+        special=[ty in _SPECIAL_TYPES for ty in types],
+        bos_id=bos_id,
+        eos_ids=_eos_ids(metadata, token_to_id),
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", is_spm)) and bos_id is not None,
+        chat_template=template,
+        strip_leading_space=space_prefix,
+        template_tokens=_template_tokens(metadata, tokens),
+    )
+
+
+def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
+    values = metadata.get(key)
+    if values is not None and len(values) != n_tokens:
+        raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent: {key} has {len(values)} "
+                             f"entries, tokenizer.ggml.tokens has {n_tokens}")
+
+
+def _fragment_encoder(splitter: SpecialSplitter, subword: Callable[[str], list[int]],
+                      space_prefix: bool) -> Callable[[str], list[int]]:
+    """Literal tokens first, the subword model on the text between them.
+
+    With a space prefix, llama.cpp prefixes " " to every text run at the start or right after
+    a literal token.
+    """
+    def encode_text(text: str) -> list[int]:
+        ids: list[int] = []
+        after_literal = True
+        for piece in splitter.split(text):
+            if isinstance(piece, int):
+                ids.append(piece)
+                after_literal = True
+            else:
+                ids.extend(subword(" " + piece if space_prefix and after_literal else piece))
+                after_literal = False
+        return ids
+    return encode_text
+
+
+def _spm_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int],
+               token_to_id: dict[str, int]) -> tuple[Callable[[str], list[int]], list[bytes]]:
+    scores = metadata.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ModelLoadError("SentencePiece GGUF vocabulary has no tokenizer.ggml.scores")
+    byte_ids: list[int | None] = [None] * 256
+    pieces: list[bytes] = []
+    for i, (text, ty) in enumerate(zip(tokens, types)):
+        byte = _byte_token_value(text) if ty == BYTE else None
+        if byte is not None:
+            byte_ids[byte] = i
+            pieces.append(bytes([byte]))
+        elif ty in (CONTROL, USER_DEFINED):  # written as-is, like llama.cpp
+            pieces.append(text.encode("utf-8"))
+        else:
+            pieces.append(text.replace(SPACE_MARK, " ").encode("utf-8"))
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    spm = SentencePieceBPE(token_to_id, scores, byte_ids, unk_id)
+    return spm.encode, pieces
+
+
+def _bpe_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int],
+               token_to_id: dict[str, int]) -> tuple[Callable[[str], list[int]], list[bytes]]:
+    pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre", "default"))
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelLoadError("byte-level BPE GGUF vocabulary has no tokenizer.ggml.merges")
+    to_byte = unicode_to_byte()
+    pieces: list[bytes] = []
+    for text, ty in zip(tokens, types):
+        byte = _byte_token_value(text) if ty == BYTE else None
+        if byte is not None:
+            pieces.append(bytes([byte]))
+        elif ty in (NORMAL, UNUSED):  # spelled in GPT-2's byte alphabet
+            pieces.append(b"".join(bytes([to_byte[c]]) if c in to_byte else c.encode("utf-8")
+                                   for c in text))
+        else:  # control and user-defined tokens are stored as plain text
+            pieces.append(text.encode("utf-8"))
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    return ByteLevelBPE(token_to_id, merges, pre, unk_id).encode, pieces
+
+
+def _byte_token_value(text: str) -> int | None:
+    """0xNN for a byte token spelled "<0xNN>"."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return int(text[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
+def _eos_ids(metadata: dict[str, Any], token_to_id: dict[str, int]) -> list[int]:
+    ids = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids += [token_to_id.get(text) for text in END_OF_TURN_TOKENS]
+    return [i for i in ids if i is not None]
+
+
+def _template_tokens(metadata: dict[str, Any], tokens: list[str]) -> dict[str, str]:
+    """bos_token/eos_token/... strings for chat templates, as transformers passes them."""
+    out = {}
+    for name in ("bos", "eos", "unknown", "padding"):
+        token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name)
+            out[f"{key}_token"] = tokens[token_id]
+    return out
