@@ -60,12 +60,7 @@ class LLM:
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         """Messages rendered with the model's chat template, then tokenized (one BOS)."""
-        tok = self.tokenizer
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                         add_special_tokens=False)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id] + ids
-        return ids
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def _add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[int]]:
         request_id = f"llm-{next(self._ids)}"
