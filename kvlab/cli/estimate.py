@@ -1,0 +1,179 @@
+"""`kvlab estimate`: roofline prediction of prefill, decode, memory and batching.
+
+The model is a GGUF file, an HF config.json (or its directory), or a description
+(`--params 8e9 --bits 4.5 ...`); with none of these, the default model. The hardware is a
+built-in part (`--hardware rtx-4090`), this machine as `kvlab probe` measured it
+(`--hardware this`, the default), or figures given with --bandwidth/--tflops/--memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+from kvlab.errors import KvlabError
+from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, format_estimate, known_parts
+from kvlab.perf.hardware import GB
+from kvlab.perf.report import format_hardware_table
+from kvlab.perf.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_DESCRIPTION_FLAGS = ("params", "size_gb", "layers", "hidden", "heads", "kv_heads", "head_dim",
+                      "vocab", "intermediate", "max_context")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "estimate", help="predict prefill, decode, memory and batching from specs (roofline)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?",
+                   help=".gguf file, config.json or HF model directory (default: the default "
+                        "model, unless described with --params)")
+    _add_description_args(p.add_argument_group("model description, instead of a file"))
+    _add_hardware_args(p.add_argument_group("hardware"))
+    _add_workload_args(p.add_argument_group("workload"))
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    out.add_argument("--plot", metavar="FILE.png",
+                     help="write tok/s against batch size and against context (matplotlib)")
+    p.set_defaults(func=run)
+
+
+def _add_description_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--params", type=_quantity, metavar="COUNT",
+                   help="parameter count: 8e9, 8B, 270M")
+    g.add_argument("--bits", type=float, metavar="BITS",
+                   help="bits per weight (4.5 for Q4_K_M, 16 for bf16); also overrides the "
+                        "dtype of a config.json")
+    g.add_argument("--size-gb", type=float, metavar="GB",
+                   help="weight bytes in GB (e.g. the file size)")
+    for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"),
+                       ("heads", "query heads"), ("kv-heads", "key/value heads"),
+                       ("head-dim", "head dimension"), ("vocab", "vocabulary size"),
+                       ("intermediate", "MLP intermediate size"),
+                       ("max-context", "the model's context limit")):
+        g.add_argument(f"--{flag}", type=_positive_int, metavar="N", help=what)
+    g.add_argument("--tied", action="store_true",
+                   help="the output projection shares the embedding table")
+
+
+def _add_hardware_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--hardware", metavar="NAME",
+                   help="a part from --list-hardware, or `this` (the `kvlab probe` cache; the "
+                        "default unless --bandwidth is given)")
+    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth")
+    g.add_argument("--tflops", type=float, metavar="T", help="sustained dense TFLOPS")
+    g.add_argument("--memory", type=float, metavar="GiB",
+                   help="memory size in GiB (the 'GB' of spec sheets)")
+    g.add_argument("--list-hardware", action="store_true", help="list the built-in parts")
+
+
+def _add_workload_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--prompt", type=_positive_int, default=512, metavar="TOKENS",
+                   help="prompt tokens (512)")
+    g.add_argument("--output", type=int, default=256, metavar="TOKENS", help="reply tokens (256)")
+    g.add_argument("--concurrency", type=_positive_int, default=1, metavar="N",
+                   help="sequences decoding together (1)")
+    g.add_argument("--context", type=_positive_int, metavar="TOKENS",
+                   help="KV context reserved per sequence (default: prompt + output)")
+    g.add_argument("--kv-dtype", default="f16", choices=list(KV_BYTES_PER_ELEMENT),
+                   help="KV cache dtype (f16)")
+    g.add_argument("--dtype", help="compute dtype for FLOP/s: fp32, bf16, fp16, ... "
+                                   "(default: the part's own)")
+    g.add_argument("--offload-layers", type=int, default=0, metavar="N",
+                   help="layers whose weights and KV sit in a second, slower memory")
+    g.add_argument("--offload-bandwidth", type=float, metavar="GB/s",
+                   help="bandwidth of that memory")
+    g.add_argument("--efficiency", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                   default=list(DEFAULT_EFFICIENCY),
+                   help="share of the decode ceiling reached in practice (0.6 0.85)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_hardware:
+        parts = known_parts()
+        text = (json.dumps([hw.to_dict() for hw in parts], indent=2) + "\n" if args.json
+                else format_hardware_table(parts))
+        print(text, end="")
+        return 0
+    _check_model_args(args)
+    hw = hardware_from_args(args)
+    model = model_from_args(args)
+    workload = Workload(
+        prompt_tokens=args.prompt, output_tokens=args.output, concurrency=args.concurrency,
+        context=args.context, kv_dtype=args.kv_dtype, offload_layers=args.offload_layers,
+        offload_bandwidth=None if args.offload_bandwidth is None else args.offload_bandwidth * GB,
+        efficiency=(args.efficiency[0], args.efficiency[1]), compute_dtype=args.dtype)
+    result = estimate(model, hw, workload)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(format_estimate(result), end="")
+    if args.plot:
+        from kvlab.perf.plot import plot_estimate
+
+        path = plot_estimate(result, args.plot)
+        if not args.json:
+            print(f"plot written to {path}")
+    return 0
+
+
+def _described(args: argparse.Namespace) -> list[str]:
+    """The description flags given, as typed."""
+    names = [f for f in _DESCRIPTION_FLAGS if getattr(args, f) is not None]
+    return ["--" + f.replace("_", "-") for f in names] + (["--tied"] if args.tied else [])
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    if args.model and _described(args):
+        raise KvlabError(f"give a model file or a description, not both (got {args.model} and "
+                         f"{', '.join(_described(args))}); --bits may go with a config.json")
+    if not args.model and not _described(args) and args.bits is not None:
+        raise KvlabError("--bits needs a config.json or a description such as --params 8e9")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    if _described(args):
+        return ModelSpec.from_description(
+            params=args.params, bits=args.bits,
+            size_bytes=None if args.size_gb is None else args.size_gb * GB, layers=args.layers,
+            hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+            head_dim=args.head_dim, vocab=args.vocab, intermediate=args.intermediate,
+            tied=args.tied, max_context=args.max_context)
+    if args.model:
+        from kvlab.perf.loaders import load_model_spec
+
+        return load_model_spec(args.model, args.bits)
+    from kvlab.weights import default_model_path
+
+    return ModelSpec.from_gguf(default_model_path())
+
+
+def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
+    if args.hardware is None and args.bandwidth is not None:
+        if args.tflops is None:
+            raise KvlabError("--bandwidth needs --tflops too (sustained dense TFLOPS), or "
+                             "--hardware NAME to take the other figures from a known part")
+        return HardwareSpec.custom(args.bandwidth, args.tflops, args.memory)
+    spec = HardwareSpec.from_name(args.hardware or "this")
+    return spec.with_overrides(args.bandwidth, args.tflops, args.memory)
+
+
+def _quantity(text: str) -> float:
+    """'8e9', '8B', '270M', '1.5T' -> a count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count; write 8e9, 8B or 270M")
+    return float(match.group(1)) * _SUFFIXES.get(match.group(2), 1.0)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value

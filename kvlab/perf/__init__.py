@@ -1,0 +1,51 @@
+"""Roofline estimates of prefill, decode, memory and batching, before anything runs.
+
+Decode is bandwidth-bound: tokens/s ~= bandwidth / bytes read per token (weights plus the
+KV cache). Prefill is compute-bound: seconds ~= FLOP / sustained FLOP/s. This package turns
+a model, a machine and a workload into those figures, and lays a measurement beside them.
+
+Python API::
+
+    from kvlab.perf import HardwareSpec, ModelSpec, Workload, compare, estimate
+
+    model = ModelSpec.from_gguf("gemma-3-270m-q4_k_m.gguf")    # no tensor data is read
+    model = ModelSpec.from_hf_config("config.json", bits=16)
+    model = ModelSpec.from_description(params=8e9, bits=4.5)   # or size_bytes=4.9e9, plus
+                                                               # layers, kv_heads, head_dim, ...
+    hw = HardwareSpec.from_name("rtx-4090")                    # built-in table, with sources
+    hw = HardwareSpec.custom(bandwidth_gbs=273, tflops=20, memory_gib=48)
+    hw = HardwareSpec.this_machine()                           # the `kvlab probe` cache
+    e = estimate(model, hw, Workload(prompt_tokens=3000, output_tokens=200))
+    e.ttft, e.prefill_seconds, e.decode_tok_s_ceiling, e.decode_tok_s_realistic,
+    e.total_seconds, e.kv_bytes, e.fits, e.max_concurrency, e.max_context,
+    e.compute_bound_batch, e.batch_sweep, e.context_sweep, e.offload, e.to_dict()
+    print(format_estimate(e))
+    print(compare(e, Measurement(ttft=0.4, decode_tok_s=61.0)))   # or a dict of the same
+
+How the figures are counted (see roofline.py):
+- bytes per decode step: every weight a step touches, once: embedding lookups read one
+  row, the output matrix (the embedding table when tied) is read in full; MoE layers read
+  the experts their tokens route to. Plus each sequence's KV cache, sliding-window layers
+  capped at their window.
+- prefill FLOP: 2 x block parameters per token, causal attention growing with context,
+  the output projection only at positions whose logits are needed (one per prompt).
+- realistic decode: 60-85 % of the ceiling (Workload.efficiency); the total response
+  time is TTFT + (output - 1) decode steps, the first token coming out of prefill.
+
+For the check against kvlab's own CPU engine: its decode runs quantized C kernels that
+read each weight byte once per step (so decode_weight_bytes is the right traffic); its
+prefill dequantizes weights to fp32 and runs sgemm, so compare prefill with the fp32
+FLOP/s of `kvlab probe` (the default dtype of `--hardware this`).
+"""
+
+from kvlab.perf.hardware import HardwareSpec, known_parts
+from kvlab.perf.model import LayerSpec, ModelSpec
+from kvlab.perf.report import Measurement, compare, format_estimate
+from kvlab.perf.roofline import BatchPoint, ContextPoint, Estimate, OffloadEffect, estimate
+from kvlab.perf.workload import KV_BYTES_PER_ELEMENT, Workload
+
+__all__ = [
+    "KV_BYTES_PER_ELEMENT", "BatchPoint", "ContextPoint", "Estimate", "HardwareSpec",
+    "LayerSpec", "Measurement", "ModelSpec", "OffloadEffect", "Workload", "compare",
+    "estimate", "format_estimate", "known_parts",
+]

@@ -1,0 +1,174 @@
+"""What a machine can do, for the roofline: memory bandwidth, sustained FLOP/s, memory size.
+
+A `HardwareSpec` comes from the built-in table (`hardware.json` beside this file, every
+number with its source), from figures the user types (`custom`), or from the cache that
+`kvlab probe` writes (`this_machine`). Units inside: bytes, bytes/s, FLOP/s.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kvlab.errors import KvlabError
+
+GB = 1e9  # bandwidth and traffic: decimal, as spec sheets quote them
+GIB = 2**30  # memory capacity: binary, as the 'GB' on a spec sheet really is
+TERA = 1e12
+_TABLE = Path(__file__).with_name("hardware.json")
+_VENDOR_PREFIXES = ("nvidia", "geforce", "amd", "instinct", "apple", "intel")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One machine. `flops` holds sustained FLOP/s by dtype ("fp32", "bf16", "fp16", ...)."""
+
+    name: str
+    bandwidth: float  # bytes/s of the memory that holds the weights
+    flops: Mapping[str, float]
+    memory_bytes: int | None  # None: unknown, fit checks are skipped
+    kind: str = "custom"  # "cpu", "gpu", "apple", "custom"
+    default_dtype: str = "fp32"
+    sources: Mapping[str, str] = field(default_factory=dict)
+    key: str = "custom"
+
+    def __post_init__(self) -> None:
+        _check_positive("bandwidth (GB/s)", self.bandwidth / GB)
+        if not self.flops:
+            raise KvlabError(f"hardware {self.name!r} has no FLOP/s figure; pass --tflops T")
+        for dtype, rate in self.flops.items():
+            _check_positive(f"{dtype} TFLOPS", rate / TERA)
+        if self.memory_bytes is not None:
+            _check_positive("memory (GiB)", self.memory_bytes / GIB)
+
+    def flop_rate(self, dtype: str | None = None) -> float:
+        """Sustained FLOP/s for `dtype` (None: the part's default dtype)."""
+        dtype = dtype or self.default_dtype
+        if dtype not in self.flops:
+            raise KvlabError(f"{self.name} has no {dtype} FLOP/s figure; "
+                             f"valid: {', '.join(sorted(self.flops))}")
+        return self.flops[dtype]
+
+    @classmethod
+    def from_name(cls, name: str) -> HardwareSpec:
+        """A part from the built-in table; `this` reads the `kvlab probe` cache."""
+        if name.strip().lower() == "this":
+            return cls.this_machine()
+        table = _parts()
+        key = _lookup_key(name)
+        if key is None:
+            raise KvlabError(_unknown_name_message(name))
+        return _from_table_entry(key, table[key])
+
+    @classmethod
+    def custom(cls, bandwidth_gbs: float, tflops: float,
+               memory_gib: float | None = None, name: str = "custom") -> HardwareSpec:
+        """Figures typed by the user: GB/s, sustained TFLOPS (any dtype), GiB."""
+        _check_positive("--bandwidth (GB/s)", bandwidth_gbs)
+        _check_positive("--tflops", tflops)
+        if memory_gib is not None:
+            _check_positive("--memory (GiB)", memory_gib)
+        return cls(name=name, bandwidth=bandwidth_gbs * GB, flops=_any_dtype(tflops * TERA),
+                   memory_bytes=None if memory_gib is None else int(memory_gib * GIB),
+                   sources={"bandwidth": "user", "flops": "user", "memory": "user"})
+
+    @classmethod
+    def this_machine(cls, path: Path | None = None) -> HardwareSpec:
+        """The figures `kvlab probe` measured on this machine."""
+        from kvlab.perf.probe import load_probe
+
+        return load_probe(path)
+
+    def with_overrides(self, bandwidth_gbs: float | None = None, tflops: float | None = None,
+                       memory_gib: float | None = None) -> HardwareSpec:
+        """This part with some figures replaced by the user's."""
+        spec, sources = self, dict(self.sources)
+        if bandwidth_gbs is not None:
+            _check_positive("--bandwidth (GB/s)", bandwidth_gbs)
+            spec, sources["bandwidth"] = replace(spec, bandwidth=bandwidth_gbs * GB), "user"
+        if tflops is not None:
+            _check_positive("--tflops", tflops)
+            spec = replace(spec, flops=_any_dtype(tflops * TERA))
+            sources["flops"] = "user"
+        if memory_gib is not None:
+            _check_positive("--memory (GiB)", memory_gib)
+            spec, sources["memory"] = replace(spec, memory_bytes=int(memory_gib * GIB)), "user"
+        return replace(spec, sources=sources)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "kind": self.kind,
+                "bandwidth_gbs": self.bandwidth / GB,
+                "sustained_tflops": {k: v / TERA for k, v in self.flops.items()},
+                "memory_gib": None if self.memory_bytes is None else self.memory_bytes / GIB,
+                "default_dtype": self.default_dtype, "sources": dict(self.sources)}
+
+
+def known_parts() -> list[HardwareSpec]:
+    """Every part of the built-in table, in table order."""
+    return [_from_table_entry(key, entry) for key, entry in _parts().items()]
+
+
+def _any_dtype(rate: float) -> dict[str, float]:
+    """A single user figure stands for every dtype the estimator may ask about."""
+    return {d: rate for d in ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")}
+
+
+def _check_positive(what: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise KvlabError(f"{what} must be a positive finite number, got {value!r}")
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, Any]:
+    return json.loads(_TABLE.read_text())
+
+
+def _parts() -> dict[str, dict[str, Any]]:
+    return _table()["parts"]
+
+
+def _from_table_entry(key: str, entry: Mapping[str, Any]) -> HardwareSpec:
+    fraction = _table()["sustained_fraction"][entry["kind"]]
+    flops = {dtype: tf * TERA * fraction for dtype, tf in entry["peak_tflops"].items()}
+    sources = dict(entry["source"])
+    sources["flops"] = f"{sources['flops']}; sustained = {fraction:.0%} of peak"
+    return HardwareSpec(name=entry["name"], bandwidth=entry["bandwidth_gbs"] * GB, flops=flops,
+                        memory_bytes=int(entry["memory_gb"] * GIB), kind=entry["kind"],
+                        default_dtype=entry["default_dtype"], sources=sources, key=key)
+
+
+def _squash(name: str) -> str:
+    """'NVIDIA GeForce RTX_4090' -> 'rtx4090': lower case, vendor words and separators gone."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    while words and words[0] in _VENDOR_PREFIXES:
+        words.pop(0)
+    return "".join(words)
+
+
+def _name_index() -> dict[str, str]:
+    """Squashed key or alias -> table key."""
+    index: dict[str, str] = {}
+    for key, entry in _parts().items():
+        for alias in (key, *entry.get("aliases", [])):
+            index[_squash(alias)] = key
+    return index
+
+
+def _lookup_key(name: str) -> str | None:
+    return _name_index().get(_squash(name))
+
+
+def _unknown_name_message(name: str) -> str:
+    index = _name_index()
+    close = difflib.get_close_matches(_squash(name), list(index), n=6, cutoff=0.5)
+    keys = list(dict.fromkeys(index[c] for c in close))[:3]
+    hint = f"closest: {', '.join(keys)}; " if keys else ""
+    return (f"unknown hardware {name!r}; {hint}see `kvlab estimate --list-hardware`, "
+            "use `this` after `kvlab probe`, or give --bandwidth GB/s --tflops T")

@@ -1,0 +1,377 @@
+"""Build a `ModelSpec` from a GGUF file, an HF config.json, or a bare description.
+
+GGUF: bytes and parameters come from the tensor directory (no tensor data is read), the
+attention shape and sliding windows from the metadata. HF config.json: parameters from
+the architecture, bytes from the dtype (or --bits). Description: `--params 8e9 --bits 4.5`
+plus whatever of layers / KV heads / head dim / vocab / hidden is known.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.errors import KvlabError, ModelLoadError
+from kvlab.perf.model import LayerSpec, ModelSpec
+from kvlab.weights.gguf_file import GGUFFile, TensorInfo
+
+# Every `global_every`-th layer attends globally, the others within the sliding window
+# (layer i is global when (i + 1) % global_every == 0), as llama.cpp and HF lay them out.
+GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+HF_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
+
+
+def load_model_spec(path: str | Path, bits: float | None = None) -> ModelSpec:
+    """A .gguf file, a config.json, or a directory holding config.json."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return spec_from_hf_config(p, bits)
+    if p.suffix == ".json":
+        return spec_from_hf_config(p, bits)
+    if bits is not None:
+        raise KvlabError("--bits applies to a config.json or a description; a GGUF file "
+                         "already says how its weights are stored")
+    return spec_from_gguf(p)
+
+
+# -- GGUF ---------------------------------------------------------------------------------
+
+
+def spec_from_gguf(path: str | Path) -> ModelSpec:
+    gguf = GGUFFile(path)
+    md, arch = gguf.metadata, gguf.architecture
+
+    def meta(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    n_layers = int(_required(meta("block_count"), f"{arch}.block_count", gguf.path))
+    hidden = int(_required(meta("embedding_length"), f"{arch}.embedding_length", gguf.path))
+    blocks, lookups, output, others = _group_tensors(gguf.tensors.values(), n_layers)
+    shapes = _attention_shapes(meta, n_layers, hidden)
+    windows = _gguf_windows(arch, meta, n_layers)
+    layers = tuple(map(_gguf_layer, blocks, shapes, windows))
+    embd = gguf.tensors.get("token_embd.weight")
+    tied = output is None and embd is not None
+    out = embd if tied else output
+    return ModelSpec(
+        name=str(md.get("general.name") or Path(gguf.path).stem), source="gguf",
+        n_params=sum(_numel(t) for t in gguf.tensors.values()),
+        weight_bytes=sum(t.nbytes for t in gguf.tensors.values()), layers=layers,
+        lookup_params=sum(_numel(t) for t in lookups),
+        lookup_row_bytes=sum(t.nbytes // t.shape[0] for t in lookups),
+        output_params=_numel(out) if out else 0, output_bytes=out.nbytes if out else 0,
+        other_bytes=sum(t.nbytes for t in others),
+        experts=int(meta("expert_count") or 0), experts_used=int(meta("expert_used_count") or 0),
+        max_context=_int_or_none(meta("context_length")),
+        vocab_size=embd.shape[0] if embd else None, hidden_size=hidden, tied_output=tied)
+
+
+def _group_tensors(tensors: Any, n_layers: int) -> tuple[
+        list[list[TensorInfo]], list[TensorInfo], TensorInfo | None, list[TensorInfo]]:
+    """Split the directory: per-block tensors, lookup tables, output matrix, the rest."""
+    blocks: list[list[TensorInfo]] = [[] for _ in range(n_layers)]
+    lookups, others, output = [], [], None
+    for t in tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers:
+            blocks[int(parts[1])].append(t)
+        elif t.name == "output.weight":
+            output = t
+        elif t.name.endswith("embd.weight") and len(t.shape) == 2:
+            lookups.append(t)
+        else:
+            others.append(t)
+    return blocks, lookups, output, others
+
+
+def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int], window: int | None
+                ) -> LayerSpec:
+    """One block from its tensors; `shape` is (kv_elements, attn_flop_per_key)."""
+    dense = [t for t in tensors if "_exps" not in t.name]
+    routed = [t for t in tensors if "_exps" in t.name]
+    return LayerSpec(
+        dense_bytes=sum(t.nbytes for t in dense),
+        dense_params=sum(_numel(t) for t in dense if len(t.shape) >= 2),
+        expert_bytes=sum(t.nbytes for t in routed),
+        expert_params=sum(_numel(t) for t in routed if len(t.shape) >= 2),
+        kv_elements=shape[0], attn_flop_per_key=shape[1], window=window)
+
+
+def _attention_shapes(meta: Any, n_layers: int, hidden: int) -> list[tuple[int, int]]:
+    """Per layer: (kv_heads x (key_dim + value_dim), 2 x heads x (key_dim + value_dim))."""
+    heads = _per_layer(meta("attention.head_count", 0), n_layers)
+    kv_heads = _per_layer(meta("attention.head_count_kv", heads), n_layers)
+    first_heads = next((h for h in heads if h), 1)
+    key_dim = int(meta("attention.key_length", hidden // first_heads))
+    value_dim = int(meta("attention.value_length", key_dim))
+    width = key_dim + value_dim
+    # a layer without KV heads (the recurrent layers of a hybrid) does no attention
+    return [(kv * width, 2 * h * width if kv else 0) for h, kv in zip(heads, kv_heads)]
+
+
+def _gguf_windows(arch: str, meta: Any, n_layers: int) -> list[int | None]:
+    window = _int_or_none(meta("attention.sliding_window"))
+    if not window:
+        return [None] * n_layers
+    pattern = meta("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True = sliding
+        return [window if bool(s) else None for s in _per_layer(pattern, n_layers)]
+    every = int(pattern) if pattern else GLOBAL_EVERY.get(arch)
+    if every is None:  # unknown layout: full attention is the safe (larger) KV figure
+        return [None] * n_layers
+    return layer_windows(n_layers, window, every)
+
+
+def layer_windows(n_layers: int, window: int, global_every: int | None) -> list[int | None]:
+    """Layer i is global when (i + 1) % global_every == 0; None: every layer slides."""
+    if global_every is None:
+        return [window] * n_layers
+    return [None if (i + 1) % global_every == 0 else window for i in range(n_layers)]
+
+
+# -- HF config.json -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A dense or MoE decoder as an HF config describes it (gated MLP: 3 matrices)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    windows: tuple[int | None, ...]
+    experts: int = 0
+    experts_used: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+
+    def attention_params(self) -> int:
+        q_dim, kv_dim = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * self.hidden * q_dim + 2 * self.hidden * kv_dim
+
+    def dense_ffn_params(self) -> int:
+        if not self.experts:
+            return 3 * self.hidden * self.intermediate
+        return 3 * self.hidden * self.shared_intermediate + self.hidden * self.experts  # router
+
+    def expert_params(self) -> int:
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    def total_params(self) -> int:
+        per_layer = self.attention_params() + self.dense_ffn_params() + self.expert_params()
+        tables = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * (per_layer + 2 * self.hidden) + tables + self.hidden
+
+
+def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpec:
+    p = Path(path).expanduser()
+    cfg_path = p / "config.json" if p.is_dir() else p
+    cfg = _read_json(cfg_path)
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrapper: the LM is inside
+        cfg = {**cfg, **cfg["text_config"]}
+    arch = _hf_architecture(cfg, cfg_path)
+    bits = bits if bits is not None else _hf_bits(cfg, cfg_path)
+    _check_bits(bits)
+    bytes_per_param = bits / 8
+    layers = tuple(_arch_layer(arch, w, bytes_per_param) for w in arch.windows)
+    table = arch.vocab * arch.hidden
+    n_params = arch.total_params()
+    name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or ["?"])[0])
+    return ModelSpec(
+        name=name, source="hf-config", n_params=n_params,
+        weight_bytes=int(n_params * bytes_per_param), layers=layers, lookup_params=table,
+        lookup_row_bytes=int(arch.hidden * bytes_per_param), output_params=table,
+        output_bytes=int(table * bytes_per_param),
+        other_bytes=int(arch.hidden * bytes_per_param), experts=arch.experts,
+        experts_used=arch.experts_used,
+        max_context=_int_or_none(cfg.get("max_position_embeddings")), vocab_size=arch.vocab,
+        hidden_size=arch.hidden, tied_output=arch.tied)
+
+
+def _hf_architecture(cfg: dict[str, Any], where: Path) -> Architecture:
+    def need(key: str) -> int:
+        return int(_required(cfg.get(key), key, str(where)))
+
+    hidden, heads, n_layers = need("hidden_size"), need("num_attention_heads"), \
+        need("num_hidden_layers")
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    intermediate = need("intermediate_size")
+    return Architecture(
+        layers=n_layers, hidden=hidden, heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate=intermediate,
+        vocab=need("vocab_size"), tied=bool(cfg.get("tie_word_embeddings", True)),
+        windows=tuple(_hf_windows(cfg, n_layers)), experts=experts,
+        experts_used=int(cfg.get("num_experts_per_tok") or 0),
+        expert_intermediate=int(cfg.get("moe_intermediate_size") or intermediate),
+        shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def _hf_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
+    window = _int_or_none(cfg.get("sliding_window"))
+    types = cfg.get("layer_types")
+    if window and isinstance(types, list) and len(types) == n_layers:
+        return [window if t == "sliding_attention" else None for t in types]
+    if not window:
+        return [None] * n_layers
+    if cfg.get("sliding_window_pattern"):
+        return layer_windows(n_layers, window, int(cfg["sliding_window_pattern"]))
+    model_type = str(cfg.get("model_type", ""))
+    if model_type in GLOBAL_EVERY:
+        return layer_windows(n_layers, window, GLOBAL_EVERY[model_type])
+    if model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window"):
+        return layer_windows(n_layers, window, None)
+    return [None] * n_layers
+
+
+def _arch_layer(arch: Architecture, window: int | None, bytes_per_param: float) -> LayerSpec:
+    dense = arch.attention_params() + arch.dense_ffn_params()
+    expert = arch.expert_params()
+    width = 2 * arch.head_dim
+    return LayerSpec(
+        dense_bytes=int((dense + 2 * arch.hidden) * bytes_per_param), dense_params=dense,
+        expert_bytes=int(expert * bytes_per_param), expert_params=expert,
+        kv_elements=arch.kv_heads * width, attn_flop_per_key=2 * arch.heads * width,
+        window=window)
+
+
+def _hf_bits(cfg: dict[str, Any], where: Path) -> float:
+    quant = cfg.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("bits"):
+        return float(quant["bits"])
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "")
+    if dtype in HF_DTYPE_BITS:
+        return float(HF_DTYPE_BITS[dtype])
+    raise KvlabError(f"{where} does not say how weights are stored (dtype {dtype or 'missing'}); "
+                     f"pass --bits (e.g. 16 for bf16, 4.5 for Q4_K_M)")
+
+
+# -- description ----------------------------------------------------------------------------
+
+
+def spec_from_description(
+        params: float | None = None, bits: float | None = None, size_bytes: float | None = None,
+        layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+        kv_heads: int | None = None, head_dim: int | None = None, vocab: int | None = None,
+        intermediate: int | None = None, tied: bool = False, max_context: int | None = None,
+        name: str | None = None) -> ModelSpec:
+    """A model from what is known of it; unknown parts cost nothing (and are noted).
+
+    `params` may be left out when layers, hidden, intermediate, vocab and heads are given.
+    Bytes: `size_bytes`, or params x bits / 8. Without vocab and hidden, every parameter is
+    a block parameter (2 FLOP per token, read every step): the rule of thumb.
+    """
+    _check_counts(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                   head_dim=head_dim, vocab=vocab, intermediate=intermediate,
+                   max_context=max_context)
+    head_dim = head_dim or (hidden // heads if hidden and heads else None)
+    kv_heads = kv_heads or heads
+    n_params = _description_params(params, layers, hidden, heads, kv_heads, head_dim, vocab,
+                                   intermediate, tied)
+    weight_bytes = _description_bytes(n_params, bits, size_bytes)
+    table = vocab * hidden if vocab and hidden else 0
+    block_params = n_params - table - (0 if tied else table)
+    if block_params <= 0:
+        raise KvlabError(f"--params {n_params:.3g} is too small for vocab x hidden = {table:.3g}"
+                         f" embedding{'' if tied else ' and output'} parameters")
+    per_param = weight_bytes / n_params
+    n = layers or 1
+    kv_elements = 2 * kv_heads * head_dim if layers and kv_heads and head_dim else 0
+    attn = 4 * heads * head_dim if heads and head_dim else 0
+    layer = LayerSpec(dense_bytes=int(block_params / n * per_param),
+                      dense_params=int(block_params / n), kv_elements=kv_elements,
+                      attn_flop_per_key=attn)
+    label = name or f"{n_params / 1e9:.3g}B-param model, {weight_bytes / 1e9:.3g} GB"
+    return ModelSpec(
+        name=label, source="description", n_params=int(n_params),
+        weight_bytes=int(weight_bytes), layers=(layer,) * n, lookup_params=table,
+        lookup_row_bytes=int(hidden * per_param) if table else 0, output_params=table,
+        output_bytes=int(table * per_param), max_context=max_context, vocab_size=vocab,
+        hidden_size=hidden, layers_known=layers is not None, tied_output=tied and table > 0)
+
+
+def _description_params(params: float | None, layers: int | None, hidden: int | None,
+                        heads: int | None, kv_heads: int | None, head_dim: int | None,
+                        vocab: int | None, intermediate: int | None, tied: bool) -> float:
+    if params is not None:
+        if not (math.isfinite(params) and params >= 1):
+            raise KvlabError(f"--params must be a positive count such as 8e9, got {params!r}")
+        return params
+    if not all((layers, hidden, heads, vocab, intermediate)):
+        raise KvlabError("describe the model with --params (e.g. 8e9), or with all of "
+                         "--layers --hidden --heads --intermediate --vocab")
+    assert layers and hidden and heads and kv_heads and head_dim and vocab and intermediate
+    arch = Architecture(layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, tied,
+                        (None,) * layers)
+    return float(arch.total_params())
+
+
+def _description_bytes(n_params: float, bits: float | None, size_bytes: float | None) -> float:
+    if size_bytes is not None:
+        if not (math.isfinite(size_bytes) and size_bytes > 0):
+            raise KvlabError(f"--size-gb must be positive, got {size_bytes / 1e9!r}")
+        return size_bytes
+    if bits is None:
+        raise KvlabError("say how the weights are stored: --bits (e.g. 4.5 for Q4_K_M, 16 for "
+                         "bf16) or --size-gb (the file size)")
+    _check_bits(bits)
+    return n_params * bits / 8
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def _check_bits(bits: float) -> None:
+    if not (math.isfinite(bits) and 1 <= bits <= 32):
+        raise KvlabError(f"--bits must be between 1 and 32 bits per weight, got {bits!r}")
+
+
+def _check_counts(**counts: int | None) -> None:
+    for key, value in counts.items():
+        if value is not None and value <= 0:
+            flag = "--" + key.replace("_", "-")
+            raise KvlabError(f"{flag} must be a positive integer, got {value}")
+
+
+def _numel(t: TensorInfo) -> int:
+    return int(np.prod(t.shape)) if t.shape else 1
+
+
+def _per_layer(value: Any, n_layers: int) -> list[int]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [int(v) for v in value][:n_layers]
+    return [int(value)] * n_layers
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _required(value: Any, key: str, where: str) -> Any:
+    if value is None:
+        raise ModelLoadError(f"{where}: `{key}` is missing, cannot size the model")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found (expected a config.json or a directory "
+                             "holding one)") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data

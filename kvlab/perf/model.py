@@ -1,0 +1,159 @@
+"""What a model costs per token: bytes read, bytes of KV cache stored, FLOP computed.
+
+A `ModelSpec` is the model as the roofline sees it: per-layer weight bytes and matmul
+parameters, per-layer KV width and attention window, and the tables outside the layers
+(embedding lookups read one row per token, the output projection is read in full every
+decode step and multiplied only at positions whose logits are needed). Builders for GGUF
+files, HF config.json and bare descriptions live in `kvlab.perf.loaders`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One transformer block. Expert fields cover all routed experts of an MoE block."""
+
+    dense_bytes: int  # weights every token reads: attention, norms, dense or shared FFN
+    dense_params: int  # matmul parameters among them (2 FLOP each per token)
+    kv_elements: int = 0  # K+V values stored per token: kv_heads x (key_dim + value_dim)
+    attn_flop_per_key: int = 0  # 2 x heads x (key_dim + value_dim): QK^T and AV, one position
+    window: int | None = None  # sliding-window length; None: full attention
+    expert_bytes: int = 0
+    expert_params: int = 0
+
+    def attended(self, context: np.ndarray | float) -> np.ndarray | float:
+        """Cached positions this layer keeps and reads at `context` tokens."""
+        return context if self.window is None else np.minimum(context, self.window)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as bytes and FLOP. Build it with from_gguf / from_hf_config / from_description."""
+
+    name: str
+    source: str  # "gguf", "hf-config" or "description"
+    n_params: int
+    weight_bytes: int  # every stored weight: what must sit in memory
+    layers: tuple[LayerSpec, ...]
+    lookup_params: int = 0  # embedding tables (token, position): one row read per token
+    lookup_row_bytes: int = 0  # bytes of one row of each lookup table, summed
+    output_params: int = 0  # vocab x hidden: 2 FLOP each per position that needs logits
+    output_bytes: int = 0  # read in full every decode step (tied: the embedding table)
+    other_bytes: int = 0  # norms and other small tensors outside the blocks
+    experts: int = 0  # routed experts per MoE block (0: dense model)
+    experts_used: int = 0  # experts each token is routed to
+    max_context: int | None = None
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    layers_known: bool = True  # False: a bare description, all weights in one pseudo-layer
+    tied_output: bool = False
+
+    # -- builders -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ModelSpec:
+        from kvlab.perf.loaders import spec_from_gguf
+
+        return spec_from_gguf(path)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, bits: float | None = None) -> ModelSpec:
+        from kvlab.perf.loaders import spec_from_hf_config
+
+        return spec_from_hf_config(path, bits)
+
+    @classmethod
+    def from_description(cls, **kwargs: Any) -> ModelSpec:
+        """See `kvlab.perf.loaders.spec_from_description` for the keywords."""
+        from kvlab.perf.loaders import spec_from_description
+
+        return spec_from_description(**kwargs)
+
+    # -- what one token costs ---------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def embedding_share(self) -> float:
+        return self.lookup_params / self.n_params if self.n_params else 0.0
+
+    def expert_fraction(self, tokens: int) -> float:
+        """Share of routed experts a step over `tokens` tokens reads, routing uniform."""
+        if not self.experts:
+            return 1.0
+        miss = (1.0 - self.experts_used / self.experts) ** max(tokens, 1)
+        return 1.0 - miss
+
+    def layer_read_bytes(self, layer: LayerSpec, tokens: int = 1) -> float:
+        return layer.dense_bytes + layer.expert_bytes * self.expert_fraction(tokens)
+
+    def decode_weight_bytes(self, batch: int = 1) -> float:
+        """Weight bytes one decode step over `batch` sequences reads from memory."""
+        blocks = sum(self.layer_read_bytes(layer, batch) for layer in self.layers)
+        return blocks + self.other_bytes + self.output_bytes + batch * self.lookup_row_bytes
+
+    def matmul_flop_per_token(self) -> float:
+        """Block matmul FLOP for one token (routed experts: only the used ones)."""
+        used = self.experts_used / self.experts if self.experts else 1.0
+        return 2.0 * sum(lyr.dense_params + lyr.expert_params * used for lyr in self.layers)
+
+    @property
+    def output_flop(self) -> float:
+        """FLOP of the output projection for one position whose logits are needed."""
+        return 2.0 * self.output_params
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """KV bytes one token adds with full attention everywhere (no window cap)."""
+        return bytes_per_element * sum(layer.kv_elements for layer in self.layers)
+
+    def kv_bytes(self, context: np.ndarray | float, bytes_per_element: float,
+                 layers: slice = slice(None)) -> np.ndarray | float:
+        """KV bytes one sequence holds (and a decode step reads) at `context` tokens."""
+        return bytes_per_element * sum(
+            layer.kv_elements * layer.attended(context) for layer in self.layers[layers])
+
+    def attention_flop(self, context: np.ndarray | float) -> np.ndarray | float:
+        """Attention FLOP for one new token that attends to `context` positions."""
+        return sum(layer.attn_flop_per_key * layer.attended(context) for layer in self.layers)
+
+    def prefill_attention_flop(self, prompt_tokens: int) -> float:
+        """Causal attention FLOP over a prompt: position i attends min(i, window) keys."""
+        return float(sum(layer.attn_flop_per_key * causal_span_sum(prompt_tokens, layer.window)
+                         for layer in self.layers))
+
+    def summary(self) -> dict[str, Any]:
+        """The figures a report shows, JSON-friendly."""
+        windows = [lyr.window for lyr in self.layers if lyr.window is not None]
+        return {"name": self.name, "source": self.source, "params": self.n_params,
+                "weight_bytes": self.weight_bytes,
+                "bits_per_param": 8 * self.weight_bytes / self.n_params,
+                "embedding_share": self.embedding_share,
+                "decode_weight_bytes": self.decode_weight_bytes(1),
+                "layers": self.n_layers if self.layers_known else None,
+                "sliding_window": max(windows) if windows else None,
+                "sliding_layers": len(windows), "experts": self.experts,
+                "experts_used": self.experts_used, "max_context": self.max_context,
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "tied_output": self.tied_output}
+
+
+def causal_span_sum(tokens: int, window: int | None) -> int:
+    """sum over positions i = 1..tokens of min(i, window): keys attended in a causal prefill.
+
+        window 3, tokens 5:   i = 1 2 3 4 5
+                              keys 1 2 3 3 3   -> 12
+    """
+    if tokens <= 0:
+        return 0
+    if window is None or tokens <= window:
+        return tokens * (tokens + 1) // 2
+    return window * (window + 1) // 2 + (tokens - window) * window

@@ -1,0 +1,156 @@
+"""Measure this machine for the roofline: memory read bandwidth and matmul FLOP/s.
+
+Bandwidth: torch.sum over a float32 buffer far larger than any cache, best of several
+runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. Each figure
+has a time budget, so a probe ends in well under 30 s. Results are cached as JSON at
+$KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
+`kvlab estimate --hardware this`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from kvlab.errors import KvlabError
+from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec
+
+CACHE_ENV = "KVLAB_CACHE_DIR"
+PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    bandwidth_gbs: float
+    tflops: dict[str, float]  # sustained, by dtype
+    memory_gib: float
+    threads: int
+    cpu: str
+    measured_at: str  # ISO 8601, UTC
+    details: dict[str, str] = field(default_factory=dict)  # figure ("bandwidth", "fp32") -> how
+    version: int = PROBE_VERSION
+
+    def to_hardware(self) -> HardwareSpec:
+        day = self.measured_at[:10]
+        return HardwareSpec(
+            name=f"this machine ({self.cpu}, {self.threads} threads, probed {day})",
+            bandwidth=self.bandwidth_gbs * GB,
+            flops={dtype: tf * TERA for dtype, tf in self.tflops.items()},
+            memory_bytes=int(self.memory_gib * GIB) if self.memory_gib > 0 else None,
+            kind="cpu", default_dtype="fp32",
+            sources=self._sources(), key="this")
+
+    def _sources(self) -> dict[str, str]:
+        day = f"kvlab probe {self.measured_at[:10]}"
+        flops = "; ".join(f"{d} {self.details.get(d, '')}" for d in self.tflops)
+        return {"bandwidth": f"{day}: {self.details.get('bandwidth', '')}",
+                "memory": f"{day}: {self.details.get('memory', '')}", "flops": f"{day}: {flops}"}
+
+
+def cache_path() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab"
+    return Path(root) / "probe.json"
+
+
+def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
+          matmul_size: int = 2048, budget_s: float = 6.0) -> ProbeResult:
+    """Measure bandwidth and FLOP/s, each within about `budget_s` seconds."""
+    if threads is not None:
+        if threads < 1:
+            raise KvlabError(f"--threads must be a positive integer, got {threads}")
+        torch.set_num_threads(threads)
+    bandwidth, bw_runs = measure_bandwidth(buffer_mib, budget_s)
+    details = {"bandwidth": f"torch.sum over {buffer_mib} MiB float32, best of {bw_runs}",
+               "memory": "physical memory (sysconf)"}
+    tflops: dict[str, float] = {}
+    for dtype in ("fp32", "bf16") if bf16 else ("fp32",):
+        rate, size, runs = measure_matmul(dtype, matmul_size, budget_s)
+        tflops[dtype] = rate / TERA
+        details[dtype] = f"{size}x{size} matmul, best of {runs}"
+    return ProbeResult(
+        bandwidth_gbs=bandwidth / GB, tflops=tflops, memory_gib=_physical_memory() / GIB,
+        threads=torch.get_num_threads(), cpu=_cpu_name(),
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), details=details)
+
+
+def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0) -> tuple[float, int]:
+    """Best bytes/s of a full read of a float32 buffer, and how many runs it took."""
+    x = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # first touch and warm-up
+    seconds, runs = _best_seconds(lambda: x.sum(), budget_s, max_runs=20)
+    return x.numel() * 4 / seconds, runs
+
+
+def measure_matmul(dtype: str = "fp32", size: int = 2048, budget_s: float = 6.0
+                   ) -> tuple[float, int, int]:
+    """Best FLOP/s of a square matmul; halves the size while one run would eat the budget."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    while True:
+        a = torch.randn(size, size).to(torch_dtype)
+        b = torch.randn(size, size).to(torch_dtype)
+        start = time.perf_counter()
+        a @ b  # warm-up, and a measure of how long one run takes
+        if time.perf_counter() - start < budget_s / 4 or size <= 256:
+            break
+        size //= 2
+    seconds, runs = _best_seconds(lambda: a @ b, budget_s, max_runs=30)
+    return 2 * size**3 / seconds, size, runs
+
+
+def _best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int) -> tuple[float, int]:
+    """Shortest of repeated runs of `fn` (at least 3) within the time budget."""
+    best, runs, end = float("inf"), 0, time.perf_counter() + budget_s
+    while runs < 3 or (runs < max_runs and time.perf_counter() < end):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        runs += 1
+    return best, runs
+
+
+def save_probe(result: ProbeResult, path: Path | None = None) -> Path:
+    path = path or cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return path
+
+
+def load_probe(path: Path | None = None) -> HardwareSpec:
+    """The cached probe as a HardwareSpec; a clear error when there is none."""
+    path = path or cache_path()
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != PROBE_VERSION:
+            raise ValueError(f"version {data.get('version')}")
+        return ProbeResult(**data).to_hardware()
+    except FileNotFoundError:
+        raise KvlabError(f"no probe results at {path}: run `kvlab probe` first, or name the "
+                         "hardware (`kvlab estimate --list-hardware`)") from None
+    except (ValueError, TypeError) as e:
+        raise KvlabError(f"{path} is not a kvlab probe cache ({e}); run `kvlab probe` again"
+                         ) from None
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
