@@ -16,13 +16,14 @@ from gguf import GGMLQuantizationType
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
 from kvlab.metrics import ModelCost
-from kvlab.kernels import QuantizedWeight, dequantize, quantize
+from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, quantize
 from kvlab.models import find_arch
 from kvlab.models.layers import Weight
 from kvlab.models.spec import ArchSpec, NameTable
 from kvlab.weights import Checkpoint, RawTensor
 
 QUANTIZE_CHOICES = ("q8_0", "q4_k")
+_SUPPORTED = {t.name for t in SUPPORTED_TYPES}
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
 
 
 def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
+    if raw.qtype not in _SUPPORTED:
+        raise ModelLoadError(f"tensor type {raw.qtype} is not supported "
+                             f"(valid: {', '.join(sorted(_SUPPORTED))})")
     if raw.quantized:
         rows = transform(raw.data)  # row permutations work on the block bytes too
         w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, rows)

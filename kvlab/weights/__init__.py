@@ -21,6 +21,7 @@ from kvlab.weights.gguf_file import GGUFFile
 
 _FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
                 GGMLQuantizationType.BF16: torch.bfloat16}
+_TORCH_TYPES = {torch_type: ggml.name for ggml, torch_type in _FLOAT_TYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ class HFCheckpoint(Checkpoint):
 
     def read(self, name: str) -> RawTensor:
         t = self._where[name].get_tensor(name)
-        return RawTensor(tuple(t.shape), str(t.dtype).removeprefix("torch.").upper(), t)
+        kind = _TORCH_TYPES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+        return RawTensor(tuple(t.shape), kind, t)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

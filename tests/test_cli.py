@@ -1,0 +1,112 @@
+"""The command line as a user meets it: real subprocesses, one clear line and exit 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tiny_models import build
+
+
+def kvlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli")
+    build("qwen2", out)
+    return out / "model.gguf"
+
+
+def test_missing_file(tmp_path):
+    assert_user_error(kvlab("run", "--model", str(tmp_path / "nope.gguf"), "hi"), "not found")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 this is a zip file, not a model")
+    assert_user_error(kvlab("info", str(bad)), "not a GGUF file")
+
+
+def test_truncated_file(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    assert_user_error(kvlab("info", str(cut)), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_user_error(kvlab("info", str(path)), "'mamba' is not supported", "gemma3")
+
+
+def test_unsupported_quant_type(tmp_path):
+    import gguf
+
+    path = tmp_path / "q2k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 256), ("context_length", 64),
+                       ("feed_forward_length", 512), ("attention.head_count", 4)]:
+        w.add_uint32(f"llama.{key}", value)
+    w.add_uint32("llama.vocab_size", 8)
+    q2k = gguf.GGMLQuantizationType.Q2_K  # 256 weights in 84 bytes
+    w.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8), raw_dtype=q2k)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_user_error(kvlab("info", str(path)), "Q2_K is not supported", "Q4_K")
+
+
+def test_invalid_sampling_values(tiny_gguf):
+    assert_user_error(kvlab("run", "--model", str(tiny_gguf), "--top-p", "1.5", "hi"),
+                      "top_p must be in (0, 1]")
+    assert_user_error(kvlab("run", "--model", str(tiny_gguf), "--temperature", "-1", "hi"),
+                      "temperature")
+
+
+def test_prompt_longer_than_context(tiny_gguf):
+    proc = kvlab("run", "--model", str(tiny_gguf), "-n", "4", "word " * 400)
+    assert_user_error(proc, "exceeds the context length 256")
+
+
+def test_info_and_json_run_on_tiny_model(tiny_gguf):
+    info = json.loads(kvlab("info", str(tiny_gguf), "--json").stdout)
+    assert info["architecture"] == "qwen2" and info["layers"] == 3
+    assert info["kv_bytes_per_token_f16"] == 2 * 3 * 2 * 16 * 2
+    proc = kvlab("run", "--model", str(tiny_gguf), "-n", "5", "--ignore-eos", "--json", "ab")
+    record = json.loads(proc.stdout)
+    assert record["metrics"]["output_tokens"] == 5
+    assert record["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_run_default_model_streams_text_and_metrics():
+    proc = kvlab("run", "-n", "16", "--threads", "2", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout or len(proc.stdout.split()) > 5
+    for label in ("TTFT", "prefill", "decode", "ITL", "KV cache", "GB/s", "GFLOP/s"):
+        assert label in proc.stderr
