@@ -1,0 +1,107 @@
+"""`kvlab bench`: prompt processing (pp) and token generation (tg) speed, llama-bench style.
+
+Each test runs `repetitions` times on the public engine API with random prompt tokens and
+the prefix cache off (every run computes its whole prompt). Beside tok/s it prints the bytes a
+decode step reads, the GB/s that reached and its share of this machine's bandwidth, and the
+FLOP/s of prefill: each figure read against the ceiling it is bound by.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import asdict, dataclass
+
+from kvlab.engine import Engine
+from kvlab.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    test: str  # "pp512", "tg128", "tg128@d1024"
+    n_prompt: int
+    n_gen: int
+    depth: int
+    tok_s_mean: float
+    tok_s_std: float
+    samples: tuple[float, ...]
+    bytes_per_token: float  # decode: weight + KV bytes one step reads; prefill: 0
+    gb_s: float  # decode: bytes per token x tok/s
+    gflop_s: float
+    bandwidth_share: float | None  # gb_s / measured machine bandwidth
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tokens(engine: Engine, n: int, rng: random.Random) -> list[int]:
+    """Random ordinary token ids (no specials), starting with BOS when the model uses one."""
+    tok = engine.tokenizer
+    vocab = engine.loaded.config.vocab_size
+    ids = [rng.randrange(1000, vocab) for _ in range(n)]
+    ids = [i for i in ids if not tok.is_special(i)] or [1000]
+    while len(ids) < n:
+        ids.append(1000)
+    if tok.bos_id is not None and tok.add_bos and ids:
+        ids[0] = tok.bos_id
+    return ids
+
+
+def _run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """(prefill seconds, decode inter-token latencies) of one request."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request("bench", prompt, params)
+    last = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            last = out
+    assert last is not None and last.timings is not None
+    return last.timings.prefill_seconds, last.timings.inter_token_latencies
+
+
+def bench_pp(engine: Engine, n_prompt: int, reps: int, seed: int = 0) -> BenchResult:
+    rng = random.Random(seed)
+    samples = []
+    flops = engine.cost.prefill_flops(n_prompt)
+    for _ in range(reps):
+        prefill_s, _ = _run_one(engine, _tokens(engine, n_prompt, rng), 1)
+        samples.append(n_prompt / prefill_s)
+    mean = statistics.fmean(samples)
+    return BenchResult(f"pp{n_prompt}", n_prompt, 0, 0, mean, _std(samples), tuple(samples),
+                       0.0, 0.0, flops * mean / n_prompt / 1e9, None)
+
+
+def bench_tg(engine: Engine, n_gen: int, reps: int, depth: int = 0, seed: int = 0,
+             bandwidth_gb_s: float | None = None) -> BenchResult:
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(reps):
+        _, itl = _run_one(engine, _tokens(engine, max(1, depth), rng), n_gen + 1)
+        samples.append(len(itl) / sum(itl))
+    mean = statistics.fmean(samples)
+    context = max(1, depth) + n_gen // 2
+    per_token = engine.cost.decode_bytes(context)
+    gb_s = per_token * mean / 1e9
+    name = f"tg{n_gen}" + (f"@d{depth}" if depth else "")
+    return BenchResult(name, 0, n_gen, depth, mean, _std(samples), tuple(samples), per_token,
+                       gb_s, engine.cost.decode_flops(context) * mean / 1e9,
+                       gb_s / bandwidth_gb_s if bandwidth_gb_s else None)
+
+
+def _std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def format_table(results: list[BenchResult], fmt: str = "md") -> str:
+    head = ["test", "t/s", "± std", "MB/token", "GB/s", "% of BW", "GFLOP/s"]
+    rows = [[r.test, f"{r.tok_s_mean:.2f}", f"{r.tok_s_std:.2f}",
+             f"{r.bytes_per_token / 1e6:.1f}" if r.bytes_per_token else "-",
+             f"{r.gb_s:.2f}" if r.gb_s else "-",
+             f"{100 * r.bandwidth_share:.0f} %" if r.bandwidth_share else "-",
+             f"{r.gflop_s:.1f}"] for r in results]
+    if fmt == "csv":
+        return "\n".join(",".join(c.replace(" ", "") for c in row) for row in [head] + rows)
+    widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
+    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(head), sep] + [line(r) for r in rows])

@@ -1,0 +1,83 @@
+"""`kvlab bench -p 512 -n 128 -r 5 [-d 1024,4096] [-o md|json|csv] [--estimate]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvlab.bench.llama_bench import BenchResult, bench_pp, bench_tg, format_table
+from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.engine import Engine
+from kvlab.errors import KvlabError
+from kvlab.weights import default_model_path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 0, got {text!r}")
+    return values
+
+
+def register(subs: argparse._SubParsersAction) -> None:
+    p = subs.add_parser("bench", help="prefill and decode speed, llama-bench style")
+    p.add_argument("-p", "--n-prompt", type=_ints, default=[512], help="prompt lengths")
+    p.add_argument("-n", "--n-gen", type=_ints, default=[128], help="tokens to generate")
+    p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument("-d", "--depth", type=_ints, default=[0],
+                   help="KV cache depths for the tg tests, e.g. 0,1024,4096")
+    p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the estimator's prediction beside each measurement")
+    add_model_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repetitions < 1:
+        raise KvlabError(f"-r must be >= 1, got {args.repetitions}")
+    longest = max(args.n_prompt + [d + max(args.n_gen) + 1 for d in args.depth])
+    config = engine_config(args, enable_prefix_caching=False, max_num_seqs=1,
+                           max_num_batched_tokens=max(512, max(args.n_prompt + args.depth)),
+                           max_model_len=args.max_model_len or max(longest, 2048))
+    engine = Engine.from_model(args.model, config)
+    bandwidth = _machine_bandwidth()
+    _run_one_warmup(engine)
+    results = [bench_pp(engine, p, args.repetitions) for p in args.n_prompt if p]
+    results += [bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth)
+                for d in args.depth for n in args.n_gen if n]
+    _print(results, args.output, engine)
+    if args.estimate:
+        from kvlab.cli.bench_estimate import print_check
+
+        print_check(str(args.model or default_model_path()), results, args.threads)
+    return 0
+
+
+def _run_one_warmup(engine: Engine) -> None:
+    """First calls page in the weights and warm the allocator; not part of any figure."""
+    bench_tg(engine, 4, 1)
+    bench_pp(engine, 32, 1)
+
+
+def _machine_bandwidth() -> float | None:
+    try:
+        from kvlab.perf import HardwareSpec
+
+        return HardwareSpec.this_machine().bandwidth / 1e9
+    except Exception:  # noqa: BLE001 - no probe cache yet: the share column stays empty
+        return None
+
+
+def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
+    if fmt == "json":
+        print(json.dumps({"model": engine.model_name,
+                          "results": [r.as_dict() for r in results]}, indent=2))
+        return
+    print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "
+          f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token")
+    print(format_table(results, fmt))
