@@ -18,14 +18,17 @@ from kvlab.cache import KVCacheManager
 from kvlab.errors import KvlabError, RequestError
 from kvlab.metrics import GenerationMetrics, ModelCost
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
-from kvlab.request import (FinishReason, RequestOutput, RequestTimings, SamplingParams,
-                           TokenLogprob)
+from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
 from kvlab.runner import KV_DTYPES, ModelRunner
 from kvlab.sampler import SampleResult, SamplingBatch, sample
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
-from kvlab.tokenizer import (IncrementalDetokenizer, Tokenizer, load_gguf_tokenizer,
-                             load_hf_tokenizer)
+from kvlab.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    load_gguf_tokenizer,
+    load_hf_tokenizer,
+)
 from kvlab.weights import default_model_path, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

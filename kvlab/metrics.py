@@ -95,15 +95,15 @@ class GenerationMetrics:
     def summary(self) -> str:
         """One screen of text for the terminal."""
         return "\n".join([
-            f"prompt   {self.prompt_tokens} tokens ({self.cached_tokens} from prefix cache), "
-            f"output {self.output_tokens} tokens",
+            (f"prompt   {self.prompt_tokens} tokens ({self.cached_tokens} from prefix cache), "
+             f"output {self.output_tokens} tokens"),
             f"TTFT     {self.ttft_s * 1e3:8.1f} ms",
-            f"prefill  {self.prefill_tok_s:8.1f} tok/s   {self.prefill_gflop_s:7.1f} GFLOP/s  "
-            f"{self.prefill_gb_s:6.2f} GB/s   ({self.prefill_s * 1e3:.1f} ms)",
-            f"decode   {self.decode_tok_s:8.1f} tok/s   {self.decode_gflop_s:7.1f} GFLOP/s  "
-            f"{self.decode_gb_s:6.2f} GB/s   ({self.decode_s * 1e3:.1f} ms)",
-            f"ITL      mean {self.itl_mean_ms:.1f} ms   p50 {self.itl_p50_ms:.1f} ms   "
-            f"p99 {self.itl_p99_ms:.1f} ms",
+            (f"prefill  {self.prefill_tok_s:8.1f} tok/s   {self.prefill_gflop_s:7.1f} GFLOP/s  "
+             f"{self.prefill_gb_s:6.2f} GB/s   ({self.prefill_s * 1e3:.1f} ms)"),
+            (f"decode   {self.decode_tok_s:8.1f} tok/s   {self.decode_gflop_s:7.1f} GFLOP/s  "
+             f"{self.decode_gb_s:6.2f} GB/s   ({self.decode_s * 1e3:.1f} ms)"),
+            (f"ITL      mean {self.itl_mean_ms:.1f} ms   p50 {self.itl_p50_ms:.1f} ms   "
+             f"p99 {self.itl_p99_ms:.1f} ms"),
             f"total    {self.total_s:8.2f} s",
             f"KV cache {self.kv_tokens} tokens, {self.kv_bytes / 2**20:.2f} MiB",
         ])

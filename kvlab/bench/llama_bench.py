@@ -102,6 +102,6 @@ def format_table(results: list[BenchResult], fmt: str = "md") -> str:
     if fmt == "csv":
         return "\n".join(",".join(c.replace(" ", "") for c in row) for row in [head] + rows)
     widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
-    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    line = lambda row: "| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(head), sep] + [line(r) for r in rows])

@@ -41,10 +41,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
-    fields = dict(dtype=args.dtype, kv_dtype=args.kv_dtype, threads=args.threads,
-                  max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-                  keep_quantized=not args.dequantize, quantize=args.quantize,
-                  device=args.device)
+    fields = {"dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads,
+              "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
+              "keep_quantized": not args.dequantize, "quantize": args.quantize,
+              "device": args.device}
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
 

@@ -76,7 +76,7 @@ def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.devic
 def _groups(spans: list[SeqSpan], offsets: list[int], window: int | None,
             device: torch.device) -> tuple[AttentionGroup, ...]:
     decode = [i for i, s in enumerate(spans) if s.num_new == 1]
-    groups = [_prefill_group(spans[i], offsets[i], window, device)
+    groups = [_prefill_group(s, offsets[i], window, device)
               for i, s in enumerate(spans) if s.num_new > 1]
     if decode:
         groups.append(_decode_group([spans[i] for i in decode], [offsets[i] for i in decode],

@@ -14,8 +14,15 @@ import torch.nn.functional as F
 
 from kvlab.config import ModelConfig, RopeConfig
 from kvlab.models.attention import AttentionMetadata, paged_attention
-from kvlab.models.layers import (Weight, apply_rope, embed, linear, rms_norm, rope_cos_sin,
-                                 rope_inv_freq)
+from kvlab.models.layers import (
+    Weight,
+    apply_rope,
+    embed,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 
 GGUF_NAMES = NameTable(

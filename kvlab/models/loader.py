@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
-from kvlab.metrics import ModelCost
 from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, quantize
+from kvlab.metrics import ModelCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Weight
 from kvlab.models.spec import ArchSpec, NameTable
@@ -102,7 +102,7 @@ def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, s
 def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
                    ckpt: Checkpoint) -> None:
     required_layer = {"q", "k", "v", "o", "gate", "up", "down"}
-    missing = [f"embed"] if "embed" not in weights else []
+    missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
         missing += [f"layer {i} {n}" for n in sorted(required_layer - set(layer))]
     if missing:

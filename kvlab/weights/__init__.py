@@ -101,7 +101,7 @@ class HFCheckpoint(Checkpoint):
                 handle = safe_open(str(f), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise ModelLoadError(f"{f} is not a valid safetensors file: {e}") from None
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 self._where[key] = handle
 
     def names(self) -> set[str]:

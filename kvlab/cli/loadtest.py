@@ -1,0 +1,97 @@
+"""`kvlab loadtest`: stream requests at an OpenAI-compatible server and report TTFT, TPOT, ITL,
+E2E latency, throughput and goodput; `--sweep` repeats it over concurrencies and plots."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+
+from kvlab.errors import KvlabError
+
+
+def register(subs: argparse._SubParsersAction) -> None:
+    p = subs.add_parser("loadtest", help="load test an OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="server base URL (with or without /v1)")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", "-c", type=int, default=None,
+                      help="requests in flight (closed loop; default 1)")
+    load.add_argument("--rate", type=float, default=None,
+                      help="Poisson arrival rate in requests/s (open loop)")
+    load.add_argument("--sweep", default=None, help="comma-separated concurrencies, e.g. 1,4,8")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="with --rate: cap on requests in flight")
+    p.add_argument("--num-requests", "-n", type=int, default=32)
+    p.add_argument("--prompts", default=None, help="JSONL file: {\"prompt\"} or {\"messages\"}")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly max_tokens (vLLM / llama.cpp extension)")
+    p.add_argument("--slo", action="append", default=[],
+                   help="SLO for goodput, KEY:MS with KEY in ttft, tpot, e2el (repeatable)")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", default=None, help="with --sweep: write a PNG plot here")
+    p.set_defaults(func=run)
+
+
+def _levels(spec: str) -> list[int]:
+    try:
+        levels = [int(v) for v in spec.split(",") if v.strip()]
+    except ValueError:
+        raise KvlabError(f"--sweep {spec!r}: expected integers such as 1,4,8,16") from None
+    if not levels or min(levels) < 1:
+        raise KvlabError(f"--sweep {spec!r}: concurrencies must be >= 1")
+    return levels
+
+
+def _config(args: argparse.Namespace):
+    from kvlab.bench.loadtest import LoadConfig
+
+    if args.num_requests < 1 or args.max_tokens < 1:
+        raise KvlabError("--num-requests and --max-tokens must be >= 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise KvlabError("--concurrency must be >= 1")
+    if args.rate is not None and args.rate <= 0:
+        raise KvlabError("--rate must be > 0")
+    concurrency = args.concurrency or (args.max_concurrency if args.rate else 1)
+    return LoadConfig(
+        url=args.url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
+        rate=args.rate, num_requests=args.num_requests, max_tokens=args.max_tokens,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
+        timeout=args.timeout, api_key=os.environ.get("OPENAI_API_KEY"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlab.bench import loadtest as lt
+
+    if args.plot and not args.sweep:
+        raise KvlabError("--plot needs --sweep")
+    cfg = _config(args)
+    slos = lt.parse_slos(args.slo)
+    prompts = lt.load_prompts(args.prompts) if args.prompts else lt.builtin_prompts()
+    levels = _levels(args.sweep) if args.sweep else [cfg.concurrency]
+    runs = []
+    for level in levels:
+        run_cfg = dataclasses.replace(cfg, concurrency=level)
+        results, seconds, model = asyncio.run(lt.run_load(run_cfg, prompts, args.warmup))
+        runs.append(lt.summarize(run_cfg, model, results, seconds, slos))
+        if not args.json:
+            print(lt.format_summary(runs[-1]), flush=True)
+    if args.sweep and not args.json:
+        print("\n" + lt.format_sweep(runs))
+    if args.plot:
+        lt.plot_sweep(runs, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if args.json:
+        records = [s.as_dict() for s in runs]
+        print(json.dumps({"sweep": records} if args.sweep else records[0], indent=2))
+    return 1 if all(s.completed == 0 for s in runs) else 0
