@@ -17,11 +17,12 @@ import torch
 from kvlab.cache import KVCacheManager
 from kvlab.errors import KvlabError, RequestError
 from kvlab.metrics import GenerationMetrics, ModelCost
+from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
-from kvlab.runner import KV_DTYPES, ModelRunner
+from kvlab.runner import ModelRunner
 from kvlab.sampler import SampleResult, SamplingBatch, sample
-from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
 from kvlab.tokenizer import (
     IncrementalDetokenizer,
@@ -99,8 +100,7 @@ class Engine:
                  model_name: str = "") -> None:
         self.loaded, self.tokenizer, self.config = loaded, tokenizer, config
         self.model_name = model_name or loaded.config.name
-        kv_bpt = loaded.config.kv_bytes_per_token(torch.empty(0, dtype=KV_DTYPES[
-            config.kv_dtype]).element_size())
+        kv_bpt = loaded.config.kv_bytes_per_token(kv_bytes_per_element(config.kv_dtype))
         by_memory = int(config.kv_cache_gib * 2**30 / (kv_bpt * config.block_size))
         # no more blocks than max_num_seqs full-length sequences could ever use
         by_need = -(-loaded.config.max_position_embeddings * config.max_num_seqs
@@ -114,7 +114,7 @@ class Engine:
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)
-        self.cost: ModelCost = loaded.cost(self.runner.kv_caches[0][0].element_size())
+        self.cost: ModelCost = loaded.cost(kv_bytes_per_element(config.kv_dtype))
         self.requests: dict[str, _Request] = {}
 
     @classmethod
@@ -189,6 +189,27 @@ class Engine:
                       num_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                       block_size=self.config.block_size,
                       bytes_per_token=self.cost.kv_bytes_per_token)
+
+    def teacher_forced_logprobs(self, ids: list[int], prefill: int) -> torch.Tensor:
+        """Next-token log-probs [len(ids) - prefill + 1, vocab] along a fixed sequence.
+
+        The first `prefill` tokens run as one prefill pass, the rest one decode step each
+        through the paged KV cache, as generation would; used to score a cache dtype or a
+        kernel against a reference. Runs outside the scheduler: call it on an idle engine.
+        """
+        if self.has_unfinished():
+            raise RequestError("teacher_forced_logprobs needs an idle engine")
+        seq_id = "teacher-forced"
+        if not self.kv.allocate_slots(seq_id, len(ids)):
+            raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
+        try:
+            table = self.kv.block_table(seq_id)
+            chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
+            rows = [self.runner.execute(SchedulerOutput([ScheduledSeq(
+                seq_id, start, chunk, table, True, 0)])).logits[0] for start, chunk in chunks]
+        finally:
+            self.kv.free(seq_id)
+        return torch.log_softmax(torch.stack(rows), dim=-1)
 
     def metrics(self, out: RequestOutput) -> GenerationMetrics:
         """Timing summary of a finished request."""

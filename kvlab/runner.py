@@ -1,7 +1,7 @@
 """SchedulerOutput -> tensors -> logits. Owns the paged KV tensors.
 
-The KV pool is one pair of `[num_blocks * block_size, kv_heads, head_dim]` tensors per
-layer, allocated once; its pages only become resident when written.
+The KV pool is one store per layer (kvlab.models.kv_store) of num_blocks * block_size slots,
+allocated once; its pages only become resident when written.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import torch
 
 from kvlab.config import ModelConfig
 from kvlab.models.attention import SeqSpan, build_metadata
+from kvlab.models.kv_store import kv_bytes_per_element, make_kv
 from kvlab.scheduler import SchedulerOutput
-
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -29,19 +28,15 @@ class ModelRunner:
         self.model, self.config = model, config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device = torch.device(device)
-        self.kv_dtype = KV_DTYPES[kv_dtype]
+        self.kv_dtype = kv_dtype
         slots = num_blocks * block_size
-        shape = (slots, config.num_kv_heads, config.head_dim)
-        # empty, not zeros: pages become resident only when written, and attention only
-        # ever reads slots that were written (padding repeats a sequence's own slot)
-        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.empty(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(config.num_layers)]  # (k, v) per layer
+        self.kv_caches = [make_kv(kv_dtype, slots, config.num_kv_heads, config.head_dim,
+                                  self.device) for _ in range(config.num_layers)]
         self._offsets = torch.arange(block_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return int(self.config.kv_bytes_per_token(self.kv_caches[0][0].element_size()))
+        return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         spans, ids, positions = [], [], []

@@ -38,16 +38,7 @@ def reference(default_model_path):
 
 def kvlab_teacher_forced(engine: Engine, ids: list[int], n_prompt: int) -> torch.Tensor:
     """log-probs [len(ids) - n_prompt + 1, vocab]: the prompt in one pass, then one per step."""
-    from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-
-    runner = engine.runner
-    table = list(range(0, (len(ids) + 15) // 16))
-    rows = [runner.execute(SchedulerOutput([ScheduledSeq("g", 0, ids[:n_prompt], table, True,
-                                                         n_prompt)])).logits[0]]
-    for pos in range(n_prompt, len(ids)):
-        out = SchedulerOutput([ScheduledSeq("g", pos, [ids[pos]], table, True, 0)])
-        rows.append(runner.execute(out).logits[0])
-    return torch.log_softmax(torch.stack(rows), dim=-1)
+    return engine.teacher_forced_logprobs(ids, n_prompt)
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +61,14 @@ def test_dequantized_path_matches_transformers(golden):
         assert (ours[pos, top] - ref[pos, top]).abs().max() <= 2e-3
 
 
-def test_quantized_kernels_match_transformers(golden, default_model_path):
+@pytest.fixture(scope="module")
+def quantized(default_model_path):
+    return Engine.from_model(str(default_model_path), EngineConfig())
+
+
+def test_quantized_kernels_match_transformers(golden, quantized):
     ids, full, ref, _ = golden
-    engine = Engine.from_model(str(default_model_path), EngineConfig())
+    engine = quantized
     ours = kvlab_teacher_forced(engine, full, len(ids))
     diffs = []
     for pos in range(ref.shape[0]):
@@ -86,9 +82,9 @@ def test_quantized_kernels_match_transformers(golden, default_model_path):
     assert max(diffs) <= 1.0 and sum(diffs) / len(diffs) <= 0.5
 
 
-def test_greedy_text_equal_until_a_near_tie(golden, default_model_path):
-    ids, full, ref, dense = golden
-    engine = Engine.from_model(str(default_model_path), EngineConfig())
+def test_greedy_text_equal_until_a_near_tie(golden, quantized):
+    ids, full, ref, _ = golden
+    engine = quantized
     engine.add_request("g", ids, SamplingParams(max_tokens=STEPS, temperature=0,
                                                 ignore_eos=True))
     got: list[int] = []

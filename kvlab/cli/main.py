@@ -8,7 +8,8 @@ import sys
 
 from kvlab.errors import KvlabError
 
-SUBCOMMANDS = ("run", "chat", "info", "bench", "serve", "loadtest", "estimate", "probe", "viz")
+SUBCOMMANDS = ("run", "chat", "info", "bench", "kvquality", "serve", "loadtest", "estimate",
+               "probe", "viz")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlab.models.kv_store import Q8KV, FloatKV
+
+KVStore = FloatKV | Q8KV
+
 
 @dataclass(frozen=True)
 class AttentionGroup:
@@ -119,22 +123,18 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
     return AttentionGroup(rows.to(device), slots.to(device), mask.to(device), len(spans), 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                    sliding: bool, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
+                    meta: AttentionMetadata, sliding: bool, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H * D].
 
     Writes the new K/V into the cache first, then reads every attended key from it.
     """
-    k_cache, v_cache = cache  # [num_slots, KVH, D] each
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    cache.write(meta.slot_mapping, k, v)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in meta.groups(sliding):
         qg = q.index_select(0, g.rows).view(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
-        kg = k_cache[g.slots].to(q.dtype)  # [B, C, KVH, D]
-        vg = v_cache[g.slots].to(q.dtype)
+        kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
         og = F.scaled_dot_product_attention(
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
             attn_mask=g.mask[:, None], scale=scale, enable_gqa=True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.config import ModelConfig, RopeConfig
-from kvlab.models.attention import AttentionMetadata, paged_attention
+from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
     apply_rope,
@@ -118,7 +118,7 @@ class Gemma3Model:
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[KVStore],
                 meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         c = self.config
@@ -137,7 +137,7 @@ class Gemma3Model:
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight],
                   rope: tuple[torch.Tensor, torch.Tensor],
-                  cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  cache: KVStore, meta: AttentionMetadata,
                   sliding: bool) -> torch.Tensor:
         c = self.config
         q = linear(h, layer["q"]).view(-1, c.num_heads, c.head_dim)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.config import ModelConfig, RopeConfig
-from kvlab.models.attention import AttentionMetadata, paged_attention
+from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
     apply_rope,
@@ -114,7 +114,7 @@ class LlamaModel:
         self.inv_freq = inv
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[KVStore],
                 meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         x = embed(ids, self.weights["embed"])
@@ -128,7 +128,7 @@ class LlamaModel:
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
-                  sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                  sin: torch.Tensor, cache: KVStore,
                   meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         q = linear(h, layer["q"], layer.get("q_bias")).view(-1, c.num_heads, c.head_dim)

@@ -56,7 +56,7 @@ class LoadedModel:
     def num_params(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors)
 
-    def cost(self, kv_bytes_per_element: int) -> ModelCost:
+    def cost(self, kv_bytes_per_element: float) -> ModelCost:
         c = self.config
         embed = next(t for t in self.tensors if t.name == "embed")
         tied = not any(t.name == "lm_head" for t in self.tensors)

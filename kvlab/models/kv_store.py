@@ -1,0 +1,84 @@
+"""One layer's paged KV storage: write new tokens' K/V into slots, gather slots back.
+
+Float stores keep `[num_slots, kv_heads, head_dim]` tensors in f32, bf16 or f16. The q8_0
+store keeps int8 values with one scale per 32 elements of a head (GGUF's Q8_0 layout:
+34 bytes per 32 values, about half of f16), quantized on write, dequantized on gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_KV = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+KV_DTYPES = (*FLOAT_KV, "q8_0")
+Q8_BLOCK = 32
+
+
+class FloatKV:
+    def __init__(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        # empty, not zeros: pages become resident only when written, and attention only
+        # reads slots that were written (padding repeats a sequence's own slot)
+        self.k = torch.empty(slots, heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(slots, heads, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_element(dtype: torch.dtype) -> float:
+        return torch.empty(0, dtype=dtype).element_size()
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.index_copy_(0, slots, k.to(self.k.dtype))
+        self.v.index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [B, C] -> k, v: [B, C, heads, head_dim]."""
+        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+
+
+class Q8KV:
+    def __init__(self, slots: int, heads: int, head_dim: int, device: torch.device) -> None:
+        if head_dim % Q8_BLOCK:
+            raise ValueError(f"q8_0 KV needs head_dim divisible by {Q8_BLOCK}, got {head_dim}")
+        blocks = head_dim // Q8_BLOCK
+        self.k = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)
+        self.v = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)
+        self.k_scale = torch.empty(slots, heads, blocks, 1, dtype=torch.float16, device=device)
+        self.v_scale = torch.empty(slots, heads, blocks, 1, dtype=torch.float16, device=device)
+
+    bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for store, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize_q8(x)
+            store.index_copy_(0, slots, q)
+            scale.index_copy_(0, slots, s)
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (dequantize_q8(self.k[slots], self.k_scale[slots], dtype),
+                dequantize_q8(self.v[slots], self.v_scale[slots], dtype))
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] float -> int8 [..., D] and fp16 scales [..., D/32, 1] (round to nearest)."""
+    blocks = x.float().unflatten(-1, (-1, Q8_BLOCK))
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float))
+    q = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
+    return q.flatten(-2), scale
+
+
+def dequantize_q8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.unflatten(-1, (-1, Q8_BLOCK)).to(dtype) * scale.to(dtype)).flatten(-2)
+
+
+def make_kv(kind: str, slots: int, heads: int, head_dim: int,
+            device: torch.device) -> FloatKV | Q8KV:
+    if kind == "q8_0":
+        return Q8KV(slots, heads, head_dim, device)
+    return FloatKV(slots, heads, head_dim, FLOAT_KV[kind], device)
+
+
+def kv_bytes_per_element(kind: str) -> float:
+    return Q8KV.bytes_per_element if kind == "q8_0" else FloatKV.bytes_per_element(FLOAT_KV[kind])
