@@ -19,11 +19,11 @@ _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_l
                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def hf_config(arch: str):  # noqa: ANN201 - a transformers config object
+def hf_config(arch: str, **overrides):  # noqa: ANN201 - a transformers config object
     import transformers as tf
 
     if arch == "llama":
-        return tf.LlamaConfig(**_COMMON, rope_theta=10000.0, rope_scaling={
+        return tf.LlamaConfig(**{**_COMMON, **overrides}, rope_theta=10000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     if arch == "qwen2":
@@ -42,12 +42,15 @@ def hf_config(arch: str):  # noqa: ANN201 - a transformers config object
     raise ValueError(arch)
 
 
-def build(arch: str, out_dir: Path, seed: int = 0):  # noqa: ANN201
-    """Random model in fp32; writes out_dir/hf (safetensors) and out_dir/model.gguf."""
+def build(arch: str, out_dir: Path, seed: int = 0, **overrides):  # noqa: ANN201
+    """Random model in fp32; writes out_dir/hf (safetensors) and out_dir/model.gguf.
+
+    `overrides` change the Llama config (e.g. num_attention_heads) for shape-specific tests.
+    """
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = hf_config(arch)
+    cfg = hf_config(arch, **overrides)
     cls = tf.Gemma3ForCausalLM if arch == "gemma3" else tf.AutoModelForCausalLM
     model = cls.from_config(cfg, torch_dtype=torch.float32) if arch != "gemma3" else cls(cfg)
     with torch.no_grad():  # random norms so a wrong norm convention shows

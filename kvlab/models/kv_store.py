@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.errors import KvlabError
+
 FLOAT_KV = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KV_DTYPES = (*FLOAT_KV, "q8_0")
 Q8_BLOCK = 32
@@ -39,7 +41,8 @@ class FloatKV:
 class Q8KV:
     def __init__(self, slots: int, heads: int, head_dim: int, device: torch.device) -> None:
         if head_dim % Q8_BLOCK:
-            raise ValueError(f"q8_0 KV needs head_dim divisible by {Q8_BLOCK}, got {head_dim}")
+            raise KvlabError(f"--kv-dtype q8_0 needs head_dim divisible by {Q8_BLOCK}, the "
+                             f"model has {head_dim}; use f16 or bf16")
         blocks = head_dim // Q8_BLOCK
         self.k = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)
         self.v = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)

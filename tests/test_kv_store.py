@@ -1,0 +1,65 @@
+"""KV stores: float dtypes round-trip, q8_0 matches GGUF's Q8_0 numerics, and paged
+attention through each store stays close to the f32 cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvlab.models.kv_store import Q8KV, dequantize_q8, kv_bytes_per_element, make_kv, quantize_q8
+
+
+def test_q8_matches_gguf_reference_dequantization():
+    x = torch.randn(64, 4, 64) * 5
+    q, scale = quantize_q8(x)
+    ours = dequantize_q8(q, scale, torch.float32)
+    ref = dequantize(quantize(x.numpy().reshape(-1, 64), GGMLQuantizationType.Q8_0),
+                     GGMLQuantizationType.Q8_0).reshape(x.shape)
+    # same block layout and rounding: at most one quantization step apart, mostly equal
+    step = scale.float().expand(-1, -1, -1, 32).flatten(-2)
+    diff = (ours - torch.from_numpy(np.ascontiguousarray(ref))).abs()
+    assert (diff <= step * 1.01).all()
+    assert (diff < 1e-6).float().mean() > 0.99
+
+
+def test_q8_store_write_gather_and_size():
+    store = make_kv("q8_0", 32, 2, 64, torch.device("cpu"))
+    assert isinstance(store, Q8KV)
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    slots = torch.tensor([3, 9, 10, 20, 31])
+    store.write(slots, k, v)
+    kg, vg = store.gather(slots[None], torch.float32)
+    assert kg.shape == (1, 5, 2, 64)
+    assert (kg[0] - k).abs().max() <= k.abs().max() / 127
+    assert (vg[0] - v).abs().max() <= v.abs().max() / 127
+    assert kv_bytes_per_element("q8_0") == 34 / 32  # half of f16 and a little more
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0"])
+def test_engine_runs_with_each_kv_dtype(tmp_path, kind):
+    from kvlab.engine import Engine, EngineConfig
+    from tiny_models import build
+
+    build("llama", tmp_path, num_attention_heads=2)  # head_dim 32: one q8_0 block
+    ref = Engine.from_model(str(tmp_path / "model.gguf"), EngineConfig(block_size=4))
+    other = Engine.from_model(str(tmp_path / "model.gguf"),
+                              EngineConfig(block_size=4, kv_dtype=kind))
+    ids = list(range(1, 40))
+    a = ref.teacher_forced_logprobs(ids, 8)
+    b = other.teacher_forced_logprobs(ids, 8)
+    kl = (a.exp() * (a - b)).sum(-1)
+    assert kl.max() < 1e-2
+    assert other.cost.kv_bytes_per_token < ref.cost.kv_bytes_per_token
+
+
+def test_q8_kv_needs_head_dim_in_blocks_of_32(tmp_path):
+    from kvlab.engine import Engine, EngineConfig
+    from kvlab.errors import KvlabError
+    from tiny_models import build
+
+    build("qwen2", tmp_path)  # head_dim 16
+    with pytest.raises(KvlabError, match="head_dim divisible by 32"):
+        Engine.from_model(str(tmp_path / "model.gguf"), EngineConfig(kv_dtype="q8_0"))
