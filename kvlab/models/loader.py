@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
@@ -121,9 +121,19 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
     t = transform(raw.data)
     if t.dim() < 2:
         return t.float()
-    if options.quantize:
-        return quantize(t.float(), GGMLQuantizationType[options.quantize.upper()])
-    return t.to(options.dtype)
+    qtype = _quant_type_for(t.shape[-1], options.quantize)
+    return quantize(t.float(), qtype) if qtype else t.to(options.dtype)
+
+
+def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | None:
+    """The asked-for type, or (as llama.cpp's quantizer does) Q8_0 for rows whose length is
+    not a multiple of the type's block, or None (stay dense) when neither fits."""
+    if wanted is None:
+        return None
+    for qtype in (GGMLQuantizationType[wanted.upper()], GGMLQuantizationType.Q8_0):
+        if cols % GGML_QUANT_SIZES[qtype][0] == 0:
+            return qtype
+    return None
 
 
 def _stat(name: str, w: Weight) -> TensorStat:
