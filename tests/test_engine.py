@@ -9,6 +9,7 @@ import torch
 from kvlab.engine import Engine, EngineConfig
 from kvlab.errors import RequestError
 from kvlab.request import FinishReason, SamplingParams
+
 from tiny_models import build
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

@@ -41,6 +41,7 @@ def test_q8_store_write_gather_and_size():
 @pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0"])
 def test_engine_runs_with_each_kv_dtype(tmp_path, kind):
     from kvlab.engine import Engine, EngineConfig
+
     from tiny_models import build
 
     build("llama", tmp_path, num_attention_heads=2)  # head_dim 32: one q8_0 block
@@ -58,6 +59,7 @@ def test_engine_runs_with_each_kv_dtype(tmp_path, kind):
 def test_q8_kv_needs_head_dim_in_blocks_of_32(tmp_path):
     from kvlab.engine import Engine, EngineConfig
     from kvlab.errors import KvlabError
+
     from tiny_models import build
 
     build("qwen2", tmp_path)  # head_dim 16

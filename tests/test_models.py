@@ -11,6 +11,7 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 from kvlab.weights import open_checkpoint
+
 from tiny_models import ARCHS, build
 
 TOL = 1e-4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvlab.cache import KVCacheManager
 from kvlab.request import SamplingParams
-from kvlab.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from kvlab.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 
 P = SamplingParams(max_tokens=4, temperature=0)
 

@@ -19,7 +19,7 @@ _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_l
                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
-def hf_config(arch: str, **overrides):  # noqa: ANN201 - a transformers config object
+def hf_config(arch: str, **overrides):
     import transformers as tf
 
     if arch == "llama":
@@ -42,7 +42,7 @@ def hf_config(arch: str, **overrides):  # noqa: ANN201 - a transformers config o
     raise ValueError(arch)
 
 
-def build(arch: str, out_dir: Path, seed: int = 0, **overrides):  # noqa: ANN201
+def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
     """Random model in fp32; writes out_dir/hf (safetensors) and out_dir/model.gguf.
 
     `overrides` change the Llama config (e.g. num_attention_heads) for shape-specific tests.
@@ -63,7 +63,7 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):  # noqa: ANN201
     return model
 
 
-def write_gguf(arch: str, model, path: Path) -> None:  # noqa: ANN001
+def write_gguf(arch: str, model, path: Path) -> None:
     import gguf
 
     cfg = model.config
@@ -92,7 +92,7 @@ def write_gguf(arch: str, model, path: Path) -> None:  # noqa: ANN001
     w.close()
 
 
-def _add_byte_tokenizer(w, vocab_size: int) -> None:  # noqa: ANN001
+def _add_byte_tokenizer(w, vocab_size: int) -> None:
     """A merge-free byte-level BPE vocabulary: printable ASCII, then space and newline."""
     tokens = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
     assert len(tokens) == vocab_size
@@ -105,7 +105,7 @@ def _add_byte_tokenizer(w, vocab_size: int) -> None:  # noqa: ANN001
     w.add_bool("tokenizer.ggml.add_bos_token", False)
 
 
-def _rope_theta(cfg, arch: str) -> float:  # noqa: ANN001
+def _rope_theta(cfg, arch: str) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     if arch == "gemma3":
         return float(params["full_attention"]["rope_theta"])
@@ -123,7 +123,7 @@ _LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def _gguf_tensors(arch: str, model):  # noqa: ANN001, ANN202
+def _gguf_tensors(arch: str, model):
     cfg = model.config
     table = {**_LAYER, **(_LAYER_GEMMA if arch == "gemma3" else _LAYER_LLAMA)}
     for name, t in model.state_dict().items():
@@ -140,7 +140,7 @@ def _gguf_tensors(arch: str, model):  # noqa: ANN001, ANN202
         yield "rope_freqs.weight", _llama3_freq_factors(model)
 
 
-def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):  # noqa: ANN001
+def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):
     _, _, i, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     if arch == "gemma3" and module.endswith("norm"):
@@ -157,7 +157,7 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def _llama3_freq_factors(model) -> torch.Tensor:  # noqa: ANN001
+def _llama3_freq_factors(model) -> torch.Tensor:
     """Per-frequency divisors that turn plain rope into llama3-scaled rope."""
     rotary = model.model.rotary_emb
     head_dim = rotary.inv_freq.shape[0] * 2
