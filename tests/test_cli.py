@@ -13,8 +13,8 @@ from tiny_models import build
 
 
 def kvlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], check=False,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -14,9 +14,9 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
-_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               rms_norm_eps=1e-6, tie_word_embeddings=False)
+_COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 
 def hf_config(arch: str, **overrides):
