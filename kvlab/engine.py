@@ -57,6 +57,9 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise KvlabError(f"--kv-dtype {self.kv_dtype!r} is not supported (valid: "
                              f"{', '.join(KV_DTYPES)})")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise KvlabError(f"--device {self.device}: no CUDA device is available here "
+                             "(valid: cpu)")
         if self.block_size < 1 or self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise KvlabError("block size, KV cache size and max sequences must be positive")
 
@@ -127,7 +130,8 @@ class Engine:
             set_num_threads(config.threads)
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
-        options = LoadOptions(DTYPES[config.dtype], config.keep_quantized, config.quantize)
+        options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
+                              device=config.device, quantize=config.quantize)
         loaded = load_model(ckpt, options)
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))

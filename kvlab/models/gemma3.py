@@ -113,16 +113,18 @@ class Gemma3Model:
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]]) -> None:
         self.config, self.weights, self.layers = config, weights, layers
-        self.inv_freq_global = rope_inv_freq(config.rope, config.head_dim)
-        self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope, config.head_dim)
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+        device = weights["norm"].device
+        self.inv_freq_global = rope_inv_freq(config.rope, config.head_dim).to(device)
+        self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
+                                            config.head_dim).to(device)
+        self.embed_scale = config.hidden_size ** 0.5
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
                 meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         c = self.config
-        x = embed(ids, self.weights["embed"]) * self.embed_scale.to(torch.float32)
+        x = embed(ids, self.weights["embed"]) * self.embed_scale
         ropes = {False: rope_cos_sin(positions, self.inv_freq_global),
                  True: rope_cos_sin(positions, self.inv_freq_local)}
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):

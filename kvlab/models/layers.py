@@ -18,8 +18,11 @@ Weight = torch.Tensor | QuantizedWeight
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out] with w: [out, in]."""
-    y = F.linear(x, w) if isinstance(w, torch.Tensor) else qmatmul(x, w)
+    """x: [T, in] -> [T, out] with w: [out, in]; dense products run in the weight's dtype."""
+    if isinstance(w, torch.Tensor):
+        y = F.linear(x.to(w.dtype), w)
+    else:
+        y = qmatmul(x.float(), w)
     return y if bias is None else y + bias
 
 

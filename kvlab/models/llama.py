@@ -111,7 +111,7 @@ class LlamaModel:
         inv = rope_inv_freq(config.rope, config.head_dim)
         if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
             inv = inv / weights["rope_freqs"].float()
-        self.inv_freq = inv
+        self.inv_freq = inv.to(weights["norm"].device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],

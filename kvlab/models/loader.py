@@ -29,7 +29,8 @@ _SUPPORTED = {t.name for t in SUPPORTED_TYPES}
 @dataclass(frozen=True)
 class LoadOptions:
     dtype: torch.dtype = torch.float32
-    keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory
+    keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
+    device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: "q8_0" | "q4_k"
 
 
@@ -114,15 +115,18 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
     if raw.qtype not in _SUPPORTED:
         raise ModelLoadError(f"tensor type {raw.qtype} is not supported "
                              f"(valid: {', '.join(sorted(_SUPPORTED))})")
+    on_cpu = options.device == "cpu"
     if raw.quantized:
         rows = transform(raw.data)  # row permutations work on the block bytes too
         w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, rows)
-        return w if options.keep_quantized else dequantize(w).to(options.dtype)
+        if options.keep_quantized and on_cpu:
+            return w
+        return dequantize(w).to(device=options.device, dtype=options.dtype)
     t = transform(raw.data)
     if t.dim() < 2:
-        return t.float()
-    qtype = _quant_type_for(t.shape[-1], options.quantize)
-    return quantize(t.float(), qtype) if qtype else t.to(options.dtype)
+        return t.float().to(options.device)
+    qtype = _quant_type_for(t.shape[-1], options.quantize) if on_cpu else None
+    return quantize(t.float(), qtype) if qtype else t.to(options.device, options.dtype)
 
 
 def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | None:
