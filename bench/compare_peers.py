@@ -23,7 +23,7 @@ from kvlab.engine import Engine, EngineConfig
 from kvlab.weights import default_model_path
 
 
-def llama_cpp_runner(path: Path, threads: int, n_ctx: int, n_batch: int):  # noqa: ANN201
+def llama_cpp_runner(path: Path, threads: int, n_ctx: int, n_batch: int):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
@@ -48,7 +48,7 @@ def llama_cpp_runner(path: Path, threads: int, n_ctx: int, n_batch: int):  # noq
     return pp, tg
 
 
-def transformers_runner(path: Path, threads: int):  # noqa: ANN201
+def transformers_runner(path: Path, threads: int):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
