@@ -8,6 +8,8 @@ PROMPT ?= The three most important ideas in computer science are
 .PHONY: run test lint bench clean
 
 $(STAMP): pyproject.toml $(wildcard setup.py)
+	command -v chromium >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

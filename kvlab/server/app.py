@@ -1,0 +1,194 @@
+"""The HTTP server: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
+and Prometheus /metrics, on FastAPI under uvicorn.
+
+Every error is OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`), so the
+official client raises BadRequestError / NotFoundError / ... unchanged. A client that hangs
+up, mid-stream or while waiting for a whole answer, has its requests aborted at once, which
+frees their KV blocks. On shutdown uvicorn lets requests in flight finish for
+`shutdown_timeout` seconds, then cancels them; the engine then aborts whatever is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from kvlab.engine import Engine
+from kvlab.errors import KvlabError
+from kvlab.server import viz
+from kvlab.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, Generation
+from kvlab.server.prom import CONTENT_TYPE
+from kvlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from kvlab.server.serving import Call, Serving
+
+log = logging.getLogger("kvlab.server")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that abort their Generation however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], gen: Generation) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """Map the exceptions a handler may raise to the status and type the client sees."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, KvlabError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, (EngineOverloaded, EngineUnavailable)):
+        return ApiError(503, str(exc), type_="service_unavailable_error")
+    if isinstance(exc, HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return ApiError(exc.status_code, str(exc.detail), type_=kind)
+    log.exception("unhandled error", exc_info=exc)
+    return ApiError(500, f"internal error: {exc}", type_="internal_server_error")
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"could not parse the JSON body: {e}") from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await work, but cancel it (and raise ClientGone) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientGone()
+    return task.result()
+
+
+def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The FastAPI app; starting it starts the engine thread, stopping it stops that thread.
+
+    `routers` add front ends of their own (e.g. the visualiser); their handlers find the
+    AsyncEngine at `request.app.state.engine`, and may raise ApiError like these do.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="kvlab", lifespan=lifespan)
+    app.state.engine = engine
+    serving = Serving(engine)
+    app.state.serving = serving
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(as_api_error(exc))
+
+    # the specific ones are answered quietly; a bare Exception is also logged by starlette
+    for kind in (ApiError, KvlabError, EngineOverloaded, EngineUnavailable, HTTPException,
+                 Exception):
+        app.add_exception_handler(kind, on_error)
+    add_info_routes(app, engine)
+    add_generation_routes(app, engine, serving)
+    app.include_router(viz.router)
+    return app
+
+
+def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        s = engine.stats
+        ok = engine.alive and engine.accepting
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "model": engine.model_name,
+             "num_requests": engine.num_live, "num_running": s.num_running,
+             "num_waiting": s.num_waiting, "kv_blocks_used": s.kv_blocks_used,
+             "kv_blocks_total": s.kv_blocks_total, "kv_usage": s.kv_usage,
+             "prefix_queries": s.prefix_queries, "prefix_hits": s.prefix_hits},
+            status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": started,
+            "owned_by": "kvlab", "root": engine.model_name,
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(engine.metrics.render(engine.stats), media_type=CONTENT_TYPE)
+
+
+def add_generation_routes(app: FastAPI, engine: AsyncEngine, serving: Serving) -> None:
+    async def answer(request: Request, call: Call, stream: bool) -> Response:
+        gen = await engine.add(call.requests)
+        if stream:
+            return EventStream(serving.stream(call, gen), gen)
+        try:
+            return JSONResponse(await unless_disconnected(request, serving.respond(call, gen)))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            gen.close()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(CompletionRequest, await read_json(request))
+        return await answer(request, serving.completion_call(req), req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await read_json(request))
+        return await answer(request, serving.chat_call(req), req.stream)
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
+          shutdown_timeout: float = 30.0, log_level: str = "info",
+          routers: Sequence[APIRouter] = ()) -> None:
+    """Run the server until SIGINT / SIGTERM."""
+    app = create_app(AsyncEngine(engine, max_waiting), routers)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(shutdown_timeout))
+    uvicorn.Server(config).run()

@@ -1,0 +1,270 @@
+"""The engine behind an asyncio server: one thread owns the engine, the event loop owns requests.
+
+    event loop (HTTP handlers)                 engine thread (the only caller of Engine)
+    add([...]) ---- command queue ---------->  add_request / abort, between steps
+    Generation.queue <- call_soon_threadsafe - step() outputs, one batch per step
+
+Every Engine call happens on the engine thread, so the engine needs no lock; everything the
+handlers touch (the request -> Generation map, the metrics) lives on the event loop thread.
+A Generation groups the engine requests of one API call (its n choices) behind one queue.
+Closing a Generation aborts whatever of it is unfinished, which frees its KV blocks at once:
+handlers close it when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvlab.engine import Engine, EngineStats
+from kvlab.request import FinishReason, RequestOutput, SamplingParams
+from kvlab.server.prom import ServerMetrics
+
+log = logging.getLogger("kvlab.server")
+T = TypeVar("T")
+_STOP = object()
+_Command = tuple[Any, "concurrent.futures.Future | None"]
+
+
+class EngineOverloaded(Exception):
+    """The bounded waiting queue is full (HTTP 503)."""
+
+
+class EngineUnavailable(Exception):
+    """The server is shutting down or the engine thread has died (HTTP 503)."""
+
+
+class EngineStepError(Exception):
+    """A step raised; the requests in flight were aborted (HTTP 500, or an SSE error event)."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Generation:
+    """The outputs of one API call's engine requests, in the order the engine produced them."""
+
+    def __init__(self, owner: AsyncEngine, requests: list[EngineRequest]) -> None:
+        self.owner = owner
+        self.requests = requests
+        self.arrival = time.perf_counter()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.last: dict[str, RequestOutput] = {}
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        remaining = len(self.requests)
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield item
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            self.last[item.request_id] = item
+        self.queue.put_nowait(item)
+
+    def aborted_output(self, req: EngineRequest) -> RequestOutput:
+        """A final output for a request that was cut short (what it had produced so far)."""
+        last = self.last.get(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[], text_delta="", finished=True,
+            finish_reason=FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
+            cached_tokens=last.cached_tokens if last else 0,
+            output_tokens=last.output_tokens if last else 0,
+            timings=last.timings if last else None)
+
+    def close(self) -> None:
+        """Abort whatever has not finished (idempotent); call it when the client goes away."""
+        self.owner.close(self)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 128) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.capacity = engine.config.max_num_seqs + max_waiting
+        self.metrics = ServerMetrics(engine.model_name)
+        self.stats: EngineStats = engine.stats()  # snapshot, refreshed by the engine thread
+        self.accepting = False
+        self._owner: dict[str, Generation] = {}  # live request id -> its Generation
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.step_errors = 0
+
+    # ---- lifecycle (event loop thread) ----------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+        self._thread.start()
+        self.accepting = True
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, abort the unfinished ones, then stop the engine thread."""
+        self.accepting = False
+        for gen in {id(g): g for g in self._owner.values()}.values():
+            for req in gen.requests:
+                if self._owner.get(req.request_id) is gen:
+                    gen.push(gen.aborted_output(req))
+            gen.close()
+        self._commands.put((_STOP, None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_live(self) -> int:
+        return len(self._owner)
+
+    # ---- requests (event loop thread) -----------------------------------------------------
+
+    async def add(self, requests: list[EngineRequest]) -> Generation:
+        """Queue one API call's engine requests; raises RequestError, EngineOverloaded, ..."""
+        if not self.accepting or not self.alive:
+            raise EngineUnavailable("the server is shutting down" if self.alive
+                                    else "the engine is not running")
+        if len(self._owner) + len(requests) > self.capacity:
+            self.metrics.rejected.inc()
+            raise EngineOverloaded(f"the server is at capacity ({self.capacity} requests "
+                                   "running or waiting); retry later")
+        gen = Generation(self, requests)
+        for req in requests:
+            self._owner[req.request_id] = gen
+        try:
+            await self.call(lambda engine: _add_all(engine, requests))
+        except BaseException:  # a bad request, or the client left while we waited
+            for req in requests:
+                self._owner.pop(req.request_id, None)
+                self._send(_abort(req.request_id))
+            raise
+        return gen
+
+    def close(self, gen: Generation) -> None:
+        for req in gen.requests:
+            if self._owner.get(req.request_id) is gen:
+                del self._owner[req.request_id]
+                self._send(_abort(req.request_id))
+                self.metrics.observe(gen.aborted_output(req), gen.arrival, "abort")
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine thread between two steps and return its result."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def _send(self, fn: Callable[[Engine], Any]) -> None:
+        self._commands.put((fn, None))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            gen = self._owner.get(out.request_id)
+            if gen is None:  # closed meanwhile; its abort is on its way
+                continue
+            if out.finished:
+                del self._owner[out.request_id]
+                reason = out.finish_reason.value if out.finish_reason else "stop"
+                self.metrics.observe(out, gen.arrival, reason)
+            gen.push(out)
+
+    def _fail(self, error: BaseException) -> None:
+        for gen in {id(g): g for g in self._owner.values()}.values():
+            gen.push(error)
+            gen.close()
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._run_commands(block=not self.engine.has_unfinished()):
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self.engine.stats()
+        log.info("engine thread stopped")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # keep serving: fail the requests in flight, not the server
+            log.exception("engine step failed; aborting the requests in flight")
+            self.step_errors += 1
+            self._post(self._fail, EngineStepError(f"engine step failed: {e}"))
+            return
+        if outputs:
+            self._post(self._dispatch, outputs)
+
+    def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop closed under us during shutdown
+            pass
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run the queued commands; False once told to stop. Idle: wait for the first one."""
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            fn, fut = item
+            if fn is _STOP:
+                return False
+            _execute(self.engine, fn, fut)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+
+def _execute(engine: Engine, fn: Callable[[Engine], Any],
+             fut: concurrent.futures.Future | None) -> None:
+    if fut is not None and not fut.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(engine)
+    except Exception as e:
+        if fut is None:
+            log.exception("engine command failed")
+        else:
+            fut.set_exception(e)
+        return
+    if fut is not None:
+        fut.set_result(result)
+
+
+def _add_all(engine: Engine, requests: list[EngineRequest]) -> None:
+    """All or nothing: if one is refused, the ones already added are taken back."""
+    added: list[str] = []
+    try:
+        for req in requests:
+            engine.add_request(req.request_id, req.prompt_ids, req.params)
+            added.append(req.request_id)
+    except Exception:
+        for request_id in added:
+            engine.abort(request_id)
+        raise
+
+
+def _abort(request_id: str) -> Callable[[Engine], None]:
+    return lambda engine: engine.abort(request_id)

@@ -1,0 +1,146 @@
+"""How completions and chat completions spell choices, deltas, logprobs and usage.
+
+The two endpoints differ only in these shapes (`text` vs `message` / `delta`, legacy vs chat
+logprobs), so each is a small Format class and the serving code is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.request import RequestOutput, TokenLogprob
+from kvlab.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_tokens: int
+    echo: str = ""  # the prompt text, for completions with echo
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    last: RequestOutput | None = None
+    offset: int = 0  # characters streamed so far (legacy logprobs' text_offset)
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text_delta)
+        self.logprobs.extend(out.logprobs)
+        self.last = out
+        if out.finished:
+            self.finish_reason = out.finish_reason.value if out.finish_reason else "stop"
+
+
+def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+    """Each prompt counts once however many choices it has (as OpenAI counts with n > 1)."""
+    firsts = [c for c in choices if c.index % n == 0]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    completion = sum(c.last.output_tokens for c in choices if c.last)
+    cached = sum(c.last.cached_tokens for c in firsts if c.last)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+class Format:
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def first_delta(self, c: Choice) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def delta(self, c: Choice, out: RequestOutput,
+              num_logprobs: int | None) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    object = chunk_object = "text_completion"
+
+    def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
+        text = c.echo + "".join(c.text)
+        logprobs = (None if num_logprobs is None
+                    else self.logprobs(c.logprobs, num_logprobs, len(c.echo)))
+        return {"index": c.index, "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+
+    def first_delta(self, c: Choice) -> dict[str, Any] | None:
+        if not c.echo:
+            return None
+        c.offset = len(c.echo)
+        return {"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}
+
+    def delta(self, c: Choice, out: RequestOutput,
+              num_logprobs: int | None) -> dict[str, Any] | None:
+        if not (out.text_delta or out.finished or out.logprobs):
+            return None
+        logprobs = (None if num_logprobs is None
+                    else self.logprobs(out.logprobs, num_logprobs, c.offset))
+        c.offset += len(out.text_delta)
+        return {"index": c.index, "text": out.text_delta, "logprobs": logprobs,
+                "finish_reason": out.finish_reason.value if out.finish_reason else None}
+
+    def logprobs(self, items: list[TokenLogprob], k: int, offset: int) -> dict[str, Any]:
+        """Legacy shape: parallel lists; top_logprobs maps token text -> logprob."""
+        tokens, offsets = [], []
+        for item in items:
+            tokens.append(self.token_text(item.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        top = [{self.token_text(i): _lp(lp) for i, lp in
+                [*item.top[:k], (item.token_id, item.logprob)]} for item in items]
+        return {"tokens": tokens, "token_logprobs": [_lp(i.logprob) for i in items],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+class ChatFormat(Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
+        logprobs = (None if num_logprobs is None
+                    else {"content": self.logprobs(c.logprobs, num_logprobs), "refusal": None})
+        return {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "message": {"role": "assistant", "content": "".join(c.text),
+                            "refusal": None, "tool_calls": []}}
+
+    def first_delta(self, c: Choice) -> dict[str, Any] | None:
+        return {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def delta(self, c: Choice, out: RequestOutput,
+              num_logprobs: int | None) -> dict[str, Any] | None:
+        if not (out.text_delta or out.finished or out.logprobs):
+            return None
+        logprobs = (None if num_logprobs is None
+                    else {"content": self.logprobs(out.logprobs, num_logprobs),
+                          "refusal": None})
+        delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+        return {"index": c.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": out.finish_reason.value if out.finish_reason else None}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.token_text(token_id), "logprob": _lp(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
+
+    def logprobs(self, items: list[TokenLogprob], k: int) -> list[dict[str, Any]]:
+        return [{**self._entry(i.token_id, i.logprob),
+                 "top_logprobs": [self._entry(t, lp) for t, lp in i.top[:k]]} for i in items]

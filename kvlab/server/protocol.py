@@ -1,0 +1,163 @@
+"""The OpenAI wire format: request bodies (strictly typed), errors, and their sampling settings.
+
+Bodies are validated in pydantic's strict mode, so `"max_tokens": "5"` is a 400 as on
+api.openai.com rather than a silent cast. Unknown fields are accepted and ignored, as vLLM
+does; vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are
+understood, so `extra_body=` from the official client reaches the sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvlab.request import SamplingParams
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error the client caused or must be told about, sent as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ... pass through
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {**(self.model_extra or {}), "role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def parse(model: type[_Sampling], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(part) for part in err["loc"]]
+        param = ".".join(loc[:2] if loc and loc[0] == "messages" else loc[:1]) or None
+        got = err.get("input")
+        raise ApiError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} "
+                            f"(got {got!r})", param=param) from None
+
+
+def check_common(req: _Sampling) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
+
+
+def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many top alternatives the engine must report per token (None: no logprobs)."""
+    if isinstance(req, CompletionRequest):
+        n, param = req.logprobs, "logprobs"
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs to be true",
+                           param="top_logprobs")
+        n, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {n}", param=param)
+    return n
+
+
+def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                    seed_offset: int = 0) -> SamplingParams:
+    """Engine settings for one choice; raises RequestError on values out of range."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=pick(req.temperature, 1.0),
+        top_p=pick(req.top_p, 1.0), top_k=req.top_k or 0, min_p=pick(req.min_p, 0.0),
+        repetition_penalty=pick(req.repetition_penalty, 1.0),
+        presence_penalty=pick(req.presence_penalty, 0.0),
+        frequency_penalty=pick(req.frequency_penalty, 0.0),
+        seed=None if req.seed is None else req.seed + seed_offset, stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        logprobs=requested_logprobs(req),
+        include_stop_str_in_output=req.include_stop_str_in_output)

@@ -1,0 +1,159 @@
+"""The visualiser's predictions: which hardware "this machine" is, the what-if model presets,
+and a roofline estimate (kvlab.perf) turned into the few figures the page shows.
+
+"This machine" is, in order of preference: the `kvlab probe` cache; a quick measurement made
+once when first asked (about a second of bandwidth and matmul timing); a named part from the
+built-in table. `MachineSource.label` says which, and the page prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.errors import KvlabError
+from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, known_parts
+from kvlab.perf.hardware import GB, GIB, TERA
+
+log = logging.getLogger("kvlab.server")
+
+FALLBACK_PART = "cpu-ddr4-laptop"
+THIS = "this"  # the hardware key of this machine, whatever its source
+SERVED = "served"  # the model key of the model the server runs
+
+# Bits per weight as llama.cpp stores them, scales included. "file": as the served file is.
+QUANT_BITS: dict[str, float] = {"q4_0": 4.5, "q4_k_m": 4.85, "q5_k_m": 5.69, "q6_k": 6.56,
+                                "q8_0": 8.5, "f16": 16.0, "f32": 32.0}
+QUANT_LABELS = {"file": "as stored in the served file", "q4_0": "Q4_0 (4.5 bits)",
+                "q4_k_m": "Q4_K_M (4.85 bits)", "q5_k_m": "Q5_K_M (5.69 bits)",
+                "q6_k": "Q6_K (6.56 bits)", "q8_0": "Q8_0 (8.5 bits)",
+                "f16": "F16 / BF16 (16 bits)", "f32": "F32 (32 bits)"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A public model architecture, as its config.json gives it."""
+
+    label: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+
+
+PRESETS: dict[str, Preset] = {
+    "1b": Preset("1B (Llama 3.2 1B shape)", 16, 2048, 32, 8, 64, 8192, 128256, tied=True),
+    "3b": Preset("3B (Llama 3.2 3B shape)", 28, 3072, 24, 8, 128, 8192, 128256, tied=True),
+    "8b": Preset("8B (Llama 3.1 8B shape)", 32, 4096, 32, 8, 128, 14336, 128256),
+    "14b": Preset("14B (Qwen2.5 14B shape)", 48, 5120, 40, 8, 128, 13824, 152064),
+    "32b": Preset("32B (Qwen2.5 32B shape)", 64, 5120, 40, 8, 128, 27648, 152064),
+    "70b": Preset("70B (Llama 3.1 70B shape)", 80, 8192, 64, 8, 128, 28672, 128256),
+}
+
+
+@dataclass(frozen=True)
+class MachineSource:
+    hardware: HardwareSpec
+    kind: str  # "probe", "quick", "part"
+    label: str  # one line for the page
+
+
+def this_machine(quick: bool = True) -> MachineSource:
+    """The probe cache, else a quick measurement (if allowed), else a named part."""
+    try:
+        hw = HardwareSpec.this_machine()
+        return MachineSource(hw, "probe", f"{hw.name} (from the `kvlab probe` cache)")
+    except KvlabError:
+        pass
+    if quick:
+        try:
+            return _quick_measurement()
+        except (RuntimeError, MemoryError, KvlabError) as e:  # the page must still load
+            log.warning("quick hardware measurement failed: %s", e)
+    hw = HardwareSpec.from_name(FALLBACK_PART)
+    return MachineSource(hw, "part", f"{hw.name} (a named part from the built-in table: no "
+                                     "`kvlab probe` cache; run `kvlab probe` to measure)")
+
+
+def _quick_measurement() -> MachineSource:
+    from kvlab.perf.probe import measure_bandwidth, measure_matmul
+
+    bandwidth, _ = measure_bandwidth(buffer_mib=128, budget_s=0.4)
+    flops, size, _ = measure_matmul("fp32", size=512, budget_s=0.4)
+    hw = HardwareSpec(name=f"this machine ({os.cpu_count()} CPUs, quick measurement)",
+                      bandwidth=bandwidth, flops={"fp32": flops}, memory_bytes=None, kind="cpu",
+                      sources={"bandwidth": "torch.sum over 128 MiB, ~0.4 s",
+                               "flops": f"{size}x{size} fp32 matmul, ~0.4 s"}, key=THIS)
+    return MachineSource(hw, "quick", f"{hw.name}: {bandwidth / GB:.1f} GB/s, "
+                                      f"{flops / TERA:.3f} TFLOPS fp32 measured at start-up in "
+                                      "about a second; `kvlab probe` measures better")
+
+
+def hardware_choices(machine: MachineSource) -> list[dict[str, Any]]:
+    """This machine first, then the built-in table."""
+    rows = [{"key": THIS, "name": machine.label}]
+    rows += [{"key": hw.key, "name": hw.name, "kind": hw.kind} for hw in known_parts()]
+    return rows
+
+
+def hardware_for(key: str, machine: MachineSource) -> HardwareSpec:
+    return machine.hardware if key == THIS else HardwareSpec.from_name(key)
+
+
+def model_for(key: str, quant: str, served: ModelSpec, served_arch: Preset) -> ModelSpec:
+    """A preset or the served model, at a quantization ("file": the served file as stored)."""
+    if quant != "file" and quant not in QUANT_BITS:
+        raise KvlabError(f"unknown quantization {quant!r}; valid: file, {', '.join(QUANT_BITS)}")
+    if key == SERVED:
+        if quant == "file":
+            return served
+        return _describe(served_arch, QUANT_BITS[quant], f"{served.name} at {quant}")
+    preset = PRESETS.get(key)
+    if preset is None:
+        raise KvlabError(f"unknown model {key!r}; valid: {SERVED}, {', '.join(PRESETS)}")
+    if quant == "file":
+        raise KvlabError(f"quantization 'file' only applies to the served model; pick one of "
+                         f"{', '.join(QUANT_BITS)} for {key}")
+    return _describe(preset, QUANT_BITS[quant], f"{preset.label}, {quant}")
+
+
+def _describe(p: Preset, bits: float, name: str) -> ModelSpec:
+    return ModelSpec.from_description(
+        bits=bits, layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
+        head_dim=p.head_dim, vocab=p.vocab, intermediate=p.intermediate, tied=p.tied, name=name)
+
+
+def predict(model: ModelSpec, hw: HardwareSpec, prompt_tokens: int, output_tokens: int,
+            concurrency: int = 1, kv_dtype: str = "f16") -> dict[str, Any]:
+    """The figures the page shows beside a run, all per stream; seconds and tokens/s."""
+    wl = Workload(prompt_tokens=max(1, prompt_tokens), output_tokens=max(1, output_tokens),
+                  concurrency=max(1, concurrency), kv_dtype=kv_dtype)
+    e = estimate(model, hw, wl)
+    decode = e.decode_tok_s_mid
+    return {
+        "prediction": True,
+        "hardware": {"key": hw.key, "name": hw.name, "bandwidth_gbs": hw.bandwidth / GB,
+                     "tflops": hw.flop_rate(e.compute_dtype) / TERA,
+                     "compute_dtype": e.compute_dtype,
+                     "memory_gib": None if hw.memory_bytes is None else hw.memory_bytes / GIB},
+        "model": {"name": model.name, "params": model.n_params,
+                  "weight_bytes": model.weight_bytes,
+                  "bits_per_param": 8 * model.weight_bytes / model.n_params},
+        "workload": {"prompt_tokens": wl.prompt_tokens, "output_tokens": wl.output_tokens,
+                     "concurrency": wl.concurrency, "kv_dtype": kv_dtype},
+        "ttft_s": e.ttft, "prefill_s": e.prefill_seconds, "prefill_tok_s": e.prefill_tok_s,
+        "prefill_bound": e.prefill_bound,
+        "decode_tok_s": decode, "decode_tok_s_range": list(e.decode_tok_s_realistic),
+        "decode_tok_s_ceiling": e.decode_tok_s_ceiling, "decode_bound": e.decode_bound,
+        "itl_ms": 1e3 / decode, "total_s": e.total_seconds,
+        "total_s_range": list(e.total_seconds_range),
+        "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bytes": e.kv_bytes,
+        "memory_needed_gib": e.memory_needed / GIB, "fits": e.fits,
+        "notes": list(e.notes),
+    }
