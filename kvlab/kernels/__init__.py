@@ -1,0 +1,35 @@
+"""Quantized weights and their products: GGUF blocks kept as stored, read by C kernels.
+
+    QuantizedWeight(qtype, (out, in), data)      frozen; data uint8 [out, row_bytes]
+    QuantizedWeight.from_gguf(file, name)        zero-copy from the memory map
+    dequantize(w, dtype) -> [out, in]             all supported types
+    dequantize_rows(w, ids) -> [*ids, in] fp32    embedding lookup, reads only those rows
+    qmatmul(x, w) -> x @ W^T fp32                 decode: int8 kernels; prefill: fp32 tiles
+    quantize(t, qtype) -> QuantizedWeight         Q8_0 (byte-exact), Q4_K, Q5_K, Q6_K, ...
+    set_num_threads(n)                            kernel threads and torch's, together
+
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+"""
+
+from kvlab.kernels.ops import (
+    dequantize,
+    dequantize_rows,
+    get_num_threads,
+    kernel_backend,
+    qmatmul,
+    quantize,
+    set_num_threads,
+)
+from kvlab.kernels.qweight import SUPPORTED_TYPES, QuantizedWeight
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "QuantizedWeight",
+    "dequantize",
+    "dequantize_rows",
+    "get_num_threads",
+    "kernel_backend",
+    "qmatmul",
+    "quantize",
+    "set_num_threads",
+]

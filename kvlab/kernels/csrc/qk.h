@@ -1,0 +1,96 @@
+/* kvlab quantized kernels: GGUF block layouts, 8-bit activation blocks, kernel tables.
+ *
+ * Weights stay in their GGUF block format. A product y = x W^T first quantizes each row
+ * of x to 8-bit blocks (kv_act32 for the 32-wide "legacy" types, kv_act256 for K-quants),
+ * then every weight row is read once and dotted against all rows of x with integer math.
+ */
+#ifndef KVLAB_QK_H
+#define KVLAB_QK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* GGML type ids, as in gguf.GGMLQuantizationType */
+enum {
+    KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7,
+    KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
+    KV_NTYPES = 31
+};
+
+typedef uint16_t kv_half;
+
+/* ---- GGUF weight blocks (layouts fixed by the file format) ---- */
+typedef struct { kv_half d; int8_t qs[32]; } kv_blk_q8_0;                      /* 34 B */
+typedef struct { kv_half d; uint8_t qs[16]; } kv_blk_q4_0;                     /* 18 B */
+typedef struct { kv_half d, m; uint8_t qs[16]; } kv_blk_q4_1;                  /* 20 B */
+typedef struct { kv_half d; uint8_t qh[4]; uint8_t qs[16]; } kv_blk_q5_0;      /* 22 B */
+typedef struct { kv_half d, m; uint8_t qh[4]; uint8_t qs[16]; } kv_blk_q5_1;   /* 24 B */
+/* K-quants: 256-element super-blocks. Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scale and
+ * min packed in `scales`; value = d*sc*q - dmin*m. Q6_K: 16 groups of 16, int8 scales. */
+typedef struct { kv_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; } kv_blk_q4_k;   /* 144 */
+typedef struct {
+    kv_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128];
+} kv_blk_q5_k;                                                                          /* 176 */
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; kv_half d; } kv_blk_q6_k;
+
+/* ---- 8-bit activation blocks (kvlab's own, never stored) ---- */
+typedef struct { float d; float s; int8_t qs[32]; } kv_act32;   /* x ~ d*qs, s = d*sum(qs) */
+typedef struct { float d; int16_t bsums[16]; int8_t qs[256]; } kv_act256; /* bsums: per 16 */
+/* Two 32-blocks (2p, 2p+1) arranged as the AVX2 kernels unpack two 4/5-bit weight blocks:
+ * low nibbles of both blocks in one register, high nibbles in another. */
+typedef struct {
+    int8_t lo[32];  /* elements 0..15 of block 2p, then elements 0..15 of block 2p+1 */
+    int8_t hi[32];  /* elements 16..31 of the same blocks */
+    float d[8];     /* scale of block 2p four times, then of block 2p+1 */
+    float s[8];     /* d*sum(q) of block 2p, 0, 0, 0, then of block 2p+1, 0, 0, 0 */
+} kv_act64;
+
+enum { KV_ACT_FLOAT = 0, KV_ACT_32 = 1, KV_ACT_256 = 2, KV_ACT_64 = 3 };
+
+/* Rows [r0, r1) of W (row_bytes apart) times n activation rows (xstride bytes apart):
+ * y[j*ystride + r] = dot(W[r], x[j]). */
+typedef void (*kv_gemv_fn)(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                           int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                           float *y, int64_t ystride);
+/* One row of `cols` elements -> fp32. */
+typedef void (*kv_deq_fn)(const uint8_t *w, int64_t cols, float *out);
+
+typedef struct {
+    const char *name;
+    kv_gemv_fn gemv[KV_NTYPES];
+    kv_deq_fn deq[KV_NTYPES];
+    uint8_t act_kind[KV_NTYPES];  /* the activation blocks gemv[t] takes (KV_ACT_*) */
+    void (*act32)(const float *x, int64_t cols, kv_act32 *out);
+    void (*act64)(const float *x, int64_t cols, kv_act64 *out);  /* ceil(blocks/2) pairs */
+    void (*act256)(const float *x, int64_t cols, kv_act256 *out);
+} kv_isa;
+
+extern const kv_isa kv_isa_generic;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(KV_NO_AVX2)  /* -DKV_NO_AVX2: portable only */
+#define KV_HAVE_AVX2_BUILD 1
+extern const kv_isa kv_isa_avx2;
+#endif
+
+/* ---- helpers shared by the C files ---- */
+extern float kv_h2f_table[65536];
+void kv_init_tables(void);
+uint16_t kv_f2h(float f);
+
+int kv_block_size(int qtype);    /* elements per block, 0 if unsupported */
+int kv_type_size(int qtype);     /* bytes per block */
+
+/* Quantizers (generic C): rows x cols fp32 -> GGUF blocks, row after row. */
+void kv_quantize_q8_0(const float *x, int64_t n, uint8_t *out);
+void kv_quantize_q4_k(const float *x, int64_t n, uint8_t *out);
+void kv_quantize_q5_k(const float *x, int64_t n, uint8_t *out);
+void kv_quantize_q6_k(const float *x, int64_t n, uint8_t *out);
+
+/* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
+typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);
+int kv_pool_set_threads(int n);  /* 0 on success */
+int kv_pool_threads(void);
+void kv_pool_set_spin_us(int us);
+void kv_pool_run(kv_task_fn fn, void *ctx, int nthreads);
+void kv_pool_after_fork_child(void);
+
+#endif

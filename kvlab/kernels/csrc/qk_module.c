@@ -1,0 +1,386 @@
+/* CPython entry points of kvlab.kernels._qk.
+ *
+ * Tensors cross the boundary as raw addresses (torch's data_ptr()) plus sizes; the Python
+ * side (kvlab/kernels/ops.py) checks dtypes, shapes and contiguity before calling. Every
+ * entry point releases the GIL while it computes; one lock serializes the jobs because
+ * they share the thread pool and the activation scratch buffer.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qk.h"
+
+static const kv_isa *g_isa = &kv_isa_generic;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *g_scratch;
+static size_t g_scratch_bytes;
+
+static int cpu_has_avx2(void) {
+#ifdef KV_HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static const kv_isa *best_isa(void) {
+#ifdef KV_HAVE_AVX2_BUILD
+    if (cpu_has_avx2()) return &kv_isa_avx2;
+#endif
+    return &kv_isa_generic;
+}
+
+static void *scratch(size_t bytes) {
+    if (bytes > g_scratch_bytes) {
+        free(g_scratch);
+        g_scratch_bytes = 0;
+        if (posix_memalign(&g_scratch, 64, bytes)) return g_scratch = NULL;
+        g_scratch_bytes = bytes;
+    }
+    return g_scratch;
+}
+
+/* ---------------- parallel jobs over row ranges ----------------
+ *
+ * Each thread owns one contiguous part of the rows and walks it front to back in units of
+ * ~16 KiB, so the hardware prefetchers see one long stream per thread (interleaving small
+ * chunks between threads halved the bandwidth on the model's 0.1-1 MB matrices). A thread
+ * done with its part takes units from the next parts, so a worker that is late, or never
+ * scheduled on a busy machine, costs nothing but its own speed-up.
+ *
+ *     rows: |---- part 0 (caller) ---->|---- part 1 (worker 1) ---->|
+ *            unit unit unit ...          unit unit ...   <- thieves take units from here too
+ */
+
+#define KV_MAX_PARTS 64
+
+typedef struct {
+    _Alignas(64) atomic_llong next;  /* first row not yet taken; own cache line */
+    int64_t end;
+} kv_part;
+
+typedef struct rows_job rows_job;
+typedef void (*rows_fn)(const rows_job *job, int64_t r0, int64_t r1);
+struct rows_job {
+    rows_fn fn;
+    int64_t rows, unit;
+    int qtype, nparts;
+    const uint8_t *w;
+    int64_t row_bytes, cols;
+    const void *xq;   /* gemv: activations; quantize: fp32 input */
+    int64_t xstride, n;
+    void *out;
+    kv_part parts[KV_MAX_PARTS];
+};
+
+static void rows_task(void *p, int tid, int nthreads) {
+    rows_job *job = p;
+    (void)nthreads;
+    for (int k = 0; k < job->nparts; k++) {
+        kv_part *part = &job->parts[(tid + k) % job->nparts];
+        for (;;) {
+            const int64_t r0 = atomic_fetch_add(&part->next, job->unit);
+            if (r0 >= part->end) break;
+            job->fn(job, r0, r0 + job->unit < part->end ? r0 + job->unit : part->end);
+        }
+    }
+}
+
+/* One part per thread (a single one below 64 KiB of work: waking a worker costs more). */
+static void run_rows(rows_job *job, int64_t bytes_per_row) {
+    const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
+    job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
+    job->unit = 16384 / (bytes_per_row > 0 ? bytes_per_row : 1) + 1;
+    for (int k = 0; k < job->nparts; k++) {
+        atomic_store(&job->parts[k].next, job->rows * k / job->nparts);
+        job->parts[k].end = job->rows * (k + 1) / job->nparts;
+    }
+    kv_pool_run(rows_task, job, nt);
+}
+
+static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
+    g_isa->gemv[job->qtype](job->w, job->row_bytes, r0, r1, job->cols, job->xq, job->xstride,
+                            job->n, (float *)job->out, job->rows);
+}
+
+static void deq_rows(const rows_job *job, int64_t r0, int64_t r1) {
+    const kv_deq_fn deq = g_isa->deq[job->qtype];
+    for (int64_t r = r0; r < r1; r++)
+        deq(job->w + r * job->row_bytes, job->cols, (float *)job->out + r * job->cols);
+}
+
+static void quant_rows(const rows_job *job, int64_t r0, int64_t r1) {
+    const float *x = (const float *)job->xq + r0 * job->cols;
+    uint8_t *out = (uint8_t *)job->out + r0 * job->row_bytes;
+    const int64_t n = (r1 - r0) * job->cols;
+    switch (job->qtype) {
+        case KV_Q8_0: kv_quantize_q8_0(x, n, out); break;
+        case KV_Q4_K: kv_quantize_q4_k(x, n, out); break;
+        case KV_Q5_K: kv_quantize_q5_k(x, n, out); break;
+        case KV_Q6_K: kv_quantize_q6_k(x, n, out); break;
+        default: break;
+    }
+}
+
+/* ---------------- argument checking ---------------- */
+
+static int get_i64(PyObject *o, int64_t *v) {
+    *v = PyLong_AsLongLong(o);
+    return !(*v == -1 && PyErr_Occurred());
+}
+
+static int get_ptr(PyObject *o, void **p) {
+    *p = PyLong_AsVoidPtr(o);
+    return !(*p == NULL && PyErr_Occurred());
+}
+
+/* qtype, cols and row_bytes must describe whole blocks of a supported type */
+static int check_layout(int64_t qtype, int64_t cols, int64_t row_bytes) {
+    const int bs = qtype >= 0 && qtype < KV_NTYPES ? kv_block_size((int)qtype) : 0;
+    if (bs == 0) {
+        PyErr_Format(PyExc_ValueError, "GGML type id %lld is not supported by kvlab kernels",
+                     (long long)qtype);
+        return 0;
+    }
+    if (cols <= 0 || cols % bs) {
+        PyErr_Format(PyExc_ValueError, "row length %lld is not a positive multiple of the "
+                     "block size %d", (long long)cols, bs);
+        return 0;
+    }
+    if (row_bytes != cols / bs * kv_type_size((int)qtype)) {
+        PyErr_Format(PyExc_ValueError, "row_bytes %lld does not match %lld elements of type %lld",
+                     (long long)row_bytes, (long long)cols, (long long)qtype);
+        return 0;
+    }
+    return 1;
+}
+
+#define NARGS(k)                                                                       \
+    if (nargs != (k)) {                                                                \
+        PyErr_Format(PyExc_TypeError, "expected %d arguments, got %zd", (k), nargs);  \
+        return NULL;                                                                   \
+    }
+
+/* ---------------- entry points ---------------- */
+
+static int64_t act_row_bytes(int kind, int64_t cols) {
+    switch (kind) {
+        case KV_ACT_32: return cols / 32 * (int64_t)sizeof(kv_act32);
+        case KV_ACT_64: return (cols / 32 + 1) / 2 * (int64_t)sizeof(kv_act64);
+        case KV_ACT_256: return cols / 256 * (int64_t)sizeof(kv_act256);
+        default: return cols * (int64_t)sizeof(float);
+    }
+}
+
+/* x rows -> the activation blocks the active kernel for qtype takes (fp32 x as is) */
+static int quantize_activations(int qtype, const float *x, int64_t n, int64_t cols,
+                                const void **xq, int64_t *xstride) {
+    const int kind = g_isa->act_kind[qtype];
+    *xstride = act_row_bytes(kind, cols);
+    if (kind == KV_ACT_FLOAT) {
+        *xq = x;
+        return 0;
+    }
+    char *buf = scratch((size_t)(*xstride * n));
+    if (!buf) return -1;
+    for (int64_t j = 0; j < n; j++) {
+        void *row = buf + j * *xstride;
+        if (kind == KV_ACT_32) g_isa->act32(x + j * cols, cols, row);
+        else if (kind == KV_ACT_64) g_isa->act64(x + j * cols, cols, row);
+        else g_isa->act256(x + j * cols, cols, row);
+    }
+    *xq = buf;
+    return 0;
+}
+
+/* qmatmul(qtype, w, rows, cols, row_bytes, x, n, y): y[n, rows] = x[n, cols] . W^T */
+static PyObject *py_qmatmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(8);
+    int64_t qtype, rows, cols, row_bytes, n;
+    void *w, *x, *y;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &w) || !get_i64(args[2], &rows) ||
+        !get_i64(args[3], &cols) || !get_i64(args[4], &row_bytes) || !get_ptr(args[5], &x) ||
+        !get_i64(args[6], &n) || !get_ptr(args[7], &y))
+        return NULL;
+    if (!check_layout(qtype, cols, row_bytes)) return NULL;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rows_job job = {.fn = gemv_rows, .rows = rows, .qtype = (int)qtype, .w = w,
+                    .row_bytes = row_bytes, .cols = cols, .n = n, .out = y};
+    rc = quantize_activations((int)qtype, x, n, cols, &job.xq, &job.xstride);
+    if (rc == 0 && rows > 0 && n > 0) run_rows(&job, row_bytes);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* dequantize(qtype, w, rows, cols, row_bytes, out, parallel): out[rows, cols] fp32.
+ * parallel=0 keeps it on the calling thread (prefill tiles: between two BLAS calls the
+ * kernel's workers should not wake up and compete with torch's). */
+static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(7);
+    int64_t qtype, rows, cols, row_bytes, parallel;
+    void *w, *out;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &w) || !get_i64(args[2], &rows) ||
+        !get_i64(args[3], &cols) || !get_i64(args[4], &row_bytes) || !get_ptr(args[5], &out) ||
+        !get_i64(args[6], &parallel))
+        return NULL;
+    if (!check_layout(qtype, cols, row_bytes)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rows_job job = {.fn = deq_rows, .rows = rows, .qtype = (int)qtype, .w = w,
+                    .row_bytes = row_bytes, .cols = cols, .out = out};
+    if (rows > 0 && parallel) run_rows(&job, row_bytes + cols * 4);
+    else if (rows > 0) deq_rows(&job, 0, rows);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* dequantize_rows(qtype, w, rows, cols, row_bytes, ids (int64), n, out): out[n, cols] */
+static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(8);
+    int64_t qtype, rows, cols, row_bytes, n;
+    void *w, *ids_p, *out;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &w) || !get_i64(args[2], &rows) ||
+        !get_i64(args[3], &cols) || !get_i64(args[4], &row_bytes) || !get_ptr(args[5], &ids_p) ||
+        !get_i64(args[6], &n) || !get_ptr(args[7], &out))
+        return NULL;
+    if (!check_layout(qtype, cols, row_bytes)) return NULL;
+    const int64_t *ids = ids_p;
+    for (int64_t j = 0; j < n; j++) {
+        if (ids[j] < 0 || ids[j] >= rows)
+            return PyErr_Format(PyExc_IndexError, "row id %lld is out of range [0, %lld)",
+                                (long long)ids[j], (long long)rows);
+    }
+    const kv_deq_fn deq = g_isa->deq[qtype];
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t j = 0; j < n; j++) deq((const uint8_t *)w + ids[j] * row_bytes, cols,
+                                        (float *)out + j * cols);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* quantize(qtype, x, rows, cols, out): fp32 [rows, cols] -> GGUF blocks; Q8_0 and K-quants */
+static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(5);
+    int64_t qtype, rows, cols;
+    void *x, *out;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &x) || !get_i64(args[2], &rows) ||
+        !get_i64(args[3], &cols) || !get_ptr(args[4], &out))
+        return NULL;
+    if (qtype != KV_Q8_0 && qtype != KV_Q4_K && qtype != KV_Q5_K && qtype != KV_Q6_K)
+        return PyErr_Format(PyExc_ValueError, "no C quantizer for GGML type id %lld",
+                            (long long)qtype);
+    const int bs = kv_block_size((int)qtype);
+    if (!check_layout(qtype, cols, cols / bs * kv_type_size((int)qtype))) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rows_job job = {.fn = quant_rows, .rows = rows, .qtype = (int)qtype, .xq = x, .cols = cols,
+                    .row_bytes = cols / bs * kv_type_size((int)qtype), .out = out};
+    if (rows > 0) run_rows(&job, 64 * cols);  /* the K-quant searches are compute-bound */
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 1) return PyErr_Format(PyExc_ValueError, "thread count must be >= 1, got %ld", n);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rc = kv_pool_set_threads((int)n);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_Format(PyExc_OSError, "could not start %ld kernel threads", n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(kv_pool_threads());
+}
+
+static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long us = PyLong_AsLong(arg);
+    if (us == -1 && PyErr_Occurred()) return NULL;
+    kv_pool_set_spin_us((int)us);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(g_isa->name);
+}
+
+/* set_isa("auto" | "generic" | "avx2"): tests pin the portable path with this */
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    const kv_isa *isa = NULL;
+    if (!strcmp(name, "auto")) isa = best_isa();
+    else if (!strcmp(name, "generic")) isa = &kv_isa_generic;
+#ifdef KV_HAVE_AVX2_BUILD
+    else if (!strcmp(name, "avx2") && cpu_has_avx2()) isa = &kv_isa_avx2;
+#endif
+    if (!isa) return PyErr_Format(PyExc_ValueError, "instruction set %R is not available "
+                                  "here (valid: 'auto', 'generic'%s)", arg,
+                                  cpu_has_avx2() ? ", 'avx2'" : "");
+    pthread_mutex_lock(&g_lock);
+    g_isa = isa;
+    pthread_mutex_unlock(&g_lock);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"qmatmul", (PyCFunction)(void (*)(void))py_qmatmul, METH_FASTCALL,
+     "qmatmul(qtype, w, rows, cols, row_bytes, x, n, y)"},
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
+     "dequantize(qtype, w, rows, cols, row_bytes, out, parallel)"},
+    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL,
+     "dequantize_rows(qtype, w, rows, cols, row_bytes, ids, n, out)"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
+     "quantize(qtype, x, rows, cols, out)"},
+    {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
+    {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},
+    {"isa", py_isa, METH_NOARGS, "isa() -> name of the active kernel set"},
+    {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'generic' | 'avx2')"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_qk", "kvlab quantized matrix kernels (C)", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+static void after_fork_child(void) {
+    pthread_mutex_init(&g_lock, NULL);
+    kv_pool_after_fork_child();
+}
+
+PyMODINIT_FUNC PyInit__qk(void) {
+    kv_init_tables();
+    g_isa = best_isa();
+    pthread_atfork(NULL, NULL, after_fork_child);
+    return PyModule_Create(&module);
+}

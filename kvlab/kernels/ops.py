@@ -1,0 +1,154 @@
+"""Products and conversions on QuantizedWeight, dispatched to the C kernels (kvlab.kernels._qk).
+
+Decode (few rows of x): the C kernel quantizes x to 8-bit blocks once per call and reads
+each weight row once for all rows of x, with integer dot products per block, rows split
+across the kernel's threads. Prefill (many rows): tiles of W are dequantized to fp32 in C
+and multiplied with torch.mm, so it runs near sgemm speed with a bounded fp32 buffer.
+Without the extension everything still works through gguf's numpy dequantizer and torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from kvlab.kernels.qweight import QuantizedWeight, row_bytes
+
+try:
+    from kvlab.kernels import _qk
+except ImportError:  # not built: `pip install -e .` or `python setup.py build_ext --inplace`
+    _qk = None
+else:
+    _qk.set_num_threads(torch.get_num_threads())
+
+T = GGMLQuantizationType
+PREFILL_MIN_ROWS = 64  # from this many rows of x on, fp32 tiles + torch.mm (measured crossover)
+TILE_ELEMENTS = 1 << 20  # fp32 elements per dequantized tile (4 MiB)
+_C_QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+_NUMPY_QUANTIZERS = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+
+
+def kernel_backend() -> str:
+    """'avx2' or 'generic' (the C kernels in use), or 'torch' when the extension is absent."""
+    return _qk.isa() if _qk is not None else "torch"
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for the kernels and for torch's intra-op pool (the same count, so that the
+    two never oversubscribe the cores between them)."""
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    if _qk is not None:
+        _qk.set_num_threads(n)
+    torch.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    return _qk.get_num_threads() if _qk is not None else torch.get_num_threads()
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole matrix as a new [out, in] tensor."""
+    out = torch.empty(w.shape, dtype=torch.float32)
+    _dequantize_into(w, 0, w.out_features, out, parallel=True)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def dequantize_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup: fp32 rows `ids` (any shape) -> [*ids.shape, in]; reads only them."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+    if _qk is not None:
+        qt, ptr, rows, cols, nbytes = w.kernel_args
+        _qk.dequantize_rows(qt, ptr, rows, cols, nbytes, flat.data_ptr(), flat.numel(),
+                            out.data_ptr())
+    elif flat.numel():
+        if int(flat.min()) < 0 or int(flat.max()) >= w.out_features:
+            raise IndexError(f"row ids must be in [0, {w.out_features}), got "
+                             f"{int(flat.min())}..{int(flat.max())}")
+        out.copy_(_numpy_dequant(w.data[flat], w.qtype))
+    return out.view(*ids.shape, w.in_features)
+
+
+def qmatmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """y = x @ W^T in fp32: x [..., in] -> [..., out]."""
+    qt, ptr, rows, cols, nbytes = w.kernel_args
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
+        return _qmatmul_any_layout(x, w)
+    n = x.shape[0]
+    if x.shape[1] != cols:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {w!r} takes {cols}")
+    if n >= PREFILL_MIN_ROWS or _qk is None or qt == T.F32:
+        return _wide_matmul(x, w)
+    y = torch.empty(n, rows, dtype=torch.float32)
+    _qk.qmatmul(qt, ptr, rows, cols, nbytes, x.data_ptr(), n, y.data_ptr())
+    return y
+
+
+def _qmatmul_any_layout(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {w!r} takes "
+                         f"{w.in_features}")
+    x2 = x.reshape(-1, w.in_features).to(torch.float32).contiguous()
+    return qmatmul(x2, w).view(*x.shape[:-1], w.out_features)
+
+
+def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
+    """fp32 [out, in] -> QuantizedWeight of `qtype` (a new buffer).
+
+    Q8_0 is byte-identical to gguf.quants.quantize; Q4_K/Q5_K/Q6_K use kvlab's own
+    least-squares search (C); Q4_0/Q4_1/Q5_0/Q5_1/F16/BF16 go through gguf's quantizer.
+    """
+    qtype = T(qtype)
+    if t.dim() != 2:
+        raise ValueError(f"quantize takes a matrix [out, in], got shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    nbytes = row_bytes(qtype, cols)
+    src = t.detach().to(torch.float32).contiguous()
+    if qtype in _C_QUANTIZERS and _qk is not None:
+        data = torch.empty(rows, nbytes, dtype=torch.uint8)
+        _qk.quantize(int(qtype), src.data_ptr(), rows, cols, data.data_ptr())
+    elif qtype == T.F32:
+        data = src.view(torch.uint8).view(rows, nbytes).clone()
+    elif qtype in _NUMPY_QUANTIZERS:
+        data = torch.from_numpy(np.ascontiguousarray(
+            gguf_quants.quantize(src.numpy(), qtype)).view(np.uint8).reshape(rows, nbytes))
+    else:
+        raise RuntimeError(f"quantizing to {qtype.name} needs kvlab's C extension; build it "
+                           "with `pip install -e .` (or pick Q8_0, Q4_0, Q5_0, ...)")
+    return QuantizedWeight(qtype, (rows, cols), data)
+
+
+def _dequantize_into(w: QuantizedWeight, r0: int, r1: int, out: torch.Tensor,
+                     parallel: bool = False) -> None:
+    """Rows [r0, r1) of w -> out (contiguous fp32 [r1 - r0, in]); `parallel` uses the
+    kernel threads, else the calling thread alone (between BLAS calls, see _wide_matmul)."""
+    if _qk is not None:
+        qt, ptr, _, cols, nbytes = w.kernel_args
+        _qk.dequantize(qt, ptr + r0 * nbytes, r1 - r0, cols, nbytes, out.data_ptr(), parallel)
+    else:
+        out.copy_(_numpy_dequant(w.data[r0:r1], w.qtype))
+
+
+def _numpy_dequant(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(gguf_quants.dequantize(blocks.numpy(), qtype))
+
+
+def _wide_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x @ W^T with BLAS: directly for F32, else through fp32 tiles of W of at most
+    TILE_ELEMENTS elements, dequantized in C (or by gguf's numpy code without it)."""
+    if w.qtype == T.F32:
+        return x @ w.data.view(torch.float32).t()
+    rows, cols = w.shape
+    n_tiles = max(1, -(-rows * cols // TILE_ELEMENTS))
+    tile_rows = max(1, -(-rows // n_tiles))  # equal tiles: a small last one runs BLAS poorly
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    buf = torch.empty(tile_rows, cols, dtype=torch.float32)
+    for r0 in range(0, rows, tile_rows):
+        r1 = min(rows, r0 + tile_rows)
+        tile = buf[: r1 - r0]
+        _dequantize_into(w, r0, r1, tile)
+        torch.mm(x, tile.t(), out=y[:, r0:r1])
+    return y

@@ -1,0 +1,100 @@
+"""QuantizedWeight: a weight matrix kept in its GGUF block format, bytes unchanged.
+
+`data` is a uint8 tensor [out_features, row_bytes]; from a GGUF file it is a zero-copy view
+of the memory map, so a 4-bit model costs 4 bits per weight in RAM and in every product.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvlab.weights.gguf_file import GGUFFile
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one row of `in_features` elements; checks the row is whole blocks."""
+    if qtype not in SUPPORTED_TYPES:
+        names = ", ".join(t.name for t in SUPPORTED_TYPES)
+        raise ValueError(f"weight type {qtype.name} is not supported (valid: {names})")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if in_features <= 0 or in_features % block:
+        raise ValueError(f"{qtype.name} rows must be a positive multiple of {block} elements, "
+                         f"got {in_features}")
+    return in_features // block * type_size
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """[out_features, in_features] matrix in GGUF blocks; compare by identity."""
+
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]  # (out_features, in_features), PyTorch order
+    data: torch.Tensor  # uint8 [out_features, row_bytes]: the GGUF blocks, unchanged
+    # (type id, address, rows, cols, row_bytes): what every C call takes, computed once
+    kernel_args: tuple[int, int, int, int, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        qtype = GGMLQuantizationType(self.qtype)
+        if len(self.shape) != 2:
+            raise ValueError(f"a QuantizedWeight is a matrix, got shape {tuple(self.shape)}")
+        rows, cols = (int(s) for s in self.shape)
+        nbytes = row_bytes(qtype, cols)
+        data = self.data
+        if data.dtype != torch.uint8 or data.numel() != rows * nbytes:
+            raise ValueError(f"{qtype.name} {rows}x{cols} needs uint8 data of {rows}x{nbytes} "
+                             f"bytes, got {data.dtype} {tuple(data.shape)}")
+        data = data.reshape(rows, nbytes)
+        if not data.is_contiguous():  # e.g. rows permuted at load time: one copy, here
+            data = data.contiguous()
+        object.__setattr__(self, "qtype", qtype)
+        object.__setattr__(self, "shape", (rows, cols))
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "kernel_args", (int(qtype), data.data_ptr(), rows, cols, nbytes))
+
+    @classmethod
+    def from_gguf(cls, file: GGUFFile, name: str) -> QuantizedWeight:
+        """Zero-copy view of tensor `name`; tensors of more than 2 dims flatten to rows."""
+        try:
+            info = file.tensors[name]
+        except KeyError:
+            raise KeyError(f"{file.path} has no tensor {name!r}") from None
+        shape = info.shape if len(info.shape) > 1 else (1, *info.shape)
+        rows = math.prod(shape[:-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the mmap is read-only; never written
+            data = torch.frombuffer(file.raw(name), dtype=torch.uint8)
+        return cls(info.qtype, (rows, shape[-1]), data.view(rows, -1))
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full product reads: the stored blocks."""
+        return self.data.numel()
+
+    def __reduce__(self) -> tuple:
+        """Copies and pickles rebuild through __init__, so kernel_args gets the new address."""
+        return (QuantizedWeight, (self.qtype, self.shape, self.data))
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight({self.qtype.name}, {self.shape[0]}x{self.shape[1]}, "
+                f"{self.nbytes} bytes)")

@@ -1,0 +1,354 @@
+"""kvlab.kernels against gguf's reference (de)quantizers, on both C paths and the fallback.
+
+Error bound for qmatmul (decode path, n < PREFILL_MIN_ROWS): x is rounded to 8-bit blocks
+(32 wide for the legacy types, 256 wide for K-quants) with step d = max|x_block| / 127,
+so each x_i moves by at most d/2 and
+
+    |qmatmul(x, W) - x @ dequantize(W)^T|[j, r] <= sum_i |W[r, i]| * max|x[j, block(i)]| / 254
+
+plus fp32 rounding, taken as 1e-4 * (|x| @ |W|^T). The prefill path (fp32 tiles) and the
+float weight types get the fp32 term alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from kvlab.kernels import (
+    SUPPORTED_TYPES,
+    QuantizedWeight,
+    dequantize,
+    dequantize_rows,
+    get_num_threads,
+    ops,
+    qmatmul,
+    quantize,
+    set_num_threads,
+)
+
+T = GGMLQuantizationType
+GGUF_QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+ISAS = ["generic", "avx2"] if ops._qk is not None else []
+if ops._qk is not None:
+    try:
+        ops._qk.set_isa("avx2")
+    except ValueError:
+        ISAS = ["generic"]
+    ops._qk.set_isa("auto")
+BACKENDS = ISAS + ["torch"]  # "torch": the extension hidden, the pure fallback
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(ops, "_qk", None)
+    else:
+        ops._qk.set_isa(request.param)
+    yield request.param
+    if ops._qk is not None:
+        ops._qk.set_isa("auto")
+
+
+def make_weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0):
+    """A QuantizedWeight with test data: gguf's quantizer where it has one, else random
+    blocks (any bytes are valid K-quant blocks once the fp16 scales are sane)."""
+    g = np.random.default_rng(seed)
+    if qtype == T.F32:
+        data = g.standard_normal((rows, cols), dtype=np.float32).view(np.uint8)
+    elif qtype in GGUF_QUANTIZABLE:
+        x = g.standard_normal((rows, cols), dtype=np.float32)
+        data = gguf_quants.quantize(x, qtype).view(np.uint8).reshape(rows, -1)
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        blocks = g.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+        scales = (g.uniform(0.001, 0.02, (len(blocks), 2)).astype(np.float16)).view(np.uint8)
+        if qtype == T.Q6_K:
+            blocks[:, 208:210] = scales[:, :2]
+        else:  # d, dmin lead the block
+            blocks[:, 0:4] = scales
+        data = blocks.reshape(rows, -1)
+    return QuantizedWeight(qtype, (rows, cols), torch.from_numpy(np.ascontiguousarray(data)))
+
+
+def reference_dequant(w: QuantizedWeight) -> np.ndarray:
+    if w.qtype == T.F32:
+        return w.data.numpy().view(np.float32)
+    return gguf_quants.dequantize(w.data.numpy(), w.qtype)
+
+
+def assert_blocks_equal(got: np.ndarray, ref: np.ndarray, qtype: GGMLQuantizationType):
+    if np.array_equal(got, ref):
+        return
+    block = GGML_QUANT_SIZES[qtype][0]
+    bad = np.argwhere(got != ref)[0]
+    r, b = bad[0], bad[1] // block
+    raise AssertionError(f"{qtype.name}: row {r} block {b} differs: "
+                         f"{got[r, b * block:(b + 1) * block]} vs {ref[r, b * block:(b + 1) * block]}")
+
+
+def qmatmul_bound(x: torch.Tensor, w_ref: torch.Tensor, qtype: GGMLQuantizationType,
+                  quantized_x: bool) -> torch.Tensor:
+    """Largest allowed |qmatmul - x @ w_ref^T| per output (see the module docstring)."""
+    xd, wd = x.double(), w_ref.double()
+    bound = 1e-4 * (xd.abs() @ wd.abs().T) + 1e-6
+    block = GGML_QUANT_SIZES[qtype][0]
+    if quantized_x and block > 1:
+        amax = xd.abs().view(x.shape[0], -1, block).amax(-1)  # [n, blocks]
+        half_step = (amax / 254).repeat_interleave(block, dim=1)  # [n, in]
+        bound += half_step @ wd.abs().T
+    return bound
+
+
+# ---------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(qtype, backend):
+    w = make_weight(qtype, 8, 512)
+    assert_blocks_equal(dequantize(w).numpy(), reference_dequant(w), qtype)
+
+
+def test_dequantize_dtype():
+    w = make_weight(T.Q4_K, 4, 256)
+    assert dequantize(w, torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(dequantize(w, torch.float16), dequantize(w).half())
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.BF16], ids=lambda t: t.name)
+def test_dequantize_rows(qtype, backend):
+    w = make_weight(qtype, 16, 256)
+    ids = torch.tensor([[5, 0], [15, 5]])
+    rows = dequantize_rows(w, ids)
+    assert rows.shape == (2, 2, 256)
+    assert torch.equal(rows, dequantize(w)[ids])
+    with pytest.raises(IndexError):
+        dequantize_rows(w, torch.tensor([16]))
+
+
+# ---------------------------------------------------------------- qmatmul
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_qmatmul_within_activation_quantization_error(qtype, n, backend):
+    w = make_weight(qtype, 40, 512, seed=n)
+    x = torch.randn(n, 512, generator=torch.Generator().manual_seed(n))
+    w_ref = torch.from_numpy(reference_dequant(w).copy())
+    y = qmatmul(x, w)
+    assert y.shape == (n, 40) and y.dtype == torch.float32
+    decode = n < ops.PREFILL_MIN_ROWS and backend != "torch" and qtype != T.F32
+    err = (y.double() - x.double() @ w_ref.double().T).abs()
+    bound = qmatmul_bound(x, w_ref, qtype, quantized_x=decode)
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def emulate_activation_quantization(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What the C kernels see of x: per block d = max|x|/127, q = round-half-even(x/d)."""
+    xb = x.view(x.shape[0], -1, block)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).view_as(x)
+
+
+@pytest.mark.skipif(not ISAS, reason="C extension not built")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [t for t in SUPPORTED_TYPES if GGML_QUANT_SIZES[t][0] > 1],
+                         ids=lambda t: t.name)
+def test_qmatmul_is_exact_on_quantized_activations(qtype, isa):
+    """A much tighter check than the bound: against the 8-bit x the kernels use, the only
+    error left is fp32 rounding."""
+    w = make_weight(qtype, 24, 512, seed=11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    w_ref = torch.from_numpy(reference_dequant(w).copy()).double()
+    x_hat = emulate_activation_quantization(x, GGML_QUANT_SIZES[qtype][0]).double()
+    try:
+        ops._qk.set_isa(isa)
+        y = qmatmul(x, w).double()
+    finally:
+        ops._qk.set_isa("auto")
+    tol = 1e-5 * (x_hat.abs() @ w_ref.abs().T) + 1e-6
+    assert ((y - x_hat @ w_ref.T).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("cols", [32, 96])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.F16],
+                         ids=lambda t: t.name)
+def test_qmatmul_odd_block_counts(qtype, cols, backend):
+    """The AVX2 kernels take the 4/5-bit types two blocks at a time: a lone last block."""
+    w = make_weight(qtype, 7, cols, seed=cols)
+    x = torch.randn(2, cols)
+    w_ref = torch.from_numpy(reference_dequant(w).copy())
+    err = (qmatmul(x, w).double() - x.double() @ w_ref.double().T).abs()
+    assert (err <= qmatmul_bound(x, w_ref, qtype, quantized_x=backend != "torch")).all()
+    assert_blocks_equal(dequantize(w).numpy(), w_ref.numpy(), qtype)
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_avx2_matches_portable_c(qtype):
+    """Same 8-bit activations, same integer dot products: only fp32 summation order differs."""
+    w = make_weight(qtype, 24, 1024, seed=7)
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(1))
+    try:
+        ops._qk.set_isa("generic")
+        y_c = qmatmul(x, w)
+        ops._qk.set_isa("avx2")
+        y_avx2 = qmatmul(x, w)
+    finally:
+        ops._qk.set_isa("auto")
+    tol = 1e-5 * (x.abs() @ dequantize(w).abs().T) + 1e-6
+    assert ((y_c - y_avx2).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_qmatmul_propagates_nan_and_inf(qtype, bad, backend):
+    """8-bit activations must not turn a NaN or inf into finite garbage."""
+    w = make_weight(qtype, 4, 512)
+    x = torch.randn(2, 512)
+    x[1, 300] = bad
+    y = qmatmul(x, w)
+    assert y[0].isfinite().all() and not y[1].isfinite().any()
+
+
+def test_qmatmul_leading_dims_and_shape_errors():
+    w = make_weight(T.Q8_0, 8, 64)
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(qmatmul(x, w), qmatmul(x.reshape(6, 64), w).reshape(2, 3, 8))
+    assert qmatmul(torch.randn(0, 64), w).shape == (0, 8)
+    with pytest.raises(ValueError, match="features"):
+        qmatmul(torch.randn(1, 32), w)
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_threads_one_and_two_give_identical_results(n):
+    w = make_weight(T.Q4_K, 512, 512, seed=3)  # 147 KB: big enough to be split
+    x = torch.randn(n, 512)
+    before = get_num_threads()
+    try:
+        set_num_threads(1)
+        y1 = qmatmul(x, w)
+        set_num_threads(2)
+        y2 = qmatmul(x, w)
+    finally:
+        set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+# ---------------------------------------------------------------- quantize
+
+
+def test_quantize_q8_0_is_byte_identical_to_gguf(backend):
+    g = np.random.default_rng(0)
+    x = g.standard_normal((6, 256), dtype=np.float32) * np.float32(3)
+    x[0, :32] = 0.0  # all-zero block
+    x[1, :32] = -1.0  # the max magnitude is negative
+    x[2, :32] = np.arange(32, dtype=np.float32) - 15.5  # exact .5 products
+    x[3, :32] *= np.float32(1e-6)  # fp16 scale goes subnormal
+    w = quantize(torch.from_numpy(x), T.Q8_0)
+    ref = gguf_quants.quantize(x, T.Q8_0).view(np.uint8).reshape(6, -1)
+    assert np.array_equal(w.data.numpy(), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.F16, T.BF16], ids=lambda t: t.name)
+def test_quantize_other_types_use_gguf(qtype):
+    x = np.random.default_rng(1).standard_normal((4, 64), dtype=np.float32)
+    w = quantize(torch.from_numpy(x), qtype)
+    assert np.array_equal(w.data.numpy().ravel(),
+                          gguf_quants.quantize(x, qtype).view(np.uint8).ravel())
+
+
+def rms(a: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))
+
+
+# K-quants have no reference quantizer in gguf: dequantize(quantize(x)) must be at least as
+# close to x as gguf's quantizer of a comparable type with per-32 fp16 scales.
+@pytest.mark.skipif(ops._qk is None, reason="K-quant quantizers are C only")
+@pytest.mark.parametrize("qtype, peer, slack", [(T.Q4_K, T.Q4_1, 1.0), (T.Q5_K, T.Q5_1, 1.0),
+                                                (T.Q6_K, T.Q5_0, 0.6)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_quantize_k_error_against_gguf_peer(qtype, peer, slack):
+    g = np.random.default_rng(2)
+    x = g.standard_normal((32, 512), dtype=np.float32)
+    x[0] = g.uniform(0.5, 2.0, 512)  # all positive: min 0
+    x[1] *= np.float32(1e-3)
+    x[2, :256] = 0.0
+    w = quantize(torch.from_numpy(x), qtype)
+    got = reference_dequant(w)  # decoded by gguf: the packing is checked too
+    peer_err = rms(gguf_quants.dequantize(gguf_quants.quantize(x, peer), peer) - x)
+    assert rms(got - x) <= slack * peer_err
+    assert np.array_equal(got[2, :256], np.zeros(256, np.float32))
+    assert rms(got[1] - x[1]) <= 0.12 * rms(x[1])  # tiny values: fp16 scales still fine
+
+
+def test_quantize_q4_k_roundtrip_on_real_weights(gguf_file):
+    """Re-quantizing a dequantized Q4_K matrix loses little: its values are on a Q4_K grid."""
+    w = QuantizedWeight.from_gguf(gguf_file, "blk.0.attn_output.weight")
+    x = dequantize(w)[:64]
+    err = rms((dequantize(quantize(x, T.Q4_K)) - x).numpy())
+    assert err <= 0.2 * rms(x.numpy())
+
+
+# ---------------------------------------------------------------- the default model's tensors
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    from kvlab.errors import ModelLoadError
+    from kvlab.weights import default_model_path
+    from kvlab.weights.gguf_file import GGUFFile
+
+    try:
+        return GGUFFile(default_model_path())
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+REAL = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_v.weight",
+        "blk.0.attn_output.weight", "blk.0.ffn_down.weight"]  # Q8_0 Q5_0 Q8_0 Q4_K Q6_K
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_tensors(gguf_file, name, backend):
+    w = QuantizedWeight.from_gguf(gguf_file, name)
+    raw = gguf_file.raw(name)
+    assert w.data.data_ptr() == raw.ctypes.data  # zero-copy view of the mmap
+    assert w.nbytes == raw.nbytes and w.shape == gguf_file.tensors[name].shape
+    part = QuantizedWeight(w.qtype, (64, w.in_features), w.data[:64])
+    ref = reference_dequant(part)
+    assert_blocks_equal(dequantize(part).numpy(), ref, w.qtype)
+    x = torch.randn(3, w.in_features)
+    err = (qmatmul(x, part).double() - x.double() @ torch.from_numpy(ref).double().T).abs()
+    assert (err <= qmatmul_bound(x, torch.from_numpy(ref), w.qtype, backend != "torch")).all()
+    ids = torch.tensor([63, 1])
+    assert torch.equal(dequantize_rows(w, ids), torch.from_numpy(ref[[63, 1]]))
+
+
+# ---------------------------------------------------------------- the type
+
+
+def test_quantized_weight_checks_its_data():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight(T.Q4_K, (2, 128), torch.zeros(2, 72, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="needs uint8 data"):
+        QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(2, 60, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="not supported"):
+        QuantizedWeight(T.Q2_K, (2, 256), torch.zeros(2, 84, dtype=torch.uint8))
+    w = QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(68, 2, dtype=torch.uint8).t())
+    assert w.data.is_contiguous() and w.data.shape == (2, 68) and w.nbytes == 136
+    assert "Q8_0" in repr(w)
+
+
+def test_copies_point_the_kernels_at_their_own_bytes():
+    import copy
+    import pickle
+
+    w = make_weight(T.Q4_K, 4, 256)
+    for c in (copy.deepcopy(w), pickle.loads(pickle.dumps(w))):
+        assert c.kernel_args[1] == c.data.data_ptr() != w.data.data_ptr()
+        assert torch.equal(dequantize(c), dequantize(w))
