@@ -112,8 +112,9 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv)
+        quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size,
-                                  config.kv_dtype, config.device)
+                                  config.kv_dtype, config.device, quantized)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.config import ModelConfig
+from kvlab.kernels.ops import PREFILL_MIN_ROWS
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
 from kvlab.scheduler import SchedulerOutput
@@ -24,7 +25,7 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: object, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: str = "f32", device: str = "cpu") -> None:
+                 kv_dtype: str = "f32", device: str = "cpu", quantized: bool = False) -> None:
         self.model, self.config = model, config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device = torch.device(device)
@@ -33,12 +34,29 @@ class ModelRunner:
         self.kv_caches = [make_kv(kv_dtype, slots, config.num_kv_heads, config.head_dim,
                                   self.device) for _ in range(config.num_layers)]
         self._offsets = torch.arange(block_size)
+        self.kernel_decode = self.device.type == "cpu" and quantized
+        self.threads = torch.get_num_threads()
+        if self.kernel_decode:
+            torch.set_num_threads(1)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run one step. With quantized weights, torch stays on one thread between wide
+        steps: the decode kernels bring their own threads, and torch's OpenMP workers would
+        otherwise compete with them for the same cores. Prefill-sized steps (BLAS tiles)
+        get all threads for their duration."""
+        if not self.kernel_decode or out.num_tokens < PREFILL_MIN_ROWS:
+            return self._execute(out)
+        torch.set_num_threads(self.threads)
+        try:
+            return self._execute(out)
+        finally:
+            torch.set_num_threads(1)
+
+    def _execute(self, out: SchedulerOutput) -> StepLogits:
         spans, ids, positions = [], [], []
         for s in out.scheduled:
             end = s.start + len(s.token_ids)

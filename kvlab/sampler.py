@@ -228,17 +228,18 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    # log-probs of the raw distribution without materializing a [B, V] log_softmax
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     penalized = apply_penalties(logits, batch)
     token_ids = penalized.argmax(dim=-1)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
         sampled = (probs / exponential_noise(probs, batch)).argmax(dim=-1)
         token_ids = torch.where(batch.greedy, token_ids, sampled)
-    top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
+    top_logits, top_ids = logits.topk(batch.num_logprobs, dim=-1)
     return SampleResult(
         token_ids=token_ids,
-        logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+        logprobs=(logits.gather(1, token_ids[:, None]) - lse).squeeze(1),
         top_ids=top_ids,
-        top_logprobs=top_logprobs,
+        top_logprobs=top_logits - lse,
     )

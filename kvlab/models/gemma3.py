@@ -22,6 +22,7 @@ from kvlab.models.layers import (
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
+    split,
 )
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 
@@ -133,7 +134,8 @@ class Gemma3Model:
             h = self.attention(h, layer, ropes[sliding], cache, meta, sliding)
             x = x + rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            h = F.gelu(linear(h, layer["gate"]), approximate="tanh") * linear(h, layer["up"])
+            gate, up = split(linear(h, layer["gate_up"]), layer["gate_up"])
+            h = F.gelu(gate, approximate="tanh") * up
             x = x + rms_norm(linear(h, layer["down"]), layer["post_mlp_norm"], c.rms_norm_eps)
         return x
 
@@ -142,9 +144,10 @@ class Gemma3Model:
                   cache: KVStore, meta: AttentionMetadata,
                   sliding: bool) -> torch.Tensor:
         c = self.config
-        q = linear(h, layer["q"]).view(-1, c.num_heads, c.head_dim)
-        k = linear(h, layer["k"]).view(-1, c.num_kv_heads, c.head_dim)
-        v = linear(h, layer["v"]).view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = split(linear(h, layer["qkv"]), layer["qkv"])
+        q = q.reshape(-1, c.num_heads, c.head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), *rope)
         k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), *rope)
         out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)

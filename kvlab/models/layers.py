@@ -7,6 +7,7 @@ format; `linear` and `embed` dispatch on that so model code never cares which.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +18,60 @@ from kvlab.kernels import QuantizedWeight, dequantize_rows, qmatmul
 Weight = torch.Tensor | QuantizedWeight
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Stacked:
+    """Matrices that share an input, multiplied as one: [sum(out), in].
+
+    Rows of the same storage type are concatenated at load into one matrix, so q/k/v or
+    gate/up cost one kernel call (one pass over x) instead of several; `parts` is what is
+    left when types differ (Gemma 3's q and k are Q5_0, its v is Q8_0).
+    """
+
+    parts: tuple[Weight, ...]
+    sizes: tuple[int, ...]  # out features of each original matrix, for splitting the result
+
+    @classmethod
+    def of(cls, weights: list[Weight]) -> Stacked:
+        sizes = tuple(w.shape[0] for w in weights)
+        parts: list[Weight] = []
+        for w in weights:
+            if parts and _same_storage(parts[-1], w):
+                parts[-1] = _concat_rows(parts[-1], w)
+            else:
+                parts.append(w)
+        return cls(tuple(parts), sizes)
+
+
+def _same_storage(a: Weight, b: Weight) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
+    return (isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+            and a.qtype == b.qtype and a.shape[1] == b.shape[1])
+
+
+def _concat_rows(a: Weight, b: Weight) -> Weight:
+    if isinstance(a, torch.Tensor):
+        return torch.cat([a, b])
+    return QuantizedWeight(a.qtype, (a.shape[0] + b.shape[0], a.shape[1]),
+                           torch.cat([a.data, b.data]))
+
+
+def linear(x: torch.Tensor, w: Weight | Stacked,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, in] -> [T, out] with w: [out, in]; dense products run in the weight's dtype."""
-    if isinstance(w, torch.Tensor):
+    if isinstance(w, Stacked):
+        ys = [linear(x, part) for part in w.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    elif isinstance(w, torch.Tensor):
         y = F.linear(x.to(w.dtype), w)
     else:
         y = qmatmul(x.float(), w)
     return y if bias is None else y + bias
+
+
+def split(y: torch.Tensor, w: Stacked) -> tuple[torch.Tensor, ...]:
+    """The output of a Stacked product, back into one tensor per original matrix."""
+    return torch.split(y, w.sizes, dim=-1)
 
 
 def embed(ids: torch.Tensor, w: Weight) -> torch.Tensor:
@@ -35,9 +83,7 @@ def embed(ids: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32; `weight` is the full multiplier (Gemma's 1 + w is folded at load)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

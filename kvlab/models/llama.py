@@ -21,6 +21,7 @@ from kvlab.models.layers import (
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
+    split,
 )
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
 
@@ -123,17 +124,18 @@ class LlamaModel:
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
             x = x + self.attention(h, layer, cos, sin, cache, meta)
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            x = x + linear(F.silu(linear(h, layer["gate"])) * linear(h, layer["up"]),
-                           layer["down"])
+            gate, up = split(linear(h, layer["gate_up"]), layer["gate_up"])
+            x = x + linear(F.silu(gate) * up, layer["down"])
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore,
                   meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
-        q = linear(h, layer["q"], layer.get("q_bias")).view(-1, c.num_heads, c.head_dim)
-        k = linear(h, layer["k"], layer.get("k_bias")).view(-1, c.num_kv_heads, c.head_dim)
-        v = linear(h, layer["v"], layer.get("v_bias")).view(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
+        q = q.reshape(-1, c.num_heads, c.head_dim)
+        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)

@@ -18,7 +18,7 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, quantize
 from kvlab.metrics import ModelCost
 from kvlab.models import find_arch
-from kvlab.models.layers import Weight
+from kvlab.models.layers import Stacked, Weight
 from kvlab.models.spec import ArchSpec, NameTable
 from kvlab.weights import Checkpoint, RawTensor
 
@@ -88,11 +88,22 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
     layers = [{dst: get(src, dst) for src, dst in _layer_names(table, i, names)}
               for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
-    model = spec.model_cls(config, weights, layers)
     stats = [_stat(name, w) for name, w in weights.items()]
     stats += [_stat(f"layers.{i}.{name}", w) for i, layer in enumerate(layers)
               for name, w in layer.items()]
+    model = spec.model_cls(config, weights, [_stack(layer) for layer in layers])
     return LoadedModel(spec, config, model, tuple(stats))
+
+
+def _stack(layer: dict[str, Weight]) -> dict[str, Weight | Stacked]:
+    """q/k/v -> "qkv" and gate/up -> "gate_up": one product over the same input each."""
+    out: dict[str, Weight | Stacked] = dict(layer)
+    for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+        out[fused] = Stacked.of([out.pop(n) for n in names])
+    biases = [layer.get(f"{n}_bias") for n in ("q", "k", "v")]
+    if all(b is not None for b in biases):
+        out["qkv_bias"] = torch.cat(biases)
+    return out
 
 
 def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, str]]:
