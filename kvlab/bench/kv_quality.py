@@ -55,7 +55,7 @@ def compare_kv_dtypes(reference: Engine, others: dict[str, Engine], positions: i
 
 
 def format_quality(rows: list[KVQuality], reference_bytes: int) -> str:
-    lines = [(f"{'KV dtype':<8} {'bytes/token':>12} {'vs f32':>7} {'KL mean':>10} "
+    lines = [(f"{'variant':<8} {'bytes/token':>12} {'vs f32':>7} {'KL mean':>10} "
              f"{'KL max':>10} {'top-1 agree':>12}")]
     for r in rows:
         lines.append(f"{r.kv_dtype:<8} {r.kv_bytes_per_token:>12,} "
