@@ -35,8 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none")
     model = client.models.list().data[0].id
-    prompt = PARAGRAPH * args.repeats + f"(run {time.time()})"  # fresh, never seen before
-    prompt = f"[{time.time()}] " + prompt
+    prompt = f"[{time.time()}] " + PARAGRAPH * args.repeats  # fresh: never cached before
     first, _ = ttft(client, model, prompt)
     second, cached = ttft(client, model, prompt)
     print(f"first  TTFT {first * 1e3:8.1f} ms")
