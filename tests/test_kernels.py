@@ -352,3 +352,124 @@ def test_copies_point_the_kernels_at_their_own_bytes():
     for c in (copy.deepcopy(w), pickle.loads(pickle.dumps(w))):
         assert c.kernel_args[1] == c.data.data_ptr() != w.data.data_ptr()
         assert torch.equal(dequantize(c), dequantize(w))
+
+
+# ---------------------------------------------------------------- fused fp32 decode ops
+
+needs_c = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
+
+
+def _rope_tables(tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvlab.models.layers import rope_cos_sin
+
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return rope_cos_sin(torch.arange(7, 7 + tokens), inv)
+
+
+@needs_c
+@pytest.mark.parametrize("rows,dim", [(1, 640), (5, 256), (3, 7)])
+def test_fused_rms_norm_matches_torch(rows, dim):
+    from kvlab.kernels import fused
+
+    x, w = torch.randn(rows, dim) * 3, torch.randn(dim)
+    ref = torch.nn.functional.rms_norm(x, (dim,), w, 1e-6)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), ref, rtol=1e-6, atol=0)
+    res = torch.randn(rows, dim)
+    expected = res + fused.rms_norm(x, w, 1e-6)  # the same scale, so bit-exact
+    assert torch.equal(fused.add_rms_norm_(res, x, w, 1e-6), expected)
+
+
+@needs_c
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_fused_norm_rope_matches_torch(with_norm):
+    from kvlab.kernels import fused
+    from kvlab.models.layers import apply_rope
+
+    tokens, heads, dim = 3, 4, 64
+    qkv = torch.randn(tokens, (heads + 2) * dim)
+    q = qkv[:, : heads * dim].reshape(tokens, heads, dim)  # a strided view, as in the models
+    w = torch.randn(dim) if with_norm else None
+    cos, sin = _rope_tables(tokens, dim)
+    normed = q if w is None else torch.nn.functional.rms_norm(q, (dim,), w, 1e-6)
+    ref = apply_rope(normed, cos, sin)
+    before = qkv[:, heads * dim:].clone()
+    out = fused.norm_rope_(q, w, cos, sin, 1e-6)
+    if w is None:
+        assert torch.equal(out, ref)  # same products and sums, rounded the same
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert out.data_ptr() == qkv.data_ptr() and torch.equal(qkv[:, heads * dim:], before)
+
+
+@needs_c
+@pytest.mark.parametrize("inter", [2048, 13])
+def test_fused_geglu_within_fp32_rounding(inter):
+    from kvlab.kernels import fused
+
+    y = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4
+    g, up = y.double().chunk(2, dim=-1)
+    u = 0.7978845608028654 * (g + 0.044715 * g ** 3)
+    exact = g * torch.sigmoid(2 * u) * up  # = 0.5 * g * (1 + tanh(u)) * up
+    out = fused.geglu(y).double()
+    # fp32 rounding of the argument of exp moves e^(-2u) by |2u| ulps: the condition number
+    bound = 1e-6 * (1 + 2 * u.abs()) * exact.abs() + 1e-30
+    assert ((out - exact).abs() <= bound).all()
+    # torch's 1 + tanh(u) keeps only ~6e-8 absolute near tanh = -1, hence the |g * up| term
+    ref = (torch.nn.functional.gelu(y[:, :inter], approximate="tanh") * y[:, inter:]).double()
+    assert ((out - ref).abs() <= 1e-5 * ref.abs() + 1e-7 * (g * up).abs()).all()
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(4, 1, 256), (4, 2, 64), (6, 1, 24), (3, 3, 20)])
+def test_attend_decode_matches_sdpa(isa, heads, kv_heads, dim):
+    from kvlab.kernels import fused
+
+    ops._qk.set_isa(isa)
+    try:
+        batch, ctx, num_slots = 2, 37, 100
+        q = torch.randn(batch, heads, dim)
+        k, v = torch.randn(num_slots, kv_heads, dim), torch.randn(num_slots, kv_heads, dim)
+        slots = torch.stack([torch.randperm(num_slots)[:ctx] for _ in range(batch)])
+        out = fused.attend_decode(q, k, v, slots, dim ** -0.5)
+    finally:
+        ops._qk.set_isa("auto")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k[slots].transpose(1, 2), v[slots].transpose(1, 2),
+        scale=dim ** -0.5, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_qmatmul_stacked_is_concatenated_qmatmul(rows):
+    from kvlab.kernels import qmatmul_stacked
+
+    ws = (make_weight(T.Q5_0, 64, 256), make_weight(T.Q8_0, 32, 256, seed=1))
+    x = torch.randn(rows, 256)
+    expected = torch.cat([qmatmul(x, w) for w in ws], dim=-1)
+    assert torch.equal(qmatmul_stacked(x, ws), expected)
+
+
+@needs_c
+def test_scatter_rows_is_index_copy():
+    from kvlab.kernels import fused
+
+    store = torch.randn(10, 2, 8)
+    expected = store.clone()
+    kv = torch.randn(3, 2 * 2 * 8)[:, :16].reshape(3, 2, 8)  # strided rows, heads packed
+    slots = torch.tensor([7, 0, 3])
+    expected.index_copy_(0, slots, kv)
+    fused.scatter_rows_(store, slots, kv)
+    assert torch.equal(store, expected)
+    with pytest.raises(IndexError, match="slot 10 is out of range"):
+        fused.scatter_rows_(store, torch.tensor([1, 10, 2]), kv)
+
+
+@needs_c
+def test_attend_decode_checks_slots():
+    from kvlab.kernels import fused
+
+    k = torch.randn(8, 1, 16)
+    with pytest.raises(IndexError, match="slot 8 is out of range"):
+        fused.attend_decode(torch.randn(1, 2, 16), k, k, torch.tensor([[0, 8]]), 0.25)

@@ -5,6 +5,7 @@
     dequantize(w, dtype) -> [out, in]             all supported types
     dequantize_rows(w, ids) -> [*ids, in] fp32    embedding lookup, reads only those rows
     qmatmul(x, w) -> x @ W^T fp32                 decode: int8 kernels; prefill: fp32 tiles
+    qmatmul_stacked(x, ws) -> [1, sum(out)]       one decode row through several weights
     quantize(t, qtype) -> QuantizedWeight         Q8_0 (byte-exact), Q4_K, Q5_K, Q6_K, ...
     set_num_threads(n)                            kernel threads and torch's, together
 
@@ -17,6 +18,7 @@ from kvlab.kernels.ops import (
     get_num_threads,
     kernel_backend,
     qmatmul,
+    qmatmul_stacked,
     quantize,
     set_num_threads,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "get_num_threads",
     "kernel_backend",
     "qmatmul",
+    "qmatmul_stacked",
     "quantize",
     "set_num_threads",
 ]

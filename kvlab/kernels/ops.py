@@ -87,6 +87,22 @@ def qmatmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return y
 
 
+def qmatmul_stacked(x: torch.Tensor, ws: tuple[QuantizedWeight, ...]) -> torch.Tensor:
+    """torch.cat([qmatmul(x, w) for w in ws], -1) for weights sharing the input x [1, in]
+    (decode): each kernel writes its columns of one output row, no concatenation."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or _qk is None or any(
+            w.qtype == T.F32 or w.in_features != x.shape[1] for w in ws):
+        return torch.cat([qmatmul(x, w) for w in ws], dim=-1)
+    x = x.contiguous()
+    y = torch.empty(1, sum(w.out_features for w in ws), dtype=torch.float32)
+    ptr = y.data_ptr()
+    for w in ws:  # one row: the columns of each part are contiguous
+        qt, wptr, rows, cols, nbytes = w.kernel_args
+        _qk.qmatmul(qt, wptr, rows, cols, nbytes, x.data_ptr(), 1, ptr)
+        ptr += rows * 4
+    return y
+
+
 def _qmatmul_any_layout(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {w!r} takes "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlab.kernels import fused
 from kvlab.models.kv_store import Q8KV, FloatKV
 
 KVStore = FloatKV | Q8KV
@@ -31,12 +32,13 @@ class AttentionGroup:
 
     rows:    [n] indices into the packed token batch
     slots:   [B, C] slot of each attended key (padding repeats a real slot, masked out)
-    mask:    [B, Q, C] True where the query may attend to the key
+    mask:    [B, Q, C] True where the query may attend to the key; None when every query
+             sees every key (decode without padding)
     """
 
     rows: torch.Tensor
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     num_seqs: int
     queries_per_seq: int
 
@@ -120,7 +122,9 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
         slots[b, n:] = s.slots[f]  # padding reads a written slot: masked, but never NaN
         mask[b, 0, :n] = True
     rows = torch.tensor(offsets, dtype=torch.long)
-    return AttentionGroup(rows.to(device), slots.to(device), mask.to(device), len(spans), 1)
+    unpadded = all(s.end - f == width for s, f in zip(spans, firsts))
+    return AttentionGroup(rows.to(device), slots.to(device),
+                          None if unpadded else mask.to(device), len(spans), 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
@@ -131,12 +135,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """
     cache.write(meta.slot_mapping, k, v)
     num_tokens, num_heads, head_dim = q.shape
+    groups = meta.groups(sliding)
+    if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
+        # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
+        return _attend(q, cache, groups[0], scale).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    for g in meta.groups(sliding):
-        qg = q.index_select(0, g.rows).view(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
-        kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
-        og = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            attn_mask=g.mask[:, None], scale=scale, enable_gqa=True)
-        out.index_copy_(0, g.rows, og.transpose(1, 2).reshape(-1, num_heads, head_dim))
+    for g in groups:
+        out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), cache, g, scale))
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:
+    """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
+    if _decode_in_c(q, cache, g):
+        return fused.attend_decode(q, cache.k, cache.v, g.slots, scale)
+    num_heads, head_dim = q.shape[1:]
+    qg = q.reshape(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
+    kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
+    og = F.scaled_dot_product_attention(
+        qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+        attn_mask=None if g.mask is None else g.mask[:, None], scale=scale, enable_gqa=True)
+    return og.transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
+    """The C kernel takes unpadded decode groups over an fp32 cache (the common step)."""
+    return (g.mask is None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
+            and fused.fits(q, cache.k) and fused.heads_packed(q) and cache.k.is_contiguous()
+            and cache.v.is_contiguous() and g.slots.device.type == "cpu")

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.config import ModelConfig, RopeConfig
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
-    apply_rope,
+    add_rms_norm,
     embed,
+    geglu,
     linear,
+    norm_rope,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -132,11 +133,10 @@ class Gemma3Model:
             sliding = c.is_sliding(i)
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             h = self.attention(h, layer, ropes[sliding], cache, meta, sliding)
-            x = x + rms_norm(h, layer["post_attn_norm"], c.rms_norm_eps)
+            x = add_rms_norm(x, h, layer["post_attn_norm"], c.rms_norm_eps)
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            gate, up = split(linear(h, layer["gate_up"]), layer["gate_up"])
-            h = F.gelu(gate, approximate="tanh") * up
-            x = x + rms_norm(linear(h, layer["down"]), layer["post_mlp_norm"], c.rms_norm_eps)
+            h = geglu(linear(h, layer["gate_up"]))  # gate | up: equal halves
+            x = add_rms_norm(x, linear(h, layer["down"]), layer["post_mlp_norm"], c.rms_norm_eps)
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight],
@@ -148,8 +148,8 @@ class Gemma3Model:
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), *rope)
-        k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), *rope)
+        q = norm_rope(q, layer["q_norm"], *rope, c.rms_norm_eps)
+        k = norm_rope(k, layer["k_norm"], *rope, c.rms_norm_eps)
         out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
         return linear(out, layer["o"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.errors import KvlabError
+from kvlab.kernels import fused
 
 FLOAT_KV = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KV_DTYPES = (*FLOAT_KV, "q8_0")
@@ -29,13 +30,23 @@ class FloatKV:
         return torch.empty(0, dtype=dtype).element_size()
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._c_writes(slots, k, v):
+            fused.scatter_rows_(self.k, slots, k)
+            fused.scatter_rows_(self.v, slots, v)
+            return
         self.k.index_copy_(0, slots, k.to(self.k.dtype))
         self.v.index_copy_(0, slots, v.to(self.v.dtype))
+
+    def _c_writes(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """fp32 store and rows: one memcpy per token instead of index_copy_."""
+        return (fused.fits(self.k, k, v) and fused.heads_packed(k) and fused.heads_packed(v)
+                and k.shape[1:] == self.k.shape[1:] and v.shape[1:] == self.v.shape[1:]
+                and k.shape[0] == v.shape[0] == slots.numel() and slots.is_cpu)
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: [B, C] -> k, v: [B, C, heads, head_dim]."""
-        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+        return _rows(self.k, slots, dtype), _rows(self.v, slots, dtype)
 
 
 class Q8KV:
@@ -59,8 +70,16 @@ class Q8KV:
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_q8(self.k[slots], self.k_scale[slots], dtype),
-                dequantize_q8(self.v[slots], self.v_scale[slots], dtype))
+        return (dequantize_q8(_rows(self.k, slots, torch.int8),
+                              _rows(self.k_scale, slots, torch.float16), dtype),
+                dequantize_q8(_rows(self.v, slots, torch.int8),
+                              _rows(self.v_scale, slots, torch.float16), dtype))
+
+
+def _rows(store: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """store[slots] as `dtype`; index_select on the flat slots is ~4x faster than indexing."""
+    out = store.index_select(0, slots.reshape(-1)).view(*slots.shape, *store.shape[1:])
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

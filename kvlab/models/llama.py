@@ -15,9 +15,9 @@ from kvlab.config import ModelConfig, RopeConfig
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
-    apply_rope,
     embed,
     linear,
+    norm_rope,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -136,10 +136,9 @@ class LlamaModel:
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_norm, k_norm = (layer["q_norm"], layer["k_norm"]) if c.qk_norm else (None, None)
+        q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
+        k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
         out = paged_attention(q, k, v, cache, meta, sliding=False, scale=c.scale)
         return linear(out, layer["o"])
 

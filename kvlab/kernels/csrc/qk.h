@@ -85,6 +85,21 @@ void kv_quantize_q4_k(const float *x, int64_t n, uint8_t *out);
 void kv_quantize_q5_k(const float *x, int64_t n, uint8_t *out);
 void kv_quantize_q6_k(const float *x, int64_t n, uint8_t *out);
 
+/* Fused fp32 decode ops (qk_fused.c), single-threaded; see the Python wrappers in fused.py. */
+void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim,
+                 float eps);
+void kv_add_rms_norm(float *res, const float *h, const float *w, int64_t rows, int64_t dim,
+                     float eps);
+void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim,
+                  const float *w, const float *cos, const float *sin, float eps);
+void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
+void kv_scatter_rows(float *dst, const float *src, int64_t src_stride, const int64_t *slots,
+                     int64_t n, int64_t row);
+/* Decode attention over the paged fp32 KV cache (qk_attn.c); 0, or -1 out of memory. */
+int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v,
+                     const int64_t *slots, int64_t B, int64_t C, int64_t H, int64_t KVH,
+                     int64_t D, float scale, float *out, int use_avx2);
+
 /* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
 typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);
 int kv_pool_set_threads(int n);  /* 0 on success */

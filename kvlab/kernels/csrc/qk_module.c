@@ -296,6 +296,123 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* ---------------- fused fp32 ops (qk_fused.c); contiguous fp32 buffers ---------------- */
+
+static int get_f32(PyObject *o, float *v) {
+    const double d = PyFloat_AsDouble(o);
+    *v = (float)d;
+    return !(d == -1.0 && PyErr_Occurred());
+}
+
+/* rms_norm(x, w, out, rows, dim, eps): out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(6);
+    void *x, *w, *out;
+    int64_t rows, dim;
+    float eps;
+    if (!get_ptr(args[0], &x) || !get_ptr(args[1], &w) || !get_ptr(args[2], &out) ||
+        !get_i64(args[3], &rows) || !get_i64(args[4], &dim) || !get_f32(args[5], &eps))
+        return NULL;
+    kv_rms_norm(x, w, out, rows, dim, eps);
+    Py_RETURN_NONE;
+}
+
+/* add_rms_norm(res, h, w, rows, dim, eps): res[r] += rms_norm(h[r]) * w, in place */
+static PyObject *py_add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(6);
+    void *res, *h, *w;
+    int64_t rows, dim;
+    float eps;
+    if (!get_ptr(args[0], &res) || !get_ptr(args[1], &h) || !get_ptr(args[2], &w) ||
+        !get_i64(args[3], &rows) || !get_i64(args[4], &dim) || !get_f32(args[5], &eps))
+        return NULL;
+    kv_add_rms_norm(res, h, w, rows, dim, eps);
+    Py_RETURN_NONE;
+}
+
+/* norm_rope(x, tokens, row_stride, heads, dim, w, cos, sin, eps): per head of x, in place,
+ * RMSNorm by w (skipped when w is 0) then rotate-half RoPE with cos/sin [tokens, dim] */
+static PyObject *py_norm_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(9);
+    void *x, *w, *cos, *sin;
+    int64_t tokens, row_stride, heads, dim;
+    float eps;
+    if (!get_ptr(args[0], &x) || !get_i64(args[1], &tokens) || !get_i64(args[2], &row_stride) ||
+        !get_i64(args[3], &heads) || !get_i64(args[4], &dim) || !get_ptr(args[5], &w) ||
+        !get_ptr(args[6], &cos) || !get_ptr(args[7], &sin) || !get_f32(args[8], &eps))
+        return NULL;
+    kv_norm_rope(x, tokens, row_stride, heads, dim, w, cos, sin, eps);
+    Py_RETURN_NONE;
+}
+
+/* gelu_mul(x, out, tokens, inter): out[t] = gelu_tanh(x[t, :inter]) * x[t, inter:] */
+static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(4);
+    void *x, *out;
+    int64_t tokens, inter;
+    if (!get_ptr(args[0], &x) || !get_ptr(args[1], &out) || !get_i64(args[2], &tokens) ||
+        !get_i64(args[3], &inter))
+        return NULL;
+    kv_gelu_mul(x, out, tokens, inter);
+    Py_RETURN_NONE;
+}
+
+/* scatter_rows(dst, num_slots, src, src_stride, slots, n, row): dst[slots[j]] = src[j] */
+static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(7);
+    void *dst, *src, *slots_p;
+    int64_t num_slots, src_stride, n, row;
+    if (!get_ptr(args[0], &dst) || !get_i64(args[1], &num_slots) || !get_ptr(args[2], &src) ||
+        !get_i64(args[3], &src_stride) || !get_ptr(args[4], &slots_p) ||
+        !get_i64(args[5], &n) || !get_i64(args[6], &row))
+        return NULL;
+    const int64_t *slots = slots_p;
+    for (int64_t j = 0; j < n; j++) {
+        if (slots[j] < 0 || slots[j] >= num_slots)
+            return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
+                                (long long)slots[j], (long long)num_slots);
+    }
+    kv_scatter_rows(dst, src, src_stride, slots, n, row);
+    Py_RETURN_NONE;
+}
+
+/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out):
+ * out[B, H, D] = softmax(q k^T * scale) v over the C cache slots of each row (qk_attn.c) */
+static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(13);
+    void *q, *k, *v, *slots_p, *out;
+    int64_t q_stride, num_slots, b, c, h, kvh, d;
+    float scale;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
+        !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
+        !get_i64(args[6], &b) || !get_i64(args[7], &c) || !get_i64(args[8], &h) ||
+        !get_i64(args[9], &kvh) || !get_i64(args[10], &d) || !get_f32(args[11], &scale) ||
+        !get_ptr(args[12], &out))
+        return NULL;
+    if (kvh <= 0 || h % kvh)
+        return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
+                            "heads", (long long)h, (long long)kvh);
+    const int64_t *slots = slots_p;
+    for (int64_t j = 0; j < b * c; j++) {
+        if (slots[j] < 0 || slots[j] >= num_slots)
+            return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
+                                (long long)slots[j], (long long)num_slots);
+    }
+    int use_avx2 = 0;
+#ifdef KV_HAVE_AVX2_BUILD
+    use_avx2 = g_isa == &kv_isa_avx2;
+#endif
+    if (kv_attend_decode(q, q_stride, k, v, slots, b, c, h, kvh, d, scale, out, use_avx2))
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     const long n = PyLong_AsLong(arg);
@@ -360,6 +477,18 @@ static PyMethodDef methods[] = {
      "dequantize_rows(qtype, w, rows, cols, row_bytes, ids, n, out)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "quantize(qtype, x, rows, cols, out)"},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
+     "rms_norm(x, w, out, rows, dim, eps)"},
+    {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL,
+     "add_rms_norm(res, h, w, rows, dim, eps): res += rms_norm(h) * w"},
+    {"norm_rope", (PyCFunction)(void (*)(void))py_norm_rope, METH_FASTCALL,
+     "norm_rope(x, tokens, row_stride, heads, dim, w, cos, sin, eps)"},
+    {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, METH_FASTCALL,
+     "gelu_mul(x, out, tokens, inter)"},
+    {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
+     "scatter_rows(dst, num_slots, src, src_stride, slots, n, row)"},
+    {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
+     "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},

@@ -1,0 +1,185 @@
+/* Decode attention straight from the paged fp32 KV cache: each query row attends to C
+ * keys whose slots are listed, without gathering K/V into new tensors first.
+ *
+ *     q    [B, H, D]            one new token per sequence (rows q_stride floats apart)
+ *     k, v [num_slots, KVH, D]  the cache; slots [B, C] pick each sequence's keys
+ *     out  [B, H, D]            softmax(q k^T * scale) v, per head; head h reads KV head
+ *                               h / (H / KVH) (grouped-query attention)
+ *
+ * Per (sequence, KV head) the H / KVH query heads are scored against each key row while
+ * it is in L1, then softmaxed, then the value rows are summed with those weights. The
+ * AVX2 variant differs only in its three inner loops (and FMA rounding).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qk.h"
+
+typedef struct {
+    /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q */
+    void (*scores)(const float *q, int64_t rep, const float *k, const int64_t *slots,
+                   int64_t C, int64_t stride, int64_t D, float scale, float *s);
+    /* s[0..C) -> exp(s - max s); returns the sum */
+    float (*softmax)(float *s, int64_t C);
+    /* out[h] = sum_c s[h * C + c] * v row c for the rep heads */
+    void (*mix)(const float *s, int64_t rep, const float *v, const int64_t *slots,
+                int64_t C, int64_t stride, int64_t D, float *out);
+} attn_ops;
+
+static void scores_c(const float *q, int64_t rep, const float *k, const int64_t *slots,
+                     int64_t C, int64_t stride, int64_t D, float scale, float *s) {
+    for (int64_t c = 0; c < C; c++) {
+        const float *kr = k + slots[c] * stride;
+        for (int64_t h = 0; h < rep; h++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < D; i++) acc += q[h * D + i] * kr[i];
+            s[h * C + c] = acc * scale;
+        }
+    }
+}
+
+static float softmax_c(float *s, int64_t C) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < C; c++) m = s[c] > m ? s[c] : m;
+    for (int64_t c = 0; c < C; c++) sum += s[c] = expf(s[c] - m);
+    return sum;
+}
+
+static void mix_c(const float *s, int64_t rep, const float *v, const int64_t *slots,
+                  int64_t C, int64_t stride, int64_t D, float *out) {
+    memset(out, 0, (size_t)(rep * D) * sizeof(float));
+    for (int64_t c = 0; c < C; c++) {
+        const float *vr = v + slots[c] * stride;
+        for (int64_t h = 0; h < rep; h++)
+            for (int64_t i = 0; i < D; i++) out[h * D + i] += s[h * C + c] * vr[i];
+    }
+}
+
+static const attn_ops ops_generic = {scores_c, softmax_c, mix_c};
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+#define TGT __attribute__((target("avx2,fma")))
+
+TGT static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads share each load of a key row,
+ * with two accumulators each: 8 independent FMA chains instead of one long one. */
+TGT static void scores_avx2(const float *q, int64_t rep, const float *k, const int64_t *slots,
+                            int64_t C, int64_t stride, int64_t D, float scale, float *s) {
+    for (int64_t h0 = 0; h0 < rep; h0 += 4) {
+        const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;
+        const float *qh = q + h0 * D;
+        for (int64_t c = 0; c < C; c++) {
+            const float *kr = k + slots[c] * stride;
+            __m256 acc[4][2];
+            for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 kv = _mm256_loadu_ps(kr + i);
+                const int j = (int)(i >> 3) & 1;
+                for (int h = 0; h < nh; h++)
+                    acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), kv, acc[h][j]);
+            }
+            for (int h = 0; h < nh; h++)
+                s[(h0 + h) * C + c] = hsum8(_mm256_add_ps(acc[h][0], acc[h][1])) * scale;
+        }
+    }
+}
+
+/* e^x for x <= 0: 2^n * e^r, |r| <= ln2 / 2, degree-7 Taylor (error ~5e-9); x is clamped
+ * at -87 so that 2^n stays a normal float (e^-87 is far below any softmax weight kept). */
+TGT static inline __m256 exp8_nonpos(__m256 x) {
+    static const float poly[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
+                                  1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(poly[0]);
+    for (int k = 1; k < 8; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+TGT static float softmax_avx2(float *s, int64_t C) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < C; c++) m = s[c] > m ? s[c] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        const __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + c), mv));
+        _mm256_storeu_ps(s + c, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    for (; c < C; c++) sum += s[c] = expf(s[c] - m);
+    return sum + hsum8(acc);
+}
+
+/* For each 16-float slice of D and up to 4 heads, the weighted sum over all C value rows
+ * stays in 8 registers; each value row slice is loaded once per slice pass. */
+TGT static void mix_avx2(const float *s, int64_t rep, const float *v, const int64_t *slots,
+                         int64_t C, int64_t stride, int64_t D, float *out) {
+    for (int64_t h0 = 0; h0 < rep; h0 += 4) {
+        const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;
+        for (int64_t i = 0; i < D; i += 16) {
+            const int two = i + 16 <= D;  /* D % 16 == 8: the last slice is one register */
+            __m256 acc[4][2];
+            for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < C; c++) {
+                const float *vr = v + slots[c] * stride + i;
+                const __m256 v0 = _mm256_loadu_ps(vr);
+                const __m256 v1 = two ? _mm256_loadu_ps(vr + 8) : _mm256_setzero_ps();
+                for (int h = 0; h < nh; h++) {
+                    const __m256 p = _mm256_broadcast_ss(s + (h0 + h) * C + c);
+                    acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+                    acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                float *o = out + (h0 + h) * D + i;
+                _mm256_storeu_ps(o, acc[h][0]);
+                if (two) _mm256_storeu_ps(o + 8, acc[h][1]);
+            }
+        }
+    }
+}
+
+static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
+#endif
+
+/* Returns 0, or -1 when out of memory. */
+int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v, const int64_t *slots,
+                     int64_t B, int64_t C, int64_t H, int64_t KVH, int64_t D, float scale,
+                     float *out, int use_avx2) {
+    const attn_ops *ops = &ops_generic;
+#ifdef KV_HAVE_AVX2_BUILD
+    if (use_avx2 && D % 8 == 0) ops = &ops_avx2;
+#else
+    (void)use_avx2;
+#endif
+    const int64_t rep = H / KVH, stride = KVH * D;
+    float *s = malloc((size_t)(rep * C) * sizeof(float));
+    if (!s && rep * C > 0) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t g = 0; g < KVH; g++) {
+            const float *qg = q + b * q_stride + g * rep * D;
+            float *og = out + (b * H + g * rep) * D;
+            ops->scores(qg, rep, k + g * D, slots + b * C, C, stride, D, scale, s);
+            for (int64_t h = 0; h < rep; h++) {
+                const float inv = 1.0f / ops->softmax(s + h * C, C);
+                for (int64_t c = 0; c < C; c++) s[h * C + c] *= inv;
+            }
+            ops->mix(s, rep, v + g * D, slots + b * C, C, stride, D, og);
+        }
+    }
+    free(s);
+    return 0;
+}

@@ -1,0 +1,130 @@
+/* Small fp32 ops of the decode step, fused so that each costs one call instead of several
+ * torch kernels: RMSNorm (optionally added into a residual), rotate-half RoPE (optionally
+ * after a per-head RMSNorm), and GeGLU. Single-threaded: a decode step's rows are short.
+ *
+ * Rounding follows torch's composite ops step by step (x * rsqrt(mean(x^2) + eps), then
+ * * w; x * cos + rotated * sin), so with -ffp-contract=off the results match torch's
+ * exactly except for the order of the sum of squares, which runs in double here.
+ */
+#include <math.h>
+#include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+#include "qk.h"
+
+/* 1 / sqrt(mean(x^2) + eps), the mean in double and then rounded to fp32 as torch's */
+static float rms_scale(const float *x, int64_t dim, float eps) {
+    double acc[4] = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 4 <= dim; i += 4)
+        for (int k = 0; k < 4; k++) acc[k] += (double)x[i + k] * x[i + k];
+    for (; i < dim; i++) acc[0] += (double)x[i] * x[i];
+    const float mean = (float)((acc[0] + acc[1] + acc[2] + acc[3]) / (double)dim);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim,
+                 float eps) {
+    for (int64_t r = 0; r < rows; r++, x += dim, out += dim) {
+        const float s = rms_scale(x, dim, eps);
+        for (int64_t i = 0; i < dim; i++) out[i] = (x[i] * s) * w[i];
+    }
+}
+
+void kv_add_rms_norm(float *res, const float *h, const float *w, int64_t rows, int64_t dim,
+                     float eps) {
+    for (int64_t r = 0; r < rows; r++, res += dim, h += dim) {
+        const float s = rms_scale(h, dim, eps);
+        for (int64_t i = 0; i < dim; i++) res[i] += (h[i] * s) * w[i];
+    }
+}
+
+/* One head in place: x[i] * cos[i] + rotated[i] * sin[i], rotated = (-x[half:], x[:half]) */
+static void rope_head(float *x, const float *cos, const float *sin, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim,
+                  const float *w, const float *cos, const float *sin, float eps) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = x + t * row_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            float *head = row + h * dim;
+            if (w) kv_rms_norm(head, w, head, 1, dim, eps);
+            rope_head(head, cos + t * dim, sin + t * dim, dim);
+        }
+    }
+}
+
+/* dst[slots[j]] = src row j (row floats, rows src_stride apart): the paged KV write */
+void kv_scatter_rows(float *dst, const float *src, int64_t src_stride, const int64_t *slots,
+                     int64_t n, int64_t row) {
+    for (int64_t j = 0; j < n; j++)
+        memcpy(dst + slots[j] * row, src + j * src_stride, (size_t)row * sizeof(float));
+}
+
+/* GeGLU's gelu_tanh(g) * up: 0.5 * g * (1 + tanh(u)) is computed as g * sigmoid(2u), the
+ * same value without tanh's cancellation near -1, with e^x from 2^n * e^r, |r| <= ln2 / 2,
+ * and a degree-7 Taylor polynomial (error ~5e-9, below fp32's ulp). The clamp of x to
+ * [-87, 87] keeps 2^n a normal float. SSE2 does four at a time with the same operations
+ * (left to itself, the compiler speculates the clamped case and hits denormals). */
+#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi), as torch */
+#define GELU_K1 0.044715f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187e-06f
+#define EXP_SHIFT 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
+static const float exp_poly[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f,
+                                  1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+
+static float gelu_mul_1(float g, float up) {
+    const float u = GELU_K0 * (g + GELU_K1 * (g * g * g));
+    float x = -2.0f * u;
+    x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
+    const float n = (x * EXP_LOG2E + EXP_SHIFT) - EXP_SHIFT;
+    const float r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    float p = exp_poly[0];
+    for (int k = 1; k < 8; k++) p = p * r + exp_poly[k];
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return (g / (1.0f + p * scale)) * up;
+}
+
+#ifdef __SSE2__
+static __m128 gelu_mul_4(__m128 g, __m128 up) {
+    const __m128 u = _mm_mul_ps(_mm_set1_ps(GELU_K0), _mm_add_ps(
+        g, _mm_mul_ps(_mm_set1_ps(GELU_K1), _mm_mul_ps(_mm_mul_ps(g, g), g))));
+    __m128 x = _mm_mul_ps(_mm_set1_ps(-2.0f), u);
+    x = _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(-87.0f)), _mm_set1_ps(87.0f));
+    const __m128 shift = _mm_set1_ps(EXP_SHIFT);
+    const __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(EXP_LOG2E)), shift), shift);
+    const __m128 r = _mm_sub_ps(_mm_sub_ps(x, _mm_mul_ps(n, _mm_set1_ps(EXP_LN2_HI))),
+                                _mm_mul_ps(n, _mm_set1_ps(EXP_LN2_LO)));
+    __m128 p = _mm_set1_ps(exp_poly[0]);
+    for (int k = 1; k < 8; k++) p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(exp_poly[k]));
+    const __m128 scale = _mm_castsi128_ps(
+        _mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(n), _mm_set1_epi32(127)), 23));
+    const __m128 e = _mm_mul_ps(p, scale);
+    return _mm_mul_ps(_mm_div_ps(g, _mm_add_ps(_mm_set1_ps(1.0f), e)), up);
+}
+#endif
+
+/* out[t, i] = gelu_tanh(x[t, i]) * x[t, inter + i]: x is [tokens, 2 * inter] (gate | up) */
+void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
+    for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {
+        int64_t i = 0;
+#ifdef __SSE2__
+        for (; i + 4 <= inter; i += 4)
+            _mm_storeu_ps(out + i, gelu_mul_4(_mm_loadu_ps(x + i), _mm_loadu_ps(x + inter + i)));
+#endif
+        for (; i < inter; i++) out[i] = gelu_mul_1(x[i], x[inter + i]);
+    }
+}

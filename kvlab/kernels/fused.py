@@ -1,0 +1,113 @@
+"""Fused fp32 decode ops in C (kvlab.kernels._qk): one ~1 µs call instead of several torch
+kernels of 2-12 µs each, which is most of a small model's step outside the products.
+
+    fits(*tensors)                            True when the C path may take these tensors
+    rms_norm(x, w, eps) -> [T, D]             x * rsqrt(mean(x^2) + eps) * w
+    add_rms_norm_(x, h, w, eps) -> x          x += rms_norm(h, w), in place
+    norm_rope_(x, w, cos, sin, eps) -> x      per head: RMSNorm (w may be None), then RoPE
+    geglu(y) -> [T, I]                        gelu_tanh(y[:, :I]) * y[:, I:]
+    scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write
+    attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
+
+Callers check `fits` first (fp32, on the CPU, the extension built) and otherwise use the
+torch ops, which these match to fp32 rounding (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.kernels.ops import _qk
+
+ENABLED = _qk is not None
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is fp32 on the CPU and the C extension is built."""
+    if not ENABLED:
+        return False
+    for t in tensors:  # a plain loop: this runs ~500 times a step
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous tensor (a no-op call costs ~0.3 µs; skipped when it is one)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    """Slot ids as contiguous int64, as the C side reads them."""
+    return _c(t if t.dtype == torch.int64 else t.to(torch.int64))
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D] contiguous, w: [D] -> a new tensor like x."""
+    x, w = _c(x), _c(w)
+    out = torch.empty_like(x)
+    dim = w.shape[0]
+    _qk.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps)
+    return out
+
+
+def add_rms_norm_(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """x += rms_norm(h) * w in place (x, h: [T, D] contiguous, w: [D]); returns x."""
+    h, w = _c(h), _c(w)
+    dim = w.shape[0]
+    _qk.add_rms_norm(x.data_ptr(), h.data_ptr(), w.data_ptr(), x.numel() // dim, dim, eps)
+    return x
+
+
+def norm_rope_(x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor,
+               sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, heads, D] with heads packed (strides [any, D, 1]), rotated in place.
+
+    Each head is first RMS-normed by w [D] when w is given; cos/sin: [T, 1, D] contiguous.
+    """
+    tokens, heads, dim = x.shape
+    w_ptr = 0 if w is None else _c(w).data_ptr()
+    cos, sin = _c(cos), _c(sin)
+    _qk.norm_rope(x.data_ptr(), tokens, x.stride(0), heads, dim, w_ptr, cos.data_ptr(),
+                  sin.data_ptr(), eps)
+    return x
+
+
+def heads_packed(x: torch.Tensor) -> bool:
+    """x: [T, heads, D] whose heads lie one after another in memory (norm_rope_ takes it)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def geglu(y: torch.Tensor) -> torch.Tensor:
+    """y: [T, 2 * I] contiguous (gate | up) -> gelu_tanh(gate) * up: [T, I]."""
+    y = _c(y)
+    inter = y.shape[-1] // 2
+    out = y.new_empty(*y.shape[:-1], inter)
+    if out.numel():
+        _qk.gelu_mul(y.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+    return out
+
+
+def scatter_rows_(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """store[slots] = x: store [num_slots, H, D] contiguous, x [T, H, D] heads packed,
+    slots [T] (checked against num_slots)."""
+    slots = _i64(slots)
+    _qk.scatter_rows(store.data_ptr(), store.shape[0], x.data_ptr(), x.stride(0),
+                     slots.data_ptr(), slots.numel(), store[0].numel())
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v read straight from the paged cache, no gather.
+
+    q: [B, H, D] heads packed; k, v: [num_slots, KVH, D] contiguous; slots: [B, C] -> the
+    keys of row b are k[slots[b]] (all visible). Returns [B, H, D].
+    """
+    batch, heads, dim = q.shape
+    slots = _i64(slots)
+    out = q.new_empty(batch, heads, dim)
+    _qk.attend_decode(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
+                      slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
+                      out.data_ptr())
+    return out
