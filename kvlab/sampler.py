@@ -71,6 +71,7 @@ class SamplingBatch:
     all_greedy: bool
     max_top_k: int
     num_logprobs: int  # K: the most top alternatives any row asked for
+    want_logprobs: bool  # some row asked for logprobs (else they are not computed)
 
     @classmethod
     def build(
@@ -111,6 +112,7 @@ class SamplingBatch:
             all_greedy=all(greedy),
             max_top_k=max((p.top_k for p in params), default=0),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            want_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -135,7 +137,8 @@ class SampleResult:
     """The chosen tokens and their log-probabilities under the raw model distribution."""
 
     token_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] float32: log_softmax(raw logits) at the chosen token
+    logprobs: Tensor  # [B] float32: log_softmax(raw logits) at the chosen token (NaN when
+    # no row of the batch asked for logprobs)
     top_ids: Tensor  # [B, K] int64, K = batch.num_logprobs (may be 0)
     top_logprobs: Tensor  # [B, K] float32
 
@@ -228,14 +231,18 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
     logits = logits.float()
-    # log-probs of the raw distribution without materializing a [B, V] log_softmax
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     penalized = apply_penalties(logits, batch)
     token_ids = penalized.argmax(dim=-1)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
         sampled = (probs / exponential_noise(probs, batch)).argmax(dim=-1)
         token_ids = torch.where(batch.greedy, token_ids, sampled)
+    if not batch.want_logprobs:  # a pass over the whole vocabulary saved per step
+        empty = logits.new_empty(logits.shape[0], 0)
+        return SampleResult(token_ids, logits.new_full(token_ids.shape, float("nan")),
+                            empty.long(), empty)
+    # log-probs of the raw distribution without materializing a [B, V] log_softmax
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     top_logits, top_ids = logits.topk(batch.num_logprobs, dim=-1)
     return SampleResult(
         token_ids=token_ids,
