@@ -9,7 +9,8 @@ Prints, in one run:
     from DRAM as they do in a real decode step; GB/s = weight bytes read / time;
   * one decode step's products (all layers + the tied output head) -> the tok/s ceiling;
   * batched decode n=4,16 on token_embd (the weights are read once per step);
-  * prefill: qmatmul with n=512 (fp32 tiles + torch.mm) against torch fp32 matmul, GFLOP/s.
+  * prefill: qmatmul (integer kernels) and dense_matmul (fp32 tiles + torch.mm) with n=512
+    against torch fp32 matmul, GFLOP/s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvlab.kernels import QuantizedWeight, dequantize, kernel_backend, qmatmul, set_num_threads
+from kvlab.kernels.ops import dense_matmul
 from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
@@ -74,13 +76,14 @@ def decode_step_products(file: GGUFFile) -> list[QuantizedWeight]:
     return [QuantizedWeight.from_gguf(file, n) for n in names + [head]]
 
 
-def prefill_gflops(w: QuantizedWeight, n: int, reps: int) -> tuple[float, float]:
+def prefill_gflops(w: QuantizedWeight, n: int, reps: int) -> tuple[float, float, float]:
     x = torch.randn(n, w.in_features)
     dense = dequantize(w)
     flops = 2.0 * n * w.in_features * w.out_features
     ours = flops / timed(lambda: qmatmul(x, w), reps) / 1e9
+    tiles = flops / timed(lambda: dense_matmul(x, w), reps) / 1e9
     ref = flops / timed(lambda: x @ dense.T, reps) / 1e9
-    return ours, ref
+    return ours, tiles, ref
 
 
 def main() -> None:
@@ -123,9 +126,10 @@ def main() -> None:
                   f" GB/s, {2 * n * embd.nbytes / 1.0625 / dt / 1e9:.0f} GOP/s")
         for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "blk.0.attn_output.weight"):
             w = QuantizedWeight.from_gguf(file, name)
-            ours, ref = prefill_gflops(w, 512, reps)
-            print(f"prefill n=512 {name} {w.qtype.name} {w.shape[0]}x{w.shape[1]}: "
-                  f"{ours:5.1f} GFLOP/s vs torch fp32 matmul {ref:5.1f} ({ours / ref:4.0%})")
+            ours, tiles, ref = prefill_gflops(w, 512, reps)
+            print(f"prefill n=512 {name} {w.qtype.name} {w.shape[0]}x{w.shape[1]}: integer "
+                  f"{ours:5.1f}, fp32 tiles {tiles:5.1f} GFLOP/s vs torch fp32 matmul "
+                  f"{ref:5.1f} ({ours / ref:4.0%}, {tiles / ref:4.0%})")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.config import ModelConfig
-from kvlab.kernels.ops import PREFILL_MIN_ROWS
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
 from kvlab.scheduler import SchedulerOutput
+
+WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attention)
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,10 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run one step. With quantized weights, torch stays on one thread between wide
-        steps: the decode kernels bring their own threads, and torch's OpenMP workers would
-        otherwise compete with them for the same cores. Prefill-sized steps (BLAS tiles)
-        get all threads for their duration."""
-        if not self.kernel_decode or out.num_tokens < PREFILL_MIN_ROWS:
+        steps: the C kernels bring their own threads, and torch's OpenMP workers would
+        otherwise compete with them for the same cores. Wide (prefill) steps give torch all
+        threads for their attention products."""
+        if not self.kernel_decode or out.num_tokens < WIDE_STEP_TOKENS:
             return self._execute(out)
         torch.set_num_threads(self.threads)
         try:

@@ -98,16 +98,19 @@ def scatter_rows_(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> 
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v read straight from the paged cache, no gather.
 
     q: [B, H, D] heads packed; k, v: [num_slots, KVH, D] contiguous; slots: [B, C] -> the
-    keys of row b are k[slots[b]] (all visible). Returns [B, H, D].
+    keys of row b are k[slots[b, :lengths[b]]] (all C when lengths is None); the padding
+    after them is never read, so each row's result does not depend on the others.
+    Returns [B, H, D].
     """
     batch, heads, dim = q.shape
     slots = _i64(slots)
+    lens = _i64(lengths) if lengths is not None else None
     out = q.new_empty(batch, heads, dim)
     _qk.attend_decode(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
-                      out.data_ptr())
+                      out.data_ptr(), lens.data_ptr() if lens is not None else 0)
     return out

@@ -34,6 +34,7 @@ class AttentionGroup:
     slots:   [B, C] slot of each attended key (padding repeats a real slot, masked out)
     mask:    [B, Q, C] True where the query may attend to the key; None when every query
              sees every key (decode without padding)
+    lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
     """
 
     rows: torch.Tensor
@@ -41,6 +42,7 @@ class AttentionGroup:
     mask: torch.Tensor | None
     num_seqs: int
     queries_per_seq: int
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,10 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
         slots[b, n:] = s.slots[f]  # padding reads a written slot: masked, but never NaN
         mask[b, 0, :n] = True
     rows = torch.tensor(offsets, dtype=torch.long)
-    unpadded = all(s.end - f == width for s, f in zip(spans, firsts))
+    lengths = torch.tensor([s.end - f for s, f in zip(spans, firsts)], dtype=torch.long)
+    unpadded = bool((lengths == width).all())
     return AttentionGroup(rows.to(device), slots.to(device),
-                          None if unpadded else mask.to(device), len(spans), 1)
+                          None if unpadded else mask.to(device), len(spans), 1, lengths)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
@@ -148,7 +151,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
     if _decode_in_c(q, cache, g):
-        return fused.attend_decode(q, cache.k, cache.v, g.slots, scale)
+        return fused.attend_decode(q, cache.k, cache.v, g.slots, scale, g.lengths)
     num_heads, head_dim = q.shape[1:]
     qg = q.reshape(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
     kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
@@ -159,7 +162,8 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
 
 
 def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """The C kernel takes unpadded decode groups over an fp32 cache (the common step)."""
-    return (g.mask is None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
+    """Decode groups over an fp32 cache run in C, each row over its own keys only, so a
+    sequence's attention is the same whether it decodes alone or beside longer ones."""
+    return (g.lengths is not None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
             and fused.fits(q, cache.k) and fused.heads_packed(q) and cache.k.is_contiguous()
             and cache.v.is_contiguous() and g.slots.device.type == "cpu")

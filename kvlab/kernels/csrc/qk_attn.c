@@ -157,8 +157,8 @@ static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
 
 /* Returns 0, or -1 when out of memory. */
 int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v, const int64_t *slots,
-                     int64_t B, int64_t C, int64_t H, int64_t KVH, int64_t D, float scale,
-                     float *out, int use_avx2) {
+                     const int64_t *lengths, int64_t B, int64_t C, int64_t H, int64_t KVH,
+                     int64_t D, float scale, float *out, int use_avx2) {
     const attn_ops *ops = &ops_generic;
 #ifdef KV_HAVE_AVX2_BUILD
     if (use_avx2 && D % 8 == 0) ops = &ops_avx2;
@@ -169,15 +169,18 @@ int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const flo
     float *s = malloc((size_t)(rep * C) * sizeof(float));
     if (!s && rep * C > 0) return -1;
     for (int64_t b = 0; b < B; b++) {
+        /* row b sees its first n keys; the rest of its slot row is padding, never read, so a
+         * sequence's result is the same alone or beside longer ones */
+        const int64_t n = lengths ? lengths[b] : C;
         for (int64_t g = 0; g < KVH; g++) {
             const float *qg = q + b * q_stride + g * rep * D;
             float *og = out + (b * H + g * rep) * D;
-            ops->scores(qg, rep, k + g * D, slots + b * C, C, stride, D, scale, s);
+            ops->scores(qg, rep, k + g * D, slots + b * C, n, stride, D, scale, s);
             for (int64_t h = 0; h < rep; h++) {
-                const float inv = 1.0f / ops->softmax(s + h * C, C);
-                for (int64_t c = 0; c < C; c++) s[h * C + c] *= inv;
+                const float inv = 1.0f / ops->softmax(s + h * n, n);
+                for (int64_t c = 0; c < n; c++) s[h * n + c] *= inv;
             }
-            ops->mix(s, rep, v + g * D, slots + b * C, C, stride, D, og);
+            ops->mix(s, rep, v + g * D, slots + b * C, n, stride, D, og);
         }
     }
     free(s);

@@ -381,34 +381,42 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out):
- * out[B, H, D] = softmax(q k^T * scale) v over the C cache slots of each row (qk_attn.c) */
+/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, lengths):
+ * out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of the C cache slots of
+ * each row (all C when lengths is 0) (qk_attn.c) */
 static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(13);
-    void *q, *k, *v, *slots_p, *out;
+    NARGS(14);
+    void *q, *k, *v, *slots_p, *out, *lengths_p;
     int64_t q_stride, num_slots, b, c, h, kvh, d;
     float scale;
     if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
         !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
         !get_i64(args[6], &b) || !get_i64(args[7], &c) || !get_i64(args[8], &h) ||
         !get_i64(args[9], &kvh) || !get_i64(args[10], &d) || !get_f32(args[11], &scale) ||
-        !get_ptr(args[12], &out))
+        !get_ptr(args[12], &out) || !get_ptr(args[13], &lengths_p))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
                             "heads", (long long)h, (long long)kvh);
-    const int64_t *slots = slots_p;
-    for (int64_t j = 0; j < b * c; j++) {
-        if (slots[j] < 0 || slots[j] >= num_slots)
-            return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
-                                (long long)slots[j], (long long)num_slots);
+    const int64_t *slots = slots_p, *lengths = lengths_p;
+    for (int64_t r = 0; r < b; r++) {
+        const int64_t n = lengths ? lengths[r] : c;
+        if (n < 1 || n > c)
+            return PyErr_Format(PyExc_ValueError, "row %lld attends to %lld of %lld slots",
+                                (long long)r, (long long)n, (long long)c);
+        for (int64_t j = r * c; j < r * c + n; j++) {
+            if (slots[j] < 0 || slots[j] >= num_slots)
+                return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
+                                    (long long)slots[j], (long long)num_slots);
+        }
     }
     int use_avx2 = 0;
 #ifdef KV_HAVE_AVX2_BUILD
     use_avx2 = g_isa == &kv_isa_avx2;
 #endif
-    if (kv_attend_decode(q, q_stride, k, v, slots, b, c, h, kvh, d, scale, out, use_avx2))
+    if (kv_attend_decode(q, q_stride, k, v, slots, lengths, b, c, h, kvh, d, scale, out,
+                         use_avx2))
         return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
