@@ -11,12 +11,12 @@ import os
 # busy-waiting after each parallel region would steal those cores, so idle torch threads sleep.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvlab.request import SamplingParams  # noqa: E402
+from kvlab.request import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: importing kvlab must not load torch
+def __getattr__(name: str):
     if name == "LLM":
         from kvlab.llm import LLM
 

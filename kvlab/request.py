@@ -6,6 +6,7 @@ Stdlib only. The engine fills these; the CLI, the server and the benchmarks read
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -101,8 +102,7 @@ class RequestTimings:
 
     @property
     def inter_token_latencies(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
 
 @dataclass
