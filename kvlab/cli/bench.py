@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.estimate:
         from kvlab.cli.bench_estimate import print_check
 
-        print_check(str(args.model or default_model_path()), results, args.threads)
+        print_check(str(args.model or default_model_path()), results, args.threads,
+                    quantized=engine.runner.kernel_decode)
     return 0
 
 

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kvlab.errors import KvlabError
 from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec
@@ -75,6 +76,11 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
         rate, size, runs = measure_matmul(dtype, matmul_size, budget_s)
         tflops[dtype] = rate / TERA
         details[dtype] = f"{size}x{size} matmul, best of {runs}"
+    rate, runs = measure_int8_kernels(budget_s)
+    if rate:
+        tflops["int8"] = rate / TERA
+        details["int8"] = (f"kvlab integer kernels: 512 rows x Q4_K 2048x2048, best of {runs} "
+                           "(what prefill of a quantized model runs)")
     return ProbeResult(
         bandwidth_gbs=bandwidth / GB, tflops=tflops, memory_gib=_physical_memory() / GIB,
         threads=torch.get_num_threads(), cpu=_cpu_name(),
@@ -103,6 +109,21 @@ def measure_matmul(dtype: str = "fp32", size: int = 2048, budget_s: float = 6.0
         size //= 2
     seconds, runs = _best_seconds(lambda: a @ b, budget_s, max_runs=30)
     return 2 * size**3 / seconds, size, runs
+
+
+def measure_int8_kernels(budget_s: float = 6.0) -> tuple[float | None, int]:
+    """Best OP/s of kvlab's own quantized product (activations in 8 bits, as its prefill
+    runs them) on a random Q4_K matrix; None when the C kernels are not built."""
+    from kvlab.kernels import kernel_backend, qmatmul, quantize
+
+    if kernel_backend() == "torch":
+        return None, 0
+    gen = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(2048, 2048, generator=gen), GGMLQuantizationType.Q4_K)
+    x = torch.randn(512, 2048, generator=gen)
+    qmatmul(x, w)  # warm-up
+    seconds, runs = _best_seconds(lambda: qmatmul(x, w), budget_s, max_runs=20)
+    return 2 * 512 * 2048 * 2048 / seconds, runs
 
 
 def _best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int) -> tuple[float, int]:
