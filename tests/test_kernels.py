@@ -239,6 +239,26 @@ def test_threads_one_and_two_give_identical_results(n):
     assert torch.equal(y1, y2)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [t for t in SUPPORTED_TYPES if t != T.F32], ids=lambda t: t.name)
+def test_qmatmul_is_batch_invariant(qtype, isa):
+    """A row's output is bit-identical whatever else is in the batch: the many-row paths
+    (weights unpacked once per tile) do each row's arithmetic in the single-row order.
+    (F32 weights go to torch.mm, whose blocking may depend on n: not covered.)"""
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 768 if block == 256 else 224 if block == 32 else 200  # odd block counts
+    w = make_weight(qtype, 200, cols, seed=11)
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(2))
+    try:
+        ops._qk.set_isa(isa)
+        alone = torch.cat([qmatmul(x[j : j + 1], w) for j in range(len(x))])
+        for n in (1, 5, 64, 300):
+            assert torch.equal(qmatmul(x[:n], w), alone[:n]), n
+            assert torch.equal(qmatmul(x[-n:], w), alone[-n:]), n
+    finally:
+        ops._qk.set_isa("auto")
+
+
 # ---------------------------------------------------------------- quantize
 
 

@@ -2,7 +2,9 @@
  * activation rows multiply 32 int8 pairs with maddubs (u8 x s8 -> s16 pairs) and madd
  * (-> s32), and fold the scales in with one fp32 FMA per block (K-quants apply their
  * sub-block scales in the integer domain, as the madd multiplier). The 4/5-bit legacy
- * types go two blocks at a time against kv_act64. Dequantizers for the prefill tiles
+ * types go two blocks at a time against kv_act64. With many activation rows (prefill)
+ * the 4/5/6-bit types unpack a tile of weight rows once and reuse it for every group
+ * of x rows, with each row's arithmetic unchanged. Dequantizers for the prefill tiles
  * are here too.
  *
  * Compiled with the target attribute, not with -mavx2 for the whole file, so one build
@@ -13,6 +15,7 @@
 #ifdef KV_HAVE_AVX2_BUILD
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KV_TGT __attribute__((target("avx2,fma,f16c")))
@@ -383,6 +386,251 @@ KV_GEMV_AVX2(gemv_f32, rows_f32)
 KV_GEMV_AVX2(gemv_f16, rows_f16)
 KV_GEMV_AVX2(gemv_bf16, rows_bf16)
 
+/* ---------------- prefill: weight rows unpacked once, then run against every x row -------
+ *
+ * For many activation rows the kernels above would unpack each weight block once per group
+ * of four x rows. Here a tile of weight rows is unpacked once into a buffer (the same
+ * registers the kernels above build: bytes, scales, mins) and each group of four x rows
+ * runs over the tile. Per x row the arithmetic and its order are exactly those of the
+ * kernels above, so a row's output does not depend on n or on the other rows. */
+
+#define KV_TILE_MIN_N 8        /* fewer x rows: the per-group kernels above */
+#define KV_TILE_BYTES 32768    /* unpacked weights per tile (rows of it, 1 to 16) */
+
+/* 4/5-bit legacy pair: what pair_step builds before its loop over x rows */
+typedef struct { __m256i lo, hi; __m256 dw, mw; } kv_upair;
+
+KV_INL void unpack_pair(const uint8_t *b0, const kv_pair_layout L, const int pair, kv_upair *u) {
+    const uint8_t *b1 = b0 + L.size;
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + L.qs));
+    const __m256i v = pair ? _mm256_inserti128_si256(
+                                 _mm256_castsi128_si256(q0),
+                                 _mm_loadu_si128((const __m128i *)(b1 + L.qs)), 1)
+                           : _mm256_inserti128_si256(_mm256_setzero_si256(), q0, 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (L.qh) add_fifth_bits(load_u32(b0 + L.qh), pair ? load_u32(b1 + L.qh) : 0, &lo, &hi);
+    const uint32_t w0 = L.has_min ? load_u32(b0) : (uint32_t)(b0[0] | b0[1] << 8);
+    const uint32_t w1 = !pair ? 0 : L.has_min ? load_u32(b1) : (uint32_t)(b1[0] | b1[1] << 8);
+    __m256 dw, mw;
+    scales_pair(w0, w1, &dw, &mw);
+    if (!L.has_min) mw = dw;
+    u->lo = lo, u->hi = hi, u->dw = dw, u->mw = mw;
+}
+
+KV_INL void unpack_pairs_row(const uint8_t *w, int64_t cols, kv_upair *u, const kv_pair_layout L) {
+    const int64_t nb = cols / 32;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) unpack_pair(w + i * L.size, L, 1, u + i / 2);
+    if (i < nb) unpack_pair(w + i * L.size, L, 0, u + i / 2);
+}
+
+KV_INL void dot_pairs(const kv_upair *u, int64_t cols, const char *xq, int64_t xs, const int nx,
+                      float *y, int64_t ys, const kv_pair_layout L) {
+    __m256 acc[KV_NXMAX], acc2[KV_NXMAX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps(), acc2[j] = _mm256_setzero_ps();
+    const int64_t np = (cols / 32 + 1) / 2;
+    for (int64_t p = 0; p < np; p++) {
+        const __m256i lo = u[p].lo, hi = u[p].hi;
+        const __m256 dw = u[p].dw, mw = u[p].mw;
+        for (int j = 0; j < nx; j++) {
+            const kv_act64 *a = (const kv_act64 *)(xq + j * xs) + p;
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(a->lo)),
+                                                 _mm256_maddubs_epi16(hi, load256(a->hi)));
+            const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a->d)),
+                                     _mm256_cvtepi32_ps(s32), acc[j]);
+            acc2[j] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->s), acc2[j]);
+        }
+    }
+    const float k2 = L.has_min ? 1.0f : -L.offset;
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]) + k2 * hsum_ps(acc2[j]);
+}
+
+/* Q4_K / Q5_K super-block: the eight 32-byte unpacked groups, scales, mins, d, dmin */
+typedef struct { __m256i q[8]; __m256i scv, mins; float d, dmin; } kv_uk4;
+
+KV_INL void unpack_k4_row(const uint8_t *w, int64_t cols, kv_uk4 *u, const int with_qh) {
+    const int64_t bsize = with_qh ? (int64_t)sizeof(kv_blk_q5_k) : (int64_t)sizeof(kv_blk_q4_k);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const uint8_t *blk = w + i * bsize;
+        const kv_blk_q4_k *h4 = (const kv_blk_q4_k *)blk;
+        const uint8_t *qs = with_qh ? ((const kv_blk_q5_k *)blk)->qs : h4->qs;
+        __m256i qh = with_qh ? load256(((const kv_blk_q5_k *)blk)->qh) : _mm256_setzero_si256();
+        __m128i sc8, mn8;
+        scales_mins_k4(h4->scales, &sc8, &mn8);
+        u[i].scv = _mm256_broadcastsi128_si256(sc8);
+        u[i].mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
+        for (int k = 0; k < 4; k++) {
+            const __m256i q = load256(qs + 32 * k);
+            __m256i lo = _mm256_and_si256(q, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (with_qh) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                qh = _mm256_srli_epi16(qh, 1);
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                qh = _mm256_srli_epi16(qh, 1);
+            }
+            u[i].q[2 * k] = lo, u[i].q[2 * k + 1] = hi;
+        }
+        u[i].d = _cvtsh_ss(h4->d), u[i].dmin = _cvtsh_ss(h4->dmin);
+    }
+}
+
+KV_INL void dot_k4(const kv_uk4 *u, int64_t cols, const char *xq, int64_t xs, const int nx,
+                   float *y, int64_t ys) {
+    __m256 acc[KV_NXMAX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const __m256i scv = u[i].scv;
+        __m256i sumi[KV_NXMAX];
+        for (int j = 0; j < nx; j++) sumi[j] = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256i lo = u[i].q[2 * k], hi = u[i].q[2 * k + 1];
+            const __m256i s_lo = bcast16(scv, 2 * k), s_hi = bcast16(scv, 2 * k + 1);
+            for (int j = 0; j < nx; j++) {
+                const int8_t *x = ACT256(j, i)->qs + 64 * k;
+                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(x)), s_lo);
+                const __m256i ph =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(x + 32)), s_hi);
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(pl, ph));
+            }
+        }
+        const float d = u[i].d, dmin = u[i].dmin;
+        const __m256i mins = u[i].mins;
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = ACT256(j, i);
+            const __m256i pm = _mm256_madd_epi16(load256(a->bsums), mins);
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * a->d), _mm256_cvtepi32_ps(pm), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+/* Q6_K super-block: the eight 32-byte groups (q in [0, 63]), the 16 scales as int16, d */
+typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_uq6;
+
+KV_INL void unpack_q6_k_row(const uint8_t *w, int64_t cols, kv_uq6 *u) {
+    const kv_blk_q6_k *b = (const kv_blk_q6_k *)w;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        u[i].sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales));
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = load256(b[i].ql + 64 * h), ql1 = load256(b[i].ql + 64 * h + 32);
+            const __m256i qh = load256(b[i].qh + 32 * h);
+            __m256i *q = u[i].q + 4 * h;
+            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                   _mm256_and_si256(qh, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        }
+        u[i].d = _cvtsh_ss(b[i].d);
+    }
+}
+
+KV_INL void dot_q6_k(const kv_uq6 *u, int64_t cols, const char *xq, int64_t xs, const int nx,
+                     float *y, int64_t ys) {
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    __m256 acc[KV_NXMAX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const __m256i sc16 = u[i].sc16;
+        __m256i sumi[KV_NXMAX];
+        for (int j = 0; j < nx; j++)
+            sumi[j] = _mm256_sub_epi32(
+                _mm256_setzero_si256(),
+                _mm256_slli_epi32(_mm256_madd_epi16(load256(ACT256(j, i)->bsums), sc16), 5));
+        for (int g = 0; g < 8; g++) {
+            const __m256i q = u[i].q[g];
+            const __m256i scale = _mm256_shuffle_epi8(
+                _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(g)), split);
+            for (int j = 0; j < nx; j++) {
+                const __m256i x = load256(ACT256(j, i)->qs + 32 * g);
+                sumi[j] = _mm256_add_epi32(
+                    sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
+            }
+        }
+        const float d = u[i].d;
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ACT256(j, i)->d),
+                                     _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+}
+
+/* unpacked blocks per weight row */
+KV_INL int64_t upairs_per_row(int64_t cols) { return (cols / 32 + 1) / 2; }
+KV_INL int64_t usuper_per_row(int64_t cols) { return cols / 256; }
+
+#define KV_UNPACK_Q4_0(w, cols, u) unpack_pairs_row(w, cols, u, KV_PAIR_Q4_0)
+#define KV_UNPACK_Q4_1(w, cols, u) unpack_pairs_row(w, cols, u, KV_PAIR_Q4_1)
+#define KV_UNPACK_Q5_0(w, cols, u) unpack_pairs_row(w, cols, u, KV_PAIR_Q5_0)
+#define KV_UNPACK_Q5_1(w, cols, u) unpack_pairs_row(w, cols, u, KV_PAIR_Q5_1)
+#define KV_UNPACK_Q4_K(w, cols, u) unpack_k4_row(w, cols, u, 0)
+#define KV_UNPACK_Q5_K(w, cols, u) unpack_k4_row(w, cols, u, 1)
+#define KV_UNPACK_Q6_K(w, cols, u) unpack_q6_k_row(w, cols, u)
+#define KV_DOT_Q4_0(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q4_0)
+#define KV_DOT_Q4_1(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q4_1)
+#define KV_DOT_Q5_0(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q5_0)
+#define KV_DOT_Q5_1(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q5_1)
+#define KV_DOT_K4(u, c, x, xs, nx, y, ys) dot_k4(u, c, x, xs, nx, y, ys)
+#define KV_DOT_Q6_K(u, c, x, xs, nx, y, ys) dot_q6_k(u, c, x, xs, nx, y, ys)
+
+/* Rows [r0, r1) in tiles: unpack the tile's rows once, then every group of four x rows
+ * runs over all of them (the group's x blocks stay in L1 across the tile). */
+#define KV_TILED_AVX2(name, small, utype, per_row, UNPACK, DOT)                           \
+    static KV_TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
+                            float *y, int64_t ystride) {                                   \
+        const int64_t nu = per_row(cols), ubytes = nu * (int64_t)sizeof(utype);            \
+        int64_t tr = ubytes > 0 ? KV_TILE_BYTES / ubytes : 16;                             \
+        tr = tr < 1 ? 1 : tr > 16 ? 16 : tr;                                               \
+        tr = tr < r1 - r0 ? tr : r1 - r0;                                                  \
+        utype *buf = n < KV_TILE_MIN_N || nu == 0 || tr < 1 ? NULL                         \
+                     : (utype *)aligned_alloc(32, (size_t)(tr * ubytes));                  \
+        if (!buf) {                                                                        \
+            small(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);                 \
+            return;                                                                        \
+        }                                                                                  \
+        const char *x = (const char *)xq;                                                  \
+        for (int64_t r = r0; r < r1; r += tr) {                                            \
+            const int64_t nt = r1 - r < tr ? r1 - r : tr;                                  \
+            for (int64_t t = 0; t < nt; t++) UNPACK(w + (r + t) * row_bytes, cols, buf + t * nu); \
+            for (int64_t j = 0; j < n; j += 4) {                                           \
+                const char *xj = x + j * xstride;                                          \
+                float *yj = y + j * ystride + r;                                           \
+                const int64_t left = n - j;                                                \
+                for (int64_t t = 0; t < nt; t++) {                                         \
+                    const utype *u = buf + t * nu;                                         \
+                    switch (left >= 4 ? 4 : left) {                                        \
+                        case 4: DOT(u, cols, xj, xstride, 4, yj + t, ystride); break;      \
+                        case 3: DOT(u, cols, xj, xstride, 3, yj + t, ystride); break;      \
+                        case 2: DOT(u, cols, xj, xstride, 2, yj + t, ystride); break;      \
+                        default: DOT(u, cols, xj, xstride, 1, yj + t, ystride); break;     \
+                    }                                                                      \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        free(buf);                                                                         \
+    }
+
+KV_TILED_AVX2(tiled_q4_0, gemv_q4_0, kv_upair, upairs_per_row, KV_UNPACK_Q4_0, KV_DOT_Q4_0)
+KV_TILED_AVX2(tiled_q4_1, gemv_q4_1, kv_upair, upairs_per_row, KV_UNPACK_Q4_1, KV_DOT_Q4_1)
+KV_TILED_AVX2(tiled_q5_0, gemv_q5_0, kv_upair, upairs_per_row, KV_UNPACK_Q5_0, KV_DOT_Q5_0)
+KV_TILED_AVX2(tiled_q5_1, gemv_q5_1, kv_upair, upairs_per_row, KV_UNPACK_Q5_1, KV_DOT_Q5_1)
+KV_TILED_AVX2(tiled_q4_k, gemv_q4_k, kv_uk4, usuper_per_row, KV_UNPACK_Q4_K, KV_DOT_K4)
+KV_TILED_AVX2(tiled_q5_k, gemv_q5_k, kv_uk4, usuper_per_row, KV_UNPACK_Q5_K, KV_DOT_K4)
+KV_TILED_AVX2(tiled_q6_k, gemv_q6_k, kv_uq6, usuper_per_row, KV_UNPACK_Q6_K, KV_DOT_Q6_K)
+
+
 /* ---------------- AVX2 dequantizers (prefill tiles, dequantize, embedding rows) ----------
  * Same arithmetic as qk_dequant.inc, element by element: one fp32 multiply (and an add or
  * subtract for the min) in the same order, so the results stay bit-identical to gguf. */
@@ -608,9 +856,9 @@ const kv_isa kv_isa_avx2 = {
     .name = "avx2",
     .gemv = {
         [KV_F32] = gemv_f32, [KV_F16] = gemv_f16, [KV_BF16] = gemv_bf16,
-        [KV_Q8_0] = gemv_q8_0, [KV_Q4_0] = gemv_q4_0, [KV_Q4_1] = gemv_q4_1,
-        [KV_Q5_0] = gemv_q5_0, [KV_Q5_1] = gemv_q5_1, [KV_Q4_K] = gemv_q4_k,
-        [KV_Q5_K] = gemv_q5_k, [KV_Q6_K] = gemv_q6_k,
+        [KV_Q8_0] = gemv_q8_0, [KV_Q4_0] = tiled_q4_0, [KV_Q4_1] = tiled_q4_1,
+        [KV_Q5_0] = tiled_q5_0, [KV_Q5_1] = tiled_q5_1, [KV_Q4_K] = tiled_q4_k,
+        [KV_Q5_K] = tiled_q5_k, [KV_Q6_K] = tiled_q6_k,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
