@@ -250,11 +250,11 @@ class Engine:
     def _sample(self, seq_ids: list[str], logits: torch.Tensor) -> SampleResult | None:
         if not seq_ids:
             return None
-        reqs = [self.requests[i] for i in seq_ids]
+        seqs = [self.requests[i].seq for i in seq_ids]
         batch = SamplingBatch.build(
-            [r.seq.params for r in reqs], [r.seq.token_ids[:r.seq.num_prompt_tokens]
-                                           for r in reqs],
-            [r.seq.output_ids for r in reqs], [r.generator for r in reqs], self.runner.device)
+            [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
+            [_penalty_ids(s, prompt=False) for s in seqs],
+            [self.requests[i].generator for i in seq_ids], self.runner.device)
         return sample(logits, batch)
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
@@ -307,3 +307,13 @@ class Engine:
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
             output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
             timings=req.timings)
+
+
+def _penalty_ids(seq: Sequence, prompt: bool) -> list[int]:
+    """The token ids a row's penalties look at; none (no copy) when it has no penalty."""
+    p = seq.params
+    if prompt:
+        return seq.token_ids[:seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else []
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        return seq.output_ids
+    return []
