@@ -123,3 +123,14 @@ def test_prompt_longer_than_context_is_a_clear_error(tiny):
     with pytest.raises(RequestError, match="empty"):
         e.add_request("empty", [], GREEDY)
     assert not e.has_unfinished()
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 3.0}, {"frequency_penalty": 2.0},
+                                     {"presence_penalty": 2.0}])
+def test_penalties_reach_the_sampler(tiny, alone, penalty):
+    # the greedy continuation of PROMPTS[0] repeats tokens; each penalty must change that
+    assert len(set(alone[0])) < len(alone[0])
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **penalty)
+    got = run_all(engine(tiny[1]), [PROMPTS[0]], params)[0]
+    assert got != alone[0]
+    assert len(set(got)) > len(set(alone[0]))
