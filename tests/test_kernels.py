@@ -252,7 +252,7 @@ def test_qmatmul_is_batch_invariant(qtype, isa):
     try:
         ops._qk.set_isa(isa)
         alone = torch.cat([qmatmul(x[j : j + 1], w) for j in range(len(x))])
-        for n in (1, 5, 64, 300):
+        for n in (1, 2, 5, 8, 13, 64, 300):  # Q8_0: one-row kernel below 8, row pairs above
             assert torch.equal(qmatmul(x[:n], w), alone[:n]), n
             assert torch.equal(qmatmul(x[-n:], w), alone[-n:]), n
     finally:
@@ -493,3 +493,27 @@ def test_attend_decode_checks_slots():
     k = torch.randn(8, 1, 16)
     with pytest.raises(IndexError, match="slot 8 is out of range"):
         fused.attend_decode(torch.randn(1, 2, 16), k, k, torch.tensor([[0, 8]]), 0.25)
+
+
+def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
+    """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, sys\n"
+        "from gguf import GGMLQuantizationType as T\n"
+        "from kvlab.kernels import qmatmul, quantize\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = quantize(torch.randn(67, 320, generator=g), T.Q8_0)\n"
+        "x = torch.randn(13, 320, generator=g)\n"
+        "torch.save([qmatmul(x[:n].contiguous(), w) for n in (1, 4, 8, 13)], sys.argv[1])\n")
+    outs = []
+    for env in ({}, {"KVLAB_NO_VNNI": "1"}):
+        path = tmp_path / f"out{len(outs)}.pt"
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
+                       env={**os.environ, **env})
+        outs.append(torch.load(path))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -4,8 +4,10 @@
  * sub-block scales in the integer domain, as the madd multiplier). The 4/5-bit legacy
  * types go two blocks at a time against kv_act64. With many activation rows (prefill)
  * the 4/5/6-bit types unpack a tile of weight rows once and reuse it for every group
- * of x rows, with each row's arithmetic unchanged. Dequantizers for the prefill tiles
- * are here too.
+ * of x rows, with each row's arithmetic unchanged. Q8_0 with 8+ x rows takes two weight
+ * rows per pass; Q8_0 of any size uses AVX512-VNNI's vpdpbusd (ymm) where the CPU has
+ * it: the same int32 sums, so the same results. Dequantizers for the prefill tiles are
+ * here too.
  *
  * Compiled with the target attribute, not with -mavx2 for the whole file, so one build
  * runs everywhere; qk_module.c picks this table only when the CPU has AVX2, FMA and F16C.
@@ -54,24 +56,73 @@ KV_INL __m256i dot_u8s8(__m256i a, __m256i b) {
 
 /* ---------------- legacy 32-element blocks ---------------- */
 
-/* Q8_0: signed weights, so the sign moves onto x (maddubs wants one operand unsigned). */
-KV_INL void rows_q8_0(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
-                      float *y, int64_t ys) {
-    const kv_blk_q8_0 *b = (const kv_blk_q8_0 *)w;
-    __m256 acc[KV_NXMAX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < cols / 32; i++) {
-        const __m256i q = load256(b[i].qs);
-        const __m256i qa = _mm256_sign_epi8(q, q);
-        const float d = _cvtsh_ss(b[i].d);
-        for (int j = 0; j < nx; j++) {
-            const kv_act32 *a = ACT32(j, i);
-            const __m256i p = dot_u8s8(qa, _mm256_sign_epi8(load256(a->qs), q));
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
+/* Q8_0, two weight rows at once: the 2 x nx tile of (weight row, x row) pairs shares each
+ * loaded x block between the rows and each weight block between the x rows. Every pair
+ * keeps its own accumulator and exactly the arithmetic of rows_q8_0 (d * a->d rounds the
+ * same as the product of the two broadcasts), so a row's output does not depend on the
+ * tile it was computed in. Built twice: with maddubs + madd, and with AVX512-VNNI's
+ * vpdpbusd on ymm registers, which gives the same int32 sums (maddubs cannot saturate
+ * here: |w| <= 128, |x| <= 127) in one instruction instead of two. */
+#define KV_TGT_VNNI __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_INL_VNNI static inline __attribute__((always_inline)) KV_TGT_VNNI
+
+KV_INL_VNNI __m256i dot_u8s8_vnni(__m256i a, __m256i b) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
 }
+
+#define KV_ROWS2_Q8_0(name, INL, DOT)                                                      \
+    INL void name(const uint8_t *w, int64_t row_bytes, int64_t cols, const char *xq,       \
+                  int64_t xs, const int nx, float *y, int64_t ys) {                        \
+        const kv_blk_q8_0 *b0 = (const kv_blk_q8_0 *)w;                                    \
+        const kv_blk_q8_0 *b1 = (const kv_blk_q8_0 *)(w + row_bytes);                      \
+        __m256 acc0[KV_NXMAX], acc1[KV_NXMAX];                                             \
+        for (int j = 0; j < nx; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();              \
+        for (int64_t i = 0; i < cols / 32; i++) {                                          \
+            /* two interleaved streams defeat the hardware prefetcher: fetch 4 rows on */  \
+            _mm_prefetch((const char *)(b0 + i) + 4 * row_bytes, _MM_HINT_T0);             \
+            _mm_prefetch((const char *)(b1 + i) + 4 * row_bytes, _MM_HINT_T0);             \
+            const __m256i q0 = load256(b0[i].qs), q1 = load256(b1[i].qs);                  \
+            const __m256i qa0 = _mm256_sign_epi8(q0, q0), qa1 = _mm256_sign_epi8(q1, q1);  \
+            const __m256 d0 = _mm256_set1_ps(_cvtsh_ss(b0[i].d));                          \
+            const __m256 d1 = _mm256_set1_ps(_cvtsh_ss(b1[i].d));                          \
+            for (int j = 0; j < nx; j++) {                                                 \
+                const kv_act32 *a = ACT32(j, i);                                           \
+                const __m256i x = load256(a->qs);                                          \
+                const __m256 dx = _mm256_broadcast_ss(&a->d);                              \
+                const __m256i p0 = DOT(qa0, _mm256_sign_epi8(x, q0));                      \
+                const __m256i p1 = DOT(qa1, _mm256_sign_epi8(x, q1));                      \
+                acc0[j] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dx), _mm256_cvtepi32_ps(p0), acc0[j]); \
+                acc1[j] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dx), _mm256_cvtepi32_ps(p1), acc1[j]); \
+            }                                                                              \
+        }                                                                                  \
+        for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc0[j]), y[j * ys + 1] = hsum_ps(acc1[j]); \
+    }
+
+/* Q8_0, one weight row against nx x rows: signed weights, so the sign moves onto x
+ * (maddubs wants one operand unsigned). */
+#define KV_ROWS_Q8_0(name, INL, DOT)                                                       \
+    INL void name(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx, \
+                  float *y, int64_t ys) {                                                  \
+        const kv_blk_q8_0 *b = (const kv_blk_q8_0 *)w;                                     \
+        __m256 acc[KV_NXMAX];                                                              \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                         \
+        for (int64_t i = 0; i < cols / 32; i++) {                                          \
+            const __m256i q = load256(b[i].qs);                                            \
+            const __m256i qa = _mm256_sign_epi8(q, q);                                     \
+            const float d = _cvtsh_ss(b[i].d);                                             \
+            for (int j = 0; j < nx; j++) {                                                 \
+                const kv_act32 *a = ACT32(j, i);                                           \
+                const __m256i p = DOT(qa, _mm256_sign_epi8(load256(a->qs), q));            \
+                acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(p), acc[j]); \
+            }                                                                              \
+        }                                                                                  \
+        for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);                          \
+    }
+
+KV_ROWS_Q8_0(rows_q8_0, KV_INL, dot_u8s8)
+KV_ROWS_Q8_0(rows_q8_0_vnni, KV_INL_VNNI, dot_u8s8_vnni)
+KV_ROWS2_Q8_0(rows2_q8_0, KV_INL, dot_u8s8)
+KV_ROWS2_Q8_0(rows2_q8_0_vnni, KV_INL_VNNI, dot_u8s8_vnni)
 
 /* ---------------- 4/5-bit legacy types, two blocks per step (kv_act64) ----------------
  *
@@ -352,8 +403,9 @@ KV_FLOAT_KERNEL(rows_bf16, load8_bf16, scalar_bf16)
 
 /* ---------------- row-range drivers: 4 activation rows per pass over a weight row ------- */
 
-#define KV_GEMV_AVX2(name, rows_fn)                                                      \
-    static KV_TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
+#define KV_GEMV_AVX2(name, rows_fn) KV_GEMV_TGT(name, rows_fn, KV_TGT)
+#define KV_GEMV_TGT(name, rows_fn, TGT)                                                  \
+    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
                             int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
                             float *y, int64_t ystride) {                                   \
         const char *x = (const char *)xq;                                                  \
@@ -374,7 +426,50 @@ KV_FLOAT_KERNEL(rows_bf16, load8_bf16, scalar_bf16)
         }                                                                                  \
     }
 
-KV_GEMV_AVX2(gemv_q8_0, rows_q8_0)
+KV_GEMV_AVX2(gemv1_q8_0_avx2, rows_q8_0)
+KV_GEMV_TGT(gemv1_q8_0_vnni, rows_q8_0_vnni, KV_TGT_VNNI)
+
+/* Q8_0 with two or more x rows: pairs of weight rows (rows2), then the odd one */
+#define KV_GEMV2_Q8_0(name, TGT, rows2, gemv1)                                                    \
+    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
+                         float *y, int64_t ystride) {                                      \
+        const char *x = (const char *)xq;                                                  \
+        int64_t r = r0;                                                                    \
+        for (; n >= 2 && r + 2 <= r1; r += 2) {                                            \
+            const uint8_t *wr = w + r * row_bytes;                                         \
+            for (int64_t j = 0; j < n; j += 4) {                                           \
+                const char *xj = x + j * xstride;                                          \
+                float *yj = y + j * ystride + r;                                           \
+                switch (n - j >= 4 ? 4 : n - j) {                                          \
+                    case 4: rows2(wr, row_bytes, cols, xj, xstride, 4, yj, ystride); break; \
+                    case 3: rows2(wr, row_bytes, cols, xj, xstride, 3, yj, ystride); break; \
+                    case 2: rows2(wr, row_bytes, cols, xj, xstride, 2, yj, ystride); break; \
+                    default: rows2(wr, row_bytes, cols, xj, xstride, 1, yj, ystride); break; \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        gemv1(w, row_bytes, r, r1, cols, xq, xstride, n, y, ystride);                      \
+    }
+
+KV_GEMV2_Q8_0(gemv2_q8_0_avx2, KV_TGT, rows2_q8_0, gemv1_q8_0_avx2)
+KV_GEMV2_Q8_0(gemv2_q8_0_vnni, KV_TGT_VNNI, rows2_q8_0_vnni, gemv1_q8_0_vnni)
+
+#ifndef KV_Q8_PAIR_MIN_N
+#define KV_Q8_PAIR_MIN_N 8
+#endif
+static KV_TGT void gemv_q8_0(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                             int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                             float *y, int64_t ystride) {
+    static int vnni = -1;  /* racy first call: every thread computes the same answer */
+    if (vnni < 0)  /* KVLAB_NO_VNNI=1 forces the maddubs path (tests run both) */
+        vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512vl");
+    const int two = n >= KV_Q8_PAIR_MIN_N;
+    (vnni ? two ? gemv2_q8_0_vnni : gemv1_q8_0_vnni : two ? gemv2_q8_0_avx2 : gemv1_q8_0_avx2)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
 KV_GEMV_AVX2(gemv_q4_0, rows_q4_0)
 KV_GEMV_AVX2(gemv_q5_0, rows_q5_0)
 KV_GEMV_AVX2(gemv_q4_1, rows_q4_1)
