@@ -17,8 +17,15 @@ class ModelCost:
     decode_weight_bytes: int  # weight bytes one decode step reads (embedding: one row)
     matmul_params: int  # weights multiplied per token, output projection excluded
     head_params: int  # output projection (vocab x hidden), run once per sampled position
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # stored per token, all layers
     attn_flops_per_key: int  # 4 * layers * heads * head_dim: QK^T and PV per (query, key)
+    sliding_layer_share: float = 0.0  # layers that only read their last `window` keys
+    window: int | None = None
+
+    def keys_read(self, context: int) -> float:
+        """Keys a decode step reads, averaged over layers (sliding layers cap at the window)."""
+        capped = min(context, self.window) if self.window else context
+        return (1 - self.sliding_layer_share) * context + self.sliding_layer_share * capped
 
     def prefill_flops(self, num_tokens: int, start: int = 0) -> float:
         """FLOP to compute tokens [start, start + n): matmuls, causal attention, one head."""
@@ -27,10 +34,11 @@ class ModelCost:
             + 2.0 * self.head_params
 
     def decode_flops(self, context: int) -> float:
-        return 2.0 * (self.matmul_params + self.head_params) + self.attn_flops_per_key * context
+        return 2.0 * (self.matmul_params + self.head_params) + \
+            self.attn_flops_per_key * self.keys_read(context)
 
     def decode_bytes(self, context: int) -> float:
-        return self.decode_weight_bytes + self.kv_bytes_per_token * context
+        return self.decode_weight_bytes + self.kv_bytes_per_token * self.keys_read(context)
 
 
 def _percentile(values: list[float], q: float) -> float:

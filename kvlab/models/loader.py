@@ -70,7 +70,9 @@ class LoadedModel:
             decode_weight_bytes=decode_bytes, matmul_params=matmul,
             head_params=c.vocab_size * c.hidden_size,
             kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
-            attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim)
+            attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim,
+            sliding_layer_share=sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers,
+            window=c.sliding_window)
 
 
 def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
