@@ -5,8 +5,9 @@
  * types go two blocks at a time against kv_act64. With many activation rows (prefill)
  * the 4/5/6-bit types unpack a tile of weight rows once and reuse it for every group
  * of x rows, with each row's arithmetic unchanged. Q8_0 with 8+ x rows takes two weight
- * rows per pass; Q8_0 of any size uses AVX512-VNNI's vpdpbusd (ymm) where the CPU has
- * it: the same int32 sums, so the same results. Dequantizers for the prefill tiles are
+ * rows per pass; Q8_0 of any size, and the tiles, use AVX512-VNNI's vpdpbusd / vpdpwssd
+ * (ymm) where the CPU has it, the tiles then also two rows per pass: the same int32 sums,
+ * so the same results. Dequantizers for the prefill tiles are
  * here too.
  *
  * Compiled with the target attribute, not with -mavx2 for the whole file, so one build
@@ -455,16 +456,23 @@ KV_GEMV_TGT(gemv1_q8_0_vnni, rows_q8_0_vnni, KV_TGT_VNNI)
 KV_GEMV2_Q8_0(gemv2_q8_0_avx2, KV_TGT, rows2_q8_0, gemv1_q8_0_avx2)
 KV_GEMV2_Q8_0(gemv2_q8_0_vnni, KV_TGT_VNNI, rows2_q8_0_vnni, gemv1_q8_0_vnni)
 
+/* AVX512-VNNI with VL on this CPU, unless KVLAB_NO_VNNI=1 forces the maddubs path (tests
+ * run both); the answer is the same either way */
+static int use_vnni(void) {
+    static int vnni = -1;  /* racy first call: every thread computes the same answer */
+    if (vnni < 0)
+        vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512vl");
+    return vnni;
+}
+
 #ifndef KV_Q8_PAIR_MIN_N
 #define KV_Q8_PAIR_MIN_N 8
 #endif
 static KV_TGT void gemv_q8_0(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                              int64_t cols, const void *xq, int64_t xstride, int64_t n,
                              float *y, int64_t ystride) {
-    static int vnni = -1;  /* racy first call: every thread computes the same answer */
-    if (vnni < 0)  /* KVLAB_NO_VNNI=1 forces the maddubs path (tests run both) */
-        vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
-               __builtin_cpu_supports("avx512vl");
+    const int vnni = use_vnni();
     const int two = n >= KV_Q8_PAIR_MIN_N;
     (vnni ? two ? gemv2_q8_0_vnni : gemv1_q8_0_vnni : two ? gemv2_q8_0_avx2 : gemv1_q8_0_avx2)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
@@ -520,27 +528,59 @@ KV_INL void unpack_pairs_row(const uint8_t *w, int64_t cols, kv_upair *u, const 
     if (i < nb) unpack_pair(w + i * L.size, L, 0, u + i / 2);
 }
 
-KV_INL void dot_pairs(const kv_upair *u, int64_t cols, const char *xq, int64_t xs, const int nx,
-                      float *y, int64_t ys, const kv_pair_layout L) {
-    __m256 acc[KV_NXMAX], acc2[KV_NXMAX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps(), acc2[j] = _mm256_setzero_ps();
-    const int64_t np = (cols / 32 + 1) / 2;
-    for (int64_t p = 0; p < np; p++) {
-        const __m256i lo = u[p].lo, hi = u[p].hi;
-        const __m256 dw = u[p].dw, mw = u[p].mw;
-        for (int j = 0; j < nx; j++) {
-            const kv_act64 *a = (const kv_act64 *)(xq + j * xs) + p;
-            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(a->lo)),
-                                                 _mm256_maddubs_epi16(hi, load256(a->hi)));
-            const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a->d)),
-                                     _mm256_cvtepi32_ps(s32), acc[j]);
-            acc2[j] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->s), acc2[j]);
-        }
-    }
-    const float k2 = L.has_min ? 1.0f : -L.offset;
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]) + k2 * hsum_ps(acc2[j]);
+/* The tiles' dot kernels take nw (1 or 2) unpacked weight rows, un blocks apart, against nx
+ * x rows: each loaded x block serves both weight rows. Every (weight row, x row) pair keeps
+ * its own accumulators and the one-row arithmetic, so its output does not depend on nw.
+ * Each is built twice, differing only in how the int32 sums are formed: maddubs + madd, or
+ * AVX512-VNNI's vpdpbusd / vpdpwssd (ymm). No int16 step saturates (weights <= 63, |x| <=
+ * 127: a maddubs pair is at most 16002), and int32 adds are exact modulo 2^32 in any order,
+ * so both give the same integers. With AVX512VL there are 32 ymm registers for the 2 x 4
+ * accumulators. */
+KV_INL __m256i pair_sum(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
+    const __m256i s16 =
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
+KV_INL_VNNI __m256i pair_sum_vnni(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+}
+/* acc + the 16-bit-scaled sums of q * x (K-quant sub-block scales) */
+KV_INL __m256i scaled_acc(__m256i acc, __m256i q, __m256i x, __m256i scale) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
+}
+KV_INL_VNNI __m256i scaled_acc_vnni(__m256i acc, __m256i q, __m256i x, __m256i scale) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(q, x), scale);
+}
+
+#define KV_DOT_PAIRS(name, INL, SUM)                                                       \
+    INL void name(const kv_upair *u, int64_t un, int64_t cols, const char *xq, int64_t xs, \
+                  const int nx, const int nw, float *y, int64_t ys, const kv_pair_layout L) { \
+        __m256 acc[2][KV_NXMAX], acc2[2][KV_NXMAX];                                        \
+        for (int k = 0; k < nw; k++)                                                       \
+            for (int j = 0; j < nx; j++) acc[k][j] = acc2[k][j] = _mm256_setzero_ps();     \
+        const int64_t np = (cols / 32 + 1) / 2;                                            \
+        for (int64_t p = 0; p < np; p++) {                                                 \
+            for (int j = 0; j < nx; j++) {                                                 \
+                const kv_act64 *a = (const kv_act64 *)(xq + j * xs) + p;                   \
+                const __m256i xlo = load256(a->lo), xhi = load256(a->hi);                  \
+                const __m256 ad = _mm256_loadu_ps(a->d), as = _mm256_loadu_ps(a->s);       \
+                for (int k = 0; k < nw; k++) {                                             \
+                    const kv_upair *v = u + k * un + p;                                    \
+                    const __m256i s32 = SUM(v->lo, xlo, v->hi, xhi);                       \
+                    acc[k][j] = _mm256_fmadd_ps(_mm256_mul_ps(v->dw, ad),                  \
+                                                _mm256_cvtepi32_ps(s32), acc[k][j]);       \
+                    acc2[k][j] = _mm256_fmadd_ps(v->mw, as, acc2[k][j]);                   \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        const float k2 = L.has_min ? 1.0f : -L.offset;                                     \
+        for (int j = 0; j < nx; j++)                                                       \
+            for (int k = 0; k < nw; k++)                                                   \
+                y[j * ys + k] = hsum_ps(acc[k][j]) + k2 * hsum_ps(acc2[k][j]);             \
+    }
+
+KV_DOT_PAIRS(dot_pairs, KV_INL, pair_sum)
+KV_DOT_PAIRS(dot_pairs_vnni, KV_INL_VNNI, pair_sum_vnni)
 
 /* Q4_K / Q5_K super-block: the eight 32-byte unpacked groups, scales, mins, d, dmin */
 typedef struct { __m256i q[8]; __m256i scv, mins; float d, dmin; } kv_uk4;
@@ -573,36 +613,50 @@ KV_INL void unpack_k4_row(const uint8_t *w, int64_t cols, kv_uk4 *u, const int w
     }
 }
 
-KV_INL void dot_k4(const kv_uk4 *u, int64_t cols, const char *xq, int64_t xs, const int nx,
-                   float *y, int64_t ys) {
-    __m256 acc[KV_NXMAX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < cols / 256; i++) {
-        const __m256i scv = u[i].scv;
-        __m256i sumi[KV_NXMAX];
-        for (int j = 0; j < nx; j++) sumi[j] = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            const __m256i lo = u[i].q[2 * k], hi = u[i].q[2 * k + 1];
-            const __m256i s_lo = bcast16(scv, 2 * k), s_hi = bcast16(scv, 2 * k + 1);
-            for (int j = 0; j < nx; j++) {
-                const int8_t *x = ACT256(j, i)->qs + 64 * k;
-                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(x)), s_lo);
-                const __m256i ph =
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(x + 32)), s_hi);
-                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(pl, ph));
-            }
-        }
-        const float d = u[i].d, dmin = u[i].dmin;
-        const __m256i mins = u[i].mins;
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = ACT256(j, i);
-            const __m256i pm = _mm256_madd_epi16(load256(a->bsums), mins);
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
-            acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * a->d), _mm256_cvtepi32_ps(pm), acc[j]);
-        }
+#define KV_DOT_K4(name, INL, SACC)                                                         \
+    INL void name(const kv_uk4 *u, int64_t un, int64_t cols, const char *xq, int64_t xs,   \
+                  const int nx, const int nw, float *y, int64_t ys) {                      \
+        __m256 acc[2][KV_NXMAX];                                                           \
+        for (int k = 0; k < nw; k++)                                                       \
+            for (int j = 0; j < nx; j++) acc[k][j] = _mm256_setzero_ps();                  \
+        for (int64_t i = 0; i < cols / 256; i++) {                                         \
+            __m256i sumi[2][KV_NXMAX];                                                     \
+            for (int k = 0; k < nw; k++)                                                   \
+                for (int j = 0; j < nx; j++) sumi[k][j] = _mm256_setzero_si256();          \
+            for (int g = 0; g < 4; g++) {                                                  \
+                __m256i s_lo[2], s_hi[2];                                                  \
+                for (int k = 0; k < nw; k++)                                               \
+                    s_lo[k] = bcast16(u[k * un + i].scv, 2 * g),                           \
+                    s_hi[k] = bcast16(u[k * un + i].scv, 2 * g + 1);                       \
+                for (int j = 0; j < nx; j++) {                                             \
+                    const int8_t *x = ACT256(j, i)->qs + 64 * g;                           \
+                    const __m256i xl = load256(x), xh = load256(x + 32);                   \
+                    for (int k = 0; k < nw; k++) {                                         \
+                        const kv_uk4 *v = u + k * un + i;                                  \
+                        sumi[k][j] = SACC(sumi[k][j], v->q[2 * g], xl, s_lo[k]);           \
+                        sumi[k][j] = SACC(sumi[k][j], v->q[2 * g + 1], xh, s_hi[k]);       \
+                    }                                                                      \
+                }                                                                          \
+            }                                                                              \
+            for (int j = 0; j < nx; j++) {                                                 \
+                const kv_act256 *a = ACT256(j, i);                                         \
+                const __m256i bs = load256(a->bsums);                                      \
+                for (int k = 0; k < nw; k++) {                                             \
+                    const kv_uk4 *v = u + k * un + i;                                      \
+                    const __m256i pm = _mm256_madd_epi16(bs, v->mins);                     \
+                    acc[k][j] = _mm256_fmadd_ps(_mm256_set1_ps(v->d * a->d),               \
+                                                _mm256_cvtepi32_ps(sumi[k][j]), acc[k][j]); \
+                    acc[k][j] = _mm256_fnmadd_ps(_mm256_set1_ps(v->dmin * a->d),           \
+                                                 _mm256_cvtepi32_ps(pm), acc[k][j]);       \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        for (int j = 0; j < nx; j++)                                                       \
+            for (int k = 0; k < nw; k++) y[j * ys + k] = hsum_ps(acc[k][j]);               \
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
-}
+
+KV_DOT_K4(dot_k4, KV_INL, scaled_acc)
+KV_DOT_K4(dot_k4_vnni, KV_INL_VNNI, scaled_acc_vnni)
 
 /* Q6_K super-block: the eight 32-byte groups (q in [0, 63]), the 16 scales as int16, d */
 typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_uq6;
@@ -630,36 +684,46 @@ KV_INL void unpack_q6_k_row(const uint8_t *w, int64_t cols, kv_uq6 *u) {
     }
 }
 
-KV_INL void dot_q6_k(const kv_uq6 *u, int64_t cols, const char *xq, int64_t xs, const int nx,
-                     float *y, int64_t ys) {
-    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    __m256 acc[KV_NXMAX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < cols / 256; i++) {
-        const __m256i sc16 = u[i].sc16;
-        __m256i sumi[KV_NXMAX];
-        for (int j = 0; j < nx; j++)
-            sumi[j] = _mm256_sub_epi32(
-                _mm256_setzero_si256(),
-                _mm256_slli_epi32(_mm256_madd_epi16(load256(ACT256(j, i)->bsums), sc16), 5));
-        for (int g = 0; g < 8; g++) {
-            const __m256i q = u[i].q[g];
-            const __m256i scale = _mm256_shuffle_epi8(
-                _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(g)), split);
-            for (int j = 0; j < nx; j++) {
-                const __m256i x = load256(ACT256(j, i)->qs + 32 * g);
-                sumi[j] = _mm256_add_epi32(
-                    sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale));
-            }
-        }
-        const float d = u[i].d;
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ACT256(j, i)->d),
-                                     _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+#define KV_DOT_Q6_K(name, INL, SACC)                                                       \
+    INL void name(const kv_uq6 *u, int64_t un, int64_t cols, const char *xq, int64_t xs,   \
+                  const int nx, const int nw, float *y, int64_t ys) {                      \
+        const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, \
+                                               2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3); \
+        __m256 acc[2][KV_NXMAX];                                                           \
+        for (int k = 0; k < nw; k++)                                                       \
+            for (int j = 0; j < nx; j++) acc[k][j] = _mm256_setzero_ps();                  \
+        for (int64_t i = 0; i < cols / 256; i++) {                                         \
+            __m256i sumi[2][KV_NXMAX];                                                     \
+            for (int j = 0; j < nx; j++) {                                                 \
+                const __m256i bs = load256(ACT256(j, i)->bsums);                           \
+                for (int k = 0; k < nw; k++)                                               \
+                    sumi[k][j] = _mm256_sub_epi32(                                         \
+                        _mm256_setzero_si256(),                                            \
+                        _mm256_slli_epi32(_mm256_madd_epi16(bs, u[k * un + i].sc16), 5));  \
+            }                                                                              \
+            for (int g = 0; g < 8; g++) {                                                  \
+                __m256i scale[2];                                                          \
+                for (int k = 0; k < nw; k++)                                               \
+                    scale[k] = _mm256_shuffle_epi8(                                        \
+                        _mm256_permutevar8x32_epi32(u[k * un + i].sc16, _mm256_set1_epi32(g)), \
+                        split);                                                            \
+                for (int j = 0; j < nx; j++) {                                             \
+                    const __m256i x = load256(ACT256(j, i)->qs + 32 * g);                  \
+                    for (int k = 0; k < nw; k++)                                           \
+                        sumi[k][j] = SACC(sumi[k][j], u[k * un + i].q[g], x, scale[k]);    \
+                }                                                                          \
+            }                                                                              \
+            for (int j = 0; j < nx; j++)                                                   \
+                for (int k = 0; k < nw; k++)                                               \
+                    acc[k][j] = _mm256_fmadd_ps(_mm256_set1_ps(u[k * un + i].d * ACT256(j, i)->d), \
+                                                _mm256_cvtepi32_ps(sumi[k][j]), acc[k][j]); \
+        }                                                                                  \
+        for (int j = 0; j < nx; j++)                                                       \
+            for (int k = 0; k < nw; k++) y[j * ys + k] = hsum_ps(acc[k][j]);               \
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
-}
+
+KV_DOT_Q6_K(dot_q6_k, KV_INL, scaled_acc)
+KV_DOT_Q6_K(dot_q6_k_vnni, KV_INL_VNNI, scaled_acc_vnni)
 
 /* unpacked blocks per weight row */
 KV_INL int64_t upairs_per_row(int64_t cols) { return (cols / 32 + 1) / 2; }
@@ -672,19 +736,33 @@ KV_INL int64_t usuper_per_row(int64_t cols) { return cols / 256; }
 #define KV_UNPACK_Q4_K(w, cols, u) unpack_k4_row(w, cols, u, 0)
 #define KV_UNPACK_Q5_K(w, cols, u) unpack_k4_row(w, cols, u, 1)
 #define KV_UNPACK_Q6_K(w, cols, u) unpack_q6_k_row(w, cols, u)
-#define KV_DOT_Q4_0(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q4_0)
-#define KV_DOT_Q4_1(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q4_1)
-#define KV_DOT_Q5_0(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q5_0)
-#define KV_DOT_Q5_1(u, c, x, xs, nx, y, ys) dot_pairs(u, c, x, xs, nx, y, ys, KV_PAIR_Q5_1)
-#define KV_DOT_K4(u, c, x, xs, nx, y, ys) dot_k4(u, c, x, xs, nx, y, ys)
-#define KV_DOT_Q6_K(u, c, x, xs, nx, y, ys) dot_q6_k(u, c, x, xs, nx, y, ys)
+/* DOT(suffix) names the dot kernel, with the layout argument for the legacy types */
+#define KV_DOT_Q4_0(sfx) dot_pairs##sfx, KV_PAIR_Q4_0
+#define KV_DOT_Q4_1(sfx) dot_pairs##sfx, KV_PAIR_Q4_1
+#define KV_DOT_Q5_0(sfx) dot_pairs##sfx, KV_PAIR_Q5_0
+#define KV_DOT_Q5_1(sfx) dot_pairs##sfx, KV_PAIR_Q5_1
+#define KV_DOT_K4X(sfx) dot_k4##sfx
+#define KV_DOT_Q6_KX(sfx) dot_q6_k##sfx
+#define KV_CALL_PAIRS(fn, L, u, un, c, x, xs, nx, nw, y, ys) fn(u, un, c, x, xs, nx, nw, y, ys, L)
+#define KV_CALL_SUPER(fn, u, un, c, x, xs, nx, nw, y, ys) fn(u, un, c, x, xs, nx, nw, y, ys)
+#define KV_CALL(CALL, ...) CALL(__VA_ARGS__)
+
+/* one group of up to four x rows against nw (1 or 2) tile rows, nx a constant per case */
+#define KV_TILE_GROUP(CALL, u, un, xj, xs, left, nw, yj, ys, ...)                         \
+    switch (left >= 4 ? 4 : left) {                                                        \
+        case 4: KV_CALL(CALL, __VA_ARGS__, u, un, cols, xj, xs, 4, nw, yj, ys); break;      \
+        case 3: KV_CALL(CALL, __VA_ARGS__, u, un, cols, xj, xs, 3, nw, yj, ys); break;      \
+        case 2: KV_CALL(CALL, __VA_ARGS__, u, un, cols, xj, xs, 2, nw, yj, ys); break;      \
+        default: KV_CALL(CALL, __VA_ARGS__, u, un, cols, xj, xs, 1, nw, yj, ys); break;     \
+    }
 
 /* Rows [r0, r1) in tiles: unpack the tile's rows once, then every group of four x rows
- * runs over all of them (the group's x blocks stay in L1 across the tile). */
-#define KV_TILED_AVX2(name, small, utype, per_row, UNPACK, DOT)                           \
-    static KV_TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
-                            int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
-                            float *y, int64_t ystride) {                                   \
+ * runs over all of them (the group's x blocks stay in L1 across the tile), NW (1 or 2) tile
+ * rows per pass and a last odd one alone. */
+#define KV_TILED_AVX2(name, TGT, NW, small, utype, per_row, UNPACK, CALL, ...)            \
+    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
+                         float *y, int64_t ystride) {                                      \
         const int64_t nu = per_row(cols), ubytes = nu * (int64_t)sizeof(utype);            \
         int64_t tr = ubytes > 0 ? KV_TILE_BYTES / ubytes : 16;                             \
         tr = tr < 1 ? 1 : tr > 16 ? 16 : tr;                                               \
@@ -703,27 +781,45 @@ KV_INL int64_t usuper_per_row(int64_t cols) { return cols / 256; }
                 const char *xj = x + j * xstride;                                          \
                 float *yj = y + j * ystride + r;                                           \
                 const int64_t left = n - j;                                                \
-                for (int64_t t = 0; t < nt; t++) {                                         \
-                    const utype *u = buf + t * nu;                                         \
-                    switch (left >= 4 ? 4 : left) {                                        \
-                        case 4: DOT(u, cols, xj, xstride, 4, yj + t, ystride); break;      \
-                        case 3: DOT(u, cols, xj, xstride, 3, yj + t, ystride); break;      \
-                        case 2: DOT(u, cols, xj, xstride, 2, yj + t, ystride); break;      \
-                        default: DOT(u, cols, xj, xstride, 1, yj + t, ystride); break;     \
-                    }                                                                      \
-                }                                                                          \
+                int64_t t = 0;                                                             \
+                for (; NW == 2 && t + 2 <= nt; t += 2)                                     \
+                    KV_TILE_GROUP(CALL, buf + t * nu, nu, xj, xstride, left, 2, yj + t,    \
+                                  ystride, __VA_ARGS__)                                    \
+                for (; t < nt; t++)                                                        \
+                    KV_TILE_GROUP(CALL, buf + t * nu, nu, xj, xstride, left, 1, yj + t,    \
+                                  ystride, __VA_ARGS__)                                    \
             }                                                                              \
         }                                                                                  \
         free(buf);                                                                         \
     }
 
-KV_TILED_AVX2(tiled_q4_0, gemv_q4_0, kv_upair, upairs_per_row, KV_UNPACK_Q4_0, KV_DOT_Q4_0)
-KV_TILED_AVX2(tiled_q4_1, gemv_q4_1, kv_upair, upairs_per_row, KV_UNPACK_Q4_1, KV_DOT_Q4_1)
-KV_TILED_AVX2(tiled_q5_0, gemv_q5_0, kv_upair, upairs_per_row, KV_UNPACK_Q5_0, KV_DOT_Q5_0)
-KV_TILED_AVX2(tiled_q5_1, gemv_q5_1, kv_upair, upairs_per_row, KV_UNPACK_Q5_1, KV_DOT_Q5_1)
-KV_TILED_AVX2(tiled_q4_k, gemv_q4_k, kv_uk4, usuper_per_row, KV_UNPACK_Q4_K, KV_DOT_K4)
-KV_TILED_AVX2(tiled_q5_k, gemv_q5_k, kv_uk4, usuper_per_row, KV_UNPACK_Q5_K, KV_DOT_K4)
-KV_TILED_AVX2(tiled_q6_k, gemv_q6_k, kv_uq6, usuper_per_row, KV_UNPACK_Q6_K, KV_DOT_Q6_K)
+/* each type twice, and a dispatcher that picks one per call: the VNNI build takes two tile
+ * rows per pass (AVX512VL's 32 ymm registers hold the 2 x 4 accumulators); the maddubs build
+ * takes one, since with 16 registers the 2 x 4 tile spills and measured slower */
+#define KV_TILED_BOTH(name, small, utype, per_row, UNPACK, CALL, DOT)                      \
+    KV_TILED_AVX2(name##_avx2, KV_TGT, 1, small, utype, per_row, UNPACK, CALL, DOT(/**/))  \
+    KV_TILED_AVX2(name##_vnni, KV_TGT_VNNI, 2, small, utype, per_row, UNPACK, CALL, DOT(_vnni)) \
+    static KV_TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
+                            float *y, int64_t ystride) {                                   \
+        (use_vnni() ? name##_vnni : name##_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n, \
+                                                 y, ystride);                              \
+    }
+
+KV_TILED_BOTH(tiled_q4_0, gemv_q4_0, kv_upair, upairs_per_row, KV_UNPACK_Q4_0,
+              KV_CALL_PAIRS, KV_DOT_Q4_0)
+KV_TILED_BOTH(tiled_q4_1, gemv_q4_1, kv_upair, upairs_per_row, KV_UNPACK_Q4_1,
+              KV_CALL_PAIRS, KV_DOT_Q4_1)
+KV_TILED_BOTH(tiled_q5_0, gemv_q5_0, kv_upair, upairs_per_row, KV_UNPACK_Q5_0,
+              KV_CALL_PAIRS, KV_DOT_Q5_0)
+KV_TILED_BOTH(tiled_q5_1, gemv_q5_1, kv_upair, upairs_per_row, KV_UNPACK_Q5_1,
+              KV_CALL_PAIRS, KV_DOT_Q5_1)
+KV_TILED_BOTH(tiled_q4_k, gemv_q4_k, kv_uk4, usuper_per_row, KV_UNPACK_Q4_K,
+              KV_CALL_SUPER, KV_DOT_K4X)
+KV_TILED_BOTH(tiled_q5_k, gemv_q5_k, kv_uk4, usuper_per_row, KV_UNPACK_Q5_K,
+              KV_CALL_SUPER, KV_DOT_K4X)
+KV_TILED_BOTH(tiled_q6_k, gemv_q6_k, kv_uq6, usuper_per_row, KV_UNPACK_Q6_K,
+              KV_CALL_SUPER, KV_DOT_Q6_KX)
 
 
 /* ---------------- AVX2 dequantizers (prefill tiles, dequantize, embedding rows) ----------
