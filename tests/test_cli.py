@@ -110,3 +110,24 @@ def test_run_default_model_streams_text_and_metrics():
     assert "Paris" in proc.stdout or len(proc.stdout.split()) > 5
     for label in ("TTFT", "prefill", "decode", "ITL", "KV cache", "GB/s", "GFLOP/s"):
         assert label in proc.stderr
+
+
+def test_bench_json_on_tiny_model(tiny_gguf):
+    proc = kvlab("bench", "-m", str(tiny_gguf), "-p", "16", "-n", "4", "-r", "2", "-d", "0,8",
+                 "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    results = {r["test"]: r for r in json.loads(proc.stdout)["results"]}
+    assert set(results) == {"pp16", "tg4", "tg4@d8"}
+    assert all(r["tok_s_mean"] > 0 and len(r["samples"]) == 2 for r in results.values())
+    assert results["tg4@d8"]["bytes_per_token"] > results["tg4"]["bytes_per_token"]
+
+
+def test_kv_quality_on_tiny_model(tiny_gguf):
+    proc = kvlab("kv-quality", "--model", str(tiny_gguf), "--positions", "20",
+                 "--compare", "f16,bf16")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["f16", "bf16"]
+    assert all(float(r[3]) < 1e-2 for r in rows)  # mean KL in nats
+    assert_user_error(kvlab("kv-quality", "--model", str(tiny_gguf), "--compare", "f8"),
+                      "--compare takes")

@@ -38,10 +38,9 @@ def _tokens(engine: Engine, n: int, rng: random.Random) -> list[int]:
     """Random ordinary token ids (no specials), starting with BOS when the model uses one."""
     tok = engine.tokenizer
     vocab = engine.loaded.config.vocab_size
-    ids = [rng.randrange(1000, vocab) for _ in range(n)]
-    ids = [i for i in ids if not tok.is_special(i)] or [1000]
-    while len(ids) < n:
-        ids.append(1000)
+    low = min(1000, vocab // 2)  # skip the control-token range most vocabularies start with
+    ordinary = [i for i in range(low, min(vocab, low + 50_000)) if not tok.is_special(i)]
+    ids = [rng.choice(ordinary) for _ in range(n)]
     if tok.bos_id is not None and tok.add_bos and ids:
         ids[0] = tok.bos_id
     return ids
