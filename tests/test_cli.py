@@ -131,3 +131,13 @@ def test_kv_quality_on_tiny_model(tiny_gguf):
     assert all(float(r[3]) < 1e-2 for r in rows)  # mean KL in nats
     assert_user_error(kvlab("kv-quality", "--model", str(tiny_gguf), "--compare", "f8"),
                       "--compare takes")
+
+
+def test_chat_two_turns_on_tiny_model(tiny_gguf):
+    proc = subprocess.run([sys.executable, "-m", "kvlab.cli.main", "chat", "--model",
+                           str(tiny_gguf), "-n", "4", "--ignore-eos", "--metrics"],
+                          input="hello there\nand again\n\n", capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") >= 3  # two answered turns, then the empty line ends it
+    assert proc.stderr.count("TTFT") == 2
