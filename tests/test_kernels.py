@@ -252,7 +252,24 @@ def test_qmatmul_is_batch_invariant(qtype, isa):
     try:
         ops._qk.set_isa(isa)
         alone = torch.cat([qmatmul(x[j : j + 1], w) for j in range(len(x))])
-        for n in (1, 2, 5, 8, 13, 64, 300):  # Q8_0: one-row kernel below 8, row pairs above
+        for n in (1, 2, 5, 8, 13, 64, 300):  # Q8_0: one-row kernel below 8, 4/2-row tiles above
+            assert torch.equal(qmatmul(x[:n], w), alone[:n]), n
+            assert torch.equal(qmatmul(x[-n:], w), alone[-n:]), n
+    finally:
+        ops._qk.set_isa("auto")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [201, 202, 204])
+def test_q8_0_tiles_are_batch_invariant(rows, isa):
+    """Q8_0 with 8+ x rows takes weight rows four at a time on VNNI (pairs otherwise), then
+    a pair and/or a lone row: every leftover shape gives the one-row kernel's bits."""
+    w = make_weight(T.Q8_0, rows, 224, seed=5)
+    x = torch.randn(64, 224, generator=torch.Generator().manual_seed(3))
+    try:
+        ops._qk.set_isa(isa)
+        alone = torch.cat([qmatmul(x[j : j + 1], w) for j in range(len(x))])
+        for n in (1, 5, 8, 13, 64):
             assert torch.equal(qmatmul(x[:n], w), alone[:n]), n
             assert torch.equal(qmatmul(x[-n:], w), alone[-n:]), n
     finally:
