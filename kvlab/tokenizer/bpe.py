@@ -8,13 +8,13 @@ Words repeat a lot, so results are memoised per word.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from functools import lru_cache
 
 import regex
 
 from kvlab.errors import ModelLoadError
+from kvlab.tokenizer.merge import merge_symbols
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -120,35 +120,8 @@ class ByteLevelBPE:
         return [i for i in ids if i is not None]
 
     def _merge(self, syms: list[str]) -> list[str]:
-        """Apply merges by rank (ties: leftmost); merged-away symbols become ""."""
-        n = len(syms)
-        if n < 2:
-            return syms
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[int, int, int, int]] = []
-        for i in range(n - 1):
-            self._push(heap, syms, i, i + 1)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or len(ls) + len(rs) != size:
-                continue  # stale: a side was merged away or grew since this pair was pushed
-            syms[left], syms[right] = ls + rs, ""
-            after = nxt[right]
-            nxt[left] = after
-            if after != -1:
-                prv[after] = left
-                self._push(heap, syms, left, after)
-            if prv[left] != -1:
-                self._push(heap, syms, prv[left], left)
-        return [s for s in syms if s]
-
-    def _push(self, heap: list, syms: list[str], left: int, right: int) -> None:
-        rank = self._ranks.get((syms[left], syms[right]))
-        if rank is not None:
-            heapq.heappush(heap, (rank, left, right, len(syms[left]) + len(syms[right])))
+        """Apply merges by rank (ties: leftmost)."""
+        return merge_symbols(syms, lambda left, right: self._ranks.get((left, right)))
 
 
 def _merge_pair(merge: str | Sequence[str]) -> tuple[str, str]:

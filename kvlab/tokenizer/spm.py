@@ -8,8 +8,9 @@ never became a piece fall back to `<0xNN>` byte tokens.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
+
+from kvlab.tokenizer.merge import merge_symbols
 
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
@@ -45,33 +46,10 @@ class SentencePieceBPE:
         return ids  # type: ignore[return-value]
 
     def _merge(self, syms: list[str]) -> list[str]:
-        """Merge symbols in place by score; merged-away symbols become ""."""
-        n = len(syms)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[float, int, int, int]] = []
-        for i in range(n - 1):
-            self._push(heap, syms, i, i + 1)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            ls, rs = syms[left], syms[right]
-            # Stale entry: one side was merged away or has grown since the pair was pushed.
-            if not ls or not rs or len(ls) + len(rs) != size:
-                continue
-            syms[left], syms[right] = ls + rs, ""
-            after = nxt[right]
-            nxt[left] = after
-            if after != -1:
-                prv[after] = left
-                self._push(heap, syms, left, after)
-            if prv[left] != -1:
-                self._push(heap, syms, prv[left], left)
-        return [s for s in syms if s]
+        """Merge symbols by score: the highest-scoring vocabulary piece first."""
+        return merge_symbols(syms, self._priority)
 
-    def _push(self, heap: list, syms: list[str], left: int, right: int) -> None:
-        text = syms[left] + syms[right]
-        token_id = self._token_to_id.get(text)
-        if token_id is not None:
-            # Highest score first; among equal scores the leftmost pair (heap order on `left`).
-            heapq.heappush(heap, (-self._scores[token_id], left, right, len(text)))
+    def _priority(self, left: str, right: str) -> float | None:
+        token_id = self._token_to_id.get(left + right)
+        return None if token_id is None else -self._scores[token_id]
+
