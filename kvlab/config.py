@@ -35,7 +35,6 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: "full" or "sliding"
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
     qk_norm: bool = False
     attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
     final_logit_softcapping: float | None = None

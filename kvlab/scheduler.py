@@ -48,10 +48,6 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
-
 
 @dataclass(frozen=True)
 class ScheduledSeq:

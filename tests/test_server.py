@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from net import free_port
 
 openai = pytest.importorskip("openai")
 
@@ -39,11 +40,6 @@ class Server:
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

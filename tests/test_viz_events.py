@@ -8,7 +8,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,21 +25,18 @@ from kvlab.server import AsyncEngine, create_app
 from kvlab.server.viz_events import kv_record
 from kvlab.server.viz_predict import this_machine
 
+from net import free_port
+
 LONG = ("The paged KV cache keeps the keys and values of every token in fixed-size blocks, "
         "so that")  # 22 tokens: one full block can come from the prefix cache
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     engine = Engine.from_model(None, EngineConfig(kv_cache_gib=0.25))
     app = create_app(AsyncEngine(engine))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(),
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -290,7 +286,7 @@ def test_kvlab_viz_prints_the_url_of_a_live_page() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvlab.cli.main", "viz", "--port", str(port),
                              "--kv-cache-gib", "0.25"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvlab.engine import EngineConfig
+from kvlab.models.loader import QUANTIZE_CHOICES
 from kvlab.request import SamplingParams
 
 
@@ -18,7 +19,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache pool size in GiB")
     p.add_argument("--dequantize", action="store_true",
                    help="dequantize GGUF weights to the compute dtype at load")
-    p.add_argument("--quantize", choices=("q8_0", "q4_k"), default=None,
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                    help="quantize a safetensors model's weights at load")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
 

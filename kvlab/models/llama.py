@@ -66,7 +66,7 @@ def config_from_gguf(meta: dict[str, Any], arch: str = "llama") -> ModelConfig:
         rope=RopeConfig(theta=float(g("rope.freq_base", 10000.0)),
                         linear_factor=_gguf_linear_factor(g)),
         tie_word_embeddings=True,  # refined by the loader: untied when output.weight exists
-        attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        qk_norm=arch == "qwen3",
         name=str(meta.get("general.name", arch)))
 
 
@@ -88,7 +88,6 @@ def config_from_hf(cfg: dict[str, Any], arch: str = "llama") -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=hf_rope(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         qk_norm=arch == "qwen3", name=cfg.get("_name_or_path", arch))
 
 

@@ -108,7 +108,6 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.step_errors = 0
 
     # ---- lifecycle (event loop thread) ----------------------------------------------------
 
@@ -207,7 +206,6 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:  # keep serving: fail the requests in flight, not the server
             log.exception("engine step failed; aborting the requests in flight")
-            self.step_errors += 1
             self._post(self._fail, EngineStepError(f"engine step failed: {e}"))
             return
         if outputs:

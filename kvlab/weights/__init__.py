@@ -44,7 +44,6 @@ class Checkpoint:
     path: Path
     architecture: str
     metadata: dict[str, Any]  # GGUF key/values or the HF config.json
-    generation_config: dict[str, Any]
 
     def names(self) -> set[str]:
         raise NotImplementedError
@@ -59,7 +58,6 @@ class GGUFCheckpoint(Checkpoint):
         self.file = GGUFFile(path)
         self.metadata = self.file.metadata
         self.architecture = self.file.architecture
-        self.generation_config = {}
 
     def names(self) -> set[str]:
         return set(self.file.tensors)
@@ -88,8 +86,6 @@ class HFCheckpoint(Checkpoint):
 
         self.format, self.path = "hf", path
         self.metadata = _read_json(path / "config.json")
-        gen = path / "generation_config.json"
-        self.generation_config = _read_json(gen) if gen.exists() else {}
         archs = self.metadata.get("architectures") or [self.metadata.get("model_type", "?")]
         self.architecture = str(archs[0])
         files = sorted(path.glob("*.safetensors"))
