@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
@@ -21,10 +22,7 @@ def describe(loaded: LoadedModel, path: str) -> dict:
     c = loaded.config
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for t in loaded.tensors:
-        n = 1
-        for d in t.shape:
-            n *= d
-        by_type[t.qtype][0] += n
+        by_type[t.qtype][0] += math.prod(t.shape)
         by_type[t.qtype][1] += t.nbytes
     cost = loaded.cost(2)
     return {
