@@ -21,6 +21,7 @@ from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
 from kvlab.runner import ModelRunner
+from kvlab.runner.decode_graph import GRAPH_MODES
 from kvlab.sampler import SampleResult, SamplingBatch, sample
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
@@ -37,8 +38,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"  # compute dtype of dense weights and activations
-    kv_dtype: str = "f32"
+    dtype: str = "auto"  # compute dtype of dense weights; auto: float32 on CPU, bf16 on CUDA
+    kv_dtype: str = "auto"  # auto: f32 on CPU, bf16 on CUDA
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size; pages are only resident once used
     max_model_len: int | None = None  # default: the model's context, capped by the pool
@@ -49,8 +50,17 @@ class EngineConfig:
     quantize: str | None = None
     threads: int | None = None
     device: str = "cpu"
+    decode_graphs: str = "auto"  # CUDA graphs for decode steps: auto (on CUDA) | off | eager
 
     def __post_init__(self) -> None:
+        cuda = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", "bfloat16" if cuda else "float32")
+        if self.kv_dtype == "auto":
+            object.__setattr__(self, "kv_dtype", "bf16" if cuda else "f32")
+        if self.decode_graphs not in GRAPH_MODES:
+            raise KvlabError(f"decode graphs {self.decode_graphs!r} is not a mode (valid: "
+                             f"{', '.join(GRAPH_MODES)})")
         if self.dtype not in DTYPES:
             raise KvlabError(f"--dtype {self.dtype!r} is not supported (valid: "
                              f"{', '.join(DTYPES)})")
@@ -114,7 +124,8 @@ class Engine:
                                                    config.max_num_batched_tokens), self.kv)
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size,
-                                  config.kv_dtype, config.device, quantized)
+                                  config.kv_dtype, config.device, quantized,
+                                  config.decode_graphs, config.max_num_seqs)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)

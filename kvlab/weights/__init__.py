@@ -104,9 +104,31 @@ class HFCheckpoint(Checkpoint):
         return set(self._where)
 
     def read(self, name: str) -> RawTensor:
-        t = self._where[name].get_tensor(name)
-        kind = _TORCH_TYPES.get(t.dtype, str(t.dtype).removeprefix("torch."))
-        return RawTensor(tuple(t.shape), kind, t)
+        return _raw(self._where[name].get_tensor(name))
+
+
+class TensorCheckpoint(Checkpoint):
+    """An HF checkpoint held in memory: a config.json dict plus tensors by HF name. Random-
+    weight benchmarks hand kvlab a transformers model's own tensors this way (on any device)
+    instead of writing gigabytes to disk and reading them back."""
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 path: str = "<memory>") -> None:
+        self.format, self.path = "hf", Path(path)
+        self.metadata, self.tensors = config, tensors
+        archs = config.get("architectures") or [config.get("model_type", "?")]
+        self.architecture = str(archs[0])
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def read(self, name: str) -> RawTensor:
+        return _raw(self.tensors[name])
+
+
+def _raw(t: torch.Tensor) -> RawTensor:
+    kind = _TORCH_TYPES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+    return RawTensor(tuple(t.shape), kind, t)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

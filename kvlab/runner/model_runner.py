@@ -1,7 +1,8 @@
 """SchedulerOutput -> tensors -> logits. Owns the paged KV tensors.
 
 The KV pool is one store per layer (kvlab.models.kv_store) of num_blocks * block_size slots,
-allocated once; its pages only become resident when written.
+plus one block of scratch slots for padding rows, allocated once; its pages only become
+resident when written. On CUDA, pure decode steps replay captured graphs (decode_graph).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from kvlab.config import ModelConfig
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
+from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
 from kvlab.scheduler import SchedulerOutput
 
 WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attention)
@@ -26,12 +28,13 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: object, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: str = "f32", device: str = "cpu", quantized: bool = False) -> None:
+                 kv_dtype: str = "f32", device: str = "cpu", quantized: bool = False,
+                 graphs: str = "auto", max_batch: int = 16) -> None:
         self.model, self.config = model, config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
-        slots = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size  # the last block: scratch for padding rows
         self.kv_caches = [make_kv(kv_dtype, slots, config.num_kv_heads, config.head_dim,
                                   self.device) for _ in range(config.num_layers)]
         self._offsets = torch.arange(block_size)
@@ -39,6 +42,18 @@ class ModelRunner:
         self.threads = torch.get_num_threads()
         if self.kernel_decode:
             torch.set_num_threads(1)
+        self.graphs = self._decode_graphs(graphs, max_batch)
+
+    def _decode_graphs(self, mode: str, max_batch: int) -> DecodeGraphs | None:
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graphs={mode!r} (valid: {', '.join(GRAPH_MODES)})")
+        capture = self.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not capture):
+            return None
+        width = min(self.num_blocks * self.block_size, self.config.max_position_embeddings)
+        return DecodeGraphs(self.model, self.config, self.kv_caches,
+                            self.num_blocks * self.block_size, self.device, max_batch, width,
+                            capture=capture and mode == "auto")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,6 +73,9 @@ class ModelRunner:
             torch.set_num_threads(1)
 
     def _execute(self, out: SchedulerOutput) -> StepLogits:
+        if self.graphs is not None and self.graphs.accepts(out):
+            logits = self.graphs.run(out, self._slots)
+            return StepLogits([s.seq_id for s in out.scheduled], logits)
         spans, ids, positions = [], [], []
         for s in out.scheduled:
             end = s.start + len(s.token_ids)
