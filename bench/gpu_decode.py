@@ -204,6 +204,42 @@ def report_batches(engine: Engine, args: argparse.Namespace) -> None:
         print(f"  batch {batch:>3}: {rate:8.1f} tok/s aggregate decode", flush=True)
 
 
+def report_step_split(engine: Engine, args: argparse.Namespace) -> None:
+    """Where a batch-1 step goes: graph replay alone against a whole engine step, and the
+    kernels of one step (the static pass run eagerly under the profiler)."""
+    graphs = engine.runner.graphs
+    key = min(k for k in graphs.buckets if k[0] == 1)
+    bucket = graphs.buckets[key]
+    if bucket.graph is None:
+        return
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(100):
+        bucket.graph.replay()
+    sync(args.device)
+    replay_ms = (time.perf_counter() - start) * 10
+    prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
+    engine.add_request("split", prompt, SamplingParams(max_tokens=101, temperature=0,
+                                                       ignore_eos=True))
+    engine.step()
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    step_ms = (time.perf_counter() - start) * 10
+    while engine.has_unfinished():
+        engine.step()
+    print(f"  bucket {key}: graph replay {replay_ms:.2f} ms, engine step {step_ms:.2f} ms "
+          f"(host work between replays {step_ms - replay_ms:.2f} ms)", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs._forward(bucket)
+        sync(args.device)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
+
+
 def main() -> None:
     args = parse()
     dev = args.device
@@ -218,6 +254,7 @@ def main() -> None:
     engine = kvlab_engine(model, cfg, args, max(int(b) for b in args.batches.split(",")))
     section("batch 1", report_batch1, engine, model, args, bw)
     section("log-probs", report_logprobs, engine, model)
+    section("step split", report_step_split, engine, args)
     section("batches", report_batches, engine, args)
     if dev.startswith("cuda"):
         print(f"  graph buckets captured: {sorted(engine.runner.graphs.buckets)}; "

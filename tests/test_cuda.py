@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_decode_graph import run
+
+from kvlab.engine import Engine, EngineConfig
+
 from tiny_models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -32,9 +34,12 @@ def test_fp32_on_cuda_with_graphs_matches_cpu(gemma):
 
 
 def test_bf16_on_cuda_stays_close(gemma):
-    _, want, want_lp = run(gemma, PROMPTS, device="cpu")
-    _, got, got_lp = run(gemma, PROMPTS, device="cuda")  # auto: bf16 weights and cache
-    first = [a[0] for a in got_lp], [b[0] for b in want_lp]
-    assert torch.allclose(torch.tensor(first[0]), torch.tensor(first[1]), atol=0.1)
-    agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
-    assert agree >= 0.8 * sum(map(len, want))
+    # teacher-forced along one sequence, so a near-tie flip does not change what follows
+    ids = list(range(5, 60))
+    cpu = Engine.from_model(str(gemma), EngineConfig(block_size=4))
+    cuda = Engine.from_model(str(gemma), EngineConfig(block_size=4, device="cuda"))
+    assert cuda.config.dtype == "bfloat16" and cuda.config.kv_dtype == "bf16"
+    want = cpu.teacher_forced_logprobs(ids, 8)
+    got = cuda.teacher_forced_logprobs(ids, 8).float().cpu()
+    assert (got - want).abs().max() < 0.25
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85

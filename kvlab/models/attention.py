@@ -141,11 +141,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     groups = meta.groups(sliding)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
-        return _attend(q, cache, groups[0], scale).view(num_tokens, num_heads * head_dim)
+        return _attend(q, cache, groups[0], scale).reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), cache, g, scale))
-    return out.view(num_tokens, num_heads * head_dim)
+    return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -31,21 +30,36 @@ MIN_WIDTH = 256
 GRAPH_MODES = ("auto", "off", "eager")  # auto: capture on CUDA, off elsewhere
 
 
-@dataclass
 class _Bucket:
-    """Static inputs of one (batch, width) shape, and its graph once captured."""
+    """Static inputs of one (batch, width) shape, and its graph once captured.
 
-    ids: torch.Tensor  # [B] token ids
-    positions: torch.Tensor  # [B]
-    slot_mapping: torch.Tensor  # [B] where each row's new K/V goes
-    slots: torch.Tensor  # [B, W] slot of every attended key
-    lengths: torch.Tensor  # [B] keys each row sees: its first lengths[b] slots
-    logits: torch.Tensor | None = None  # [B, vocab] the graph's output
-    graph: torch.cuda.CUDAGraph | None = None
+    The inputs are columns of one packed [B, 4 + W] tensor, so a step uploads them in a
+    single host-to-device copy (from pinned memory on CUDA):
+        ids | positions | lengths | slot_mapping | slots[W]
+    """
 
-    @property
-    def batch(self) -> int:
-        return self.ids.shape[0]
+    def __init__(self, batch: int, width: int, scratch_slot: int, device: torch.device):
+        self.staging = torch.empty(batch, 4 + width, dtype=torch.long)
+        if device.type == "cuda":
+            self.staging = self.staging.pin_memory()
+        self.packed = torch.empty(batch, 4 + width, dtype=torch.long, device=device)
+        self.scratch_slot = scratch_slot
+        self.clear_staging()
+        self.packed.copy_(self.staging)
+        self.logits: torch.Tensor | None = None  # [B, vocab] the graph's output
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def clear_staging(self) -> None:
+        """Every row a padding row: token 0 at position 0, one key, all slots scratch."""
+        self.staging[:, :2] = 0
+        self.staging[:, 2] = 1
+        self.staging[:, 3:] = self.scratch_slot
+
+    ids = property(lambda self: self.packed[:, 0])  # [B] token ids
+    positions = property(lambda self: self.packed[:, 1])  # [B]
+    lengths = property(lambda self: self.packed[:, 2])  # [B] keys row b sees
+    slot_mapping = property(lambda self: self.packed[:, 3])  # [B] where new K/V go
+    slots = property(lambda self: self.packed[:, 4:])  # [B, W] slot of every attended key
 
 
 class DecodeGraphs:
@@ -81,11 +95,7 @@ class DecodeGraphs:
             return bucket.logits[:n].clone()  # the next replay overwrites the buffer
 
     def _new_bucket(self, batch: int, width: int) -> _Bucket:
-        long = {"dtype": torch.long, "device": self.device}
-        bucket = _Bucket(ids=torch.zeros(batch, **long), positions=torch.zeros(batch, **long),
-                         slot_mapping=torch.full((batch,), self.scratch_slot, **long),
-                         slots=torch.full((batch, width), self.scratch_slot, **long),
-                         lengths=torch.ones(batch, **long))
+        bucket = _Bucket(batch, width, self.scratch_slot, self.device)
         if self.capture:
             try:
                 self._capture(bucket)
@@ -112,23 +122,17 @@ class DecodeGraphs:
 
     def _fill(self, bucket: _Bucket, out: SchedulerOutput,
               slots_of: Callable[[list[int], int], torch.Tensor]) -> None:
-        """Copy this step's rows into the bucket's buffers; padding rows point at scratch."""
-        batch, width = bucket.slots.shape
-        ids = torch.zeros(batch, dtype=torch.long)
-        positions = torch.zeros(batch, dtype=torch.long)
-        lengths = torch.ones(batch, dtype=torch.long)
-        slots = torch.full((batch, width), self.scratch_slot, dtype=torch.long)
+        """Write this step's rows into the bucket's inputs; padding rows point at scratch."""
+        bucket.clear_staging()
+        rows = bucket.staging
         for b, s in enumerate(out.scheduled):
             end = s.start + 1
             seq_slots = slots_of(s.block_table, end)
-            ids[b], positions[b], lengths[b] = s.token_ids[0], s.start, end
-            slots[b, :end] = seq_slots
-            slots[b, end:] = seq_slots[0]  # masked, but a written slot: never NaN
-        bucket.ids.copy_(ids)
-        bucket.positions.copy_(positions)
-        bucket.lengths.copy_(lengths)
-        bucket.slots.copy_(slots)
-        bucket.slot_mapping.copy_(slots.gather(1, (lengths - 1)[:, None]).squeeze(1))
+            rows[b, 0], rows[b, 1], rows[b, 2] = s.token_ids[0], s.start, end
+            rows[b, 3] = seq_slots[-1]
+            rows[b, 4:4 + end] = seq_slots
+            rows[b, 4 + end:] = seq_slots[0]  # masked, but a written slot: never NaN
+        bucket.packed.copy_(rows, non_blocking=True)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         """The decode pass over the bucket's buffers; masks are computed in the graph."""
