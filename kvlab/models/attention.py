@@ -144,7 +144,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         return _attend(q, cache, groups[0], scale).reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
-        out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), cache, g, scale))
+        out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), cache, g, scale)
+                        .to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
@@ -153,6 +154,8 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
     if _decode_in_c(q, cache, g):
         return fused.attend_decode(q, cache.k, cache.v, g.slots, scale, g.lengths)
     num_heads, head_dim = q.shape[1:]
+    if q.is_cuda and isinstance(cache, FloatKV):
+        q = q.to(cache.k.dtype)  # attend in the cache's dtype on GPUs: no K/V conversion
     qg = q.reshape(g.num_seqs, g.queries_per_seq, num_heads, head_dim)
     kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
     og = F.scaled_dot_product_attention(

@@ -46,6 +46,7 @@ class _Bucket:
         self.scratch_slot = scratch_slot
         self.clear_staging()
         self.packed.copy_(self.staging)
+        self.uploaded: torch.cuda.Event | None = None  # the last upload out of `staging`
         self.logits: torch.Tensor | None = None  # [B, vocab] the graph's output
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -122,7 +123,11 @@ class DecodeGraphs:
 
     def _fill(self, bucket: _Bucket, out: SchedulerOutput,
               slots_of: Callable[[list[int], int], torch.Tensor]) -> None:
-        """Write this step's rows into the bucket's inputs; padding rows point at scratch."""
+        """Write this step's rows into the bucket's inputs; padding rows point at scratch.
+        The upload is asynchronous: staging is reused only once the last one has landed
+        (a caller that never reads results back would otherwise overwrite it in flight)."""
+        if bucket.uploaded is not None:
+            bucket.uploaded.synchronize()
         bucket.clear_staging()
         rows = bucket.staging
         for b, s in enumerate(out.scheduled):
@@ -133,6 +138,9 @@ class DecodeGraphs:
             rows[b, 4:4 + end] = seq_slots
             rows[b, 4 + end:] = seq_slots[0]  # masked, but a written slot: never NaN
         bucket.packed.copy_(rows, non_blocking=True)
+        if self.device.type == "cuda":
+            bucket.uploaded = torch.cuda.Event()
+            bucket.uploaded.record()
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         """The decode pass over the bucket's buffers; masks are computed in the graph."""
