@@ -140,7 +140,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [T, heads, head_dim] rotated by position (rotate-half convention, as HF)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,

@@ -112,13 +112,18 @@ class LlamaModel:
         if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
             inv = inv / weights["rope_freqs"].float()
         self.inv_freq = inv.to(weights["norm"].device)
+        # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
+        # then reach the cache and attention without a cast kernel per layer
+        first = layers[0]["qkv"].parts[0] if layers else None
+        self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_cuda
+                           else torch.float32)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
                 meta: AttentionMetadata) -> torch.Tensor:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         x = embed(ids, self.weights["embed"])
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
         for layer, cache in zip(self.layers, kv_caches):
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
             x = x + self.attention(h, layer, cos, sin, cache, meta)
