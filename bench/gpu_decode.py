@@ -213,45 +213,62 @@ def report_batches(engine: Engine, args: argparse.Namespace) -> None:
 
 
 def report_step_split(engine: Engine, args: argparse.Namespace) -> None:
-    """Where a batch-1 step goes: graph replay alone against a whole engine step, and the
+    for batch in (1, 8):
+        section(f"step split, batch {batch}", _step_split, engine, args, batch)
+
+
+def _step_split(engine: Engine, args: argparse.Namespace, batch: int) -> None:
+    """Where a decode step goes: graph replay alone against a whole engine step, and the
     kernels of one step (the static pass run eagerly under the profiler)."""
     graphs = engine.runner.graphs
-    key = min(k for k in graphs.buckets if k[0] == 1)
-    bucket = graphs.buckets[key]
-    if bucket.graph is None:
-        return
-    sync(args.device)
-    start = time.perf_counter()
-    for _ in range(100):
-        bucket.graph.replay()
-    sync(args.device)
-    replay_ms = (time.perf_counter() - start) * 10
-    prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
-    engine.add_request("split", prompt, SamplingParams(max_tokens=101, temperature=0,
-                                                       ignore_eos=True))
-    engine.step()
-    sync(args.device)
-    start = time.perf_counter()
-    for _ in range(100):
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for b in range(batch):
+        engine.add_request(f"split{b}", [100 + (b * 7 + i) % 1000 for i in range(args.prompt)],
+                           params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step())
+    for _ in range(3):  # the bucket's graph is captured
         engine.step()
-    step_ms = (time.perf_counter() - start) * 10
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(40):
+        engine.step()
+    sync(args.device)
+    step_ms = (time.perf_counter() - start) * 25
     while engine.has_unfinished():
         engine.step()
+    key = min(k for k in graphs.buckets if k[0] >= batch)
+    bucket = graphs.buckets[key]
+    replay = bucket.graph.replay if bucket.graph is not None else lambda: graphs._forward(bucket)
+    sync(args.device)
+    start = time.perf_counter()
+    for _ in range(40):
+        replay()
+    sync(args.device)
+    replay_ms = (time.perf_counter() - start) * 25
     print(f"  bucket {key}: graph replay {replay_ms:.2f} ms, engine step {step_ms:.2f} ms "
           f"(host work between replays {step_ms - replay_ms:.2f} ms)", flush=True)
+    if args.device.startswith("cuda"):
+        _profile(graphs, bucket, args.device)
+
+
+def _profile(graphs, bucket, device: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         graphs._forward(bucket)
-        sync(args.device)
-    events = list(prof.key_averages())
-    events = [e for e in events if e.self_device_time_total > 0]  # kernels, not API calls
+        sync(device)
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]  # kernels only
     gemm = [e for e in events if any(m in e.key for m in ("nvjet", "gemm", "gemv"))]
     total_us = sum(e.self_device_time_total for e in events)
     gemm_us = sum(e.self_device_time_total for e in gemm)
     print(f"  one step's kernels (eager, profiled): {sum(e.count for e in events)} launches, "
           f"{total_us / 1e3:.2f} ms; matrix products {sum(e.count for e in gemm)} launches, "
           f"{gemm_us / 1e3:.2f} ms ({total_us and gemm_us / total_us:.0%})", flush=True)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:6]
+    for e in top:
+        print(f"    {e.self_device_time_total / 1e3:6.2f} ms  {e.count:4d}x  {e.key[:70]}")
 
 
 def main() -> None:
