@@ -3,15 +3,22 @@ on the same GGUF: teacher-forced along transformers' 32-token greedy continuatio
 prompts, |log-prob difference| over the reference's top-5 and top-1 agreement.
 
     .venv/bin/python bench/golden_vs_llamacpp.py        (needs the [peers] extra)
+
+With `--positions N`: top-1 agreement over N teacher-forced decode positions of the text
+`kvlab kv-quality` uses, against kvlab with weights dequantized to fp32 (which matches
+transformers to 2e-3 in log-prob), for kvlab's quantized kernels and for llama.cpp.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
 from llama_cpp import Llama
 from transformers import AutoModelForCausalLM
 
+from kvlab.bench.kv_quality import TEXT
 from kvlab.engine import Engine, EngineConfig
 from kvlab.weights import default_model_path
 
@@ -38,8 +45,31 @@ def summary(ref: torch.Tensor, got: torch.Tensor) -> str:
             f"top-1 {agree}/{ref.shape[0]}")
 
 
+def long_run(path, positions: int, prefill: int = 16) -> None:
+    dense = Engine.from_model(str(path), EngineConfig(threads=2, keep_quantized=False))
+    engine = Engine.from_model(str(path), EngineConfig(threads=2))
+    ids = dense.tokenizer.encode(TEXT)
+    while len(ids) < prefill + positions:
+        ids += dense.tokenizer.encode(" " + TEXT, add_special_tokens=False)
+    ids = ids[:prefill + positions]
+    llm = Llama(model_path=str(path), n_ctx=len(ids) + 16, n_threads=2, logits_all=True,
+                verbose=False)
+    with torch.inference_mode():
+        ref = dense.teacher_forced_logprobs(ids, prefill)
+        ours = engine.teacher_forced_logprobs(ids, prefill)
+    print(f"{positions} positions vs dequantized fp32 weights:")
+    print(f"  kvlab kernels {summary(ref, ours)}")
+    print(f"  llama.cpp     {summary(ref, llama_cpp_logprobs(llm, ids, prefill))}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--positions", type=int, default=0)
+    args = ap.parse_args()
     path = default_model_path()
+    if args.positions:
+        long_run(path, args.positions)
+        return
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32).eval()
     engine = Engine.from_model(str(path), EngineConfig(threads=2))
