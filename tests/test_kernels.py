@@ -478,6 +478,33 @@ def test_attend_decode_matches_sdpa(isa, heads, kv_heads, dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_c
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attend_decode_long_rows_split_into_chunks(threads):
+    """Rows of 700 and 300 keys (chunks of 256, spread over the kernel threads) against SDPA,
+    and each row's output identical alone and batched."""
+    from kvlab.kernels import fused, set_num_threads
+
+    before = ops.get_num_threads()
+    set_num_threads(threads)
+    try:
+        heads, kv_heads, dim, num_slots = 4, 2, 64, 1200
+        q = torch.randn(2, heads, dim)
+        k, v = torch.randn(num_slots, kv_heads, dim), torch.randn(num_slots, kv_heads, dim)
+        slots = torch.stack([torch.randperm(num_slots)[:700] for _ in range(2)])
+        lengths = torch.tensor([700, 300])
+        out = fused.attend_decode(q, k, v, slots, dim ** -0.5, lengths)
+        alone = fused.attend_decode(q[1:], k, v, slots[1:, :300].contiguous(), dim ** -0.5)
+    finally:
+        set_num_threads(before)
+    for b, n in enumerate(lengths.tolist()):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b, :, None], k[slots[b, :n]].transpose(0, 1), v[slots[b, :n]].transpose(0, 1),
+            scale=dim ** -0.5, enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[1], alone[0])
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_qmatmul_stacked_is_concatenated_qmatmul(rows):
     from kvlab.kernels import qmatmul_stacked

@@ -11,6 +11,7 @@
  * AVX2 variant differs only in its three inner loops (and FMA rounding).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,8 +21,8 @@ typedef struct {
     /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q */
     void (*scores)(const float *q, int64_t rep, const float *k, const int64_t *slots,
                    int64_t C, int64_t stride, int64_t D, float scale, float *s);
-    /* s[0..C) -> exp(s - max s); returns the sum */
-    float (*softmax)(float *s, int64_t C);
+    /* s[0..C) -> exp(s - max s); returns the sum, and the max in *m */
+    float (*softmax)(float *s, int64_t C, float *m);
     /* out[h] = sum_c s[h * C + c] * v row c for the rep heads */
     void (*mix)(const float *s, int64_t rep, const float *v, const int64_t *slots,
                 int64_t C, int64_t stride, int64_t D, float *out);
@@ -39,10 +40,11 @@ static void scores_c(const float *q, int64_t rep, const float *k, const int64_t 
     }
 }
 
-static float softmax_c(float *s, int64_t C) {
+static float softmax_c(float *s, int64_t C, float *max_out) {
     float m = -INFINITY, sum = 0.0f;
     for (int64_t c = 0; c < C; c++) m = s[c] > m ? s[c] : m;
     for (int64_t c = 0; c < C; c++) sum += s[c] = expf(s[c] - m);
+    *max_out = m;
     return sum;
 }
 
@@ -108,9 +110,10 @@ TGT static inline __m256 exp8_nonpos(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-TGT static float softmax_avx2(float *s, int64_t C) {
+TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
     float m = -INFINITY, sum = 0.0f;
     for (int64_t c = 0; c < C; c++) m = s[c] > m ? s[c] : m;
+    *max_out = m;
     const __m256 mv = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
     int64_t c = 0;
@@ -155,34 +158,123 @@ TGT static void mix_avx2(const float *s, int64_t rep, const float *v, const int6
 static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
 #endif
 
+/* ---------------- driver: key chunks as work items, spread over the kernel threads -------
+ *
+ * A row's keys split into chunks of KV_ATTN_CHUNK; each (row, KV head, chunk) item scores
+ * its keys, exponentiates them against the chunk's own max and sums the value rows with
+ * those weights (unnormalized). Then each (row, KV head) merges its chunks in order:
+ * out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c. The chunks of a row depend only on
+ * its own length, so the result is the same for any batch and any thread count. */
+
+#define KV_ATTN_CHUNK 256
+
+typedef struct {
+    const attn_ops *ops;
+    const float *q, *k, *v;
+    const int64_t *slots, *lengths;
+    int64_t q_stride, C, KVH, D, rep, stride;
+    float scale;
+    int64_t nitems, *item_bg, *item_c0;  /* item -> (row * KVH + head, first key) */
+    float *part;     /* per item: rep maxes, rep sums, rep * D unnormalized outputs */
+    float *scratch;  /* per thread: rep * KV_ATTN_CHUNK scores */
+    _Atomic int64_t next;
+} attn_job;
+
+static int64_t part_floats(const attn_job *j) { return j->rep * (2 + j->D); }
+
+static void attn_item(attn_job *j, int64_t i, float *s) {
+    const int64_t bg = j->item_bg[i], b = bg / j->KVH, g = bg % j->KVH, c0 = j->item_c0[i];
+    const int64_t n = j->lengths ? j->lengths[b] : j->C;
+    const int64_t len = n - c0 < KV_ATTN_CHUNK ? n - c0 : KV_ATTN_CHUNK;
+    const int64_t *slots = j->slots + b * j->C + c0;
+    float *part = j->part + i * part_floats(j);
+    j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep, j->k + g * j->D, slots,
+                   len, j->stride, j->D, j->scale, s);
+    for (int64_t h = 0; h < j->rep; h++)
+        part[j->rep + h] = j->ops->softmax(s + h * len, len, &part[h]);
+    j->ops->mix(s, j->rep, j->v + g * j->D, slots, len, j->stride, j->D, part + 2 * j->rep);
+}
+
+static void attn_task(void *p, int tid, int nthreads) {
+    attn_job *j = p;
+    (void)nthreads;
+    float *s = j->scratch + (int64_t)tid * j->rep * KV_ATTN_CHUNK;
+    for (int64_t i; (i = atomic_fetch_add(&j->next, 1)) < j->nitems;) attn_item(j, i, s);
+}
+
+/* items [first, last) hold one (row, head)'s chunks in order: merge them into out[rep, D] */
+static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *out) {
+    const int64_t rep = j->rep, D = j->D, pf = part_floats(j);
+    for (int64_t h = 0; h < rep; h++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t i = first; i < last; i++) m = fmaxf(m, j->part[i * pf + h]);
+        float *o = out + h * D;
+        memset(o, 0, (size_t)D * sizeof(float));
+        for (int64_t i = first; i < last; i++) {
+            const float *part = j->part + i * pf;
+            const float w = expf(part[h] - m);
+            l += w * part[rep + h];
+            const float *po = part + 2 * rep + h * D;
+            for (int64_t d = 0; d < D; d++) o[d] += w * po[d];
+        }
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
 /* Returns 0, or -1 when out of memory. */
-int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v, const int64_t *slots,
-                     const int64_t *lengths, int64_t B, int64_t C, int64_t H, int64_t KVH,
-                     int64_t D, float scale, float *out, int use_avx2) {
+int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v,
+                     const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
+                     int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2) {
     const attn_ops *ops = &ops_generic;
 #ifdef KV_HAVE_AVX2_BUILD
     if (use_avx2 && D % 8 == 0) ops = &ops_avx2;
 #else
     (void)use_avx2;
 #endif
-    const int64_t rep = H / KVH, stride = KVH * D;
-    float *s = malloc((size_t)(rep * C) * sizeof(float));
-    if (!s && rep * C > 0) return -1;
+    attn_job j = {.ops = ops, .q = q, .k = k, .v = v, .slots = slots, .lengths = lengths,
+                  .q_stride = q_stride, .C = C, .KVH = KVH, .D = D, .rep = H / KVH,
+                  .stride = KVH * D, .scale = scale};
+    int64_t keys = 0;
     for (int64_t b = 0; b < B; b++) {
-        /* row b sees its first n keys; the rest of its slot row is padding, never read, so a
-         * sequence's result is the same alone or beside longer ones */
+        const int64_t n = lengths ? lengths[b] : C;
+        keys += n;
+        j.nitems += KVH * ((n + KV_ATTN_CHUNK - 1) / KV_ATTN_CHUNK);
+    }
+    /* K and V bytes read; below 128 KiB a worker's wake-up costs more than it saves */
+    const int64_t bytes = keys * KVH * D * 8;
+    int nt = bytes < 131072 ? 1 : kv_pool_threads();
+    if (nt > j.nitems) nt = (int)j.nitems;
+    if (nt < 1) nt = 1;
+    j.item_bg = malloc((size_t)(2 * j.nitems + B * KVH + 1) * sizeof(int64_t));
+    j.part = malloc((size_t)(j.nitems * part_floats(&j)) * sizeof(float));
+    j.scratch = malloc((size_t)(nt * j.rep * KV_ATTN_CHUNK) * sizeof(float));
+    int rc = 0;
+    if (!j.item_bg || !j.part || !j.scratch) {
+        rc = -1;
+        goto done;
+    }
+    j.item_c0 = j.item_bg + j.nitems;
+    int64_t *first = j.item_c0 + j.nitems, i = 0;  /* first item of each (row, head) */
+    for (int64_t b = 0; b < B; b++) {
         const int64_t n = lengths ? lengths[b] : C;
         for (int64_t g = 0; g < KVH; g++) {
-            const float *qg = q + b * q_stride + g * rep * D;
-            float *og = out + (b * H + g * rep) * D;
-            ops->scores(qg, rep, k + g * D, slots + b * C, n, stride, D, scale, s);
-            for (int64_t h = 0; h < rep; h++) {
-                const float inv = 1.0f / ops->softmax(s + h * n, n);
-                for (int64_t c = 0; c < n; c++) s[h * n + c] *= inv;
+            first[b * KVH + g] = i;
+            for (int64_t c0 = 0; c0 < n; c0 += KV_ATTN_CHUNK, i++) {
+                j.item_bg[i] = b * KVH + g;
+                j.item_c0[i] = c0;
             }
-            ops->mix(s, rep, v + g * D, slots + b * C, n, stride, D, og);
         }
     }
-    free(s);
-    return 0;
+    first[B * KVH] = i;
+    atomic_store(&j.next, 0);
+    if (nt > 1) kv_pool_run(attn_task, &j, nt);
+    else attn_task(&j, 0, 1);
+    for (int64_t bg = 0; bg < B * KVH; bg++)
+        attn_merge(&j, first[bg], first[bg + 1], out + bg * j.rep * D);
+done:
+    free(j.item_bg);
+    free(j.part);
+    free(j.scratch);
+    return rc;
 }

@@ -415,9 +415,14 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
 #ifdef KV_HAVE_AVX2_BUILD
     use_avx2 = g_isa == &kv_isa_avx2;
 #endif
-    if (kv_attend_decode(q, q_stride, k, v, slots, lengths, b, c, h, kvh, d, scale, out,
-                         use_avx2))
-        return PyErr_NoMemory();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
+    rc = kv_attend_decode(q, q_stride, k, v, slots, lengths, b, c, h, kvh, d, scale, out,
+                          use_avx2);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
