@@ -140,7 +140,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [T, heads, head_dim] rotated by position (rotate-half convention, as HF)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+    if x.is_cuda:  # one kernel fewer; on CPUs the products round as the C path does
+        return torch.addcmul(x * cos, rotated, sin)
+    return x * cos + rotated * sin
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
