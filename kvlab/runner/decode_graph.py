@@ -18,7 +18,6 @@ it against the ordinary path that way.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -50,11 +49,12 @@ class _Bucket:
         self.logits: torch.Tensor | None = None  # [B, vocab] the graph's output
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def clear_staging(self) -> None:
-        """Every row a padding row: token 0 at position 0, one key, all slots scratch."""
-        self.staging[:, :2] = 0
-        self.staging[:, 2] = 1
-        self.staging[:, 3:] = self.scratch_slot
+    def clear_staging(self, first: int = 0) -> None:
+        """Rows from `first` on become padding: token 0 at position 0, one key, all slots
+        scratch."""
+        self.staging[first:, :2] = 0
+        self.staging[first:, 2] = 1
+        self.staging[first:, 3:] = self.scratch_slot
 
     ids = property(lambda self: self.packed[:, 0])  # [B] token ids
     positions = property(lambda self: self.packed[:, 1])  # [B]
@@ -80,15 +80,14 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.needs_logits for s in out.scheduled)
                 and max(s.start for s in out.scheduled) < self.max_width)
 
-    def run(self, out: SchedulerOutput,
-            slots_of: Callable[[list[int], int], torch.Tensor]) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, block_size: int) -> torch.Tensor:
         """Logits [len(out.scheduled), vocab] fp32, rows in scheduled order."""
         n = len(out.scheduled)
         key = (_round_up_pow2(n, 1), _round_up_pow2(max(s.start for s in out.scheduled) + 1,
                                                     MIN_WIDTH, self.max_width))
         with torch.inference_mode():
             bucket = self.buckets.get(key) or self._new_bucket(*key)
-            self._fill(bucket, out, slots_of)
+            self._fill(bucket, out, block_size)
             if bucket.graph is None:
                 return self._forward(bucket)[:n]
             bucket.graph.replay()
@@ -121,22 +120,29 @@ class DecodeGraphs:
             bucket.logits = self._forward(bucket)
         bucket.graph = graph
 
-    def _fill(self, bucket: _Bucket, out: SchedulerOutput,
-              slots_of: Callable[[list[int], int], torch.Tensor]) -> None:
-        """Write this step's rows into the bucket's inputs; padding rows point at scratch.
-        The upload is asynchronous: staging is reused only once the last one has landed
-        (a caller that never reads results back would otherwise overwrite it in flight)."""
+    def _fill(self, bucket: _Bucket, out: SchedulerOutput, block_size: int) -> None:
+        """Write this step's rows into the bucket's inputs (as whole-batch tensor ops: the
+        host work should not grow with batch x width in Python); padding rows point at
+        scratch. The upload is asynchronous: staging is reused only once the last one has
+        landed (a caller that never reads results back would otherwise overwrite it)."""
         if bucket.uploaded is not None:
             bucket.uploaded.synchronize()
-        bucket.clear_staging()
+        n, width = len(out.scheduled), bucket.staging.shape[1] - 4
+        blocks = -(-width // block_size)
+        tables = torch.tensor([(s.block_table + s.block_table[:1] * blocks)[:blocks]
+                               for s in out.scheduled], dtype=torch.long)
+        slots = (tables[:, :, None] * block_size
+                 + torch.arange(block_size)).flatten(1)[:, :width]  # [n, W]
+        starts = torch.tensor([s.start for s in out.scheduled], dtype=torch.long)
+        # keys past a row's own token are masked; point them at its first (written) slot
+        slots = torch.where(torch.arange(width) <= starts[:, None], slots, slots[:, :1])
         rows = bucket.staging
-        for b, s in enumerate(out.scheduled):
-            end = s.start + 1
-            seq_slots = slots_of(s.block_table, end)
-            rows[b, 0], rows[b, 1], rows[b, 2] = s.token_ids[0], s.start, end
-            rows[b, 3] = seq_slots[-1]
-            rows[b, 4:4 + end] = seq_slots
-            rows[b, 4 + end:] = seq_slots[0]  # masked, but a written slot: never NaN
+        rows[:n, 0] = torch.tensor([s.token_ids[0] for s in out.scheduled], dtype=torch.long)
+        rows[:n, 1] = starts
+        rows[:n, 2] = starts + 1
+        rows[:n, 3] = slots.gather(1, starts[:, None]).squeeze(1)
+        rows[:n, 4:] = slots
+        bucket.clear_staging(first=n)
         bucket.packed.copy_(rows, non_blocking=True)
         if self.device.type == "cuda":
             bucket.uploaded = torch.cuda.Event()

@@ -74,7 +74,7 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> StepLogits:
         if self.graphs is not None and self.graphs.accepts(out):
-            logits = self.graphs.run(out, self._slots)
+            logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         spans, ids, positions = [], [], []
         for s in out.scheduled:
