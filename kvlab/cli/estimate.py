@@ -4,6 +4,10 @@ The model is a GGUF file, an HF config.json (or its directory), or a description
 (`--params 8e9 --bits 4.5 ...`); with none of these, the default model. The hardware is a
 built-in part (`--hardware rtx-4090`), this machine as `kvlab probe` measured it
 (`--hardware this`, the default), or figures given with --bandwidth/--tflops/--memory.
+
+`--engine kvlab` adds kvlab's own engine on this machine: a GGUF model over the rates
+`kvlab probe` measured for kvlab's kernels and engine, in place of the roofline's 60-85 %
+(what `kvlab bench --estimate` checks against a run).
 """
 
 from __future__ import annotations
@@ -11,13 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import KvlabError
 from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, format_estimate, known_parts
 from kvlab.perf.hardware import GB
 from kvlab.perf.report import format_hardware_table
 from kvlab.perf.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
+
+if TYPE_CHECKING:
+    from kvlab.perf.kvlab_steps import KvlabPrediction
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _DESCRIPTION_FLAGS = ("params", "size_gb", "layers", "hidden", "heads", "kv_heads", "head_dim",
@@ -89,6 +97,9 @@ def _add_workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--efficiency", type=float, nargs=2, metavar=("LOW", "HIGH"),
                    default=list(DEFAULT_EFFICIENCY),
                    help="share of the decode ceiling reached in practice (0.6 0.85)")
+    g.add_argument("--engine", choices=("roofline", "kvlab"), default="roofline",
+                   help="kvlab: also predict kvlab's own engine from the probed kernel rates "
+                        "(a GGUF model, --hardware this, concurrency 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,10 +118,14 @@ def run(args: argparse.Namespace) -> int:
         offload_bandwidth=None if args.offload_bandwidth is None else args.offload_bandwidth * GB,
         efficiency=(args.efficiency[0], args.efficiency[1]), compute_dtype=args.dtype)
     result = estimate(model, hw, workload)
+    own = predict_kvlab(model, hw, workload) if args.engine == "kvlab" else None
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        if own is not None:
+            out["kvlab"] = own.to_dict()
+        print(json.dumps(out, indent=2))
     else:
-        print(format_estimate(result), end="")
+        print(format_estimate(result) + ("" if own is None else own.format() + "\n"), end="")
     if args.plot:
         from kvlab.perf.plot import plot_estimate
 
@@ -118,6 +133,15 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {path}")
     return 0
+
+
+def predict_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
+    """kvlab's own engine for `workload`; its KV cache is f32 whatever --kv-dtype says."""
+    from kvlab.perf.kvlab_steps import predict
+
+    if workload.kv_dtype != "f32":
+        workload = replace(workload, kv_dtype="f32")
+    return predict(model, hw, workload)
 
 
 def _described(args: argparse.Namespace) -> list[str]:

@@ -1,5 +1,6 @@
-"""`kvlab probe`: measure this machine's memory bandwidth and matmul FLOP/s, and cache them
-for `kvlab estimate --hardware this`."""
+"""`kvlab probe`: measure this machine's memory bandwidth and matmul FLOP/s, and how fast
+kvlab's own kernels and engine run here, and cache them for `kvlab estimate --hardware
+this` and `kvlab bench --estimate`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from kvlab.perf.hardware import KernelRates
 from kvlab.perf.probe import probe, save_probe
 
 
@@ -34,7 +36,34 @@ def run(args: argparse.Namespace) -> int:
     rows += [(f"matmul {dtype}", f"{tf * 1000:,.1f} GFLOP/s", result.details[dtype])
              for dtype, tf in result.tflops.items()]
     rows.append(("memory", f"{result.memory_gib:,.1f} GiB", result.details["memory"]))
+    rows += _kernel_rows(result.kernel_rates())
     for name, value, how in rows:
         print(f"{name:<22} {value:>15}   {how}")
     print(f"cached to {path} for `kvlab estimate --hardware this`")
     return 0
+
+
+def _kernel_rows(k: KernelRates | None) -> list[tuple[str, str, str]]:
+    """kvlab's own kernels and engine, as `kvlab bench --estimate` predicts from them."""
+    if k is None:
+        return [("kvlab kernels", "-", "not measured (kvlab's C kernels are not built)")]
+    reads = ", ".join(f"{t} {r / 1e9:.0f}" for t, r in sorted(k.weight_read.items(),
+                                                               key=lambda kv: -kv[1]))
+    prefill = ", ".join(f"{t} {r / 1e9:.0f}" for t, r in sorted(k.prefill_ops.items(),
+                                                                key=lambda kv: -kv[1]))
+    rows = [("decode weight read", f"{max(k.weight_read.values()) / 1e9:,.1f} GB/s",
+             f"batch-1 products by type (GB/s): {reads}"),
+            ("product call", f"{k.call_seconds * 1e6:,.1f} us",
+             "per call, besides its bytes (a fresh small matrix)"),
+            ("prefill products", f"{max(k.prefill_ops.values()) / 1e9:,.0f} GOP/s",
+             f"512 rows, by type: {prefill}"),
+            ("decode attention", f"{k.attention_read / 1e9:,.1f} GB/s",
+             (f"f32 K/V read; {k.attention_read_strided / 1e9:.1f} GB/s with 8 "
+              "KV heads a row")),
+            ("sampling", f"{k.logit_seconds * 1e9:,.2f} ns", "per vocabulary entry, greedy")]
+    for arch in sorted(k.layer_seconds):
+        step, layer, position = k.engine(arch)
+        rows.append((f"engine ({arch})", f"{layer * 1e6:,.0f} us/layer",
+                     (f"+ {step * 1e6:,.0f} us/step + {position * 1e9:,.0f} ns per attended "
+                      "position, besides products and attention")))
+    return rows

@@ -32,10 +32,12 @@ How the figures are counted (see roofline.py):
 - realistic decode: 60-85 % of the ceiling (Workload.efficiency); the total response
   time is TTFT + (output - 1) decode steps, the first token coming out of prefill.
 
-For the check against kvlab's own CPU engine: its decode runs quantized C kernels that
-read each weight byte once per step (so decode_weight_bytes is the right traffic); its
-prefill dequantizes weights to fp32 and runs sgemm, so compare prefill with the fp32
-FLOP/s of `kvlab probe` (the default dtype of `--hardware this`).
+For kvlab's own CPU engine the roofline's generic 60-85 % is replaced by kvlab's step
+model (kvlab.perf.kvlab_steps, used by `kvlab bench --estimate` and `kvlab estimate
+--engine kvlab`): the model's counted matrices, heads and KV bytes over the rates `kvlab
+probe` measured for kvlab's own kernels (weight reads by type, integer prefill products,
+decode attention over an f32 cache) and for its engine's per-layer and per-step overhead
+(kvlab.perf.probe_kernels, probe_engine).
 """
 
 from kvlab.perf.hardware import HardwareSpec, known_parts

@@ -2,7 +2,11 @@
 
 A `HardwareSpec` comes from the built-in table (`hardware.json` beside this file, every
 number with its source), from figures the user types (`custom`), or from the cache that
-`kvlab probe` writes (`this_machine`). Units inside: bytes, bytes/s, FLOP/s.
+`kvlab probe` writes (`this_machine`). Units inside: bytes, bytes/s, FLOP/s, seconds.
+
+A probed machine also carries `KernelRates`: how fast kvlab's own C kernels and per-layer
+Python run there, so that kvlab itself can be predicted (kvlab.perf.kvlab_steps) and not
+only an engine at the machine's ceilings.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,60 @@ _VENDOR_PREFIXES = ("nvidia", "geforce", "amd", "instinct", "apple", "intel")
 
 
 @dataclass(frozen=True)
+class KernelRates:
+    """kvlab's own kernels on one machine at one thread count, as `kvlab probe` measured them.
+
+    Weight types are GGML names ("Q8_0", "Q4_K", ...). A batch-1 product over a matrix of
+    R rows and B bytes takes about call_seconds + B / weight_read[type] + R * row_seconds[type].
+    """
+
+    threads: int
+    weight_read: Mapping[str, float]  # bytes/s a batch-1 product streams weights from memory
+    row_seconds: Mapping[str, float]  # fixed cost per output row of such a product
+    prefill_ops: Mapping[str, float]  # OP/s (2 per weight per row) of a 512-row product
+    call_seconds: float  # one product call besides its bytes and rows (cold: a fresh matrix)
+    attention_read: float  # KV bytes/s of decode attention, one KV head per cache row
+    attention_read_strided: float  # the same with 8 KV heads interleaved in each cache row
+    logit_seconds: float  # greedy sampling, per vocabulary entry
+    # prefill's element-wise passes over every prompt row, seconds per element: "norm"
+    # (RMSNorm, residual), "rope" (per-head norm + RoPE), "gelu" / "silu" (gated activation)
+    row_op_seconds: Mapping[str, float]
+    # kvlab's engine on synthetic models, by architecture ("llama", "gemma3"): a decode step's
+    # seconds besides its reads = step + layers x layer + attended positions x position
+    step_seconds: Mapping[str, float]
+    layer_seconds: Mapping[str, float]
+    position_seconds: Mapping[str, float]
+
+    def weight_rate(self, qtype: str) -> float:
+        """bytes/s for `qtype`; a type the probe did not measure gets the slowest measured."""
+        return self.weight_read.get(qtype) or min(self.weight_read.values())
+
+    def row_cost(self, qtype: str) -> float:
+        return self.row_seconds.get(qtype, max(self.row_seconds.values(), default=0.0))
+
+    def prefill_rate(self, qtype: str) -> float:
+        return self.prefill_ops.get(qtype) or min(self.prefill_ops.values())
+
+    def attention_rate(self, kv_heads: int) -> float:
+        """KV bytes/s of decode attention over a cache with `kv_heads` heads per row."""
+        return self.attention_read if kv_heads <= 1 else self.attention_read_strided
+
+    def engine(self, architecture: str) -> tuple[float, float, float]:
+        """(per step, per layer, per attended position) seconds for `architecture`'s family
+        (`engine_family`); a family the probe did not time gets the largest figures timed."""
+        family = engine_family(architecture)
+        return tuple(  # type: ignore[return-value]
+            table.get(family, max(table.values(), default=0.0))
+            for table in (self.step_seconds, self.layer_seconds, self.position_seconds))
+
+
+def engine_family(architecture: str) -> str:
+    """The kvlab model code an architecture runs through: "gemma3" (pre and post norms,
+    QK-norm, GeGLU) or "llama" (Llama, Qwen2, Qwen3: fewer calls per layer, SwiGLU)."""
+    return "gemma3" if architecture.startswith("gemma") else "llama"
+
+
+@dataclass(frozen=True)
 class HardwareSpec:
     """One machine. `flops` holds sustained FLOP/s by dtype ("fp32", "bf16", "fp16", ...)."""
 
@@ -38,6 +96,7 @@ class HardwareSpec:
     default_dtype: str = "fp32"
     sources: Mapping[str, str] = field(default_factory=dict)
     key: str = "custom"
+    kernels: KernelRates | None = None  # kvlab's own kernels, where `kvlab probe` measured them
 
     def __post_init__(self) -> None:
         _check_positive("bandwidth (GB/s)", self.bandwidth / GB)
@@ -107,7 +166,8 @@ class HardwareSpec:
                 "bandwidth_gbs": self.bandwidth / GB,
                 "sustained_tflops": {k: v / TERA for k, v in self.flops.items()},
                 "memory_gib": None if self.memory_bytes is None else self.memory_bytes / GIB,
-                "default_dtype": self.default_dtype, "sources": dict(self.sources)}
+                "default_dtype": self.default_dtype, "sources": dict(self.sources),
+                "kernels": None if self.kernels is None else asdict(self.kernels)}
 
 
 def known_parts() -> list[HardwareSpec]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvlab.errors import KvlabError, ModelLoadError
-from kvlab.perf.model import LayerSpec, ModelSpec
+from kvlab.perf.model import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.weights.gguf_file import GGUFFile, TensorInfo
 
 # Every `global_every`-th layer attends globally, the others within the sliding window
@@ -55,7 +55,8 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     blocks, lookups, output, others = _group_tensors(gguf.tensors.values(), n_layers)
     shapes = _attention_shapes(meta, n_layers, hidden)
     windows = _gguf_windows(arch, meta, n_layers)
-    layers = tuple(map(_gguf_layer, blocks, shapes, windows))
+    ffn = _per_layer(meta("feed_forward_length", 0), n_layers)
+    layers = tuple(map(_gguf_layer, blocks, shapes, windows, ffn))
     embd = gguf.tensors.get("token_embd.weight")
     tied = output is None and embd is not None
     out = embd if tied else output
@@ -69,7 +70,16 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
         other_bytes=sum(t.nbytes for t in others),
         experts=int(meta("expert_count") or 0), experts_used=int(meta("expert_used_count") or 0),
         max_context=_int_or_none(meta("context_length")),
-        vocab_size=embd.shape[0] if embd else None, hidden_size=hidden, tied_output=tied)
+        vocab_size=embd.shape[0] if embd else None, hidden_size=hidden, tied_output=tied,
+        output_matrix=_matrix(out) if out and len(out.shape) == 2 else None,
+        architecture=str(arch))
+
+
+def _matrix(t: TensorInfo) -> MatrixSpec:
+    """'blk.3.attn_q.weight' -> a matrix named 'attn_q'."""
+    parts = t.name.split(".")
+    role = parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
+    return MatrixSpec(t.qtype.name, t.shape[0], t.shape[1], t.nbytes, role)
 
 
 def _group_tensors(tensors: Any, n_layers: int) -> tuple[
@@ -90,9 +100,9 @@ def _group_tensors(tensors: Any, n_layers: int) -> tuple[
     return blocks, lookups, output, others
 
 
-def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int], window: int | None
-                ) -> LayerSpec:
-    """One block from its tensors; `shape` is (kv_elements, attn_flop_per_key)."""
+def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int, int, int],
+                window: int | None, ffn_width: int) -> LayerSpec:
+    """One block from its tensors; `shape`: (kv_elements, attn_flop_per_key, heads, kv_heads)."""
     dense = [t for t in tensors if "_exps" not in t.name]
     routed = [t for t in tensors if "_exps" in t.name]
     return LayerSpec(
@@ -100,11 +110,15 @@ def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int], window: int |
         dense_params=sum(_numel(t) for t in dense if len(t.shape) >= 2),
         expert_bytes=sum(t.nbytes for t in routed),
         expert_params=sum(_numel(t) for t in routed if len(t.shape) >= 2),
-        kv_elements=shape[0], attn_flop_per_key=shape[1], window=window)
+        kv_elements=shape[0], attn_flop_per_key=shape[1], window=window, heads=shape[2],
+        kv_heads=shape[3], ffn_width=ffn_width,
+        matrices=tuple(_matrix(t) for t in dense if len(t.shape) == 2))
 
 
-def _attention_shapes(meta: Any, n_layers: int, hidden: int) -> list[tuple[int, int]]:
-    """Per layer: (kv_heads x (key_dim + value_dim), 2 x heads x (key_dim + value_dim))."""
+def _attention_shapes(meta: Any, n_layers: int, hidden: int
+                      ) -> list[tuple[int, int, int, int]]:
+    """Per layer: (kv_heads x (key_dim + value_dim), 2 x heads x (key_dim + value_dim),
+    heads, kv_heads)."""
     heads = _per_layer(meta("attention.head_count", 0), n_layers)
     kv_heads = _per_layer(meta("attention.head_count_kv", heads), n_layers)
     first_heads = next((h for h in heads if h), 1)
@@ -112,7 +126,7 @@ def _attention_shapes(meta: Any, n_layers: int, hidden: int) -> list[tuple[int, 
     value_dim = int(meta("attention.value_length", key_dim))
     width = key_dim + value_dim
     # a layer without KV heads (the recurrent layers of a hybrid) does no attention
-    return [(kv * width, 2 * h * width if kv else 0) for h, kv in zip(heads, kv_heads)]
+    return [(kv * width, 2 * h * width if kv else 0, h, kv) for h, kv in zip(heads, kv_heads)]
 
 
 def _gguf_windows(arch: str, meta: Any, n_layers: int) -> list[int | None]:
@@ -196,7 +210,8 @@ def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpe
         other_bytes=int(arch.hidden * bytes_per_param), experts=arch.experts,
         experts_used=arch.experts_used,
         max_context=_int_or_none(cfg.get("max_position_embeddings")), vocab_size=arch.vocab,
-        hidden_size=arch.hidden, tied_output=arch.tied)
+        hidden_size=arch.hidden, tied_output=arch.tied,
+        architecture=str(cfg.get("model_type") or ""))
 
 
 def _hf_architecture(cfg: dict[str, Any], where: Path) -> Architecture:
@@ -243,7 +258,8 @@ def _arch_layer(arch: Architecture, window: int | None, bytes_per_param: float) 
         dense_bytes=int((dense + 2 * arch.hidden) * bytes_per_param), dense_params=dense,
         expert_bytes=int(expert * bytes_per_param), expert_params=expert,
         kv_elements=arch.kv_heads * width, attn_flop_per_key=2 * arch.heads * width,
-        window=window)
+        window=window, heads=arch.heads, kv_heads=arch.kv_heads,
+        ffn_width=arch.intermediate if not arch.experts else 0)
 
 
 def _hf_bits(cfg: dict[str, Any], where: Path) -> float:
@@ -291,7 +307,8 @@ def spec_from_description(
     attn = 4 * heads * head_dim if heads and head_dim else 0
     layer = LayerSpec(dense_bytes=int(block_params / n * per_param),
                       dense_params=int(block_params / n), kv_elements=kv_elements,
-                      attn_flop_per_key=attn)
+                      attn_flop_per_key=attn, heads=heads or 0,
+                      kv_heads=kv_heads if kv_elements else 0)
     label = name or f"{n_params / 1e9:.3g}B-param model, {weight_bytes / 1e9:.3g} GB"
     return ModelSpec(
         name=label, source="description", n_params=int(n_params),

@@ -17,6 +17,17 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class MatrixSpec:
+    """One stored weight matrix: what a product through it reads and multiplies."""
+
+    qtype: str  # GGML type name: "Q8_0", "Q4_K", "F32", ...
+    rows: int  # output features
+    cols: int  # input features
+    nbytes: int
+    name: str = ""  # role in its block, as GGUF names it: "attn_q", "ffn_down", ...
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One transformer block. Expert fields cover all routed experts of an MoE block."""
 
@@ -27,6 +38,10 @@ class LayerSpec:
     window: int | None = None  # sliding-window length; None: full attention
     expert_bytes: int = 0
     expert_params: int = 0
+    heads: int = 0  # query heads (0: unknown)
+    kv_heads: int = 0
+    ffn_width: int = 0  # width of the gated activation (intermediate size; 0: unknown)
+    matrices: tuple[MatrixSpec, ...] = ()  # the dense weight matrices, where the file says
 
     def attended(self, context: np.ndarray | float) -> np.ndarray | float:
         """Cached positions this layer keeps and reads at `context` tokens."""
@@ -54,6 +69,8 @@ class ModelSpec:
     hidden_size: int | None = None
     layers_known: bool = True  # False: a bare description, all weights in one pseudo-layer
     tied_output: bool = False
+    output_matrix: MatrixSpec | None = None  # as stored, where the file says (GGUF)
+    architecture: str = ""  # "llama", "gemma3", ... where the file says
 
     # -- builders -------------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
-"""Measure this machine for the roofline: memory read bandwidth and matmul FLOP/s.
+"""Measure this machine for the roofline: memory read bandwidth and matmul FLOP/s, and
+for predicting kvlab itself: how fast kvlab's own kernels and engine run here.
 
 Bandwidth: torch.sum over a float32 buffer far larger than any cache, best of several
-runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. Each figure
-has a time budget, so a probe ends in well under 30 s. Results are cached as JSON at
+runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. kvlab's
+kernels and engine overhead: `kvlab.perf.probe_kernels`. Each figure has a time budget,
+so a probe ends in well under 30 s. Results are cached as JSON at
 $KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
-`kvlab estimate --hardware this`.
+`kvlab estimate --hardware this`. A cache of version 1 (before the kernel figures) still
+loads, without them; `kvlab bench --estimate` probes again when it needs them.
 """
 
 from __future__ import annotations
@@ -13,19 +16,21 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec
+from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec, KernelRates
+from kvlab.perf.probe_kernels import best_seconds, measure_kernels
 
 CACHE_ENV = "KVLAB_CACHE_DIR"
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: kvlab's kernel and engine figures (`kernels`)
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class ProbeResult:
     measured_at: str  # ISO 8601, UTC
     details: dict[str, str] = field(default_factory=dict)  # figure ("bandwidth", "fp32") -> how
     version: int = PROBE_VERSION
+    kernels: dict[str, Any] | None = None  # KernelRates as a dict; None: not measured
 
     def to_hardware(self) -> HardwareSpec:
         day = self.measured_at[:10]
@@ -47,7 +53,10 @@ class ProbeResult:
             flops={dtype: tf * TERA for dtype, tf in self.tflops.items()},
             memory_bytes=int(self.memory_gib * GIB) if self.memory_gib > 0 else None,
             kind="cpu", default_dtype="fp32",
-            sources=self._sources(), key="this")
+            sources=self._sources(), key="this", kernels=self.kernel_rates())
+
+    def kernel_rates(self) -> KernelRates | None:
+        return None if self.kernels is None else KernelRates(**self.kernels)
 
     def _sources(self) -> dict[str, str]:
         day = f"kvlab probe {self.measured_at[:10]}"
@@ -62,12 +71,14 @@ def cache_path() -> Path:
 
 
 def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
-          matmul_size: int = 2048, budget_s: float = 6.0) -> ProbeResult:
-    """Measure bandwidth and FLOP/s, each within about `budget_s` seconds."""
+          matmul_size: int = 2048, budget_s: float = 6.0, kernels: bool = True) -> ProbeResult:
+    """Measure bandwidth and FLOP/s, each within about `budget_s` seconds, and (unless
+    `kernels` is False) kvlab's own kernels and engine in about 1.5 times that."""
     if threads is not None:
         if threads < 1:
             raise KvlabError(f"--threads must be a positive integer, got {threads}")
         torch.set_num_threads(threads)
+        _set_kernel_threads(threads)
     bandwidth, bw_runs = measure_bandwidth(buffer_mib, budget_s)
     details = {"bandwidth": f"torch.sum over {buffer_mib} MiB float32, best of {bw_runs}",
                "memory": "physical memory (sysconf)"}
@@ -76,22 +87,38 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
         rate, size, runs = measure_matmul(dtype, matmul_size, budget_s)
         tflops[dtype] = rate / TERA
         details[dtype] = f"{size}x{size} matmul, best of {runs}"
-    rate, runs = measure_int8_kernels(budget_s)
-    if rate:
-        tflops["int8"] = rate / TERA
-        details["int8"] = (f"kvlab integer kernels: 512 rows x Q4_K 2048x2048, best of {runs} "
+    rates = measure_kernels(1.5 * budget_s) if kernels else None
+    if rates is not None:
+        tflops["int8"] = rates.prefill_ops["Q4_K"] / TERA
+        details["int8"] = ("kvlab integer kernels: 512 rows x Q4_K 1024x2048, best of a few "
                            "(what prefill of a quantized model runs)")
+        details["kernels"] = ("kvlab's products over 128 MiB per weight type, decode attention "
+                              "over 64 MiB of f32 K/V, its sampler, its engine on tiny models")
+    else:
+        rate, runs = measure_int8_kernels(budget_s)
+        if rate:
+            tflops["int8"] = rate / TERA
+            details["int8"] = (f"kvlab integer kernels: 512 rows x Q4_K 2048x2048, best of "
+                               f"{runs} (what prefill of a quantized model runs)")
     return ProbeResult(
         bandwidth_gbs=bandwidth / GB, tflops=tflops, memory_gib=_physical_memory() / GIB,
-        threads=torch.get_num_threads(), cpu=_cpu_name(),
-        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), details=details)
+        threads=rates.threads if rates else torch.get_num_threads(), cpu=_cpu_name(),
+        measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), details=details,
+        kernels=None if rates is None else asdict(rates))
+
+
+def _set_kernel_threads(threads: int) -> None:
+    """The C kernels' thread count too: the kernel figures are measured at it."""
+    from kvlab.kernels import set_num_threads
+
+    set_num_threads(threads)
 
 
 def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0) -> tuple[float, int]:
     """Best bytes/s of a full read of a float32 buffer, and how many runs it took."""
     x = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
     x.sum()  # first touch and warm-up
-    seconds, runs = _best_seconds(lambda: x.sum(), budget_s, max_runs=20)
+    seconds, runs = best_seconds(lambda: x.sum(), budget_s, max_runs=20)
     return x.numel() * 4 / seconds, runs
 
 
@@ -107,7 +134,7 @@ def measure_matmul(dtype: str = "fp32", size: int = 2048, budget_s: float = 6.0
         if time.perf_counter() - start < budget_s / 4 or size <= 256:
             break
         size //= 2
-    seconds, runs = _best_seconds(lambda: a @ b, budget_s, max_runs=30)
+    seconds, runs = best_seconds(lambda: a @ b, budget_s, max_runs=30)
     return 2 * size**3 / seconds, size, runs
 
 
@@ -122,19 +149,8 @@ def measure_int8_kernels(budget_s: float = 6.0) -> tuple[float | None, int]:
     w = quantize(torch.randn(2048, 2048, generator=gen), GGMLQuantizationType.Q4_K)
     x = torch.randn(512, 2048, generator=gen)
     qmatmul(x, w)  # warm-up
-    seconds, runs = _best_seconds(lambda: qmatmul(x, w), budget_s, max_runs=20)
+    seconds, runs = best_seconds(lambda: qmatmul(x, w), budget_s, max_runs=20)
     return 2 * 512 * 2048 * 2048 / seconds, runs
-
-
-def _best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int) -> tuple[float, int]:
-    """Shortest of repeated runs of `fn` (at least 3) within the time budget."""
-    best, runs, end = float("inf"), 0, time.perf_counter() + budget_s
-    while runs < 3 or (runs < max_runs and time.perf_counter() < end):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        runs += 1
-    return best, runs
 
 
 def save_probe(result: ProbeResult, path: Path | None = None) -> Path:
@@ -146,12 +162,20 @@ def save_probe(result: ProbeResult, path: Path | None = None) -> Path:
 
 def load_probe(path: Path | None = None) -> HardwareSpec:
     """The cached probe as a HardwareSpec; a clear error when there is none."""
+    return read_probe(path).to_hardware()
+
+
+def read_probe(path: Path | None = None) -> ProbeResult:
+    """The cached probe as measured; a clear error when there is none or it is unreadable."""
     path = path or cache_path()
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != PROBE_VERSION:
-            raise ValueError(f"version {data.get('version')}")
-        return ProbeResult(**data).to_hardware()
+        if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}"
+                             f"; readable: {', '.join(map(str, READABLE_VERSIONS))}")
+        result = ProbeResult(**data)
+        result.kernel_rates()  # a damaged kernels entry fails here, not in a later estimate
+        return result
     except FileNotFoundError:
         raise KvlabError(f"no probe results at {path}: run `kvlab probe` first, or name the "
                          "hardware (`kvlab estimate --list-hardware`)") from None

@@ -1,0 +1,364 @@
+"""kvlab's own kernels timed on this machine, for predicting kvlab rather than an ideal engine.
+
+The stream-read bandwidth of `kvlab probe` is a ceiling; kvlab's decode reaches under it,
+because its kernels unpack blocks and sum per row, its attention computes as much as it
+reads, and every layer makes a few dozen small Python-level calls. Each of these is timed
+here on its own, with no real model, so that a prediction built from them is fitted to no
+run:
+
+    weight read     batch-1 products over 128 MiB of blocks per weight type, the same blocks
+                    seen as long rows (4096 columns) and short rows (512): the two times give
+                    bytes/s and the fixed cost per output row
+    prefill         a 512-row product per weight type (OP/s)
+    call            products over ~240 small matrices (half a MiB each, shuffled) against one
+                    product over the same bytes: the cost of one call, cold
+    attention       one decode query against 64k cached positions (64 MiB of f32 K/V), with
+                    one KV head per cache row and with eight interleaved
+    sampling        kvlab's greedy sampler at two vocabulary sizes: seconds per entry
+    row ops         prefill's element-wise passes (norm, norm + RoPE, GeGLU in C; SiLU x up
+                    in torch) over 512 rows: seconds per element
+    engine          kvlab's engine on synthetic models (kvlab.perf.probe_engine)
+
+Each figure comes from a timer that returns the best of a few runs within its share of the
+time budget. The timers run in several rounds, one after another (`spread_best`), and each
+keeps its best: a burst of other work on a shared machine then costs every figure a few
+samples rather than one figure all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from functools import partial
+
+import torch
+from gguf import GGMLQuantizationType
+
+from kvlab.perf.hardware import KernelRates
+
+T = GGMLQuantizationType
+WEIGHT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16)
+LONG_COLS, SHORT_COLS = 4096, 512  # two row lengths over the same blocks
+PREFILL_ROWS = 512  # kvlab's default prefill chunk
+PREFILL_SHAPE = (1024, 2048)  # out, in features of the prefill product
+ATTENTION_HEAD_DIM = 128
+ROUNDS = 3
+_SMALL_VOCAB, _LARGE_VOCAB = 4096, 262144
+
+Timer = Callable[[float], tuple[float, ...]]  # budget seconds -> best seconds of each piece
+
+
+def best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int,
+                 min_runs: int = 3) -> tuple[float, int]:
+    """Shortest of repeated runs of `fn` (at least `min_runs`) within the time budget."""
+    best, runs, end = float("inf"), 0, time.perf_counter() + budget_s
+    while runs < min_runs or (runs < max_runs and time.perf_counter() < end):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        runs += 1
+    return best, runs
+
+
+def per_call_seconds(fn: Callable[[], object], calls: int, budget_s: float) -> float:
+    """Best mean seconds of one call of a cheap `fn`, timed over `calls` calls in a row."""
+    def batch() -> None:
+        for _ in range(calls):
+            fn()
+
+    batch()  # warm-up
+    return best_seconds(batch, budget_s, max_runs=10)[0] / calls
+
+
+def spread_best(timers: dict[str, Timer], budget_s: float, rounds: int = ROUNDS
+                ) -> dict[str, tuple[float, ...]]:
+    """Each timer's best times over `rounds` passes through all the timers in turn."""
+    best: dict[str, tuple[float, ...]] = {}
+    share = budget_s / rounds / max(len(timers), 1)
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times = timer(share)
+            best[name] = tuple(map(min, best[name], times)) if name in best else times
+    return best
+
+
+def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
+                    attention_positions: int = 65536, engine: bool = True,
+                    rounds: int = ROUNDS) -> KernelRates | None:
+    """All the figures of `KernelRates` at the current kernel thread count, in about
+    `budget_s` seconds plus buffer set-up; None when kvlab's C kernels are not built.
+    `engine=False` leaves the engine figures empty (fast tests)."""
+    from kvlab.kernels import get_num_threads, kernel_backend
+    from kvlab.perf.probe_engine import ARCHITECTURES, engine_timers, overhead_from
+
+    if kernel_backend() == "torch":
+        return None
+    threads = get_num_threads()
+    scratch = torch.empty(weight_mib << 20, dtype=torch.uint8)  # one weight buffer, refilled
+    timers: dict[str, Timer] = {}
+    for qtype in WEIGHT_TYPES:
+        timers[f"read {qtype.name}"] = partial(_read_times, qtype, scratch)
+        timers[f"prefill {qtype.name}"] = partial(_prefill_times, qtype)
+    timers["call"] = partial(_call_times, scratch)
+    timers["attention"] = partial(_attention_times, 1, attention_positions)
+    timers["attention strided"] = partial(_attention_times, 8, attention_positions // 8)
+    timers["sampling"] = _sampling_times
+    timers["row ops"] = _row_op_times
+    with ExitStack() as stack:
+        if engine:
+            timers |= stack.enter_context(engine_timers(threads))
+        best = spread_best(timers, budget_s, rounds)
+    overhead = {arch: overhead_from(best, arch) for arch in (ARCHITECTURES if engine else ())}
+    return KernelRates(
+        threads=threads,
+        weight_read={t.name: _fit_read(t, weight_mib, *best[f"read {t.name}"])[0]
+                     for t in WEIGHT_TYPES},
+        row_seconds={t.name: _fit_read(t, weight_mib, *best[f"read {t.name}"])[1]
+                     for t in WEIGHT_TYPES},
+        prefill_ops={t.name: _prefill_ops(*best[f"prefill {t.name}"]) for t in WEIGHT_TYPES},
+        call_seconds=_call_cost(weight_mib, *best["call"]),
+        attention_read=_attention_rate(1, attention_positions, *best["attention"]),
+        attention_read_strided=_attention_rate(8, attention_positions // 8,
+                                               *best["attention strided"]),
+        logit_seconds=_logit_cost(*best["sampling"]),
+        row_op_seconds=_row_op_costs(*best["row ops"]),
+        step_seconds={a: o.per_step for a, o in overhead.items()},
+        layer_seconds={a: o.per_layer for a, o in overhead.items()},
+        position_seconds={a: o.per_position for a, o in overhead.items()})
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def _fill(qtype: GGMLQuantizationType, rows: int, cols: int, out: torch.Tensor | None = None,
+          tile_rows: int = 64) -> torch.Tensor:
+    """uint8 [rows, row bytes] of valid `qtype` blocks, in `out` when given: a small random
+    tile, repeated (the quantizers are slow; a product's speed does not depend on values)."""
+    from kvlab.kernels import quantize
+    from kvlab.kernels.qweight import row_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    tile = quantize(torch.randn(tile_rows, cols, generator=gen), qtype).data
+    nbytes = rows * row_bytes(qtype, cols)
+    fits = out is not None and out.numel() >= nbytes
+    data = out[:nbytes] if fits else torch.empty(nbytes, dtype=torch.uint8)
+    view = data.view(rows, -1)
+    for r0 in range(0, rows, tile_rows):
+        view[r0:r0 + tile_rows] = tile[:rows - r0]
+    return view
+
+
+def _long_rows(qtype: GGMLQuantizationType, buffer_mib: int) -> int:
+    from kvlab.kernels.qweight import row_bytes
+
+    return max(64, (buffer_mib << 20) // row_bytes(qtype, LONG_COLS))
+
+
+def _read_times(qtype: GGMLQuantizationType, scratch: torch.Tensor, budget_s: float
+                ) -> tuple[float, float]:
+    """Best seconds of a batch-1 product over the blocks in `scratch` as long rows, then
+    as short rows."""
+    from kvlab.kernels import QuantizedWeight, qmatmul
+
+    long_rows = _long_rows(qtype, scratch.numel() >> 20)
+    data = _fill(qtype, long_rows, LONG_COLS, scratch)
+    ratio = LONG_COLS // SHORT_COLS
+    seconds = []
+    for rows, cols in ((long_rows, LONG_COLS), (long_rows * ratio, SHORT_COLS)):
+        run = partial(qmatmul, torch.randn(1, cols),
+                      QuantizedWeight(qtype, (rows, cols), data.view(rows, -1)))
+        run()  # warm-up: threads awake
+        seconds.append(best_seconds(run, budget_s / 2, max_runs=8)[0])
+    return seconds[0], seconds[1]
+
+
+def _fit_read(qtype: GGMLQuantizationType, buffer_mib: int, t_long: float, t_short: float
+              ) -> tuple[float, float]:
+    """(bytes/s, seconds per output row) from the two times of `_read_times`:
+
+        t_long  = B / rate + R       * t_row
+        t_short = B / rate + R * 8   * t_row      (8 = LONG_COLS / SHORT_COLS)
+    """
+    from kvlab.kernels.qweight import row_bytes
+
+    long_rows = _long_rows(qtype, buffer_mib)
+    t_row = max(0.0, (t_short - t_long) / (long_rows * (LONG_COLS // SHORT_COLS - 1)))
+    stream = max(t_long - long_rows * t_row, t_long / 4)  # noise can not make it free
+    return long_rows * row_bytes(qtype, LONG_COLS) / stream, t_row
+
+
+def measure_weight_read(qtype: GGMLQuantizationType, buffer_mib: int = 128,
+                        budget_s: float = 0.5) -> tuple[float, float]:
+    """(bytes/s, seconds per output row) of batch-1 products over `buffer_mib` MiB of
+    `qtype` blocks, in one round."""
+    scratch = torch.empty(buffer_mib << 20, dtype=torch.uint8)
+    return _fit_read(qtype, buffer_mib, *_read_times(qtype, scratch, budget_s))
+
+
+def _call_times(scratch: torch.Tensor, budget_s: float, cols: int = 1024,
+                part_rows: int = 512) -> tuple[float, float]:
+    """Best seconds of one product over all the Q8_0 blocks in `scratch`, and of products
+    over its small matrices one by one, in shuffled order."""
+    from kvlab.kernels import QuantizedWeight, qmatmul
+
+    n_parts = _call_parts(scratch.numel() >> 20, cols, part_rows)
+    data = _fill(T.Q8_0, n_parts * part_rows, cols, scratch)
+    x = torch.randn(1, cols)
+    whole = partial(qmatmul, x, QuantizedWeight(T.Q8_0, (n_parts * part_rows, cols), data))
+    order = torch.randperm(n_parts, generator=torch.Generator().manual_seed(0)).tolist()
+    parts = [QuantizedWeight(T.Q8_0, (part_rows, cols), data[i * part_rows:(i + 1) * part_rows])
+             for i in order]
+
+    def each() -> None:
+        for w in parts:
+            qmatmul(x, w)
+
+    whole()
+    each()
+    return (best_seconds(whole, budget_s / 2, max_runs=8)[0],
+            best_seconds(each, budget_s / 2, max_runs=8)[0])
+
+
+def _call_parts(buffer_mib: int, cols: int = 1024, part_rows: int = 512) -> int:
+    from kvlab.kernels.qweight import row_bytes
+
+    return max(2, (buffer_mib << 20) // (row_bytes(T.Q8_0, cols) * part_rows))
+
+
+def _call_cost(buffer_mib: int, t_whole: float, t_each: float) -> float:
+    """Seconds one product call costs besides its bytes and rows: waking the kernel threads,
+    rounding x to 8 bits, the memory latency a fresh matrix pays before its rows stream."""
+    return max(0.0, (t_each - t_whole) / (_call_parts(buffer_mib) - 1))
+
+
+def measure_call(buffer_mib: int = 128, budget_s: float = 0.5) -> float:
+    """The cost of one product call (`_call_cost`), in one round."""
+    scratch = torch.empty(buffer_mib << 20, dtype=torch.uint8)
+    return _call_cost(buffer_mib, *_call_times(scratch, budget_s))
+
+
+# -- prefill ---------------------------------------------------------------------------------
+
+
+def _prefill_times(qtype: GGMLQuantizationType, budget_s: float,
+                   shape: tuple[int, int] = PREFILL_SHAPE) -> tuple[float, float]:
+    """(best seconds, OP) of a PREFILL_ROWS-row product through a `qtype` matrix."""
+    from kvlab.kernels import QuantizedWeight, qmatmul
+
+    out_features, in_features = shape
+    w = QuantizedWeight(qtype, shape, _fill(qtype, out_features, in_features))
+    run = partial(qmatmul, torch.randn(PREFILL_ROWS, in_features), w)
+    run()
+    ops = 2.0 * PREFILL_ROWS * out_features * in_features
+    return best_seconds(run, budget_s, max_runs=8)[0], ops
+
+
+def _prefill_ops(seconds: float, ops: float) -> float:
+    return ops / seconds
+
+
+def measure_prefill(qtype: GGMLQuantizationType, budget_s: float = 0.5,
+                    out_features: int = 1024, in_features: int = 2048) -> float:
+    """OP/s of a PREFILL_ROWS-row product through a `qtype` matrix (activations in 8 bits)."""
+    return _prefill_ops(*_prefill_times(qtype, budget_s, (out_features, in_features)))
+
+
+# -- attention, sampling, element-wise -------------------------------------------------------
+
+
+def _attention_times(kv_heads: int, positions: int, budget_s: float,
+                     heads_per_kv: int = 4) -> tuple[float]:
+    """Best seconds of kvlab's decode attention: one query of `heads_per_kv` x `kv_heads`
+    heads against `positions` cached f32 positions."""
+    from kvlab.kernels import fused
+
+    d = ATTENTION_HEAD_DIM
+    k, v = torch.randn(positions, kv_heads, d), torch.randn(positions, kv_heads, d)
+    q = torch.randn(1, kv_heads * heads_per_kv, d)
+    run = partial(fused.attend_decode, q, k, v, torch.arange(positions).view(1, positions),
+                  d ** -0.5, torch.tensor([positions]))
+    run()
+    return (best_seconds(run, budget_s, max_runs=8)[0],)
+
+
+def _attention_rate(kv_heads: int, positions: int, seconds: float) -> float:
+    """K and V bytes read per second."""
+    return 2 * positions * kv_heads * ATTENTION_HEAD_DIM * 4 / seconds
+
+
+def measure_attention(kv_heads: int, positions: int, budget_s: float = 0.5) -> float:
+    """KV bytes/s of kvlab's decode attention (`_attention_times`), in one round."""
+    return _attention_rate(kv_heads, positions, *_attention_times(kv_heads, positions, budget_s))
+
+
+def _sampling_times(budget_s: float) -> tuple[float, float]:
+    """Best seconds of one greedy pick by kvlab's sampler over a small and a large
+    vocabulary, on one torch thread as kvlab's runner leaves torch during decode."""
+    from kvlab.request import SamplingParams
+    from kvlab.sampler import SamplingBatch, sample
+
+    params = SamplingParams(temperature=0)
+
+    def pick(logits: torch.Tensor) -> None:
+        batch = SamplingBatch.build([params], [[]], [[]], [None], "cpu")
+        sample(logits, batch).token_ids.tolist()
+
+    small, large = torch.randn(1, _SMALL_VOCAB), torch.randn(1, _LARGE_VOCAB)
+    with torch_threads(1):
+        return (per_call_seconds(lambda: pick(small), 50, budget_s / 2),
+                per_call_seconds(lambda: pick(large), 10, budget_s / 2))
+
+
+def _logit_cost(t_small: float, t_large: float) -> float:
+    """Seconds per vocabulary entry: the fixed part (held by the engine figures) drops out."""
+    return max(0.0, (t_large - t_small) / (_LARGE_VOCAB - _SMALL_VOCAB))
+
+
+def measure_sampling(budget_s: float = 0.3) -> float:
+    return _logit_cost(*_sampling_times(budget_s))
+
+
+ROW_OPS = ("norm", "rope", "gelu", "silu")
+
+
+def _row_op_times(budget_s: float, rows: int = PREFILL_ROWS, hidden: int = 1024,
+                  heads: int = 8, head_dim: int = 128, width: int = 2816
+                  ) -> tuple[float, ...]:
+    """Best seconds per element of the element-wise passes prefill makes over every prompt
+    row: RMSNorm ("norm"), per-head norm + RoPE ("rope"), and the gated activations:
+    Gemma's GeGLU in C ("gelu"), Llama's SiLU(gate) x up in torch ("silu")."""
+    import torch.nn.functional as F
+
+    from kvlab.kernels import fused
+
+    x, w = torch.randn(rows, hidden), torch.randn(hidden)
+    q, norm = torch.randn(rows, heads, head_dim), torch.randn(head_dim)
+    cos, sin = torch.randn(rows, 1, head_dim), torch.randn(rows, 1, head_dim)
+    gate_up = torch.randn(rows, 2 * width)
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    share = budget_s / len(ROW_OPS)
+    return (per_call_seconds(lambda: fused.rms_norm(x, w, 1e-6), 5, share) / x.numel(),
+            per_call_seconds(lambda: fused.norm_rope_(q, norm, cos, sin, 1e-6), 5, share)
+            / q.numel(),
+            per_call_seconds(lambda: fused.geglu(gate_up), 5, share) / (rows * width),
+            per_call_seconds(lambda: F.silu(gate) * up, 5, share) / (rows * width))
+
+
+def _row_op_costs(*seconds: float) -> dict[str, float]:
+    return dict(zip(ROW_OPS, seconds, strict=True))
+
+
+def measure_row_ops(budget_s: float = 0.3, **shape: int) -> dict[str, float]:
+    return _row_op_costs(*_row_op_times(budget_s, **shape))
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
