@@ -8,6 +8,7 @@
     qmatmul_stacked(x, ws) -> [1, sum(out)]       one decode row through several weights
     quantize(t, qtype) -> QuantizedWeight         Q8_0 (byte-exact), Q4_K, Q5_K, Q6_K, ...
     set_num_threads(n)                            kernel threads and torch's, together
+    stream_read(t)                                read all of t on the kernel threads
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
 """
@@ -21,6 +22,7 @@ from kvlab.kernels.ops import (
     qmatmul_stacked,
     quantize,
     set_num_threads,
+    stream_read,
 )
 from kvlab.kernels.qweight import SUPPORTED_TYPES, QuantizedWeight
 
@@ -35,4 +37,5 @@ __all__ = [
     "qmatmul_stacked",
     "quantize",
     "set_num_threads",
+    "stream_read",
 ]

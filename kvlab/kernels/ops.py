@@ -44,6 +44,14 @@ def set_num_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def stream_read(x: torch.Tensor) -> float:
+    """Read every byte of a contiguous CPU tensor on the kernel threads (a bandwidth probe);
+    torch.sum where the C extension is not built. Returns a value that depends on them."""
+    if _qk is None or not x.is_contiguous() or not x.is_cpu:
+        return float(x.sum())
+    return float(_qk.stream_read(x.data_ptr(), x.numel() * x.element_size()))
+
+
 def get_num_threads() -> int:
     return _qk.get_num_threads() if _qk is not None else torch.get_num_threads()
 

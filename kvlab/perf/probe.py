@@ -1,8 +1,8 @@
 """Measure this machine for the roofline: memory read bandwidth and matmul FLOP/s, and
 for predicting kvlab itself: how fast kvlab's own kernels and engine run here.
 
-Bandwidth: torch.sum over a float32 buffer far larger than any cache, best of several
-runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. kvlab's
+Bandwidth: a C stream read of a buffer far larger than any cache on kvlab's kernel
+threads (torch.sum without the C extension), best of several runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. kvlab's
 kernels and engine overhead: `kvlab.perf.probe_kernels`. Each figure has a time budget,
 so a probe ends in well under 30 s. Results are cached as JSON at
 $KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
@@ -80,7 +80,10 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
         torch.set_num_threads(threads)
         _set_kernel_threads(threads)
     bandwidth, bw_runs = measure_bandwidth(buffer_mib, budget_s)
-    details = {"bandwidth": f"torch.sum over {buffer_mib} MiB float32, best of {bw_runs}",
+    from kvlab.kernels import kernel_backend
+
+    how = "C stream read" if kernel_backend() != "torch" else "torch.sum"
+    details = {"bandwidth": f"{how} over {buffer_mib} MiB, best of {bw_runs}",
                "memory": "physical memory (sysconf)"}
     tflops: dict[str, float] = {}
     for dtype in ("fp32", "bf16") if bf16 else ("fp32",):
@@ -115,10 +118,14 @@ def _set_kernel_threads(threads: int) -> None:
 
 
 def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0) -> tuple[float, int]:
-    """Best bytes/s of a full read of a float32 buffer, and how many runs it took."""
+    """Best bytes/s of a full read of a buffer, and how many runs it took: kvlab's C stream
+    read on its kernel threads (loads only, nothing else per byte), or torch.sum where the
+    C extension is not built."""
+    from kvlab.kernels import stream_read
+
     x = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
-    x.sum()  # first touch and warm-up
-    seconds, runs = best_seconds(lambda: x.sum(), budget_s, max_runs=20)
+    stream_read(x)  # first touch and warm-up
+    seconds, runs = best_seconds(lambda: stream_read(x), budget_s, max_runs=20)
     return x.numel() * 4 / seconds, runs
 
 

@@ -88,7 +88,7 @@ def _quick_measurement() -> MachineSource:
     flops, size, _ = measure_matmul("fp32", size=512, budget_s=0.4)
     hw = HardwareSpec(name=f"this machine ({os.cpu_count()} CPUs, quick measurement)",
                       bandwidth=bandwidth, flops={"fp32": flops}, memory_bytes=None, kind="cpu",
-                      sources={"bandwidth": "torch.sum over 128 MiB, ~0.4 s",
+                      sources={"bandwidth": "stream read over 128 MiB, ~0.4 s",
                                "flops": f"{size}x{size} fp32 matmul, ~0.4 s"}, key=THIS)
     return MachineSource(hw, "quick", f"{hw.name}: {bandwidth / GB:.1f} GB/s, "
                                       f"{flops / TERA:.3f} TFLOPS fp32 measured at start-up in "

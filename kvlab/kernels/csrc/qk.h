@@ -108,5 +108,7 @@ int kv_pool_threads(void);
 void kv_pool_set_spin_us(int us);
 void kv_pool_run(kv_task_fn fn, void *ctx, int nthreads);
 void kv_pool_after_fork_child(void);
+/* xor of the buffer's 64-bit words, read by every kernel thread (a bandwidth probe) */
+uint64_t kv_stream_read(const void *p, int64_t bytes);
 
 #endif

@@ -426,6 +426,22 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* stream_read(ptr, nbytes) -> xor of its 64-bit words, read by all kernel threads */
+static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(2);
+    void *p;
+    int64_t nbytes;
+    if (!get_ptr(args[0], &p) || !get_i64(args[1], &nbytes)) return NULL;
+    uint64_t x;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    x = kv_stream_read(p, nbytes);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(x);
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     const long n = PyLong_AsLong(arg);
@@ -502,6 +518,8 @@ static PyMethodDef methods[] = {
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row)"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out)"},
+    {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
+     "stream_read(ptr, nbytes) -> xor of the buffer's 64-bit words (all kernel threads)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},
