@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvlab.kernels import fused
 from kvlab.request import SamplingParams
 
 
@@ -232,10 +233,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
     logits = logits.float()
     penalized = apply_penalties(logits, batch)
-    token_ids = penalized.argmax(dim=-1)
+    token_ids = fused.argmax(penalized)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
-        sampled = (probs / exponential_noise(probs, batch)).argmax(dim=-1)
+        sampled = fused.argmax(probs / exponential_noise(probs, batch))
         token_ids = torch.where(batch.greedy, token_ids, sampled)
     if not batch.want_logprobs:  # a pass over the whole vocabulary saved per step
         empty = logits.new_empty(logits.shape[0], 0)

@@ -531,6 +531,20 @@ def test_scatter_rows_is_index_copy():
 
 
 @needs_c
+def test_argmax_is_torch_argmax_with_ties_nan_and_inf():
+    from kvlab.kernels import fused
+
+    x = torch.randn(7, 1003)
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first index wins
+    x[2, 500] = x[2, 20] = float("nan")  # NaN counts as the largest, the first one
+    x[3] = -float("inf")
+    x[4, -1] = float("inf")
+    x[5, 1002] = 60.0  # in the scalar tail
+    assert torch.equal(fused.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(fused.argmax(x[:, :3].contiguous()), x[:, :3].argmax(dim=-1))
+
+
+@needs_c
 def test_attend_decode_checks_slots():
     from kvlab.kernels import fused
 

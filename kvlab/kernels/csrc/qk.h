@@ -92,6 +92,8 @@ void kv_add_rms_norm(float *res, const float *h, const float *w, int64_t rows, i
                      float eps);
 void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim,
                   const float *w, const float *cos, const float *sin, float eps);
+/* out[r] = the first index of row r's largest value, or of its first NaN */
+void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
 void kv_scatter_rows(float *dst, const float *src, int64_t src_stride, const int64_t *slots,
                      int64_t n, int64_t row);

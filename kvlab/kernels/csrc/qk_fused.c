@@ -128,3 +128,50 @@ void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
         for (; i < inter; i++) out[i] = gelu_mul_1(x[i], x[inter + i]);
     }
 }
+
+/* ---- greedy argmax: the first index of a row's largest value, or of its first NaN (as
+ * torch.argmax) -- a max pass and a find pass, both 4 floats at a time ---- */
+static int64_t first_nan(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (p[i] != p[i]) return i;
+    return -1;
+}
+
+static int64_t argmax_row(const float *p, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    int nan = 0;
+#ifdef __SSE2__
+    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0, bad = _mm_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m128 a = _mm_loadu_ps(p + i), b = _mm_loadu_ps(p + i + 4);
+        bad = _mm_or_ps(bad, _mm_or_ps(_mm_cmpunord_ps(a, a), _mm_cmpunord_ps(b, b)));
+        m0 = _mm_max_ps(m0, a);
+        m1 = _mm_max_ps(m1, b);
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, _mm_max_ps(m0, m1));
+    for (int k = 0; k < 4; k++) m = lanes[k] > m ? lanes[k] : m;
+    nan = _mm_movemask_ps(bad) != 0;
+#endif
+    for (; i < n; i++) {
+        nan |= p[i] != p[i];
+        m = p[i] > m ? p[i] : m;
+    }
+    if (nan) return first_nan(p, n);
+    i = 0;
+#ifdef __SSE2__
+    const __m128 mv = _mm_set1_ps(m);
+    for (; i + 4 <= n; i += 4) {
+        const int hit = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(p + i), mv));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (p[i] == m) return i;
+    return 0;  /* n == 0 */
+}
+
+void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
+}

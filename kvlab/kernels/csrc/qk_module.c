@@ -426,6 +426,21 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* argmax_rows(x, rows, cols, out): out[rows] int64, torch.argmax(x, -1) on fp32 rows */
+static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(4);
+    void *x, *out;
+    int64_t rows, cols;
+    if (!get_ptr(args[0], &x) || !get_i64(args[1], &rows) || !get_i64(args[2], &cols) ||
+        !get_ptr(args[3], &out))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    kv_argmax_rows(x, rows, cols, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* stream_read(ptr, nbytes) -> xor of its 64-bit words, read by all kernel threads */
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -518,6 +533,8 @@ static PyMethodDef methods[] = {
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row)"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out)"},
+    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
+     "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes) -> xor of the buffer's 64-bit words (all kernel threads)"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
