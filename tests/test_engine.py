@@ -60,9 +60,10 @@ def test_chunked_prefill_equals_alone(tiny, alone):
     assert run_all(engine(tiny[1], max_num_batched_tokens=6), PROMPTS) == alone
 
 
-def test_preemption_loses_nothing(tiny, alone):
+@pytest.mark.parametrize("graphs", ["off", "eager"])  # eager: the CUDA-graph decode path
+def test_preemption_loses_nothing(tiny, alone, graphs):
     # room for about 60 tokens: the four requests need 121, so some are preempted
-    e = engine(tiny[1], kv_cache_gib=16 * 4 * 6 * 2 * 2 * 16 * 4 / 2**30)
+    e = engine(tiny[1], kv_cache_gib=16 * 4 * 6 * 2 * 2 * 16 * 4 / 2**30, decode_graphs=graphs)
     assert e.kv.num_blocks == 16
     got = run_all(e, PROMPTS)
     assert got == alone
@@ -80,11 +81,13 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(tiny, alone):
     assert outs[-1].cached_tokens == (len(PROMPTS[1]) - 1) // 4 * 4
 
 
-def test_same_seed_same_tokens_whatever_the_batch(tiny):
+@pytest.mark.parametrize("graphs", ["off", "eager"])
+def test_same_seed_same_tokens_whatever_the_batch(tiny, graphs):
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234,
                             ignore_eos=True)
-    a = run_all(engine(tiny[1]), [PROMPTS[0]], params)[0]
-    b = run_all(engine(tiny[1]), [PROMPTS[2], PROMPTS[0], PROMPTS[3]], params)[1]
+    a = run_all(engine(tiny[1], decode_graphs=graphs), [PROMPTS[0]], params)[0]
+    b = run_all(engine(tiny[1], decode_graphs=graphs), [PROMPTS[2], PROMPTS[0], PROMPTS[3]],
+                params)[1]
     assert a == b
 
 
