@@ -1,5 +1,6 @@
-"""Where a decode step's time goes: ms per step, and how much of it the quantized matmul
-kernels take (the rest is Python, small torch ops, attention and sampling).
+"""Where a decode step's time goes: ms per step, how much of it the one C call that runs all
+decode layers takes (Gemma 3 on quantized weights: products, norms, attention), the other
+matmul kernels (the output head), and the rest (Python, small torch ops, sampling).
 
     .venv/bin/python bench/decode_step.py [--batch 1] [--steps 100] [-t 2]
 """
@@ -26,23 +27,29 @@ def main() -> None:
         engine.add_request(str(i), [2, *range(1000 + 7 * i, 1020 + 7 * i)], params)
     for _ in range(10):  # prefill and warm-up
         engine.step()
-    kernel_seconds = [0.0]
-    qmatmul = ops._qk.qmatmul
+    seconds = {"qmatmul": 0.0, "gemma3_decode": 0.0}
 
-    def timed(*a: object) -> object:
-        start = time.perf_counter()
-        out = qmatmul(*a)
-        kernel_seconds[0] += time.perf_counter() - start
-        return out
+    def timed(name: str):
+        fn = getattr(ops._qk, name)
 
-    ops._qk.qmatmul = timed
+        def call(*a: object) -> object:
+            start = time.perf_counter()
+            out = fn(*a)
+            seconds[name] += time.perf_counter() - start
+            return out
+        return call
+
+    for name in seconds:
+        setattr(ops._qk, name, timed(name))
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     total = (time.perf_counter() - start) / args.steps
-    kernels = kernel_seconds[0] / args.steps
+    products, layers = (seconds[k] / args.steps for k in ("qmatmul", "gemma3_decode"))
+    rest = total - products - layers
     print(f"batch {args.batch}: {total * 1e3:.2f} ms/step ({args.batch / total:.1f} tok/s), "
-          f"matmul kernels {kernels * 1e3:.2f} ms, everything else {(total - kernels) * 1e3:.2f} ms")
+          f"C decode layers {layers * 1e3:.2f} ms, other matmul kernels {products * 1e3:.2f} ms "
+          f"(the output head), everything else {rest * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

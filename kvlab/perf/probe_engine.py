@@ -10,7 +10,9 @@ toy model whose every byte stays cached. So the probe writes a random GGUF of th
 architecture at a small model's width (hidden 1024, 12 MB of Q8_0 weights a layer; values
 do not matter to the speed), runs kvlab's own engine on it, and takes away the time spent
 inside the C products and the C decode attention (timed around each call): the weights and
-KV terms of the step model predict those. What is left is split as
+KV terms of the step model predict those. Gemma 3 on quantized weights runs its decode
+layers as one C call (kvlab.models.gemma3_c); that call is taken away whole, so its norms,
+RoPE and KV writes (a few µs a layer) are in neither term. What is left is split as
 
     overhead = per_step + layers x per_layer + attended positions x per_position
 
@@ -150,7 +152,10 @@ def _timed_kernels() -> Iterator[list[float]]:
     from kvlab.kernels import ops
 
     module, inside = ops._qk, [0.0]
-    originals = {name: getattr(module, name) for name in ("qmatmul", "attend_decode")}
+    # gemma3_decode: Gemma 3's decode layers in one C call (products, attention and the
+    # small fused ops together; the last are a few µs a layer and go unpredicted)
+    names = ("qmatmul", "attend_decode", "gemma3_decode")
+    originals = {name: getattr(module, name) for name in names}
 
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:

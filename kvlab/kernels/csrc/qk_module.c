@@ -75,6 +75,7 @@ struct rows_job {
     int64_t row_bytes, cols;
     const void *xq;   /* gemv: activations; quantize: fp32 input */
     int64_t xstride, n;
+    int64_t ystride;  /* gemv: floats between output rows (0: rows) */
     void *out;
     kv_part parts[KV_MAX_PARTS];
 };
@@ -106,7 +107,8 @@ static void run_rows(rows_job *job, int64_t bytes_per_row) {
 
 static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
     g_isa->gemv[job->qtype](job->w, job->row_bytes, r0, r1, job->cols, job->xq, job->xstride,
-                            job->n, (float *)job->out, job->rows);
+                            job->n, (float *)job->out,
+                            job->ystride ? job->ystride : job->rows);
 }
 
 static void deq_rows(const rows_job *job, int64_t r0, int64_t r1) {
@@ -426,6 +428,170 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* ---------------- a Gemma 3 decode step's layers in one call ----------------
+ *
+ * The same C functions, in the same order, on the same layouts as the decode path of
+ * kvlab/models/gemma3.py when every product has a C kernel, so the results are bit-
+ * identical; what goes away is the Python between them (a dozen calls a layer). The plan
+ * is int64 [layers, KV_PLAN_FIELDS], built once by the model (gemma3.py, _c_plan). */
+
+typedef struct {
+    int64_t qt, ptr, rows, cols, row_bytes;
+} kv_wdesc;
+
+typedef struct {
+    int64_t attn_norm, n_qkv;
+    kv_wdesc qkv[3];
+    int64_t q_norm, k_norm;
+    kv_wdesc o;
+    int64_t post_attn_norm, mlp_norm, n_gate_up;
+    kv_wdesc gate_up[2];
+    kv_wdesc down;
+    int64_t post_mlp_norm, sliding;
+} kv_layer_plan;
+
+#define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
+
+typedef struct {
+    int64_t B, hidden, H, KVH, D;
+    float eps, scale;
+    const float *cos[2], *sin[2];           /* [B, D]: global (0) and local (1) RoPE */
+    const int64_t *slot_mapping;            /* [B] */
+    const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
+    int64_t C[2];
+    const int64_t *caches;                  /* [layers, 2]: K and V stores */
+} kv_step;
+
+/* y[:, 0:w->rows] (rows ystride floats apart) = x @ W^T, as py_qmatmul computes it */
+static int product(const kv_wdesc *w, const float *x, int64_t n, float *y, int64_t ystride) {
+    rows_job job = {.fn = gemv_rows, .rows = w->rows, .qtype = (int)w->qt,
+                    .w = (const uint8_t *)(intptr_t)w->ptr, .row_bytes = w->row_bytes,
+                    .cols = w->cols, .n = n, .out = y, .ystride = ystride};
+    if (quantize_activations((int)w->qt, x, n, w->cols, &job.xq, &job.xstride)) return -1;
+    if (w->rows > 0 && n > 0) run_rows(&job, w->row_bytes);
+    return 0;
+}
+
+/* several weights sharing x, their outputs side by side in rows of `width` floats */
+static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n, float *y,
+                    int64_t width) {
+    for (int64_t p = 0, off = 0; p < count; off += ws[p].rows, p++)
+        if (product(&ws[p], x, n, y + off, width)) return -1;
+    return 0;
+}
+
+typedef struct {
+    float *h, *qkv, *att, *o, *gu, *g;
+} kv_bufs;
+
+static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
+                          float *x, kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
+    const int w = L->sliding != 0;
+    kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
+    if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
+    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)L->q_norm, s->cos[w],
+                 s->sin[w], s->eps);
+    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
+                 s->cos[w], s->sin[w], s->eps);
+    float *kc = (float *)(intptr_t)kv[0], *vc = (float *)(intptr_t)kv[1];
+    kv_scatter_rows(kc, b->qkv + H * D, width, s->slot_mapping, B, KVH * D);
+    kv_scatter_rows(vc, b->qkv + (H + KVH) * D, width, s->slot_mapping, B, KVH * D);
+    if (kv_attend_decode(b->qkv, width, kc, vc, s->slots[w], s->lengths[w], B, s->C[w], H, KVH,
+                         D, s->scale, b->att, use_avx2))
+        return -1;
+    if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
+    kv_add_rms_norm(x, b->o, (const float *)(intptr_t)L->post_attn_norm, B, s->hidden, s->eps);
+    return 0;
+}
+
+static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    int64_t gu_rows = 0;
+    for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
+    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
+    kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    if (product(&L->down, b->g, s->B, b->o, s->hidden)) return -1;
+    kv_add_rms_norm(x, b->o, (const float *)(intptr_t)L->post_mlp_norm, s->B, s->hidden,
+                    s->eps);
+    return 0;
+}
+
+static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
+                         int use_avx2) {
+    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D;
+    for (int64_t l = 0; l < layers; l++) {
+        int64_t rows = 0;
+        for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
+        gu = rows > gu ? rows : gu;
+    }
+    const int64_t B = s->B, sizes[6] = {s->hidden, qkv, s->H * s->D, s->hidden, gu, gu / 2};
+    int64_t total = 0;
+    for (int k = 0; k < 6; k++) total += B * sizes[k];
+    float *mem = malloc((size_t)total * sizeof(float)), *p = mem;
+    if (!mem) return -1;
+    float **slot[6];
+    kv_bufs b;
+    slot[0] = &b.h, slot[1] = &b.qkv, slot[2] = &b.att, slot[3] = &b.o, slot[4] = &b.gu,
+    slot[5] = &b.g;
+    for (int k = 0; k < 6; k++) *slot[k] = p, p += B * sizes[k];
+    int rc = 0;
+    for (int64_t l = 0; l < layers && !rc; l++)
+        rc = attention_half(&plan[l], s->caches + 2 * l, s, x, &b, use_avx2) ||
+             mlp_half(&plan[l], s, x, &b);
+    free(mem);
+    return rc ? -1 : 0;
+}
+
+/* gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
+ *               cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l,
+ *               lengths_l, caches): x [B, hidden] (the residual stream) updated in place */
+static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(23);
+    void *plan, *x, *ptr[11];
+    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl;
+    float eps, scale;
+    if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
+        !get_ptr(args[3], &x) || !get_i64(args[4], &B) || !get_i64(args[5], &hidden) ||
+        !get_i64(args[6], &H) || !get_i64(args[7], &KVH) || !get_i64(args[8], &D) ||
+        !get_f32(args[9], &eps) || !get_f32(args[10], &scale) || !get_ptr(args[11], &ptr[0]) ||
+        !get_ptr(args[12], &ptr[1]) || !get_ptr(args[13], &ptr[2]) ||
+        !get_ptr(args[14], &ptr[3]) || !get_ptr(args[15], &ptr[4]) ||
+        !get_ptr(args[16], &ptr[5]) || !get_i64(args[17], &Cf) || !get_ptr(args[18], &ptr[6]) ||
+        !get_ptr(args[19], &ptr[7]) || !get_i64(args[20], &Cl) || !get_ptr(args[21], &ptr[8]) ||
+        !get_ptr(args[22], &ptr[9]))
+        return NULL;
+    if (fields != KV_PLAN_FIELDS)
+        return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, not %lld",
+                            (long long)KV_PLAN_FIELDS, (long long)fields);
+    if (KVH <= 0 || H % KVH)
+        return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
+                            "heads", (long long)H, (long long)KVH);
+    const kv_step step = {.B = B, .hidden = hidden, .H = H, .KVH = KVH, .D = D, .eps = eps,
+                          .scale = scale, .cos = {ptr[0], ptr[2]}, .sin = {ptr[1], ptr[3]},
+                          .slot_mapping = ptr[4], .slots = {ptr[5], ptr[7]},
+                          .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9]};
+    int use_avx2 = 0;
+#ifdef KV_HAVE_AVX2_BUILD
+    use_avx2 = g_isa == &kv_isa_avx2;
+#endif
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rc = decode_layers(plan, layers, x, &step, use_avx2);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_plan_fields(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong(KV_PLAN_FIELDS);
+}
+
 /* argmax_rows(x, rows, cols, out): out[rows] int64, torch.argmax(x, -1) on fp32 rows */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -533,6 +699,10 @@ static PyMethodDef methods[] = {
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row)"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out)"},
+    {"gemma3_decode", (PyCFunction)(void (*)(void))py_gemma3_decode, METH_FASTCALL,
+     "gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
+     "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches)"},
+    {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,

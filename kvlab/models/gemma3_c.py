@@ -1,0 +1,119 @@
+"""Gemma 3's decode layers as one C call (kvlab.kernels._qk.gemma3_decode).
+
+When every product of the model has a C kernel, the KV cache is fp32 on the CPU and the
+step is pure decode, the C side runs all layers: the same C functions, in the same order
+and on the same layouts as the C path of `Gemma3Model.forward`, so the logits are
+bit-identical, without the dozen Python calls a layer between them. The plan is built once
+at load: per layer, the addresses and sizes of its weights as int64 [layers, fields]:
+
+    attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), q_norm, k_norm,
+    o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), down (5),
+    post_mlp_norm, sliding
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from kvlab.config import ModelConfig
+from kvlab.kernels import QuantizedWeight, fused
+from kvlab.kernels.ops import _qk
+from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
+from kvlab.models.kv_store import FloatKV
+
+_EMPTY = [0, 0, 0, 0, 0]
+
+
+def build_plan(config: ModelConfig, layers: list[dict]) -> torch.Tensor | None:
+    """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
+    if _qk is None or not layers:
+        return None
+    rows = []
+    for i, layer in enumerate(layers):
+        row = _layer_row(layer, config.is_sliding(i))
+        if row is None:
+            return None
+        rows.append(row)
+    plan = torch.tensor(rows, dtype=torch.int64)
+    return plan if plan.shape[1] == _qk.plan_fields() else None
+
+
+def _layer_row(layer: dict, sliding: bool) -> list[int] | None:
+    qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer["gate_up"], 2)
+    o, down = _desc(layer["o"]), _desc(layer["down"])
+    norms = [_norm(layer.get(n)) for n in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
+                                           "mlp_norm", "post_mlp_norm")]
+    if qkv is None or gate_up is None or o is None or down is None or None in norms \
+            or "qkv_bias" in layer:
+        return None
+    attn_norm, q_norm, k_norm, post_attn, mlp_norm, post_mlp = norms
+    return [attn_norm, len(layer["qkv"].parts), *qkv, q_norm, k_norm, *o, post_attn, mlp_norm,
+            len(layer["gate_up"].parts), *gate_up, *down, post_mlp, int(sliding)]
+
+
+def _parts(stacked: object, most: int) -> list[int] | None:
+    parts = getattr(stacked, "parts", None)
+    if parts is None or len(parts) > most:
+        return None
+    descs = [_desc(p) for p in parts]
+    if None in descs:
+        return None
+    return [v for d in descs for v in d] + _EMPTY * (most - len(parts))
+
+
+def _desc(w: object) -> list[int] | None:
+    """What the C products take of a weight; None for dense tensors and F32 blocks (those
+    go through torch)."""
+    if not isinstance(w, QuantizedWeight) or w.qtype == GGMLQuantizationType.F32:
+        return None
+    return list(w.kernel_args)
+
+
+def _norm(w: torch.Tensor | None) -> int | None:
+    ok = w is not None and fused.fits(w) and w.dim() == 1 and w.is_contiguous()
+    return w.data_ptr() if ok else None
+
+
+def run(plan: torch.Tensor, config: ModelConfig, x: torch.Tensor,
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore],
+        meta: AttentionMetadata) -> bool:
+    """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit."""
+    full, local = _decode_group(meta.groups_full, x), _decode_group(meta.groups_sliding, x)
+    if full is None or local is None or not _fits(x, kv_caches, ropes, meta):
+        return False
+    caches = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in kv_caches],
+                          dtype=torch.int64)
+    (cos_g, sin_g), (cos_l, sin_l) = ropes[False], ropes[True]
+    c = config
+    _qk.gemma3_decode(
+        plan.data_ptr(), plan.shape[0], plan.shape[1], x.data_ptr(), x.shape[0], x.shape[1],
+        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.scale, cos_g.data_ptr(),
+        sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
+        full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
+        local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
+        caches.data_ptr())
+    return True
+
+
+def _decode_group(groups: tuple[AttentionGroup, ...], x: torch.Tensor) -> AttentionGroup | None:
+    """The step's one decode group (one query per sequence, every row of x), or None."""
+    if len(groups) != 1:
+        return None
+    g = groups[0]
+    ok = (g.lengths is not None and g.queries_per_seq == 1 and g.num_seqs == x.shape[0]
+          and _int64(g.slots) and _int64(g.lengths))
+    return g if ok else None
+
+
+def _fits(x: torch.Tensor, kv_caches: list[KVStore],
+          ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> bool:
+    tables = [t for pair in ropes.values() for t in pair]
+    return (fused.fits(x, *tables) and x.dim() == 2 and x.is_contiguous()
+            and all(t.is_contiguous() for t in tables) and _int64(meta.slot_mapping)
+            and all(isinstance(c, FloatKV) and fused.fits(c.k, c.v) and c.k.is_contiguous()
+                    and c.v.is_contiguous() for c in kv_caches))
+
+
+def _int64(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64 and t.is_cpu and t.is_contiguous()

@@ -1,0 +1,73 @@
+"""Gemma 3's decode layers as one C call give bit-identical logits to the per-op path, on a
+tiny model quantized at load (every product then has a C kernel) and on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.engine import Engine, EngineConfig
+from kvlab.kernels import fused
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.request import SamplingParams
+from kvlab.tokenizer import load_gguf_tokenizer
+from kvlab.weights import open_checkpoint
+
+from tiny_models import build
+
+pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
+
+
+def quantized_engine(out, quant: str) -> Engine:
+    """The tiny HF model quantized at load (its GGUF copy only lends the tokenizer)."""
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize=quant))
+    tokenizer = load_gguf_tokenizer(open_checkpoint(out / "model.gguf").metadata)
+    return Engine(loaded, tokenizer, EngineConfig(block_size=4))
+
+
+def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
+    model = engine.runner.model
+    assert model.c_plan is not None
+    fast = engine.teacher_forced_logprobs(ids, prefill)
+    plan, model.c_plan = model.c_plan, None
+    try:
+        slow = engine.teacher_forced_logprobs(ids, prefill)
+    finally:
+        model.c_plan = plan
+    return fast, slow
+
+
+def test_tiny_quantized_gemma_is_bit_identical(tmp_path):
+    build("gemma3", tmp_path)
+    engine = quantized_engine(tmp_path, "q8_0")
+    ids = list(range(3, 40))  # past the sliding window of 4 keys
+    fast, slow = logprobs_both_ways(engine, ids, 5)
+    assert torch.equal(fast, slow)
+
+
+def test_batched_greedy_alone_and_together(tmp_path):
+    build("gemma3", tmp_path)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[3, 14, 15, 92, 65], list(range(20, 57)), [7] * 9]
+
+    def run(batch):
+        e = quantized_engine(tmp_path, "q8_0")
+        assert e.runner.model.c_plan is not None
+        for i, p in enumerate(batch):
+            e.add_request(str(i), p, params)
+        got = {str(i): [] for i in range(len(batch))}
+        while e.has_unfinished():
+            for out in e.step():
+                got[out.request_id].extend(out.new_token_ids)
+        return [got[str(i)] for i in range(len(batch))]
+
+    together = run(prompts)
+    assert [run([p])[0] for p in prompts] == together
+
+
+@pytest.mark.slow
+def test_default_model_is_bit_identical(default_llm):
+    engine = default_llm.engine
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    fast, slow = logprobs_both_ways(engine, ids, 8)
+    assert torch.equal(fast, slow)
