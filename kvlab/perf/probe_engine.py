@@ -11,8 +11,9 @@ architecture at a small model's width (hidden 1024, 12 MB of Q8_0 weights a laye
 do not matter to the speed), runs kvlab's own engine on it, and takes away the time spent
 inside the C products and the C decode attention (timed around each call): the weights and
 KV terms of the step model predict those. Gemma 3 on quantized weights runs its decode
-layers as one C call (kvlab.models.gemma3_c); that call is taken away whole, so its norms,
-RoPE and KV writes (a few µs a layer) are in neither term. What is left is split as
+layers as one C call (kvlab.models.gemma3_c); that call is taken away whole, and the small
+fused ops inside it (norms, RoPE, KV writes, GeGLU) are timed on the per-op path of the
+same engine and added back to the glue. What is left is split as
 
     overhead = per_step + layers x per_layer + attended positions x per_position
 
@@ -131,30 +132,47 @@ class _EngineRun:
 
     def __call__(self, budget_s: float) -> tuple[float]:
         steps = max(4, int(budget_s / 3 / 0.004))  # about 4 ms a step, three runs
-        best = float("inf")
-        for _ in range(3):
-            if not self.engine.has_unfinished() or self.left <= steps:
-                if self.engine.has_unfinished():
-                    self.engine.abort("probe")
-                self._start()
-            with _timed_kernels() as inside:
-                start = time.perf_counter()
-                for _ in range(steps):
-                    self.engine.step()
-                best = min(best, (time.perf_counter() - start - inside[0]) / steps)
-            self.left -= steps
-        return (best,)
+        glue = min(self._glue(steps)[0] for _ in range(3))
+        model = self.engine.runner.model
+        plan = getattr(model, "c_plan", None)
+        if plan is not None:  # the one-call C layers: add the small fused ops inside them
+            model.c_plan = None
+            try:
+                glue += min(self._glue(steps, _FUSED)[1] for _ in range(2))
+            finally:
+                model.c_plan = plan
+        return (glue,)
+
+    def _glue(self, steps: int, names: tuple[str, ...] = ()) -> tuple[float, float]:
+        """(step seconds outside the C products, attention and one-call layers, step seconds
+        inside the C calls `names`) over `steps` decode steps."""
+        if not self.engine.has_unfinished() or self.left <= steps:
+            if self.engine.has_unfinished():
+                self.engine.abort("probe")
+            self._start()
+        with _timed_kernels() as inside, _timed_kernels(names) as fused:
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.engine.step()
+            elapsed = time.perf_counter() - start
+        self.left -= steps
+        return (elapsed - inside[0]) / steps, fused[0] / steps
+
+
+# the small fused C ops of a decode layer: inside Gemma's one-call C layers they cannot be
+# timed, so the probe times them once on the per-op path and adds them to the glue
+_FUSED = ("rms_norm", "add_rms_norm", "norm_rope", "gelu_mul", "scatter_rows")
+# the C products, decode attention and Gemma 3's one-call decode layers: the weights and KV
+# terms of the step model predict these
+_PREDICTED = ("qmatmul", "attend_decode", "gemma3_decode")
 
 
 @contextmanager
-def _timed_kernels() -> Iterator[list[float]]:
-    """Seconds spent inside the C products and decode attention while the block runs."""
+def _timed_kernels(names: tuple[str, ...] = _PREDICTED) -> Iterator[list[float]]:
+    """Seconds spent inside the C calls `names` while the block runs."""
     from kvlab.kernels import ops
 
     module, inside = ops._qk, [0.0]
-    # gemma3_decode: Gemma 3's decode layers in one C call (products, attention and the
-    # small fused ops together; the last are a few µs a layer and go unpredicted)
-    names = ("qmatmul", "attend_decode", "gemma3_decode")
     originals = {name: getattr(module, name) for name in names}
 
     def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
