@@ -4,7 +4,8 @@ When every product of the model has a C kernel, the KV cache is fp32 on the CPU 
 step is pure decode, the C side runs all layers: the same C functions, in the same order
 and on the same layouts as the C path of `Gemma3Model.forward`, so the logits are
 bit-identical, without the dozen Python calls a layer between them. The plan is built once
-at load: per layer, the addresses and sizes of its weights as int64 [layers, fields]:
+at load: per layer, the addresses and sizes of its weights as int64 [layers, fields]
+(the K/V store addresses are added per cache list, once):
 
     attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), q_norm, k_norm,
     o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), down (5),
@@ -25,7 +26,26 @@ from kvlab.models.kv_store import FloatKV
 _EMPTY = [0, 0, 0, 0, 0]
 
 
-def build_plan(config: ModelConfig, layers: list[dict]) -> torch.Tensor | None:
+class Plan:
+    def __init__(self, weights: torch.Tensor) -> None:
+        self.weights = weights  # int64 [layers, fields]
+        self._caches: list[KVStore] | None = None
+        self._table: torch.Tensor | None = None
+
+    def caches(self, kv_caches: list[KVStore]) -> torch.Tensor | None:
+        """int64 [layers, 2]: the K and V store of each layer, or None when some store is
+        not an fp32 CPU one; checked and built once per cache list (the runner's own)."""
+        if kv_caches is not self._caches:
+            ok = len(kv_caches) == self.weights.shape[0] and all(
+                isinstance(c, FloatKV) and fused.fits(c.k, c.v) and c.k.is_contiguous()
+                and c.v.is_contiguous() for c in kv_caches)
+            self._caches = kv_caches
+            self._table = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in kv_caches],
+                                       dtype=torch.int64) if ok else None
+        return self._table
+
+
+def build_plan(config: ModelConfig, layers: list[dict]) -> Plan | None:
     """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
     if _qk is None or not layers:
         return None
@@ -35,8 +55,8 @@ def build_plan(config: ModelConfig, layers: list[dict]) -> torch.Tensor | None:
         if row is None:
             return None
         rows.append(row)
-    plan = torch.tensor(rows, dtype=torch.int64)
-    return plan if plan.shape[1] == _qk.plan_fields() else None
+    weights = torch.tensor(rows, dtype=torch.int64)
+    return Plan(weights) if weights.shape[1] == _qk.plan_fields() else None
 
 
 def _layer_row(layer: dict, sliding: bool) -> list[int] | None:
@@ -75,19 +95,18 @@ def _norm(w: torch.Tensor | None) -> int | None:
     return w.data_ptr() if ok else None
 
 
-def run(plan: torch.Tensor, config: ModelConfig, x: torch.Tensor,
+def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore],
         meta: AttentionMetadata) -> bool:
     """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit."""
     full, local = _decode_group(meta.groups_full, x), _decode_group(meta.groups_sliding, x)
-    if full is None or local is None or not _fits(x, kv_caches, ropes, meta):
+    caches = plan.caches(kv_caches)
+    if full is None or local is None or caches is None or not _fits(x, ropes, meta):
         return False
-    caches = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in kv_caches],
-                          dtype=torch.int64)
     (cos_g, sin_g), (cos_l, sin_l) = ropes[False], ropes[True]
-    c = config
+    c, w = config, plan.weights
     _qk.gemma3_decode(
-        plan.data_ptr(), plan.shape[0], plan.shape[1], x.data_ptr(), x.shape[0], x.shape[1],
+        w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], x.shape[1],
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.scale, cos_g.data_ptr(),
         sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
@@ -106,13 +125,11 @@ def _decode_group(groups: tuple[AttentionGroup, ...], x: torch.Tensor) -> Attent
     return g if ok else None
 
 
-def _fits(x: torch.Tensor, kv_caches: list[KVStore],
-          ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> bool:
+def _fits(x: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+          meta: AttentionMetadata) -> bool:
     tables = [t for pair in ropes.values() for t in pair]
     return (fused.fits(x, *tables) and x.dim() == 2 and x.is_contiguous()
-            and all(t.is_contiguous() for t in tables) and _int64(meta.slot_mapping)
-            and all(isinstance(c, FloatKV) and fused.fits(c.k, c.v) and c.k.is_contiguous()
-                    and c.v.is_contiguous() for c in kv_caches))
+            and all(t.is_contiguous() for t in tables) and _int64(meta.slot_mapping))
 
 
 def _int64(t: torch.Tensor) -> bool:

@@ -86,8 +86,7 @@ class HFCheckpoint(Checkpoint):
 
         self.format, self.path = "hf", path
         self.metadata = _read_json(path / "config.json")
-        archs = self.metadata.get("architectures") or [self.metadata.get("model_type", "?")]
-        self.architecture = str(archs[0])
+        self.architecture = _hf_architecture(self.metadata)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{path} has no *.safetensors files")
@@ -116,14 +115,18 @@ class TensorCheckpoint(Checkpoint):
                  path: str = "<memory>") -> None:
         self.format, self.path = "hf", Path(path)
         self.metadata, self.tensors = config, tensors
-        archs = config.get("architectures") or [config.get("model_type", "?")]
-        self.architecture = str(archs[0])
+        self.architecture = _hf_architecture(config)
 
     def names(self) -> set[str]:
         return set(self.tensors)
 
     def read(self, name: str) -> RawTensor:
         return _raw(self.tensors[name])
+
+
+def _hf_architecture(config: dict[str, Any]) -> str:
+    archs = config.get("architectures") or [config.get("model_type", "?")]
+    return str(archs[0])
 
 
 def _raw(t: torch.Tensor) -> RawTensor:

@@ -525,16 +525,16 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
         for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
         gu = rows > gu ? rows : gu;
     }
-    const int64_t B = s->B, sizes[6] = {s->hidden, qkv, s->H * s->D, s->hidden, gu, gu / 2};
-    int64_t total = 0;
-    for (int k = 0; k < 6; k++) total += B * sizes[k];
-    float *mem = malloc((size_t)total * sizeof(float)), *p = mem;
+    const int64_t B = s->B;
+    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2)) *
+                        sizeof(float));
     if (!mem) return -1;
-    float **slot[6];
-    kv_bufs b;
-    slot[0] = &b.h, slot[1] = &b.qkv, slot[2] = &b.att, slot[3] = &b.o, slot[4] = &b.gu,
-    slot[5] = &b.g;
-    for (int k = 0; k < 6; k++) *slot[k] = p, p += B * sizes[k];
+    kv_bufs b = {.h = mem};
+    b.qkv = b.h + B * s->hidden;
+    b.att = b.qkv + B * qkv;
+    b.o = b.att + B * s->H * s->D;
+    b.gu = b.o + B * s->hidden;
+    b.g = b.gu + B * gu;
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
         rc = attention_half(&plan[l], s->caches + 2 * l, s, x, &b, use_avx2) ||
@@ -563,7 +563,7 @@ static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssiz
         !get_ptr(args[22], &ptr[9]))
         return NULL;
     if (fields != KV_PLAN_FIELDS)
-        return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, not %lld",
+        return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, got %lld",
                             (long long)KV_PLAN_FIELDS, (long long)fields);
     if (KVH <= 0 || H % KVH)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
