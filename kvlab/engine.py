@@ -47,6 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     keep_quantized: bool = True
+    group_rows: bool = True  # CPU: Q8_0/Q5_0/Q4_0 as 8-row groups (kvlab.kernels.group_rows)
     quantize: str | None = None
     threads: int | None = None
     device: str = "cpu"
@@ -143,7 +144,8 @@ class Engine:
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
-                              device=config.device, quantize=config.quantize)
+                              device=config.device, quantize=config.quantize,
+                              group_rows=config.group_rows)
         loaded = load_model(ckpt, options)
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))

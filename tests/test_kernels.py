@@ -554,7 +554,8 @@ def test_attend_decode_checks_slots():
 
 
 def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
-    """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path."""
+    """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path,
+    for Q8_0 and for its 8-row groups (group_rows)."""
     import os
     import subprocess
     import sys
@@ -562,11 +563,13 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
     script = (
         "import torch, sys\n"
         "from gguf import GGMLQuantizationType as T\n"
-        "from kvlab.kernels import qmatmul, quantize\n"
+        "from kvlab.kernels import group_rows, qmatmul, quantize\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = quantize(torch.randn(67, 320, generator=g), T.Q8_0)\n"
+        "w8 = group_rows(quantize(torch.randn(64, 320, generator=g), T.Q8_0))\n"
         "x = torch.randn(13, 320, generator=g)\n"
-        "torch.save([qmatmul(x[:n].contiguous(), w) for n in (1, 4, 8, 13)], sys.argv[1])\n")
+        "torch.save([qmatmul(x[:n].contiguous(), v) for n in (1, 4, 8, 13)\n"
+        "            for v in (w, w8)], sys.argv[1])\n")
     outs = []
     for env in ({}, {"KVLAB_NO_VNNI": "1"}):
         path = tmp_path / f"out{len(outs)}.pt"

@@ -96,8 +96,24 @@ def test_quantize_safetensors_at_load(tiny):
     ref = reference_logits(hf, ids)[-1]
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
     kinds = {t.qtype for t in loaded.tensors if len(t.shape) == 2}
-    assert "Q8_0" in kinds
+    assert "Q8_0x8" in kinds  # Q8_0 matrices of 8k rows run in 8-row groups
     runner = ModelRunner(loaded.model, loaded.config, 32, 4)
     got = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 16))[0]
     # 8-bit weights (and 8-bit activations in the kernels): close, not equal
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
+
+
+def test_grouped_rows_give_the_plain_kernels_logits(tiny):
+    """Q8_0x8 holds the same values as Q8_0 and forms the same int32 block sums: the
+    logits move only by fp32 summation order."""
+    arch, hf, out = tiny
+    ids = list(range(3, 19))
+    logits = []
+    for group in (True, False):
+        loaded = load_model(open_checkpoint(out / "hf"),
+                            LoadOptions(quantize="q8_0", group_rows=group))
+        kinds = {t.qtype for t in loaded.tensors if len(t.shape) == 2}
+        assert ("Q8_0x8" in kinds) == group
+        runner = ModelRunner(loaded.model, loaded.config, 32, 4)
+        logits.append(step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 16))[0])
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()

@@ -7,6 +7,7 @@
     qmatmul(x, w) -> x @ W^T fp32                 decode: int8 kernels; prefill: fp32 tiles
     qmatmul_stacked(x, ws) -> [1, sum(out)]       one decode row through several weights
     quantize(t, qtype) -> QuantizedWeight         Q8_0 (byte-exact), Q4_K, Q5_K, Q6_K, ...
+    group_rows(w) -> QuantizedWeight              Q8_0/Q5_0/Q4_0 -> Q8_0x8 (8-row groups)
     set_num_threads(n)                            kernel threads and torch's, together
     stream_read(t)                                read all of t on the kernel threads
 
@@ -14,9 +15,11 @@ Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
 """
 
 from kvlab.kernels.ops import (
+    can_group,
     dequantize,
     dequantize_rows,
     get_num_threads,
+    group_rows,
     kernel_backend,
     qmatmul,
     qmatmul_stacked,
@@ -29,9 +32,11 @@ from kvlab.kernels.qweight import SUPPORTED_TYPES, QuantizedWeight
 __all__ = [
     "SUPPORTED_TYPES",
     "QuantizedWeight",
+    "can_group",
     "dequantize",
     "dequantize_rows",
     "get_num_threads",
+    "group_rows",
     "kernel_backend",
     "qmatmul",
     "qmatmul_stacked",

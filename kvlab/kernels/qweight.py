@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
+Q8_0X8_KERNEL_TYPE = 31  # the C kernels' id for grouped Q8_0 (KV_Q8_0X8 in csrc/qk.h)
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
@@ -39,6 +40,9 @@ class QuantizedWeight:
     qtype: GGMLQuantizationType
     shape: tuple[int, int]  # (out_features, in_features), PyTorch order
     data: torch.Tensor  # uint8 [out_features, row_bytes]: the GGUF blocks, unchanged
+    # Q8_0 only: rows interleaved in groups of 8 (kvlab's Q8_0x8, kernels/csrc/qk_x8.c),
+    # the same bytes per row, for products that serve 8 rows per register
+    grouped: bool = False
     # (type id, address, rows, cols, row_bytes): what every C call takes, computed once
     kernel_args: tuple[int, int, int, int, int] = field(init=False, repr=False)
 
@@ -58,7 +62,11 @@ class QuantizedWeight:
         object.__setattr__(self, "qtype", qtype)
         object.__setattr__(self, "shape", (rows, cols))
         object.__setattr__(self, "data", data)
-        object.__setattr__(self, "kernel_args", (int(qtype), data.data_ptr(), rows, cols, nbytes))
+        if self.grouped and (qtype != GGMLQuantizationType.Q8_0 or rows % 8):
+            raise ValueError(f"grouped rows are Q8_0 in groups of 8, got {qtype.name} "
+                             f"with {rows} rows")
+        kernel_type = Q8_0X8_KERNEL_TYPE if self.grouped else int(qtype)
+        object.__setattr__(self, "kernel_args", (kernel_type, data.data_ptr(), rows, cols, nbytes))
 
     @classmethod
     def from_gguf(cls, file: GGUFFile, name: str) -> QuantizedWeight:
@@ -93,8 +101,8 @@ class QuantizedWeight:
 
     def __reduce__(self) -> tuple:
         """Copies and pickles rebuild through __init__, so kernel_args gets the new address."""
-        return (QuantizedWeight, (self.qtype, self.shape, self.data))
+        return (QuantizedWeight, (self.qtype, self.shape, self.data, self.grouped))
 
     def __repr__(self) -> str:
-        return (f"QuantizedWeight({self.qtype.name}, {self.shape[0]}x{self.shape[1]}, "
-                f"{self.nbytes} bytes)")
+        name = "Q8_0x8" if self.grouped else self.qtype.name
+        return f"QuantizedWeight({name}, {self.shape[0]}x{self.shape[1]}, {self.nbytes} bytes)"

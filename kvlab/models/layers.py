@@ -54,14 +54,14 @@ def _same_storage(a: Weight, b: Weight) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
     return (isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
-            and a.qtype == b.qtype and a.shape[1] == b.shape[1])
+            and a.qtype == b.qtype and a.grouped == b.grouped and a.shape[1] == b.shape[1])
 
 
 def _concat_rows(a: Weight, b: Weight) -> Weight:
     if isinstance(a, torch.Tensor):
         return torch.cat([a, b])
     return QuantizedWeight(a.qtype, (a.shape[0] + b.shape[0], a.shape[1]),
-                           torch.cat([a.data, b.data]))
+                           torch.cat([a.data, b.data]), grouped=a.grouped)  # whole groups
 
 
 def linear(x: torch.Tensor, w: Weight | Stacked,

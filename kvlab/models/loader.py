@@ -15,7 +15,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
-from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, quantize
+from kvlab.kernels import (
+    SUPPORTED_TYPES,
+    QuantizedWeight,
+    can_group,
+    dequantize,
+    group_rows,
+    quantize,
+)
 from kvlab.metrics import ModelCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
@@ -32,6 +39,9 @@ class LoadOptions:
     keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
     device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: "q8_0" | "q4_k"
+    # CPU: Q8_0 / Q5_0 / Q4_0 matrices of 8k rows as Q8_0x8 (8-row groups, exact values;
+    # batched decode and prefill about 2x faster, batch-1 decode about the same)
+    group_rows: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,13 +143,18 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
         rows = transform(raw.data)  # row permutations work on the block bytes too
         w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, rows)
         if options.keep_quantized and on_cpu:
-            return w
+            return _grouped(w, options)
         return dequantize(w).to(device=options.device, dtype=options.dtype)
     t = transform(raw.data)
     if t.dim() < 2:
         return t.float().to(options.device)
     qtype = _quant_type_for(t.shape[-1], options.quantize) if on_cpu else None
-    return quantize(t.float(), qtype) if qtype else t.to(options.device, options.dtype)
+    return _grouped(quantize(t.float(), qtype), options) if qtype else t.to(options.device,
+                                                                             options.dtype)
+
+
+def _grouped(w: QuantizedWeight, options: LoadOptions) -> QuantizedWeight:
+    return group_rows(w) if options.group_rows and can_group(w) else w
 
 
 def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | None:
@@ -155,6 +170,7 @@ def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | Non
 
 def _stat(name: str, w: Weight) -> TensorStat:
     if isinstance(w, QuantizedWeight):
-        return TensorStat(name, tuple(w.shape), w.qtype.name, w.nbytes)
+        return TensorStat(name, tuple(w.shape), "Q8_0x8" if w.grouped else w.qtype.name,
+                          w.nbytes)
     kind = str(w.dtype).removeprefix("torch.").replace("float", "F").replace("bF", "BF")
     return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size())

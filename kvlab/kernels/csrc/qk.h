@@ -14,7 +14,8 @@
 enum {
     KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7,
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
-    KV_NTYPES = 31
+    KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
+    KV_NTYPES = 32
 };
 
 typedef uint16_t kv_half;
@@ -34,7 +35,8 @@ typedef struct {
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; kv_half d; } kv_blk_q6_k;
 
 /* ---- 8-bit activation blocks (kvlab's own, never stored) ---- */
-typedef struct { float d; float s; int8_t qs[32]; } kv_act32;   /* x ~ d*qs, s = d*sum(qs) */
+/* x ~ d*qs, s = d*sum(qs), bias = -128*sum(qs) (the start of a dot against Q8_0x8) */
+typedef struct { float d; float s; int32_t bias; int8_t qs[32]; } kv_act32;
 typedef struct { float d; int16_t bsums[16]; int8_t qs[256]; } kv_act256; /* bsums: per 16 */
 /* Two 32-blocks (2p, 2p+1) arranged as the AVX2 kernels unpack two 4/5-bit weight blocks:
  * low nibbles of both blocks in one register, high nibbles in another. */
@@ -69,6 +71,22 @@ extern const kv_isa kv_isa_generic;
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KV_NO_AVX2)  /* -DKV_NO_AVX2: portable only */
 #define KV_HAVE_AVX2_BUILD 1
 extern const kv_isa kv_isa_avx2;
+#endif
+
+/* ---- Q8_0x8 (qk_x8.c): 8-row groups, one register lane per row ---- */
+/* GGUF Q8_0 / Q5_0 / Q4_0 rows -> Q8_0x8 (same size as Q8_0); -1 if rows % 8 or the type */
+int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,
+                 int64_t src_row_bytes, uint8_t *dst);
+void kv_deq_q8_0x8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out);
+void kv_gemv_q8_0x8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                            float *y, int64_t ystride);
+#ifdef KV_HAVE_AVX2_BUILD
+void kv_gemv_q8_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride);
+int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
 
 /* ---- helpers shared by the C files ---- */

@@ -522,7 +522,7 @@ static KV_TGT_VNNI void gemv4_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int
 
 /* AVX512-VNNI with VL on this CPU, unless KVLAB_NO_VNNI=1 forces the maddubs path (tests
  * run both); the answer is the same either way */
-static int use_vnni(void) {
+int kv_use_vnni(void) {
     static int vnni = -1;  /* racy first call: every thread computes the same answer */
     if (vnni < 0)
         vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
@@ -536,7 +536,7 @@ static int use_vnni(void) {
 static KV_TGT void gemv_q8_0(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                              int64_t cols, const void *xq, int64_t xstride, int64_t n,
                              float *y, int64_t ystride) {
-    const int vnni = use_vnni();
+    const int vnni = kv_use_vnni();
     const int two = n >= KV_Q8_PAIR_MIN_N;
     /* VNNI, one to seven x rows: pairs of weight rows give two independent FMA chains per x
      * row and share each x load (about 7 % faster than single rows at n = 1; same bits) */
@@ -868,7 +868,7 @@ KV_INL int64_t usuper_per_row(int64_t cols) { return cols / 256; }
     static KV_TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,   \
                             int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
                             float *y, int64_t ystride) {                                   \
-        (use_vnni() ? name##_vnni : name##_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n, \
+        (kv_use_vnni() ? name##_vnni : name##_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n, \
                                                  y, ystride);                              \
     }
 
@@ -1072,6 +1072,7 @@ static KV_TGT void act32_avx2(const float *x, int64_t cols, kv_act32 *out) {
         const int sum = quant32(x, _mm256_set1_ps(id), out[b].qs, NULL);
         out[b].d = d;
         out[b].s = d * (float)sum;
+        out[b].bias = -128 * sum;
     }
 }
 
@@ -1115,7 +1116,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_F32] = gemv_f32, [KV_F16] = gemv_f16, [KV_BF16] = gemv_bf16,
         [KV_Q8_0] = gemv_q8_0, [KV_Q4_0] = tiled_q4_0, [KV_Q4_1] = tiled_q4_1,
         [KV_Q5_0] = tiled_q5_0, [KV_Q5_1] = tiled_q5_1, [KV_Q4_K] = tiled_q4_k,
-        [KV_Q5_K] = tiled_q5_k, [KV_Q6_K] = tiled_q6_k,
+        [KV_Q5_K] = tiled_q5_k, [KV_Q6_K] = tiled_q6_k, [KV_Q8_0X8] = kv_gemv_q8_0x8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1124,7 +1125,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q5_K] = deq_q5_k_v, [KV_Q6_K] = deq_q6_k_v,
     },
     .act_kind = {
-        [KV_Q8_0] = KV_ACT_32, [KV_Q4_0] = KV_ACT_64, [KV_Q4_1] = KV_ACT_64,
+        [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_0] = KV_ACT_64, [KV_Q4_1] = KV_ACT_64,
         [KV_Q5_0] = KV_ACT_64, [KV_Q5_1] = KV_ACT_64, [KV_Q4_K] = KV_ACT_256,
         [KV_Q5_K] = KV_ACT_256, [KV_Q6_K] = KV_ACT_256,
     },

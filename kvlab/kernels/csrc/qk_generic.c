@@ -56,6 +56,7 @@ int kv_block_size(int qtype) {
     switch (qtype) {
         case KV_F32: case KV_F16: case KV_BF16: return 1;
         case KV_Q8_0: case KV_Q4_0: case KV_Q4_1: case KV_Q5_0: case KV_Q5_1: return 32;
+        case KV_Q8_0X8: return 32;
         case KV_Q4_K: case KV_Q5_K: case KV_Q6_K: return 256;
         default: return 0;
     }
@@ -65,7 +66,7 @@ int kv_type_size(int qtype) {
     switch (qtype) {
         case KV_F32: return 4;
         case KV_F16: case KV_BF16: return 2;
-        case KV_Q8_0: return 34;
+        case KV_Q8_0: case KV_Q8_0X8: return 34;
         case KV_Q4_0: return 18;
         case KV_Q4_1: return 20;
         case KV_Q5_0: return 22;
@@ -106,6 +107,7 @@ static void act32_generic(const float *x, int64_t cols, kv_act32 *out) {
         }
         out[b].d = d;
         out[b].s = d * (float)sum;
+        out[b].bias = -128 * sum;
     }
 }
 
@@ -345,11 +347,11 @@ const kv_isa kv_isa_generic = {
         [KV_F32] = gemv_f32, [KV_F16] = gemv_f16, [KV_BF16] = gemv_bf16,
         [KV_Q8_0] = gemv_q8_0, [KV_Q4_0] = gemv_q4_0, [KV_Q4_1] = gemv_q4_1,
         [KV_Q5_0] = gemv_q5_0, [KV_Q5_1] = gemv_q5_1, [KV_Q4_K] = gemv_q4_k,
-        [KV_Q5_K] = gemv_q5_k, [KV_Q6_K] = gemv_q6_k,
+        [KV_Q5_K] = gemv_q5_k, [KV_Q6_K] = gemv_q6_k, [KV_Q8_0X8] = kv_gemv_q8_0x8_generic,
     },
     .deq = {KV_DEQ_TABLE},
     .act_kind = {
-        [KV_Q8_0] = KV_ACT_32, [KV_Q4_0] = KV_ACT_32, [KV_Q4_1] = KV_ACT_32,
+        [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_0] = KV_ACT_32, [KV_Q4_1] = KV_ACT_32,
         [KV_Q5_0] = KV_ACT_32, [KV_Q5_1] = KV_ACT_32, [KV_Q4_K] = KV_ACT_256,
         [KV_Q5_K] = KV_ACT_256, [KV_Q6_K] = KV_ACT_256,
     },

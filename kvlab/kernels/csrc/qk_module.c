@@ -93,14 +93,16 @@ static void rows_task(void *p, int tid, int nthreads) {
     }
 }
 
-/* One part per thread (a single one below 64 KiB of work: waking a worker costs more). */
+/* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
+ * Q8_0x8 splits only between its groups of 8 rows. */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
+    const int64_t align = job->qtype == KV_Q8_0X8 ? 8 : 1, groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
-    job->unit = 16384 / (bytes_per_row > 0 ? bytes_per_row : 1) + 1;
+    job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
     for (int k = 0; k < job->nparts; k++) {
-        atomic_store(&job->parts[k].next, job->rows * k / job->nparts);
-        job->parts[k].end = job->rows * (k + 1) / job->nparts;
+        atomic_store(&job->parts[k].next, groups * k / job->nparts * align);
+        job->parts[k].end = groups * (k + 1) / job->nparts * align;
     }
     kv_pool_run(rows_task, job, nt);
 }
@@ -111,10 +113,17 @@ static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
                             job->ystride ? job->ystride : job->rows);
 }
 
+/* row r of a matrix -> fp32 (Q8_0x8 rows are spread over their group's blocks) */
+static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                    float *out) {
+    if (qtype == KV_Q8_0X8) kv_deq_q8_0x8_row(w, row_bytes, r, cols, out);
+    else g_isa->deq[qtype](w + r * row_bytes, cols, out);
+}
+
 static void deq_rows(const rows_job *job, int64_t r0, int64_t r1) {
-    const kv_deq_fn deq = g_isa->deq[job->qtype];
     for (int64_t r = r0; r < r1; r++)
-        deq(job->w + r * job->row_bytes, job->cols, (float *)job->out + r * job->cols);
+        deq_row(job->qtype, job->w, job->row_bytes, r, job->cols,
+                (float *)job->out + r * job->cols);
 }
 
 static void quant_rows(const rows_job *job, int64_t r0, int64_t r1) {
@@ -266,10 +275,9 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *args, Py_ss
             return PyErr_Format(PyExc_IndexError, "row id %lld is out of range [0, %lld)",
                                 (long long)ids[j], (long long)rows);
     }
-    const kv_deq_fn deq = g_isa->deq[qtype];
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t j = 0; j < n; j++) deq((const uint8_t *)w + ids[j] * row_bytes, cols,
-                                        (float *)out + j * cols);
+    for (int64_t j = 0; j < n; j++) deq_row((int)qtype, w, row_bytes, ids[j], cols,
+                                            (float *)out + j * cols);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -294,6 +302,29 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
                     .row_bytes = cols / bs * kv_type_size((int)qtype), .out = out};
     if (rows > 0) run_rows(&job, 64 * cols);  /* the K-quant searches are compute-bound */
     pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* to_q8_0x8(qtype, src, rows, cols, src_row_bytes, dst): Q8_0 / Q5_0 / Q4_0 rows -> Q8_0x8
+ * (rows a multiple of 8; dst holds rows x cols/32 x 34 bytes) */
+static PyObject *py_to_q8_0x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(6);
+    int64_t qtype, rows, cols, src_row_bytes;
+    void *src, *dst;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &src) || !get_i64(args[2], &rows) ||
+        !get_i64(args[3], &cols) || !get_i64(args[4], &src_row_bytes) || !get_ptr(args[5], &dst))
+        return NULL;
+    if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0)
+        return PyErr_Format(PyExc_ValueError, "Q8_0x8 is built from Q8_0, Q5_0 or Q4_0 rows, "
+                            "not GGML type id %lld", (long long)qtype);
+    if (!check_layout(qtype, cols, src_row_bytes)) return NULL;
+    if (rows % 8)
+        return PyErr_Format(PyExc_ValueError, "Q8_0x8 needs a multiple of 8 rows, got %lld",
+                            (long long)rows);
+    Py_BEGIN_ALLOW_THREADS
+    kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -687,6 +718,8 @@ static PyMethodDef methods[] = {
      "dequantize_rows(qtype, w, rows, cols, row_bytes, ids, n, out)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "quantize(qtype, x, rows, cols, out)"},
+    {"to_q8_0x8", (PyCFunction)(void (*)(void))py_to_q8_0x8, METH_FASTCALL,
+     "to_q8_0x8(qtype, src, rows, cols, src_row_bytes, dst): rows in groups of 8 (qk_x8.c)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, out, rows, dim, eps)"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL,

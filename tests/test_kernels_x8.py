@@ -1,0 +1,115 @@
+"""Q8_0x8 (kvlab.kernels.group_rows): Q8_0 / Q5_0 / Q4_0 rows in interleaved groups of 8.
+
+The values must be exactly those of the GGUF blocks, and a product must give the same bits
+on every kernel path (AVX512-VNNI, AVX2 maddubs, portable C) and for any number of x rows.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvlab.kernels import (
+    QuantizedWeight,
+    can_group,
+    dequantize,
+    dequantize_rows,
+    group_rows,
+    ops,
+    qmatmul,
+    quantize,
+)
+
+pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0]
+
+
+def weight(qtype: T, rows: int = 48, cols: int = 224, seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(rows, cols, generator=g), qtype)
+
+
+def isas() -> list[str]:
+    try:
+        ops._qk.set_isa("avx2")
+        return ["generic", "avx2"]
+    except ValueError:
+        return ["generic"]
+    finally:
+        ops._qk.set_isa("auto")
+
+
+@pytest.mark.parametrize("qtype", GROUPABLE, ids=lambda t: t.name)
+def test_grouped_values_are_the_gguf_values(qtype):
+    w = weight(qtype)
+    g = group_rows(w)
+    assert g.grouped and g.qtype == T.Q8_0 and g.shape == w.shape
+    assert g.nbytes == w.out_features * w.in_features // 32 * 34  # Q8_0's size
+    assert torch.equal(dequantize(g), dequantize(w))
+    ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
+    assert torch.equal(dequantize_rows(g, ids), dequantize(w)[ids])
+
+
+@pytest.mark.parametrize("qtype", GROUPABLE, ids=lambda t: t.name)
+def test_grouped_product_is_the_plain_kernels_dot(qtype):
+    """The same 8-bit activations and the same exact int32 block sums as the plain kernel
+    of the GGUF type: only the order of the fp32 steps differs."""
+    w = weight(qtype, seed=3)
+    x = torch.randn(5, 224, generator=torch.Generator().manual_seed(4))
+    y, plain = qmatmul(x, group_rows(w)), qmatmul(x, w)
+    scale = (x.abs() @ dequantize(w).abs().T).max()
+    assert (y - plain).abs().max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa):
+    g = group_rows(weight(T.Q5_0, rows=64, cols=96, seed=5))  # 3 blocks: an odd count
+    x = torch.randn(21, 96, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
+    try:
+        ops._qk.set_isa(isa)
+        for n in (1, 2, 7, 8, 9, 16, 21):  # tiles of 8 x rows, then the rest
+            assert torch.equal(qmatmul(x[:n], g), alone[:n]), n
+    finally:
+        ops._qk.set_isa("auto")
+
+
+def test_threads_split_between_groups():
+    """Row ranges handed to the kernel threads start on a group: 1 and 2 threads agree."""
+    g = group_rows(weight(T.Q8_0, rows=8 * 600, cols=256, seed=7))  # several 16 KiB units
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    before = ops.get_num_threads()
+    try:
+        ops.set_num_threads(1)
+        one = qmatmul(x, g)
+        ops.set_num_threads(2)
+        assert torch.equal(qmatmul(x, g), one)
+    finally:
+        ops.set_num_threads(before)
+
+
+def test_what_cannot_be_grouped_says_why():
+    assert not can_group(weight(T.Q8_0, rows=44))
+    assert not can_group(weight(T.Q4_K, rows=48, cols=256))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        group_rows(weight(T.Q8_0, rows=44))
+    with pytest.raises(ValueError, match="groups of 8"):
+        QuantizedWeight(T.Q5_0, (48, 224), weight(T.Q5_0).data, grouped=True)
+
+
+def test_copies_keep_the_layout():
+    g = group_rows(weight(T.Q8_0))
+    copy = pickle.loads(pickle.dumps(g))
+    assert copy.grouped and "Q8_0x8" in repr(copy)
+    x = torch.randn(2, 224)
+    assert torch.equal(qmatmul(x, copy), qmatmul(x, g))
+
+
+def test_dense_matmul_tiles_start_on_groups(monkeypatch):
+    monkeypatch.setattr(ops, "TILE_ELEMENTS", 224 * 13)  # 13-row tiles round up to 16
+    g = group_rows(weight(T.Q8_0))
+    x = torch.randn(3, 224)
+    assert torch.allclose(ops.dense_matmul(x, g), x @ dequantize(g).T, atol=1e-4)
