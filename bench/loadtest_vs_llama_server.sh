@@ -17,8 +17,10 @@ MODEL=$(.venv/bin/python -c "from kvlab.weights import default_model_path; print
 OUT=${OUT:-artifacts}
 mkdir -p "$OUT"
 
+# The default GGUF carries no chat template: llama-server would fall back to ChatML (about 14
+# more prompt tokens a request); its built-in "gemma" template renders what kvlab renders.
 "$LLAMA_SERVER" -m "$MODEL" -t 2 --parallel 8 -c 16384 --host 127.0.0.1 --port 8091 \
-    >"$OUT/llama-server.log" 2>&1 &
+    --no-jinja --chat-template gemma >"$OUT/llama-server.log" 2>&1 &
 LLAMA_PID=$!
 "$KVLAB" serve --host 127.0.0.1 --port 8092 --threads 2 --max-num-seqs 16 \
     >"$OUT/kvlab-serve.log" 2>&1 &

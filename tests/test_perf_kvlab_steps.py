@@ -202,8 +202,8 @@ def test_bench_reprobes_a_cache_without_kernel_figures(
            "cpu": "Old CPU", "measured_at": "2025-01-02T03:04:05+00:00", "details": {},
            "version": 1}
     (tmp_path / "probe.json").write_text(json.dumps(old))
-    fresh = probe_mod.ProbeResult(**{**old, "version": 2, "cpu": "New CPU",
-                                     "kernels": asdict(rates())})
+    fresh = probe_mod.ProbeResult(**{**old, "version": probe_mod.PROBE_VERSION,
+                                     "cpu": "New CPU", "kernels": asdict(rates())})
     calls = []
     monkeypatch.setattr(probe_mod, "probe",
                         lambda threads: calls.append(threads) or fresh)
@@ -213,6 +213,10 @@ def test_bench_reprobes_a_cache_without_kernel_figures(
     assert bench_estimate._hardware(2).kernels == rates() and calls == [2]  # cached now
     bench_estimate._hardware(4)  # another thread count: probed again
     assert calls == [2, 4] and "is for 2 threads" in capsys.readouterr().out
+    older = {**old, "version": 2, "kernels": asdict(rates())}  # before the Q8_0x8 figures
+    (tmp_path / "probe.json").write_text(json.dumps(older))
+    bench_estimate._hardware(2)
+    assert calls == [2, 4, 2] and "older kvlab (version 2)" in capsys.readouterr().out
 
 
 # -- kvlab estimate --engine kvlab ---------------------------------------------------------

@@ -42,14 +42,16 @@ class CheckRow:
 def _hardware(threads: int | None) -> HardwareSpec:
     """This machine as `kvlab probe` measured it with kvlab's kernel figures at `threads`;
     probes now (about 15 s) when the cache lacks them or is for another thread count."""
-    from kvlab.perf.probe import cache_path, probe, read_probe, save_probe
+    from kvlab.perf.probe import PROBE_VERSION, cache_path, probe, read_probe, save_probe
 
     try:
         cached = read_probe()
-        if cached.kernels is not None and threads in (None, cached.threads):
+        current = cached.kernels is not None and cached.version == PROBE_VERSION
+        if current and threads in (None, cached.threads):
             return cached.to_hardware()
-        why = "has no kernel figures" if cached.kernels is None else \
-            f"is for {cached.threads} threads"
+        why = ("has no kernel figures" if cached.kernels is None
+               else f"is from an older kvlab (version {cached.version})" if not current
+               else f"is for {cached.threads} threads")
     except KvlabError:
         why = "cannot be read" if cache_path().exists() else "is missing"
     print(f"\nthe probe cache {why}: probing this machine (about 15 s)")

@@ -6,8 +6,8 @@ threads (torch.sum without the C extension), best of several runs. FLOP/s: squar
 kernels and engine overhead: `kvlab.perf.probe_kernels`. Each figure has a time budget,
 so a probe ends in well under 30 s. Results are cached as JSON at
 $KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
-`kvlab estimate --hardware this`. A cache of version 1 (before the kernel figures) still
-loads, without them; `kvlab bench --estimate` probes again when it needs them.
+`kvlab estimate --hardware this`. Caches of versions 1 (before the kernel figures) and 2
+(before the Q8_0x8 kernels) still load; `kvlab bench --estimate` probes again for them.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec, KernelRates
 from kvlab.perf.probe_kernels import best_seconds, measure_kernels
 
 CACHE_ENV = "KVLAB_CACHE_DIR"
-PROBE_VERSION = 2  # 2: kvlab's kernel and engine figures (`kernels`)
-READABLE_VERSIONS = (1, 2)
+PROBE_VERSION = 3  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)

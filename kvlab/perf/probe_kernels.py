@@ -38,7 +38,11 @@ from gguf import GGMLQuantizationType
 from kvlab.perf.hardware import KernelRates
 
 T = GGMLQuantizationType
-WEIGHT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16)
+# GGML type names, and kvlab's Q8_0x8 (Q8_0 in 8-row groups: what the loader makes of Q8_0,
+# Q5_0 and Q4_0 matrices on the CPU)
+WEIGHT_TYPES = ("Q8_0", "Q8_0x8", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
+                "BF16")
+GROUPED = "Q8_0x8"
 LONG_COLS, SHORT_COLS = 4096, 512  # two row lengths over the same blocks
 PREFILL_ROWS = 512  # kvlab's default prefill chunk
 PREFILL_SHAPE = (1024, 2048)  # out, in features of the prefill product
@@ -97,9 +101,9 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
     threads = get_num_threads()
     scratch = torch.empty(weight_mib << 20, dtype=torch.uint8)  # one weight buffer, refilled
     timers: dict[str, Timer] = {}
-    for qtype in WEIGHT_TYPES:
-        timers[f"read {qtype.name}"] = partial(_read_times, qtype, scratch)
-        timers[f"prefill {qtype.name}"] = partial(_prefill_times, qtype)
+    for name in WEIGHT_TYPES:
+        timers[f"read {name}"] = partial(_read_times, name, scratch)
+        timers[f"prefill {name}"] = partial(_prefill_times, name)
     timers["call"] = partial(_call_times, scratch)
     timers["attention"] = partial(_attention_times, 1, attention_positions)
     timers["attention strided"] = partial(_attention_times, 8, attention_positions // 8)
@@ -112,11 +116,9 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
     overhead = {arch: overhead_from(best, arch) for arch in (ARCHITECTURES if engine else ())}
     return KernelRates(
         threads=threads,
-        weight_read={t.name: _fit_read(t, weight_mib, *best[f"read {t.name}"])[0]
-                     for t in WEIGHT_TYPES},
-        row_seconds={t.name: _fit_read(t, weight_mib, *best[f"read {t.name}"])[1]
-                     for t in WEIGHT_TYPES},
-        prefill_ops={t.name: _prefill_ops(*best[f"prefill {t.name}"]) for t in WEIGHT_TYPES},
+        weight_read={t: _fit_read(t, weight_mib, *best[f"read {t}"])[0] for t in WEIGHT_TYPES},
+        row_seconds={t: _fit_read(t, weight_mib, *best[f"read {t}"])[1] for t in WEIGHT_TYPES},
+        prefill_ops={t: _prefill_ops(*best[f"prefill {t}"]) for t in WEIGHT_TYPES},
         call_seconds=_call_cost(weight_mib, *best["call"]),
         attention_read=_attention_rate(1, attention_positions, *best["attention"]),
         attention_read_strided=_attention_rate(8, attention_positions // 8,
@@ -131,16 +133,29 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
 # -- weights ---------------------------------------------------------------------------------
 
 
-def _fill(qtype: GGMLQuantizationType, rows: int, cols: int, out: torch.Tensor | None = None,
+def _qtype(name: str) -> GGMLQuantizationType:
+    return T.Q8_0 if name == GROUPED else T[name]
+
+
+def _weight(name: str, shape: tuple[int, int], data: torch.Tensor):
+    """A QuantizedWeight of the probe type `name` over `data` (uint8 [rows, row bytes])."""
+    from kvlab.kernels import QuantizedWeight
+
+    return QuantizedWeight(_qtype(name), shape, data.view(shape[0], -1), grouped=name == GROUPED)
+
+
+def _fill(name: str, rows: int, cols: int, out: torch.Tensor | None = None,
           tile_rows: int = 64) -> torch.Tensor:
-    """uint8 [rows, row bytes] of valid `qtype` blocks, in `out` when given: a small random
-    tile, repeated (the quantizers are slow; a product's speed does not depend on values)."""
-    from kvlab.kernels import quantize
+    """uint8 [rows, row bytes] of valid blocks of the probe type `name`, in `out` when given:
+    a small random tile, repeated (the quantizers are slow; a product's speed does not
+    depend on values). Tiles are whole 8-row groups, so Q8_0x8 repeats validly too."""
+    from kvlab.kernels import group_rows, quantize
     from kvlab.kernels.qweight import row_bytes
 
     gen = torch.Generator().manual_seed(0)
-    tile = quantize(torch.randn(tile_rows, cols, generator=gen), qtype).data
-    nbytes = rows * row_bytes(qtype, cols)
+    tile = quantize(torch.randn(tile_rows, cols, generator=gen), _qtype(name))
+    tile = (group_rows(tile) if name == GROUPED else tile).data
+    nbytes = rows * row_bytes(_qtype(name), cols)
     fits = out is not None and out.numel() >= nbytes
     data = out[:nbytes] if fits else torch.empty(nbytes, dtype=torch.uint8)
     view = data.view(rows, -1)
@@ -149,31 +164,29 @@ def _fill(qtype: GGMLQuantizationType, rows: int, cols: int, out: torch.Tensor |
     return view
 
 
-def _long_rows(qtype: GGMLQuantizationType, buffer_mib: int) -> int:
+def _long_rows(name: str, buffer_mib: int) -> int:
     from kvlab.kernels.qweight import row_bytes
 
-    return max(64, (buffer_mib << 20) // row_bytes(qtype, LONG_COLS))
+    return max(64, (buffer_mib << 20) // row_bytes(_qtype(name), LONG_COLS) // 8 * 8)
 
 
-def _read_times(qtype: GGMLQuantizationType, scratch: torch.Tensor, budget_s: float
-                ) -> tuple[float, float]:
+def _read_times(name: str, scratch: torch.Tensor, budget_s: float) -> tuple[float, float]:
     """Best seconds of a batch-1 product over the blocks in `scratch` as long rows, then
-    as short rows."""
-    from kvlab.kernels import QuantizedWeight, qmatmul
+    as short rows (the same bytes: for Q8_0x8 then not valid groups, timed all the same)."""
+    from kvlab.kernels import qmatmul
 
-    long_rows = _long_rows(qtype, scratch.numel() >> 20)
-    data = _fill(qtype, long_rows, LONG_COLS, scratch)
+    long_rows = _long_rows(name, scratch.numel() >> 20)
+    data = _fill(name, long_rows, LONG_COLS, scratch)
     ratio = LONG_COLS // SHORT_COLS
     seconds = []
     for rows, cols in ((long_rows, LONG_COLS), (long_rows * ratio, SHORT_COLS)):
-        run = partial(qmatmul, torch.randn(1, cols),
-                      QuantizedWeight(qtype, (rows, cols), data.view(rows, -1)))
+        run = partial(qmatmul, torch.randn(1, cols), _weight(name, (rows, cols), data))
         run()  # warm-up: threads awake
         seconds.append(best_seconds(run, budget_s / 2, max_runs=8)[0])
     return seconds[0], seconds[1]
 
 
-def _fit_read(qtype: GGMLQuantizationType, buffer_mib: int, t_long: float, t_short: float
+def _fit_read(name: str, buffer_mib: int, t_long: float, t_short: float
               ) -> tuple[float, float]:
     """(bytes/s, seconds per output row) from the two times of `_read_times`:
 
@@ -182,32 +195,32 @@ def _fit_read(qtype: GGMLQuantizationType, buffer_mib: int, t_long: float, t_sho
     """
     from kvlab.kernels.qweight import row_bytes
 
-    long_rows = _long_rows(qtype, buffer_mib)
+    long_rows = _long_rows(name, buffer_mib)
     t_row = max(0.0, (t_short - t_long) / (long_rows * (LONG_COLS // SHORT_COLS - 1)))
     stream = max(t_long - long_rows * t_row, t_long / 4)  # noise can not make it free
-    return long_rows * row_bytes(qtype, LONG_COLS) / stream, t_row
+    return long_rows * row_bytes(_qtype(name), LONG_COLS) / stream, t_row
 
 
-def measure_weight_read(qtype: GGMLQuantizationType, buffer_mib: int = 128,
-                        budget_s: float = 0.5) -> tuple[float, float]:
+def measure_weight_read(name: str, buffer_mib: int = 128, budget_s: float = 0.5
+                        ) -> tuple[float, float]:
     """(bytes/s, seconds per output row) of batch-1 products over `buffer_mib` MiB of
-    `qtype` blocks, in one round."""
+    blocks of the probe type `name` (WEIGHT_TYPES), in one round."""
     scratch = torch.empty(buffer_mib << 20, dtype=torch.uint8)
-    return _fit_read(qtype, buffer_mib, *_read_times(qtype, scratch, budget_s))
+    return _fit_read(name, buffer_mib, *_read_times(name, scratch, budget_s))
 
 
 def _call_times(scratch: torch.Tensor, budget_s: float, cols: int = 1024,
                 part_rows: int = 512) -> tuple[float, float]:
     """Best seconds of one product over all the Q8_0 blocks in `scratch`, and of products
     over its small matrices one by one, in shuffled order."""
-    from kvlab.kernels import QuantizedWeight, qmatmul
+    from kvlab.kernels import qmatmul
 
     n_parts = _call_parts(scratch.numel() >> 20, cols, part_rows)
-    data = _fill(T.Q8_0, n_parts * part_rows, cols, scratch)
+    data = _fill(GROUPED, n_parts * part_rows, cols, scratch)  # most model matrices' type
     x = torch.randn(1, cols)
-    whole = partial(qmatmul, x, QuantizedWeight(T.Q8_0, (n_parts * part_rows, cols), data))
+    whole = partial(qmatmul, x, _weight(GROUPED, (n_parts * part_rows, cols), data))
     order = torch.randperm(n_parts, generator=torch.Generator().manual_seed(0)).tolist()
-    parts = [QuantizedWeight(T.Q8_0, (part_rows, cols), data[i * part_rows:(i + 1) * part_rows])
+    parts = [_weight(GROUPED, (part_rows, cols), data[i * part_rows:(i + 1) * part_rows])
              for i in order]
 
     def each() -> None:
@@ -241,13 +254,13 @@ def measure_call(buffer_mib: int = 128, budget_s: float = 0.5) -> float:
 # -- prefill ---------------------------------------------------------------------------------
 
 
-def _prefill_times(qtype: GGMLQuantizationType, budget_s: float,
-                   shape: tuple[int, int] = PREFILL_SHAPE) -> tuple[float, float]:
-    """(best seconds, OP) of a PREFILL_ROWS-row product through a `qtype` matrix."""
-    from kvlab.kernels import QuantizedWeight, qmatmul
+def _prefill_times(name: str, budget_s: float, shape: tuple[int, int] = PREFILL_SHAPE
+                   ) -> tuple[float, float]:
+    """(best seconds, OP) of a PREFILL_ROWS-row product through a matrix of type `name`."""
+    from kvlab.kernels import qmatmul
 
     out_features, in_features = shape
-    w = QuantizedWeight(qtype, shape, _fill(qtype, out_features, in_features))
+    w = _weight(name, shape, _fill(name, out_features, in_features))
     run = partial(qmatmul, torch.randn(PREFILL_ROWS, in_features), w)
     run()
     ops = 2.0 * PREFILL_ROWS * out_features * in_features
@@ -258,10 +271,11 @@ def _prefill_ops(seconds: float, ops: float) -> float:
     return ops / seconds
 
 
-def measure_prefill(qtype: GGMLQuantizationType, budget_s: float = 0.5,
-                    out_features: int = 1024, in_features: int = 2048) -> float:
-    """OP/s of a PREFILL_ROWS-row product through a `qtype` matrix (activations in 8 bits)."""
-    return _prefill_ops(*_prefill_times(qtype, budget_s, (out_features, in_features)))
+def measure_prefill(name: str, budget_s: float = 0.5, out_features: int = 1024,
+                    in_features: int = 2048) -> float:
+    """OP/s of a PREFILL_ROWS-row product through a matrix of the probe type `name`
+    (activations in 8 bits)."""
+    return _prefill_ops(*_prefill_times(name, budget_s, (out_features, in_features)))
 
 
 # -- attention, sampling, element-wise -------------------------------------------------------
