@@ -22,7 +22,8 @@ COMPILE_ARGS = [] if sys.platform == "win32" else [
 qk = Extension(
     "kvlab.kernels._qk",
     sources=[f"{CSRC}/{name}.c" for name in ("qk_module", "qk_pool", "qk_generic", "qk_avx2",
-                                            "qk_quant", "qk_fused", "qk_attn", "qk_x8")],
+                                            "qk_quant", "qk_fused", "qk_attn", "qk_x8",
+                                            "qk_x8k")],
     depends=[f"{CSRC}/qk.h", f"{CSRC}/qk_dequant.inc"],
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=[] if sys.platform == "win32" else ["-pthread"],

@@ -1,4 +1,5 @@
-"""Q8_0x8 (kvlab.kernels.group_rows): Q8_0 / Q5_0 / Q4_0 rows in interleaved groups of 8.
+"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8 and Q4_K rows as Q4_Kx8,
+interleaved in groups of 8.
 
 The values must be exactly those of the GGUF blocks, and a product must give the same bits
 on every kernel path (AVX512-VNNI, AVX2 maddubs, portable C) and for any number of x rows.
@@ -24,10 +25,12 @@ from kvlab.kernels import (
 )
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
-GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0]
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K]
 
 
-def weight(qtype: T, rows: int = 48, cols: int = 224, seed: int = 0) -> QuantizedWeight:
+def weight(qtype: T, rows: int = 48, cols: int = 0, seed: int = 0) -> QuantizedWeight:
+    """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for K-quants"""
+    cols = cols or (768 if qtype in (T.Q4_K, T.Q6_K) else 224)
     g = torch.Generator().manual_seed(seed)
     return quantize(torch.randn(rows, cols, generator=g), qtype)
 
@@ -46,8 +49,10 @@ def isas() -> list[str]:
 def test_grouped_values_are_the_gguf_values(qtype):
     w = weight(qtype)
     g = group_rows(w)
-    assert g.grouped and g.qtype == T.Q8_0 and g.shape == w.shape
-    assert g.nbytes == w.out_features * w.in_features // 32 * 34  # Q8_0's size
+    kind = T.Q4_K if qtype == T.Q4_K else T.Q8_0
+    assert g.grouped and g.qtype == kind and g.shape == w.shape
+    per_block = 148 / 256 if qtype == T.Q4_K else 34 / 32  # Q4_K + unpacked scales; Q8_0
+    assert g.nbytes == w.out_features * w.in_features * per_block
     assert torch.equal(dequantize(g), dequantize(w))
     ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
     assert torch.equal(dequantize_rows(g, ids), dequantize(w)[ids])
@@ -58,16 +63,17 @@ def test_grouped_product_is_the_plain_kernels_dot(qtype):
     """The same 8-bit activations and the same exact int32 block sums as the plain kernel
     of the GGUF type: only the order of the fp32 steps differs."""
     w = weight(qtype, seed=3)
-    x = torch.randn(5, 224, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(4))
     y, plain = qmatmul(x, group_rows(w)), qmatmul(x, w)
     scale = (x.abs() @ dequantize(w).abs().T).max()
     assert (y - plain).abs().max() <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("isa", isas())
-def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa):
-    g = group_rows(weight(T.Q5_0, rows=64, cols=96, seed=5))  # 3 blocks: an odd count
-    x = torch.randn(21, 96, generator=torch.Generator().manual_seed(6))
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K], ids=lambda t: t.name)
+def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
+    g = group_rows(weight(qtype, rows=64, cols=768 if qtype == T.Q4_K else 96, seed=5))
+    x = torch.randn(21, g.in_features, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     try:
         ops._qk.set_isa(isa)
@@ -93,7 +99,7 @@ def test_threads_split_between_groups():
 
 def test_what_cannot_be_grouped_says_why():
     assert not can_group(weight(T.Q8_0, rows=44))
-    assert not can_group(weight(T.Q4_K, rows=48, cols=256))
+    assert not can_group(weight(T.Q6_K, rows=48, cols=256))
     with pytest.raises(ValueError, match="multiple of 8"):
         group_rows(weight(T.Q8_0, rows=44))
     with pytest.raises(ValueError, match="groups of 8"):
@@ -101,11 +107,12 @@ def test_what_cannot_be_grouped_says_why():
 
 
 def test_copies_keep_the_layout():
-    g = group_rows(weight(T.Q8_0))
-    copy = pickle.loads(pickle.dumps(g))
-    assert copy.grouped and "Q8_0x8" in repr(copy)
-    x = torch.randn(2, 224)
-    assert torch.equal(qmatmul(x, copy), qmatmul(x, g))
+    for qtype in (T.Q8_0, T.Q4_K):
+        g = group_rows(weight(qtype))
+        copy = pickle.loads(pickle.dumps(g))
+        assert copy.grouped and f"{qtype.name}x8" in repr(copy)
+        x = torch.randn(2, g.in_features)
+        assert torch.equal(qmatmul(x, copy), qmatmul(x, g))
 
 
 def test_dense_matmul_tiles_start_on_groups(monkeypatch):

@@ -34,7 +34,7 @@ def _positive(x: float) -> bool:
 def test_kernel_figures_on_small_buffers(c_kernels: None) -> None:
     from kvlab.perf import probe_kernels as pk
 
-    for name in ("Q8_0", "Q8_0x8", "Q4_K", "Q5_0"):
+    for name in ("Q8_0", "Q8_0x8", "Q4_K", "Q4_Kx8", "Q5_0"):
         rate, row = pk.measure_weight_read(name, buffer_mib=1, budget_s=0.02)
         assert _positive(rate) and row >= 0
         assert _positive(pk.measure_prefill(name, 0.02, out_features=64, in_features=256))

@@ -150,28 +150,31 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
     return QuantizedWeight(qtype, (rows, cols), data)
 
 
-GROUPABLE_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0)
+# GGUF type -> the type of its 8-row groups (Q5_0 and Q4_0 widen to Q8_0 exactly)
+GROUPS_AS = {T.Q8_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K}
 
 
 def can_group(w: QuantizedWeight) -> bool:
-    """Whether `group_rows` applies: C kernels built, a Q8_0/Q5_0/Q4_0 matrix of 8k rows."""
-    return (_qk is not None and not w.grouped and w.qtype in GROUPABLE_TYPES
+    """Whether `group_rows` applies: C kernels built, a Q8_0/Q5_0/Q4_0/Q4_K matrix of 8k
+    rows."""
+    return (_qk is not None and not w.grouped and w.qtype in GROUPS_AS
             and w.out_features % 8 == 0)
 
 
 def group_rows(w: QuantizedWeight) -> QuantizedWeight:
-    """w as Q8_0 in interleaved groups of 8 rows (a new buffer, Q8_0's size): the same
-    values exactly (Q5_0 / Q4_0 widen to 8 bits), for the products that serve 8 rows per
-    register. Batched decode and prefill run about twice as fast on it (qk_x8.c)."""
+    """w in interleaved groups of 8 rows (a new buffer): Q8_0, Q5_0, Q4_0 as Q8_0x8 (Q8_0's
+    size), Q4_K as Q4_Kx8 (148 bytes per 256), the same values exactly, for the products
+    that serve 8 rows per register. Batched decode and prefill run about twice as fast on
+    them (csrc/qk_x8.c, qk_x8k.c)."""
     if not can_group(w):
-        raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and Q8_0, Q5_0 "
-                         "or Q4_0 rows in a multiple of 8")
+        raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and Q8_0, Q5_0, "
+                         "Q4_0 or Q4_K rows in a multiple of 8")
     rows, cols = w.shape
-    nbytes = row_bytes(T.Q8_0, cols)
-    data = torch.empty(rows, nbytes, dtype=torch.uint8)
+    qtype = GROUPS_AS[w.qtype]
+    data = torch.empty(rows, row_bytes(qtype, cols, grouped=True), dtype=torch.uint8)
     qt, ptr, _, _, src_bytes = w.kernel_args
-    _qk.to_q8_0x8(qt, ptr, rows, cols, src_bytes, data.data_ptr())
-    return QuantizedWeight(T.Q8_0, (rows, cols), data, grouped=True)
+    _qk.to_x8(qt, ptr, rows, cols, src_bytes, data.data_ptr())
+    return QuantizedWeight(qtype, (rows, cols), data, grouped=True)
 
 
 def _dequantize_into(w: QuantizedWeight, r0: int, r1: int, out: torch.Tensor,

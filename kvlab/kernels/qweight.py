@@ -16,13 +16,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
-Q8_0X8_KERNEL_TYPE = 31  # the C kernels' id for grouped Q8_0 (KV_Q8_0X8 in csrc/qk.h)
+# Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
+# KV_Q4_KX8 in csrc/qk.h) and its bytes per block (Q4_Kx8 keeps its scales unpacked)
+GROUPED_KERNEL_TYPES = {T.Q8_0: 31, T.Q4_K: 32}
+GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
-def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
-    """Bytes of one row of `in_features` elements; checks the row is whole blocks."""
+def row_bytes(qtype: GGMLQuantizationType, in_features: int, grouped: bool = False) -> int:
+    """Bytes of one row of `in_features` elements (on average, for 8-row groups); checks
+    the row is whole blocks."""
     if qtype not in SUPPORTED_TYPES:
         names = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise ValueError(f"weight type {qtype.name} is not supported (valid: {names})")
@@ -30,7 +34,7 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     if in_features <= 0 or in_features % block:
         raise ValueError(f"{qtype.name} rows must be a positive multiple of {block} elements, "
                          f"got {in_features}")
-    return in_features // block * type_size
+    return in_features // block * (GROUPED_BLOCK_BYTES[qtype] if grouped else type_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,8 +44,8 @@ class QuantizedWeight:
     qtype: GGMLQuantizationType
     shape: tuple[int, int]  # (out_features, in_features), PyTorch order
     data: torch.Tensor  # uint8 [out_features, row_bytes]: the GGUF blocks, unchanged
-    # Q8_0 only: rows interleaved in groups of 8 (kvlab's Q8_0x8, kernels/csrc/qk_x8.c),
-    # the same bytes per row, for products that serve 8 rows per register
+    # Q8_0 / Q4_K: rows interleaved in groups of 8 (kvlab's Q8_0x8 / Q4_Kx8, kernels/csrc/
+    # qk_x8*.c), for products that serve 8 rows per register
     grouped: bool = False
     # (type id, address, rows, cols, row_bytes): what every C call takes, computed once
     kernel_args: tuple[int, int, int, int, int] = field(init=False, repr=False)
@@ -51,7 +55,10 @@ class QuantizedWeight:
         if len(self.shape) != 2:
             raise ValueError(f"a QuantizedWeight is a matrix, got shape {tuple(self.shape)}")
         rows, cols = (int(s) for s in self.shape)
-        nbytes = row_bytes(qtype, cols)
+        if self.grouped and (qtype not in GROUPED_KERNEL_TYPES or rows % 8):
+            raise ValueError(f"grouped rows are Q8_0 or Q4_K in groups of 8, got {qtype.name} "
+                             f"with {rows} rows")
+        nbytes = row_bytes(qtype, cols, self.grouped)
         data = self.data
         if data.dtype != torch.uint8 or data.numel() != rows * nbytes:
             raise ValueError(f"{qtype.name} {rows}x{cols} needs uint8 data of {rows}x{nbytes} "
@@ -62,10 +69,7 @@ class QuantizedWeight:
         object.__setattr__(self, "qtype", qtype)
         object.__setattr__(self, "shape", (rows, cols))
         object.__setattr__(self, "data", data)
-        if self.grouped and (qtype != GGMLQuantizationType.Q8_0 or rows % 8):
-            raise ValueError(f"grouped rows are Q8_0 in groups of 8, got {qtype.name} "
-                             f"with {rows} rows")
-        kernel_type = Q8_0X8_KERNEL_TYPE if self.grouped else int(qtype)
+        kernel_type = GROUPED_KERNEL_TYPES[qtype] if self.grouped else int(qtype)
         object.__setattr__(self, "kernel_args", (kernel_type, data.data_ptr(), rows, cols, nbytes))
 
     @classmethod
@@ -95,6 +99,11 @@ class QuantizedWeight:
         return self.data.shape[1]
 
     @property
+    def type_name(self) -> str:
+        """"Q4_K", or "Q4_Kx8" for 8-row groups: the layout in memory."""
+        return f"{self.qtype.name}x8" if self.grouped else self.qtype.name
+
+    @property
     def nbytes(self) -> int:
         """Bytes a full product reads: the stored blocks."""
         return self.data.numel()
@@ -104,5 +113,5 @@ class QuantizedWeight:
         return (QuantizedWeight, (self.qtype, self.shape, self.data, self.grouped))
 
     def __repr__(self) -> str:
-        name = "Q8_0x8" if self.grouped else self.qtype.name
-        return f"QuantizedWeight({name}, {self.shape[0]}x{self.shape[1]}, {self.nbytes} bytes)"
+        return (f"QuantizedWeight({self.type_name}, {self.shape[0]}x{self.shape[1]}, "
+                f"{self.nbytes} bytes)")

@@ -39,8 +39,8 @@ class LoadOptions:
     keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
     device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: "q8_0" | "q4_k"
-    # CPU: Q8_0 / Q5_0 / Q4_0 matrices of 8k rows as Q8_0x8 (8-row groups, exact values;
-    # batched decode and prefill about 2x faster, batch-1 decode about the same)
+    # CPU: Q8_0 / Q5_0 / Q4_0 / Q4_K matrices of 8k rows in 8-row groups (Q8_0x8, Q4_Kx8:
+    # exact values; batched decode and prefill about 2x faster, batch-1 decode no slower)
     group_rows: bool = True
 
 
@@ -170,7 +170,6 @@ def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | Non
 
 def _stat(name: str, w: Weight) -> TensorStat:
     if isinstance(w, QuantizedWeight):
-        return TensorStat(name, tuple(w.shape), "Q8_0x8" if w.grouped else w.qtype.name,
-                          w.nbytes)
+        return TensorStat(name, tuple(w.shape), w.type_name, w.nbytes)
     kind = str(w.dtype).removeprefix("torch.").replace("float", "F").replace("bF", "BF")
     return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size())

@@ -38,11 +38,11 @@ from gguf import GGMLQuantizationType
 from kvlab.perf.hardware import KernelRates
 
 T = GGMLQuantizationType
-# GGML type names, and kvlab's Q8_0x8 (Q8_0 in 8-row groups: what the loader makes of Q8_0,
-# Q5_0 and Q4_0 matrices on the CPU)
-WEIGHT_TYPES = ("Q8_0", "Q8_0x8", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
-                "BF16")
-GROUPED = "Q8_0x8"
+# GGML type names, and kvlab's 8-row groups Q8_0x8 and Q4_Kx8 (what the loader makes of
+# Q8_0, Q5_0, Q4_0 and Q4_K matrices on the CPU)
+WEIGHT_TYPES = ("Q8_0", "Q8_0x8", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q4_Kx8", "Q5_K",
+                "Q6_K", "F16", "BF16")
+GROUPED = "Q8_0x8"  # the most common type in a model's matrices
 LONG_COLS, SHORT_COLS = 4096, 512  # two row lengths over the same blocks
 PREFILL_ROWS = 512  # kvlab's default prefill chunk
 PREFILL_SHAPE = (1024, 2048)  # out, in features of the prefill product
@@ -134,14 +134,24 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
 
 
 def _qtype(name: str) -> GGMLQuantizationType:
-    return T.Q8_0 if name == GROUPED else T[name]
+    return T[name.removesuffix("x8")]
+
+
+def _grouped(name: str) -> bool:
+    return name.endswith("x8")
+
+
+def _row_bytes(name: str, cols: int) -> int:
+    from kvlab.kernels.qweight import row_bytes
+
+    return row_bytes(_qtype(name), cols, _grouped(name))
 
 
 def _weight(name: str, shape: tuple[int, int], data: torch.Tensor):
     """A QuantizedWeight of the probe type `name` over `data` (uint8 [rows, row bytes])."""
     from kvlab.kernels import QuantizedWeight
 
-    return QuantizedWeight(_qtype(name), shape, data.view(shape[0], -1), grouped=name == GROUPED)
+    return QuantizedWeight(_qtype(name), shape, data.view(shape[0], -1), grouped=_grouped(name))
 
 
 def _fill(name: str, rows: int, cols: int, out: torch.Tensor | None = None,
@@ -150,12 +160,11 @@ def _fill(name: str, rows: int, cols: int, out: torch.Tensor | None = None,
     a small random tile, repeated (the quantizers are slow; a product's speed does not
     depend on values). Tiles are whole 8-row groups, so Q8_0x8 repeats validly too."""
     from kvlab.kernels import group_rows, quantize
-    from kvlab.kernels.qweight import row_bytes
 
     gen = torch.Generator().manual_seed(0)
     tile = quantize(torch.randn(tile_rows, cols, generator=gen), _qtype(name))
-    tile = (group_rows(tile) if name == GROUPED else tile).data
-    nbytes = rows * row_bytes(_qtype(name), cols)
+    tile = (group_rows(tile) if _grouped(name) else tile).data
+    nbytes = rows * _row_bytes(name, cols)
     fits = out is not None and out.numel() >= nbytes
     data = out[:nbytes] if fits else torch.empty(nbytes, dtype=torch.uint8)
     view = data.view(rows, -1)
@@ -165,9 +174,7 @@ def _fill(name: str, rows: int, cols: int, out: torch.Tensor | None = None,
 
 
 def _long_rows(name: str, buffer_mib: int) -> int:
-    from kvlab.kernels.qweight import row_bytes
-
-    return max(64, (buffer_mib << 20) // row_bytes(_qtype(name), LONG_COLS) // 8 * 8)
+    return max(64, (buffer_mib << 20) // _row_bytes(name, LONG_COLS) // 8 * 8)
 
 
 def _read_times(name: str, scratch: torch.Tensor, budget_s: float) -> tuple[float, float]:
@@ -193,12 +200,10 @@ def _fit_read(name: str, buffer_mib: int, t_long: float, t_short: float
         t_long  = B / rate + R       * t_row
         t_short = B / rate + R * 8   * t_row      (8 = LONG_COLS / SHORT_COLS)
     """
-    from kvlab.kernels.qweight import row_bytes
-
     long_rows = _long_rows(name, buffer_mib)
     t_row = max(0.0, (t_short - t_long) / (long_rows * (LONG_COLS // SHORT_COLS - 1)))
     stream = max(t_long - long_rows * t_row, t_long / 4)  # noise can not make it free
-    return long_rows * row_bytes(_qtype(name), LONG_COLS) / stream, t_row
+    return long_rows * _row_bytes(name, LONG_COLS) / stream, t_row
 
 
 def measure_weight_read(name: str, buffer_mib: int = 128, budget_s: float = 0.5

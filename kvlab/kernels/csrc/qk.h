@@ -15,7 +15,8 @@ enum {
     KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7,
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
     KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
-    KV_NTYPES = 32
+    KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
+    KV_NTYPES = 33
 };
 
 typedef uint16_t kv_half;
@@ -88,6 +89,46 @@ void kv_gemv_q8_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_
                          int64_t ystride);
 int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
+/* ---- Q4_Kx8 (qk_x8k.c): Q4_K rows in groups of 8, scales unpacked (148 B per row-block) */
+int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out);
+void kv_gemv_q4_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                            float *y, int64_t ystride);
+#ifdef KV_HAVE_AVX2_BUILD
+void kv_gemv_q4_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride);
+#endif
+
+/* The driver of an 8-row-group kernel: groups [r0, r1) of W (8 rows each, the group's
+ * blocks of `blk_t` contiguous), x rows in tiles of up to 8 through tile(b, blocks, x, xs, nx,
+ * y, ys) with nx a constant for each case, so the tile's loops over x rows unroll. */
+#define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
+    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
+                         float *y, int64_t ystride) {                                      \
+        const char *x = (const char *)xq;                                                  \
+        const int64_t nb = cols / (block_elems);                                           \
+        for (int64_t r = r0; r < r1; r += 8) {                                             \
+            const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
+            for (int64_t j = 0; j < n; j += 8) {                                           \
+                const char *xj = x + j * xstride;                                          \
+                float *yj = y + j * ystride + r;                                           \
+                switch (n - j >= 8 ? 8 : n - j) {                                          \
+                    case 8: tile(b, nb, xj, xstride, 8, yj, ystride); break;               \
+                    case 7: tile(b, nb, xj, xstride, 7, yj, ystride); break;               \
+                    case 6: tile(b, nb, xj, xstride, 6, yj, ystride); break;               \
+                    case 5: tile(b, nb, xj, xstride, 5, yj, ystride); break;               \
+                    case 4: tile(b, nb, xj, xstride, 4, yj, ystride); break;               \
+                    case 3: tile(b, nb, xj, xstride, 3, yj, ystride); break;               \
+                    case 2: tile(b, nb, xj, xstride, 2, yj, ystride); break;               \
+                    default: tile(b, nb, xj, xstride, 1, yj, ystride); break;              \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
 
 /* ---- helpers shared by the C files ---- */
 extern float kv_h2f_table[65536];

@@ -94,10 +94,11 @@ static void rows_task(void *p, int tid, int nthreads) {
 }
 
 /* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
- * Q8_0x8 splits only between its groups of 8 rows. */
+ * Q8_0x8 and Q4_Kx8 split only between their groups of 8 rows. */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = job->qtype == KV_Q8_0X8 ? 8 : 1, groups = job->rows / align;
+    const int64_t align = job->qtype == KV_Q8_0X8 || job->qtype == KV_Q4_KX8 ? 8 : 1;
+    const int64_t groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
     for (int k = 0; k < job->nparts; k++) {
@@ -113,10 +114,11 @@ static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
                             job->ystride ? job->ystride : job->rows);
 }
 
-/* row r of a matrix -> fp32 (Q8_0x8 rows are spread over their group's blocks) */
+/* row r of a matrix -> fp32 (grouped rows are spread over their group's blocks) */
 static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
                     float *out) {
     if (qtype == KV_Q8_0X8) kv_deq_q8_0x8_row(w, row_bytes, r, cols, out);
+    else if (qtype == KV_Q4_KX8) kv_deq_q4_kx8_row(w, row_bytes, r, cols, out);
     else g_isa->deq[qtype](w + r * row_bytes, cols, out);
 }
 
@@ -306,9 +308,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* to_q8_0x8(qtype, src, rows, cols, src_row_bytes, dst): Q8_0 / Q5_0 / Q4_0 rows -> Q8_0x8
- * (rows a multiple of 8; dst holds rows x cols/32 x 34 bytes) */
-static PyObject *py_to_q8_0x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q5_0
+ * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256); rows a multiple of 8 */
+static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(6);
     int64_t qtype, rows, cols, src_row_bytes;
@@ -316,15 +318,16 @@ static PyObject *py_to_q8_0x8(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &src) || !get_i64(args[2], &rows) ||
         !get_i64(args[3], &cols) || !get_i64(args[4], &src_row_bytes) || !get_ptr(args[5], &dst))
         return NULL;
-    if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0)
-        return PyErr_Format(PyExc_ValueError, "Q8_0x8 is built from Q8_0, Q5_0 or Q4_0 rows, "
-                            "not GGML type id %lld", (long long)qtype);
+    if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0 && qtype != KV_Q4_K)
+        return PyErr_Format(PyExc_ValueError, "8-row groups are built from Q8_0, Q5_0, Q4_0 or "
+                            "Q4_K rows, not GGML type id %lld", (long long)qtype);
     if (!check_layout(qtype, cols, src_row_bytes)) return NULL;
     if (rows % 8)
-        return PyErr_Format(PyExc_ValueError, "Q8_0x8 needs a multiple of 8 rows, got %lld",
+        return PyErr_Format(PyExc_ValueError, "8-row groups need a multiple of 8 rows, got %lld",
                             (long long)rows);
     Py_BEGIN_ALLOW_THREADS
-    kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
+    if (qtype == KV_Q4_K) kv_to_q4_kx8(src, rows, cols, dst);
+    else kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -718,8 +721,8 @@ static PyMethodDef methods[] = {
      "dequantize_rows(qtype, w, rows, cols, row_bytes, ids, n, out)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "quantize(qtype, x, rows, cols, out)"},
-    {"to_q8_0x8", (PyCFunction)(void (*)(void))py_to_q8_0x8, METH_FASTCALL,
-     "to_q8_0x8(qtype, src, rows, cols, src_row_bytes, dst): rows in groups of 8 (qk_x8.c)"},
+    {"to_x8", (PyCFunction)(void (*)(void))py_to_x8, METH_FASTCALL,
+     "to_x8(qtype, src, rows, cols, src_row_bytes, dst): rows in groups of 8 (qk_x8*.c)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, out, rows, dim, eps)"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL,

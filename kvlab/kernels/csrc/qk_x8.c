@@ -179,32 +179,8 @@ KV_X8_TILE(tile_x8_vnni, KV_TGT_V, KV_X8_SETUP_V, KV_X8_DOT_V)
     }
 KV_X8_TILE(tile_x8_avx2, KV_TGT_A, KV_X8_SETUP_A, KV_X8_DOT_A)
 
-#define KV_X8_GEMV(name, TGT, tile)                                                         \
-    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
-                         float *y, int64_t ystride) {                                      \
-        const char *x = (const char *)xq;                                                  \
-        for (int64_t r = r0; r < r1; r += 8) {                                             \
-            const kv_blk_q8_0x8 *b = (const kv_blk_q8_0x8 *)(w + r * row_bytes);           \
-            for (int64_t j = 0; j < n; j += KV_X8_NX) {                                    \
-                const char *xj = x + j * xstride;                                          \
-                float *yj = y + j * ystride + r;                                           \
-                switch (n - j >= KV_X8_NX ? KV_X8_NX : n - j) {                            \
-                    case 8: tile(b, cols / 32, xj, xstride, 8, yj, ystride); break;        \
-                    case 7: tile(b, cols / 32, xj, xstride, 7, yj, ystride); break;        \
-                    case 6: tile(b, cols / 32, xj, xstride, 6, yj, ystride); break;        \
-                    case 5: tile(b, cols / 32, xj, xstride, 5, yj, ystride); break;        \
-                    case 4: tile(b, cols / 32, xj, xstride, 4, yj, ystride); break;        \
-                    case 3: tile(b, cols / 32, xj, xstride, 3, yj, ystride); break;        \
-                    case 2: tile(b, cols / 32, xj, xstride, 2, yj, ystride); break;        \
-                    default: tile(b, cols / 32, xj, xstride, 1, yj, ystride); break;       \
-                }                                                                          \
-            }                                                                              \
-        }                                                                                  \
-    }
-
-KV_X8_GEMV(gemv_x8_vnni, KV_TGT_V, tile_x8_vnni)
-KV_X8_GEMV(gemv_x8_avx2, KV_TGT_A, tile_x8_avx2)
+KV_GROUP_GEMV(gemv_x8_vnni, KV_TGT_V, tile_x8_vnni, kv_blk_q8_0x8, 32)
+KV_GROUP_GEMV(gemv_x8_avx2, KV_TGT_A, tile_x8_avx2, kv_blk_q8_0x8, 32)
 
 void kv_gemv_q8_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,

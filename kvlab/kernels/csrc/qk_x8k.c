@@ -1,0 +1,210 @@
+/* Q4_K in groups of 8 rows ("Q4_Kx8", kvlab's own in-memory layout; see qk_x8.c for the
+ * idea): one register lane per weight row, so vpdpbusd against x's 4 bytes broadcast gives
+ * 8 rows' partial dots at once, and the integer sub-block scales and the float steps each
+ * serve 8 rows per instruction.
+ *
+ *   super-block i of rows 8g..8g+7 (1184 B = 8 x 148, Q4_K's 144 plus unpacked scales):
+ *     d[8], dmin[8]     fp16, row 8g+k in slot k
+ *     sc[8][8], m[8][8] 6-bit sub-block scale and min, [sub-block s][row k]
+ *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q4_K qs: its low
+ *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
+ *
+ * Per row and x row (x in kv_act256 blocks), as exact integers:
+ *   isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
+ * then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block,
+ * from 0, the same in every kernel below and for any number of x rows.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "qk.h"
+
+#define KV_FN(name) name##_x8k
+#define KV_TGT
+#define KV_H2F(h) (kv_h2f_table[h])
+#include "qk_dequant.inc"
+
+typedef struct {
+    kv_half d[8], dmin[8];
+    uint8_t sc[8][8], m[8][8];
+    uint8_t qs[4][8][32];
+} kv_blk_q4_kx8;  /* 1184 B */
+
+int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q4_k);
+    kv_blk_q4_kx8 *out = (kv_blk_q4_kx8 *)dst;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_q4_k *b = (const kv_blk_q4_k *)(src + (8 * g + k) * row_bytes) + i;
+                uint8_t sc[8], mn[8];
+                kv_scale_min_k4(b->scales, sc, mn);
+                out->d[k] = b->d, out->dmin[k] = b->dmin;
+                for (int s = 0; s < 8; s++) out->sc[s][k] = sc[s], out->m[s][k] = mn[s];
+                for (int p = 0; p < 4; p++)
+                    for (int t = 0; t < 8; t++) memcpy(&out->qs[p][t][4 * k], b->qs + 32 * p + 4 * t, 4);
+            }
+        }
+    }
+    return 0;
+}
+
+/* row r -> fp32, rounded as deq_q4_k rounds */
+void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out) {
+    const kv_blk_q4_kx8 *b = (const kv_blk_q4_kx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const float d = kv_h2f_table[b[i].d[k]], dmin = kv_h2f_table[b[i].dmin[k]];
+        for (int p = 0; p < 4; p++, out += 64) {
+            const float d1 = d * (float)b[i].sc[2 * p][k], m1 = dmin * (float)b[i].m[2 * p][k];
+            const float d2 = d * (float)b[i].sc[2 * p + 1][k];
+            const float m2 = dmin * (float)b[i].m[2 * p + 1][k];
+            for (int l = 0; l < 32; l++) {
+                const uint8_t q = b[i].qs[p][l / 4][4 * k + l % 4];
+                out[l] = d1 * (float)(q & 0xF) - m1;
+                out[l + 32] = d2 * (float)(q >> 4) - m2;
+            }
+        }
+    }
+}
+
+/* ---------------- portable kernel (the reference) ---------------- */
+
+static void row_sums(const kv_blk_q4_kx8 *b, int k, const kv_act256 *a, int32_t *isum,
+                     int32_t *msum) {
+    *isum = *msum = 0;
+    for (int p = 0; p < 4; p++) {
+        int32_t lo = 0, hi = 0;
+        for (int l = 0; l < 32; l++) {
+            const uint8_t q = b->qs[p][l / 4][4 * k + l % 4];
+            lo += (q & 0xF) * a->qs[64 * p + l];
+            hi += (q >> 4) * a->qs[64 * p + 32 + l];
+        }
+        *isum += b->sc[2 * p][k] * lo + b->sc[2 * p + 1][k] * hi;
+    }
+    for (int s = 0; s < 8; s++) *msum += b->m[s][k] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
+}
+
+void kv_gemv_q4_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                            float *y, int64_t ystride) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const kv_blk_q4_kx8 *b = (const kv_blk_q4_kx8 *)(w + r * row_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);
+            for (int k = 0; k < 8; k++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < cols / 256; i++) {
+                    int32_t isum, msum;
+                    row_sums(b + i, k, a + i, &isum, &msum);
+                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
+                    acc = fmaf(-(kv_h2f_table[b[i].dmin[k]] * a[i].d), (float)msum, acc);
+                }
+                y[j * ystride + r + k] = acc;
+            }
+        }
+    }
+}
+
+/* ---------------- AVX2 (maddubs) and AVX512-VNNI (vpdpbusd) kernels ---------------- */
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+
+#define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
+#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_K8_NX 8
+
+static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 int32 sums of 4 products: unsigned nibbles (<= 15) times signed x; no int16 step of
+ * maddubs can saturate (2 * 15 * 127) */
+static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_dot_a(__m256i acc, __m256i q,
+                                                                        __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x),
+                                                   _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i acc, __m256i q,
+                                                                        __m256i x) {
+    return _mm256_dpbusd_epi32(acc, q, x);
+}
+
+/* one group's super-blocks against nx x rows */
+#define KV_K8_TILE(name, TGT, DOT)                                                          \
+    static inline __attribute__((always_inline)) TGT void name(                           \
+        const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
+        float *y, int64_t ys) {                                                           \
+        __m256 acc[KV_K8_NX];                                                             \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                        \
+        for (int64_t i = 0; i < nb; i++) {                                                \
+            __m256i isum[KV_K8_NX];                                                       \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
+            for (int p = 0; p < 4; p++) {                                                 \
+                __m256i lo[8], hi[8];                                                     \
+                for (int t = 0; t < 8; t++) {                                             \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)b[i].qs[p][t]); \
+                    lo[t] = _mm256_and_si256(v, m4);                                      \
+                    hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);                \
+                }                                                                         \
+                const __m256i s0 = _mm256_cvtepu8_epi32(                                  \
+                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * p]));                    \
+                const __m256i s1 = _mm256_cvtepu8_epi32(                                  \
+                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * p + 1]));                \
+                for (int j = 0; j < nx; j++) {                                            \
+                    const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 64 * p; \
+                    __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();       \
+                    for (int t = 0; t < 8; t++) {                                         \
+                        l = DOT(l, lo[t], k8_bcast4(x + 4 * t));                          \
+                        h = DOT(h, hi[t], k8_bcast4(x + 32 + 4 * t));                     \
+                    }                                                                     \
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(                 \
+                        _mm256_mullo_epi32(l, s0), _mm256_mullo_epi32(h, s1)));           \
+                }                                                                         \
+            }                                                                             \
+            __m256i mdup[4][2];  /* (m_s, m_s) as int16 pairs, sub-blocks 2p and 2p+1 */  \
+            for (int p = 0; p < 4; p++)                                                   \
+                for (int h = 0; h < 2; h++) {                                             \
+                    const __m256i m = _mm256_cvtepu8_epi32(                               \
+                        _mm_loadl_epi64((const __m128i *)b[i].m[2 * p + h]));             \
+                    mdup[p][h] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));            \
+                }                                                                         \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));  \
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
+            for (int j = 0; j < nx; j++) {                                                \
+                const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;                \
+                __m256i msum = _mm256_setzero_si256();                                    \
+                for (int p = 0; p < 4; p++)                                               \
+                    for (int h = 0; h < 2; h++) /* m_s * (bsums[2s] + bsums[2s + 1]) */   \
+                        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(                  \
+                            mdup[p][h], k8_bcast4(a->bsums + 4 * p + 2 * h)));            \
+                const __m256 dx = _mm256_set1_ps(a->d);                                   \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx),                           \
+                                         _mm256_cvtepi32_ps(isum[j]), acc[j]);            \
+                acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx),                          \
+                                          _mm256_cvtepi32_ps(msum), acc[j]);              \
+            }                                                                             \
+        }                                                                                 \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                \
+    }
+
+KV_K8_TILE(tile_k8_vnni, KV_TGT_V, k8_dot_v)
+KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
+
+KV_GROUP_GEMV(gemv_k8_vnni, KV_TGT_V, tile_k8_vnni, kv_blk_q4_kx8, 256)
+KV_GROUP_GEMV(gemv_k8_avx2, KV_TGT_A, tile_k8_avx2, kv_blk_q4_kx8, 256)
+
+void kv_gemv_q4_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride) {
+    (kv_use_vnni() ? gemv_k8_vnni : gemv_k8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
+                                                  y, ystride);
+}
+#endif /* KV_HAVE_AVX2_BUILD */
