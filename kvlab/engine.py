@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     keep_quantized: bool = True
-    group_rows: bool = True  # CPU: Q8_0/Q5_0/Q4_0 as 8-row groups (kvlab.kernels.group_rows)
+    group_rows: bool = True  # CPU: legacy and Q4_K/Q6_K as 8-row groups (kernels.group_rows)
     quantize: str | None = None
     threads: int | None = None
     device: str = "cpu"

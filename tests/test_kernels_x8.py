@@ -25,12 +25,12 @@ from kvlab.kernels import (
 )
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
-GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K]
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K]
 
 
 def weight(qtype: T, rows: int = 48, cols: int = 0, seed: int = 0) -> QuantizedWeight:
     """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for K-quants"""
-    cols = cols or (768 if qtype in (T.Q4_K, T.Q6_K) else 224)
+    cols = cols or (768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 224)
     g = torch.Generator().manual_seed(seed)
     return quantize(torch.randn(rows, cols, generator=g), qtype)
 
@@ -49,9 +49,10 @@ def isas() -> list[str]:
 def test_grouped_values_are_the_gguf_values(qtype):
     w = weight(qtype)
     g = group_rows(w)
-    kind = T.Q4_K if qtype == T.Q4_K else T.Q8_0
+    kind = qtype if qtype in (T.Q4_K, T.Q6_K) else T.Q8_0
     assert g.grouped and g.qtype == kind and g.shape == w.shape
-    per_block = 148 / 256 if qtype == T.Q4_K else 34 / 32  # Q4_K + unpacked scales; Q8_0
+    # Q4_K with unpacked scales; Q6_K with bytes for its 6-bit values; Q8_0
+    per_block = {T.Q4_K: 148 / 256, T.Q6_K: 274 / 256}.get(qtype, 34 / 32)
     assert g.nbytes == w.out_features * w.in_features * per_block
     assert torch.equal(dequantize(g), dequantize(w))
     ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
@@ -70,9 +71,9 @@ def test_grouped_product_is_the_plain_kernels_dot(qtype):
 
 
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
-    g = group_rows(weight(qtype, rows=64, cols=768 if qtype == T.Q4_K else 96, seed=5))
+    g = group_rows(weight(qtype, rows=64, cols=96 if qtype == T.Q5_0 else 768, seed=5))
     x = torch.randn(21, g.in_features, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     try:
@@ -99,7 +100,7 @@ def test_threads_split_between_groups():
 
 def test_what_cannot_be_grouped_says_why():
     assert not can_group(weight(T.Q8_0, rows=44))
-    assert not can_group(weight(T.Q6_K, rows=48, cols=256))
+    assert not can_group(weight(T.Q5_K, rows=48, cols=256))
     with pytest.raises(ValueError, match="multiple of 8"):
         group_rows(weight(T.Q8_0, rows=44))
     with pytest.raises(ValueError, match="groups of 8"):
@@ -107,7 +108,7 @@ def test_what_cannot_be_grouped_says_why():
 
 
 def test_copies_keep_the_layout():
-    for qtype in (T.Q8_0, T.Q4_K):
+    for qtype in (T.Q8_0, T.Q4_K, T.Q6_K):
         g = group_rows(weight(qtype))
         copy = pickle.loads(pickle.dumps(g))
         assert copy.grouped and f"{qtype.name}x8" in repr(copy)

@@ -22,8 +22,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dequantize", action="store_true",
                    help="dequantize GGUF weights to the compute dtype at load")
     p.add_argument("--no-group-rows", action="store_true",
-                   help="keep Q8_0/Q5_0/Q4_0 matrices in the file's row order (by default "
-                        "they run as Q8_0x8, 8-row groups: the same values, faster batches)")
+                   help="keep quantized matrices in the file's row order (by default Q8_0, "
+                        "Q5_0, Q4_0, Q4_K, Q6_K run in 8-row groups: same values, faster)")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                    help="quantize a safetensors model's weights at load")
     p.add_argument("--device", default="cpu", help="cpu | cuda")

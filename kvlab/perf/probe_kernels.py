@@ -38,10 +38,10 @@ from gguf import GGMLQuantizationType
 from kvlab.perf.hardware import KernelRates
 
 T = GGMLQuantizationType
-# GGML type names, and kvlab's 8-row groups Q8_0x8 and Q4_Kx8 (what the loader makes of
-# Q8_0, Q5_0, Q4_0 and Q4_K matrices on the CPU)
+# GGML type names, and kvlab's 8-row groups Q8_0x8, Q4_Kx8 and Q6_Kx8 (what the loader makes
+# of Q8_0, Q5_0, Q4_0, Q4_K and Q6_K matrices on the CPU)
 WEIGHT_TYPES = ("Q8_0", "Q8_0x8", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q4_Kx8", "Q5_K",
-                "Q6_K", "F16", "BF16")
+                "Q6_K", "Q6_Kx8", "F16", "BF16")
 GROUPED = "Q8_0x8"  # the most common type in a model's matrices
 LONG_COLS, SHORT_COLS = 4096, 512  # two row lengths over the same blocks
 PREFILL_ROWS = 512  # kvlab's default prefill chunk

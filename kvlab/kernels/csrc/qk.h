@@ -16,7 +16,8 @@ enum {
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
     KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
     KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
-    KV_NTYPES = 33
+    KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
+    KV_NTYPES = 34
 };
 
 typedef uint16_t kv_half;
@@ -89,17 +90,22 @@ void kv_gemv_q8_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_
                          int64_t ystride);
 int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
-/* ---- Q4_Kx8 (qk_x8k.c): Q4_K rows in groups of 8, scales unpacked (148 B per row-block) */
+/* ---- Q4_Kx8, Q6_Kx8 (qk_x8k.c): rows in groups of 8, scales unpacked (148 B per row and
+ * super-block), 6-bit values widened to bytes (274 B) ---- */
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+int kv_to_q6_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
                        float *out);
-void kv_gemv_q4_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                            float *y, int64_t ystride);
+void kv_deq_q6_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out);
+#define KV_GEMV_DECL(name)                                                                \
+    void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,  \
+              const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride)
+KV_GEMV_DECL(kv_gemv_q4_kx8_generic);
+KV_GEMV_DECL(kv_gemv_q6_kx8_generic);
 #ifdef KV_HAVE_AVX2_BUILD
-void kv_gemv_q4_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                         int64_t ystride);
+KV_GEMV_DECL(kv_gemv_q4_kx8_avx2);
+KV_GEMV_DECL(kv_gemv_q6_kx8_avx2);
 #endif
 
 /* The driver of an 8-row-group kernel: groups [r0, r1) of W (8 rows each, the group's

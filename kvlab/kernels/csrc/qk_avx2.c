@@ -1117,7 +1117,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q8_0] = gemv_q8_0, [KV_Q4_0] = tiled_q4_0, [KV_Q4_1] = tiled_q4_1,
         [KV_Q5_0] = tiled_q5_0, [KV_Q5_1] = tiled_q5_1, [KV_Q4_K] = tiled_q4_k,
         [KV_Q5_K] = tiled_q5_k, [KV_Q6_K] = tiled_q6_k, [KV_Q8_0X8] = kv_gemv_q8_0x8_avx2,
-        [KV_Q4_KX8] = kv_gemv_q4_kx8_avx2,
+        [KV_Q4_KX8] = kv_gemv_q4_kx8_avx2, [KV_Q6_KX8] = kv_gemv_q6_kx8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1127,6 +1127,7 @@ const kv_isa kv_isa_avx2 = {
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
+        [KV_Q6_KX8] = KV_ACT_256,
         [KV_Q4_0] = KV_ACT_64, [KV_Q4_1] = KV_ACT_64,
         [KV_Q5_0] = KV_ACT_64, [KV_Q5_1] = KV_ACT_64, [KV_Q4_K] = KV_ACT_256,
         [KV_Q5_K] = KV_ACT_256, [KV_Q6_K] = KV_ACT_256,

@@ -94,10 +94,10 @@ static void rows_task(void *p, int tid, int nthreads) {
 }
 
 /* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
- * Q8_0x8 and Q4_Kx8 split only between their groups of 8 rows. */
+ * The 8-row group types split only between groups. */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = job->qtype == KV_Q8_0X8 || job->qtype == KV_Q4_KX8 ? 8 : 1;
+    const int64_t align = job->qtype >= KV_Q8_0X8 ? 8 : 1;  /* the grouped types */
     const int64_t groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
@@ -119,6 +119,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, i
                     float *out) {
     if (qtype == KV_Q8_0X8) kv_deq_q8_0x8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_Q4_KX8) kv_deq_q4_kx8_row(w, row_bytes, r, cols, out);
+    else if (qtype == KV_Q6_KX8) kv_deq_q6_kx8_row(w, row_bytes, r, cols, out);
     else g_isa->deq[qtype](w + r * row_bytes, cols, out);
 }
 
@@ -309,7 +310,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q5_0
- * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256); rows a multiple of 8 */
+ * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (274 B);
+ * rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(6);
@@ -318,15 +320,17 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &src) || !get_i64(args[2], &rows) ||
         !get_i64(args[3], &cols) || !get_i64(args[4], &src_row_bytes) || !get_ptr(args[5], &dst))
         return NULL;
-    if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0 && qtype != KV_Q4_K)
-        return PyErr_Format(PyExc_ValueError, "8-row groups are built from Q8_0, Q5_0, Q4_0 or "
-                            "Q4_K rows, not GGML type id %lld", (long long)qtype);
+    if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0 && qtype != KV_Q4_K &&
+        qtype != KV_Q6_K)
+        return PyErr_Format(PyExc_ValueError, "8-row groups are built from Q8_0, Q5_0, Q4_0, "
+                            "Q4_K or Q6_K rows, not GGML type id %lld", (long long)qtype);
     if (!check_layout(qtype, cols, src_row_bytes)) return NULL;
     if (rows % 8)
         return PyErr_Format(PyExc_ValueError, "8-row groups need a multiple of 8 rows, got %lld",
                             (long long)rows);
     Py_BEGIN_ALLOW_THREADS
     if (qtype == KV_Q4_K) kv_to_q4_kx8(src, rows, cols, dst);
+    else if (qtype == KV_Q6_K) kv_to_q6_kx8(src, rows, cols, dst);
     else kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

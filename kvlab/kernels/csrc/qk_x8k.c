@@ -1,18 +1,25 @@
-/* Q4_K in groups of 8 rows ("Q4_Kx8", kvlab's own in-memory layout; see qk_x8.c for the
- * idea): one register lane per weight row, so vpdpbusd against x's 4 bytes broadcast gives
- * 8 rows' partial dots at once, and the integer sub-block scales and the float steps each
- * serve 8 rows per instruction.
+/* K-quants in groups of 8 rows ("Q4_Kx8", "Q6_Kx8", kvlab's own in-memory layouts; see
+ * qk_x8.c for the idea): one register lane per weight row, so vpdpbusd against x's 4 bytes
+ * broadcast gives 8 rows' partial dots at once, and the integer sub-block scales and the
+ * float steps each serve 8 rows per instruction.
  *
- *   super-block i of rows 8g..8g+7 (1184 B = 8 x 148, Q4_K's 144 plus unpacked scales):
+ *   Q4_Kx8 super-block i of rows 8g..8g+7 (1184 B = 8 x 148, Q4_K's 144 + unpacked scales):
  *     d[8], dmin[8]     fp16, row 8g+k in slot k
  *     sc[8][8], m[8][8] 6-bit sub-block scale and min, [sub-block s][row k]
  *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q4_K qs: its low
  *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
+ *   per row and x row (x in kv_act256 blocks), as exact integers:
+ *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
+ *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
  *
- * Per row and x row (x in kv_act256 blocks), as exact integers:
- *   isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
- * then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block,
- * from 0, the same in every kernel below and for any number of x rows.
+ *   Q6_Kx8 super-block (2192 B = 8 x 274: the 6-bit values widened to bytes):
+ *     d[8] fp16; sc[16][8] int8 scale of 16-element group g for row k;
+ *     qs[16][4][32]     qs[g][c][4k + e] = q (0..63) of row k, element 16g + 4c + e
+ *   isum = sum_g sc_g * (sum over g of q * x) - 32 * sum_g sc_g * (x's sum over g), then
+ *   acc = fma(d * d_x, isum, acc).
+ *
+ * Every kernel below (VNNI, AVX2, portable) does exactly these steps, from acc = 0, for any
+ * number of x rows: a row's output does not depend on the batch or the kernel path.
  */
 #include <math.h>
 #include <string.h>
@@ -108,6 +115,82 @@ void kv_gemv_q4_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
     }
 }
 
+/* ---------------- Q6_Kx8: layout, conversion, portable kernel ---------------- */
+
+typedef struct {
+    kv_half d[8];
+    int8_t sc[16][8];
+    uint8_t qs[16][4][32];
+} kv_blk_q6_kx8;  /* 2192 B */
+
+/* element e (0..255) of a Q6_K block as 0..63 (the file stores q - 32 scaled) */
+static int q6_value(const kv_blk_q6_k *b, int e) {
+    const int h = e / 128, s = (e % 128) / 32, l = e % 32;
+    const uint8_t lo = b->ql[64 * h + 32 * (s & 1) + l] >> (4 * (s >> 1)) & 0xF;
+    return lo | ((b->qh[32 * h + l] >> (2 * s)) & 3) << 4;
+}
+
+int kv_to_q6_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q6_k);
+    kv_blk_q6_kx8 *out = (kv_blk_q6_kx8 *)dst;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_q6_k *b = (const kv_blk_q6_k *)(src + (8 * g + k) * row_bytes) + i;
+                out->d[k] = b->d;
+                for (int s = 0; s < 16; s++) out->sc[s][k] = b->scales[s];
+                for (int e = 0; e < 256; e++)
+                    out->qs[e / 16][(e % 16) / 4][4 * k + e % 4] = (uint8_t)q6_value(b, e);
+            }
+        }
+    }
+    return 0;
+}
+
+/* row r -> fp32, rounded as deq_q6_k rounds */
+void kv_deq_q6_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out) {
+    const kv_blk_q6_kx8 *b = (const kv_blk_q6_kx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++, out += 256) {
+        const float d = kv_h2f_table[b[i].d[k]];
+        for (int e = 0; e < 256; e++) {
+            const float dl = d * (float)b[i].sc[e / 16][k];
+            out[e] = dl * (float)(b[i].qs[e / 16][(e % 16) / 4][4 * k + e % 4] - 32);
+        }
+    }
+}
+
+static int32_t q6_row_sum(const kv_blk_q6_kx8 *b, int k, const kv_act256 *a) {
+    int32_t isum = 0, corr = 0;
+    for (int g = 0; g < 16; g++) {
+        int32_t dot = 0;
+        for (int e = 0; e < 16; e++) dot += b->qs[g][e / 4][4 * k + e % 4] * a->qs[16 * g + e];
+        isum += b->sc[g][k] * dot;
+        corr += b->sc[g][k] * a->bsums[g];
+    }
+    return isum - 32 * corr;
+}
+
+void kv_gemv_q6_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                            float *y, int64_t ystride) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const kv_blk_q6_kx8 *b = (const kv_blk_q6_kx8 *)(w + r * row_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);
+            for (int k = 0; k < 8; k++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < cols / 256; i++)
+                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)q6_row_sum(b + i, k, a + i),
+                               acc);
+                y[j * ystride + r + k] = acc;
+            }
+        }
+    }
+}
+
 /* ---------------- AVX2 (maddubs) and AVX512-VNNI (vpdpbusd) kernels ---------------- */
 
 #ifdef KV_HAVE_AVX2_BUILD
@@ -123,8 +206,8 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_bcast4(const vo
     return _mm256_set1_epi32(v);
 }
 
-/* 8 int32 sums of 4 products: unsigned nibbles (<= 15) times signed x; no int16 step of
- * maddubs can saturate (2 * 15 * 127) */
+/* 8 int32 sums of 4 products: unsigned weights (<= 63) times signed x; no int16 step of
+ * maddubs can saturate (2 * 63 * 127 < 32768) */
 static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_dot_a(__m256i acc, __m256i q,
                                                                         __m256i x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x),
@@ -197,6 +280,66 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
 
 KV_K8_TILE(tile_k8_vnni, KV_TGT_V, k8_dot_v)
 KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
+
+/* Q6_Kx8: per 16-element group, 4 chunks into one chain, times the group's int8 scales;
+ * the -32 offset as 32 * sum_g sc_g * (x's group sum), from int16 pairs (sc_g, sc_g+1) */
+#define KV_Q6_TILE(name, TGT, DOT)                                                          \
+    static inline __attribute__((always_inline)) TGT void name(                           \
+        const kv_blk_q6_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
+        float *y, int64_t ys) {                                                           \
+        __m256 acc[KV_K8_NX];                                                             \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
+        for (int64_t i = 0; i < nb; i++) {                                                \
+            __m256i isum[KV_K8_NX];                                                       \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
+            for (int g = 0; g < 16; g++) {                                                \
+                __m256i q[4];                                                             \
+                for (int c = 0; c < 4; c++)                                               \
+                    q[c] = _mm256_loadu_si256((const __m256i *)b[i].qs[g][c]);            \
+                const __m256i sc = _mm256_cvtepi8_epi32(                                  \
+                    _mm_loadl_epi64((const __m128i *)b[i].sc[g]));                        \
+                for (int j = 0; j < nx; j++) {                                            \
+                    const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 16 * g; \
+                    __m256i p = DOT(_mm256_setzero_si256(), q[0], k8_bcast4(x));          \
+                    for (int c = 1; c < 4; c++) p = DOT(p, q[c], k8_bcast4(x + 4 * c));   \
+                    isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p, sc));       \
+                }                                                                         \
+            }                                                                             \
+            __m256i scp[8];  /* (sc_2h, sc_2h+1) as int16 pairs */                         \
+            for (int h = 0; h < 8; h++) {                                                 \
+                const __m256i lo = _mm256_cvtepi8_epi32(                                  \
+                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * h]));                    \
+                const __m256i hi = _mm256_cvtepi8_epi32(                                  \
+                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * h + 1]));                \
+                scp[h] = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), \
+                                         _mm256_slli_epi32(hi, 16));                      \
+            }                                                                             \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));  \
+            for (int j = 0; j < nx; j++) {                                                \
+                const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;                \
+                __m256i corr = _mm256_setzero_si256();                                    \
+                for (int h = 0; h < 8; h++)                                               \
+                    corr = _mm256_add_epi32(corr, _mm256_madd_epi16(                      \
+                        scp[h], k8_bcast4(a->bsums + 2 * h)));                            \
+                const __m256i total = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(corr, 5)); \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),          \
+                                         _mm256_cvtepi32_ps(total), acc[j]);              \
+            }                                                                             \
+        }                                                                                 \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                \
+    }
+
+KV_Q6_TILE(tile_q6_vnni, KV_TGT_V, k8_dot_v)
+KV_Q6_TILE(tile_q6_avx2, KV_TGT_A, k8_dot_a)
+KV_GROUP_GEMV(gemv_q6_vnni, KV_TGT_V, tile_q6_vnni, kv_blk_q6_kx8, 256)
+KV_GROUP_GEMV(gemv_q6_avx2, KV_TGT_A, tile_q6_avx2, kv_blk_q6_kx8, 256)
+
+void kv_gemv_q6_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride) {
+    (kv_use_vnni() ? gemv_q6_vnni : gemv_q6_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
+                                                  y, ystride);
+}
 
 KV_GROUP_GEMV(gemv_k8_vnni, KV_TGT_V, tile_k8_vnni, kv_blk_q4_kx8, 256)
 KV_GROUP_GEMV(gemv_k8_avx2, KV_TGT_A, tile_k8_avx2, kv_blk_q4_kx8, 256)
