@@ -16,6 +16,7 @@ from kvlab.perf import HardwareSpec, LayerSpec, ModelSpec, Workload
 from kvlab.perf.hardware import KernelRates
 from kvlab.perf.kvlab_steps import (
     DecodeTerms,
+    loaded_matrix,
     predict,
     product_calls,
     reply_contexts,
@@ -27,10 +28,12 @@ US, NS = 1e-6, 1e-9
 
 
 def rates(**changes: object) -> KernelRates:
-    """Round figures: every weight type streams at 10 GB/s, 1 ns a row, 5 us a call."""
+    """Round figures for the types the loader makes of Q8_0 and Q4_K: 10 and 20 GB/s, 1 ns
+    a row, 5 us a call."""
     base = KernelRates(
-        threads=2, weight_read={"Q8_0": 10e9, "Q4_K": 20e9}, row_seconds={"Q8_0": NS, "Q4_K": NS},
-        prefill_ops={"Q8_0": 100e9, "Q4_K": 200e9}, call_seconds=5 * US,
+        threads=2, weight_read={"Q8_0x8": 10e9, "Q4_Kx8": 20e9},
+        row_seconds={"Q8_0x8": NS, "Q4_Kx8": NS},
+        prefill_ops={"Q8_0x8": 100e9, "Q4_Kx8": 200e9}, call_seconds=5 * US,
         attention_read=4e9, attention_read_strided=2e9, logit_seconds=NS,
         row_op_seconds={"norm": NS, "rope": NS, "gelu": 2 * NS, "silu": NS},
         step_seconds={"llama": 100 * US, "gemma3": 200 * US},
@@ -68,10 +71,11 @@ def model(arch: str = "llama", layers: tuple[LayerSpec, ...] | None = None) -> M
 def test_decode_step_is_weights_plus_kv_plus_overhead() -> None:
     p = predict(model(), machine(), Workload(prompt_tokens=99, output_tokens=2))
     assert reply_contexts(p.workload) == [100]
-    # weights: 1 MB q (Q8_0, 10 GB/s) + 2 MB gate (Q4_K, 20 GB/s) per layer, the 10 MB
-    # output; rows: (64+16+16+64+128+128+64) per layer + 1000 at 1 ns; calls: q|k|v joined,
-    # gate|up joined -> 4 per layer + the output = 9 at 5 us
-    weights = 2 * (100 * US + 100 * US) + 1000 * US + (2 * 480 + 1000) * NS + 9 * 5 * US
+    # weights: 1 MB q (Q8_0 -> Q8_0x8, 10 GB/s) + 2 MB gate (Q4_K -> Q4_Kx8, 148/144 of
+    # the bytes, 20 GB/s) per layer, the 10 MB output; rows: (64+16+16+64+128+128+64) per
+    # layer + 1000 at 1 ns; calls: q|k|v joined, gate|up joined -> 4 per layer + output = 9
+    weights = (2 * (100 * US + 100 * US * 148 / 144) + 1000 * US + (2 * 480 + 1000) * NS
+               + 9 * 5 * US)
     # KV: 32 f32 values a position, 100 positions, 2 layers, one pass (4 heads a pass), 4 GB/s
     kv = 2 * 32 * 4 * 100 / 4e9
     # overhead: llama 100 us a step + 2 x 10 us + 100 positions x 10 ns + 1000 logits x 1 ns
@@ -126,6 +130,16 @@ def test_product_calls_follow_kvlabs_joined_matrices() -> None:
     assert product_calls(layer(qkv=("Q5_0", "Q5_0", "Q8_0")).matrices) == 5  # Gemma 3 270M
     assert product_calls(layer(qkv=("Q5_0", "Q8_0", "Q5_0")).matrices) == 6
     assert DecodeTerms(1, 2, 1).shares() == {"weights": 0.25, "KV": 0.5, "overhead": 0.25}
+
+
+def test_matrices_are_counted_as_the_loader_holds_them() -> None:
+    assert loaded_matrix(MatrixSpec("Q5_0", 64, 64, 22_000)) == \
+        MatrixSpec("Q8_0x8", 64, 64, 34_000)  # widened to 8 bits
+    assert loaded_matrix(MatrixSpec("Q6_K", 8, 256, 210)).nbytes == 274
+    assert loaded_matrix(MatrixSpec("Q4_K", 8, 256, 144, "ffn_down")).qtype == "Q4_Kx8"
+    for kept in (MatrixSpec("Q5_0", 12, 64, 1), MatrixSpec("F32", 8, 8, 256),
+                 MatrixSpec("Q5_K", 8, 256, 176)):  # 12 rows; no grouped kernel for these
+        assert loaded_matrix(kept) == kept
 
 
 def test_what_the_model_needs() -> None:

@@ -15,8 +15,9 @@ machine's stream bandwidth.
                   + the first token's output product and overhead
 
 Every rate is measured with no real model (kvlab.perf.probe_kernels, probe_engine); the
-model contributes only its counted matrices, heads, layers and KV bytes. One sequence and
-an f32 KV cache, as `kvlab bench` runs it.
+model contributes only its counted matrices, heads, layers and KV bytes, each matrix as
+kvlab's loader holds it (Q8_0, Q5_0, Q4_0, Q4_K and Q6_K in 8-row groups, `loaded_matrix`).
+One sequence and an f32 KV cache, as `kvlab bench` runs it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from itertools import pairwise
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.errors import KvlabError
+from kvlab.kernels.ops import GROUPS_AS
+from kvlab.kernels.qweight import GROUPED_BLOCK_BYTES
 from kvlab.perf.hardware import HardwareSpec, KernelRates, engine_family
 from kvlab.perf.model import MatrixSpec, ModelSpec
 from kvlab.perf.workload import KV_BYTES_PER_ELEMENT, Workload
@@ -37,7 +41,7 @@ from kvlab.perf.workload import KV_BYTES_PER_ELEMENT, Workload
 # (kvlab/kernels/csrc/qk_attn.c: scores and mix take heads four at a time)
 ATTENTION_HEADS_PER_PASS = 4
 # matrices kvlab's loader joins into one product where neighbours share a storage type
-# (kvlab/models/layers.py, Stacked): Gemma 3's Q5_0 q|k is one call, its Q8_0 v another
+# (kvlab/models/layers.py, Stacked): Gemma 3's q|k|v is one call once all are Q8_0x8
 JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 KV_DTYPE = "f32"  # the only cache the C decode attention reads
 _REPLY_SAMPLES = 512  # decode steps sampled across a reply: step time is piecewise linear
@@ -179,6 +183,18 @@ def product_calls(matrices: tuple[MatrixSpec, ...]) -> int:
     return calls
 
 
+def loaded_matrix(m: MatrixSpec) -> MatrixSpec:
+    """`m` as kvlab's loader holds it on the CPU: GGUF types with 8-row group kernels, in a
+    multiple of 8 rows, become Q8_0x8 / Q4_Kx8 / Q6_Kx8 with their bytes (Q5_0 and Q4_0
+    widen to 8 bits, the K-quants carry unpacked scales)."""
+    qtype = GGMLQuantizationType.__members__.get(m.qtype)
+    if qtype not in GROUPS_AS or m.rows % 8:
+        return m
+    grouped = GROUPS_AS[qtype]
+    widen = GROUPED_BLOCK_BYTES[grouped] / GGML_QUANT_SIZES[qtype][1]  # same block length
+    return MatrixSpec(f"{grouped.name}x8", m.rows, m.cols, round(m.nbytes * widen), m.name)
+
+
 def reply_contexts(wl: Workload) -> list[int]:
     """Cached positions each decode step attends to: prompt + 1 .. prompt + output - 1."""
     first, n = wl.prompt_tokens + 1, max(wl.output_tokens - 1, 1)
@@ -188,16 +204,17 @@ def reply_contexts(wl: Workload) -> list[int]:
 class _Steps:
     def __init__(self, model: ModelSpec, rates: KernelRates) -> None:
         self.model, self.rates = model, rates
-        self.matrices = [m for lyr in model.layers for m in lyr.matrices]
+        self.layer_matrices = [tuple(map(loaded_matrix, lyr.matrices)) for lyr in model.layers]
+        self.matrices = [m for mats in self.layer_matrices for m in mats]
         assert model.output_matrix is not None
-        self.output = model.output_matrix
+        self.output = loaded_matrix(model.output_matrix)
 
     def read_seconds(self, m: MatrixSpec) -> float:
         """A batch-1 product through `m`, less its call cost."""
         return m.nbytes / self.rates.weight_rate(m.qtype) + m.rows * self.rates.row_cost(m.qtype)
 
     def weights_seconds(self) -> float:
-        calls = sum(product_calls(lyr.matrices) for lyr in self.model.layers) + 1
+        calls = sum(map(product_calls, self.layer_matrices)) + 1
         return (sum(map(self.read_seconds, self.matrices)) + self.read_seconds(self.output)
                 + calls * self.rates.call_seconds)
 
