@@ -133,7 +133,7 @@ def test_kernel_figures_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     save_probe(result)
     assert json.loads((tmp_path / "probe.json").read_text())["version"] == PROBE_VERSION == 3
     hw = HardwareSpec.this_machine()
-    assert hw.kernels is not None and hw.kernels.weight_read["Q4_K"] == 20e9
+    assert hw.kernels is not None and hw.kernels.weight_read["Q4_Kx8"] == 20e9
     assert hw.kernels.engine("gemma3")[1] == pytest.approx(20e-6)
     assert hw.to_dict()["kernels"]["threads"] == 2
 
