@@ -18,11 +18,11 @@ from tiny_models import build
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
 
-def quantized_engine(out, quant: str) -> Engine:
+def quantized_engine(out, quant: str, kv_dtype: str = "f32") -> Engine:
     """The tiny HF model quantized at load (its GGUF copy only lends the tokenizer)."""
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize=quant))
     tokenizer = load_gguf_tokenizer(open_checkpoint(out / "model.gguf").metadata)
-    return Engine(loaded, tokenizer, EngineConfig(block_size=4))
+    return Engine(loaded, tokenizer, EngineConfig(block_size=4, kv_dtype=kv_dtype))
 
 
 def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
@@ -37,11 +37,15 @@ def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
     return fast, slow
 
 
-def test_tiny_quantized_gemma_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_tiny_quantized_gemma_is_bit_identical(tmp_path, kv_dtype):
     build("gemma3", tmp_path)
-    engine = quantized_engine(tmp_path, "q8_0")
+    engine = quantized_engine(tmp_path, "q8_0", kv_dtype)
     ids = list(range(3, 40))  # past the sliding window of 4 keys
     fast, slow = logprobs_both_ways(engine, ids, 5)
+    plan = engine.runner.model.c_plan
+    assert plan.caches(engine.runner.kv_caches) is not None  # the C layers took the stores
+    assert plan.kv_f16 == (kv_dtype == "f16")
     assert torch.equal(fast, slow)
 
 

@@ -479,6 +479,28 @@ def test_attend_decode_matches_sdpa(isa, heads, kv_heads, dim):
 
 
 @needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_attend_decode_on_an_fp16_cache_is_the_fp32_cache_of_its_values(isa):
+    """fp16 K/V widen to fp32 as they load: the same bits as an fp32 cache of those values."""
+    from kvlab.kernels import fused
+
+    heads, kv_heads, dim, num_slots = 4, 1, 256, 300
+    q = torch.randn(3, heads, dim)
+    k = torch.randn(num_slots, kv_heads, dim).half()
+    v = torch.randn(num_slots, kv_heads, dim).half()
+    slots = torch.stack([torch.randperm(num_slots)[:280] for _ in range(3)])
+    lengths = torch.tensor([280, 5, 257])  # two chunks, one short row, a chunk of one
+    ops._qk.set_isa(isa)
+    try:
+        half = fused.attend_decode(q, k, v, slots, dim ** -0.5, lengths)
+        full = fused.attend_decode(q, k.float(), v.float(), slots, dim ** -0.5, lengths)
+    finally:
+        ops._qk.set_isa("auto")
+    assert fused.cache_fits(k, v) and not fused.cache_fits(k, v.float())
+    assert torch.equal(half, full)
+
+
+@needs_c
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attend_decode_long_rows_split_into_chunks(threads):
     """Rows of 700 and 300 keys (chunks of 256, spread over the kernel threads) against SDPA,
@@ -528,6 +550,10 @@ def test_scatter_rows_is_index_copy():
     assert torch.equal(store, expected)
     with pytest.raises(IndexError, match="slot 10 is out of range"):
         fused.scatter_rows_(store, torch.tensor([1, 10, 2]), kv)
+    half = torch.zeros(10, 2, 8, dtype=torch.float16)  # rounded as .to(torch.float16)
+    kv = kv * 1000 + 1e-3  # some values need rounding, some overflow fp16's range
+    fused.scatter_rows_(half, slots, kv)
+    assert torch.equal(half[slots], kv.to(torch.float16))
 
 
 @needs_c

@@ -2,11 +2,12 @@
 kernels of 2-12 µs each, which is most of a small model's step outside the products.
 
     fits(*tensors)                            True when the C path may take these tensors
+    cache_fits(*stores)                       ... these KV stores (fp32 or fp16)
     rms_norm(x, w, eps) -> [T, D]             x * rsqrt(mean(x^2) + eps) * w
     add_rms_norm_(x, h, w, eps) -> x          x += rms_norm(h, w), in place
     norm_rope_(x, w, cos, sin, eps) -> x      per head: RMSNorm (w may be None), then RoPE
     geglu(y) -> [T, I]                        gelu_tanh(y[:, :I]) * y[:, I:]
-    scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write
+    scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write (fp32/fp16)
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
 
 Callers check `fits` first (fp32, on the CPU, the extension built) and otherwise use the
@@ -30,6 +31,20 @@ def fits(*tensors: torch.Tensor) -> bool:
         if t.dtype != torch.float32 or not t.is_cpu:
             return False
     return True
+
+
+def cache_fits(*stores: torch.Tensor) -> bool:
+    """True when the KV stores are contiguous CPU tensors of one dtype the C attention reads
+    (fp32, or fp16 widened as it loads) and the C extension is built."""
+    if not ENABLED or not stores:
+        return False
+    dtype = stores[0].dtype
+    return dtype in (torch.float32, torch.float16) and all(
+        s.dtype == dtype and s.is_cpu and s.is_contiguous() for s in stores)
+
+
+def _f16(store: torch.Tensor) -> int:
+    return int(store.dtype == torch.float16)
 
 
 def _c(t: torch.Tensor) -> torch.Tensor:
@@ -90,18 +105,19 @@ def geglu(y: torch.Tensor) -> torch.Tensor:
 
 
 def scatter_rows_(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """store[slots] = x: store [num_slots, H, D] contiguous, x [T, H, D] heads packed,
-    slots [T] (checked against num_slots)."""
+    """store[slots] = x: store [num_slots, H, D] contiguous fp32 or fp16 (rounded to nearest
+    even, as .to(torch.float16)), x [T, H, D] fp32 heads packed, slots [T] (checked)."""
     slots = _i64(slots)
     _qk.scatter_rows(store.data_ptr(), store.shape[0], x.data_ptr(), x.stride(0),
-                     slots.data_ptr(), slots.numel(), store[0].numel())
+                     slots.data_ptr(), slots.numel(), store[0].numel(), _f16(store))
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                   scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v read straight from the paged cache, no gather.
 
-    q: [B, H, D] heads packed; k, v: [num_slots, KVH, D] contiguous; slots: [B, C] -> the
+    q: [B, H, D] fp32 heads packed; k, v: [num_slots, KVH, D] contiguous, both fp32 or both
+    fp16 (see cache_fits); slots: [B, C] -> the
     keys of row b are k[slots[b, :lengths[b]]] (all C when lengths is None); the padding
     after them is never read, so each row's result does not depend on the others.
     Returns [B, H, D].
@@ -112,7 +128,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     out = q.new_empty(batch, heads, dim)
     _qk.attend_decode(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
-                      out.data_ptr(), lens.data_ptr() if lens is not None else 0)
+                      out.data_ptr(), lens.data_ptr() if lens is not None else 0, _f16(k))
     return out
 
 

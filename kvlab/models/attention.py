@@ -165,8 +165,8 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
 
 
 def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """Decode groups over an fp32 cache run in C, each row over its own keys only, so a
-    sequence's attention is the same whether it decodes alone or beside longer ones."""
+    """Decode groups over an fp32 or fp16 cache run in C, each row over its own keys only, so
+    a sequence's attention is the same whether it decodes alone or beside longer ones."""
     return (g.lengths is not None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
-            and fused.fits(q, cache.k) and fused.heads_packed(q) and cache.k.is_contiguous()
-            and cache.v.is_contiguous() and g.slots.device.type == "cpu")
+            and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
+            and g.slots.device.type == "cpu")

@@ -31,17 +31,20 @@ class Plan:
         self.weights = weights  # int64 [layers, fields]
         self._caches: list[KVStore] | None = None
         self._table: torch.Tensor | None = None
+        self.kv_f16 = False  # the checked stores hold fp16 (else fp32)
 
     def caches(self, kv_caches: list[KVStore]) -> torch.Tensor | None:
-        """int64 [layers, 2]: the K and V store of each layer, or None when some store is
-        not an fp32 CPU one; checked and built once per cache list (the runner's own)."""
+        """int64 [layers, 2]: the K and V store of each layer, or None when the stores are
+        not fp32 or fp16 CPU ones of one dtype; checked and built once per cache list (the
+        runner's own). `kv_f16` tells which."""
         if kv_caches is not self._caches:
             ok = len(kv_caches) == self.weights.shape[0] and all(
-                isinstance(c, FloatKV) and fused.fits(c.k, c.v) and c.k.is_contiguous()
-                and c.v.is_contiguous() for c in kv_caches)
+                isinstance(c, FloatKV) for c in kv_caches) and fused.cache_fits(
+                *(t for c in kv_caches for t in (c.k, c.v)))
             self._caches = kv_caches
             self._table = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in kv_caches],
                                        dtype=torch.int64) if ok else None
+            self.kv_f16 = ok and kv_caches[0].k.dtype == torch.float16
         return self._table
 
 
@@ -111,7 +114,7 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
-        caches.data_ptr())
+        caches.data_ptr(), int(plan.kv_f16))
     return True
 
 

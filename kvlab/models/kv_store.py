@@ -38,8 +38,9 @@ class FloatKV:
         self.v.index_copy_(0, slots, v.to(self.v.dtype))
 
     def _c_writes(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """fp32 store and rows: one memcpy per token instead of index_copy_."""
-        return (fused.fits(self.k, k, v) and fused.heads_packed(k) and fused.heads_packed(v)
+        """fp32 rows into an fp32 or fp16 store: one pass per token instead of index_copy_."""
+        return (fused.fits(k, v) and fused.cache_fits(self.k, self.v) and fused.heads_packed(k)
+                and fused.heads_packed(v)
                 and k.shape[1:] == self.k.shape[1:] and v.shape[1:] == self.v.shape[1:]
                 and k.shape[0] == v.shape[0] == slots.numel() and slots.is_cpu)
 

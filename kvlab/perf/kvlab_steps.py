@@ -43,7 +43,8 @@ ATTENTION_HEADS_PER_PASS = 4
 # matrices kvlab's loader joins into one product where neighbours share a storage type
 # (kvlab/models/layers.py, Stacked): Gemma 3's q|k|v is one call once all are Q8_0x8
 JOINED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-KV_DTYPE = "f32"  # the only cache the C decode attention reads
+KV_DTYPE = "f32"  # the cache modelled: kvlab bench's default on the CPU (the C attention
+# also reads f16, at about half the bytes; not modelled)
 _REPLY_SAMPLES = 512  # decode steps sampled across a reply: step time is piecewise linear
 
 

@@ -160,11 +160,14 @@ void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, i
 /* out[r] = the first index of row r's largest value, or of its first NaN */
 void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
-void kv_scatter_rows(float *dst, const float *src, int64_t src_stride, const int64_t *slots,
-                     int64_t n, int64_t row);
-/* Decode attention over the paged fp32 KV cache (qk_attn.c): row b attends to the first
- * lengths[b] of its C slots (all C when lengths is NULL); 0, or -1 out of memory. */
-int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v,
+/* dst[slots[j]] = src row j: the paged KV write, into fp32 or (kv_f16) fp16 rows rounded
+ * to nearest even, as torch's .to(torch.float16) */
+void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
+                     const int64_t *slots, int64_t n, int64_t row);
+/* Decode attention over the paged fp32 or (kv_f16) fp16 KV cache (qk_attn.c): row b attends
+ * to the first lengths[b] of its C slots (all C when lengths is NULL); 0, or -1 out of
+ * memory. */
+int kv_attend_decode(const float *q, int64_t q_stride, const void *k, const void *v, int kv_f16,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
                      int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2);
 

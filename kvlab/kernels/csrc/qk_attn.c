@@ -1,5 +1,7 @@
-/* Decode attention straight from the paged fp32 KV cache: each query row attends to C
- * keys whose slots are listed, without gathering K/V into new tensors first.
+/* Decode attention straight from the paged KV cache (fp32 or fp16): each query row attends
+ * to C keys whose slots are listed, without gathering K/V into new tensors first. An fp16
+ * cache is widened to fp32 as it is loaded: the same arithmetic on the same values, so a
+ * cache holding fp16-representable values gives the fp32 cache's bits.
  *
  *     q    [B, H, D]            one new token per sequence (rows q_stride floats apart)
  *     k, v [num_slots, KVH, D]  the cache; slots [B, C] pick each sequence's keys
@@ -19,26 +21,31 @@
 
 typedef struct {
     /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q */
-    void (*scores)(const float *q, int64_t rep, const float *k, const int64_t *slots,
+    void (*scores)(const float *q, int64_t rep, const void *k, const int64_t *slots,
                    int64_t C, int64_t stride, int64_t D, float scale, float *s);
     /* s[0..C) -> exp(s - max s); returns the sum, and the max in *m */
     float (*softmax)(float *s, int64_t C, float *m);
     /* out[h] = sum_c s[h * C + c] * v row c for the rep heads */
-    void (*mix)(const float *s, int64_t rep, const float *v, const int64_t *slots,
+    void (*mix)(const float *s, int64_t rep, const void *v, const int64_t *slots,
                 int64_t C, int64_t stride, int64_t D, float *out);
 } attn_ops;
 
-static void scores_c(const float *q, int64_t rep, const float *k, const int64_t *slots,
-                     int64_t C, int64_t stride, int64_t D, float scale, float *s) {
-    for (int64_t c = 0; c < C; c++) {
-        const float *kr = k + slots[c] * stride;
-        for (int64_t h = 0; h < rep; h++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < D; i++) acc += q[h * D + i] * kr[i];
-            s[h * C + c] = acc * scale;
-        }
+/* one cache element as fp32: ELEM_F32 / ELEM_F16 name the element type and its widening */
+#define ELEM_F32(p, i) (((const float *)(p))[i])
+#define ELEM_F16(p, i) (kv_h2f_table[((const kv_half *)(p))[i]])
+
+#define KV_SCORES_C(name, T, ELEM)                                                          \
+    static void name(const float *q, int64_t rep, const void *k, const int64_t *slots,        \
+                     int64_t C, int64_t stride, int64_t D, float scale, float *s) {           \
+        for (int64_t c = 0; c < C; c++) {                                                     \
+            const T *kr = (const T *)k + slots[c] * stride;                                   \
+            for (int64_t h = 0; h < rep; h++) {                                               \
+                float acc = 0.0f;                                                             \
+                for (int64_t i = 0; i < D; i++) acc += q[h * D + i] * ELEM(kr, i);            \
+                s[h * C + c] = acc * scale;                                                   \
+            }                                                                                 \
+        }                                                                                     \
     }
-}
 
 static float softmax_c(float *s, int64_t C, float *max_out) {
     float m = -INFINITY, sum = 0.0f;
@@ -48,21 +55,30 @@ static float softmax_c(float *s, int64_t C, float *max_out) {
     return sum;
 }
 
-static void mix_c(const float *s, int64_t rep, const float *v, const int64_t *slots,
-                  int64_t C, int64_t stride, int64_t D, float *out) {
-    memset(out, 0, (size_t)(rep * D) * sizeof(float));
-    for (int64_t c = 0; c < C; c++) {
-        const float *vr = v + slots[c] * stride;
-        for (int64_t h = 0; h < rep; h++)
-            for (int64_t i = 0; i < D; i++) out[h * D + i] += s[h * C + c] * vr[i];
+#define KV_MIX_C(name, T, ELEM)                                                             \
+    static void name(const float *s, int64_t rep, const void *v, const int64_t *slots,        \
+                     int64_t C, int64_t stride, int64_t D, float *out) {                      \
+        memset(out, 0, (size_t)(rep * D) * sizeof(float));                                    \
+        for (int64_t c = 0; c < C; c++) {                                                     \
+            const T *vr = (const T *)v + slots[c] * stride;                                   \
+            for (int64_t h = 0; h < rep; h++)                                                 \
+                for (int64_t i = 0; i < D; i++) out[h * D + i] += s[h * C + c] * ELEM(vr, i); \
+        }                                                                                     \
     }
-}
+
+KV_SCORES_C(scores_c, float, ELEM_F32)
+KV_SCORES_C(scores_c16, kv_half, ELEM_F16)
+KV_MIX_C(mix_c, float, ELEM_F32)
+KV_MIX_C(mix_c16, kv_half, ELEM_F16)
 
 static const attn_ops ops_generic = {scores_c, softmax_c, mix_c};
+static const attn_ops ops_generic16 = {scores_c16, softmax_c, mix_c16};
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include <immintrin.h>
-#define TGT __attribute__((target("avx2,fma")))
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 TGT static inline float hsum8(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -72,26 +88,31 @@ TGT static inline float hsum8(__m256 v) {
 
 /* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads share each load of a key row,
  * with two accumulators each: 8 independent FMA chains instead of one long one. */
-TGT static void scores_avx2(const float *q, int64_t rep, const float *k, const int64_t *slots,
-                            int64_t C, int64_t stride, int64_t D, float scale, float *s) {
-    for (int64_t h0 = 0; h0 < rep; h0 += 4) {
-        const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;
-        const float *qh = q + h0 * D;
-        for (int64_t c = 0; c < C; c++) {
-            const float *kr = k + slots[c] * stride;
-            __m256 acc[4][2];
-            for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 kv = _mm256_loadu_ps(kr + i);
-                const int j = (int)(i >> 3) & 1;
-                for (int h = 0; h < nh; h++)
-                    acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), kv, acc[h][j]);
-            }
-            for (int h = 0; h < nh; h++)
-                s[(h0 + h) * C + c] = hsum8(_mm256_add_ps(acc[h][0], acc[h][1])) * scale;
-        }
+#define KV_SCORES_AVX2(name, T, LOAD8)                                                      \
+    TGT static void name(const float *q, int64_t rep, const void *k, const int64_t *slots,    \
+                         int64_t C, int64_t stride, int64_t D, float scale, float *s) {       \
+        for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
+            const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
+            const float *qh = q + h0 * D;                                                     \
+            for (int64_t c = 0; c < C; c++) {                                                 \
+                const T *kr = (const T *)k + slots[c] * stride;                               \
+                __m256 acc[4][2];                                                             \
+                for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
+                for (int64_t i = 0; i < D; i += 8) {                                          \
+                    const __m256 kv = LOAD8(kr + i);                                          \
+                    const int j = (int)(i >> 3) & 1;                                          \
+                    for (int h = 0; h < nh; h++)                                              \
+                        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), kv,      \
+                                                    acc[h][j]);                               \
+                }                                                                             \
+                for (int h = 0; h < nh; h++)                                                  \
+                    s[(h0 + h) * C + c] = hsum8(_mm256_add_ps(acc[h][0], acc[h][1])) * scale; \
+            }                                                                                 \
+        }                                                                                     \
     }
-}
+
+KV_SCORES_AVX2(scores_avx2, float, LOAD8_F32)
+KV_SCORES_AVX2(scores_avx2_16, kv_half, LOAD8_F16)
 
 /* e^x for x <= 0: 2^n * e^r, |r| <= ln2 / 2, degree-7 Taylor (error ~5e-9); x is clamped
  * at -87 so that 2^n stays a normal float (e^-87 is far below any softmax weight kept). */
@@ -128,34 +149,39 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
 
 /* For each 16-float slice of D and up to 4 heads, the weighted sum over all C value rows
  * stays in 8 registers; each value row slice is loaded once per slice pass. */
-TGT static void mix_avx2(const float *s, int64_t rep, const float *v, const int64_t *slots,
-                         int64_t C, int64_t stride, int64_t D, float *out) {
-    for (int64_t h0 = 0; h0 < rep; h0 += 4) {
-        const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;
-        for (int64_t i = 0; i < D; i += 16) {
-            const int two = i + 16 <= D;  /* D % 16 == 8: the last slice is one register */
-            __m256 acc[4][2];
-            for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < C; c++) {
-                const float *vr = v + slots[c] * stride + i;
-                const __m256 v0 = _mm256_loadu_ps(vr);
-                const __m256 v1 = two ? _mm256_loadu_ps(vr + 8) : _mm256_setzero_ps();
-                for (int h = 0; h < nh; h++) {
-                    const __m256 p = _mm256_broadcast_ss(s + (h0 + h) * C + c);
-                    acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
-                    acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
-                }
-            }
-            for (int h = 0; h < nh; h++) {
-                float *o = out + (h0 + h) * D + i;
-                _mm256_storeu_ps(o, acc[h][0]);
-                if (two) _mm256_storeu_ps(o + 8, acc[h][1]);
-            }
-        }
+#define KV_MIX_AVX2(name, T, LOAD8)                                                         \
+    TGT static void name(const float *s, int64_t rep, const void *v, const int64_t *slots,    \
+                         int64_t C, int64_t stride, int64_t D, float *out) {                  \
+        for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
+            const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
+            for (int64_t i = 0; i < D; i += 16) {                                             \
+                const int two = i + 16 <= D; /* D % 16 == 8: the last slice is one register */ \
+                __m256 acc[4][2];                                                             \
+                for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
+                for (int64_t c = 0; c < C; c++) {                                             \
+                    const T *vr = (const T *)v + slots[c] * stride + i;                       \
+                    const __m256 v0 = LOAD8(vr);                                              \
+                    const __m256 v1 = two ? LOAD8(vr + 8) : _mm256_setzero_ps();              \
+                    for (int h = 0; h < nh; h++) {                                            \
+                        const __m256 p = _mm256_broadcast_ss(s + (h0 + h) * C + c);           \
+                        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);                        \
+                        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);                        \
+                    }                                                                         \
+                }                                                                             \
+                for (int h = 0; h < nh; h++) {                                                \
+                    float *o = out + (h0 + h) * D + i;                                        \
+                    _mm256_storeu_ps(o, acc[h][0]);                                           \
+                    if (two) _mm256_storeu_ps(o + 8, acc[h][1]);                              \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
     }
-}
+
+KV_MIX_AVX2(mix_avx2, float, LOAD8_F32)
+KV_MIX_AVX2(mix_avx2_16, kv_half, LOAD8_F16)
 
 static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
+static const attn_ops ops_avx2_16 = {scores_avx2_16, softmax_avx2, mix_avx2_16};
 #endif
 
 /* ---------------- driver: key chunks as work items, spread over the kernel threads -------
@@ -170,7 +196,9 @@ static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
 
 typedef struct {
     const attn_ops *ops;
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v;  /* the cache, elem bytes per value */
+    int64_t elem;
     const int64_t *slots, *lengths;
     int64_t q_stride, C, KVH, D, rep, stride;
     float scale;
@@ -188,11 +216,12 @@ static void attn_item(attn_job *j, int64_t i, float *s) {
     const int64_t len = n - c0 < KV_ATTN_CHUNK ? n - c0 : KV_ATTN_CHUNK;
     const int64_t *slots = j->slots + b * j->C + c0;
     float *part = j->part + i * part_floats(j);
-    j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep, j->k + g * j->D, slots,
-                   len, j->stride, j->D, j->scale, s);
+    j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep,
+                   j->k + g * j->D * j->elem, slots, len, j->stride, j->D, j->scale, s);
     for (int64_t h = 0; h < j->rep; h++)
         part[j->rep + h] = j->ops->softmax(s + h * len, len, &part[h]);
-    j->ops->mix(s, j->rep, j->v + g * j->D, slots, len, j->stride, j->D, part + 2 * j->rep);
+    j->ops->mix(s, j->rep, j->v + g * j->D * j->elem, slots, len, j->stride, j->D,
+                part + 2 * j->rep);
 }
 
 static void attn_task(void *p, int tid, int nthreads) {
@@ -223,16 +252,18 @@ static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *ou
 }
 
 /* Returns 0, or -1 when out of memory. */
-int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const float *v,
-                     const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
-                     int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2) {
-    const attn_ops *ops = &ops_generic;
+int kv_attend_decode(const float *q, int64_t q_stride, const void *k, const void *v,
+                     int kv_f16, const int64_t *slots, const int64_t *lengths, int64_t B,
+                     int64_t C, int64_t H, int64_t KVH, int64_t D, float scale, float *out,
+                     int use_avx2) {
+    const attn_ops *ops = kv_f16 ? &ops_generic16 : &ops_generic;
 #ifdef KV_HAVE_AVX2_BUILD
-    if (use_avx2 && D % 8 == 0) ops = &ops_avx2;
+    if (use_avx2 && D % 8 == 0) ops = kv_f16 ? &ops_avx2_16 : &ops_avx2;
 #else
     (void)use_avx2;
 #endif
-    attn_job j = {.ops = ops, .q = q, .k = k, .v = v, .slots = slots, .lengths = lengths,
+    attn_job j = {.ops = ops, .q = q, .k = k, .v = v, .elem = kv_f16 ? 2 : 4,
+                  .slots = slots, .lengths = lengths,
                   .q_stride = q_stride, .C = C, .KVH = KVH, .D = D, .rep = H / KVH,
                   .stride = KVH * D, .scale = scale};
     int64_t keys = 0;
@@ -242,7 +273,7 @@ int kv_attend_decode(const float *q, int64_t q_stride, const float *k, const flo
         j.nitems += KVH * ((n + KV_ATTN_CHUNK - 1) / KV_ATTN_CHUNK);
     }
     /* K and V bytes read; below 128 KiB a worker's wake-up costs more than it saves */
-    const int64_t bytes = keys * KVH * D * 8;
+    const int64_t bytes = keys * KVH * D * 2 * j.elem;
     int nt = bytes < 131072 ? 1 : kv_pool_threads();
     if (nt > j.nitems) nt = (int)j.nitems;
     if (nt < 1) nt = 1;

@@ -63,11 +63,18 @@ void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, i
     }
 }
 
-/* dst[slots[j]] = src row j (row floats, rows src_stride apart): the paged KV write */
-void kv_scatter_rows(float *dst, const float *src, int64_t src_stride, const int64_t *slots,
-                     int64_t n, int64_t row) {
-    for (int64_t j = 0; j < n; j++)
-        memcpy(dst + slots[j] * row, src + j * src_stride, (size_t)row * sizeof(float));
+/* dst[slots[j]] = src row j (row values, rows src_stride floats apart): the paged KV write */
+void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
+                     const int64_t *slots, int64_t n, int64_t row) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *s = src + j * src_stride;
+        if (!kv_f16) {
+            memcpy((float *)dst + slots[j] * row, s, (size_t)row * sizeof(float));
+            continue;
+        }
+        kv_half *d = (kv_half *)dst + slots[j] * row;
+        for (int64_t i = 0; i < row; i++) d[i] = kv_f2h(s[i]);
+    }
 }
 
 /* GeGLU's gelu_tanh(g) * up: 0.5 * g * (1 + tanh(u)) is computed as g * sigmoid(2u), the

@@ -401,15 +401,16 @@ static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* scatter_rows(dst, num_slots, src, src_stride, slots, n, row): dst[slots[j]] = src[j] */
+/* scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16): dst[slots[j]] = src[j],
+ * dst fp32 or (f16) fp16 */
 static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(7);
+    NARGS(8);
     void *dst, *src, *slots_p;
-    int64_t num_slots, src_stride, n, row;
+    int64_t num_slots, src_stride, n, row, f16;
     if (!get_ptr(args[0], &dst) || !get_i64(args[1], &num_slots) || !get_ptr(args[2], &src) ||
         !get_i64(args[3], &src_stride) || !get_ptr(args[4], &slots_p) ||
-        !get_i64(args[5], &n) || !get_i64(args[6], &row))
+        !get_i64(args[5], &n) || !get_i64(args[6], &row) || !get_i64(args[7], &f16))
         return NULL;
     const int64_t *slots = slots_p;
     for (int64_t j = 0; j < n; j++) {
@@ -417,24 +418,24 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize
             return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
                                 (long long)slots[j], (long long)num_slots);
     }
-    kv_scatter_rows(dst, src, src_stride, slots, n, row);
+    kv_scatter_rows(dst, f16 != 0, src, src_stride, slots, n, row);
     Py_RETURN_NONE;
 }
 
-/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, lengths):
- * out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of the C cache slots of
- * each row (all C when lengths is 0) (qk_attn.c) */
+/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, lengths,
+ * f16): out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of the C cache slots
+ * of each row (all C when lengths is 0), k and v fp32 or (f16) fp16 (qk_attn.c) */
 static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(14);
+    NARGS(15);
     void *q, *k, *v, *slots_p, *out, *lengths_p;
-    int64_t q_stride, num_slots, b, c, h, kvh, d;
+    int64_t q_stride, num_slots, b, c, h, kvh, d, f16;
     float scale;
     if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
         !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
         !get_i64(args[6], &b) || !get_i64(args[7], &c) || !get_i64(args[8], &h) ||
         !get_i64(args[9], &kvh) || !get_i64(args[10], &d) || !get_f32(args[11], &scale) ||
-        !get_ptr(args[12], &out) || !get_ptr(args[13], &lengths_p))
+        !get_ptr(args[12], &out) || !get_ptr(args[13], &lengths_p) || !get_i64(args[14], &f16))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -458,8 +459,8 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
-    rc = kv_attend_decode(q, q_stride, k, v, slots, lengths, b, c, h, kvh, d, scale, out,
-                          use_avx2);
+    rc = kv_attend_decode(q, q_stride, k, v, f16 != 0, slots, lengths, b, c, h, kvh, d, scale,
+                          out, use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -498,6 +499,7 @@ typedef struct {
     const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
     int64_t C[2];
     const int64_t *caches;                  /* [layers, 2]: K and V stores */
+    int kv_f16;                             /* the stores hold fp16 (else fp32) */
 } kv_step;
 
 /* y[:, 0:w->rows] (rows ystride floats apart) = x @ W^T, as py_qmatmul computes it */
@@ -532,11 +534,11 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
                  s->sin[w], s->eps);
     kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
                  s->cos[w], s->sin[w], s->eps);
-    float *kc = (float *)(intptr_t)kv[0], *vc = (float *)(intptr_t)kv[1];
-    kv_scatter_rows(kc, b->qkv + H * D, width, s->slot_mapping, B, KVH * D);
-    kv_scatter_rows(vc, b->qkv + (H + KVH) * D, width, s->slot_mapping, B, KVH * D);
-    if (kv_attend_decode(b->qkv, width, kc, vc, s->slots[w], s->lengths[w], B, s->C[w], H, KVH,
-                         D, s->scale, b->att, use_avx2))
+    void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
+    kv_scatter_rows(kc, s->kv_f16, b->qkv + H * D, width, s->slot_mapping, B, KVH * D);
+    kv_scatter_rows(vc, s->kv_f16, b->qkv + (H + KVH) * D, width, s->slot_mapping, B, KVH * D);
+    if (kv_attend_decode(b->qkv, width, kc, vc, s->kv_f16, s->slots[w], s->lengths[w], B,
+                         s->C[w], H, KVH, D, s->scale, b->att, use_avx2))
         return -1;
     if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
     kv_add_rms_norm(x, b->o, (const float *)(intptr_t)L->post_attn_norm, B, s->hidden, s->eps);
@@ -583,12 +585,13 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
 
 /* gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
  *               cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l,
- *               lengths_l, caches): x [B, hidden] (the residual stream) updated in place */
+ *               lengths_l, caches, kv_f16): x [B, hidden] (the residual stream) updated in
+ *               place; the K/V stores hold fp32, or fp16 when kv_f16 */
 static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(23);
+    NARGS(24);
     void *plan, *x, *ptr[11];
-    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl;
+    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_f16;
     float eps, scale;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
         !get_ptr(args[3], &x) || !get_i64(args[4], &B) || !get_i64(args[5], &hidden) ||
@@ -598,7 +601,7 @@ static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssiz
         !get_ptr(args[14], &ptr[3]) || !get_ptr(args[15], &ptr[4]) ||
         !get_ptr(args[16], &ptr[5]) || !get_i64(args[17], &Cf) || !get_ptr(args[18], &ptr[6]) ||
         !get_ptr(args[19], &ptr[7]) || !get_i64(args[20], &Cl) || !get_ptr(args[21], &ptr[8]) ||
-        !get_ptr(args[22], &ptr[9]))
+        !get_ptr(args[22], &ptr[9]) || !get_i64(args[23], &kv_f16))
         return NULL;
     if (fields != KV_PLAN_FIELDS)
         return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, got %lld",
@@ -609,7 +612,8 @@ static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssiz
     const kv_step step = {.B = B, .hidden = hidden, .H = H, .KVH = KVH, .D = D, .eps = eps,
                           .scale = scale, .cos = {ptr[0], ptr[2]}, .sin = {ptr[1], ptr[3]},
                           .slot_mapping = ptr[4], .slots = {ptr[5], ptr[7]},
-                          .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9]};
+                          .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9],
+                          .kv_f16 = kv_f16 != 0};
     int use_avx2 = 0;
 #ifdef KV_HAVE_AVX2_BUILD
     use_avx2 = g_isa == &kv_isa_avx2;
@@ -736,12 +740,14 @@ static PyMethodDef methods[] = {
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, METH_FASTCALL,
      "gelu_mul(x, out, tokens, inter)"},
     {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
-     "scatter_rows(dst, num_slots, src, src_stride, slots, n, row)"},
+     "scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16)"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
-     "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out)"},
+     "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, "
+     "lengths, f16)"},
     {"gemma3_decode", (PyCFunction)(void (*)(void))py_gemma3_decode, METH_FASTCALL,
      "gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
-     "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches)"},
+     "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
+     "kv_f16)"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
