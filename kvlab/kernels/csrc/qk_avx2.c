@@ -174,10 +174,12 @@ KV_INL void scales_pair(uint32_t w0, uint32_t w1, __m256 *a, __m256 *b) {
     *b = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
 }
 
-/* Blocks b0 and (when `pair`) the next one, against nx activation rows (pair index p). */
-KV_INL void pair_step(const uint8_t *b0, const kv_pair_layout L, const int pair,
-                      const char *xq, int64_t xs, int64_t p, const int nx,
-                      __m256 *acc, __m256 *acc2) {
+/* 4/5-bit legacy pair unpacked: nibbles (plus fifth bits) of both blocks, and their scales
+ * (d, and m or d again); a missing second block gets zero scales. pair_step and the prefill
+ * tiles build it before their loops over x rows. */
+typedef struct { __m256i lo, hi; __m256 dw, mw; } kv_upair;
+
+KV_INL void unpack_pair(const uint8_t *b0, const kv_pair_layout L, const int pair, kv_upair *u) {
     const uint8_t *b1 = b0 + L.size;
     const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + L.qs));
     const __m256i v = pair ? _mm256_inserti128_si256(
@@ -187,12 +189,22 @@ KV_INL void pair_step(const uint8_t *b0, const kv_pair_layout L, const int pair,
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     if (L.qh) add_fifth_bits(load_u32(b0 + L.qh), pair ? load_u32(b1 + L.qh) : 0, &lo, &hi);
-    /* d (and m) lead the block; a missing second block gets zero scales */
     const uint32_t w0 = L.has_min ? load_u32(b0) : (uint32_t)(b0[0] | b0[1] << 8);
     const uint32_t w1 = !pair ? 0 : L.has_min ? load_u32(b1) : (uint32_t)(b1[0] | b1[1] << 8);
     __m256 dw, mw;
     scales_pair(w0, w1, &dw, &mw);
     if (!L.has_min) mw = dw;
+    u->lo = lo, u->hi = hi, u->dw = dw, u->mw = mw;
+}
+
+/* Blocks b0 and (when `pair`) the next one, against nx activation rows (pair index p). */
+KV_INL void pair_step(const uint8_t *b0, const kv_pair_layout L, const int pair,
+                      const char *xq, int64_t xs, int64_t p, const int nx,
+                      __m256 *acc, __m256 *acc2) {
+    kv_upair u;
+    unpack_pair(b0, L, pair, &u);
+    const __m256i lo = u.lo, hi = u.hi;
+    const __m256 dw = u.dw, mw = u.mw;
     for (int j = 0; j < nx; j++) {
         const kv_act64 *a = (const kv_act64 *)(xq + j * xs) + p;
         const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, load256(a->lo)),
@@ -247,35 +259,51 @@ KV_INL __m256i bcast16(__m256i v, int k) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * k) | ((2 * k + 1) << 8))));
 }
 
+/* group k (0..3) of a Q4_K / Q5_K super-block: the nibbles of its 64 elements as two
+ * registers (elements 0..31 and 32..63 of the group), the fifth bits (Q5_K: with_qh) taken
+ * from *qh, which shifts on */
+KV_INL void k4_group(const uint8_t *qs, int k, __m256i *qh, const int with_qh, __m256i *lo,
+                     __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i q = load256(qs + 32 * k);
+    *lo = _mm256_and_si256(q, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (with_qh) {
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(*qh, one), 4));
+        *qh = _mm256_srli_epi16(*qh, 1);
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(*qh, one), 4));
+        *qh = _mm256_srli_epi16(*qh, 1);
+    }
+}
+
+/* a super-block's qs, its fifth bits (zero for Q4_K), its 6-bit scales (int16, both lanes)
+ * and its mins (int16 pairs, as madd takes them against the 16 bsums) */
+KV_INL const uint8_t *k4_head(const uint8_t *blk, const int with_qh, __m256i *qh, __m256i *scv,
+                              __m256i *mins) {
+    const kv_blk_q4_k *h4 = (const kv_blk_q4_k *)blk;  /* d, dmin, scales: same offsets */
+    *qh = with_qh ? load256(((const kv_blk_q5_k *)blk)->qh) : _mm256_setzero_si256();
+    __m128i sc8, mn8;
+    scales_mins_k4(h4->scales, &sc8, &mn8);
+    *scv = _mm256_broadcastsi128_si256(sc8);
+    *mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
+    return with_qh ? ((const kv_blk_q5_k *)blk)->qs : h4->qs;
+}
+
 /* Q4_K and Q5_K share everything but the 5th bit: with_qh selects Q5_K. */
 KV_INL void rows_k4(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
                     float *y, int64_t ys, const int with_qh) {
     const int64_t bsize = with_qh ? (int64_t)sizeof(kv_blk_q5_k) : (int64_t)sizeof(kv_blk_q4_k);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256 acc[KV_NXMAX];
     for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < cols / 256; i++) {
         const uint8_t *blk = w + i * bsize;
-        const kv_blk_q4_k *h4 = (const kv_blk_q4_k *)blk;  /* d, dmin, scales: same offsets */
-        const uint8_t *qs = with_qh ? ((const kv_blk_q5_k *)blk)->qs : h4->qs;
-        __m256i qh = with_qh ? load256(((const kv_blk_q5_k *)blk)->qh) : _mm256_setzero_si256();
-        __m128i sc8, mn8;
-        scales_mins_k4(h4->scales, &sc8, &mn8);
-        const __m256i scv = _mm256_broadcastsi128_si256(sc8);
-        const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8),
-                                              _mm_unpacklo_epi16(mn8, mn8));
+        __m256i qh, scv, mins;
+        const uint8_t *qs = k4_head(blk, with_qh, &qh, &scv, &mins);
         __m256i sumi[KV_NXMAX];
         for (int j = 0; j < nx; j++) sumi[j] = _mm256_setzero_si256();
         for (int k = 0; k < 4; k++) {
-            const __m256i q = load256(qs + 32 * k);
-            __m256i lo = _mm256_and_si256(q, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (with_qh) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                qh = _mm256_srli_epi16(qh, 1);
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                qh = _mm256_srli_epi16(qh, 1);
-            }
+            __m256i lo, hi;
+            k4_group(qs, k, &qh, with_qh, &lo, &hi);
             const __m256i s_lo = bcast16(scv, 2 * k), s_hi = bcast16(scv, 2 * k + 1);
             for (int j = 0; j < nx; j++) {
                 const int8_t *x = ACT256(j, i)->qs + 64 * k;
@@ -285,6 +313,7 @@ KV_INL void rows_k4(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, 
                 sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(pl, ph));
             }
         }
+        const kv_blk_q4_k *h4 = (const kv_blk_q4_k *)blk;
         const float d = _cvtsh_ss(h4->d), dmin = _cvtsh_ss(h4->dmin);
         for (int j = 0; j < nx; j++) {
             const kv_act256 *a = ACT256(j, i);
@@ -308,11 +337,26 @@ KV_INL void rows_q5_k(const uint8_t *w, int64_t cols, const char *xq, int64_t xs
 
 /* Q6_K: q in [0, 63] with value (q - 32) * d * scale16. The -32 is applied once per
  * super-block through the activation's 16-element sums. */
+/* half h (128 elements) of a Q6_K block: four registers of 32 values in [0, 63] (groups
+ * 4h..4h+3 of 32), low nibbles from ql, the two high bits from qh */
+KV_INL void q6_half(const kv_blk_q6_k *b, int h, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    const __m256i ql0 = load256(b->ql + 64 * h), ql1 = load256(b->ql + 64 * h + 32);
+    const __m256i qh = load256(b->qh + 32 * h);
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
+                           _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                           _mm256_and_si256(qh, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 KV_INL void rows_q6_k(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
                       float *y, int64_t ys) {
     const kv_blk_q6_k *b = (const kv_blk_q6_k *)w;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-    const __m256i m30 = _mm256_set1_epi8(0x30);
     /* low lane takes int16 0 of each dword, high lane int16 1 */
     const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
@@ -326,17 +370,8 @@ KV_INL void rows_q6_k(const uint8_t *w, int64_t cols, const char *xq, int64_t xs
                 _mm256_setzero_si256(),
                 _mm256_slli_epi32(_mm256_madd_epi16(load256(ACT256(j, i)->bsums), sc16), 5));
         for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = load256(b[i].ql + 64 * h), ql1 = load256(b[i].ql + 64 * h + 32);
-            const __m256i qh = load256(b[i].qh + 32 * h);
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                   _mm256_and_si256(qh, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            q6_half(b + i, h, q);
             for (int s = 0; s < 4; s++) {
                 const int g = 4 * h + s;  /* 32-element group: scales 2g (low lane), 2g+1 */
                 const __m256i scale = _mm256_shuffle_epi8(
@@ -566,27 +601,6 @@ KV_GEMV_AVX2(gemv_bf16, rows_bf16)
 #define KV_TILE_MIN_N 8        /* fewer x rows: the per-group kernels above */
 #define KV_TILE_BYTES 32768    /* unpacked weights per tile (rows of it, 1 to 16) */
 
-/* 4/5-bit legacy pair: what pair_step builds before its loop over x rows */
-typedef struct { __m256i lo, hi; __m256 dw, mw; } kv_upair;
-
-KV_INL void unpack_pair(const uint8_t *b0, const kv_pair_layout L, const int pair, kv_upair *u) {
-    const uint8_t *b1 = b0 + L.size;
-    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + L.qs));
-    const __m256i v = pair ? _mm256_inserti128_si256(
-                                 _mm256_castsi128_si256(q0),
-                                 _mm_loadu_si128((const __m128i *)(b1 + L.qs)), 1)
-                           : _mm256_inserti128_si256(_mm256_setzero_si256(), q0, 0);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (L.qh) add_fifth_bits(load_u32(b0 + L.qh), pair ? load_u32(b1 + L.qh) : 0, &lo, &hi);
-    const uint32_t w0 = L.has_min ? load_u32(b0) : (uint32_t)(b0[0] | b0[1] << 8);
-    const uint32_t w1 = !pair ? 0 : L.has_min ? load_u32(b1) : (uint32_t)(b1[0] | b1[1] << 8);
-    __m256 dw, mw;
-    scales_pair(w0, w1, &dw, &mw);
-    if (!L.has_min) mw = dw;
-    u->lo = lo, u->hi = hi, u->dw = dw, u->mw = mw;
-}
-
 KV_INL void unpack_pairs_row(const uint8_t *w, int64_t cols, kv_upair *u, const kv_pair_layout L) {
     const int64_t nb = cols / 32;
     int64_t i = 0;
@@ -653,28 +667,12 @@ typedef struct { __m256i q[8]; __m256i scv, mins; float d, dmin; } kv_uk4;
 
 KV_INL void unpack_k4_row(const uint8_t *w, int64_t cols, kv_uk4 *u, const int with_qh) {
     const int64_t bsize = with_qh ? (int64_t)sizeof(kv_blk_q5_k) : (int64_t)sizeof(kv_blk_q4_k);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     for (int64_t i = 0; i < cols / 256; i++) {
         const uint8_t *blk = w + i * bsize;
+        __m256i qh;
+        const uint8_t *qs = k4_head(blk, with_qh, &qh, &u[i].scv, &u[i].mins);
+        for (int k = 0; k < 4; k++) k4_group(qs, k, &qh, with_qh, &u[i].q[2 * k], &u[i].q[2 * k + 1]);
         const kv_blk_q4_k *h4 = (const kv_blk_q4_k *)blk;
-        const uint8_t *qs = with_qh ? ((const kv_blk_q5_k *)blk)->qs : h4->qs;
-        __m256i qh = with_qh ? load256(((const kv_blk_q5_k *)blk)->qh) : _mm256_setzero_si256();
-        __m128i sc8, mn8;
-        scales_mins_k4(h4->scales, &sc8, &mn8);
-        u[i].scv = _mm256_broadcastsi128_si256(sc8);
-        u[i].mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn8, mn8), _mm_unpacklo_epi16(mn8, mn8));
-        for (int k = 0; k < 4; k++) {
-            const __m256i q = load256(qs + 32 * k);
-            __m256i lo = _mm256_and_si256(q, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (with_qh) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                qh = _mm256_srli_epi16(qh, 1);
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-                qh = _mm256_srli_epi16(qh, 1);
-            }
-            u[i].q[2 * k] = lo, u[i].q[2 * k + 1] = hi;
-        }
         u[i].d = _cvtsh_ss(h4->d), u[i].dmin = _cvtsh_ss(h4->dmin);
     }
 }
@@ -729,23 +727,9 @@ typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_uq6;
 
 KV_INL void unpack_q6_k_row(const uint8_t *w, int64_t cols, kv_uq6 *u) {
     const kv_blk_q6_k *b = (const kv_blk_q6_k *)w;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-    const __m256i m30 = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < cols / 256; i++) {
         u[i].sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales));
-        for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = load256(b[i].ql + 64 * h), ql1 = load256(b[i].ql + 64 * h + 32);
-            const __m256i qh = load256(b[i].qh + 32 * h);
-            __m256i *q = u[i].q + 4 * h;
-            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                   _mm256_and_si256(qh, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-        }
+        for (int h = 0; h < 2; h++) q6_half(b + i, h, u[i].q + 4 * h);
         u[i].d = _cvtsh_ss(b[i].d);
     }
 }
@@ -995,22 +979,12 @@ static KV_TGT void deq_q5_k_v(const uint8_t *w, int64_t cols, float *out) { deq_
 
 static KV_TGT void deq_q6_k_v(const uint8_t *w, int64_t cols, float *out) {
     const kv_blk_q6_k *b = (const kv_blk_q6_k *)w;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-    const __m256i m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    const __m256i k32 = _mm256_set1_epi8(32);
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = _cvtsh_ss(b[i].d);
         for (int h = 0; h < 2; h++) {
-            const __m256i ql0 = load256(b[i].ql + 64 * h), ql1 = load256(b[i].ql + 64 * h + 32);
-            const __m256i qh = load256(b[i].qh + 32 * h);
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4),
-                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                   _mm256_and_si256(qh, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            q6_half(b + i, h, q);
             for (int s = 0; s < 4; s++, out += 32) {
                 const __m256i v = _mm256_sub_epi8(q[s], k32);
                 const int8_t *sc = b[i].scales + 8 * h + 2 * s;
