@@ -75,37 +75,32 @@ extern const kv_isa kv_isa_generic;
 extern const kv_isa kv_isa_avx2;
 #endif
 
-/* ---- Q8_0x8 (qk_x8.c): 8-row groups, one register lane per row ---- */
-/* GGUF Q8_0 / Q5_0 / Q4_0 rows -> Q8_0x8 (same size as Q8_0); -1 if rows % 8 or the type */
+/* ---- 8-row groups, one register lane per row: Q8_0x8 (qk_x8.c; from Q8_0, Q5_0, Q4_0,
+ * Q8_0's size), Q4_Kx8 (qk_x8k.c; scales unpacked, 148 B per row and super-block), Q6_Kx8
+ * (qk_x8k.c; 6-bit values widened to bytes, 274 B). Conversions return -1 if rows % 8 (or,
+ * for Q8_0x8, the source type) does not fit. ---- */
 int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,
                  int64_t src_row_bytes, uint8_t *dst);
-void kv_deq_q8_0x8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
-                       float *out);
-void kv_gemv_q8_0x8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                            float *y, int64_t ystride);
-#ifdef KV_HAVE_AVX2_BUILD
-void kv_gemv_q8_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                         int64_t ystride);
-int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
-#endif
-/* ---- Q4_Kx8, Q6_Kx8 (qk_x8k.c): rows in groups of 8, scales unpacked (148 B per row and
- * super-block), 6-bit values widened to bytes (274 B) ---- */
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 int kv_to_q6_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
-void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
-                       float *out);
-void kv_deq_q6_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
-                       float *out);
+/* row r of a grouped matrix (row_bytes per row on average) -> fp32 */
+#define KV_DEQ_ROW_DECL(name) \
+    void name(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols, float *out)
+KV_DEQ_ROW_DECL(kv_deq_q8_0x8_row);
+KV_DEQ_ROW_DECL(kv_deq_q4_kx8_row);
+KV_DEQ_ROW_DECL(kv_deq_q6_kx8_row);
+/* a kv_gemv_fn */
 #define KV_GEMV_DECL(name)                                                                \
     void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,  \
               const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride)
+KV_GEMV_DECL(kv_gemv_q8_0x8_generic);
 KV_GEMV_DECL(kv_gemv_q4_kx8_generic);
 KV_GEMV_DECL(kv_gemv_q6_kx8_generic);
 #ifdef KV_HAVE_AVX2_BUILD
+KV_GEMV_DECL(kv_gemv_q8_0x8_avx2);
 KV_GEMV_DECL(kv_gemv_q4_kx8_avx2);
 KV_GEMV_DECL(kv_gemv_q6_kx8_avx2);
+int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
 
 /* The driver of an 8-row-group kernel: groups [r0, r1) of W (8 rows each, the group's

@@ -55,10 +55,9 @@ uint16_t kv_f2h(float f) {
 int kv_block_size(int qtype) {
     switch (qtype) {
         case KV_F32: case KV_F16: case KV_BF16: return 1;
-        case KV_Q8_0: case KV_Q4_0: case KV_Q4_1: case KV_Q5_0: case KV_Q5_1: return 32;
-        case KV_Q8_0X8: return 32;
-        case KV_Q4_KX8: case KV_Q6_KX8: return 256;
-        case KV_Q4_K: case KV_Q5_K: case KV_Q6_K: return 256;
+        case KV_Q8_0: case KV_Q4_0: case KV_Q4_1: case KV_Q5_0: case KV_Q5_1: case KV_Q8_0X8:
+            return 32;
+        case KV_Q4_K: case KV_Q5_K: case KV_Q6_K: case KV_Q4_KX8: case KV_Q6_KX8: return 256;
         default: return 0;
     }
 }
