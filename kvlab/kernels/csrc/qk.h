@@ -104,8 +104,9 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
 #endif
 
 /* The driver of an 8-row-group kernel: groups [r0, r1) of W (8 rows each, the group's
- * blocks of `blk_t` contiguous), x rows in tiles of up to 8 through tile(b, blocks, x, xs, nx,
- * y, ys) with nx a constant for each case, so the tile's loops over x rows unroll. */
+ * blocks of `blk_t` contiguous), x rows in tiles of up to KV_GROUP_NX through tile(b, blocks,
+ * x, xs, nx, y, ys) with nx a constant for each case, so the tile's loops over x rows unroll. */
+#define KV_GROUP_NX 8  /* x rows per tile: 8 accumulators + 8 weight registers fit in 32 */
 #define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
     static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
                          int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
@@ -114,10 +115,10 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
         const int64_t nb = cols / (block_elems);                                           \
         for (int64_t r = r0; r < r1; r += 8) {                                             \
             const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
-            for (int64_t j = 0; j < n; j += 8) {                                           \
+            for (int64_t j = 0; j < n; j += KV_GROUP_NX) {                                 \
                 const char *xj = x + j * xstride;                                          \
                 float *yj = y + j * ystride + r;                                           \
-                switch (n - j >= 8 ? 8 : n - j) {                                          \
+                switch (n - j >= KV_GROUP_NX ? KV_GROUP_NX : n - j) {                      \
                     case 8: tile(b, nb, xj, xstride, 8, yj, ystride); break;               \
                     case 7: tile(b, nb, xj, xstride, 7, yj, ystride); break;               \
                     case 6: tile(b, nb, xj, xstride, 6, yj, ystride); break;               \

@@ -115,7 +115,6 @@ void kv_gemv_q8_0x8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 
 #define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
-#define KV_X8_NX 8  /* x rows per pass: 8 accumulators + 8 weight chunks in registers */
 
 static inline __attribute__((always_inline)) KV_TGT_A __m256i bcast4(const int8_t *p) {
     /* 4 bytes into every lane */
@@ -129,7 +128,7 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i bcast4(const int8_
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q8_0x8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
-        __m256 acc[KV_X8_NX];                                                             \
+        __m256 acc[KV_GROUP_NX];                                                             \
         for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
         for (int64_t i = 0; i < nb; i++) {                                                \
             __m256i w[8];                                                                 \

@@ -198,7 +198,6 @@ void kv_gemv_q6_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 
 #define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
-#define KV_K8_NX 8
 
 static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_bcast4(const void *p) {
     int32_t v;
@@ -224,11 +223,11 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
-        __m256 acc[KV_K8_NX];                                                             \
+        __m256 acc[KV_GROUP_NX];                                                             \
         for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                        \
         for (int64_t i = 0; i < nb; i++) {                                                \
-            __m256i isum[KV_K8_NX];                                                       \
+            __m256i isum[KV_GROUP_NX];                                                       \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
             for (int p = 0; p < 4; p++) {                                                 \
                 __m256i lo[8], hi[8];                                                     \
@@ -287,10 +286,10 @@ KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q6_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
-        __m256 acc[KV_K8_NX];                                                             \
+        __m256 acc[KV_GROUP_NX];                                                             \
         for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
         for (int64_t i = 0; i < nb; i++) {                                                \
-            __m256i isum[KV_K8_NX];                                                       \
+            __m256i isum[KV_GROUP_NX];                                                       \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
             for (int g = 0; g < 16; g++) {                                                \
                 __m256i q[4];                                                             \
