@@ -43,7 +43,8 @@ class SamplingParams:
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= -1, f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}"),
+            (-1 <= self.top_k < (1 << 31),
+             f"top_k must be >= 1, or 0 / -1 to disable, got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0,
@@ -56,6 +57,8 @@ class SamplingParams:
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings"),
+            (self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
+             f"seed must be a 64-bit integer, got {self.seed}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -25,72 +23,7 @@ from kvlab.server.protocol import (
     sampling_params,
 )
 
-# ---- a fake engine: each running request emits one character per step ------------------------
-
-
-class FakeTokenizer:
-    eos_ids = (0,)
-    bos_id = None
-    add_bos = False
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return chr(token_id).encode()
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
-
-
-@dataclass
-class FakeConfig:
-    max_num_seqs: int = 2
-
-
-@dataclass
-class FakeEngine:
-    model_name: str = "fake.gguf"
-    max_model_len: int = 4096
-    config: FakeConfig = field(default_factory=FakeConfig)
-    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
-    live: dict[str, tuple[int, SamplingParams, int]] = field(default_factory=dict)
-    aborted: list[str] = field(default_factory=list)
-    fail_next_step: bool = False
-
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise RequestError("prompt + max_tokens exceeds the context length")
-        self.live[request_id] = (len(prompt), params, 0)
-
-    def abort(self, request_id: str) -> None:
-        if self.live.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.live)
-
-    def step(self) -> list[RequestOutput]:
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise ValueError("boom")
-        time.sleep(0.002)  # a step takes time, so clients can act between steps
-        outs = []
-        for rid, (n_prompt, params, n_out) in list(self.live.items()):
-            n_out += 1
-            done = n_out >= params.max_tokens
-            self.live[rid] = (n_prompt, params, n_out)
-            if done:
-                del self.live[rid]
-            outs.append(RequestOutput(rid, [97], "a", done, FinishReason.LENGTH if done else None,
-                                      n_prompt, 0, n_out, timings=RequestTimings()))
-        return outs
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self.live), 0, 10, len(self.live), 16, 64, 0, 0)
+from fake_engine import FakeEngine
 
 
 def run(coro):
@@ -198,7 +131,14 @@ def test_app_error_shapes_and_queue_full() -> None:
             r = await client.post("/v1/completions", json={"prompt": "hi", "model": "x"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             r = await client.post("/v1/completions", json={"prompt": "hi", "n": 3})
-            assert r.status_code == 503, r.text
+            assert r.status_code == 400 and "at most 2 sequences" in r.text  # can never fit
+            busy = asyncio.ensure_future(client.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 200}))
+            while not ae.num_live:
+                await asyncio.sleep(0.005)
+            r = await client.post("/v1/completions", json={"prompt": "hi", "n": 2})
+            assert r.status_code == 503, r.text  # could fit, but not now
+            assert (await busy).status_code == 200
         await ae.stop()
 
     run(main())

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.errors import KvlabError
+
+if TYPE_CHECKING:
+    from kvlab.server.guard import ServerLimits
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -23,6 +29,16 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGINT/SIGTERM")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body in bytes; larger ones get 413 unread (4 MiB)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take; at the deadline its choices end where "
+                        "they are (finish_reason 'length') and free their KV blocks")
+    p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$KVLAB_API_KEY; none: open)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="require the API key on /health and /metrics too")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -30,11 +46,11 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlab.engine import Engine
-    from kvlab.errors import KvlabError
     from kvlab.server import serve
 
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
+    limits = server_limits(args)
     config = engine_config(args, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size,
@@ -42,6 +58,21 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_model(args.model, config)
     print(f"kvlab serve: {engine.model_name} (context {engine.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    if limits.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvlab serve: WARNING: listening on {args.host} without an API key: anyone who "
+              "can reach this port can use the model (set --api-key or KVLAB_API_KEY)",
+              file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, args.max_waiting, args.shutdown_timeout,
-          args.log_level)
+          args.log_level, limits=limits)
     return 0
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The front-door settings from the flags; a bad value is a one-line error."""
+    from kvlab.server.guard import ServerLimits
+
+    if args.api_key is not None and not args.api_key.strip():
+        raise KvlabError("--api-key / KVLAB_API_KEY is empty; give a key or unset it")
+    return ServerLimits(max_request_bytes=args.max_request_bytes, api_key=args.api_key,
+                        protect_metrics=args.protect_metrics,
+                        request_timeout=args.request_timeout)

@@ -6,20 +6,26 @@ official client raises BadRequestError / NotFoundError / ... unchanged. A client
 up, mid-stream or while waiting for a whole answer, has its requests aborted at once, which
 frees their KV blocks. On shutdown uvicorn lets requests in flight finish for
 `shutdown_timeout` seconds, then cancels them; the engine then aborts whatever is left.
+
+The event loop only moves bytes: `RequestGuard` checks the key and the body size first,
+then a small pool of worker threads decodes, validates, renders and tokenizes each body
+(the native tokenizer releases the GIL), so a huge prompt never delays /health, other
+clients' streams or the engine's steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -28,13 +34,15 @@ from kvlab.engine import Engine
 from kvlab.errors import KvlabError
 from kvlab.server import viz
 from kvlab.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, Generation
+from kvlab.server.guard import RequestGuard, ServerLimits
 from kvlab.server.prom import CONTENT_TYPE
-from kvlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from kvlab.server.protocol import ApiError
 from kvlab.server.serving import Call, Serving
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"
+PREP_THREADS = 4  # bodies decoded and tokenized at once, off the event loop
 
 
 class ClientGone(Exception):
@@ -68,19 +76,16 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc))
     if isinstance(exc, (EngineOverloaded, EngineUnavailable)):
         return ApiError(503, str(exc), type_="service_unavailable_error")
+    if isinstance(exc, RequestValidationError):  # a query parameter of the wrong type
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"][1:]) or None
+        return ApiError(400, f"invalid value for '{where}': {err['msg']} "
+                             f"(got {err.get('input')!r})", param=where)
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         return ApiError(exc.status_code, str(exc.detail), type_=kind)
     log.exception("unhandled error", exc_info=exc)
     return ApiError(500, f"internal error: {exc}", type_="internal_server_error")
-
-
-async def read_json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"could not parse the JSON body: {e}") from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -103,34 +108,42 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = ()) -> FastAPI:
+def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
+               limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app; starting it starts the engine thread, stopping it stops that thread.
 
     `routers` add front ends of their own (e.g. the visualiser); their handlers find the
     AsyncEngine at `request.app.state.engine`, and may raise ApiError like these do.
     """
+    limits = limits or ServerLimits()
+    prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvlab-prep")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         yield
         await engine.stop()
+        prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
     app.state.engine = engine
     serving = Serving(engine)
     app.state.serving = serving
+    app.state.limits = limits
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(as_api_error(exc))
 
     # the specific ones are answered quietly; a bare Exception is also logged by starlette
     for kind in (ApiError, KvlabError, EngineOverloaded, EngineUnavailable, HTTPException,
-                 Exception):
+                 RequestValidationError, Exception):
         app.add_exception_handler(kind, on_error)
     add_info_routes(app, engine)
-    add_generation_routes(app, engine, serving)
+    add_generation_routes(app, engine, serving, prep, limits.request_timeout)
     app.include_router(viz.router)
+    for router in routers:
+        app.include_router(router)
+    app.add_middleware(RequestGuard, limits=limits)
     return app
 
 
@@ -161,10 +174,15 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
         return PlainTextResponse(engine.metrics.render(engine.stats), media_type=CONTENT_TYPE)
 
 
-def add_generation_routes(app: FastAPI, engine: AsyncEngine, serving: Serving) -> None:
-    async def answer(request: Request, call: Call, stream: bool) -> Response:
-        gen = await engine.add(call.requests)
-        if stream:
+def add_generation_routes(app: FastAPI, engine: AsyncEngine, serving: Serving,
+                          prep: ThreadPoolExecutor, timeout: float | None) -> None:
+    async def answer(request: Request, build: Callable[[bytes], Call]) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        body = await request.body()
+        call = await loop.run_in_executor(prep, build, body)
+        gen = await engine.add(call.requests, deadline)
+        if call.stream:
             return EventStream(serving.stream(call, gen), gen)
         try:
             return JSONResponse(await unless_disconnected(request, serving.respond(call, gen)))
@@ -175,20 +193,18 @@ def add_generation_routes(app: FastAPI, engine: AsyncEngine, serving: Serving) -
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(CompletionRequest, await read_json(request))
-        return await answer(request, serving.completion_call(req), req.stream)
+        return await answer(request, serving.completion_call)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await read_json(request))
-        return await answer(request, serving.chat_call(req), req.stream)
+        return await answer(request, serving.chat_call)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
           shutdown_timeout: float = 30.0, log_level: str = "info",
-          routers: Sequence[APIRouter] = ()) -> None:
+          routers: Sequence[APIRouter] = (), limits: ServerLimits | None = None) -> None:
     """Run the server until SIGINT / SIGTERM."""
-    app = create_app(AsyncEngine(engine, max_waiting), routers)
+    app = create_app(AsyncEngine(engine, max_waiting), routers, limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout))
     uvicorn.Server(config).run()

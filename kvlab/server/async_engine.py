@@ -8,7 +8,12 @@ Every Engine call happens on the engine thread, so the engine needs no lock; eve
 handlers touch (the request -> Generation map, the metrics) lives on the event loop thread.
 A Generation groups the engine requests of one API call (its n choices) behind one queue.
 Closing a Generation aborts whatever of it is unfinished, which frees its KV blocks at once:
-handlers close it when the client disconnects.
+handlers close it when the client disconnects. A Generation with a deadline ends at it: its
+unfinished choices stop where they are (finish reason "length", as llama-server's time limit
+does) and are aborted in the engine.
+
+If the engine thread dies, every waiting call and every queued command fails at once with
+EngineUnavailable (503), new calls are refused and /health turns 503: nothing hangs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvlab.engine import Engine, EngineStats
+from kvlab.errors import RequestError
 from kvlab.request import FinishReason, RequestOutput, SamplingParams
 from kvlab.server.prom import ServerMetrics
 
@@ -61,6 +67,7 @@ class Generation:
         self.arrival = time.perf_counter()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.last: dict[str, RequestOutput] = {}
+        self.timer: asyncio.TimerHandle | None = None  # the deadline, when there is one
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -79,19 +86,27 @@ class Generation:
             self.last[item.request_id] = item
         self.queue.put_nowait(item)
 
-    def aborted_output(self, req: EngineRequest) -> RequestOutput:
+    def aborted_output(self, req: EngineRequest,
+                       reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
         """A final output for a request that was cut short (what it had produced so far)."""
         last = self.last.get(req.request_id)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=[], text_delta="", finished=True,
-            finish_reason=FinishReason.ABORT, prompt_tokens=len(req.prompt_ids),
+            finish_reason=reason, prompt_tokens=len(req.prompt_ids),
             cached_tokens=last.cached_tokens if last else 0,
             output_tokens=last.output_tokens if last else 0,
             timings=last.timings if last else None)
 
-    def close(self) -> None:
+    def close(self, reason: FinishReason = FinishReason.ABORT) -> None:
         """Abort whatever has not finished (idempotent); call it when the client goes away."""
-        self.owner.close(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.owner.close(self, reason)
+
+    def expire(self) -> None:
+        """The deadline: unfinished choices end with what they have ("length")."""
+        self.owner.end_unfinished(self, FinishReason.LENGTH)
+        self.close(FinishReason.LENGTH)
 
 
 class AsyncEngine:
@@ -107,6 +122,7 @@ class AsyncEngine:
         self._owner: dict[str, Generation] = {}  # live request id -> its Generation
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._thread_done = False  # set by the engine thread as it exits, however it exits
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle (event loop thread) ----------------------------------------------------
@@ -120,10 +136,8 @@ class AsyncEngine:
     async def stop(self, timeout: float = 10.0) -> None:
         """Refuse new requests, abort the unfinished ones, then stop the engine thread."""
         self.accepting = False
-        for gen in {id(g): g for g in self._owner.values()}.values():
-            for req in gen.requests:
-                if self._owner.get(req.request_id) is gen:
-                    gen.push(gen.aborted_output(req))
+        for gen in self._live_generations():
+            self.end_unfinished(gen, FinishReason.ABORT)
             gen.close()
         self._commands.put((_STOP, None))
         if self._thread is not None:
@@ -131,7 +145,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._thread_done
 
     @property
     def num_live(self) -> int:
@@ -139,11 +153,18 @@ class AsyncEngine:
 
     # ---- requests (event loop thread) -----------------------------------------------------
 
-    async def add(self, requests: list[EngineRequest]) -> Generation:
-        """Queue one API call's engine requests; raises RequestError, EngineOverloaded, ..."""
+    async def add(self, requests: list[EngineRequest],
+                  deadline: float | None = None) -> Generation:
+        """Queue one API call's engine requests; raises RequestError, EngineOverloaded, ...
+
+        `deadline` is on the event loop's clock (`loop.time()`): the call ends there.
+        """
         if not self.accepting or not self.alive:
             raise EngineUnavailable("the server is shutting down" if self.alive
                                     else "the engine is not running")
+        if len(requests) > self.capacity:
+            raise RequestError(f"one call may run at most {self.capacity} sequences (prompts x "
+                               f"n), got {len(requests)}")
         if len(self._owner) + len(requests) > self.capacity:
             self.metrics.rejected.inc()
             raise EngineOverloaded(f"the server is at capacity ({self.capacity} requests "
@@ -158,23 +179,37 @@ class AsyncEngine:
                 self._owner.pop(req.request_id, None)
                 self._send(_abort(req.request_id))
             raise
+        if deadline is not None:
+            gen.timer = asyncio.get_running_loop().call_at(deadline, gen.expire)
         return gen
 
-    def close(self, gen: Generation) -> None:
+    def close(self, gen: Generation, reason: FinishReason = FinishReason.ABORT) -> None:
         for req in gen.requests:
             if self._owner.get(req.request_id) is gen:
                 del self._owner[req.request_id]
                 self._send(_abort(req.request_id))
-                self.metrics.observe(gen.aborted_output(req), gen.arrival, "abort")
+                self.metrics.observe(gen.aborted_output(req, reason), gen.arrival, reason.value)
+
+    def end_unfinished(self, gen: Generation, reason: FinishReason) -> None:
+        """Give each unfinished request of `gen` a final output (before closing it)."""
+        for req in gen.requests:
+            if self._owner.get(req.request_id) is gen:
+                gen.push(gen.aborted_output(req, reason))
+
+    def _live_generations(self) -> list[Generation]:
+        return list({id(g): g for g in self._owner.values()}.values())
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread between two steps and return its result."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._commands.put((fn, fut))
+        if not self.alive:  # the thread may have died after it last emptied the queue
+            self._fail_commands()
         return await asyncio.wrap_future(fut)
 
     def _send(self, fn: Callable[[Engine], Any]) -> None:
-        self._commands.put((fn, None))
+        if not self._thread_done:
+            self._commands.put((fn, None))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -188,17 +223,34 @@ class AsyncEngine:
             gen.push(out)
 
     def _fail(self, error: BaseException) -> None:
-        for gen in {id(g): g for g in self._owner.values()}.values():
+        for gen in self._live_generations():
             gen.push(error)
             gen.close()
+
+    def _fail_commands(self) -> None:
+        """Fail every queued command (the engine thread is gone: none of them will run)."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineUnavailable("the engine thread has stopped"))
 
     # ---- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        while self._run_commands(block=not self.engine.has_unfinished()):
-            if self.engine.has_unfinished():
-                self._step()
-            self.stats = self.engine.stats()
+        try:
+            while self._run_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+                self.stats = self.engine.stats()
+        except BaseException as e:  # the thread dies: nobody may wait on it from now on
+            log.exception("the engine thread died")
+            self._post(self._fail, EngineUnavailable(f"the engine thread has stopped: {e}"))
+        finally:
+            self._thread_done = True
+            self._fail_commands()
         log.info("engine thread stopped")
 
     def _step(self) -> None:

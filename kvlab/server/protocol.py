@@ -14,8 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvlab.request import SamplingParams
 
-MAX_N = 16
-MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request (OpenAI allows 128; each is a sequence in the batch)
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions' `logprobs`, as OpenAI bounds it
+MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs`, as OpenAI bounds it
+MAX_STOP = 4  # stop sequences, as OpenAI bounds them
+MAX_STOP_CHARS = 1024  # per stop string: the engine scans this much text tail every step
+MAX_STOP_TOKEN_IDS = 256
 
 
 class ApiError(Exception):
@@ -121,19 +125,31 @@ def check_common(req: _Sampling) -> None:
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true",
                        param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop may list at most {MAX_STOP} sequences, got {len(stops)}",
+                       param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(400, f"a stop sequence may be at most {MAX_STOP_CHARS} characters, "
+                            f"got {longest}", param="stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"stop_token_ids may list at most {MAX_STOP_TOKEN_IDS} ids, got "
+                            f"{len(req.stop_token_ids)}", param="stop_token_ids")
 
 
 def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """How many top alternatives the engine must report per token (None: no logprobs)."""
     if isinstance(req, CompletionRequest):
-        n, param = req.logprobs, "logprobs"
+        n, param, most = req.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS
     else:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true",
                            param="top_logprobs")
         n, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
-    if n is not None and not 0 <= n <= MAX_LOGPROBS:
-        raise ApiError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {n}", param=param)
+        most = MAX_TOP_LOGPROBS
+    if n is not None and not 0 <= n <= most:
+        raise ApiError(400, f"{param} must be in [0, {most}], got {n}", param=param)
     return n
 
 

@@ -3,6 +3,11 @@
 One API call becomes a `Call`: its engine requests (prompts x n choices, choice index =
 prompt index * n + i) and the wire format to answer in. `respond` collects a whole answer;
 `stream` yields server-sent events, one chunk per engine output, then usage and `[DONE]`.
+
+Building a call (JSON decoding, validation, chat template, tokenization) is plain blocking
+work: the app runs `completion_call` / `chat_call` in a worker thread, never on the event
+loop. A prompt whose UTF-8 length alone proves it cannot fit the context (more bytes than
+the context holds tokens times the longest token) is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -14,16 +19,28 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.server.async_engine import AsyncEngine, EngineRequest, EngineStepError, Generation
+from kvlab.server.async_engine import (
+    AsyncEngine,
+    EngineRequest,
+    EngineStepError,
+    EngineUnavailable,
+    Generation,
+)
 from kvlab.server.formats import ChatFormat, Choice, CompletionFormat, Format, usage
+from kvlab.server.guard import parse_json_body
 from kvlab.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     check_common,
     max_tokens_of,
+    parse,
     sampling_params,
 )
+
+# A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this
+# times the longest token's bytes.
+_NORMALIZER_SLACK = 4
 
 
 @dataclass
@@ -35,6 +52,7 @@ class Call:
     n: int
     include_usage: bool
     echo_texts: list[str]  # per prompt; empty strings without echo
+    stream: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def choices(self) -> dict[str, Choice]:
@@ -48,6 +66,9 @@ class Serving:
         self.tokenizer = engine.tokenizer
         name = engine.model_name
         self.model_names = {name, name.removesuffix(".gguf")}
+        longest = max((len(self.tokenizer.token_bytes(i))
+                       for i in range(self.tokenizer.vocab_size)), default=16)
+        self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:
@@ -57,7 +78,9 @@ class Serving:
 
     # ---- building calls ---------------------------------------------------------------------
 
-    def completion_call(self, req: CompletionRequest) -> Call:
+    def completion_call(self, body: bytes) -> Call:
+        """The call a /v1/completions body asks for (blocking: run it off the event loop)."""
+        req = parse(CompletionRequest, parse_json_body(body))
         model = self.check_model(req.model)
         check_common(req)
         if req.suffix is not None:
@@ -69,15 +92,30 @@ class Serving:
         echo = [self._prompt_text(p) if req.echo else "" for p in prompts]
         ids = [self._encode(p) for p in prompts]
         return Call(f"cmpl-{uuid.uuid4().hex}", model, CompletionFormat(self.tokenizer),
-                    self._engine_requests(req, ids), req.n, req.include_usage, echo)
+                    self._engine_requests(req, ids), req.n, req.include_usage, echo, req.stream)
 
-    def chat_call(self, req: ChatCompletionRequest) -> Call:
+    def chat_call(self, body: bytes) -> Call:
+        """The call a /v1/chat/completions body asks for (blocking: run it off the loop)."""
+        req = parse(ChatCompletionRequest, parse_json_body(body))
         model = self.check_model(req.model)
         check_common(req)
         messages = [m.as_template_dict() for m in req.messages]
+        self.check_fits(self.tokenizer.apply_chat_template(messages), "messages")
         ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         return Call(f"chatcmpl-{uuid.uuid4().hex}", model, ChatFormat(self.tokenizer),
-                    self._engine_requests(req, [ids]), req.n, req.include_usage, [""])
+                    self._engine_requests(req, [ids]), req.n, req.include_usage, [""],
+                    req.stream)
+
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, text too long in bytes for any tokenization to fit."""
+        if len(text) * 4 <= self.max_prompt_bytes:  # UTF-8 is at most 4 bytes a character
+            return
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"the prompt is {size} bytes; no tokenization of that fits the "
+                                f"context of {self.engine.max_model_len} tokens (at most "
+                                f"{self.max_prompt_bytes} bytes could)", param=param,
+                           code="context_length_exceeded")
 
     @staticmethod
     def _completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -91,13 +129,21 @@ class Serving:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.check_fits(prompt, "prompt")
+        return self.tokenizer.encode(prompt)
 
     def _engine_requests(self, req: CompletionRequest | ChatCompletionRequest,
                          prompts: list[list[int]]) -> list[EngineRequest]:
         call_id = uuid.uuid4().hex
         out = []
         for p, ids in enumerate(prompts):
+            if len(ids) >= self.engine.max_model_len:  # checked here, not on the engine thread
+                raise ApiError(400, f"the prompt has {len(ids)} tokens; the context holds "
+                                    f"{self.engine.max_model_len} (prompt + max_tokens)",
+                               param="messages" if isinstance(req, ChatCompletionRequest)
+                               else "prompt", code="context_length_exceeded")
             max_tokens = max_tokens_of(req)
             if max_tokens is None:  # as vLLM: whatever the context leaves
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
@@ -138,6 +184,9 @@ class Serving:
                 yield self._event(call, [], usage(list(choices.values()), call.n))
         except EngineStepError as e:  # headers are already sent: report it as an event
             err = ApiError(500, str(e), type_="internal_server_error")
+            yield f"data: {json.dumps(err.body())}\n\n"
+        except EngineUnavailable as e:
+            err = ApiError(503, str(e), type_="service_unavailable_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             gen.close()

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvlab.perf import ModelSpec
 from kvlab.server.async_engine import AsyncEngine
+from kvlab.server.guard import parse_json_body
 from kvlab.server.protocol import ApiError
 from kvlab.server.viz_events import LiveRequests, RunSpec, VizRun, pool_now, user_params
 from kvlab.server.viz_predict import (
@@ -176,7 +177,7 @@ async def what_if(request: Request, hardware: str = THIS, model: str = SERVED,
         if prompt is None:
             raise ApiError(400, "give prompt_tokens (a count) or prompt (text to tokenize)",
                            param="prompt_tokens")
-        prompt_tokens = max(1, len(engine.tokenizer.encode(prompt)))
+        prompt_tokens = max(1, len(await asyncio.to_thread(engine.tokenizer.encode, prompt)))
     machine = await state.this_machine()
     hw = hardware_for(hardware, machine)
     spec = model_for(model, quant, state.served, state.served_arch)
@@ -211,11 +212,11 @@ class RunStream(StreamingResponse):
 @router.post("/viz/api/run")
 async def run(request: Request, format: Literal["ndjson", "sse"] = "ndjson") -> Response:
     engine, state = _engine(request), await _state(request.app)
-    body = _parse(await request.body())
+    body = await asyncio.to_thread(_parse, await request.body())
     if not 1 <= body.users <= min(MAX_USERS, engine.capacity):
         raise ApiError(400, f"users must be in [1, {min(MAX_USERS, engine.capacity)}], got "
                             f"{body.users}", param="users")
-    ids = engine.tokenizer.encode(body.prompt)
+    ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
     if not body.prompt or not ids:
         raise ApiError(400, "the prompt is empty; type at least one word", param="prompt")
     base = body.model_dump(exclude={"prompt", "users", "arrival"})
@@ -238,10 +239,7 @@ async def run(request: Request, format: Literal["ndjson", "sse"] = "ndjson") -> 
 
 
 def _parse(raw: bytes) -> VizRunRequest:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"could not parse the JSON body: {e}") from None
+    body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

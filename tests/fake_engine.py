@@ -1,0 +1,83 @@
+"""A fake engine for the server's tests: each running request emits one character per step.
+
+It has the surface the AsyncEngine and the app use (add_request / step / abort / stats and a
+character-level tokenizer), so the server's own logic runs unchanged around it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvlab.engine import EngineStats
+from kvlab.errors import RequestError
+from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams
+
+
+class FakeTokenizer:
+    eos_ids = (0,)
+    bos_id = None
+    add_bos = False
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode()
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+
+@dataclass
+class FakeConfig:
+    max_num_seqs: int = 2
+
+
+@dataclass
+class FakeEngine:
+    model_name: str = "fake.gguf"
+    max_model_len: int = 4096
+    config: FakeConfig = field(default_factory=FakeConfig)
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    live: dict[str, tuple[int, SamplingParams, int]] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+    fail_next_step: bool = False
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise RequestError("prompt + max_tokens exceeds the context length")
+        self.live[request_id] = (len(prompt), params, 0)
+
+    def abort(self, request_id: str) -> None:
+        if self.live.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise ValueError("boom")
+        time.sleep(0.002)  # a step takes time, so clients can act between steps
+        outs = []
+        for rid, (n_prompt, params, n_out) in list(self.live.items()):
+            n_out += 1
+            done = n_out >= params.max_tokens
+            self.live[rid] = (n_prompt, params, n_out)
+            if done:
+                del self.live[rid]
+            outs.append(RequestOutput(rid, [97], "a", done, FinishReason.LENGTH if done else None,
+                                      n_prompt, 0, n_out, timings=RequestTimings()))
+        return outs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.live), 0, 10, len(self.live), 16, 64, 0, 0)
