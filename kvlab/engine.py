@@ -189,6 +189,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reserve_kv_memory(self) -> None:
+        """Make the whole KV pool resident now instead of as blocks are first written."""
+        self.runner.reserve_kv()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

@@ -27,6 +27,10 @@ def register(subs: argparse._SubParsersAction) -> None:
                    help="requests that may wait beyond the running batch; more get 503")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-reserve-kv", action="store_true",
+                   help="let KV pool pages become resident as they are first written (by "
+                        "default the whole pool is touched at start, as llama-server does, so "
+                        "memory is claimed up front and stays flat under load)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGINT/SIGTERM")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
                            block_size=args.block_size,
                            enable_prefix_caching=not args.no_prefix_caching)
     engine = Engine.from_model(args.model, config)
+    if not args.no_reserve_kv:
+        engine.reserve_kv_memory()
     print(f"kvlab serve: {engine.model_name} (context {engine.max_model_len}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if limits.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

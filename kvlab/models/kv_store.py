@@ -29,6 +29,11 @@ class FloatKV:
     def bytes_per_element(dtype: torch.dtype) -> float:
         return torch.empty(0, dtype=dtype).element_size()
 
+    def reserve(self) -> None:
+        """Make every page resident now (a server's memory then stays flat under load)."""
+        for t in (self.k, self.v):
+            t.zero_()
+
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._c_writes(slots, k, v):
             fused.scatter_rows_(self.k, slots, k)
@@ -62,6 +67,10 @@ class Q8KV:
         self.v_scale = torch.empty(slots, heads, blocks, 1, dtype=torch.float16, device=device)
 
     bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
+
+    def reserve(self) -> None:
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            t.zero_()
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for store, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):

@@ -55,6 +55,11 @@ class ModelRunner:
                             self.num_blocks * self.block_size, self.device, max_batch, width,
                             capture=capture and mode == "auto")
 
+    def reserve_kv(self) -> None:
+        """Touch the whole KV pool, as llama.cpp clears its cache buffer at start."""
+        for cache in self.kv_caches:
+            cache.reserve()
+
     @property
     def kv_bytes_per_token(self) -> int:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
