@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -290,3 +291,55 @@ def test_graceful_shutdown_finishes_streams(tmp_path) -> None:
     data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
     assert data[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_slow_consumer_does_not_hold_the_engine(server) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 1500,
+                       "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                        b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                        + b"\r\n\r\n" + body)  # ... and never read
+        time.sleep(1.0)
+        start = time.monotonic()
+        r = server.client().completions.create(prompt="Hi", **GREEDY)
+        assert r.usage.completion_tokens >= 1 and time.monotonic() - start < 10
+    _assert_idle_soon(server)  # the hang-up aborted the stalled stream
+
+
+def test_api_key_body_limit_and_deadline(tmp_path) -> None:
+    with start_server(tmp_path / "serve.log", "--api-key", "sekrit", "--request-timeout", "2",
+                      "--max-request-bytes", "100000") as s:
+        with pytest.raises(openai.AuthenticationError):
+            s.client().models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        assert httpx.get(s.url + "/health").status_code == 200  # open without the key
+        with pytest.raises(openai.APIStatusError) as e:
+            good.completions.create(prompt="x" * 200_000, **GREEDY)
+        assert e.value.status_code == 413
+        start = time.monotonic()
+        r = good.completions.create(prompt="Count:", model=MODEL, max_tokens=20000,
+                                    extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and time.monotonic() - start < 10
+        assert 0 < r.usage.completion_tokens < 20000
+        _assert_idle_soon(s)
+
+
+def test_sigterm_aborts_what_cannot_finish_in_the_shutdown_timeout(tmp_path) -> None:
+    with start_server(tmp_path / "serve.log", "--shutdown-timeout", "2") as s:
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 20000, "ignore_eos": True,
+                "stream": True}
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    s.proc.send_signal(signal.SIGTERM)
+                    start = time.monotonic()
+                lines.append(line)
+        # -15: uvicorn re-raises the signal once it has shut down, as a default handler would
+        assert s.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - start < 15
+    data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert 1 < len(data) < 20000 and [x for x in lines if x][-1] == "data: [DONE]"
+    assert data[-1]["choices"][0]["finish_reason"] == "abort"  # ended, not cut

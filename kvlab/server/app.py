@@ -204,7 +204,29 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting
           shutdown_timeout: float = 30.0, log_level: str = "info",
           routers: Sequence[APIRouter] = (), limits: ServerLimits | None = None) -> None:
     """Run the server until SIGINT / SIGTERM."""
-    app = create_app(AsyncEngine(engine, max_waiting), routers, limits)
+    async_engine = AsyncEngine(engine, max_waiting)
+    app = create_app(async_engine, routers, limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout))
-    uvicorn.Server(config).run()
+    GracefulServer(config, async_engine).run()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; a second before its grace period ends, unfinished requests end.
+
+    Without this, uvicorn cancels what is still running when the grace period is over and
+    a stream is cut mid-chunk; this way every stream ends with a final chunk (finish reason
+    "abort") and [DONE], and every whole answer with what it had.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        grace = float(self.config.timeout_graceful_shutdown or 0)
+        timer = asyncio.get_running_loop().call_later(max(0.0, grace - 1.0), self.engine.end_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

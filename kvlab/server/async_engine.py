@@ -135,13 +135,17 @@ class AsyncEngine:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Refuse new requests, abort the unfinished ones, then stop the engine thread."""
+        self.end_all()
+        self._commands.put((_STOP, None))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    def end_all(self) -> None:
+        """Refuse new requests and end every unfinished one now (finish reason "abort")."""
         self.accepting = False
         for gen in self._live_generations():
             self.end_unfinished(gen, FinishReason.ABORT)
             gen.close()
-        self._commands.put((_STOP, None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
 
     @property
     def alive(self) -> bool:
