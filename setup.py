@@ -1,10 +1,13 @@
-"""Build of kvlab's C kernels (kvlab.kernels._qk); all other metadata is in pyproject.toml.
+"""Build of kvlab's C extensions; all other metadata is in pyproject.toml.
+
+kvlab.kernels._qk holds the CPU kernels, kvlab.tokenizer._tok the GGUF tokenizers.
 
 The AVX2 kernels carry `__attribute__((target("avx2,fma,f16c")))` in the source and are
 chosen at run time with __builtin_cpu_supports, so no -march flag is needed and the same
 binary runs on any x86-64 (and the portable C path builds everywhere else).
 `pip install -e .` or `python setup.py build_ext --inplace` compiles it; if compilation
-fails the package still imports and falls back to a (slow) pure numpy/torch path.
+fails the package still imports and falls back to a (slow) pure numpy/torch path (and to the
+pure-Python tokenizers).
 """
 
 from __future__ import annotations
@@ -29,4 +32,13 @@ qk = Extension(
     extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
 )
 
-setup(ext_modules=[qk])
+TOK_CSRC = "kvlab/tokenizer/csrc"
+tok = Extension(
+    "kvlab.tokenizer._tok",
+    sources=[f"{TOK_CSRC}/{name}.c" for name in ("tok_module", "tok_tables", "tok_encode")],
+    depends=[f"{TOK_CSRC}/tok.h"],
+    extra_compile_args=COMPILE_ARGS,
+    extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
+)
+
+setup(ext_modules=[qk, tok])

@@ -5,14 +5,19 @@ byte fallback, U+2581 spaces), "gpt2" is byte-level BPE (ranked merges, a pre-to
 chosen by `tokenizer.ggml.pre`). Token types decide the rest: control, unknown and user-defined
 tokens written in the text are matched literally first; control, unknown and unused tokens are
 "special" (hidden when decoding skips specials).
+
+Encoding runs in C (kvlab/tokenizer/native.py) when the extension is built, else in the
+pure-Python reference (spm.py, bpe.py, specials.py); both give the same ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.errors import ModelLoadError
+from kvlab.tokenizer import native
 from kvlab.tokenizer.bpe import ByteLevelBPE, pre_tokenizer_for, unicode_to_byte
 from kvlab.tokenizer.chat import FALLBACK_TEMPLATES
 from kvlab.tokenizer.specials import SpecialSplitter
@@ -28,8 +33,25 @@ SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE"}
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>")
 
 
-def load_gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """A `Tokenizer` from GGUF metadata (plain values, as `GGUFFile(path).metadata` gives)."""
+@dataclass(frozen=True)
+class _Vocab:
+    """What both subword models need from the metadata."""
+
+    metadata: dict[str, Any]
+    tokens: list[str]
+    types: Sequence[int]
+    token_to_id: dict[str, int]
+    literal: list[tuple[str, int]]  # (text, id) of tokens matched literally before merging
+    space_prefix: bool
+    native: bool  # encode with the C extension (else the Python reference)
+
+
+def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = None) -> Tokenizer:
+    """A `Tokenizer` from GGUF metadata (plain values, as `GGUFFile(path).metadata` gives).
+
+    `native_encoder`: encode in C (default: when kvlab.tokenizer._tok is built) or, False,
+    with the pure-Python reference; the ids are the same.
+    """
     model = metadata.get("tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
@@ -43,17 +65,16 @@ def load_gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
     token_to_id = {text: i for i, text in enumerate(tokens)}
     is_spm = model == "llama"
-    if is_spm:
-        subword, pieces = _spm_parts(metadata, tokens, types, token_to_id)
-    else:
-        subword, pieces = _bpe_parts(metadata, tokens, types, token_to_id)
     space_prefix = is_spm and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
+    vocab = _Vocab(metadata, tokens, types, token_to_id, literal, space_prefix,
+                   _use_native(native_encoder))
+    encode_text, pieces = _spm_parts(vocab) if is_spm else _bpe_parts(vocab)
     arch = metadata.get("general.architecture", "")
     template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(arch)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
     return Tokenizer(
-        encode_text=_fragment_encoder(SpecialSplitter(literal), subword, space_prefix),
+        encode_text=encode_text,
         pieces=pieces,
         special=[ty in _SPECIAL_TYPES for ty in types],
         bos_id=bos_id,
@@ -63,6 +84,13 @@ def load_gguf_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
         strip_leading_space=space_prefix,
         template_tokens=_template_tokens(metadata, tokens),
     )
+
+
+def _use_native(requested: bool | None) -> bool:
+    if requested and not native.AVAILABLE:
+        raise ModelLoadError("the C tokenizer kvlab.tokenizer._tok is not built; run "
+                             "`python setup.py build_ext --inplace` or `pip install -e .`")
+    return native.AVAILABLE if requested is None else requested
 
 
 def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
@@ -93,14 +121,13 @@ def _fragment_encoder(splitter: SpecialSplitter, subword: Callable[[str], list[i
     return encode_text
 
 
-def _spm_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int],
-               token_to_id: dict[str, int]) -> tuple[Callable[[str], list[int]], list[bytes]]:
-    scores = metadata.get("tokenizer.ggml.scores")
+def _spm_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
+    scores = v.metadata.get("tokenizer.ggml.scores")
     if scores is None:
         raise ModelLoadError("SentencePiece GGUF vocabulary has no tokenizer.ggml.scores")
     byte_ids: list[int | None] = [None] * 256
     pieces: list[bytes] = []
-    for i, (text, ty) in enumerate(zip(tokens, types)):
+    for i, (text, ty) in enumerate(zip(v.tokens, v.types)):
         byte = _byte_token_value(text) if ty == BYTE else None
         if byte is not None:
             byte_ids[byte] = i
@@ -109,20 +136,23 @@ def _spm_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int]
             pieces.append(text.encode("utf-8"))
         else:
             pieces.append(text.replace(SPACE_MARK, " ").encode("utf-8"))
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    spm = SentencePieceBPE(token_to_id, scores, byte_ids, unk_id)
-    return spm.encode, pieces
+    unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
+    if v.native:
+        literal_ids = [i for _, i in v.literal]
+        return native.spm_encoder(v.tokens, scores, literal_ids, byte_ids, unk_id,
+                                  v.space_prefix), pieces
+    spm = SentencePieceBPE(v.token_to_id, scores, byte_ids, unk_id)
+    return _fragment_encoder(SpecialSplitter(v.literal), spm.encode, v.space_prefix), pieces
 
 
-def _bpe_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int],
-               token_to_id: dict[str, int]) -> tuple[Callable[[str], list[int]], list[bytes]]:
-    pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre", "default"))
-    merges = metadata.get("tokenizer.ggml.merges")
+def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
+    pre = pre_tokenizer_for(v.metadata.get("tokenizer.ggml.pre", "default"))
+    merges = v.metadata.get("tokenizer.ggml.merges")
     if merges is None:
         raise ModelLoadError("byte-level BPE GGUF vocabulary has no tokenizer.ggml.merges")
     to_byte = unicode_to_byte()
     pieces: list[bytes] = []
-    for text, ty in zip(tokens, types):
+    for text, ty in zip(v.tokens, v.types):
         byte = _byte_token_value(text) if ty == BYTE else None
         if byte is not None:
             pieces.append(bytes([byte]))
@@ -131,8 +161,12 @@ def _bpe_parts(metadata: dict[str, Any], tokens: list[str], types: Sequence[int]
                                    for c in text))
         else:  # control and user-defined tokens are stored as plain text
             pieces.append(text.encode("utf-8"))
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    return ByteLevelBPE(token_to_id, merges, pre, unk_id).encode, pieces
+    unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
+    if v.native:
+        literal_ids = [i for _, i in v.literal]
+        return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id), pieces
+    bpe = ByteLevelBPE(v.token_to_id, merges, pre, unk_id)
+    return _fragment_encoder(SpecialSplitter(v.literal), bpe.encode, v.space_prefix), pieces
 
 
 def _byte_token_value(text: str) -> int | None:
