@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import torch
@@ -19,12 +21,20 @@ from kvlab.errors import KvlabError, RequestError
 from kvlab.metrics import GenerationMetrics, ModelCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
-from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
+from kvlab.request import (
+    FinishReason,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    Structure,
+    TokenLogprob,
+)
 from kvlab.runner import ModelRunner
 from kvlab.runner.decode_graph import GRAPH_MODES
 from kvlab.sampler import SampleResult, SamplingBatch, sample
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
+from kvlab.structured import StructuredOutputs, Template
 from kvlab.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -107,6 +117,7 @@ class _Request:
     stops: StopStringFilter
     generator: torch.Generator
     timings: RequestTimings = field(default_factory=RequestTimings)
+    forced_tokens: int = 0  # output tokens its structure appended without sampling
 
 
 class Engine:
@@ -132,6 +143,8 @@ class Engine:
                                  loaded.config.max_position_embeddings, capacity)
         self.cost: ModelCost = loaded.cost(kv_bytes_per_element(config.kv_dtype))
         self.requests: dict[str, _Request] = {}
+        self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
+        self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
 
     @classmethod
     def from_model(cls, model_path: str | None = None,
@@ -160,14 +173,28 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, params)
+        grammar = None if params.structured is None else self.structured.prepare(
+            params.structured)
+        if grammar is not None and grammar.done():
+            grammar.result()  # a structure that failed to compile: RequestError here
         seq = Sequence(request_id, ids, len(ids), params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, detok, stops, gen)
-        self.scheduler.add(seq)
+        if grammar is None:
+            self.scheduler.add(seq)
+        else:  # waits here until its grammar is compiled (off this thread)
+            self._compiling[request_id] = grammar
         return ids
+
+    def prepare_structure(self, structure: Structure) -> None:
+        """Compile a structure now (cached); raises RequestError if it cannot be used.
+
+        Callers on other threads (the server's request workers) call this before
+        add_request, so the engine thread only ever finds compiled grammars."""
+        self.structured.compiler.compile(structure)
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -185,9 +212,11 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req.seq)
+            self._compiling.pop(request_id, None)
+            self.structured.release(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def reserve_kv_memory(self) -> None:
         """Make the whole KV pool resident now instead of as blocks are first written."""
@@ -242,9 +271,13 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return self._stall_outputs()
+            if self._compiling and not outputs:  # only compiles are pending: wait a little
+                wait_futures(list(self._compiling.values()), timeout=0.005,
+                             return_when="FIRST_COMPLETED")
+            return outputs + self._stall_outputs()
         start = time.perf_counter()
         logits = self.runner.execute(sched)
         sampled = self._sample(logits.seq_ids, logits.logits)
@@ -252,10 +285,24 @@ class Engine:
         self._account(sched, start, now)
         self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
                                       for s in sched.scheduled})
-        outputs = []
         for row, seq_id in enumerate(logits.seq_ids):
-            outputs.append(self._append_token(self.requests[seq_id], sampled, row, now))
+            outputs.append(self._append_sampled(self.requests[seq_id], sampled, row, now))
         return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler's queue."""
+        failed = []
+        for seq_id, grammar in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[seq_id]
+            req = self.requests[seq_id]
+            if grammar.exception() is not None:  # only if the caller did not prepare it
+                failed.append(self._finish(req, FinishReason.ABORT, ""))
+                continue
+            self.structured.start(seq_id, grammar.result())
+            self.scheduler.add(req.seq)
+        return failed
 
     def _stall_outputs(self) -> list[RequestOutput]:
         """Nothing fits in the KV pool even alone: fail the oldest waiting request."""
@@ -271,7 +318,8 @@ class Engine:
         batch = SamplingBatch.build(
             [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
             [_penalty_ids(s, prompt=False) for s in seqs],
-            [self.requests[i].generator for i in seq_ids], self.runner.device)
+            [self.requests[i].generator for i in seq_ids], self.runner.device,
+            allowed=self.structured.bitmask(seq_ids))
         return sample(logits, batch)
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
@@ -282,26 +330,57 @@ class Engine:
             if s.prefill_tokens:
                 t.prefill_seconds += now - start
 
-    def _append_token(self, req: _Request, sampled: SampleResult, row: int,
-                      now: float) -> RequestOutput:
-        seq, params = req.seq, req.seq.params
+    def _append_sampled(self, req: _Request, sampled: SampleResult, row: int,
+                        now: float) -> RequestOutput:
         token = int(sampled.token_ids[row])
-        seq.token_ids.append(token)
-        req.timings.token_times.append(now)
-        if req.timings.first_token is None:
-            req.timings.first_token = now
-        logprobs = [self._logprob(sampled, row, token)] if params.logprobs is not None else []
-        stop_token = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_ids)
-        delta = (req.stops.push(req.detok.flush()) + req.stops.flush() if stop_token
-                 else req.stops.push(req.detok.push(token)))
-        if stop_token or req.stops.stopped:
-            return self._finish(req, FinishReason.STOP, delta, [token], logprobs)
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
-        if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        want = req.seq.params.logprobs is not None
+        logprobs = [self._logprob(sampled, row, token)] if want else []
+        if not self.structured.constrained(req.seq.seq_id):
+            return self._append(req, [token], logprobs, now, complete=False)
+        forced, complete = self._follow_structure(req, token)
+        req.forced_tokens += len(forced)
+        logprobs += [TokenLogprob(t, 0.0, [(t, 0.0)]) for t in forced] if want else []
+        return self._append(req, [token, *forced], logprobs, now, complete)
+
+    def _follow_structure(self, req: _Request, token: int) -> tuple[list[int], bool]:
+        """(forced tokens that follow `token`, whether the structure is now complete)."""
+        seq_id, seq = req.seq.seq_id, req.seq
+        if token in self.tokenizer.eos_ids or not self.structured.accept(seq_id, token):
+            return [], True  # EOS is only allowed where the structure is complete
+        if self.structured.finished(seq_id):
+            return [], True
+        n_out = seq.num_tokens + 1 - seq.num_prompt_tokens
+        room = min(seq.params.max_tokens - n_out, self.max_model_len - seq.num_tokens - 1)
+        forced = self.structured.forced(seq_id, room)
+        return forced, self.structured.finished(seq_id)
+
+    def _append(self, req: _Request, tokens: list[int], logprobs: list[TokenLogprob],
+                now: float, complete: bool) -> RequestOutput:
+        """Append tokens (one sampled, then any forced), stopping where a limit is hit."""
+        seq, params = req.seq, req.seq.params
+        delta = ""
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            req.timings.token_times.append(now)
+            if req.timings.first_token is None:
+                req.timings.first_token = now
+            done = tokens[:i + 1], logprobs[:i + 1]
+            stop_token = token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.tokenizer.eos_ids)
+            if stop_token:
+                delta += req.stops.push(req.detok.flush()) + req.stops.flush()
+                return self._finish(req, FinishReason.STOP, delta, *done)
+            delta += req.stops.push(req.detok.push(token))
+            if req.stops.stopped:
+                return self._finish(req, FinishReason.STOP, delta, *done)
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
+            if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                delta += req.stops.push(req.detok.flush()) + req.stops.flush()
+                return self._finish(req, FinishReason.LENGTH, delta, *done)
+        if complete:  # the structure allows nothing more: end as EOS would
             delta += req.stops.push(req.detok.flush()) + req.stops.flush()
-            return self._finish(req, FinishReason.LENGTH, delta, [token], logprobs)
-        return self._output(req, [token], delta, None, logprobs)
+            return self._finish(req, FinishReason.STOP, delta, tokens, logprobs)
+        return self._output(req, tokens, delta, None, logprobs)
 
     def _logprob(self, sampled: SampleResult, row: int, token: int) -> TokenLogprob:
         top = list(zip(sampled.top_ids[row].tolist(), sampled.top_logprobs[row].tolist()))
@@ -313,6 +392,7 @@ class Engine:
         req.timings.finished = time.perf_counter()
         self.scheduler.finish(req.seq)
         self.requests.pop(req.seq.seq_id, None)
+        self.structured.release(req.seq.seq_id)
         return self._output(req, tokens or [], delta, reason, logprobs or [])
 
     def _output(self, req: _Request, tokens: list[int], delta: str,
@@ -323,7 +403,7 @@ class Engine:
             finished=reason is not None, finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
             output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
-            timings=req.timings)
+            timings=req.timings, forced_tokens=req.forced_tokens)
 
 
 def _penalty_ids(seq: Sequence, prompt: bool) -> list[int]:

@@ -12,6 +12,26 @@ from dataclasses import dataclass, field
 
 from kvlab.errors import RequestError
 
+STRUCTURE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the output must be, enforced while decoding (kvlab.structured compiles it).
+
+    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object;
+    value ignored), "regex" (value: the pattern, matched in full), "choice" (value: a JSON
+    list of strings), "grammar" (value: EBNF / GBNF text, `root ::= ...`, or Lark).
+    """
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURE_KINDS:
+            raise RequestError(f"structure kind {self.kind!r} is not one of "
+                               f"{', '.join(STRUCTURE_KINDS)}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token
     include_stop_str_in_output: bool = False
+    structured: Structure | None = None  # JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,3 +143,4 @@ class RequestOutput:
     output_tokens: int  # generated so far
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings | None = None
+    forced_tokens: int = 0  # of output_tokens, appended by the structure without sampling

@@ -8,7 +8,7 @@ which rows are seeded) was decided when the batch was built.
 Order, as in HF transformers and vLLM:
 
     raw logits --log_softmax--> reported logprobs (the model's own distribution)
-    raw logits -> repetition penalty -> presence / frequency penalties
+    raw logits -> structure mask (tokens a row's grammar forbids -> -inf) -> repetition penalty -> presence / frequency penalties
                -> greedy rows: argmax
                -> sampled rows: temperature -> top-k -> top-p -> min-p -> softmax
                   -> argmax(probs / q), q ~ Exponential(1) drawn with the row's generator
@@ -73,6 +73,7 @@ class SamplingBatch:
     max_top_k: int
     num_logprobs: int  # K: the most top alternatives any row asked for
     want_logprobs: bool  # some row asked for logprobs (else they are not computed)
+    allowed: Tensor | None = None  # [B, ceil(V / 32)] int32 token bitmask of constrained rows
 
     @classmethod
     def build(
@@ -82,6 +83,7 @@ class SamplingBatch:
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
         device: torch.device | str,
+        allowed: Tensor | None = None,
     ) -> SamplingBatch:
         """Build once per step. A generator must live on `device`; None uses torch's default."""
         if not len(params) == len(prompt_ids) == len(output_ids) == len(generators):
@@ -114,6 +116,7 @@ class SamplingBatch:
             max_top_k=max((p.top_k for p in params), default=0),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             want_logprobs=any(p.logprobs is not None for p in params),
+            allowed=allowed,
         )
 
 
@@ -232,7 +235,9 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
     logits = logits.float()
-    penalized = apply_penalties(logits, batch)
+    allowed = logits if batch.allowed is None else fused.mask_logits_(logits.clone(),
+                                                                        batch.allowed)
+    penalized = apply_penalties(allowed, batch)
     token_ids = fused.argmax(penalized)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)

@@ -140,3 +140,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _qk.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def mask_logits_(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """In place: x[r, c] = -inf where bit c of mask row r is 0 (x: fp32 [B, V], mask: int32
+    [B, ceil(V / 32)], bit j of word w is token 32w + j). A plain loop in C: ~30 us for a
+    262k-token row, where torch's unpack-and-select takes ~0.5 ms."""
+    mask = mask.contiguous()
+    if not (fits(x) and x.dim() == 2 and x.is_contiguous() and mask.dtype == torch.int32
+            and mask.shape[0] == x.shape[0]):
+        shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+        bits = ((mask[:, :, None] >> shifts) & 1).bool().flatten(1)  # [B, 32 * words]
+        allowed = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        n = min(x.shape[1], bits.shape[1])
+        allowed[:, :n] = bits[:, :n]
+        return x.masked_fill_(~allowed, float("-inf"))
+    _qk.mask_logits_rows(x.data_ptr(), x.shape[0], x.shape[1], mask.data_ptr(), mask.shape[1])
+    return x

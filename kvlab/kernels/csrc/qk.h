@@ -155,6 +155,8 @@ void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, i
                   const float *w, const float *cos, const float *sin, float eps);
 /* out[r] = the first index of row r's largest value, or of its first NaN */
 void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+void kv_mask_logits_rows(float *x, int64_t rows, int64_t cols, const int32_t *mask,
+                         int64_t words);
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
 /* dst[slots[j]] = src row j: the paged KV write, into fp32 or (kv_f16) fp16 rows rounded
  * to nearest even, as torch's .to(torch.float16) */

@@ -182,3 +182,29 @@ static int64_t argmax_row(const float *p, int64_t n) {
 void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, cols);
 }
+
+/* ---- token bitmask: bit j of word w allows token 32w + j; every other logit of the row
+ * becomes -inf. Whole words are the common cases (all allowed: skip; none: fill) ---- */
+
+void kv_mask_logits_rows(float *x, int64_t rows, int64_t cols, const int32_t *mask,
+                         int64_t words) {
+    const float ninf = -__builtin_inff();
+    int64_t full = cols / 32 < words ? cols / 32 : words;  /* words that cover 32 columns */
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * cols;
+        const uint32_t *m = (const uint32_t *)mask + r * words;
+        for (int64_t w = 0; w < full; w++) {
+            uint32_t bits = m[w];
+            float *p = row + 32 * w;
+            if (bits == 0xFFFFFFFFu) continue;
+            if (bits == 0) {
+                for (int j = 0; j < 32; j++) p[j] = ninf;
+                continue;
+            }
+            for (int j = 0; j < 32; j++)
+                if (!((bits >> j) & 1u)) p[j] = ninf;
+        }
+        for (int64_t c = 32 * full; c < cols; c++)  /* a partial last word, or beyond the mask */
+            if (c / 32 >= words || !((m[c / 32] >> (c % 32)) & 1u)) row[c] = ninf;
+    }
+}

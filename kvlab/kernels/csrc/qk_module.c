@@ -649,6 +649,21 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+/* mask_logits_rows(x, rows, cols, mask, words): x[r, c] = -inf where bit c of mask row r is 0 */
+static PyObject *py_mask_logits_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(5);
+    void *x, *mask;
+    int64_t rows, cols, words;
+    if (!get_ptr(args[0], &x) || !get_i64(args[1], &rows) || !get_i64(args[2], &cols) ||
+        !get_ptr(args[3], &mask) || !get_i64(args[4], &words))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    kv_mask_logits_rows(x, rows, cols, mask, words);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* stream_read(ptr, nbytes) -> xor of its 64-bit words, read by all kernel threads */
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -749,6 +764,8 @@ static PyMethodDef methods[] = {
      "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
      "kv_f16)"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
+    {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
+     "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,
      "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
