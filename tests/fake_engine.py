@@ -19,6 +19,7 @@ class FakeTokenizer:
     bos_id = None
     add_bos = False
     vocab_size = 256
+    chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from kvlab.engine import Engine, EngineStats
 from kvlab.errors import RequestError
-from kvlab.request import FinishReason, RequestOutput, SamplingParams
+from kvlab.request import FinishReason, RequestOutput, SamplingParams, Structure
 from kvlab.server.prom import ServerMetrics
 
 log = logging.getLogger("kvlab.server")
@@ -202,6 +202,10 @@ class AsyncEngine:
 
     def _live_generations(self) -> list[Generation]:
         return list({id(g): g for g in self._owner.values()}.values())
+
+    def prepare_structure(self, structure: Structure) -> None:
+        """Compile a structure (any thread; cached); raises RequestError if unusable."""
+        self.engine.prepare_structure(structure)
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine thread between two steps and return its result."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.request import RequestOutput, TokenLogprob
+from kvlab.server.tools import ToolPlan, ToolStream, parse_reply
 from kvlab.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -42,9 +43,12 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in firsts)
     completion = sum(c.last.output_tokens for c in choices if c.last)
     cached = sum(c.last.cached_tokens for c in firsts if c.last)
+    forced = sum(c.last.forced_tokens for c in choices if c.last)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            # kvlab's own: output tokens a structure fixed, appended without sampling
+            "completion_tokens_details": {"forced_tokens": forced}}
 
 
 def _lp(value: float) -> float:
@@ -144,3 +148,44 @@ class ChatFormat(Format):
     def logprobs(self, items: list[TokenLogprob], k: int) -> list[dict[str, Any]]:
         return [{**self._entry(i.token_id, i.logprob),
                  "top_logprobs": [self._entry(t, lp) for t, lp in i.top[:k]]} for i in items]
+
+
+class ToolFormat(ChatFormat):
+    """Chat replies that may carry tool calls: parsed out of the text, streamed as
+    `tool_calls` deltas once the reply ends (text that cannot be a call streams as usual)."""
+
+    def __init__(self, tokenizer: Tokenizer, plan: ToolPlan) -> None:
+        super().__init__(tokenizer)
+        self.plan = plan
+        self._streams: dict[int, ToolStream] = {}
+
+    def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
+        body = super().choice(c, num_logprobs)
+        content, calls = parse_reply(body["message"]["content"], self.plan)
+        if calls:
+            body["message"].update(content=content, tool_calls=calls)
+            body["finish_reason"] = "tool_calls"
+        return body
+
+    def delta(self, c: Choice, out: RequestOutput,
+              num_logprobs: int | None) -> dict[str, Any] | None:
+        stream = self._streams.setdefault(c.index, ToolStream(self.plan))
+        text = stream.feed(out.text_delta)
+        calls: list[dict[str, Any]] = []
+        if out.finished:
+            rest, calls = stream.finish()
+            text += rest
+        if not (text or out.finished or out.logprobs):
+            return None
+        body = super().delta(c, _with_text(out, text), num_logprobs)
+        assert body is not None
+        if calls:
+            body["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            body["finish_reason"] = "tool_calls"
+        return body
+
+
+def _with_text(out: RequestOutput, text: str) -> RequestOutput:
+    return RequestOutput(out.request_id, out.new_token_ids, text, out.finished,
+                         out.finish_reason, out.prompt_tokens, out.cached_tokens,
+                         out.output_tokens, out.logprobs, out.timings, out.forced_tokens)

@@ -8,11 +8,12 @@ understood, so `extra_body=` from the official client reaches the sampler.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvlab.request import SamplingParams
+from kvlab.request import SamplingParams, Structure
 
 MAX_N = 16  # choices per request (OpenAI allows 128; each is a sequence in the batch)
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' `logprobs`, as OpenAI bounds it
@@ -64,6 +65,10 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: Any = None  # OpenAI: {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: Any = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
+    json_schema: Any = None  # llama.cpp's server
+    grammar: Any = None  # llama.cpp's server (GBNF)
 
     @property
     def include_usage(self) -> bool:
@@ -102,6 +107,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse(model: type[_Sampling], body: Any) -> Any:
@@ -159,8 +167,86 @@ def max_tokens_of(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     return req.max_tokens
 
 
+def structure_of(req: _Sampling) -> tuple[Structure, str] | None:
+    """(structure, the field that gave it) a request asks its output to follow, in any of
+    the spellings clients use (OpenAI's response_format, vLLM's structured_outputs,
+    llama.cpp's json_schema and grammar); more than one is a 400."""
+    found = [(param, s) for param, s in (
+        ("response_format", _response_format(req.response_format)),
+        ("structured_outputs", _structured_outputs(req.structured_outputs)),
+        ("json_schema", _schema(req.json_schema, "json_schema")),
+        ("grammar", _text(req.grammar, "grammar", "grammar"))) if s is not None]
+    if len(found) > 1:
+        raise ApiError(400, f"give one structure, not {' and '.join(p for p, _ in found)}",
+                       param=found[1][0])
+    return (found[0][1], found[0][0]) if found else None
+
+
+def _response_format(value: Any) -> Structure | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+        return _schema(value["json_schema"].get("schema"), "response_format.json_schema.schema")
+    raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": "
+                        "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                        "{\"name\": ..., \"schema\": {...}}}", param="response_format")
+
+
+def _structured_outputs(value: Any) -> Structure | None:
+    if value is None:
+        return None
+    keys = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+            if isinstance(value, dict) and value.get(k) is not None]
+    if len(keys) != 1:
+        raise ApiError(400, "structured_outputs must give exactly one of json, regex, choice, "
+                            "grammar or json_object", param="structured_outputs")
+    key, item = keys[0], value[keys[0]]
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        return _schema(json.loads(item) if isinstance(item, str) and _is_json(item) else item,
+                       param)
+    if key == "choice":
+        if not isinstance(item, list) or not item or not all(
+                isinstance(c, str) and c for c in item):
+            raise ApiError(400, f"{param} must be a non-empty list of non-empty strings",
+                           param=param)
+        return Structure("choice", json.dumps(item))
+    if key == "json_object":
+        return Structure("json_object")
+    return _text(item, "regex" if key == "regex" else "grammar", param)
+
+
+def _schema(value: Any, param: str) -> Structure | None:
+    if value is None:
+        return None
+    if not isinstance(value, (dict, bool)):
+        raise ApiError(400, f"{param} must be a JSON schema object", param=param)
+    return Structure("json_schema", json.dumps(value))
+
+
+def _text(value: Any, kind: str, param: str) -> Structure | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ApiError(400, f"{param} must be a non-empty string", param=param)
+    return Structure(kind, value)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    seed_offset: int = 0) -> SamplingParams:
+                    seed_offset: int = 0, structured: Structure | None = None) -> SamplingParams:
     """Engine settings for one choice; raises RequestError on values out of range."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
 
@@ -176,4 +262,4 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         seed=None if req.seed is None else req.seed + seed_offset, stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         logprobs=requested_logprobs(req),
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output, structured=structured)

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.errors import RequestError
+from kvlab.request import Structure
 from kvlab.server.async_engine import (
     AsyncEngine,
     EngineRequest,
@@ -26,7 +28,7 @@ from kvlab.server.async_engine import (
     EngineUnavailable,
     Generation,
 )
-from kvlab.server.formats import ChatFormat, Choice, CompletionFormat, Format, usage
+from kvlab.server.formats import ChatFormat, Choice, CompletionFormat, Format, ToolFormat, usage
 from kvlab.server.guard import parse_json_body
 from kvlab.server.protocol import (
     ApiError,
@@ -36,7 +38,10 @@ from kvlab.server.protocol import (
     max_tokens_of,
     parse,
     sampling_params,
+    structure_of,
 )
+from kvlab.server.tools import template_messages, tool_plan
+from kvlab.tokenizer.chat import template_variables
 
 # A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this
 # times the longest token's bytes.
@@ -69,6 +74,8 @@ class Serving:
         longest = max((len(self.tokenizer.token_bytes(i))
                        for i in range(self.tokenizer.vocab_size)), default=16)
         self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
+        template = self.tokenizer.chat_template
+        self.native_tools = template is not None and "tools" in template_variables(template)
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:
@@ -91,20 +98,43 @@ class Serving:
         prompts = self._completion_prompts(req.prompt)
         echo = [self._prompt_text(p) if req.echo else "" for p in prompts]
         ids = [self._encode(p) for p in prompts]
+        structure = self._prepared(structure_of(req))
         return Call(f"cmpl-{uuid.uuid4().hex}", model, CompletionFormat(self.tokenizer),
-                    self._engine_requests(req, ids), req.n, req.include_usage, echo, req.stream)
+                    self._engine_requests(req, ids, structure), req.n, req.include_usage,
+                    echo, req.stream)
 
     def chat_call(self, body: bytes) -> Call:
         """The call a /v1/chat/completions body asks for (blocking: run it off the loop)."""
         req = parse(ChatCompletionRequest, parse_json_body(body))
         model = self.check_model(req.model)
         check_common(req)
-        messages = [m.as_template_dict() for m in req.messages]
-        self.check_fits(self.tokenizer.apply_chat_template(messages), "messages")
-        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        return Call(f"chatcmpl-{uuid.uuid4().hex}", model, ChatFormat(self.tokenizer),
-                    self._engine_requests(req, [ids]), req.n, req.include_usage, [""],
-                    req.stream)
+        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        structure = structure_of(req)
+        if plan is not None and plan.mode == "required":
+            if structure is not None:
+                raise ApiError(400, "a required tool call already fixes the reply's form; "
+                                    "drop the structure or use tool_choice \"auto\"",
+                               param="tool_choice")
+            structure = (plan.structure(), "tools")
+        messages, extra = template_messages([m.as_template_dict() for m in req.messages],
+                                            plan, self.native_tools)
+        self.check_fits(self.tokenizer.apply_chat_template(messages, **extra), "messages")
+        ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **extra)
+        chat = ChatFormat(self.tokenizer) if plan is None else ToolFormat(self.tokenizer, plan)
+        return Call(f"chatcmpl-{uuid.uuid4().hex}", model, chat,
+                    self._engine_requests(req, [ids], self._prepared(structure)), req.n,
+                    req.include_usage, [""], req.stream)
+
+    def _prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
+        """Compile the structure here (worker thread), so the engine finds it ready."""
+        if found is None:
+            return None
+        structure, param = found
+        try:
+            self.engine.prepare_structure(structure)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=param) from None
+        return structure
 
     def check_fits(self, text: str, param: str) -> None:
         """Refuse, before tokenizing, text too long in bytes for any tokenization to fit."""
@@ -135,7 +165,8 @@ class Serving:
         return self.tokenizer.encode(prompt)
 
     def _engine_requests(self, req: CompletionRequest | ChatCompletionRequest,
-                         prompts: list[list[int]]) -> list[EngineRequest]:
+                         prompts: list[list[int]],
+                         structure: Structure | None) -> list[EngineRequest]:
         call_id = uuid.uuid4().hex
         out = []
         for p, ids in enumerate(prompts):
@@ -149,7 +180,7 @@ class Serving:
                 max_tokens = max(1, self.engine.max_model_len - len(ids))
             for i in range(req.n):
                 out.append(EngineRequest(f"{call_id}-{p}-{i}", ids,
-                                         sampling_params(req, max_tokens, seed_offset=i)))
+                                         sampling_params(req, max_tokens, i, structure)))
         return out
 
     # ---- answering --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any, ClassVar
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -107,6 +108,16 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The names a template reads from its context (`tools`, `enable_thinking`, ...)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.exceptions.TemplateError:
+        return frozenset()
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,

@@ -1,0 +1,304 @@
+"""OpenAI tool calling on top of the chat template and structured outputs.
+
+    tools + tool_choice ──> ToolPlan: which tools, in which mode
+      "none"      the tools are not shown to the model
+      "auto"      shown; calls the model writes in its family's format are parsed out of
+                  the reply (Qwen / Hermes `<tool_call>{...}</tool_call>`, Llama 3.1's JSON
+                  `{"name": ..., "parameters": ...}`, or the generic JSON below)
+      "required"  shown; decoding is constrained to a JSON list of calls (one call when
+      named         parallel_tool_calls is false, or the named tool; else at most one per
+                  tool), each one's arguments validating against that tool's `parameters`,
+                  so any model returns a call
+
+A template that uses `tools` (Qwen, Llama 3.1, ...) gets them as transformers passes them;
+for one that does not (the default Gemma model's), the tools are described in a system
+message in a generic form: the list of function specs, and the JSON to reply with.
+Assistant messages with `tool_calls` and `role: "tool"` results are rendered the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.request import Structure
+from kvlab.server.protocol import ApiError
+
+_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_MARKERS = ("<tool_call>", "<|python_tag|>")  # how a call may start mid-reply (auto mode)
+GENERIC_PROMPT = (
+    "You can call these tools (JSON function specs):\n{specs}\n\n{how}")
+_HOW = {
+    "auto": 'To call tools, reply with only a JSON list of calls, each '
+            '{"name": <tool name>, "arguments": <object>}; otherwise answer normally.',
+    "required": 'Reply with only a JSON list of calls, each {"name": <tool name>, '
+                '"arguments": <object>}.',
+}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI function spec, as chat templates receive it."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[Tool]
+    mode: str  # auto | required (named: required with one tool)
+    parallel: bool = True
+
+    @property
+    def names(self) -> set[str]:
+        return {t.name for t in self.tools}
+
+    def structure(self) -> Structure | None:
+        """The JSON schema a required call must follow (None in auto mode)."""
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}}}
+            for t in self.tools]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        # parallel: at most one call per tool, so a model that repeats itself still ends
+        most = len(calls) if self.parallel else 1
+        schema = {"type": "array", "items": one, "minItems": 1, "maxItems": most}
+        return Structure("json_schema", json.dumps(schema))
+
+
+def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+    """The plan for a request's tools; None when no tool may be called."""
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice names a tool call, but the request has no tools",
+                           param="tool_choice")
+        return None
+    parsed = [_tool(t, i) for i, t in enumerate(_list_of(tools))]
+    mode, name = _choice(tool_choice)
+    if mode == "none":
+        return None
+    if name is not None:
+        chosen = [t for t in parsed if t.name == name]
+        if not chosen:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
+                                f"tools ({', '.join(t.name for t in parsed)})",
+                           param="tool_choice")
+        return ToolPlan(chosen, "required", parallel=False)
+    return ToolPlan(parsed, mode, parallel=parallel is not False)
+
+
+def _list_of(tools: Any) -> list[Any]:
+    if not isinstance(tools, list) or not tools:
+        raise ApiError(400, "tools must be a non-empty list of function tools", param="tools")
+    return tools
+
+
+def _tool(raw: Any, i: int) -> Tool:
+    where = f"tools.{i}"
+    if not isinstance(raw, dict) or raw.get("type", "function") != "function" \
+            or not isinstance(raw.get("function"), dict):
+        raise ApiError(400, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                       param=where)
+    fn = raw["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise ApiError(400, f"{where}.function.name must be 1-64 letters, digits, _ . or -, "
+                            f"got {name!r}", param=f"{where}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise ApiError(400, f"{where}.function.parameters must be a JSON schema object",
+                       param=f"{where}.function.parameters")
+    description = fn.get("description") or ""
+    return Tool(name, description if isinstance(description, str) else "", params)
+
+
+def _choice(tool_choice: Any) -> tuple[str, str | None]:
+    if tool_choice is None:
+        return "auto", None
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict) \
+            and isinstance(tool_choice["function"].get("name"), str):
+        return "required", tool_choice["function"]["name"]
+    raise ApiError(400, "tool_choice must be \"none\", \"auto\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                   param="tool_choice")
+
+
+# ---- rendering --------------------------------------------------------------------------------
+
+
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None,
+                      native: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template variables) for the chat template.
+
+    native: the template itself uses `tools`; otherwise calls, results and the tool list are
+    written into plain messages (generic form).
+    """
+    if native:
+        specs = [t.spec() for t in plan.tools] if plan else None
+        return [_native_message(m) for m in messages], ({"tools": specs} if specs else {})
+    out = [_generic_message(m) for m in messages]
+    if plan is not None:
+        specs = json.dumps([t.spec()["function"] for t in plan.tools], ensure_ascii=False)
+        note = GENERIC_PROMPT.format(specs=specs, how=_HOW[plan.mode])
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}"}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return _merge_turns(out), {}
+
+
+def _native_message(m: dict[str, Any]) -> dict[str, Any]:
+    """Tool calls with their arguments as objects, as HF templates expect them."""
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list):
+        return m
+    fixed = []
+    for call in calls:
+        fn = dict(call.get("function", {})) if isinstance(call, dict) else {}
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+        fixed.append({**call, "function": fn} if isinstance(call, dict) else call)
+    return {**m, "tool_calls": fixed}
+
+
+def _generic_message(m: dict[str, Any]) -> dict[str, Any]:
+    if m["role"] == "tool":
+        name = m.get("name") or m.get("tool_call_id") or "tool"
+        return {"role": "user", "content": f"Result of {name}: {m.get('content', '')}"}
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and isinstance(calls, list) and calls:
+        written = [{"name": c.get("function", {}).get("name"),
+                    "arguments": _arguments(c.get("function", {}).get("arguments"))}
+                   for c in calls if isinstance(c, dict)]
+        text = (m.get("content") or "") + json.dumps(written, ensure_ascii=False)
+        return {"role": "assistant", "content": text}
+    return {"role": m["role"], "content": m.get("content") or ""}
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _merge_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adjacent messages of one role become one (tool results next to a user turn)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and out[-1]["role"] == m["role"] != "system":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{m['content']}"}
+        else:
+            out.append(m)
+    return out
+
+
+# ---- parsing replies ----------------------------------------------------------------------------
+
+
+def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a finished reply."""
+    calls = _qwen_calls(text, plan) if "<tool_call>" in text else []
+    if calls:
+        content = _QWEN_CALL.sub("", text).strip()
+        return content or None, calls
+    calls = _json_calls(text.removeprefix("<|python_tag|>").strip(), plan)
+    if calls:
+        return None, calls
+    return text, []
+
+
+def _qwen_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
+    calls = []
+    for body in _QWEN_CALL.findall(text):
+        calls += _json_calls(body, plan)
+    return calls
+
+
+def _json_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
+    """Calls from a JSON object / list of objects (Llama 3.1 writes "parameters"); all or none."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in plan.names:
+            return []
+        args = item.get("arguments", item.get("parameters", {}))
+        calls.append(_openai_call(item["name"], args))
+    return calls
+
+
+def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": text}}
+
+
+@dataclass
+class ToolStream:
+    """Streams a reply's text until it may be a tool call, then holds the rest to parse.
+
+    In required mode everything is held (the reply is the JSON of the calls). In auto mode
+    text streams until a call marker could begin; held text that turns out not to be a call
+    is released when the reply ends.
+    """
+
+    plan: ToolPlan
+    held: str = ""
+    holding: bool = False  # a call has (or may have) begun: hold everything from here
+    sent: bool = False  # some text went out (a reply that opened with JSON would not have)
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` that can be sent now."""
+        text = self.held + delta
+        if self.holding or self.plan.mode == "required":
+            self.held = text
+            return ""
+        start, certain = self._call_start(text)
+        self.held, self.holding = text[start:], certain
+        out = text[:start]
+        self.sent = self.sent or bool(out.strip())
+        return out
+
+    def _call_start(self, text: str) -> tuple[int, bool]:
+        """Where a call begins (certain) or may begin (a marker's first characters)."""
+        stripped = text.lstrip()
+        if not self.sent:
+            if stripped[:1] in ("{", "["):  # a reply that opens with JSON may be a call
+                return len(text) - len(stripped), True
+            if not stripped:
+                return 0, False
+        for marker in _MARKERS:
+            at = text.find(marker)
+            if at >= 0:
+                return at, True
+        for marker in _MARKERS:
+            for k in range(len(marker) - 1, 0, -1):
+                if text.endswith(marker[:k]):
+                    return len(text) - k, False
+        return len(text), False
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(text still to send, tool calls) once the reply has ended."""
+        content, calls = parse_reply(self.held, self.plan)
+        return (content or "", calls) if calls else (self.held, [])
