@@ -62,6 +62,7 @@ class EngineConfig:
     threads: int | None = None
     device: str = "cpu"
     decode_graphs: str = "auto"  # CUDA graphs for decode steps: auto (on CUDA) | off | eager
+    chat_template: str | None = None  # a Jinja chat template in place of the model's own
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -162,6 +163,8 @@ class Engine:
         loaded = load_model(ckpt, options)
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))
+        if config.chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(config.chat_template)
         return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))
 
     # ---- public API -------------------------------------------------------------------------

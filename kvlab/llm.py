@@ -63,6 +63,8 @@ class LLM:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def _add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[int]]:
+        if params.structured is not None:  # a structure that cannot be used: RequestError now
+            self.engine.prepare_structure(params.structured)
         request_id = f"llm-{next(self._ids)}"
         return request_id, self.engine.add_request(request_id, prompt, params)
 

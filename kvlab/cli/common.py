@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvlab.engine import EngineConfig
+from kvlab.errors import KvlabError
 from kvlab.models.loader import QUANTIZE_CHOICES
-from kvlab.request import SamplingParams
+from kvlab.request import SamplingParams, Structure
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -27,6 +29,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                    help="quantize a safetensors model's weights at load")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use in place of the model's own")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -44,13 +48,21 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-id", type=int, action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="the output must be JSON valid against this schema file")
+    shape.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
+    shape.add_argument("--grammar", metavar="FILE",
+                       help="the output must follow this grammar (GBNF 'root ::= ...' or Lark)")
+    shape.add_argument("--regex", metavar="R", help="the output must match this regex in full")
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     fields = {"dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads,
               "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
               "keep_quantized": not args.dequantize, "quantize": args.quantize,
-              "group_rows": not args.no_group_rows, "device": args.device}
+              "group_rows": not args.no_group_rows, "device": args.device,
+              "chat_template": read_text(args.chat_template, "--chat-template")}
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
 
@@ -61,4 +73,27 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, structured=structure(args))
+
+
+def structure(args: argparse.Namespace) -> Structure | None:
+    """The --json-schema / --json-object / --grammar / --regex constraint, if any."""
+    if args.json_schema is not None:
+        return Structure("json_schema", read_text(args.json_schema, "--json-schema") or "")
+    if args.json_object:
+        return Structure("json_object")
+    if args.grammar is not None:
+        return Structure("grammar", read_text(args.grammar, "--grammar") or "")
+    if args.regex is not None:
+        return Structure("regex", args.regex)
+    return None
+
+
+def read_text(path: str | None, flag: str) -> str | None:
+    """A text file named by a flag; a missing or unreadable one is a one-line error."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvlabError(f"{flag} {path}: cannot be read ({e.strerror or e})") from None

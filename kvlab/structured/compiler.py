@@ -139,4 +139,6 @@ class GrammarCompiler:
 
 
 def _first_line(messages: list[str]) -> str:
-    return (messages[0] if messages else "rejected by the grammar compiler").strip().splitlines()[0]
+    """The compiler's first message as one line (regex errors span several)."""
+    text = " ".join((messages[0] if messages else "rejected by the compiler").split())
+    return text if len(text) <= 400 else text[:397] + "..."

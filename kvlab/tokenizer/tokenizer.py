@@ -7,6 +7,7 @@ and text is the UTF-8 decoding of their concatenation. A tokenizer is immutable 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,12 @@ class Tokenizer:
         # SentencePiece vocabularies with a space prefix drop the first decoded token's space.
         self.strip_leading_space = strip_leading_space
         self._template_tokens = dict(template_tokens or {})
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """The same tokenizer with another chat template (a Jinja text)."""
+        other = copy.copy(self)
+        other.chat_template = template
+        return other
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._encode_text(text)
