@@ -61,6 +61,38 @@ def test_prompts_file(tmp_path) -> None:
     assert len(lt.builtin_prompts()) == 64
 
 
+def test_json_schema_request_body(tmp_path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    schema = lt.load_schema(path)
+    body = lt.request_body(lt.LoadConfig(url="u", json_schema=schema), lt.Prompt(text="hi"), "m")
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "reply", "schema": schema}}
+    assert "response_format" not in lt.request_body(lt.LoadConfig(url="u"), lt.Prompt("hi"), "m")
+    for text, problem in (("[1]", "a schema is a JSON object"), ("{", "not JSON")):
+        path.write_text(text)
+        with pytest.raises(KvlabError, match=problem):
+            lt.load_schema(path)
+    with pytest.raises(KvlabError, match="cannot be read"):
+        lt.load_schema(tmp_path / "missing.json")
+
+
+def test_forced_share_and_valid_replies() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    replies = [lt.RequestResult(ok=True, output_tokens=10, forced_tokens=6, text='{"a": 1}'),
+               lt.RequestResult(ok=True, output_tokens=10, forced_tokens=2, text='{"a": "x"}'),
+               lt.RequestResult(ok=True, output_tokens=20, forced_tokens=0, text='{"a": 2')]
+    cfg = lt.LoadConfig(url="http://x", concurrency=1, json_schema=schema)
+    s = lt.summarize(cfg, "m", replies, 1.0, {})
+    assert s.forced_share == pytest.approx(8 / 40)
+    pytest.importorskip("jsonschema")
+    assert (s.valid, s.valid_check) == (1, "JSON schema")
+    assert "forced 20.0% of output tokens   valid: 1/3 (JSON schema)" in lt.format_summary(s)
+    plain = lt.summarize(lt.LoadConfig(url="http://x"), "m", [lt.RequestResult(ok=True)], 1.0, {})
+    assert (plain.forced_share, plain.valid) == (None, None)
+    assert "structured" not in lt.format_summary(plain)
+
+
 # ---- SSE parsing against fake servers ------------------------------------------------------------
 
 
@@ -83,16 +115,18 @@ def _send(body: bytes, endpoint: str = "chat", status: int = 200) -> lt.RequestR
 def test_chat_stream_with_usage() -> None:
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     tok = {"choices": [{"index": 0, "delta": {"content": "ab"}}]}
-    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4,
+                                      "completion_tokens_details": {"forced_tokens": 1}}}
     r = _send(_sse(role, tok, tok, tok, usage, "[DONE]"))
     assert r.ok and (r.prompt_tokens, r.output_tokens, len(r.itl)) == (7, 4, 2)
+    assert r.text == "ababab" and r.forced_tokens == 1
     assert 0 < r.ttft <= r.latency
 
 
 def test_stream_without_usage_counts_chunks_and_errors_are_reported() -> None:
     tok = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
     r = _send(_sse(tok, tok, tok, "[DONE]"), endpoint="completions")
-    assert r.ok and r.output_tokens == 3 and r.prompt_tokens == 0
+    assert r.ok and r.output_tokens == 3 and r.prompt_tokens == 0 and r.forced_tokens is None
     bad = _send(_sse(tok, {"error": {"message": "engine failed"}}))
     assert not bad.ok and "engine failed" in bad.error
     refused = _send(b'{"error": {"message": "full"}}', status=503)
@@ -150,3 +184,16 @@ def test_loadtest_sweep_writes_plot(server, capsys, tmp_path) -> None:
                           "--max-tokens", "4", "--plot", str(png), "--json")
     assert code == 0 and [r["concurrency"] for r in rep["sweep"]] == [1, 2]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_loadtest_json_schema_counts_valid_and_forced(server, capsys, tmp_path) -> None:
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({
+        "type": "object", "required": ["customer_full_name", "quantity"],
+        "properties": {"customer_full_name": {"type": "string", "maxLength": 12},
+                       "quantity": {"type": "integer", "minimum": 1, "maximum": 9}}}))
+    code, rep = _loadtest(capsys, "--url", server.url, "-n", "2", "--max-tokens", "48",
+                          "--json-schema", str(schema), "--json")
+    assert code == 0 and rep["completed"] == 2 and rep["valid"] == 2
+    assert 0 < rep["forced_share"] < 1

@@ -13,6 +13,11 @@ definitions (benchmarks/serve):
 Output tokens come from the server's usage (stream_options.include_usage); a server that
 does not report usage has its text chunks counted instead. Unlike vLLM's client, a chat
 stream's opening role-only chunk does not count as the first token.
+
+With a JSON schema every request carries OpenAI's response_format (kvlab serve, vLLM and
+llama-server all read it); the report then counts the replies that parse and follow the
+schema, and gives the share of output tokens the server forced (appended without sampling),
+from kvlab's usage.completion_tokens_details.forced_tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +77,7 @@ class LoadConfig:
     seed: int = 0
     timeout: float = 600.0
     api_key: str | None = None
+    json_schema: dict[str, Any] | None = None  # sent as response_format when given
 
 
 @dataclass
@@ -82,6 +89,8 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the reply, as streamed
+    forced_tokens: int | None = None  # of output_tokens; None when the server does not say
 
     @property
     def tpot(self) -> float | None:
@@ -113,6 +122,20 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
+def load_schema(path: str | Path) -> dict[str, Any]:
+    """A JSON schema file (an object at the top)."""
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KvlabError(f"--json-schema {path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise KvlabError(f"--json-schema {path}: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise KvlabError(f"--json-schema {path}: a schema is a JSON object, "
+                         f"got {type(schema).__name__}")
+    return schema
+
+
 def api_base(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
@@ -126,6 +149,9 @@ def request_body(cfg: LoadConfig, prompt: Prompt, model: str) -> dict[str, Any]:
                             "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "reply", "schema": cfg.json_schema}}
     if cfg.endpoint == "chat":
         body["messages"] = prompt.as_messages()
     else:
@@ -162,7 +188,7 @@ async def send(client: httpx.AsyncClient, cfg: LoadConfig, prompt: Prompt,
 
 async def _read_stream(resp: httpx.Response, result: RequestResult, start: float) -> None:
     """Fill result from the server-sent events: text chunk times, usage, an error event."""
-    last, chunks = start, 0
+    last, parts = start, []
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -174,19 +200,27 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
             result.error = str(chunk["error"])[:200]
             return
         now = time.perf_counter()
-        if chunk_text(chunk):
-            if chunks == 0:
+        if text := chunk_text(chunk):
+            if not parts:
                 result.ttft = now - start
             else:
                 result.itl.append(now - last)
-            chunks, last = chunks + 1, now
-        usage = chunk.get("usage") or {}
-        result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
-        result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+            parts.append(text)
+            last = now
+        _read_usage(result, chunk.get("usage") or {})
     result.latency = last - start
-    result.output_tokens = result.output_tokens or chunks
-    result.ok = chunks > 0
+    result.output_tokens = result.output_tokens or len(parts)
+    result.text = "".join(parts)
+    result.ok = bool(parts)
     result.error = "" if result.ok else "the stream carried no text"
+
+
+def _read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
+    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+    result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+    forced = (usage.get("completion_tokens_details") or {}).get("forced_tokens")
+    if forced is not None:
+        result.forced_tokens = forced
 
 
 # ---- a run ----------------------------------------------------------------------------------
@@ -296,6 +330,9 @@ class Summary:
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
     errors: list[str]
+    forced_share: float | None = None  # forced / output tokens, where the server reports it
+    valid: int | None = None  # completed replies that passed valid_check (with a schema)
+    valid_check: str = ""  # "JSON schema" (jsonschema validated) or "JSON parse"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -318,7 +355,44 @@ def summarize(cfg: LoadConfig, model: str, results: list[RequestResult], duratio
         tpot_ms=distribution_ms([r.tpot for r in ok if r.tpot is not None]),
         itl_ms=distribution_ms([gap for r in ok for gap in r.itl]),
         e2el_ms=distribution_ms([r.latency for r in ok]),
-        errors=sorted({r.error for r in results if not r.ok})[:5])
+        errors=sorted({r.error for r in results if not r.ok})[:5],
+        forced_share=forced_share(ok), **validity(ok, cfg.json_schema))
+
+
+def forced_share(results: list[RequestResult]) -> float | None:
+    """Forced / output tokens over the replies whose server reported forced tokens."""
+    reported = [r for r in results if r.forced_tokens is not None]
+    if not reported:
+        return None
+    total = sum(r.output_tokens for r in reported)
+    return sum(r.forced_tokens or 0 for r in reported) / total if total else 0.0
+
+
+def validity(results: list[RequestResult], schema: dict[str, Any] | None) -> dict[str, Any]:
+    """How many replies parse as JSON and, where jsonschema imports, follow the schema."""
+    if schema is None:
+        return {}
+    follows = schema_validator(schema)
+    return {"valid": sum(is_valid_json(r.text, follows) for r in results),
+            "valid_check": "JSON parse" if follows is None else "JSON schema"}
+
+
+def schema_validator(schema: dict[str, Any]) -> Callable[[Any], bool] | None:
+    """The schema's check of a JSON value, or None where the jsonschema package is missing."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    return jsonschema.validators.validator_for(schema)(schema).is_valid
+
+
+def is_valid_json(text: str, follows: Callable[[Any], bool] | None = None) -> bool:
+    """Whether text parses as JSON and, given a check, passes it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return follows is None or bool(follows(value))
 
 
 def format_summary(s: Summary) -> str:
@@ -336,12 +410,24 @@ def format_summary(s: Summary) -> str:
     if s.goodput is not None:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in s.slo_ms.items())
         lines.append(f"goodput      {s.goodput:.2f} req/s  ({slo})")
+    if s.forced_share is not None or s.valid is not None:
+        lines.append("structured   " + structured_figures(s))
     lines.append(f"{'':14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for label, dist in (("TTFT (ms)", s.ttft_ms), ("TPOT (ms)", s.tpot_ms),
                         ("ITL (ms)", s.itl_ms), ("E2E (ms)", s.e2el_ms)):
         lines.append(f"{label:14}" + "".join(f"{dist[k]:10.1f}" for k, _ in PERCENTILES))
     lines += [f"error        {e}" for e in s.errors]
     return "\n".join(lines)
+
+
+def structured_figures(s: Summary) -> str:
+    """'forced 41.2% of output tokens   valid: 16/16 (JSON schema)', the parts known."""
+    parts = []
+    if s.forced_share is not None:
+        parts.append(f"forced {100 * s.forced_share:.1f}% of output tokens")
+    if s.valid is not None:
+        parts.append(f"valid: {s.valid}/{s.completed} ({s.valid_check})")
+    return "   ".join(parts)
 
 
 def format_sweep(runs: list[Summary]) -> str:

@@ -1,5 +1,6 @@
 """`kvlab loadtest`: stream requests at an OpenAI-compatible server and report TTFT, TPOT, ITL,
-E2E latency, throughput and goodput; `--sweep` repeats it over concurrencies and plots."""
+E2E latency, throughput and goodput; `--sweep` repeats it over concurrencies and plots;
+`--json-schema` constrains every reply and counts the valid ones and the forced tokens."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true",
                    help="ask for exactly max_tokens (vLLM / llama.cpp extension)")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="send this JSON schema as response_format; report valid replies and "
+                        "the share of forced output tokens")
     p.add_argument("--slo", action="append", default=[],
                    help="SLO for goodput, KEY:MS with KEY in ttft, tpot, e2el (repeatable)")
     p.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
@@ -54,7 +58,7 @@ def _levels(spec: str) -> list[int]:
 
 
 def _config(args: argparse.Namespace):
-    from kvlab.bench.loadtest import LoadConfig
+    from kvlab.bench.loadtest import LoadConfig, load_schema
 
     if args.num_requests < 1 or args.max_tokens < 1:
         raise KvlabError("--num-requests and --max-tokens must be >= 1")
@@ -67,7 +71,8 @@ def _config(args: argparse.Namespace):
         url=args.url, model=args.model, endpoint=args.endpoint, concurrency=concurrency,
         rate=args.rate, num_requests=args.num_requests, max_tokens=args.max_tokens,
         temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-        timeout=args.timeout, api_key=os.environ.get("OPENAI_API_KEY"))
+        timeout=args.timeout, api_key=os.environ.get("OPENAI_API_KEY"),
+        json_schema=load_schema(args.json_schema) if args.json_schema else None)
 
 
 def run(args: argparse.Namespace) -> int:
