@@ -322,7 +322,7 @@ class Engine:
             [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
             [_penalty_ids(s, prompt=False) for s in seqs],
             [self.requests[i].generator for i in seq_ids], self.runner.device,
-            allowed=self.structured.bitmask(seq_ids))
+            allowed=self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs]))
         return sample(logits, batch)
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:

@@ -235,8 +235,11 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
     logits = logits.float()
-    allowed = logits if batch.allowed is None else fused.mask_logits_(logits.clone(),
-                                                                        batch.allowed)
+    if batch.allowed is not None:  # in place unless the raw logits are still needed
+        masked = logits.clone() if batch.want_logprobs else logits
+        allowed = fused.mask_logits_(masked, batch.allowed)
+    else:
+        allowed = logits
     penalized = apply_penalties(allowed, batch)
     token_ids = fused.argmax(penalized)
     if not batch.all_greedy:

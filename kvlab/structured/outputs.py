@@ -30,6 +30,7 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.compiler = GrammarCompiler(tokenizer, vocab_size)
         self.words = (vocab_size + 31) // 32
+        self._eos = [t for t in tokenizer.eos_ids if t < vocab_size]
         self._matchers: dict[str, llguidance.LLMatcher] = {}
 
     def prepare(self, structure: Structure) -> Future[Template]:
@@ -44,14 +45,19 @@ class StructuredOutputs:
     def constrained(self, seq_id: str) -> bool:
         return seq_id in self._matchers
 
-    def bitmask(self, seq_ids: list[str]) -> torch.Tensor | None:
-        """The allowed-token bits of each row, or None when no row is constrained."""
+    def bitmask(self, seq_ids: list[str], ignore_eos: list[bool]) -> torch.Tensor | None:
+        """The allowed-token bits of each row, or None when no row is constrained.
+
+        A row that ignores EOS may not end before its structure does (then it ends there)."""
         rows = [(r, self._matchers[s]) for r, s in enumerate(seq_ids) if s in self._matchers]
         if not rows:
             return None
         mask = torch.full((len(seq_ids), self.words), -1, dtype=torch.int32)
         for r, matcher in rows:  # each fill releases the GIL
             matcher.unsafe_compute_mask_ptr(mask[r].data_ptr(), self.words * 4)
+            if ignore_eos[r]:
+                for t in self._eos:
+                    mask[r, t >> 5] &= _int32(~(1 << (t & 31)))
         return mask
 
     @staticmethod
@@ -74,3 +80,9 @@ class StructuredOutputs:
     def finished(self, seq_id: str) -> bool:
         """The structure is complete and only EOS may follow."""
         return self._matchers[seq_id].is_stopped()
+
+
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the signed value an int32 tensor holds."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value

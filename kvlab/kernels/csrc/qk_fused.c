@@ -184,7 +184,25 @@ void kv_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
 }
 
 /* ---- token bitmask: bit j of word w allows token 32w + j; every other logit of the row
- * becomes -inf. Whole words are the common cases (all allowed: skip; none: fill) ---- */
+ * becomes -inf. Whole words are the common cases (all allowed: skip; none: fill); a mixed
+ * word goes a byte at a time through a table of 8 lane masks, a select the compiler turns
+ * into vector and / andnot / or ---- */
+
+static uint32_t g_byte_lanes[256][8];  /* bit k of the byte -> lane k all ones */
+
+__attribute__((constructor)) static void init_byte_lanes(void) {
+    for (int b = 0; b < 256; b++)
+        for (int k = 0; k < 8; k++) g_byte_lanes[b][k] = ((b >> k) & 1) ? 0xFFFFFFFFu : 0u;
+}
+
+static void mask_mixed_word(float *p, uint32_t bits) {
+    const uint32_t ninf = 0xFF800000u;  /* -inf */
+    uint32_t *q = (uint32_t *)p;
+    for (int byte = 0; byte < 4; byte++, bits >>= 8, q += 8) {
+        const uint32_t *lane = g_byte_lanes[bits & 0xFF];
+        for (int k = 0; k < 8; k++) q[k] = (q[k] & lane[k]) | (ninf & ~lane[k]);
+    }
+}
 
 void kv_mask_logits_rows(float *x, int64_t rows, int64_t cols, const int32_t *mask,
                          int64_t words) {
@@ -195,14 +213,12 @@ void kv_mask_logits_rows(float *x, int64_t rows, int64_t cols, const int32_t *ma
         const uint32_t *m = (const uint32_t *)mask + r * words;
         for (int64_t w = 0; w < full; w++) {
             uint32_t bits = m[w];
-            float *p = row + 32 * w;
             if (bits == 0xFFFFFFFFu) continue;
             if (bits == 0) {
-                for (int j = 0; j < 32; j++) p[j] = ninf;
-                continue;
+                for (int j = 0; j < 32; j++) row[32 * w + j] = ninf;
+            } else {
+                mask_mixed_word(row + 32 * w, bits);
             }
-            for (int j = 0; j < 32; j++)
-                if (!((bits >> j) & 1u)) p[j] = ninf;
         }
         for (int64_t c = 32 * full; c < cols; c++)  /* a partial last word, or beyond the mask */
             if (c / 32 >= words || !((m[c / 32] >> (c % 32)) & 1u)) row[c] = ninf;
