@@ -283,13 +283,18 @@ class Engine:
             return outputs + self._stall_outputs()
         start = time.perf_counter()
         logits = self.runner.execute(sched)
-        sampled = self._sample(logits.seq_ids, logits.logits)
+        sampled, allowed = self._sample(logits.seq_ids, logits.logits)
         now = time.perf_counter()
         self._account(sched, start, now)
         self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
                                       for s in sched.scheduled})
+        counts = {} if allowed is None else {  # how many tokens each structure allowed
+            row: self.structured.allowed_count(allowed, row)
+            for row, seq_id in enumerate(logits.seq_ids) if self.structured.constrained(seq_id)}
         for row, seq_id in enumerate(logits.seq_ids):
-            outputs.append(self._append_sampled(self.requests[seq_id], sampled, row, now))
+            out = self._append_sampled(self.requests[seq_id], sampled, row, now)
+            out.allowed_tokens = counts.get(row)
+            outputs.append(out)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -314,16 +319,19 @@ class Engine:
         req = self.requests[self.scheduler.waiting[0].seq_id]
         return [self._finish(req, FinishReason.LENGTH, "")]
 
-    def _sample(self, seq_ids: list[str], logits: torch.Tensor) -> SampleResult | None:
+    def _sample(self, seq_ids: list[str], logits: torch.Tensor
+                ) -> tuple[SampleResult | None, torch.Tensor | None]:
+        """The sampled tokens, and the structures' bitmask they were drawn under (or None)."""
         if not seq_ids:
-            return None
+            return None, None
         seqs = [self.requests[i].seq for i in seq_ids]
+        allowed = self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs])
         batch = SamplingBatch.build(
             [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
             [_penalty_ids(s, prompt=False) for s in seqs],
             [self.requests[i].generator for i in seq_ids], self.runner.device,
-            allowed=self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs]))
-        return sample(logits, batch)
+            allowed=allowed)
+        return sample(logits, batch), allowed
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
         for s in sched.scheduled:

@@ -144,3 +144,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings | None = None
     forced_tokens: int = 0  # of output_tokens, appended by the structure without sampling
+    allowed_tokens: int | None = None  # tokens the structure allowed this step's sampled one

@@ -311,3 +311,19 @@ def test_kvlab_viz_prints_the_url_of_a_live_page() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_schema_run_marks_forced_tokens(client: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"customer_account_number": {
+        "type": "integer", "minimum": 0, "maximum": 999}}, "required": ["customer_account_number"]}
+    events = run(client, prompt="An account as JSON:", max_tokens=40, json_schema=schema)
+    tokens = [e for e in events if e["event"] in ("prefill", "decode")]
+    assert all("structure" in e for e in tokens)
+    forced = [e for e in tokens if e["structure"]["forced"]]
+    sampled = [e["structure"]["allowed"] for e in tokens if not e["structure"]["forced"]]
+    assert forced and sampled and all(0 < n < 262_144 for n in sampled)
+    (done,) = of(events, "done")
+    assert done["finish_reason"] == "stop"
+    assert json.loads(done["text"])["customer_account_number"] <= 999
+    r = client.post("/viz/api/run", json={"prompt": "x", "json_schema": {"type": "nope"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "json_schema"

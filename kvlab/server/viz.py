@@ -24,7 +24,9 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from kvlab.errors import RequestError
 from kvlab.perf import ModelSpec
+from kvlab.request import Structure
 from kvlab.server.async_engine import AsyncEngine
 from kvlab.server.guard import parse_json_body
 from kvlab.server.protocol import ApiError
@@ -62,6 +64,7 @@ class VizRunRequest(BaseModel):
     ignore_eos: bool = False
     users: int = 1
     arrival: Literal["staggered", "together"] = "staggered"
+    json_schema: dict[str, Any] | None = None  # the output must follow this schema
 
 
 @dataclass
@@ -219,14 +222,15 @@ async def run(request: Request, format: Literal["ndjson", "sse"] = "ndjson") -> 
     ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt)
     if not body.prompt or not ids:
         raise ApiError(400, "the prompt is empty; type at least one word", param="prompt")
-    base = body.model_dump(exclude={"prompt", "users", "arrival"})
-    spec = RunSpec(ids, user_params(base, body.users), body.arrival)
+    base = body.model_dump(exclude={"prompt", "users", "arrival", "json_schema"})
+    structure = await _structure(engine, body.json_schema)
+    spec = RunSpec(ids, user_params({**base, "structured": structure}, body.users), body.arrival)
     machine = await state.this_machine()
     viz_run = VizRun(engine, state.live, spec)
     await viz_run.start()  # a refused request is a plain 400 / 503 before the stream starts
     try:
         first = viz_run.start_event({
-            "model": engine.model_name, "params": base,
+            "model": engine.model_name, "params": {**base, "json_schema": body.json_schema},
             "this_machine": {"kind": machine.kind, "label": machine.label},
             "prediction": await _prediction(engine, state, machine, len(ids), body.max_tokens,
                                             body.users),
@@ -236,6 +240,18 @@ async def run(request: Request, format: Literal["ndjson", "sse"] = "ndjson") -> 
         raise
     return RunStream(_encode(_with_predictions(viz_run, first, engine, state, machine),
                              format == "sse"), viz_run, format == "sse")
+
+
+async def _structure(engine: AsyncEngine, schema: dict[str, Any] | None) -> Structure | None:
+    """The run's JSON schema, compiled off the event loop (a bad one is a 400)."""
+    if schema is None:
+        return None
+    structure = Structure("json_schema", json.dumps(schema))
+    try:
+        await asyncio.to_thread(engine.prepare_structure, structure)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="json_schema") from None
+    return structure
 
 
 def _parse(raw: bytes) -> VizRunRequest:

@@ -218,9 +218,13 @@ class VizRun:
 
     def _step_events(self, state: UserState, out: RequestOutput) -> list[dict[str, Any]]:
         events = []
-        for token in out.new_token_ids:
+        for i, token in enumerate(out.new_token_ids):
             state.output_ids.append(token)
             events.append(self._token_event(state, out, token))
+            if out.allowed_tokens is not None:  # a structure: the first was sampled from
+                # `allowed_tokens` choices, the rest were forced (computed next step as a chunk)
+                events[-1]["structure"] = ({"forced": True} if i else
+                                           {"forced": False, "allowed": out.allowed_tokens})
         if events:  # the text that became final this step rides on its last token
             events[-1]["text_delta"] = out.text_delta
         state.text += out.text_delta

@@ -126,6 +126,10 @@ function runBody(users) {
     top_k: Number($("top-k").value), users, arrival: $("arrival").value,
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  const schema = $("json-schema").value.trim();
+  if (schema) {
+    try { body.json_schema = JSON.parse(schema); } catch { body.json_schema = schema; }  // 400 says why
+  }
   return body;
 }
 
@@ -228,6 +232,12 @@ function onToken(ev) {
   ms.textContent = first ? `TTFT ${fixed(ev.ttft_ms, 0)}` : `${fixed(ev.itl_ms, 0)} ms`;
   c.append(ms);
   c.title += first ? " · sampled from the prefill pass" : ` · decode step ${ev.index}`;
+  if (ev.structure && ev.structure.forced) {
+    c.classList.add("forced");
+    c.title += " · forced by the structure: appended without sampling, computed as a chunk";
+  } else if (ev.structure) {
+    c.title += ` · sampled from the ${int(ev.structure.allowed)} tokens the structure allowed`;
+  }
   u.lane.chips.append(c);
   for (const [id] of S.freed) if (ev.kv.block_table.includes(id)) S.freed.delete(id);
 }
