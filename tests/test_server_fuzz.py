@@ -64,9 +64,18 @@ VALID = {  # each field's valid values; "weird" bodies also give any JSON in its
     "stop_token_ids": st.lists(st.integers(0, 262_143), max_size=4),
     "ignore_eos": st.booleans(),
 }
-COMPLETION_ONLY = {"logprobs": st.integers(0, 5), "echo": st.booleans()}
+COMPLETION_ONLY = {"logprobs": st.integers(0, 5), "echo": st.booleans(),
+                   "structured_outputs": st.sampled_from([
+                       {"regex": "[a-z]{1,5}"}, {"choice": ["yes", "no"]},
+                       {"grammar": 'root ::= "a" [0-9]'}, {"json_object": True}])}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"]}}}
 CHAT_ONLY = {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
-             "max_completion_tokens": st.integers(1, 6)}
+             "max_completion_tokens": st.integers(1, 6),
+             "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+                 "type": "json_schema", "json_schema": {"name": "s", "schema": TOOL[
+                     "function"]["parameters"]}}]),
+             "tools": st.just([TOOL]), "tool_choice": st.sampled_from(["auto", "none"])}
 PROMPT = st.one_of(GOOD_TEXT, GOOD_TEXT, st.lists(GOOD_TEXT, min_size=1, max_size=3),
                    st.lists(st.integers(0, 262_143), min_size=1, max_size=8))
 WEIRD_PROMPT = st.one_of(TEXT, st.lists(TEXT, max_size=3),
