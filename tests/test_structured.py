@@ -181,3 +181,29 @@ def test_bad_structures_are_request_errors(llm: LLM) -> None:
         with pytest.raises(RequestError, match=re.escape(needle)):
             llm.generate(["x"], SamplingParams(max_tokens=4, structured=structure))
     assert not llm.engine.has_unfinished()
+
+
+def test_auto_tool_replies_are_text_or_valid_calls(llm: LLM) -> None:
+    from kvlab.server.tools import tool_plan
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"]}}}
+    structure = tool_plan([weather], "auto", None).structure(native=False)
+    structured, tok = llm.engine.structured, llm.engine.tokenizer
+    template = structured.compiler.compile(structure)
+
+    def accepted(text: str) -> bool:
+        structured.start("t", template)
+        try:
+            return all(structured.accept("t", t) for t in tok.encode(text, False))
+        finally:
+            structured.release("t")
+
+    assert accepted("Hello! It is sunny in Oslo today.")
+    assert accepted('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert not accepted('[{"name": "get_time", "arguments": {}}]')  # not a tool
+    assert not accepted('[{"name": "get_weather", "arguments": {"town": "Oslo"}}]')
+    out = llm.generate(["Say hello."], SamplingParams(max_tokens=12, temperature=0,
+                                                      structured=structure))[0]
+    assert out.text and not out.text.lstrip().startswith("[")

@@ -11,7 +11,7 @@ from kvlab.request import Structure
 from kvlab.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from kvlab.server.protocol import structure_of as structure_of_request
 from kvlab.server.tools import ToolStream, parse_reply, template_messages, tool_plan
-from kvlab.structured.compiler import _closed
+from kvlab.structured.compiler import closed_schema
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -69,12 +69,14 @@ def test_tool_plans() -> None:
     assert tool_plan([WEATHER], "none", None) is None
     auto = tool_plan([WEATHER, TIME], None, None)
     assert auto.mode == "auto" and auto.names == {"get_weather", "get_time"}
-    assert auto.structure() is None
+    assert auto.structure(native=True) is None  # parsed only, in the family's format
+    generic = auto.structure(native=False)
+    assert generic.kind == "grammar" and generic.value.startswith("start: calls | TEXT")
     required = tool_plan([WEATHER, TIME], "required", None)
-    schema = json.loads(required.structure().value)
+    schema = json.loads(required.structure(native=True).value)
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 2)
-    assert json.loads(tool_plan([WEATHER, TIME], "required", False).structure().value)[
-        "maxItems"] == 1
+    assert json.loads(tool_plan([WEATHER, TIME], "required", False).structure(
+        native=False).value)["maxItems"] == 1
     named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
                       None)
     assert named.mode == "required" and named.names == {"get_time"}
@@ -164,11 +166,11 @@ def test_closing_objects_visits_only_subschemas() -> None:
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {
         "x": {"type": "integer"}}}}, "$defs": {"d": {"properties": {"y": {}}}},
         "items": {"properties": {}}, "anyOf": [{"properties": {"z": {}}}]}
-    closed = _closed(schema)
+    closed = closed_schema(schema)
     assert closed["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]  # a property, not a schema
     assert closed["properties"]["properties"]["additionalProperties"] is False
     assert closed["$defs"]["d"]["additionalProperties"] is False
     assert closed["items"]["additionalProperties"] is False
     assert closed["anyOf"][0]["additionalProperties"] is False
-    assert _closed({"properties": {}, "additionalProperties": True})["additionalProperties"]
+    assert closed_schema({"properties": {}, "additionalProperties": True})["additionalProperties"]

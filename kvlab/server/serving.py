@@ -110,12 +110,14 @@ class Serving:
         check_common(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         structure = structure_of(req)
-        if plan is not None and plan.mode == "required":
-            if structure is not None:
-                raise ApiError(400, "a required tool call already fixes the reply's form; "
-                                    "drop the structure or use tool_choice \"auto\"",
-                               param="tool_choice")
-            structure = (plan.structure(), "tools")
+        if plan is not None and plan.mode == "required" and structure is not None:
+            raise ApiError(400, "a required tool call already fixes the reply's form; drop "
+                                "the structure or use tool_choice \"auto\"",
+                           param="tool_choice")
+        calls = None if plan is None else plan.structure(self.native_tools)
+        if calls is not None and structure is None:  # in auto mode the user's structure wins
+            structure = (calls, "tools")
+
         messages, extra = template_messages([m.as_template_dict() for m in req.messages],
                                             plan, self.native_tools)
         self.check_fits(self.tokenizer.apply_chat_template(messages, **extra), "messages")

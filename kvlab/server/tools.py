@@ -4,7 +4,8 @@
       "none"      the tools are not shown to the model
       "auto"      shown; calls the model writes in its family's format are parsed out of
                   the reply (Qwen / Hermes `<tool_call>{...}</tool_call>`, Llama 3.1's JSON
-                  `{"name": ..., "parameters": ...}`, or the generic JSON below)
+                  `{"name": ..., "parameters": ...}`, or the generic JSON below); in the
+                  generic form a reply that opens a call list is constrained to valid calls
       "required"  shown; decoding is constrained to a JSON list of calls (one call when
       named         parallel_tool_calls is false, or the named tool; else at most one per
                   tool), each one's arguments validating against that tool's `parameters`,
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvlab.request import Structure
 from kvlab.server.protocol import ApiError
+from kvlab.structured.compiler import closed_schema
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _MARKERS = ("<tool_call>", "<|python_tag|>")  # how a call may start mid-reply (auto mode)
@@ -61,18 +63,27 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
-    def structure(self) -> Structure | None:
-        """The JSON schema a required call must follow (None in auto mode)."""
-        if self.mode != "required":
-            return None
+    def calls_schema(self) -> dict[str, Any]:
+        """A JSON list of calls, each one's arguments valid against its tool's parameters."""
         calls = [{"type": "object", "required": ["name", "arguments"], "properties": {
             "name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}}}
             for t in self.tools]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         # parallel: at most one call per tool, so a model that repeats itself still ends
         most = len(calls) if self.parallel else 1
-        schema = {"type": "array", "items": one, "minItems": 1, "maxItems": most}
-        return Structure("json_schema", json.dumps(schema))
+        return {"type": "array", "items": one, "minItems": 1, "maxItems": most}
+
+    def structure(self, native: bool) -> Structure | None:
+        """What decoding enforces: required calls; in auto mode with the generic form, a
+        reply that is either text (not opening with "[") or a valid list of calls, so a call
+        is constrained from its first token. Auto with a native format is parsed only."""
+        if self.mode == "required":
+            return Structure("json_schema", json.dumps(self.calls_schema()))
+        if native:
+            return None
+        calls = json.dumps(closed_schema(self.calls_schema()))
+        return Structure("grammar", f"start: calls | TEXT\ncalls: %json {calls}\n"
+                                    "TEXT: /\\s*[^\\[\\s](.|\\n)*/\n")
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:

@@ -9,6 +9,7 @@ llguidance's words ("Unimplemented keys: [\"not\"]", "unclosed group", ...).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ Template = llguidance.LLMatcher  # a compiled structure in its start state; deep
 # output with spaces, and fixed keys become forced tokens.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CACHED = 256  # compiled structures kept; the least recently used is dropped
+_GBNF_ROOT = re.compile(r"^\s*root\s*::=", re.MULTILINE)  # else the grammar is Lark
 
 
 def grammar_text(structure: Structure) -> str:
@@ -39,13 +41,13 @@ def grammar_text(structure: Structure) -> str:
             raise RequestError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError("a JSON schema must be an object (or true / false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_closed(schema)),
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed_schema(schema)),
                                                              overrides=_JSON_STYLE)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
     if kind == "choice":
         return _choice(value)
-    syntax = "gbnf" if "::=" in value else "lark"
+    syntax = "gbnf" if _GBNF_ROOT.search(value) else "lark"
     try:
         return llguidance.grammar_from(syntax, value)
     except ValueError as e:
@@ -57,7 +59,7 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
 
-def _closed(schema: object) -> object:
+def closed_schema(schema: object) -> object:
     """Objects that list their properties and say nothing of others allow no others.
 
     JSON Schema's default lets any extra key in, and a small model then writes keys forever;
@@ -69,13 +71,13 @@ def _closed(schema: object) -> object:
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
+            out[key] = [closed_schema(sub) for sub in out[key]]
     for key in _SCHEMA_ONES:
         if key in out:
-            out[key] = _closed(out[key])
+            out[key] = closed_schema(out[key])
     if "properties" in out and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
