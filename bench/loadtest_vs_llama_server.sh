@@ -17,22 +17,8 @@ MODEL=$(.venv/bin/python -c "from kvlab.weights import default_model_path; print
 OUT=${OUT:-artifacts}
 mkdir -p "$OUT"
 
-# The default GGUF carries no chat template: llama-server would fall back to ChatML (about 14
-# more prompt tokens a request); its built-in "gemma" template renders what kvlab renders.
-"$LLAMA_SERVER" -m "$MODEL" -t 2 --parallel 8 -c 16384 --host 127.0.0.1 --port 8091 \
-    --no-jinja --chat-template gemma >"$OUT/llama-server.log" 2>&1 &
-LLAMA_PID=$!
-"$KVLAB" serve --host 127.0.0.1 --port 8092 --threads 2 --max-num-seqs 16 \
-    >"$OUT/kvlab-serve.log" 2>&1 &
-KVLAB_PID=$!
-trap 'kill $LLAMA_PID $KVLAB_PID 2>/dev/null || true' EXIT
-
-for port in 8091 8092; do
-    for _ in $(seq 120); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        sleep 1
-    done
-done
+source bench/start_servers.sh
+start_servers 16
 
 for name in llama-server:8091 kvlab:8092; do
     label=${name%%:*}

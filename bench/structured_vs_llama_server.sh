@@ -43,22 +43,8 @@ with open(sys.argv[1], "w") as f:
         f.write(json.dumps({"prompt": text}) + "\n")
 EOF
 
-# The default GGUF carries no chat template: llama-server would fall back to ChatML; its
-# built-in "gemma" template renders what kvlab renders.
-"$LLAMA_SERVER" -m "$MODEL" -t 2 --parallel 8 -c 16384 --host 127.0.0.1 --port 8091 \
-    --no-jinja --chat-template gemma >"$OUT/llama-server.log" 2>&1 &
-LLAMA_PID=$!
-"$KVLAB" serve --host 127.0.0.1 --port 8092 --threads 2 --max-num-seqs 8 \
-    >"$OUT/kvlab-serve.log" 2>&1 &
-KVLAB_PID=$!
-trap 'kill $LLAMA_PID $KVLAB_PID 2>/dev/null || true' EXIT
-
-for port in 8091 8092; do
-    for _ in $(seq 120); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        sleep 1
-    done
-done
+source bench/start_servers.sh
+start_servers 8
 
 for name in llama-server:8091 kvlab:8092; do
     label=${name%%:*}
