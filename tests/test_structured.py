@@ -189,21 +189,25 @@ def test_auto_tool_replies_are_text_or_valid_calls(llm: LLM) -> None:
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
         "required": ["city"]}}}
-    structure = tool_plan([weather], "auto", None).structure(native=False)
+    plan = tool_plan([weather], "auto", None)
     structured, tok = llm.engine.structured, llm.engine.tokenizer
-    template = structured.compiler.compile(structure)
 
-    def accepted(text: str) -> bool:
-        structured.start("t", template)
+    def accepted(form: str, text: str) -> bool:
+        structured.start("t", structured.compiler.compile(plan.structure(form)))
         try:
             return all(structured.accept("t", t) for t in tok.encode(text, False))
         finally:
             structured.release("t")
 
-    assert accepted("Hello! It is sunny in Oslo today.")
-    assert accepted('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
-    assert not accepted('[{"name": "get_time", "arguments": {}}]')  # not a tool
-    assert not accepted('[{"name": "get_weather", "arguments": {"town": "Oslo"}}]')
-    out = llm.generate(["Say hello."], SamplingParams(max_tokens=12, temperature=0,
-                                                      structured=structure))[0]
+    good = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    not_a_tool = '{"name": "get_time", "arguments": {}}'
+    bad_args = '{"name": "get_weather", "arguments": {"town": "Oslo"}}'
+    for form, wrap in (("generic", "[{}]"), ("qwen", ("Let me look.\n<tool_call>\n{}\n"
+                                                     "</tool_call>"))):
+        assert accepted(form, "Hello! It is sunny in Oslo today.")
+        assert accepted(form, wrap.replace("{}", good))
+        assert not accepted(form, wrap.replace("{}", not_a_tool))
+        assert not accepted(form, wrap.replace("{}", bad_args))
+    out = llm.generate(["Say hello."], SamplingParams(
+        max_tokens=12, temperature=0, structured=plan.structure("generic")))[0]
     assert out.text and not out.text.lstrip().startswith("[")

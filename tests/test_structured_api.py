@@ -69,14 +69,16 @@ def test_tool_plans() -> None:
     assert tool_plan([WEATHER], "none", None) is None
     auto = tool_plan([WEATHER, TIME], None, None)
     assert auto.mode == "auto" and auto.names == {"get_weather", "get_time"}
-    assert auto.structure(native=True) is None  # parsed only, in the family's format
-    generic = auto.structure(native=False)
-    assert generic.kind == "grammar" and generic.value.startswith("start: calls | TEXT")
+    assert auto.structure("other") is None  # parsed only, in the family's format
+    assert auto.structure("generic").value.startswith("start: calls | TEXT")
+    assert auto.structure("qwen").value.startswith("start: (pre call)* TAIL")
+    assert tool_plan([WEATHER], "auto", False).structure("qwen").value.startswith(
+        "start: (pre call)? TAIL")
     required = tool_plan([WEATHER, TIME], "required", None)
-    schema = json.loads(required.structure(native=True).value)
+    schema = json.loads(required.structure("qwen").value)
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 2)
     assert json.loads(tool_plan([WEATHER, TIME], "required", False).structure(
-        native=False).value)["maxItems"] == 1
+        "generic").value)["maxItems"] == 1
     named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
                       None)
     assert named.mode == "required" and named.names == {"get_time"}

@@ -76,6 +76,9 @@ class Serving:
         self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
         template = self.tokenizer.chat_template
         self.native_tools = template is not None and "tools" in template_variables(template)
+        # which tool-call format decoding can enforce in auto mode (ToolPlan.structure)
+        self.tool_form = ("generic" if not self.native_tools else
+                          "qwen" if "<tool_call>" in (template or "") else "other")
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:
@@ -114,7 +117,7 @@ class Serving:
             raise ApiError(400, "a required tool call already fixes the reply's form; drop "
                                 "the structure or use tool_choice \"auto\"",
                            param="tool_choice")
-        calls = None if plan is None else plan.structure(self.native_tools)
+        calls = None if plan is None else plan.structure(self.tool_form)
         if calls is not None and structure is None:  # in auto mode the user's structure wins
             structure = (calls, "tools")
 

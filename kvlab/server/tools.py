@@ -5,7 +5,7 @@
       "auto"      shown; calls the model writes in its family's format are parsed out of
                   the reply (Qwen / Hermes `<tool_call>{...}</tool_call>`, Llama 3.1's JSON
                   `{"name": ..., "parameters": ...}`, or the generic JSON below); in the
-                  generic form a reply that opens a call list is constrained to valid calls
+                  generic and Qwen forms a call is constrained from its first token
       "required"  shown; decoding is constrained to a JSON list of calls (one call when
       named         parallel_tool_calls is false, or the named tool; else at most one per
                   tool), each one's arguments validating against that tool's `parameters`,
@@ -63,27 +63,41 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
-    def calls_schema(self) -> dict[str, Any]:
-        """A JSON list of calls, each one's arguments valid against its tool's parameters."""
+    def call_schema(self) -> dict[str, Any]:
+        """One call: a tool's name and arguments valid against its parameters."""
         calls = [{"type": "object", "required": ["name", "arguments"], "properties": {
             "name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}}}
             for t in self.tools]
-        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        # parallel: at most one call per tool, so a model that repeats itself still ends
-        most = len(calls) if self.parallel else 1
-        return {"type": "array", "items": one, "minItems": 1, "maxItems": most}
+        return closed_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
-    def structure(self, native: bool) -> Structure | None:
-        """What decoding enforces: required calls; in auto mode with the generic form, a
-        reply that is either text (not opening with "[") or a valid list of calls, so a call
-        is constrained from its first token. Auto with a native format is parsed only."""
+    def calls_schema(self) -> dict[str, Any]:
+        """A JSON list of calls; parallel: at most one per tool, so a model that repeats
+        itself still ends."""
+        most = len(self.tools) if self.parallel else 1
+        return {"type": "array", "items": self.call_schema(), "minItems": 1, "maxItems": most}
+
+    def structure(self, form: str) -> Structure | None:
+        """What decoding enforces, by the template's tool format ("generic", "qwen" or
+        "other"). Required: a list of calls. Auto: free text, but a call is constrained from
+        its first token: in the generic form a reply that opens with "[" must be a valid
+        list of calls; in Qwen's, whatever follows `<tool_call>` must be a valid call and
+        `</tool_call>`. Auto with another native format is parsed only."""
         if self.mode == "required":
             return Structure("json_schema", json.dumps(self.calls_schema()))
-        if native:
-            return None
-        calls = json.dumps(closed_schema(self.calls_schema()))
-        return Structure("grammar", f"start: calls | TEXT\ncalls: %json {calls}\n"
-                                    "TEXT: /\\s*[^\\[\\s](.|\\n)*/\n")
+        if form == "generic":
+            calls = json.dumps(self.calls_schema())
+            return Structure("grammar", f"start: calls | TEXT\ncalls: %json {calls}\n"
+                                        "TEXT: /\\s*[^\\[\\s](.|\\n)*/\n")
+        if form == "qwen":
+            repeat = "*" if self.parallel else "?"
+            return Structure("grammar", "\n".join([
+                f"start: (pre call){repeat} TAIL",
+                'pre[suffix="<tool_call>"]: /(?s:.*)/',
+                "TAIL: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+                'call: WS? body WS? "</tool_call>"',
+                f"body: %json {json.dumps(self.call_schema())}",
+                "WS: /[ \\n]+/", ""]))
+        return None
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
