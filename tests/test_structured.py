@@ -203,11 +203,13 @@ def test_auto_tool_replies_are_text_or_valid_calls(llm: LLM) -> None:
     not_a_tool = '{"name": "get_time", "arguments": {}}'
     bad_args = '{"name": "get_weather", "arguments": {"town": "Oslo"}}'
     for form, wrap in (("generic", "[{}]"), ("qwen", ("Let me look.\n<tool_call>\n{}\n"
-                                                     "</tool_call>"))):
+                                                     "</tool_call>")), ("llama", "{}")):
+        as_written = (lambda t: t.replace('"arguments"', '"parameters"')) if form == "llama" \
+            else (lambda t: t)
         assert accepted(form, "Hello! It is sunny in Oslo today.")
-        assert accepted(form, wrap.replace("{}", good))
-        assert not accepted(form, wrap.replace("{}", not_a_tool))
-        assert not accepted(form, wrap.replace("{}", bad_args))
+        assert accepted(form, wrap.replace("{}", as_written(good)))
+        assert not accepted(form, wrap.replace("{}", as_written(not_a_tool)))
+        assert not accepted(form, wrap.replace("{}", as_written(bad_args)))
     out = llm.generate(["Say hello."], SamplingParams(
         max_tokens=12, temperature=0, structured=plan.structure("generic")))[0]
     assert out.text and not out.text.lstrip().startswith("[")

@@ -72,6 +72,7 @@ def test_tool_plans() -> None:
     assert auto.structure("other") is None  # parsed only, in the family's format
     assert auto.structure("generic").value.startswith("start: calls | TEXT")
     assert auto.structure("qwen").value.startswith("start: (pre call)* TAIL")
+    assert '"parameters"' in auto.structure("llama").value
     assert tool_plan([WEATHER], "auto", False).structure("qwen").value.startswith(
         "start: (pre call)? TAIL")
     required = tool_plan([WEATHER, TIME], "required", None)

@@ -78,7 +78,8 @@ class Serving:
         self.native_tools = template is not None and "tools" in template_variables(template)
         # which tool-call format decoding can enforce in auto mode (ToolPlan.structure)
         self.tool_form = ("generic" if not self.native_tools else
-                          "qwen" if "<tool_call>" in (template or "") else "other")
+                          "qwen" if "<tool_call>" in (template or "") else
+                          "llama" if "<|python_tag|>" in (template or "") else "other")
 
     def check_model(self, model: str | None) -> str:
         if model is not None and model not in self.model_names:

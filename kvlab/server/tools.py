@@ -5,7 +5,7 @@
       "auto"      shown; calls the model writes in its family's format are parsed out of
                   the reply (Qwen / Hermes `<tool_call>{...}</tool_call>`, Llama 3.1's JSON
                   `{"name": ..., "parameters": ...}`, or the generic JSON below); in the
-                  generic and Qwen forms a call is constrained from its first token
+                  generic, Qwen and Llama 3.1 forms a call is constrained from its first token
       "required"  shown; decoding is constrained to a JSON list of calls (one call when
       named         parallel_tool_calls is false, or the named tool; else at most one per
                   tool), each one's arguments validating against that tool's `parameters`,
@@ -63,10 +63,11 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
-    def call_schema(self) -> dict[str, Any]:
-        """One call: a tool's name and arguments valid against its parameters."""
-        calls = [{"type": "object", "required": ["name", "arguments"], "properties": {
-            "name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}}}
+    def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
+        """One call: a tool's name and arguments valid against its parameters (Llama 3.1
+        names the arguments "parameters")."""
+        calls = [{"type": "object", "required": ["name", arguments], "properties": {
+            "name": {"const": t.name}, arguments: t.parameters or {"type": "object"}}}
             for t in self.tools]
         return closed_schema(calls[0] if len(calls) == 1 else {"anyOf": calls})
 
@@ -77,17 +78,18 @@ class ToolPlan:
         return {"type": "array", "items": self.call_schema(), "minItems": 1, "maxItems": most}
 
     def structure(self, form: str) -> Structure | None:
-        """What decoding enforces, by the template's tool format ("generic", "qwen" or
-        "other"). Required: a list of calls. Auto: free text, but a call is constrained from
-        its first token: in the generic form a reply that opens with "[" must be a valid
-        list of calls; in Qwen's, whatever follows `<tool_call>` must be a valid call and
-        `</tool_call>`. Auto with another native format is parsed only."""
+        """What decoding enforces, by the template's tool format ("generic", "qwen",
+        "llama" or "other"). Required: a list of calls. Auto: free text, but a call is
+        constrained from its first token: in the generic form a reply that opens with "["
+        must be a valid list of calls, in Llama 3.1's one that opens with "{" a valid call;
+        in Qwen's, whatever follows `<tool_call>` must be a valid call and `</tool_call>`.
+        Auto with another native format is parsed only."""
         if self.mode == "required":
             return Structure("json_schema", json.dumps(self.calls_schema()))
         if form == "generic":
-            calls = json.dumps(self.calls_schema())
-            return Structure("grammar", f"start: calls | TEXT\ncalls: %json {calls}\n"
-                                        "TEXT: /\\s*[^\\[\\s](.|\\n)*/\n")
+            return _json_or_text(self.calls_schema(), "[")
+        if form == "llama":
+            return _json_or_text(self.call_schema("parameters"), "{")
         if form == "qwen":
             repeat = "*" if self.parallel else "?"
             return Structure("grammar", "\n".join([
@@ -98,6 +100,12 @@ class ToolPlan:
                 f"body: %json {json.dumps(self.call_schema())}",
                 "WS: /[ \\n]+/", ""]))
         return None
+
+
+def _json_or_text(schema: dict[str, Any], opener: str) -> Structure:
+    """A reply that is JSON valid against `schema`, or text that does not open with `opener`."""
+    return Structure("grammar", f"start: calls | TEXT\ncalls: %json {json.dumps(schema)}\n"
+                                f"TEXT: /\\s*[^\\{opener}\\s](.|\\n)*/\n")
 
 
 def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
