@@ -63,7 +63,7 @@ class StructuredOutputs:
     @staticmethod
     def allowed_count(mask: torch.Tensor, row: int) -> int:
         """How many tokens a row's structure allowed (for the step's event stream)."""
-        return int(np.unpackbits(mask[row].numpy().view(np.uint8)).sum())
+        return int(np.bitwise_count(mask[row].numpy().view(np.uint32)).sum())
 
     def accept(self, seq_id: str, token: int) -> bool:
         """Advance on a sampled token; False if the structure refused it."""
