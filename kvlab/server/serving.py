@@ -40,7 +40,7 @@ from kvlab.server.protocol import (
     sampling_params,
     structure_of,
 )
-from kvlab.server.tools import template_messages, tool_plan
+from kvlab.server.tools import ToolPlan, template_messages, tool_plan
 from kvlab.tokenizer.chat import template_variables
 
 # A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this
@@ -113,15 +113,7 @@ class Serving:
         model = self.check_model(req.model)
         check_common(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        structure = structure_of(req)
-        if plan is not None and plan.mode == "required" and structure is not None:
-            raise ApiError(400, "a required tool call already fixes the reply's form; drop "
-                                "the structure or use tool_choice \"auto\"",
-                           param="tool_choice")
-        calls = None if plan is None else plan.structure(self.tool_form)
-        if calls is not None and structure is None:  # in auto mode the user's structure wins
-            structure = (calls, "tools")
-
+        structure = self._chat_structure(req, plan)
         messages, extra = template_messages([m.as_template_dict() for m in req.messages],
                                             plan, self.native_tools)
         self.check_fits(self.tokenizer.apply_chat_template(messages, **extra), "messages")
@@ -130,6 +122,19 @@ class Serving:
         return Call(f"chatcmpl-{uuid.uuid4().hex}", model, chat,
                     self._engine_requests(req, [ids], self._prepared(structure)), req.n,
                     req.include_usage, [""], req.stream)
+
+    def _chat_structure(self, req: ChatCompletionRequest,
+                        plan: ToolPlan | None) -> tuple[Structure, str] | None:
+        """The request's own structure, or the one its tool calls must follow."""
+        structure = structure_of(req)
+        if plan is not None and plan.mode == "required" and structure is not None:
+            raise ApiError(400, "a required tool call already fixes the reply's form; drop "
+                                "the structure or use tool_choice \"auto\"",
+                           param="tool_choice")
+        calls = None if plan is None else plan.structure(self.tool_form)
+        if structure is None and calls is not None:  # in auto mode the user's structure wins
+            return calls, "tools"
+        return structure
 
     def _prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
         """Compile the structure here (worker thread), so the engine finds it ready."""
