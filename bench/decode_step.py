@@ -30,7 +30,7 @@ def main() -> None:
         engine.add_request(str(i), [2, *range(1000 + 7 * i, 1020 + 7 * i)], params)
     for _ in range(10):  # prefill and warm-up
         engine.step()
-    seconds = {"qmatmul": 0.0, "gemma3_decode": 0.0}
+    seconds = {"qmatmul": 0.0, "decode_layers": 0.0}
 
     def timed(name: str):
         fn = getattr(ops._qk, name)
@@ -48,7 +48,7 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     total = (time.perf_counter() - start) / args.steps
-    products, layers = (seconds[k] / args.steps for k in ("qmatmul", "gemma3_decode"))
+    products, layers = (seconds[k] / args.steps for k in ("qmatmul", "decode_layers"))
     rest = total - products - layers
     print(f"batch {args.batch}: {total * 1e3:.2f} ms/step ({args.batch / total:.1f} tok/s), "
           f"C decode layers {layers * 1e3:.2f} ms, other matmul kernels {products * 1e3:.2f} ms "

@@ -457,6 +457,22 @@ def test_fused_geglu_within_fp32_rounding(inter):
 
 
 @needs_c
+@pytest.mark.parametrize("inter", [2048, 13])
+def test_fused_swiglu_within_fp32_rounding(inter):
+    from kvlab.kernels import fused
+
+    y = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 8
+    y[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # e^x clamped at both ends, and zero
+    g, up = y.double().chunk(2, dim=-1)
+    exact = g * torch.sigmoid(g) * up
+    out = fused.swiglu(y).double()
+    bound = 1e-6 * (1 + g.abs()) * exact.abs() + 1e-30  # |g| ulps from exp's argument
+    assert ((out - exact).abs() <= bound).all()
+    ref = (torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]).double()
+    assert ((out - ref).abs() <= 1e-5 * ref.abs() + 1e-7 * (g * up).abs()).all()
+
+
+@needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads,dim",
                          [(4, 1, 256), (4, 2, 64), (6, 1, 24), (3, 3, 20)])

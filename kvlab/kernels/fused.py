@@ -7,6 +7,7 @@ kernels of 2-12 µs each, which is most of a small model's step outside the prod
     add_rms_norm_(x, h, w, eps) -> x          x += rms_norm(h, w), in place
     norm_rope_(x, w, cos, sin, eps) -> x      per head: RMSNorm (w may be None), then RoPE
     geglu(y) -> [T, I]                        gelu_tanh(y[:, :I]) * y[:, I:]
+    swiglu(y) -> [T, I]                       silu(y[:, :I]) * y[:, I:]
     scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write (fp32/fp16)
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
 
@@ -96,11 +97,20 @@ def heads_packed(x: torch.Tensor) -> bool:
 
 def geglu(y: torch.Tensor) -> torch.Tensor:
     """y: [T, 2 * I] contiguous (gate | up) -> gelu_tanh(gate) * up: [T, I]."""
+    return _gated(_qk.gelu_mul if _qk else None, y)
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """y: [T, 2 * I] contiguous (gate | up) -> silu(gate) * up: [T, I]."""
+    return _gated(_qk.silu_mul if _qk else None, y)
+
+
+def _gated(fn, y: torch.Tensor) -> torch.Tensor:
     y = _c(y)
     inter = y.shape[-1] // 2
     out = y.new_empty(*y.shape[:-1], inter)
     if out.numel():
-        _qk.gelu_mul(y.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
+        fn(y.data_ptr(), out.data_ptr(), out.numel() // inter, inter)
     return out
 
 

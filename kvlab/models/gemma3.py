@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvlab.config import ModelConfig, RopeConfig
-from kvlab.models import gemma3_c
+from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
@@ -121,7 +121,7 @@ class Gemma3Model:
         self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
                                             config.head_dim).to(device)
         self.embed_scale = config.hidden_size ** 0.5
-        self.c_plan = gemma3_c.build_plan(config, layers)  # decode layers in one C call
+        self.c_plan = decode_c.build_plan(config, layers, "gelu_tanh")  # decode layers in one C call
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
@@ -131,7 +131,7 @@ class Gemma3Model:
         x = embed(ids, self.weights["embed"]) * self.embed_scale
         ropes = {False: rope_cos_sin(positions, self.inv_freq_global),
                  True: rope_cos_sin(positions, self.inv_freq_local)}
-        if self.c_plan is not None and gemma3_c.run(self.c_plan, c, x, ropes, kv_caches, meta):
+        if self.c_plan is not None and decode_c.run(self.c_plan, c, x, ropes, kv_caches, meta):
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             sliding = c.is_sliding(i)

@@ -164,3 +164,11 @@ def geglu(y: torch.Tensor) -> torch.Tensor:
         return fused.geglu(y)
     gate, up = y.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """[T, 2 * inter] (gate | up, one Stacked product) -> silu(gate) * up."""
+    if fused.fits(y) and y.is_contiguous():
+        return fused.swiglu(y)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up

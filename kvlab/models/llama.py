@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvlab.config import ModelConfig, RopeConfig
+from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
@@ -22,6 +22,7 @@ from kvlab.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
     split,
+    swiglu,
 )
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
 
@@ -117,6 +118,7 @@ class LlamaModel:
         first = layers[0]["qkv"].parts[0] if layers else None
         self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_cuda
                            else torch.float32)
+        self.c_plan = decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
@@ -124,12 +126,15 @@ class LlamaModel:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
+        ropes = {False: (cos, sin), True: (cos, sin)}  # no sliding layers: one table
+        if self.c_plan is not None and decode_c.run(self.c_plan, self.config, x, ropes,
+                                                    kv_caches, meta):
+            return x
         for layer, cache in zip(self.layers, kv_caches):
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
             x = x + self.attention(h, layer, cos, sin, cache, meta)
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            gate, up = split(linear(h, layer["gate_up"]), layer["gate_up"])
-            x = x + linear(F.silu(gate) * up, layer["down"])
+            x = x + linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,

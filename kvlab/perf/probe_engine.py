@@ -11,7 +11,7 @@ architecture at a small model's width (hidden 1024, 12 MB of Q8_0 weights a laye
 do not matter to the speed), runs kvlab's own engine on it, and takes away the time spent
 inside the C products and the C decode attention (timed around each call): the weights and
 KV terms of the step model predict those. Gemma 3 on quantized weights runs its decode
-layers as one C call (kvlab.models.gemma3_c); that call is taken away whole, and the small
+layers as one C call (kvlab.models.decode_c); that call is taken away whole, and the small
 fused ops inside it (norms, RoPE, KV writes, GeGLU) are timed on the per-op path of the
 same engine and added back to the glue. What is left is split as
 
@@ -159,12 +159,12 @@ class _EngineRun:
         return (elapsed - inside[0]) / steps, fused[0] / steps
 
 
-# the small fused C ops of a decode layer: inside Gemma's one-call C layers they cannot be
+# the small fused C ops of a decode layer: inside the one-call C layers they cannot be
 # timed, so the probe times them once on the per-op path and adds them to the glue
-_FUSED = ("rms_norm", "add_rms_norm", "norm_rope", "gelu_mul", "scatter_rows")
-# the C products, decode attention and Gemma 3's one-call decode layers: the weights and KV
+_FUSED = ("rms_norm", "add_rms_norm", "norm_rope", "gelu_mul", "silu_mul", "scatter_rows")
+# the C products, decode attention and the one-call decode layers: the weights and KV
 # terms of the step model predict these
-_PREDICTED = ("qmatmul", "attend_decode", "gemma3_decode")
+_PREDICTED = ("qmatmul", "attend_decode", "decode_layers")
 
 
 @contextmanager

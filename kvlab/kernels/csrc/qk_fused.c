@@ -91,9 +91,8 @@ void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride
 static const float exp_poly[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f,
                                   1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
 
-static float gelu_mul_1(float g, float up) {
-    const float u = GELU_K0 * (g + GELU_K1 * (g * g * g));
-    float x = -2.0f * u;
+/* e^x for x clamped to [-87, 87] */
+static float exp_clamped_1(float x) {
     x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
     const float n = (x * EXP_LOG2E + EXP_SHIFT) - EXP_SHIFT;
     const float r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;
@@ -102,14 +101,19 @@ static float gelu_mul_1(float g, float up) {
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return (g / (1.0f + p * scale)) * up;
+    return p * scale;
 }
 
+static float gelu_mul_1(float g, float up) {
+    const float u = GELU_K0 * (g + GELU_K1 * (g * g * g));
+    return (g / (1.0f + exp_clamped_1(-2.0f * u))) * up;
+}
+
+/* SwiGLU's silu(g) * up = g * sigmoid(g) * up, with the same e^x */
+static float silu_mul_1(float g, float up) { return (g / (1.0f + exp_clamped_1(-g))) * up; }
+
 #ifdef __SSE2__
-static __m128 gelu_mul_4(__m128 g, __m128 up) {
-    const __m128 u = _mm_mul_ps(_mm_set1_ps(GELU_K0), _mm_add_ps(
-        g, _mm_mul_ps(_mm_set1_ps(GELU_K1), _mm_mul_ps(_mm_mul_ps(g, g), g))));
-    __m128 x = _mm_mul_ps(_mm_set1_ps(-2.0f), u);
+static __m128 exp_clamped_4(__m128 x) {
     x = _mm_min_ps(_mm_max_ps(x, _mm_set1_ps(-87.0f)), _mm_set1_ps(87.0f));
     const __m128 shift = _mm_set1_ps(EXP_SHIFT);
     const __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(x, _mm_set1_ps(EXP_LOG2E)), shift), shift);
@@ -119,22 +123,41 @@ static __m128 gelu_mul_4(__m128 g, __m128 up) {
     for (int k = 1; k < 8; k++) p = _mm_add_ps(_mm_mul_ps(p, r), _mm_set1_ps(exp_poly[k]));
     const __m128 scale = _mm_castsi128_ps(
         _mm_slli_epi32(_mm_add_epi32(_mm_cvtps_epi32(n), _mm_set1_epi32(127)), 23));
-    const __m128 e = _mm_mul_ps(p, scale);
+    return _mm_mul_ps(p, scale);
+}
+
+static __m128 gelu_mul_4(__m128 g, __m128 up) {
+    const __m128 u = _mm_mul_ps(_mm_set1_ps(GELU_K0), _mm_add_ps(
+        g, _mm_mul_ps(_mm_set1_ps(GELU_K1), _mm_mul_ps(_mm_mul_ps(g, g), g))));
+    const __m128 e = exp_clamped_4(_mm_mul_ps(_mm_set1_ps(-2.0f), u));
+    return _mm_mul_ps(_mm_div_ps(g, _mm_add_ps(_mm_set1_ps(1.0f), e)), up);
+}
+
+static __m128 silu_mul_4(__m128 g, __m128 up) {
+    const __m128 e = exp_clamped_4(_mm_sub_ps(_mm_setzero_ps(), g));
     return _mm_mul_ps(_mm_div_ps(g, _mm_add_ps(_mm_set1_ps(1.0f), e)), up);
 }
 #endif
 
-/* out[t, i] = gelu_tanh(x[t, i]) * x[t, inter + i]: x is [tokens, 2 * inter] (gate | up) */
-void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
-    for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {
-        int64_t i = 0;
+/* out[t, i] = act(x[t, i]) * x[t, inter + i]: x is [tokens, 2 * inter] (gate | up); act is
+ * gelu_tanh (GeGLU) or silu (SwiGLU) */
 #ifdef __SSE2__
-        for (; i + 4 <= inter; i += 4)
-            _mm_storeu_ps(out + i, gelu_mul_4(_mm_loadu_ps(x + i), _mm_loadu_ps(x + inter + i)));
+#define KV_GATED_SSE(f4)                                                                   \
+    for (; i + 4 <= inter; i += 4)                                                         \
+        _mm_storeu_ps(out + i, f4(_mm_loadu_ps(x + i), _mm_loadu_ps(x + inter + i)));
+#else
+#define KV_GATED_SSE(f4)
 #endif
-        for (; i < inter; i++) out[i] = gelu_mul_1(x[i], x[inter + i]);
+#define KV_GATED(name, f4, f1)                                                             \
+    void name(const float *x, float *out, int64_t tokens, int64_t inter) {                 \
+        for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {               \
+            int64_t i = 0;                                                                 \
+            KV_GATED_SSE(f4)                                                               \
+            for (; i < inter; i++) out[i] = f1(x[i], x[inter + i]);                        \
+        }                                                                                  \
     }
-}
+KV_GATED(kv_gelu_mul, gelu_mul_4, gelu_mul_1)
+KV_GATED(kv_silu_mul, silu_mul_4, silu_mul_1)
 
 /* ---- greedy argmax: the first index of a row's largest value, or of its first NaN (as
  * torch.argmax) -- a max pass and a find pass, both 4 floats at a time ---- */

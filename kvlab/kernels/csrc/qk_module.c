@@ -388,17 +388,27 @@ static PyObject *py_norm_rope(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* gelu_mul(x, out, tokens, inter): out[t] = gelu_tanh(x[t, :inter]) * x[t, inter:] */
-static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+/* gelu_mul / silu_mul(x, out, tokens, inter): out[t] = act(x[t, :inter]) * x[t, inter:] */
+static PyObject *gated(void (*fn)(const float *, float *, int64_t, int64_t),
+                       PyObject *const *args, Py_ssize_t nargs) {
     NARGS(4);
     void *x, *out;
     int64_t tokens, inter;
     if (!get_ptr(args[0], &x) || !get_ptr(args[1], &out) || !get_i64(args[2], &tokens) ||
         !get_i64(args[3], &inter))
         return NULL;
-    kv_gelu_mul(x, out, tokens, inter);
+    fn(x, out, tokens, inter);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_gelu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return gated(kv_gelu_mul, args, nargs);
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return gated(kv_silu_mul, args, nargs);
 }
 
 /* scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16): dst[slots[j]] = src[j],
@@ -467,24 +477,31 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-/* ---------------- a Gemma 3 decode step's layers in one call ----------------
+/* ---------------- a decode step's layers in one call ----------------
  *
- * The same C functions, in the same order, on the same layouts as the decode path of
- * kvlab/models/gemma3.py when every product has a C kernel, so the results are bit-
- * identical; what goes away is the Python between them (a dozen calls a layer). The plan
- * is int64 [layers, KV_PLAN_FIELDS], built once by the model (gemma3.py, _c_plan). */
+ * The same C functions, in the same order, on the same layouts as the decode path of the
+ * dense models (kvlab/models/gemma3.py, llama.py and the files built on it) when every
+ * product has a C kernel, so the results are bit-identical; what goes away is the Python
+ * between them (a dozen calls a layer). What differs between the families is data in the
+ * plan: norms that are absent (0), a QKV bias, the gated activation. The plan is int64
+ * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
 
 typedef struct {
     int64_t qt, ptr, rows, cols, row_bytes;
 } kv_wdesc;
 
+enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
+
 typedef struct {
     int64_t attn_norm, n_qkv;
     kv_wdesc qkv[3];
-    int64_t q_norm, k_norm;
+    int64_t qkv_bias;                  /* fp32 [q | k | v] added after the product, or 0 */
+    int64_t q_norm, k_norm;            /* per-head RMSNorm before RoPE, or 0 (RoPE only) */
     kv_wdesc o;
-    int64_t post_attn_norm, mlp_norm, n_gate_up;
+    int64_t post_attn_norm, mlp_norm;  /* post norms: x += norm(h); 0: x += h */
+    int64_t n_gate_up;
     kv_wdesc gate_up[2];
+    int64_t gate;                      /* KV_GATE_*: act(gate) * up */
     kv_wdesc down;
     int64_t post_mlp_norm, sliding;
 } kv_layer_plan;
@@ -524,12 +541,27 @@ typedef struct {
     float *h, *qkv, *att, *o, *gu, *g;
 } kv_bufs;
 
+/* the residual add after attention or the MLP: with the block's output norm or without */
+static void residual(float *x, const float *h, int64_t norm, const kv_step *s) {
+    if (norm) {
+        kv_add_rms_norm(x, h, (const float *)(intptr_t)norm, s->B, s->hidden, s->eps);
+        return;
+    }
+    for (int64_t i = 0; i < s->B * s->hidden; i++) x[i] += h[i];
+}
+
+static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
+}
+
 static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
                           float *x, kv_bufs *b, int use_avx2) {
     const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
     const int w = L->sliding != 0;
     kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
     if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
+    if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
     kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)L->q_norm, s->cos[w],
                  s->sin[w], s->eps);
     kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
@@ -541,7 +573,7 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
                          s->C[w], H, KVH, D, s->scale, b->att, use_avx2))
         return -1;
     if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
-    kv_add_rms_norm(x, b->o, (const float *)(intptr_t)L->post_attn_norm, B, s->hidden, s->eps);
+    residual(x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
@@ -550,10 +582,12 @@ static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
     for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
     if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
-    kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    if (L->gate == KV_GATE_SILU)
+        kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    else
+        kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
     if (product(&L->down, b->g, s->B, b->o, s->hidden)) return -1;
-    kv_add_rms_norm(x, b->o, (const float *)(intptr_t)L->post_mlp_norm, s->B, s->hidden,
-                    s->eps);
+    residual(x, b->o, L->post_mlp_norm, s);
     return 0;
 }
 
@@ -583,11 +617,11 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
     return rc ? -1 : 0;
 }
 
-/* gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
+/* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
  *               cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l,
  *               lengths_l, caches, kv_f16): x [B, hidden] (the residual stream) updated in
  *               place; the K/V stores hold fp32, or fp16 when kv_f16 */
-static PyObject *py_gemma3_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(24);
     void *plan, *x, *ptr[11];
@@ -754,13 +788,15 @@ static PyMethodDef methods[] = {
      "norm_rope(x, tokens, row_stride, heads, dim, w, cos, sin, eps)"},
     {"gelu_mul", (PyCFunction)(void (*)(void))py_gelu_mul, METH_FASTCALL,
      "gelu_mul(x, out, tokens, inter)"},
+    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
+     "silu_mul(x, out, tokens, inter)"},
     {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16)"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, "
      "lengths, f16)"},
-    {"gemma3_decode", (PyCFunction)(void (*)(void))py_gemma3_decode, METH_FASTCALL,
-     "gemma3_decode(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
+    {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
+     "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
      "kv_f16)"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},

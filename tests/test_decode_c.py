@@ -1,5 +1,6 @@
-"""Gemma 3's decode layers as one C call give bit-identical logits to the per-op path, on a
-tiny model quantized at load (every product then has a C kernel) and on the real model."""
+"""A dense model's decode layers as one C call give bit-identical logits to the per-op path,
+on every architecture's tiny model quantized at load (every product then has a C kernel)
+and on the real model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights import open_checkpoint
 
-from tiny_models import build
+from tiny_models import ARCHS, build
 
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
@@ -37,9 +38,10 @@ def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
     return fast, slow
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
-def test_tiny_quantized_gemma_is_bit_identical(tmp_path, kv_dtype):
-    build("gemma3", tmp_path)
+def test_tiny_quantized_model_is_bit_identical(tmp_path, arch, kv_dtype):
+    build(arch, tmp_path)
     engine = quantized_engine(tmp_path, "q8_0", kv_dtype)
     ids = list(range(3, 40))  # past the sliding window of 4 keys
     fast, slow = logprobs_both_ways(engine, ids, 5)
@@ -49,8 +51,9 @@ def test_tiny_quantized_gemma_is_bit_identical(tmp_path, kv_dtype):
     assert torch.equal(fast, slow)
 
 
-def test_batched_greedy_alone_and_together(tmp_path):
-    build("gemma3", tmp_path)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_alone_and_together(tmp_path, arch):
+    build(arch, tmp_path)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[3, 14, 15, 92, 65], list(range(20, 57)), [7] * 9]
 

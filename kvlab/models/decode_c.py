@@ -1,15 +1,18 @@
-"""Gemma 3's decode layers as one C call (kvlab.kernels._qk.gemma3_decode).
+"""A dense model's decode layers as one C call (kvlab.kernels._qk.decode_layers).
 
-When every product of the model has a C kernel, the KV cache is fp32 on the CPU and the
-step is pure decode, the C side runs all layers: the same C functions, in the same order
-and on the same layouts as the C path of `Gemma3Model.forward`, so the logits are
-bit-identical, without the dozen Python calls a layer between them. The plan is built once
-at load: per layer, the addresses and sizes of its weights as int64 [layers, fields]
-(the K/V store addresses are added per cache list, once):
+When every product of the model has a C kernel, the KV cache is fp32 or fp16 on the CPU and
+the step is pure decode, the C side runs all layers: the same C functions, in the same order
+and on the same layouts as the C path of the model's own forward (Gemma 3's, Llama's and the
+Qwen files built on it), so the logits are bit-identical, without the dozen Python calls a
+layer between them. The plan is built once at load: per layer, the addresses and sizes of
+its weights as int64 [layers, fields] (the K/V store addresses are added per cache list):
 
-    attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), q_norm, k_norm,
-    o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), down (5),
+    attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), qkv_bias, q_norm,
+    k_norm, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
     post_mlp_norm, sliding
+
+A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms);
+`gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 from kvlab.models.kv_store import FloatKV
 
 _EMPTY = [0, 0, 0, 0, 0]
+GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_module.c
+_OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 class Plan:
@@ -48,13 +53,13 @@ class Plan:
         return self._table
 
 
-def build_plan(config: ModelConfig, layers: list[dict]) -> Plan | None:
+def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
     """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
     if _qk is None or not layers:
         return None
     rows = []
     for i, layer in enumerate(layers):
-        row = _layer_row(layer, config.is_sliding(i))
+        row = _layer_row(layer, config.is_sliding(i), GATES[gate])
         if row is None:
             return None
         rows.append(row)
@@ -62,17 +67,17 @@ def build_plan(config: ModelConfig, layers: list[dict]) -> Plan | None:
     return Plan(weights) if weights.shape[1] == _qk.plan_fields() else None
 
 
-def _layer_row(layer: dict, sliding: bool) -> list[int] | None:
+def _layer_row(layer: dict, sliding: bool, gate: int) -> list[int] | None:
     qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer["gate_up"], 2)
     o, down = _desc(layer["o"]), _desc(layer["down"])
-    norms = [_norm(layer.get(n)) for n in ("attn_norm", "q_norm", "k_norm", "post_attn_norm",
-                                           "mlp_norm", "post_mlp_norm")]
-    if qkv is None or gate_up is None or o is None or down is None or None in norms \
-            or "qkv_bias" in layer:
+    norms = {n: _norm(layer.get(n), n in _OPTIONAL)
+             for n in ("attn_norm", "mlp_norm", *_OPTIONAL)}
+    if qkv is None or gate_up is None or o is None or down is None or None in norms.values():
         return None
-    attn_norm, q_norm, k_norm, post_attn, mlp_norm, post_mlp = norms
-    return [attn_norm, len(layer["qkv"].parts), *qkv, q_norm, k_norm, *o, post_attn, mlp_norm,
-            len(layer["gate_up"].parts), *gate_up, *down, post_mlp, int(sliding)]
+    n = norms
+    return [n["attn_norm"], len(layer["qkv"].parts), *qkv, n["qkv_bias"], n["q_norm"],
+            n["k_norm"], *o, n["post_attn_norm"], n["mlp_norm"], len(layer["gate_up"].parts),
+            *gate_up, gate, *down, n["post_mlp_norm"], int(sliding)]
 
 
 def _parts(stacked: object, most: int) -> list[int] | None:
@@ -93,8 +98,12 @@ def _desc(w: object) -> list[int] | None:
     return list(w.kernel_args)
 
 
-def _norm(w: torch.Tensor | None) -> int | None:
-    ok = w is not None and fused.fits(w) and w.dim() == 1 and w.is_contiguous()
+def _norm(w: torch.Tensor | None, optional: bool = True) -> int | None:
+    """The address of an fp32 vector (a norm's weight, a bias); 0 when the layer has none
+    and may do without; None when the C layers cannot take it."""
+    if w is None:
+        return 0 if optional else None
+    ok = fused.fits(w) and w.dim() == 1 and w.is_contiguous()
     return w.data_ptr() if ok else None
 
 
@@ -108,7 +117,7 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         return False
     (cos_g, sin_g), (cos_l, sin_l) = ropes[False], ropes[True]
     c, w = config, plan.weights
-    _qk.gemma3_decode(
+    _qk.decode_layers(
         w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], x.shape[1],
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.scale, cos_g.data_ptr(),
         sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
