@@ -164,7 +164,7 @@ def can_group(w: QuantizedWeight) -> bool:
 def group_rows(w: QuantizedWeight) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
     Q5_0, Q4_0 as Q8_0x8 (Q8_0's size), Q4_K as Q4_Kx8 (148 bytes per 256), Q6_K as Q6_Kx8
-    (274 bytes per 256, the 6-bit values widened to bytes). Their products serve 8 rows per
+    (210 bytes per 256, Q6_K's own size). Their products serve 8 rows per
     register: batched decode and prefill run 1.4-2x faster (csrc/qk_x8.c, qk_x8k.c)."""
     if not can_group(w):
         raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and Q8_0, Q5_0, "

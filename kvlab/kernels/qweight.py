@@ -18,9 +18,9 @@ from kvlab.weights.gguf_file import GGUFFile
 T = GGMLQuantizationType
 # Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
 # KV_Q4_KX8, KV_Q6_KX8 in csrc/qk.h) and its bytes per block (Q4_Kx8 keeps its scales
-# unpacked, Q6_Kx8 its 6-bit values as bytes)
+# unpacked; Q6_Kx8 is Q6_K's own size)
 GROUPED_KERNEL_TYPES = {T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33}
-GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 274}
+GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 210}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 

@@ -77,7 +77,7 @@ extern const kv_isa kv_isa_avx2;
 
 /* ---- 8-row groups, one register lane per row: Q8_0x8 (qk_x8.c; from Q8_0, Q5_0, Q4_0,
  * Q8_0's size), Q4_Kx8 (qk_x8k.c; scales unpacked, 148 B per row and super-block), Q6_Kx8
- * (qk_x8k.c; 6-bit values widened to bytes, 274 B). Conversions return -1 if rows % 8 (or,
+ * (qk_x8k.c; Q6_K's 210 B, the 6-bit values regrouped). Conversions return -1 if rows % 8 (or,
  * for Q8_0x8, the source type) does not fit. ---- */
 int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,
                  int64_t src_row_bytes, uint8_t *dst);

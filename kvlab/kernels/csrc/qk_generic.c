@@ -73,7 +73,7 @@ int kv_type_size(int qtype) {
         case KV_Q5_1: return 24;
         case KV_Q4_K: return 144;
         case KV_Q4_KX8: return 148;
-        case KV_Q6_KX8: return 274;
+        case KV_Q6_KX8: return 210;
         case KV_Q5_K: return 176;
         case KV_Q6_K: return 210;
         default: return 0;

@@ -310,7 +310,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q5_0
- * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (274 B);
+ * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (210 B);
  * rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;

@@ -12,9 +12,13 @@
  *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
  *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
  *
- *   Q6_Kx8 super-block (2192 B = 8 x 274: the 6-bit values widened to bytes):
+ *   Q6_Kx8 super-block (1680 B = 8 x 210, Q6_K's own size: a batch-1 decode reads no more
+ *   bytes than the file's blocks):
  *     d[8] fp16; sc[16][8] int8 scale of 16-element group g for row k;
- *     qs[16][4][32]     qs[g][c][4k + e] = q (0..63) of row k, element 16g + 4c + e
+ *     q (0..63) of row k, element 16g + 4c + e, lane l = 4k + e, split in 4 + 2 bits:
+ *     ql[16][2][32]     ql[g][c & 1][l]: low nibble of chunk c (c < 2) in bits 0-3, of
+ *                       chunk c + 2 in bits 4-7
+ *     qh[16][32]        qh[g][l]: the top two bits of chunk c in bits 2c, 2c + 1
  *   isum = sum_g sc_g * (sum over g of q * x) - 32 * sum_g sc_g * (x's sum over g), then
  *   acc = fma(d * d_x, isum, acc).
  *
@@ -120,8 +124,15 @@ void kv_gemv_q4_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 typedef struct {
     kv_half d[8];
     int8_t sc[16][8];
-    uint8_t qs[16][4][32];
-} kv_blk_q6_kx8;  /* 2192 B */
+    uint8_t ql[16][2][32];
+    uint8_t qh[16][32];
+} kv_blk_q6_kx8;  /* 1680 B */
+
+/* q (0..63) of chunk c, lane l of group g */
+static int q6x8_value(const kv_blk_q6_kx8 *b, int g, int c, int l) {
+    const int lo = (b->ql[g][c & 1][l] >> (4 * (c >> 1))) & 0xF;
+    return lo | ((b->qh[g][l] >> (2 * c)) & 3) << 4;
+}
 
 /* element e (0..255) of a Q6_K block as 0..63 (the file stores q - 32 scaled) */
 static int q6_value(const kv_blk_q6_k *b, int e) {
@@ -134,14 +145,18 @@ int kv_to_q6_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 256) return -1;
     const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q6_k);
     kv_blk_q6_kx8 *out = (kv_blk_q6_kx8 *)dst;
+    memset(dst, 0, (size_t)(rows / 8 * nb) * sizeof(kv_blk_q6_kx8));  /* bits are or-ed in */
     for (int64_t g = 0; g < rows / 8; g++) {
         for (int64_t i = 0; i < nb; i++, out++) {
             for (int k = 0; k < 8; k++) {
                 const kv_blk_q6_k *b = (const kv_blk_q6_k *)(src + (8 * g + k) * row_bytes) + i;
                 out->d[k] = b->d;
                 for (int s = 0; s < 16; s++) out->sc[s][k] = b->scales[s];
-                for (int e = 0; e < 256; e++)
-                    out->qs[e / 16][(e % 16) / 4][4 * k + e % 4] = (uint8_t)q6_value(b, e);
+                for (int e = 0; e < 256; e++) {
+                    const int g = e / 16, c = (e % 16) / 4, l = 4 * k + e % 4, q = q6_value(b, e);
+                    out->ql[g][c & 1][l] |= (uint8_t)((q & 0xF) << (4 * (c >> 1)));
+                    out->qh[g][l] |= (uint8_t)((q >> 4) << (2 * c));
+                }
             }
         }
     }
@@ -157,7 +172,7 @@ void kv_deq_q6_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
         const float d = kv_h2f_table[b[i].d[k]];
         for (int e = 0; e < 256; e++) {
             const float dl = d * (float)b[i].sc[e / 16][k];
-            out[e] = dl * (float)(b[i].qs[e / 16][(e % 16) / 4][4 * k + e % 4] - 32);
+            out[e] = dl * (float)(q6x8_value(b + i, e / 16, (e % 16) / 4, 4 * k + e % 4) - 32);
         }
     }
 }
@@ -166,7 +181,7 @@ static int32_t q6_row_sum(const kv_blk_q6_kx8 *b, int k, const kv_act256 *a) {
     int32_t isum = 0, corr = 0;
     for (int g = 0; g < 16; g++) {
         int32_t dot = 0;
-        for (int e = 0; e < 16; e++) dot += b->qs[g][e / 4][4 * k + e % 4] * a->qs[16 * g + e];
+        for (int e = 0; e < 16; e++) dot += q6x8_value(b, g, e / 4, 4 * k + e % 4) * a->qs[16 * g + e];
         isum += b->sc[g][k] * dot;
         corr += b->sc[g][k] * a->bsums[g];
     }
@@ -280,6 +295,24 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
 KV_K8_TILE(tile_k8_vnni, KV_TGT_V, k8_dot_v)
 KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
 
+/* a Q6_Kx8 group's 4 chunks as bytes 0..63: nibble | two bits shifted to bits 4-5 (the
+ * 16-bit shifts move bits across bytes only where the masks drop them) */
+static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
+    const uint8_t *ql0, const uint8_t *ql1, const uint8_t *qh, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql0);
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)ql1);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 4), m2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 2), m2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                           _mm256_and_si256(h, m2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
+}
+
 /* Q6_Kx8: per 16-element group, 4 chunks into one chain, times the group's int8 scales;
  * the -32 offset as 32 * sum_g sc_g * (x's group sum), from int16 pairs (sc_g, sc_g+1) */
 #define KV_Q6_TILE(name, TGT, DOT)                                                          \
@@ -293,8 +326,9 @@ KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
             for (int g = 0; g < 16; g++) {                                                \
                 __m256i q[4];                                                             \
-                for (int c = 0; c < 4; c++)                                               \
-                    q[c] = _mm256_loadu_si256((const __m256i *)b[i].qs[g][c]);            \
+                q6x8_unpack(b[i].ql[g][0], b[i].ql[g][1], b[i].qh[g], q);                 \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * g, _MM_HINT_T0);           \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * g + 64, _MM_HINT_T0);      \
                 const __m256i sc = _mm256_cvtepi8_epi32(                                  \
                     _mm_loadl_epi64((const __m128i *)b[i].sc[g]));                        \
                 for (int j = 0; j < nx; j++) {                                            \
