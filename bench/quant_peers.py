@@ -1,0 +1,527 @@
+"""kvlab against llama.cpp on a Llama-3.2-1B-shaped model at several quant types, and on Gemma.
+
+    .venv/bin/python bench/quant_peers.py [-t 2] [-r 3] [-p 512] [-n 128]
+        [--types Q4_K_M,Q3_K_M,Q2_K,IQ4_XS] [--workdir /tmp/kvlab-quant-peers]
+        [--llama-bin DIR] [--ik-llama-bin DIR] [--models A.gguf B.gguf] [--skip-gemma]
+
+Steps, each skipped when its output already exists in --workdir:
+  1. write a random-weight F16 GGUF with Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8
+     heads of 64, FFN 8192, tied output, rope theta 500000 with llama3 scaling baked into
+     rope_freqs.weight as llama.cpp's converter does) and the real Llama 3 tokenizer copied
+     from llama.cpp's vocabulary file;
+  2. quantize it with llama.cpp's llama-quantize to each of --types.
+Then, for every quantized file, the default Gemma 3 model and any --models, it runs `kvlab
+bench` and llama.cpp's `llama-bench` (and ik_llama.cpp's, if given) as separate processes,
+alternating, one repetition each per round, so machine noise hits all engines alike and each
+has the machine alone. It prints median pp/tg tok/s, the ratios kvlab / llama.cpp (or the
+faster peer) and the decode ceiling: this machine's read bandwidth over the bytes one decode
+step reads with the weights as the file stores them (the yardstick common to every engine).
+An engine that cannot run a file (kvlab without a kernel for a quant type) gets a row with the
+first line of its error; the other files still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_BIN = Path("/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
+VOCAB_FILE = Path("/tmp/vocab/ggml-vocab-llama-bpe.gguf")
+DEFAULT_TYPES = "Q4_K_M,Q3_K_M,Q2_K,IQ4_XS"
+F16_NAME = "llama-3.2-1b-shape-F16.gguf"
+KVLAB_CLI = [sys.executable, "-c", "import sys; from kvlab.cli.main import main; sys.exit(main())"]
+ENGINE_TIMEOUT_S = 1800
+
+
+# ---------------------------------------------------------------- the Llama-shaped model
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Llama-3.2-1B's config.json, the fields a GGUF carries."""
+
+    layers: int = 16
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    ffn: int = 8192
+    vocab: int = 128256
+    context: int = 131072
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+    # rope_scaling {"rope_type": "llama3", ...}
+    rope_factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+def llama3_rope_factors(s: LlamaShape) -> np.ndarray:
+    """rope_freqs.weight [head_dim / 2] f32: per-frequency divisors, as convert_hf_to_gguf.py
+    computes them for rope_type llama3 (1 at high frequencies, the factor at low ones)."""
+    freqs = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
+    low_wavelen = s.original_context / s.low_freq_factor
+    high_wavelen = s.original_context / s.high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s.rope_factor)
+        else:
+            smooth = (s.original_context / wavelen - s.low_freq_factor) / \
+                (s.high_freq_factor - s.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / s.rope_factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def llama_tensors(s: LlamaShape) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape [rows, cols]) of every tensor, in llama.cpp's names (the ones
+    kvlab's GGUF_NAMES table reads). Tied output: no output.weight."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    tensors = [("token_embd.weight", (s.vocab, s.hidden)),
+               ("rope_freqs.weight", (s.head_dim // 2,))]
+    for i in range(s.layers):
+        tensors += [(f"blk.{i}.{name}.weight", shape) for name, shape in (
+            ("attn_norm", (s.hidden,)), ("attn_q", (q, s.hidden)), ("attn_k", (kv, s.hidden)),
+            ("attn_v", (kv, s.hidden)), ("attn_output", (s.hidden, q)),
+            ("ffn_norm", (s.hidden,)), ("ffn_gate", (s.ffn, s.hidden)),
+            ("ffn_up", (s.ffn, s.hidden)), ("ffn_down", (s.hidden, s.ffn)))]
+    return tensors + [("output_norm.weight", (s.hidden,))]
+
+
+def tensor_values(name: str, shape: tuple[int, ...], s: LlamaShape, seed: int,
+                  std: float = 0.02) -> np.ndarray:
+    """Norms 1.0 and rope factors in f32 (as the converter keeps 1-D tensors); matrices
+    N(0, std) in f16, drawn in row chunks so no f32 copy of a whole matrix exists."""
+    if name == "rope_freqs.weight":
+        return llama3_rope_factors(s)
+    if len(shape) == 1:
+        return np.ones(shape, np.float32)
+    rng = np.random.default_rng(seed)
+    out = np.empty(shape, np.float16)
+    rows = max(1, (1 << 22) // shape[1])
+    for r in range(0, shape[0], rows):
+        chunk = rng.standard_normal((min(rows, shape[0] - r), shape[1]), dtype=np.float32)
+        out[r:r + rows] = chunk * std
+    return out
+
+
+def write_llama_gguf(path: Path, vocab_file: Path, s: LlamaShape = LlamaShape()) -> None:
+    """Stream the F16 model to `path` one tensor at a time (via a .part file, renamed when
+    complete, so an interrupted run is never taken for a finished one)."""
+    import gguf
+
+    part = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(part), "llama")
+    _llama_metadata(w, s)
+    _copy_tokenizer(w, vocab_file, s.vocab)
+    specs = llama_tensors(s)
+    for name, shape in specs:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        w.add_tensor_info(name, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for seed, (name, shape) in enumerate(specs):
+        w.write_tensor_data(tensor_values(name, shape, s, seed))
+    w.close()
+    part.rename(path)
+
+
+def _llama_metadata(w, s: LlamaShape) -> None:
+    """The keys llama.cpp's converter writes for Llama-3.2-1B (file type 1: mostly F16)."""
+    w.add_string("general.name", "Llama-3.2-1B-shaped (random weights)")
+    w.add_uint32("general.file_type", 1)
+    for key, value in (("block_count", s.layers), ("context_length", s.context),
+                       ("embedding_length", s.hidden), ("feed_forward_length", s.ffn),
+                       ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
+                       ("attention.key_length", s.head_dim),
+                       ("attention.value_length", s.head_dim),
+                       ("rope.dimension_count", s.head_dim), ("vocab_size", s.vocab)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", s.rope_theta)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", s.rms_eps)
+
+
+def _copy_tokenizer(w, vocab_file: Path, vocab: int) -> None:
+    """Every tokenizer.* key of llama.cpp's Llama 3 vocabulary file, with its GGUF types."""
+    from gguf import GGUFReader, GGUFValueType
+
+    if not vocab_file.exists():
+        raise SystemExit(f"no vocabulary file at {vocab_file}: pass --vocab (llama.cpp's "
+                         f"models/ggml-vocab-llama-bpe.gguf)")
+    reader = GGUFReader(str(vocab_file))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    if len(tokens) != vocab:
+        raise SystemExit(f"{vocab_file} has {len(tokens)} tokens, the model needs {vocab}")
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+
+
+def ensure_f16(workdir: Path, vocab_file: Path) -> Path:
+    path = workdir / F16_NAME
+    if path.exists():
+        print(f"# have {path}")
+        return path
+    print(f"# writing {path} (random N(0, 0.02) weights, ~2.5 GB)", flush=True)
+    start = time.perf_counter()
+    write_llama_gguf(path, vocab_file)
+    print(f"#   done in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+class QuantizeFailed(Exception):
+    pass
+
+
+def quantize(f16: Path, qtype: str, llama_bin: Path) -> Path:
+    """f16 -> llama-3.2-1b-shape-{qtype}.gguf beside it; llama-quantize's log goes beside
+    it too (.log), and the lines that warn are echoed."""
+    out = f16.with_name(F16_NAME.replace("F16", qtype))
+    cmd = [str(llama_bin / "llama-quantize"), str(f16), str(out.with_suffix(".part")), qtype,
+           str(os.cpu_count() or 1)]
+    if out.exists():
+        print(f"# have {out}  ($ {shlex.join(cmd)})")
+        return out
+    print(f"$ {shlex.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    out.with_suffix(".log").write_text(log)
+    for line in log.splitlines():
+        if "warn" in line.lower() or "imatrix" in line.lower():
+            print(f"#   {line.strip()}")
+    if proc.returncode != 0:
+        raise QuantizeFailed(f"llama-quantize {qtype} exited {proc.returncode}: "
+                             f"{_error_line(log)} (log: {out.with_suffix('.log')})")
+    out.with_suffix(".part").rename(out)
+    print(f"#   {out.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - start:.0f} s")
+    return out
+
+
+# ---------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class Run:
+    """One repetition of pp and tg; kvlab also reports the bytes its decode step reads in
+    its in-memory layout and the GB/s that reached."""
+
+    pp: float
+    tg: float
+    kvlab_bytes_per_token: float | None = None
+    kvlab_gb_s: float | None = None
+
+
+class EngineFailed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class KvlabBench:
+    """`kvlab bench` in its own process (the kvlab this script imports: PYTHONPATH decides)."""
+
+    name: str = "kvlab"
+
+    def command(self, model: Path, args: argparse.Namespace) -> list[str]:
+        return KVLAB_CLI + ["bench", "-m", str(model), "-p", str(args.p), "-n", str(args.n),
+                            "-r", "1", "-t", str(args.t), "-o", "json"]
+
+    def parse(self, stdout: str, args: argparse.Namespace) -> Run:
+        results = {r["test"]: r for r in json.loads(stdout[stdout.index("{"):])["results"]}
+        tg = results[f"tg{args.n}"]
+        return Run(results[f"pp{args.p}"]["tok_s_mean"], tg["tok_s_mean"],
+                   tg["bytes_per_token"], tg["gb_s"])
+
+
+@dataclass(frozen=True)
+class LlamaBench:
+    """llama.cpp's (or ik_llama.cpp's) llama-bench, JSON output."""
+
+    name: str
+    bin_dir: Path
+
+    def command(self, model: Path, args: argparse.Namespace) -> list[str]:
+        return [str(self.bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.p),
+                "-n", str(args.n), "-r", "1", "-t", str(args.t), "-o", "json"]
+
+    def parse(self, stdout: str, args: argparse.Namespace) -> Run:
+        tests = json.loads(stdout[stdout.index("["):])
+        pp = [t["avg_ts"] for t in tests if t["n_prompt"] == args.p and t["n_gen"] == 0]
+        tg = [t["avg_ts"] for t in tests if t["n_gen"] == args.n and t["n_prompt"] == 0]
+        return Run(pp[0], tg[0])
+
+
+Engine = KvlabBench | LlamaBench
+
+
+def run_once(engine: Engine, model: Path, args: argparse.Namespace) -> Run:
+    cmd = engine.command(model, args)
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=ENGINE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise EngineFailed(f"timed out after {ENGINE_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        raise EngineFailed(f"exit {proc.returncode}: {_error_line(proc.stderr + proc.stdout)}")
+    try:
+        return engine.parse(proc.stdout, args)
+    except (ValueError, KeyError, IndexError) as e:
+        raise EngineFailed(f"unreadable output ({e!r}): {proc.stdout[-300:]!r}") from None
+
+
+def _error_line(output: str) -> str:
+    """The line that says what went wrong: kvlab's 'error:' line, else the last line (a
+    traceback's exception, llama.cpp's final complaint)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["(no output)"])[0 if errors else -1]
+
+
+@dataclass
+class Series:
+    """One engine's repetitions on one file; `error` once it failed (no more attempts)."""
+
+    runs: list[Run] = field(default_factory=list)
+    error: str | None = None
+
+    def median(self, attr: str) -> float | None:
+        values = [getattr(r, attr) for r in self.runs if getattr(r, attr) is not None]
+        return statistics.median(values) if values else None
+
+
+def bench_file(model: Path, engines: list[Engine], args: argparse.Namespace
+               ) -> dict[str, Series]:
+    """`args.r` rounds; each round runs every engine once, in turn."""
+    series = {e.name: Series() for e in engines}
+    for rnd in range(1, args.r + 1):
+        for engine in engines:
+            s = series[engine.name]
+            if s.error is not None:
+                continue
+            start = time.perf_counter()
+            try:
+                run = run_once(engine, model, args)
+                s.runs.append(run)
+                note = f"pp {run.pp:.1f}, tg {run.tg:.2f} tok/s"
+            except EngineFailed as e:
+                s.error = str(e)
+                note = f"FAILED {e}"
+            print(f"# round {rnd}/{args.r} {engine.name:<12} {model.name}: {note} "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    return series
+
+
+# ---------------------------------------------------------------- the decode ceiling
+
+
+def decode_bytes_as_stored(model: Path, context: int) -> tuple[float, float]:
+    """(bytes one decode step reads at `context` tokens, the file's tensor bytes): every
+    tensor but the embedding table, whose one row is read, plus the output matrix (the table
+    itself when the output is tied), plus an f16 KV cache (llama.cpp's default)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(model))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total = sum(sizes.values())
+    weights = total if "output.weight" not in sizes else total - sizes["token_embd.weight"]
+
+    def meta(key: str, default: int | None = None) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.contents()) if f is not None else int(default)
+
+    arch = reader.fields["general.architecture"].contents()
+    heads = meta("attention.head_count")
+    head_dim = meta("attention.key_length", meta("embedding_length") // heads)
+    kv_per_token = meta("block_count") * meta("attention.head_count_kv", heads) * \
+        (head_dim + meta("attention.value_length", head_dim)) * 2
+    return weights + kv_per_token * context, total
+
+
+_BANDWIDTH_SNIPPET = """
+import sys, torch
+from kvlab.kernels import set_num_threads
+from kvlab.perf.probe import measure_bandwidth
+threads = int(sys.argv[1])
+torch.set_num_threads(threads)
+set_num_threads(threads)
+gb_s, runs = measure_bandwidth(512, 4.0)
+print(gb_s / 1e9, runs)
+"""
+
+
+def measure_bandwidth(threads: int) -> float | None:
+    """GB/s of kvlab's C stream read over 512 MiB at `threads` (what `kvlab probe` measures),
+    in its own process so nothing of it stays running beside the engines."""
+    cmd = [sys.executable, "-c", _BANDWIDTH_SNIPPET, str(threads)]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"# bandwidth probe failed: {_error_line(proc.stderr)}; no ceiling line")
+        return None
+    gb_s, runs = proc.stdout.split()
+    print(f"# read bandwidth at {threads} threads: {float(gb_s):.2f} GB/s "
+          f"(kvlab.perf.probe.measure_bandwidth, 512 MiB, best of {runs})")
+    return float(gb_s)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def report(model: Path, series: dict[str, Series], bandwidth: float | None,
+           args: argparse.Namespace) -> None:
+    step_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
+    names = list(series)
+    peers = names[1:]
+    ratio_head = f"kvlab/{peers[0]}" if len(peers) == 1 else "kvlab/faster"
+    print(f"\n== {model.name}  ({file_bytes / 1e6:.0f} MB of tensors; {args.t} threads, "
+          f"median of {args.r} alternating rounds, tok/s)")
+    print(f"{'test':<8}" + "".join(f"{n:>14}" for n in names) + f"{ratio_head:>18}")
+    for test, attr in ((f"pp{args.p}", "pp"), (f"tg{args.n}", "tg")):
+        med = {n: s.median(attr) for n, s in series.items()}
+        cells = "".join(f"{_cell(med[n], series[n]):>14}" for n in names)
+        print(f"{test:<8}{cells}{_ratio(med, peers):>26}")
+    for name, s in series.items():
+        if s.error is not None:
+            print(f"{name} failed: {s.error}")
+    _ceiling_line(series, step_bytes, bandwidth)
+
+
+def _cell(value: float | None, s: Series) -> str:
+    if value is None:
+        return "failed" if s.error else "-"
+    return f"{value:.2f}"
+
+
+def _ratio(med: dict[str, float | None], peers: list[str]) -> str:
+    ran = [p for p in peers if med[p]]
+    if med["kvlab"] is None or not ran:
+        return "-"
+    best = max(ran, key=lambda p: med[p])
+    label = f" ({best})" if len(peers) > 1 else ""
+    return f"{med['kvlab'] / med[best]:.2f}x{label}"
+
+
+def _ceiling_line(series: dict[str, Series], step_bytes: float,
+                  bandwidth: float | None) -> None:
+    """tg x bytes per token / bandwidth: the share of the memory-bound ceiling reached."""
+    if bandwidth:
+        ceiling = bandwidth * 1e9 / step_bytes
+        shares = ", ".join(f"{n} {100 * tg / ceiling:.0f} %" for n, s in series.items()
+                           if (tg := s.median("tg")))
+        print(f"decode ceiling: {bandwidth:.2f} GB/s / {step_bytes / 1e6:.1f} MB per token "
+              f"(weights as stored + f16 KV) = {ceiling:.1f} tok/s; "
+              f"{shares or 'no engine ran'}")
+    kv = series["kvlab"]
+    if kv.median("kvlab_bytes_per_token"):
+        print(f"kvlab's own figures: its step reads "
+              f"{kv.median('kvlab_bytes_per_token') / 1e6:.1f} MB per token in its in-memory "
+              f"layout, {kv.median('kvlab_gb_s'):.2f} GB/s reached")
+    print("raw tg:", {n: [round(r.tg, 2) for r in s.runs] for n, s in series.items()},
+          "pp:", {n: [round(r.pp, 1) for r in s.runs] for n, s in series.items()})
+
+
+# ---------------------------------------------------------------- main
+
+
+def cpu_kind() -> str:
+    """'AVX512-VNNI' or 'AVX2-only' (what llama.cpp's and kvlab's kernels dispatch on), with
+    the CPU's name and core count."""
+    flags, name = set(), "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and not flags:
+            flags = set(value.split())
+        elif key.strip() == "model name":
+            name = value.strip()
+    if "avx512_vnni" in flags:
+        kind = "AVX512-VNNI"
+    elif "avx512f" in flags:
+        kind = "AVX512 without VNNI"
+    elif "avx2" in flags:
+        kind = "AVX2-only" + (" (with AVX-VNNI)" if "avx_vnni" in flags else "")
+    else:
+        kind = "no AVX2"
+    return f"{kind}; {name}; {os.cpu_count()} logical cores"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", type=int, default=2, help="threads, every engine")
+    ap.add_argument("-r", type=int, default=3, help="alternating rounds")
+    ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp test)")
+    ap.add_argument("-n", type=int, default=128, help="generated tokens (tg test)")
+    ap.add_argument("--types", default=DEFAULT_TYPES, help="llama-quantize types, comma-separated")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvlab-quant-peers"))
+    ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN,
+                    help="llama.cpp's build/bin (llama-quantize, llama-bench)")
+    ap.add_argument("--ik-llama-bin", type=Path, default=None,
+                    help="ik_llama.cpp's build/bin: its llama-bench runs as a third engine")
+    ap.add_argument("--models", type=Path, nargs="+", default=[], help="extra GGUF files")
+    ap.add_argument("--skip-gemma", action="store_true", help="leave out the default Gemma 3")
+    ap.add_argument("--vocab", type=Path, default=VOCAB_FILE,
+                    help="llama.cpp's ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer)")
+    args = ap.parse_args(argv)
+    for name in ("t", "r", "p", "n"):
+        if getattr(args, name) < 1:
+            ap.error(f"-{name} must be >= 1, got {getattr(args, name)}")
+    for binary in [args.llama_bin / "llama-quantize", args.llama_bin / "llama-bench"] + \
+            ([args.ik_llama_bin / "llama-bench"] if args.ik_llama_bin else []):
+        if not binary.is_file():
+            ap.error(f"no {binary}: pass --llama-bin / --ik-llama-bin DIR (a build/bin)")
+    return args
+
+
+def model_files(args: argparse.Namespace) -> Iterator[Path]:
+    """Gemma first (small: a broken setup shows in seconds), then each quant type, then
+    --models. A type llama-quantize refuses is reported and left out."""
+    if not args.skip_gemma:
+        from kvlab.weights import default_model_path
+
+        yield Path(default_model_path())
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    if types:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        f16 = ensure_f16(args.workdir, args.vocab)
+    for qtype in types:
+        try:
+            yield quantize(f16, qtype, args.llama_bin)
+        except QuantizeFailed as e:
+            print(f"# {e}")
+    yield from args.models
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engines: list[Engine] = [KvlabBench(), LlamaBench("llama.cpp", args.llama_bin)]
+    if args.ik_llama_bin:
+        engines.append(LlamaBench("ik_llama.cpp", args.ik_llama_bin))
+    print(f"# CPU: {cpu_kind()}")
+    print(f"# {shlex.join([sys.executable] + sys.argv)}")
+    for engine in engines:
+        print(f"# {engine.name}: {shlex.join(engine.command(Path('FILE'), args))}")
+    bandwidth = measure_bandwidth(args.t)
+    files = list(model_files(args))  # all quantizing first: the benchmarks then run alone
+    for model in files:
+        report(model, bench_file(model, engines, args), bandwidth, args)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
