@@ -68,6 +68,10 @@ def make_weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0
         scales = (g.uniform(0.001, 0.02, (len(blocks), 2)).astype(np.float16)).view(np.uint8)
         if qtype == T.Q6_K:
             blocks[:, 208:210] = scales[:, :2]
+        elif qtype == T.Q3_K:  # d closes the block
+            blocks[:, 108:110] = scales[:, :2]
+        elif qtype == T.Q2_K:  # d, dmin close the block
+            blocks[:, 80:84] = scales
         else:  # d, dmin lead the block
             blocks[:, 0:4] = scales
         data = blocks.reshape(rows, -1)
@@ -375,7 +379,7 @@ def test_quantized_weight_checks_its_data():
     with pytest.raises(ValueError, match="needs uint8 data"):
         QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(2, 60, dtype=torch.uint8))
     with pytest.raises(ValueError, match="not supported"):
-        QuantizedWeight(T.Q2_K, (2, 256), torch.zeros(2, 84, dtype=torch.uint8))
+        QuantizedWeight(T.IQ2_XXS, (2, 256), torch.zeros(2, 66, dtype=torch.uint8))
     w = QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(68, 2, dtype=torch.uint8).t())
     assert w.data.is_contiguous() and w.data.shape == (2, 68) and w.nbytes == 136
     assert "Q8_0" in repr(w)

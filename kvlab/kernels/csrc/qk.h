@@ -14,6 +14,8 @@
 enum {
     KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7,
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
+    KV_Q2_K = 10,
+    KV_Q3_K = 11,
     KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
     KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
     KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
@@ -131,6 +133,18 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
             }                                                                              \
         }                                                                                  \
     }
+
+/* ---- Q2_K and Q3_K in their file layout (qk_k23.c) ---- */
+KV_GEMV_DECL(kv_gemv_q2_k_generic);
+KV_GEMV_DECL(kv_gemv_q3_k_generic);
+void kv_deq_q2_k_generic(const uint8_t *w, int64_t cols, float *out);
+void kv_deq_q3_k_generic(const uint8_t *w, int64_t cols, float *out);
+#ifdef KV_HAVE_AVX2_BUILD
+KV_GEMV_DECL(kv_gemv_q2_k_avx2);
+KV_GEMV_DECL(kv_gemv_q3_k_avx2);
+void kv_deq_q2_k_avx2(const uint8_t *w, int64_t cols, float *out);
+void kv_deq_q3_k_avx2(const uint8_t *w, int64_t cols, float *out);
+#endif
 
 /* ---- helpers shared by the C files ---- */
 extern float kv_h2f_table[65536];
