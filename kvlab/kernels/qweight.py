@@ -22,7 +22,10 @@ T = GGMLQuantizationType
 GROUPED_KERNEL_TYPES = {T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33}
 GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 274}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
-    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
+    T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
+    T.IQ4_NL,
+    T.IQ4_XS,
+)
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int, grouped: bool = False) -> int:
