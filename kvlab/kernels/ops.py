@@ -144,9 +144,12 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
     elif qtype in _NUMPY_QUANTIZERS:
         data = torch.from_numpy(np.ascontiguousarray(
             gguf_quants.quantize(src.numpy(), qtype)).view(np.uint8).reshape(rows, nbytes))
-    else:
+    elif qtype in _C_QUANTIZERS:
         raise RuntimeError(f"quantizing to {qtype.name} needs kvlab's C extension; build it "
                            "with `pip install -e .` (or pick Q8_0, Q4_0, Q5_0, ...)")
+    else:  # e.g. IQ4_NL, IQ4_XS: read from files only
+        names = ", ".join(t.name for t in (T.F32, *_NUMPY_QUANTIZERS, *_C_QUANTIZERS[1:]))
+        raise ValueError(f"kvlab has no quantizer for {qtype.name} (valid: {names})")
     return QuantizedWeight(qtype, (rows, cols), data)
 
 
