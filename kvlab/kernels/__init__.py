@@ -11,8 +11,9 @@
     set_num_threads(n)                            kernel threads and torch's, together
     stream_read(t)                                read all of t on the kernel threads
 
-Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K
-(Q2_K and Q3_K are read from GGUF files; kvlab has no quantizer for them).
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL,
+IQ4_XS (Q2_K, Q3_K, IQ4_NL and IQ4_XS are read from GGUF files; kvlab does not quantize to
+them).
 """
 
 from kvlab.kernels.ops import (

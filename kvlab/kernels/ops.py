@@ -147,7 +147,7 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
     elif qtype in _C_QUANTIZERS:
         raise RuntimeError(f"quantizing to {qtype.name} needs kvlab's C extension; build it "
                            "with `pip install -e .` (or pick Q8_0, Q4_0, Q5_0, ...)")
-    else:  # e.g. Q2_K, Q3_K: read from GGUF files, not produced here
+    else:  # e.g. Q2_K, Q3_K, IQ4_XS: read from GGUF files, not produced here
         names = ", ".join(t.name for t in (T.F32, *_NUMPY_QUANTIZERS, *_C_QUANTIZERS[1:]))
         raise ValueError(f"kvlab has no quantizer for {qtype.name} (it reads {qtype.name} "
                          f"weights from GGUF files); quantize to one of {names}")

@@ -16,6 +16,8 @@ enum {
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
     KV_Q2_K = 10,
     KV_Q3_K = 11,
+    KV_IQ4_NL = 20,
+    KV_IQ4_XS = 23,
     KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
     KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
     KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
@@ -37,6 +39,13 @@ typedef struct {
     kv_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128];
 } kv_blk_q5_k;                                                                          /* 176 */
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; kv_half d; } kv_blk_q6_k;
+/* IQ4_NL / IQ4_XS: 4-bit indices into kv_iq4_values (qk_iq4.c), nibbles as in Q4_0 (low:
+ * elements 0..15 of a 32, high: 16..31). IQ4_XS: 8 sub-blocks of 32, sub-block s scaled by
+ * d * (6-bit scale - 32), its low 4 bits nibble s of scales_l, its high 2 bits 2s of scales_h. */
+typedef struct { kv_half d; uint8_t qs[16]; } kv_blk_iq4_nl;                    /* 18 B */
+typedef struct {
+    kv_half d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128];
+} kv_blk_iq4_xs;                                                                        /* 136 */
 
 /* ---- 8-bit activation blocks (kvlab's own, never stored) ---- */
 /* x ~ d*qs, s = d*sum(qs), bias = -128*sum(qs) (the start of a dot against Q8_0x8) */
@@ -98,7 +107,16 @@ KV_DEQ_ROW_DECL(kv_deq_q6_kx8_row);
 KV_GEMV_DECL(kv_gemv_q8_0x8_generic);
 KV_GEMV_DECL(kv_gemv_q4_kx8_generic);
 KV_GEMV_DECL(kv_gemv_q6_kx8_generic);
+/* IQ4_NL, IQ4_XS (qk_iq4.c): portable dequantizers and dot kernels, then the AVX2 ones */
+void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out);
+void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out);
+KV_GEMV_DECL(kv_gemv_iq4_nl_generic);
+KV_GEMV_DECL(kv_gemv_iq4_xs_generic);
 #ifdef KV_HAVE_AVX2_BUILD
+void kv_deq_iq4_nl_avx2(const uint8_t *w, int64_t cols, float *out);
+void kv_deq_iq4_xs_avx2(const uint8_t *w, int64_t cols, float *out);
+KV_GEMV_DECL(kv_gemv_iq4_nl_avx2);
+KV_GEMV_DECL(kv_gemv_iq4_xs_avx2);
 KV_GEMV_DECL(kv_gemv_q8_0x8_avx2);
 KV_GEMV_DECL(kv_gemv_q4_kx8_avx2);
 KV_GEMV_DECL(kv_gemv_q6_kx8_avx2);

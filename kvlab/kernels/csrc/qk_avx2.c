@@ -1094,6 +1094,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q4_KX8] = kv_gemv_q4_kx8_avx2, [KV_Q6_KX8] = kv_gemv_q6_kx8_avx2,
         [KV_Q2_K] = kv_gemv_q2_k_avx2,
         [KV_Q3_K] = kv_gemv_q3_k_avx2,
+        [KV_IQ4_NL] = kv_gemv_iq4_nl_avx2,
+        [KV_IQ4_XS] = kv_gemv_iq4_xs_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1102,6 +1104,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q5_K] = deq_q5_k_v, [KV_Q6_K] = deq_q6_k_v,
         [KV_Q2_K] = kv_deq_q2_k_avx2,
         [KV_Q3_K] = kv_deq_q3_k_avx2,
+        [KV_IQ4_NL] = kv_deq_iq4_nl_avx2,
+        [KV_IQ4_XS] = kv_deq_iq4_xs_avx2,
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
@@ -1111,6 +1115,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q5_K] = KV_ACT_256, [KV_Q6_K] = KV_ACT_256,
         [KV_Q2_K] = KV_ACT_256,
         [KV_Q3_K] = KV_ACT_256,
+        [KV_IQ4_NL] = KV_ACT_64,
+        [KV_IQ4_XS] = KV_ACT_256,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,
