@@ -35,6 +35,8 @@ class AttentionGroup:
     mask:    [B, Q, C] True where the query may attend to the key; None when every query
              sees every key (decode without padding)
     lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
+    fresh:   a prefill whose keys are exactly its own new tokens, causally (no cached
+             prefix, the window wider than the chunk): attention may read them as computed
     """
 
     rows: torch.Tensor
@@ -43,6 +45,7 @@ class AttentionGroup:
     num_seqs: int
     queries_per_seq: int
     lengths: torch.Tensor | None = None
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,9 @@ def _prefill_group(span: SeqSpan, offset: int, window: int | None,
     if window is not None:
         mask &= (q_pos[:, None] - k_pos[None, :]) < window
     rows = torch.arange(offset, offset + span.num_new)
+    fresh = span.start == 0 and (window is None or span.num_new <= window)
     return AttentionGroup(rows.to(device), span.slots[first:span.end][None].to(device),
-                          mask[None].to(device), 1, span.num_new)
+                          mask[None].to(device), 1, span.num_new, fresh=fresh)
 
 
 def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
@@ -141,12 +145,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     groups = meta.groups(sliding)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
-        return _attend(q, cache, groups[0], scale).reshape(num_tokens, num_heads * head_dim)
+        g = groups[0]
+        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache) else
+               _attend(q, cache, g, scale))
+        return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
-        out.index_copy_(0, g.rows, _attend(q.index_select(0, g.rows), cache, g, scale)
-                        .to(out.dtype))
+        qg = q.index_select(0, g.rows)
+        og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
+              if _reads_fresh(g, cache) else _attend(qg, cache, g, scale))
+        out.index_copy_(0, g.rows, og.to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def _reads_fresh(g: AttentionGroup, cache: KVStore) -> bool:
+    """A fresh prefill over an fp32 cache reads the new K/V as computed (the values the
+    cache holds): no gather of the slots, and causal attention without a mask tensor."""
+    return g.fresh and isinstance(cache, FloatKV) and cache.k.dtype == torch.float32
+
+
+def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """One sequence's chunk q: [n, H, D] against its own k/v: [n, KVH, D], causally."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:

@@ -130,11 +130,11 @@ class LlamaModel:
         if self.c_plan is not None and decode_c.run(self.c_plan, self.config, x, ropes,
                                                     kv_caches, meta):
             return x
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches):  # x is embed's own: added in place
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
-            x = x + self.attention(h, layer, cos, sin, cache, meta)
+            x += self.attention(h, layer, cos, sin, cache, meta)
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            x = x + linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
+            x += linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
