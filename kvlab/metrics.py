@@ -15,6 +15,7 @@ from kvlab.request import RequestTimings
 @dataclass(frozen=True)
 class ModelCost:
     decode_weight_bytes: int  # weight bytes one decode step reads (embedding: one row)
+    decode_stored_bytes: int  # the same weights as the checkpoint stores them
     matmul_params: int  # weights multiplied per token, output projection excluded
     head_params: int  # output projection (vocab x hidden), run once per sampled position
     kv_bytes_per_token: int  # stored per token, all layers

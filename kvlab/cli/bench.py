@@ -80,5 +80,6 @@ def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
                           "results": [r.as_dict() for r in results]}, indent=2))
         return
     print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "
-          f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token")
+          f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token "
+          f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)")
     print(format_table(results, fmt))

@@ -28,6 +28,7 @@ def describe(loaded: LoadedModel, path: str) -> dict:
     return {
         "path": path, "architecture": c.architecture, "name": c.name,
         "parameters": loaded.num_params, "weight_bytes": loaded.weight_bytes,
+        "stored_weight_bytes": loaded.stored_weight_bytes,
         "quant_types": {k: {"parameters": v[0], "bytes": v[1]} for k, v in by_type.items()},
         "layers": c.num_layers, "hidden_size": c.hidden_size, "heads": c.num_heads,
         "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
@@ -35,6 +36,7 @@ def describe(loaded: LoadedModel, path: str) -> dict:
         "kv_bytes_per_token_f16": int(c.kv_bytes_per_token(2)),
         "kv_bytes_per_token_f32": int(c.kv_bytes_per_token(4)),
         "decode_bytes_per_token": cost.decode_weight_bytes,
+        "decode_stored_bytes_per_token": cost.decode_stored_bytes,
     }
 
 
@@ -46,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{info['name']} ({info['architecture']})  {path}")
     print(f"parameters      {info['parameters'] / 1e6:.1f} M, weights "
-          f"{info['weight_bytes'] / 1e6:.1f} MB in memory")
+          f"{info['weight_bytes'] / 1e6:.1f} MB in memory, "
+          f"{info['stored_weight_bytes'] / 1e6:.1f} MB in the file")
     for qtype, v in sorted(info["quant_types"].items(), key=lambda kv: -kv[1]["bytes"]):
         print(f"  {qtype:6s} {v['parameters'] / 1e6:9.2f} M params  {v['bytes'] / 1e6:9.2f} MB")
     print(f"layers {info['layers']}, hidden {info['hidden_size']}, heads {info['heads']} "
@@ -56,5 +59,7 @@ def run(args: argparse.Namespace) -> int:
           + (f" (sliding window {window} on local layers)" if window else ""))
     print(f"KV cache        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB/token in f16, "
           f"{info['kv_bytes_per_token_f32'] / 1024:.1f} KiB/token in f32")
-    print(f"decode reads    {info['decode_bytes_per_token'] / 1e6:.1f} MB of weights per token")
+    print(f"decode reads    {info['decode_bytes_per_token'] / 1e6:.1f} MB of weights per token "
+          f"as held in memory ({info['decode_stored_bytes_per_token'] / 1e6:.1f} MB as the "
+          "file stores them)")
     return 0

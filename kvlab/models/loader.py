@@ -50,6 +50,7 @@ class TensorStat:
     shape: tuple[int, ...]
     qtype: str  # storage type in memory: "Q4_K", "F32", ...
     nbytes: int
+    stored_nbytes: int  # as the checkpoint stores it (8-row groups or F16 -> F32 differ)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class LoadedModel:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def stored_weight_bytes(self) -> int:
+        return sum(t.stored_nbytes for t in self.tensors)
+
+    @property
     def num_params(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors)
 
@@ -73,16 +78,23 @@ class LoadedModel:
         tied = not any(t.name == "lm_head" for t in self.tensors)
         matmul = sum(math.prod(t.shape) for t in self.tensors
                      if t.name.startswith("layers.") and len(t.shape) == 2)
-        decode_bytes = self.weight_bytes - embed.nbytes + embed.nbytes // embed.shape[0]
-        if tied:
-            decode_bytes += embed.nbytes
         return ModelCost(
-            decode_weight_bytes=decode_bytes, matmul_params=matmul,
+            decode_weight_bytes=self._decode_bytes(embed, tied, stored=False),
+            decode_stored_bytes=self._decode_bytes(embed, tied, stored=True),
+            matmul_params=matmul,
             head_params=c.vocab_size * c.hidden_size,
             kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
             attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim,
             sliding_layer_share=sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers,
             window=c.sliding_window)
+
+
+    def _decode_bytes(self, embed: TensorStat, tied: bool, stored: bool) -> int:
+        """Weight bytes a batch-1 decode step reads: every matrix once, one embedding row,
+        the embedding again as the output head when tied; in memory or as stored."""
+        total, emb = ((self.stored_weight_bytes, embed.stored_nbytes) if stored
+                      else (self.weight_bytes, embed.nbytes))
+        return total - emb + emb // embed.shape[0] + (emb if tied else 0)
 
 
 def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
@@ -93,16 +105,18 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
     transform = spec.gguf_transform if gguf else spec.hf_transform
     names = ckpt.names()
 
-    def get(src: str, dst: str) -> Weight:
-        return _convert(ckpt.read(src), lambda t: transform(config, dst, t), options)
+    stats: list[TensorStat] = []
 
-    weights = {dst: get(src, dst) for src, dst in table.globals.items() if src in names}
-    layers = [{dst: get(src, dst) for src, dst in _layer_names(table, i, names)}
-              for i in range(config.num_layers)]
+    def get(src: str, dst: str, stat_name: str) -> Weight:
+        raw = ckpt.read(src)
+        w = _convert(raw, lambda t: transform(config, dst, t), options)
+        stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
+        return w
+
+    weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}
+    layers = [{dst: get(src, dst, f"layers.{i}.{dst}")
+               for src, dst in _layer_names(table, i, names)} for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
-    stats = [_stat(name, w) for name, w in weights.items()]
-    stats += [_stat(f"layers.{i}.{name}", w) for i, layer in enumerate(layers)
-              for name, w in layer.items()]
     model = spec.model_cls(config, weights, [_stack(layer) for layer in layers])
     return LoadedModel(spec, config, model, tuple(stats))
 
@@ -168,8 +182,8 @@ def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | Non
     return None
 
 
-def _stat(name: str, w: Weight) -> TensorStat:
+def _stat(name: str, w: Weight, stored: int) -> TensorStat:
     if isinstance(w, QuantizedWeight):
-        return TensorStat(name, tuple(w.shape), w.type_name, w.nbytes)
+        return TensorStat(name, tuple(w.shape), w.type_name, w.nbytes, stored)
     kind = str(w.dtype).removeprefix("torch.").replace("float", "F").replace("bF", "BF")
-    return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size())
+    return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size(), stored)
