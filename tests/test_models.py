@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.models.loader import LoadOptions, load_model
+from kvlab.models.loader import QUANTIZE_CHOICES, LoadOptions, load_model
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 from kvlab.weights import open_checkpoint
@@ -90,13 +90,15 @@ def test_chunked_prefill_equals_one_pass(tiny):
     assert (logits[0] - ref[-1]).abs().max() <= TOL
 
 
-def test_quantize_safetensors_at_load(tiny):
+@pytest.mark.parametrize("quant", QUANTIZE_CHOICES)
+def test_quantize_safetensors_at_load(tiny, quant):
     arch, hf, out = tiny
     ids = list(range(3, 19))
     ref = reference_logits(hf, ids)[-1]
-    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize=quant))
     kinds = {t.qtype for t in loaded.tensors if len(t.shape) == 2}
-    assert "Q8_0x8" in kinds  # Q8_0 matrices of 8k rows run in 8-row groups
+    # rows of 256k elements take the K-quant, others Q8_0; 8k rows run in 8-row groups
+    assert kinds <= {"Q8_0x8", "Q8_0", f"{quant.upper()}x8", quant.upper()}
     runner = ModelRunner(loaded.model, loaded.config, 32, 4)
     got = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 16))[0]
     # 8-bit weights (and 8-bit activations in the kernels): close, not equal

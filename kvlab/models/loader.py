@@ -29,7 +29,7 @@ from kvlab.models.layers import Stacked, Weight
 from kvlab.models.spec import ArchSpec, NameTable
 from kvlab.weights import Checkpoint, RawTensor
 
-QUANTIZE_CHOICES = ("q8_0", "q4_k")
+QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C)
 _SUPPORTED = {t.name for t in SUPPORTED_TYPES}
 
 
@@ -38,7 +38,7 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
     device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
-    quantize: str | None = None  # quantize dense 2-D weights at load: "q8_0" | "q4_k"
+    quantize: str | None = None  # quantize dense 2-D weights at load: QUANTIZE_CHOICES
     # CPU: Q8_0 / Q5_0 / Q4_0 / Q4_K / Q6_K matrices of 8k rows in 8-row groups (Q8_0x8,
     # Q4_Kx8, Q6_Kx8: exact values; batched decode and prefill 1.4-2x faster, batch-1 no slower)
     group_rows: bool = True
