@@ -220,21 +220,40 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_bcast4(const vo
     return _mm256_set1_epi32(v);
 }
 
-/* 8 int32 sums of 4 products: unsigned weights (<= 63) times signed x; no int16 step of
- * maddubs can saturate (2 * 63 * 127 < 32768) */
-static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_dot_a(__m256i acc, __m256i q,
-                                                                        __m256i x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x),
-                                                   _mm256_set1_epi16(1)));
-}
-
 static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i acc, __m256i q,
                                                                         __m256i x) {
     return _mm256_dpbusd_epi32(acc, q, x);
 }
 
+/* sc_2p * (sub-block 2p's sum of q * x) + sc_2p+1 * (sub-block 2p+1's), 8 rows in lanes.
+ * VNNI: vpdpbusd chains, then the int32 products. AVX2: the eight maddubs of a sub-block
+ * summed as int16 (each at most 2 * 15 * 127, eight of them 30480 < 2^15), then one madd
+ * against the scale as an int16 pair: half the multiplier-port work of a madd per maddubs,
+ * and the same integers. */
+#define KV_K8_SUB_VNNI(lo, hi, x, s0, s1, out)                                             \
+    do {                                                                                  \
+        __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();                   \
+        for (int t = 0; t < 8; t++) {                                                     \
+            l = k8_dot_v(l, lo[t], k8_bcast4(x + 4 * t));                                 \
+            h = k8_dot_v(h, hi[t], k8_bcast4(x + 32 + 4 * t));                            \
+        }                                                                                 \
+        out = _mm256_add_epi32(_mm256_mullo_epi32(l, s0), _mm256_mullo_epi32(h, s1));     \
+    } while (0)
+#define KV_K8_SUB_AVX2(lo, hi, x, s0, s1, out)                                             \
+    do {                                                                                  \
+        __m256i l = _mm256_maddubs_epi16(lo[0], k8_bcast4(x));                            \
+        __m256i h = _mm256_maddubs_epi16(hi[0], k8_bcast4(x + 32));                       \
+        for (int t = 1; t < 8; t++) {                                                     \
+            l = _mm256_add_epi16(l, _mm256_maddubs_epi16(lo[t], k8_bcast4(x + 4 * t)));   \
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(hi[t], k8_bcast4(x + 32 + 4 * t))); \
+        }                                                                                 \
+        out = _mm256_add_epi32(                                                           \
+            _mm256_madd_epi16(l, _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16))),         \
+            _mm256_madd_epi16(h, _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16))));        \
+    } while (0)
+
 /* one group's super-blocks against nx x rows */
-#define KV_K8_TILE(name, TGT, DOT)                                                          \
+#define KV_K8_TILE(name, TGT, SUB)                                                          \
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
@@ -257,13 +276,9 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
                     _mm_loadl_epi64((const __m128i *)b[i].sc[2 * p + 1]));                \
                 for (int j = 0; j < nx; j++) {                                            \
                     const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 64 * p; \
-                    __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();       \
-                    for (int t = 0; t < 8; t++) {                                         \
-                        l = DOT(l, lo[t], k8_bcast4(x + 4 * t));                          \
-                        h = DOT(h, hi[t], k8_bcast4(x + 32 + 4 * t));                     \
-                    }                                                                     \
-                    isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(                 \
-                        _mm256_mullo_epi32(l, s0), _mm256_mullo_epi32(h, s1)));           \
+                    __m256i sub;                                                          \
+                    SUB(lo, hi, x, s0, s1, sub);                                          \
+                    isum[j] = _mm256_add_epi32(isum[j], sub);                             \
                 }                                                                         \
             }                                                                             \
             __m256i mdup[4][2];  /* (m_s, m_s) as int16 pairs, sub-blocks 2p and 2p+1 */  \
@@ -292,8 +307,8 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
         for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                \
     }
 
-KV_K8_TILE(tile_k8_vnni, KV_TGT_V, k8_dot_v)
-KV_K8_TILE(tile_k8_avx2, KV_TGT_A, k8_dot_a)
+KV_K8_TILE(tile_k8_vnni, KV_TGT_V, KV_K8_SUB_VNNI)
+KV_K8_TILE(tile_k8_avx2, KV_TGT_A, KV_K8_SUB_AVX2)
 
 /* a Q6_Kx8 group's 4 chunks as bytes 0..63: nibble | two bits shifted to bits 4-5 (the
  * 16-bit shifts move bits across bytes only where the masks drop them) */
@@ -313,9 +328,29 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
                            _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
 }
 
+/* sc_g * (group g's sum of q * x), 8 rows in lanes. VNNI: one vpdpbusd chain, then the
+ * int32 product. AVX2: maddubs pairs summed as int16 (each at most 2 * 63 * 127, two of them
+ * 32004 < 2^15), then madd against the scale as an int16 pair: the same integer. */
+static inline __attribute__((always_inline)) KV_TGT_V __m256i q6_sub_vnni(
+    const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
+    (void)sc16;
+    __m256i p = k8_dot_v(_mm256_setzero_si256(), q[0], k8_bcast4(x));
+    for (int c = 1; c < 4; c++) p = k8_dot_v(p, q[c], k8_bcast4(x + 4 * c));
+    return _mm256_mullo_epi32(p, sc);
+}
+static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
+    const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
+    (void)sc;
+    const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], k8_bcast4(x)),
+                                       _mm256_maddubs_epi16(q[1], k8_bcast4(x + 4)));
+    const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], k8_bcast4(x + 8)),
+                                       _mm256_maddubs_epi16(q[3], k8_bcast4(x + 12)));
+    return _mm256_add_epi32(_mm256_madd_epi16(l, sc16), _mm256_madd_epi16(h, sc16));
+}
+
 /* Q6_Kx8: per 16-element group, 4 chunks into one chain, times the group's int8 scales;
  * the -32 offset as 32 * sum_g sc_g * (x's group sum), from int16 pairs (sc_g, sc_g+1) */
-#define KV_Q6_TILE(name, TGT, DOT)                                                          \
+#define KV_Q6_TILE(name, TGT, SUB)                                                          \
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q6_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
@@ -331,11 +366,11 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
                 _mm_prefetch((const char *)(b + i + 2) + 128 * g + 64, _MM_HINT_T0);      \
                 const __m256i sc = _mm256_cvtepi8_epi32(                                  \
                     _mm_loadl_epi64((const __m128i *)b[i].sc[g]));                        \
+                const __m256i sc16 = _mm256_or_si256(                                     \
+                    _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16)); \
                 for (int j = 0; j < nx; j++) {                                            \
                     const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 16 * g; \
-                    __m256i p = DOT(_mm256_setzero_si256(), q[0], k8_bcast4(x));          \
-                    for (int c = 1; c < 4; c++) p = DOT(p, q[c], k8_bcast4(x + 4 * c));   \
-                    isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p, sc));       \
+                    isum[j] = _mm256_add_epi32(isum[j], SUB(q, x, sc, sc16));             \
                 }                                                                         \
             }                                                                             \
             __m256i scp[8];  /* (sc_2h, sc_2h+1) as int16 pairs */                         \
@@ -362,8 +397,8 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
         for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                \
     }
 
-KV_Q6_TILE(tile_q6_vnni, KV_TGT_V, k8_dot_v)
-KV_Q6_TILE(tile_q6_avx2, KV_TGT_A, k8_dot_a)
+KV_Q6_TILE(tile_q6_vnni, KV_TGT_V, q6_sub_vnni)
+KV_Q6_TILE(tile_q6_avx2, KV_TGT_A, q6_sub_avx2)
 KV_GROUP_GEMV(gemv_q6_vnni, KV_TGT_V, tile_q6_vnni, kv_blk_q6_kx8, 256)
 KV_GROUP_GEMV(gemv_q6_avx2, KV_TGT_A, tile_q6_avx2, kv_blk_q6_kx8, 256)
 
