@@ -119,3 +119,17 @@ def test_grouped_rows_give_the_plain_kernels_logits(tiny):
         runner = ModelRunner(loaded.model, loaded.config, 32, 4)
         logits.append(step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 16))[0])
     assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    hf = build("mistral", tmp_path, sliding_window=4)  # every layer sees its last 4 keys
+    ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = reference_logits(hf, ids)
+    runner = runner_for(tmp_path / "hf")
+    assert runner.config.sliding_window == 4 and runner.config.is_sliding(0)
+    table = [5, 1, 8, 2]
+    logits = step(runner, ScheduledSeq("a", 0, ids[:9], table, True, 9))
+    assert (logits[0] - ref[8]).abs().max() <= TOL
+    for pos in range(9, 14):
+        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
+        assert (logits[0] - ref[pos]).abs().max() <= TOL, f"decode at {pos}"

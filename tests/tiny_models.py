@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -30,6 +30,9 @@ def hf_config(arch: str, **overrides):
         return tf.Qwen2Config(**_COMMON, rope_theta=1e6)
     if arch == "qwen3":
         return tf.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1e6)
+    if arch == "mistral":  # overrides may set a sliding_window (GGUF has none: HF only)
+        return tf.MistralConfig(**{**_COMMON, "sliding_window": None, **overrides},
+                                rope_theta=1e6)
     if arch == "gemma3":
         # six layers: GGUF carries no layer pattern, Gemma 3's is five sliding then one global
         common = {**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6}
@@ -67,6 +70,7 @@ def write_gguf(arch: str, model, path: Path) -> None:
     import gguf
 
     cfg = model.config
+    arch = "llama" if arch == "mistral" else arch  # as llama.cpp's converter writes it
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)

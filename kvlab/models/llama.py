@@ -126,20 +126,20 @@ class LlamaModel:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
-        ropes = {False: (cos, sin), True: (cos, sin)}  # no sliding layers: one table
+        ropes = {False: (cos, sin), True: (cos, sin)}  # one RoPE table for every layer
         if self.c_plan is not None and decode_c.run(self.c_plan, self.config, x, ropes,
                                                     kv_caches, meta):
             return x
-        for layer, cache in zip(self.layers, kv_caches):  # x is embed's own: added in place
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # x: embed's own
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
-            x += self.attention(h, layer, cos, sin, cache, meta)
+            x += self.attention(h, layer, cos, sin, cache, meta, self.config.is_sliding(i))
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
             x += linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
-                  sin: torch.Tensor, cache: KVStore,
-                  meta: AttentionMetadata) -> torch.Tensor:
+                  sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
+                  sliding: bool) -> torch.Tensor:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
         q = q.reshape(-1, c.num_heads, c.head_dim)
@@ -148,7 +148,7 @@ class LlamaModel:
         q_norm, k_norm = (layer["q_norm"], layer["k_norm"]) if c.qk_norm else (None, None)
         q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
-        out = paged_attention(q, k, v, cache, meta, sliding=False, scale=c.scale)
+        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
         return linear(out, layer["o"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
