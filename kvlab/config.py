@@ -37,6 +37,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qk_norm: bool = False
     attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
     name: str = ""
 

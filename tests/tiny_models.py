@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2")
 
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -33,6 +33,12 @@ def hf_config(arch: str, **overrides):
     if arch == "mistral":  # overrides may set a sliding_window (GGUF has none: HF only)
         return tf.MistralConfig(**{**_COMMON, "sliding_window": None, **overrides},
                                 rope_theta=1e6)
+    if arch == "gemma2":  # caps small enough to bend the scores and logits of a tiny model
+        return tf.Gemma2Config(
+            **{**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 4}, head_dim=16,
+            query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0, attn_implementation="eager",
+            layer_types=["sliding_attention", "full_attention"] * 2)
     if arch == "gemma3":
         # six layers: GGUF carries no layer pattern, Gemma 3's is five sliding then one global
         common = {**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6}
@@ -54,12 +60,13 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **overrides)
+    gemma = arch in ("gemma3", "gemma2")  # norms stored as w, applied as 1 + w
     cls = tf.Gemma3ForCausalLM if arch == "gemma3" else tf.AutoModelForCausalLM
     model = cls.from_config(cfg, torch_dtype=torch.float32) if arch != "gemma3" else cls(cfg)
     with torch.no_grad():  # random norms so a wrong norm convention shows
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if arch == "gemma3" else 1.0))
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if gemma else 1.0))
     model.eval()
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     write_gguf(arch, model, out_dir / "model.gguf")
@@ -85,8 +92,11 @@ def write_gguf(arch: str, model, path: Path) -> None:
     w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
     theta = _rope_theta(cfg, arch)
     w.add_float32(f"{arch}.rope.freq_base", theta)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     _add_byte_tokenizer(w, cfg.vocab_size)
     for name, t in _gguf_tensors(arch, model):
         w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
@@ -129,12 +139,13 @@ _LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
 
 def _gguf_tensors(arch: str, model):
     cfg = model.config
-    table = {**_LAYER, **(_LAYER_GEMMA if arch == "gemma3" else _LAYER_LLAMA)}
+    gemma = arch in ("gemma3", "gemma2")
+    table = {**_LAYER, **(_LAYER_GEMMA if gemma else _LAYER_LLAMA)}
     for name, t in model.state_dict().items():
         if name == "model.embed_tokens.weight":
             yield "token_embd.weight", t
         elif name == "model.norm.weight":
-            yield "output_norm.weight", t + 1 if arch == "gemma3" else t
+            yield "output_norm.weight", t + 1 if gemma else t
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 yield "output.weight", t
@@ -147,7 +158,7 @@ def _gguf_tensors(arch: str, model):
 def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):
     _, _, i, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    if arch == "gemma3" and module.endswith("norm"):
+    if arch in ("gemma3", "gemma2") and module.endswith("norm"):
         t = t + 1
     if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads

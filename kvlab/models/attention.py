@@ -135,14 +135,18 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
-                    meta: AttentionMetadata, sliding: bool, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, sliding: bool, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H * D].
 
     Writes the new K/V into the cache first, then reads every attended key from it.
+    `softcap` (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap).
     """
     cache.write(meta.slot_mapping, k, v)
     num_tokens, num_heads, head_dim = q.shape
     groups = meta.groups(sliding)
+    if softcap is not None:
+        return _softcapped(q, cache, groups, scale, softcap).reshape(num_tokens, -1)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
@@ -194,3 +198,22 @@ def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
     return (g.lengths is not None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
             and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
             and g.slots.device.type == "cpu")
+
+
+def _softcapped(q: torch.Tensor, cache: KVStore, groups: tuple[AttentionGroup, ...],
+                scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, written out in torch (SDPA and the C kernels have
+    no cap): scores, cap * tanh(scores / cap), mask, softmax, values; per group."""
+    out = q.new_empty(q.shape)
+    for g in groups:
+        qg = q.index_select(0, g.rows).reshape(g.num_seqs, g.queries_per_seq, *q.shape[1:])
+        kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
+        rep = q.shape[1] // kg.shape[2]
+        kg, vg = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kg, vg))
+        scores = qg.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # [B, H, Q, C]
+        scores = torch.tanh(scores / cap) * cap
+        if g.mask is not None:  # None: an unpadded decode, every key is seen
+            scores = scores.masked_fill(~g.mask[:, None], float("-inf"))
+        og = torch.softmax(scores, dim=-1) @ vg  # [B, H, Q, D]
+        out.index_copy_(0, g.rows, og.transpose(1, 2).reshape(-1, *q.shape[1:]).to(out.dtype))
+    return out

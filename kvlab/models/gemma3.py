@@ -2,7 +2,8 @@
 post norms around attention and MLP, GeGLU, embeddings scaled by sqrt(hidden), tied output.
 
 Norm weights are held as the full multiplier: GGUF stores 1 + w already, HF stores w and
-gets 1 added at load.
+gets 1 added at load. Gemma 2 (gemma2.py) runs this forward pass too: no QK-norm weights,
+soft-capped attention scores.
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class Gemma3Model:
         self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
                                             config.head_dim).to(device)
         self.embed_scale = config.hidden_size ** 0.5
-        self.c_plan = decode_c.build_plan(config, layers, "gelu_tanh")  # decode layers in one C call
+        # decode layers in one C call (the C attention has no soft-capping)
+        self.c_plan = (None if config.attn_logit_softcapping is not None else
+                       decode_c.build_plan(config, layers, "gelu_tanh"))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
@@ -152,9 +155,10 @@ class Gemma3Model:
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        q = norm_rope(q, layer["q_norm"], *rope, c.rms_norm_eps)
-        k = norm_rope(k, layer["k_norm"], *rope, c.rms_norm_eps)
-        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
+        q = norm_rope(q, layer.get("q_norm"), *rope, c.rms_norm_eps)  # Gemma 2: no QK-norm
+        k = norm_rope(k, layer.get("k_norm"), *rope, c.rms_norm_eps)
+        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale,
+                              softcap=c.attn_logit_softcapping)
         return linear(out, layer["o"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
