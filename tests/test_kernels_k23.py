@@ -1,12 +1,15 @@
 """Q2_K and Q3_K beyond the type-parametrized tests of test_kernels.py: the corners of the
 block formats, the largest integer sums the AVX2 kernels form, the prefill tiles at their
-edges, and the loader taking the types.
+edges, and the loader taking the types. Each of these holds for the 8-row groups (Q2_Kx8,
+Q3_Kx8) too.
 
 gguf has no quantizer for either type, so blocks are random bytes with sane fp16 scales
 (every byte pattern is a valid block), plus hand-made extreme ones.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from kvlab.kernels import (
     dequantize,
     dequantize_rows,
     get_num_threads,
+    group_rows,
     ops,
     qmatmul,
     set_num_threads,
@@ -104,6 +108,15 @@ def test_each_element_is_read_from_its_own_bits(qtype):
         set_half(blocks, 82, 0.5)
     w = from_blocks(qtype, blocks, rows=len(blocks))
     assert_blocks_equal(dequantize(w).numpy(), reference_dequant(w), qtype)
+    if ops._qk is not None:  # each bit moves to its own place in the groups
+        assert torch.equal(dequantize(group_rows(w)), dequantize(w))
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", K23, ids=lambda t: t.name)
+def test_grouped_corner_blocks_keep_their_values(qtype):
+    w = from_blocks(qtype, corner_blocks(qtype), rows=8)  # 2 super-blocks a row
+    assert torch.equal(dequantize(group_rows(w)), dequantize(w))
 
 
 @pytest.mark.parametrize("qtype", K23, ids=lambda t: t.name)
@@ -154,11 +167,11 @@ def test_largest_integer_sums_do_not_saturate(qtype):
     x[2, ::3] = -1.0
     w_ref = torch.from_numpy(reference_dequant(w).copy()).double()
     exact = x.double() @ w_ref.T
-    for isa in ISAS:
+    for isa, v in itertools.product(ISAS, (w, group_rows(w))):  # the groups' sums too
         ops._qk.set_isa(isa)
         try:
-            y = qmatmul(x, w).double()  # 10 rows: the prefill tiles on AVX2
-            y1 = qmatmul(x[:3].contiguous(), w).double()
+            y = qmatmul(x, v).double()  # 10 rows: the prefill tiles on AVX2
+            y1 = qmatmul(x[:3].contiguous(), v).double()
         finally:
             ops._qk.set_isa("auto")
         tol = 1e-5 * (x.double().abs() @ w_ref.abs().T) + 1e-6

@@ -21,7 +21,9 @@ enum {
     KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
     KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
     KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
-    KV_NTYPES = 34
+    KV_Q2_KX8 = 34,  /* kvlab's own: Q2_K rows interleaved in groups of 8 (qk_x8k23.c) */
+    KV_Q3_KX8 = 35,  /* kvlab's own: Q3_K rows interleaved in groups of 8 (qk_x8k23.c) */
+    KV_NTYPES = 38
 };
 
 typedef uint16_t kv_half;
@@ -42,10 +44,24 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; kv_half d; 
 /* IQ4_NL / IQ4_XS: 4-bit indices into kv_iq4_values (qk_iq4.c), nibbles as in Q4_0 (low:
  * elements 0..15 of a 32, high: 16..31). IQ4_XS: 8 sub-blocks of 32, sub-block s scaled by
  * d * (6-bit scale - 32), its low 4 bits nibble s of scales_l, its high 2 bits 2s of scales_h. */
+/* Q2_K / Q3_K: 16 sub-blocks of 16 (qk_k23.c). Q2_K: scale (low nibble) and min (high) per
+ * sub-block, value = d*sc*q - dmin*m; Q3_K: 6-bit scales packed in 12 bytes (kv_q3_k_scales),
+ * a third bit per value in hmask. */
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; kv_half d, dmin; } kv_blk_q2_k;    /* 84 */
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; kv_half d; } kv_blk_q3_k;
 typedef struct { kv_half d; uint8_t qs[16]; } kv_blk_iq4_nl;                    /* 18 B */
 typedef struct {
     kv_half d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128];
 } kv_blk_iq4_xs;                                                                        /* 136 */
+
+/* Q3_K's 16 six-bit scales (low 4 bits in bytes 0..7, high 2 bits in bytes 8..11), minus 32 */
+static inline void kv_q3_k_scales(const uint8_t s[12], int8_t out[16]) {
+    for (int k = 0; k < 16; k++) {
+        const int lo = (s[k % 8] >> (4 * (k / 8))) & 0xF;
+        const int hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        out[k] = (int8_t)((lo | hi << 4) - 32);
+    }
+}
 
 /* ---- 8-bit activation blocks (kvlab's own, never stored) ---- */
 /* x ~ d*qs, s = d*sum(qs), bias = -128*sum(qs) (the start of a dot against Q8_0x8) */
@@ -94,12 +110,16 @@ int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,
                  int64_t src_row_bytes, uint8_t *dst);
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 int kv_to_q6_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+int kv_to_q2_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+int kv_to_q3_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 /* row r of a grouped matrix (row_bytes per row on average) -> fp32 */
 #define KV_DEQ_ROW_DECL(name) \
     void name(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols, float *out)
 KV_DEQ_ROW_DECL(kv_deq_q8_0x8_row);
 KV_DEQ_ROW_DECL(kv_deq_q4_kx8_row);
 KV_DEQ_ROW_DECL(kv_deq_q6_kx8_row);
+KV_DEQ_ROW_DECL(kv_deq_q2_kx8_row);
+KV_DEQ_ROW_DECL(kv_deq_q3_kx8_row);
 /* a kv_gemv_fn */
 #define KV_GEMV_DECL(name)                                                                \
     void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,  \
@@ -107,6 +127,8 @@ KV_DEQ_ROW_DECL(kv_deq_q6_kx8_row);
 KV_GEMV_DECL(kv_gemv_q8_0x8_generic);
 KV_GEMV_DECL(kv_gemv_q4_kx8_generic);
 KV_GEMV_DECL(kv_gemv_q6_kx8_generic);
+KV_GEMV_DECL(kv_gemv_q2_kx8_generic);
+KV_GEMV_DECL(kv_gemv_q3_kx8_generic);
 /* IQ4_NL, IQ4_XS (qk_iq4.c): portable dequantizers and dot kernels, then the AVX2 ones */
 void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out);
 void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out);
@@ -120,6 +142,8 @@ KV_GEMV_DECL(kv_gemv_iq4_xs_avx2);
 KV_GEMV_DECL(kv_gemv_q8_0x8_avx2);
 KV_GEMV_DECL(kv_gemv_q4_kx8_avx2);
 KV_GEMV_DECL(kv_gemv_q6_kx8_avx2);
+KV_GEMV_DECL(kv_gemv_q2_kx8_avx2);
+KV_GEMV_DECL(kv_gemv_q3_kx8_avx2);
 int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
 

@@ -60,6 +60,8 @@ int kv_block_size(int qtype) {
         case KV_Q4_K: case KV_Q5_K: case KV_Q6_K: case KV_Q4_KX8: case KV_Q6_KX8: return 256;
         case KV_Q2_K: return 256;
         case KV_Q3_K: return 256;
+        case KV_Q2_KX8: return 256;
+        case KV_Q3_KX8: return 256;
         case KV_IQ4_NL: return 32;
         case KV_IQ4_XS: return 256;
         default: return 0;
@@ -82,6 +84,8 @@ int kv_type_size(int qtype) {
         case KV_Q6_K: return 210;
         case KV_Q2_K: return 84;
         case KV_Q3_K: return 110;
+        case KV_Q2_KX8: return 84;
+        case KV_Q3_KX8: return 114;
         case KV_IQ4_NL: return 18;
         case KV_IQ4_XS: return 136;
         default: return 0;
@@ -361,6 +365,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q4_KX8] = kv_gemv_q4_kx8_generic, [KV_Q6_KX8] = kv_gemv_q6_kx8_generic,
         [KV_Q2_K] = kv_gemv_q2_k_generic,
         [KV_Q3_K] = kv_gemv_q3_k_generic,
+        [KV_Q2_KX8] = kv_gemv_q2_kx8_generic,
+        [KV_Q3_KX8] = kv_gemv_q3_kx8_generic,
         [KV_IQ4_NL] = kv_gemv_iq4_nl_generic,
         [KV_IQ4_XS] = kv_gemv_iq4_xs_generic,
     },
@@ -379,6 +385,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q5_K] = KV_ACT_256, [KV_Q6_K] = KV_ACT_256,
         [KV_Q2_K] = KV_ACT_256,
         [KV_Q3_K] = KV_ACT_256,
+        [KV_Q2_KX8] = KV_ACT_256,
+        [KV_Q3_KX8] = KV_ACT_256,
         [KV_IQ4_NL] = KV_ACT_32,
         [KV_IQ4_XS] = KV_ACT_256,
     },

@@ -14,19 +14,8 @@
 
 #include "qk.h"
 
-typedef struct { uint8_t scales[16]; uint8_t qs[64]; kv_half d, dmin; } kv_blk_q2_k;
-typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; kv_half d; } kv_blk_q3_k;
 _Static_assert(sizeof(kv_blk_q2_k) == 84, "Q2_K blocks are 84 bytes");
 _Static_assert(sizeof(kv_blk_q3_k) == 110, "Q3_K blocks are 110 bytes");
-
-/* Q3_K's 16 six-bit scales (low 4 bits in bytes 0..7, high 2 bits in bytes 8..11), minus 32 */
-static inline void k3_scales(const uint8_t s[12], int8_t out[16]) {
-    for (int k = 0; k < 16; k++) {
-        const int lo = (s[k % 8] >> (4 * (k / 8))) & 0xF;
-        const int hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
-        out[k] = (int8_t)((lo | hi << 4) - 32);
-    }
-}
 
 /* the 2-bit field of element l (0..15) of sub-block k */
 #define K23_QS(qs, k, l) (((qs)[32 * ((k) / 8) + 16 * ((k) % 2) + (l)] >> (2 * ((k) % 8 / 2))) & 3)
@@ -52,7 +41,7 @@ static inline __attribute__((always_inline)) void deq_q3_k_body(const uint8_t *w
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = kv_h2f_table[b[i].d];
         int8_t sc[16];
-        k3_scales(b[i].scales, sc);
+        kv_q3_k_scales(b[i].scales, sc);
         for (int k = 0; k < 16; k++, out += 16) {
             const float dl = d * (float)sc[k];
             const uint8_t *hm = b[i].hmask + 16 * (k % 2);
@@ -92,7 +81,7 @@ static float dot_q3_k(const uint8_t *w, int64_t cols, const kv_act256 *a) {
     float s = 0.0f;
     for (int64_t i = 0; i < cols / 256; i++) {
         int8_t sc[16];
-        k3_scales(b[i].scales, sc);
+        kv_q3_k_scales(b[i].scales, sc);
         int sumi = 0;
         for (int k = 0; k < 16; k++) {
             const int8_t *x = a[i].qs + 16 * k;

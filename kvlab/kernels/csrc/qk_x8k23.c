@@ -1,0 +1,328 @@
+/* Q2_K and Q3_K in groups of 8 rows ("Q2_Kx8", "Q3_Kx8", kvlab's own in-memory layouts; see
+ * qk_x8k.c for the idea): one register lane per weight row, so one maddubs against 4 bytes of
+ * x broadcast serves 8 rows, and the sub-block scales arrive in the lanes ready for vpmaddwd
+ * with one in-lane shuffle per sub-block for all 8 rows (the file layout needs one per 32
+ * weights of a row).
+ *
+ *   Q2_Kx8 super-block of rows 8g..8g+7 (672 B = 8 x 84, Q2_K's own size):
+ *     d[8], dmin[8]   fp16, row 8g+k in slot k
+ *     sc[16][8]       the file's byte for sub-block s of row k: scale low nibble, min high
+ *     qs[16][32]      qs[s][4k + e], bits 2c, 2c+1: element 4c + e of sub-block s of row k
+ *   Q3_Kx8 super-block (912 B = 8 x 114, Q3_K's 110 with the 6-bit scales unpacked):
+ *     d[8]; sc[16][8] int8 (scale - 32); qs[16][32] the low two bits, laid out as Q2_Kx8's
+ *     qh[8][32]       qh[t][4k + e], bit c + 4h: the third bit of element 4c + e of
+ *                     sub-block 2t + h (q = low | third << 2, 0..7: the file's value + 4)
+ *   per row and x row (x in kv_act256 blocks), as exact integers:
+ *     isum = sum_s sc_s * (sum over sub-block s of q * x)
+ *     Q2_Kx8: msum = sum_s m_s * bsum_s; acc = fma(d * d_x, isum, acc),
+ *             acc = fma(-(dmin * d_x), msum, acc)
+ *     Q3_Kx8: isum -= 4 * sum_s sc_s * bsum_s; acc = fma(d * d_x, isum, acc)
+ *
+ * The AVX2 and portable kernels do exactly these steps, from acc = 0, for any number of x
+ * rows: a row's output does not depend on the batch or the kernel path.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "qk.h"
+
+typedef struct {
+    kv_half d[8], dmin[8];
+    uint8_t sc[16][8];
+    uint8_t qs[16][32];
+} kv_blk_q2_kx8;
+typedef struct {
+    kv_half d[8];
+    int8_t sc[16][8];
+    uint8_t qs[16][32];
+    uint8_t qh[8][32];
+} kv_blk_q3_kx8;
+_Static_assert(sizeof(kv_blk_q2_kx8) == 8 * 84, "Q2_Kx8 is Q2_K's size");
+_Static_assert(sizeof(kv_blk_q3_kx8) == 8 * 114, "Q3_Kx8 is 114 B per row and super-block");
+
+/* element e (0..255) of a file block: its two low bits; Q3_K's third bit */
+static int k23_low(const uint8_t *qs, int e) { return qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4)) & 3; }
+static int k3_high(const uint8_t *hmask, int e) { return hmask[e % 32] >> (e / 32) & 1; }
+
+/* element e of row k of a group: byte 4k + e % 4 of sub-block e / 16, field e % 16 / 4 */
+static int x8_low(const uint8_t qs[16][32], int k, int e) {
+    return qs[e / 16][4 * k + e % 4] >> (2 * (e % 16 / 4)) & 3;
+}
+static int x8_q3(const kv_blk_q3_kx8 *b, int k, int e) {
+    const int hi = b->qh[e / 32][4 * k + e % 4] >> (e % 16 / 4 + 4 * (e / 16 % 2)) & 1;
+    return x8_low(b->qs, k, e) | hi << 2;
+}
+
+static void put_low(uint8_t qs[16][32], int k, int e, int q) {
+    qs[e / 16][4 * k + e % 4] |= (uint8_t)(q << (2 * (e % 16 / 4)));
+}
+
+int kv_to_q2_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q2_k);
+    kv_blk_q2_kx8 *out = (kv_blk_q2_kx8 *)dst;
+    memset(dst, 0, (size_t)(rows / 8 * nb) * sizeof *out);  /* bits are or-ed in */
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_q2_k *b = (const kv_blk_q2_k *)(src + (8 * g + k) * row_bytes) + i;
+                out->d[k] = b->d, out->dmin[k] = b->dmin;
+                for (int s = 0; s < 16; s++) out->sc[s][k] = b->scales[s];
+                for (int e = 0; e < 256; e++) put_low(out->qs, k, e, k23_low(b->qs, e));
+            }
+        }
+    }
+    return 0;
+}
+
+int kv_to_q3_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q3_k);
+    kv_blk_q3_kx8 *out = (kv_blk_q3_kx8 *)dst;
+    memset(dst, 0, (size_t)(rows / 8 * nb) * sizeof *out);
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_q3_k *b = (const kv_blk_q3_k *)(src + (8 * g + k) * row_bytes) + i;
+                int8_t sc[16];
+                kv_q3_k_scales(b->scales, sc);
+                out->d[k] = b->d;
+                for (int s = 0; s < 16; s++) out->sc[s][k] = sc[s];
+                for (int e = 0; e < 256; e++) {
+                    put_low(out->qs, k, e, k23_low(b->qs, e));
+                    out->qh[e / 32][4 * k + e % 4] |=
+                        (uint8_t)(k3_high(b->hmask, e) << (e % 16 / 4 + 4 * (e / 16 % 2)));
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* row r -> fp32, rounded as the file types' dequantizers round */
+void kv_deq_q2_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out) {
+    const kv_blk_q2_kx8 *b = (const kv_blk_q2_kx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const float d = kv_h2f_table[b[i].d[k]], dmin = kv_h2f_table[b[i].dmin[k]];
+        for (int s = 0; s < 16; s++, out += 16) {
+            const float dl = d * (float)(b[i].sc[s][k] & 0xF);
+            const float ml = dmin * (float)(b[i].sc[s][k] >> 4);
+            for (int l = 0; l < 16; l++) out[l] = dl * (float)x8_low(b[i].qs, k, 16 * s + l) - ml;
+        }
+    }
+}
+
+void kv_deq_q3_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out) {
+    const kv_blk_q3_kx8 *b = (const kv_blk_q3_kx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const float d = kv_h2f_table[b[i].d[k]];
+        for (int s = 0; s < 16; s++, out += 16) {
+            const float dl = d * (float)b[i].sc[s][k];
+            for (int l = 0; l < 16; l++) out[l] = dl * (float)(x8_q3(b + i, k, 16 * s + l) - 4);
+        }
+    }
+}
+
+/* ---------------- portable kernels (the reference) ---------------- */
+
+static float q2x8_row(const kv_blk_q2_kx8 *b, int64_t nb, int k, const kv_act256 *a) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t isum = 0, msum = 0;
+        for (int s = 0; s < 16; s++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += x8_low(b[i].qs, k, 16 * s + l) * a[i].qs[16 * s + l];
+            isum += (b[i].sc[s][k] & 0xF) * dot;
+            msum += (b[i].sc[s][k] >> 4) * a[i].bsums[s];
+        }
+        acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
+        acc = fmaf(-(kv_h2f_table[b[i].dmin[k]] * a[i].d), (float)msum, acc);
+    }
+    return acc;
+}
+
+static float q3x8_row(const kv_blk_q3_kx8 *b, int64_t nb, int k, const kv_act256 *a) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < nb; i++) {
+        int32_t isum = 0, corr = 0;
+        for (int s = 0; s < 16; s++) {
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += x8_q3(b + i, k, 16 * s + l) * a[i].qs[16 * s + l];
+            isum += b[i].sc[s][k] * dot;
+            corr += b[i].sc[s][k] * a[i].bsums[s];
+        }
+        acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)(isum - 4 * corr), acc);
+    }
+    return acc;
+}
+
+#define K23X8_GENERIC(name, blk_t, row_fn)                                                 \
+    KV_GEMV_DECL(name) {                                                                   \
+        for (int64_t r = r0; r < r1; r += 8) {                                             \
+            const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
+            for (int64_t j = 0; j < n; j++) {                                              \
+                const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);  \
+                for (int k = 0; k < 8; k++) y[j * ystride + r + k] = row_fn(b, cols / 256, k, a); \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+K23X8_GENERIC(kv_gemv_q2_kx8_generic, kv_blk_q2_kx8, q2x8_row)
+K23X8_GENERIC(kv_gemv_q3_kx8_generic, kv_blk_q3_kx8, q3x8_row)
+
+/* ---------------- AVX2 ---------------- */
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+
+#define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
+#define KV_INL static inline __attribute__((always_inline)) KV_TGT_A
+
+KV_INL __m256i bcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* in-lane byte shuffle pattern: dword k of the register takes bytes (b0 + k, b1 + k, b2 + k,
+ * b3 + k) of the 16 scale bytes of a sub-block pair; a negative b gives a zero byte */
+KV_INL __m256i lane_pattern(int b0, int b1, int b2, int b3) {
+    uint8_t p[32];
+    for (int k = 0; k < 8; k++) {
+        const int b[4] = {b0, b1, b2, b3};
+        for (int e = 0; e < 4; e++) p[4 * k + e] = b[e] < 0 ? 0x80 : (uint8_t)(b[e] + k);
+    }
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+/* the four chunks of a sub-block (4 values per row lane each): its two low bits */
+KV_INL void low_bits(const uint8_t *qs, __m256i q[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3), v = _mm256_loadu_si256((const __m256i *)qs);
+    q[0] = _mm256_and_si256(v, m3);
+    q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m3);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
+    q[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
+}
+
+/* bit c + 4h of every byte of hb -> 4 (16-bit shifts: the bit stays inside its byte) */
+KV_INL __m256i third_bit(__m256i hb, const int c, const int h) {
+    const int sh = c + 4 * h - 2;
+    const __m256i v = sh > 0 ? _mm256_srli_epi16(hb, sh) : sh < 0 ? _mm256_slli_epi16(hb, -sh) : hb;
+    return _mm256_and_si256(v, _mm256_set1_epi8(4));
+}
+
+/* sum over a sub-block of q * x for 8 rows, times the scale pairs: maddubs' int16 sums of
+ * four chunks stay below 4 * 2 * 7 * 128 */
+KV_INL __m256i sub_dot(const __m256i q[4], const int8_t *x, __m256i scale) {
+    __m256i p = _mm256_maddubs_epi16(q[0], bcast4(x));
+    for (int c = 1; c < 4; c++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[c], bcast4(x + 4 * c)));
+    return _mm256_madd_epi16(p, scale);
+}
+
+#define K23X8_ACT(xq, xs, j, i) ((const kv_act256 *)((xq) + (j) * (xs)) + (i))
+
+/* Q2_Kx8: a sub-block's scale pair is (byte, byte) & 0xF, a min pair (m_2t, m_2t+1) the
+ * high nibbles of the sub-block pair's bytes */
+KV_INL void tile_q2x8(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                      const int nx, float *y, int64_t ys) {
+    const __m256i pat_sc[2] = {lane_pattern(0, -1, 0, -1), lane_pattern(8, -1, 8, -1)};
+    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi16(0xF);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX], mins[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            /* two super-blocks ahead: the hardware prefetcher alone leaves DRAM idle */
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
+            const __m256i scw = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
+            mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                low_bits(b[i].qs[2 * t + h], q);
+                const __m256i scale = _mm256_and_si256(_mm256_shuffle_epi8(scw, pat_sc[h]), m4);
+                for (int j = 0; j < nx; j++)
+                    isum[j] = _mm256_add_epi32(isum[j], sub_dot(q, K23X8_ACT(xq, xs, j, i)->qs
+                                                                   + 16 * (2 * t + h), scale));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            __m256i msum = _mm256_madd_epi16(mins[0], bcast4(a->bsums));
+            for (int t = 1; t < 8; t++)
+                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[t], bcast4(a->bsums + 2 * t)));
+            const __m256 dx = _mm256_set1_ps(a->d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+/* Q3_Kx8: the int8 scales go into the high byte of each int16 (sc * 256, sign kept with
+ * no extension step); the sums of a super-block stay below 16 * 16 * 7 * 128 * 32 * 256 <
+ * 2^31 and are shifted back exactly */
+KV_INL void tile_q3x8(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                      const int nx, float *y, int64_t ys) {
+    const __m256i pat_sc[2] = {lane_pattern(-1, 0, -1, 0), lane_pattern(-1, 8, -1, 8)};
+    const __m256i pat_pair = lane_pattern(-1, 0, -1, 8);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX], pairs[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
+            const __m256i scw = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);
+            pairs[t] = _mm256_shuffle_epi8(scw, pat_pair);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                low_bits(b[i].qs[2 * t + h], q);
+                for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h));
+                const __m256i scale = _mm256_shuffle_epi8(scw, pat_sc[h]);
+                for (int j = 0; j < nx; j++)
+                    isum[j] = _mm256_add_epi32(isum[j], sub_dot(q, K23X8_ACT(xq, xs, j, i)->qs
+                                                                   + 16 * (2 * t + h), scale));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            __m256i corr = _mm256_madd_epi16(pairs[0], bcast4(a->bsums));
+            for (int t = 1; t < 8; t++)
+                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(pairs[t], bcast4(a->bsums + 2 * t)));
+            const __m256i total = _mm256_sub_epi32(_mm256_srai_epi32(isum[j], 8),
+                                                   _mm256_slli_epi32(_mm256_srai_epi32(corr, 8), 2));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
+                                     _mm256_cvtepi32_ps(total), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT_A, tile_q2x8, kv_blk_q2_kx8, 256)
+KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT_A, tile_q3x8, kv_blk_q3_kx8, 256)
+
+void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride) {
+    gemv_q2x8_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
+void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride) {
+    gemv_q3x8_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+#endif /* KV_HAVE_AVX2_BUILD */
