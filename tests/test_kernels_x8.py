@@ -1,5 +1,5 @@
-"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8 and Q4_K rows as Q4_Kx8,
-interleaved in groups of 8.
+"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8, Q4_K, Q6_K, IQ4_XS and IQ4_NL
+rows as Q4_Kx8 etc., interleaved in groups of 8.
 
 The values must be exactly those of the GGUF blocks, and a product must give the same bits
 on every kernel path (AVX512-VNNI, AVX2 maddubs, portable C) and for any number of x rows.
@@ -23,14 +23,19 @@ from kvlab.kernels import (
     qmatmul,
     quantize,
 )
+from tests.test_kernels import make_weight
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
-GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K]
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL]
+SELF_GROUPED = (T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL)  # grouped under their own type
 
 
 def weight(qtype: T, rows: int = 48, cols: int = 0, seed: int = 0) -> QuantizedWeight:
-    """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for K-quants"""
-    cols = cols or (768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else 224)
+    """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for 256-element blocks; IQ4
+    types (no quantizer) as random blocks"""
+    cols = cols or (768 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS) else 224)
+    if qtype in (T.IQ4_XS, T.IQ4_NL):
+        return make_weight(qtype, rows, cols, seed)
     g = torch.Generator().manual_seed(seed)
     return quantize(torch.randn(rows, cols, generator=g), qtype)
 
@@ -49,10 +54,12 @@ def isas() -> list[str]:
 def test_grouped_values_are_the_gguf_values(qtype):
     w = weight(qtype)
     g = group_rows(w)
-    kind = qtype if qtype in (T.Q4_K, T.Q6_K) else T.Q8_0
+    kind = qtype if qtype in SELF_GROUPED else T.Q8_0
     assert g.grouped and g.qtype == kind and g.shape == w.shape
-    # Q4_K with unpacked scales; Q6_K with bytes for its 6-bit values; Q8_0
-    per_block = {T.Q4_K: 148 / 256, T.Q6_K: 210 / 256}.get(qtype, 34 / 32)
+    # Q4_K and IQ4_XS with unpacked scales; Q6_K with bytes for its 6-bit values; IQ4_NL
+    # as is; Q8_0
+    per_block = {T.Q4_K: 148 / 256, T.Q6_K: 210 / 256, T.IQ4_XS: 138 / 256,
+                 T.IQ4_NL: 18 / 32}.get(qtype, 34 / 32)
     assert g.nbytes == w.out_features * w.in_features * per_block
     assert torch.equal(dequantize(g), dequantize(w))
     ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
@@ -71,9 +78,11 @@ def test_grouped_product_is_the_plain_kernels_dot(qtype):
 
 
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL],
+                         ids=lambda t: t.name)
 def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
-    g = group_rows(weight(qtype, rows=64, cols=96 if qtype == T.Q5_0 else 768, seed=5))
+    cols = 96 if qtype in (T.Q5_0, T.IQ4_NL) else 768
+    g = group_rows(weight(qtype, rows=64, cols=cols, seed=5))
     x = torch.randn(21, g.in_features, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     try:
@@ -108,7 +117,7 @@ def test_what_cannot_be_grouped_says_why():
 
 
 def test_copies_keep_the_layout():
-    for qtype in (T.Q8_0, T.Q4_K, T.Q6_K):
+    for qtype in (T.Q8_0, *SELF_GROUPED):
         g = group_rows(weight(qtype))
         copy = pickle.loads(pickle.dumps(g))
         assert copy.grouped and f"{qtype.name}x8" in repr(copy)

@@ -155,12 +155,13 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
 
 
 # GGUF type -> the type of its 8-row groups (Q5_0 and Q4_0 widen to Q8_0 exactly)
-GROUPS_AS = {T.Q8_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K, T.Q6_K: T.Q6_K}
+GROUPS_AS = {T.Q8_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K, T.Q6_K: T.Q6_K,
+             T.IQ4_XS: T.IQ4_XS, T.IQ4_NL: T.IQ4_NL}
 
 
 def can_group(w: QuantizedWeight) -> bool:
-    """Whether `group_rows` applies: C kernels built, a Q8_0/Q5_0/Q4_0/Q4_K/Q6_K matrix of 8k
-    rows."""
+    """Whether `group_rows` applies: C kernels built, a Q8_0/Q5_0/Q4_0/Q4_K/Q6_K/IQ4_XS/IQ4_NL
+    matrix of 8k rows."""
     return (_qk is not None and not w.grouped and w.qtype in GROUPS_AS
             and w.out_features % 8 == 0)
 
@@ -168,11 +169,12 @@ def can_group(w: QuantizedWeight) -> bool:
 def group_rows(w: QuantizedWeight) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
     Q5_0, Q4_0 as Q8_0x8 (Q8_0's size), Q4_K as Q4_Kx8 (148 bytes per 256), Q6_K as Q6_Kx8
-    (210 bytes per 256, Q6_K's own size). Their products serve 8 rows per
-    register: batched decode and prefill run 1.4-2x faster (csrc/qk_x8.c, qk_x8k.c)."""
+    (210 bytes per 256, Q6_K's own size), IQ4_XS as IQ4_XSx8 (138 bytes per 256), IQ4_NL as
+    IQ4_NLx8 (its own size). Their products serve 8 rows per register: batched decode and
+    prefill run 1.4-2x faster (csrc/qk_x8.c, qk_x8k.c, qk_iq4x8.c)."""
     if not can_group(w):
         raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and Q8_0, Q5_0, "
-                         "Q4_0, Q4_K or Q6_K rows in a multiple of 8")
+                         "Q4_0, Q4_K, Q6_K, IQ4_XS or IQ4_NL rows in a multiple of 8")
     rows, cols = w.shape
     qtype = GROUPS_AS[w.qtype]
     data = torch.empty(rows, row_bytes(qtype, cols, grouped=True), dtype=torch.uint8)

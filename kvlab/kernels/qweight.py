@@ -17,10 +17,10 @@ from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
 # Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
-# KV_Q4_KX8, KV_Q6_KX8 in csrc/qk.h) and its bytes per block (Q4_Kx8 keeps its scales
-# unpacked; Q6_Kx8 is Q6_K's own size)
-GROUPED_KERNEL_TYPES = {T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33}
-GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 210}
+# KV_Q4_KX8, KV_Q6_KX8, KV_IQ4_XSX8, KV_IQ4_NLX8 in csrc/qk.h) and its bytes per block
+# (Q4_Kx8 and IQ4_XSx8 keep their scales unpacked; the others are the file type's size)
+GROUPED_KERNEL_TYPES = {T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33, T.IQ4_XS: 36, T.IQ4_NL: 37}
+GROUPED_BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 210, T.IQ4_XS: 138, T.IQ4_NL: 18}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
     T.Q2_K,
@@ -50,7 +50,7 @@ class QuantizedWeight:
     qtype: GGMLQuantizationType
     shape: tuple[int, int]  # (out_features, in_features), PyTorch order
     data: torch.Tensor  # uint8 [out_features, row_bytes]: the GGUF blocks, unchanged
-    # Q8_0 / Q4_K / Q6_K: rows interleaved in groups of 8 (kvlab's Q8_0x8 etc., kernels/csrc/
+    # Q8_0 / Q4_K / Q6_K / IQ4_XS / IQ4_NL: rows interleaved in groups of 8 (kvlab's Q8_0x8 etc., kernels/csrc/
     # qk_x8*.c), for products that serve 8 rows per register
     grouped: bool = False
     # (type id, address, rows, cols, row_bytes): what every C call takes, computed once
@@ -62,7 +62,8 @@ class QuantizedWeight:
             raise ValueError(f"a QuantizedWeight is a matrix, got shape {tuple(self.shape)}")
         rows, cols = (int(s) for s in self.shape)
         if self.grouped and (qtype not in GROUPED_KERNEL_TYPES or rows % 8):
-            raise ValueError(f"grouped rows are Q8_0, Q4_K or Q6_K in groups of 8, got "
+            raise ValueError(f"grouped rows are Q8_0, Q4_K, Q6_K, IQ4_XS or IQ4_NL in groups "
+                             f"of 8, got "
                              f"{qtype.name} with {rows} rows")
         nbytes = row_bytes(qtype, cols, self.grouped)
         data = self.data

@@ -60,8 +60,8 @@ int kv_block_size(int qtype) {
         case KV_Q4_K: case KV_Q5_K: case KV_Q6_K: case KV_Q4_KX8: case KV_Q6_KX8: return 256;
         case KV_Q2_K: return 256;
         case KV_Q3_K: return 256;
-        case KV_IQ4_NL: return 32;
-        case KV_IQ4_XS: return 256;
+        case KV_IQ4_NL: case KV_IQ4_NLX8: return 32;
+        case KV_IQ4_XS: case KV_IQ4_XSX8: return 256;
         default: return 0;
     }
 }
@@ -82,8 +82,9 @@ int kv_type_size(int qtype) {
         case KV_Q6_K: return 210;
         case KV_Q2_K: return 84;
         case KV_Q3_K: return 110;
-        case KV_IQ4_NL: return 18;
+        case KV_IQ4_NL: case KV_IQ4_NLX8: return 18;
         case KV_IQ4_XS: return 136;
+        case KV_IQ4_XSX8: return 138;
         default: return 0;
     }
 }
@@ -363,6 +364,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q3_K] = kv_gemv_q3_k_generic,
         [KV_IQ4_NL] = kv_gemv_iq4_nl_generic,
         [KV_IQ4_XS] = kv_gemv_iq4_xs_generic,
+        [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_generic,
+        [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -381,6 +384,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q3_K] = KV_ACT_256,
         [KV_IQ4_NL] = KV_ACT_32,
         [KV_IQ4_XS] = KV_ACT_256,
+        [KV_IQ4_XSX8] = KV_ACT_256,
+        [KV_IQ4_NLX8] = KV_ACT_32,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,
