@@ -178,3 +178,27 @@ def test_gguf_file_tensors_are_read_in_place(tmp_path):
         assert got.qtype == w.qtype and got.shape == w.shape
         assert got.data.data_ptr() == file.raw(name).ctypes.data
         assert torch.equal(dequantize(got), dequantize(w))
+
+
+@pytest.mark.parametrize("qtype", IQ4, ids=ids)
+def test_grouped_rows_at_the_int16_limit(qtype):
+    """8-row groups (IQ4_XSx8, IQ4_NLx8): every weight -127 (index 0) at the largest scales,
+    x all 127 after rounding, so each maddubs pair reaches 2 * 127 * 127; the sums stay exact
+    on every path, as the file layout's kernels compute them."""
+    rows, cols = 16, 512
+    q = np.zeros((rows * cols // 32, 32), int)
+    if qtype == T.IQ4_XS:
+        scales = np.where(np.arange(rows * cols // 256 * 8) % 2, 0, 63).reshape(-1, 8)
+        blocks = iq4_xs_blocks(np.full(len(scales), 0.01), scales, q.reshape(-1, 256))
+    else:
+        blocks = iq4_nl_blocks(np.full(len(q), 0.01), q)
+    w = as_weight(qtype, blocks, rows)
+    x = torch.ones(3, cols)
+    plain = qmatmul(x, w)
+    g = ops.group_rows(w)
+    for isa in ISAS:
+        try:
+            ops._qk.set_isa(isa)
+            assert torch.allclose(qmatmul(x, g), plain, rtol=1e-6, atol=0), isa
+        finally:
+            ops._qk.set_isa("auto")

@@ -1,4 +1,5 @@
-"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8, and Q4_K, Q6_K, Q2_K, Q3_K
+"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8, and Q4_K, Q6_K, Q2_K, Q3_K,
+IQ4_XS and IQ4_NL
 rows as Q4_Kx8 etc., interleaved in groups of 8.
 
 The values must be exactly those of the GGUF blocks, and a product must give the same bits
@@ -24,17 +25,19 @@ from kvlab.kernels import (
     qmatmul,
     quantize,
 )
+from tests.test_kernels import make_weight
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
-GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K]
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K)
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL]
+SELF_GROUPED = (T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)  # grouped as themselves
+NO_QUANTIZER = (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
 
 
 def weight(qtype: T, rows: int = 48, cols: int = 0, seed: int = 0) -> QuantizedWeight:
-    """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for K-quants; Q2_K and Q3_K
-    (no quantizer) as random blocks"""
-    cols = cols or (768 if qtype in K_QUANTS else 224)
-    if qtype in (T.Q2_K, T.Q3_K):
+    """cols: 224 (7 blocks) by default, 768 (3 super-blocks) for 256-element blocks; types
+    kvlab cannot quantize to as random blocks"""
+    cols = cols or (224 if qtype in (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL) else 768)
+    if qtype in NO_QUANTIZER:
         return make_weight(qtype, rows, cols, seed=seed)
     g = torch.Generator().manual_seed(seed)
     return quantize(torch.randn(rows, cols, generator=g), qtype)
@@ -54,11 +57,12 @@ def isas() -> list[str]:
 def test_grouped_values_are_the_gguf_values(qtype):
     w = weight(qtype)
     g = group_rows(w)
-    kind = qtype if qtype in K_QUANTS else T.Q8_0
+    kind = qtype if qtype in SELF_GROUPED else T.Q8_0
     assert g.grouped and g.qtype == kind and g.shape == w.shape
-    # Q4_K and Q3_K with unpacked scales; Q6_K, Q2_K their own size; Q8_0
+    # Q4_K, Q3_K and IQ4_XS with unpacked scales; the others their own size; Q8_0
     per_block = {T.Q4_K: 148 / 256, T.Q6_K: 210 / 256, T.Q2_K: 84 / 256,
-                 T.Q3_K: 114 / 256}.get(qtype, 34 / 32)
+                 T.Q3_K: 114 / 256, T.IQ4_XS: 138 / 256,
+                 T.IQ4_NL: 18 / 32}.get(qtype, 34 / 32)
     assert g.nbytes == w.out_features * w.in_features * per_block
     assert torch.equal(dequantize(g), dequantize(w))
     ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
@@ -77,10 +81,11 @@ def test_grouped_product_is_the_plain_kernels_dot(qtype):
 
 
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K],
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL],
                          ids=lambda t: t.name)
 def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
-    g = group_rows(weight(qtype, rows=64, cols=96 if qtype == T.Q5_0 else 768, seed=5))
+    cols = 96 if qtype in (T.Q5_0, T.IQ4_NL) else 768
+    g = group_rows(weight(qtype, rows=64, cols=cols, seed=5))
     x = torch.randn(21, g.in_features, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     try:
@@ -115,7 +120,7 @@ def test_what_cannot_be_grouped_says_why():
 
 
 def test_copies_keep_the_layout():
-    for qtype in (T.Q8_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K):
+    for qtype in (T.Q8_0, *SELF_GROUPED):
         g = group_rows(weight(qtype))
         copy = pickle.loads(pickle.dumps(g))
         assert copy.grouped and f"{qtype.name}x8" in repr(copy)

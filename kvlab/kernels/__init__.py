@@ -7,7 +7,7 @@
     qmatmul(x, w) -> x @ W^T fp32                 decode: int8 kernels; prefill: fp32 tiles
     qmatmul_stacked(x, ws) -> [1, sum(out)]       one decode row through several weights
     quantize(t, qtype) -> QuantizedWeight         Q8_0 (byte-exact), Q4_K, Q5_K, Q6_K, ...
-    group_rows(w) -> QuantizedWeight              8-row groups: Q8_0x8, Q4_Kx8, Q6_Kx8
+    group_rows(w) -> QuantizedWeight              8-row groups: Q8_0x8, Q4_Kx8, Q6_Kx8, IQ4_XSx8, ...
     set_num_threads(n)                            kernel threads and torch's, together
     stream_read(t)                                read all of t on the kernel threads
 

@@ -39,8 +39,8 @@ class LoadOptions:
     keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
     device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: QUANTIZE_CHOICES
-    # CPU: Q8_0 / Q5_0 / Q4_0 / Q4_K / Q6_K matrices of 8k rows in 8-row groups (Q8_0x8,
-    # Q4_Kx8, Q6_Kx8: exact values; batched decode and prefill 1.4-2x faster, batch-1 no slower)
+    # CPU: matrices of 8k rows of the types in kernels.ops.GROUPS_AS in 8-row groups (Q8_0x8,
+    # Q4_Kx8, ...: exact values; batched decode and prefill 1.3-2x faster, batch-1 no slower)
     group_rows: bool = True
 
 

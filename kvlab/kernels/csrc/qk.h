@@ -23,6 +23,8 @@ enum {
     KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
     KV_Q2_KX8 = 34,  /* kvlab's own: Q2_K rows interleaved in groups of 8 (qk_x8k23.c) */
     KV_Q3_KX8 = 35,  /* kvlab's own: Q3_K rows interleaved in groups of 8 (qk_x8k23.c) */
+    KV_IQ4_XSX8 = 36,  /* kvlab's own: IQ4_XS rows in groups of 8 (qk_iq4x8.c) */
+    KV_IQ4_NLX8 = 37,  /* kvlab's own: IQ4_NL rows in groups of 8 (qk_iq4x8.c) */
     KV_NTYPES = 38
 };
 
@@ -134,7 +136,18 @@ void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out);
 void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out);
 KV_GEMV_DECL(kv_gemv_iq4_nl_generic);
 KV_GEMV_DECL(kv_gemv_iq4_xs_generic);
+/* IQ4_XSx8 (138 B per row and super-block: scales unpacked) and IQ4_NLx8 (IQ4_NL's 18 B),
+ * qk_iq4x8.c; kv_iq4_values: the 16 values a 4-bit index selects */
+extern const int8_t kv_iq4_values[16];
+int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+int kv_to_iq4_nlx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+KV_DEQ_ROW_DECL(kv_deq_iq4_xsx8_row);
+KV_DEQ_ROW_DECL(kv_deq_iq4_nlx8_row);
+KV_GEMV_DECL(kv_gemv_iq4_xsx8_generic);
+KV_GEMV_DECL(kv_gemv_iq4_nlx8_generic);
 #ifdef KV_HAVE_AVX2_BUILD
+KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2);
+KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2);
 void kv_deq_iq4_nl_avx2(const uint8_t *w, int64_t cols, float *out);
 void kv_deq_iq4_xs_avx2(const uint8_t *w, int64_t cols, float *out);
 KV_GEMV_DECL(kv_gemv_iq4_nl_avx2);

@@ -1098,6 +1098,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q3_KX8] = kv_gemv_q3_kx8_avx2,
         [KV_IQ4_NL] = kv_gemv_iq4_nl_avx2,
         [KV_IQ4_XS] = kv_gemv_iq4_xs_avx2,
+        [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_avx2,
+        [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1121,6 +1123,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q3_KX8] = KV_ACT_256,
         [KV_IQ4_NL] = KV_ACT_64,
         [KV_IQ4_XS] = KV_ACT_256,
+        [KV_IQ4_XSX8] = KV_ACT_256,
+        [KV_IQ4_NLX8] = KV_ACT_32,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,

@@ -62,8 +62,8 @@ int kv_block_size(int qtype) {
         case KV_Q3_K: return 256;
         case KV_Q2_KX8: return 256;
         case KV_Q3_KX8: return 256;
-        case KV_IQ4_NL: return 32;
-        case KV_IQ4_XS: return 256;
+        case KV_IQ4_NL: case KV_IQ4_NLX8: return 32;
+        case KV_IQ4_XS: case KV_IQ4_XSX8: return 256;
         default: return 0;
     }
 }
@@ -86,8 +86,9 @@ int kv_type_size(int qtype) {
         case KV_Q3_K: return 110;
         case KV_Q2_KX8: return 84;
         case KV_Q3_KX8: return 114;
-        case KV_IQ4_NL: return 18;
+        case KV_IQ4_NL: case KV_IQ4_NLX8: return 18;
         case KV_IQ4_XS: return 136;
+        case KV_IQ4_XSX8: return 138;
         default: return 0;
     }
 }
@@ -369,6 +370,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q3_KX8] = kv_gemv_q3_kx8_generic,
         [KV_IQ4_NL] = kv_gemv_iq4_nl_generic,
         [KV_IQ4_XS] = kv_gemv_iq4_xs_generic,
+        [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_generic,
+        [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -389,6 +392,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q3_KX8] = KV_ACT_256,
         [KV_IQ4_NL] = KV_ACT_32,
         [KV_IQ4_XS] = KV_ACT_256,
+        [KV_IQ4_XSX8] = KV_ACT_256,
+        [KV_IQ4_NLX8] = KV_ACT_32,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,

@@ -21,7 +21,7 @@
 
 #include "qk.h"
 
-static const int8_t kv_iq4_values[16] __attribute__((aligned(16))) = {
+const int8_t kv_iq4_values[16] __attribute__((aligned(16))) = {
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* the 6-bit scale of IQ4_XS sub-block s, minus 32 */

@@ -1,0 +1,271 @@
+/* IQ4_XS and IQ4_NL in groups of 8 rows ("IQ4_XSx8", "IQ4_NLx8", kvlab's own in-memory
+ * layouts; see qk_x8.c for the idea): one register lane per weight row, so maddubs against
+ * x's 4 bytes broadcast gives 8 rows' partial dots at once, and the sub-block scales and the
+ * float steps each serve 8 rows per instruction.
+ *
+ *   IQ4_XSx8 super-block i of rows 8g..8g+7 (1104 B = 8 x 138, IQ4_XS's 136 + scales
+ *   unpacked to one byte each):
+ *     d[8]           fp16, row 8g+k in slot k
+ *     sc[8][8]       6-bit scale of sub-block s minus 32, [s][row k]
+ *     qs[8][4][32]   qs[s][t][4k + e] = byte 16s + 4t + e of row k's IQ4_XS qs: its low
+ *                    nibble indexes element 4t+e of sub-block s, its high one 16+4t+e
+ *   IQ4_NLx8 block i (144 B = 8 x 18, IQ4_NL's own size):
+ *     d[8] fp16; qs[4][32]: qs[t][4k + e] = byte 4t + e of row k's block
+ *
+ * A nibble indexes kv_iq4_values (int8 in [-127, 113]); in registers it becomes a value by a
+ * byte shuffle of that table. maddubs takes an unsigned operand: it gets |v| and x carries
+ * v's sign (v is never 0), so no int16 pair saturates: 2 * 127 * 127 < 32768.
+ * Per row and x row the sum is an exact int32, isum = sum_s sc_s * (sum over s of v * x)
+ * (IQ4_NL: one block's sum of v * x), then acc = fma(d * d_x, (float)isum, acc) per
+ * (super-)block in order from acc = 0, in the AVX2 and portable kernels alike and for any
+ * number of x rows: a row's output does not depend on the batch or the kernel path.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "qk.h"
+
+typedef struct {
+    kv_half d[8];
+    int8_t sc[8][8];
+    uint8_t qs[8][4][32];
+} kv_blk_iq4_xsx8;  /* 1104 B */
+
+typedef struct {
+    kv_half d[8];
+    uint8_t qs[4][32];
+} kv_blk_iq4_nlx8;  /* 144 B */
+
+/* ---------------- conversion from GGUF blocks ---------------- */
+
+int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_iq4_xs);
+    kv_blk_iq4_xsx8 *out = (kv_blk_iq4_xsx8 *)dst;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_iq4_xs *b = (const kv_blk_iq4_xs *)(src + (8 * g + k) * row_bytes) + i;
+                out->d[k] = b->d;
+                for (int s = 0; s < 8; s++) {
+                    const int lo = (b->scales_l[s / 2] >> (4 * (s % 2))) & 0xF;
+                    const int hi = (b->scales_h >> (2 * s)) & 3;
+                    out->sc[s][k] = (int8_t)((lo | hi << 4) - 32);
+                    for (int t = 0; t < 4; t++) memcpy(&out->qs[s][t][4 * k], b->qs + 16 * s + 4 * t, 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+int kv_to_iq4_nlx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 32) return -1;
+    const int64_t nb = cols / 32, row_bytes = nb * (int64_t)sizeof(kv_blk_iq4_nl);
+    kv_blk_iq4_nlx8 *out = (kv_blk_iq4_nlx8 *)dst;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)(src + (8 * g + k) * row_bytes) + i;
+                out->d[k] = b->d;
+                for (int t = 0; t < 4; t++) memcpy(&out->qs[t][4 * k], b->qs + 4 * t, 4);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------- rows -> fp32, rounded as the file types' dequantizers round ---------- */
+
+void kv_deq_iq4_xsx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                         float *out) {
+    const kv_blk_iq4_xsx8 *b = (const kv_blk_iq4_xsx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const float d = kv_h2f_table[b[i].d[k]];
+        for (int s = 0; s < 8; s++, out += 32) {
+            const float dl = d * (float)b[i].sc[s][k];
+            for (int l = 0; l < 16; l++) {
+                const uint8_t q = b[i].qs[s][l / 4][4 * k + l % 4];
+                out[l] = dl * (float)kv_iq4_values[q & 0xF];
+                out[l + 16] = dl * (float)kv_iq4_values[q >> 4];
+            }
+        }
+    }
+}
+
+void kv_deq_iq4_nlx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                         float *out) {
+    const kv_blk_iq4_nlx8 *b = (const kv_blk_iq4_nlx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 32; i++, out += 32) {
+        const float d = kv_h2f_table[b[i].d[k]];
+        for (int l = 0; l < 16; l++) {
+            const uint8_t q = b[i].qs[l / 4][4 * k + l % 4];
+            out[l] = d * (float)kv_iq4_values[q & 0xF];
+            out[l + 16] = d * (float)kv_iq4_values[q >> 4];
+        }
+    }
+}
+
+/* ---------------- portable kernels (the reference) ---------------- */
+
+/* sum of v * x over the 32 elements that 4 chunks of lane group k hold */
+static int32_t nibble_dot(const uint8_t (*qs)[32], int k, const int8_t *x) {
+    int32_t dot = 0;
+    for (int l = 0; l < 16; l++) {
+        const uint8_t q = qs[l / 4][4 * k + l % 4];
+        dot += kv_iq4_values[q & 0xF] * x[l] + kv_iq4_values[q >> 4] * x[l + 16];
+    }
+    return dot;
+}
+
+void kv_gemv_iq4_xsx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                              int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                              float *y, int64_t ystride) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const kv_blk_iq4_xsx8 *b = (const kv_blk_iq4_xsx8 *)(w + r * row_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);
+            for (int k = 0; k < 8; k++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < cols / 256; i++) {
+                    int32_t isum = 0;
+                    for (int s = 0; s < 8; s++)
+                        isum += b[i].sc[s][k] * nibble_dot(b[i].qs[s], k, a[i].qs + 32 * s);
+                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
+                }
+                y[j * ystride + r + k] = acc;
+            }
+        }
+    }
+}
+
+void kv_gemv_iq4_nlx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                              int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                              float *y, int64_t ystride) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const kv_blk_iq4_nlx8 *b = (const kv_blk_iq4_nlx8 *)(w + r * row_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const kv_act32 *a = (const kv_act32 *)((const char *)xq + j * xstride);
+            for (int k = 0; k < 8; k++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < cols / 32; i++)
+                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d,
+                               (float)nibble_dot(b[i].qs, k, a[i].qs), acc);
+                y[j * ystride + r + k] = acc;
+            }
+        }
+    }
+}
+
+/* ---------------- AVX2 ---------------- */
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+
+#define KV_TGT __attribute__((target("avx2,fma,f16c")))
+#define KV_INL static inline __attribute__((always_inline)) KV_TGT
+
+KV_INL __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* one register of nibbles -> the values of its low and high nibbles and their magnitudes */
+typedef struct { __m256i lo, alo, hi, ahi; } kv_nib;
+
+KV_INL kv_nib nib_values(const uint8_t *qs, __m256i table) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), raw = _mm256_loadu_si256((const __m256i *)qs);
+    kv_nib v;
+    v.lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+    v.hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+    v.alo = _mm256_abs_epi8(v.lo), v.ahi = _mm256_abs_epi8(v.hi);
+    return v;
+}
+
+/* acc + w16 * (int16 pair sums of v * x), x's 4 bytes in every lane */
+KV_INL __m256i chunk(__m256i acc, __m256i v, __m256i av, const int8_t *x, __m256i w16) {
+    const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(bcast4(x), v));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, w16));
+}
+
+#define ACT(type, j, i) ((const type *)(xq + (j) * xs) + (i))
+
+/* IQ4_XSx8: per chunk t of sub-block s, both nibbles into nx sums, weighted by the
+ * sub-block's scales (int16 in both halves of a lane, so madd applies them). Super-block
+ * i + 2 is prefetched: without it decode from DRAM waits on every super-block. */
+KV_INL void tile_xs(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
+                    const int nx, float *y, int64_t ys) {
+    const __m256i table =
+        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ahead = (const char *)(b + i + 2);
+        _mm_prefetch(ahead + 1024, _MM_HINT_T0);
+        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
+            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[s]));
+            const __m256i sc = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
+                                               _mm256_slli_epi32(s32, 16));
+            for (int t = 0; t < 4; t++) {
+                const kv_nib v = nib_values(b[i].qs[s][t], table);
+                for (int j = 0; j < nx; j++) {
+                    const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+                    isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, sc), v.hi, v.ahi, x + 16, sc);
+                }
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i)->d)),
+                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+/* IQ4_NLx8: a block's 4 chunks, both nibbles; 8 blocks (1152 B) ahead prefetched */
+KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_t xs,
+                    const int nx, float *y, int64_t ys) {
+    const __m256i table =
+        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ahead = (const char *)(b + i + 8);
+        for (int c = 0; c < 3; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            const kv_nib v = nib_values(b[i].qs[t], table);
+            for (int j = 0; j < nx; j++) {
+                const int8_t *x = ACT(kv_act32, j, i)->qs + 4 * t;
+                isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, ones), v.hi, v.ahi, x + 16, ones);
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act32, j, i)->d)),
+                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
+KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
+
+KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
+    gemv_xsx8(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
+KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2) {
+    gemv_nlx8(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+#endif /* KV_HAVE_AVX2_BUILD */
