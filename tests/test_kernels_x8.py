@@ -25,7 +25,6 @@ from kvlab.kernels import (
     qmatmul,
     quantize,
 )
-from tests.test_kernels import make_weight
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
 GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL]
