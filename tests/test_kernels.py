@@ -461,6 +461,17 @@ def test_fused_geglu_within_fp32_rounding(inter):
 
 
 @needs_c
+@pytest.mark.parametrize("gate", ["geglu", "swiglu"])
+def test_fused_gates_split_over_threads_change_no_bits(gate):
+    from kvlab.kernels import fused
+
+    fn = getattr(fused, gate)
+    y = torch.randn(37, 2 * 4096, generator=torch.Generator().manual_seed(5)) * 4
+    whole = fn(y)  # 37 x 4096 elements: the rows run on the kernel threads
+    assert torch.equal(whole, torch.cat([fn(y[i:i + 1]) for i in range(37)]))
+
+
+@needs_c
 @pytest.mark.parametrize("inter", [2048, 13])
 def test_fused_swiglu_within_fp32_rounding(inter):
     from kvlab.kernels import fused

@@ -149,15 +149,46 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 #define KV_GATED_SSE(f4)
 #endif
 #define KV_GATED(name, f4, f1)                                                             \
-    void name(const float *x, float *out, int64_t tokens, int64_t inter) {                 \
+    static void name(const float *x, float *out, int64_t tokens, int64_t inter) {          \
         for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {               \
             int64_t i = 0;                                                                 \
             KV_GATED_SSE(f4)                                                               \
             for (; i < inter; i++) out[i] = f1(x[i], x[inter + i]);                        \
         }                                                                                  \
     }
-KV_GATED(kv_gelu_mul, gelu_mul_4, gelu_mul_1)
-KV_GATED(kv_silu_mul, silu_mul_4, silu_mul_1)
+KV_GATED(gelu_rows, gelu_mul_4, gelu_mul_1)
+KV_GATED(silu_rows, silu_mul_4, silu_mul_1)
+
+/* A prefill's gated product is a few million exponentials: its tokens are split over the
+ * kernel threads (each element is computed alone, so the split changes no bits). */
+typedef void (*gated_fn)(const float *x, float *out, int64_t tokens, int64_t inter);
+typedef struct {
+    gated_fn fn;
+    const float *x;
+    float *out;
+    int64_t tokens, inter;
+} gated_job;
+
+static void gated_task(void *p, int tid, int nthreads) {
+    const gated_job *j = p;
+    const int64_t t0 = j->tokens * tid / nthreads, t1 = j->tokens * (tid + 1) / nthreads;
+    if (t1 > t0) j->fn(j->x + t0 * 2 * j->inter, j->out + t0 * j->inter, t1 - t0, j->inter);
+}
+
+static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64_t inter) {
+    gated_job j = {fn, x, out, tokens, inter};
+    const int nt = tokens < 2 || tokens * inter < 65536 ? 1 : kv_pool_threads();
+    if (nt > 1) kv_pool_run(gated_task, &j, nt);
+    else fn(x, out, tokens, inter);
+}
+
+void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
+    gated(gelu_rows, x, out, tokens, inter);
+}
+
+void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
+    gated(silu_rows, x, out, tokens, inter);
+}
 
 /* ---- greedy argmax: the first index of a row's largest value, or of its first NaN (as
  * torch.argmax) -- a max pass and a find pass, both 4 floats at a time ---- */

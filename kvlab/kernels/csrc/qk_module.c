@@ -408,7 +408,11 @@ static PyObject *gated(void (*fn)(const float *, float *, int64_t, int64_t),
     if (!get_ptr(args[0], &x) || !get_ptr(args[1], &out) || !get_i64(args[2], &tokens) ||
         !get_i64(args[3], &inter))
         return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);  /* a prefill's rows run on the kernel threads */
     fn(x, out, tokens, inter);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
