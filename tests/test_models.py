@@ -133,3 +133,18 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     for pos in range(9, 14):
         logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
         assert (logits[0] - ref[pos]).abs().max() <= TOL, f"decode at {pos}"
+
+
+def test_phi3_refuses_rope_it_does_not_implement():
+    from kvlab.errors import ModelLoadError
+    from kvlab.models import phi3
+
+    cfg = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert phi3.config_from_hf(cfg).architecture == "phi3"
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        phi3.config_from_hf({**cfg, "partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match="longrope"):
+        phi3.config_from_hf({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 32}})
+    with pytest.raises(ModelLoadError, match="longrope"):
+        phi3.config_from_gguf({"phi3.rope.scaling.original_context_length": 4096})

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
 
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -33,6 +33,9 @@ def hf_config(arch: str, **overrides):
     if arch == "mistral":  # overrides may set a sliding_window (GGUF has none: HF only)
         return tf.MistralConfig(**{**_COMMON, "sliding_window": None, **overrides},
                                 rope_theta=1e6)
+    if arch == "phi3":  # q|k|v and gate|up fused in both files
+        return tf.Phi3Config(**_COMMON, rope_theta=1e4, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2)
     if arch == "gemma2":  # caps small enough to bend the scores and logits of a tiny model
         return tf.Gemma2Config(
             **{**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 4}, head_dim=16,
@@ -130,7 +133,8 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _LAYER_LLAMA = {"post_attention_layernorm": "ffn_norm"}
 _LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",

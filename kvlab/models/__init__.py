@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from kvlab.errors import ModelLoadError
-from kvlab.models import gemma2, gemma3, llama, mistral, qwen2, qwen3
+from kvlab.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from kvlab.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
-                                       mistral.SPEC, gemma2.SPEC)}
+                                       mistral.SPEC, gemma2.SPEC, phi3.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 
 

@@ -117,14 +117,20 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
     layers = [{dst: get(src, dst, f"layers.{i}.{dst}")
                for src, dst in _layer_names(table, i, names)} for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
-    model = spec.model_cls(config, weights, [_stack(layer) for layer in layers])
+    fused = spec.fused_sizes(config) if spec.fused_sizes else {}
+    model = spec.model_cls(config, weights, [_stack(layer, fused) for layer in layers])
     return LoadedModel(spec, config, model, tuple(stats))
 
 
-def _stack(layer: dict[str, Weight]) -> dict[str, Weight | Stacked]:
-    """q/k/v -> "qkv" and gate/up -> "gate_up": one product over the same input each."""
+def _stack(layer: dict[str, Weight],
+           fused_sizes: dict[str, tuple[int, ...]]) -> dict[str, Weight | Stacked]:
+    """q/k/v -> "qkv" and gate/up -> "gate_up": one product over the same input each (a
+    checkpoint that stores them fused already gives the one matrix, split by its sizes)."""
     out: dict[str, Weight | Stacked] = dict(layer)
     for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+        if fused in layer:
+            out[fused] = Stacked((layer[fused],), fused_sizes[fused])
+            continue
         out[fused] = Stacked.of([out.pop(n) for n in names])
     biases = [layer.get(f"{n}_bias") for n in ("q", "k", "v")]
     if all(b is not None for b in biases):
@@ -139,10 +145,12 @@ def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, s
 
 def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
                    ckpt: Checkpoint) -> None:
-    required_layer = {"q", "k", "v", "o", "gate", "up", "down"}
     missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
-        missing += [f"layer {i} {n}" for n in sorted(required_layer - set(layer))]
+        required = {"o", "down"}  # and q/k/v, gate/up, each set alone or fused
+        required |= {"qkv"} if "qkv" in layer else {"q", "k", "v"}
+        required |= {"gate_up"} if "gate_up" in layer else {"gate", "up"}
+        missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:
         raise ModelLoadError(f"{ckpt.path} lacks tensors the {ckpt.architecture} "
                              f"architecture needs: {', '.join(missing[:5])}")

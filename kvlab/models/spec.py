@@ -39,6 +39,9 @@ class ArchSpec:
     gguf_transform: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] = _identity
     hf_transform: Callable[[ModelConfig, str, torch.Tensor], torch.Tensor] = _identity
     hf_architectures: tuple[str, ...] = field(default_factory=tuple)
+    # checkpoints that store q|k|v or gate|up as one matrix (kvlab name "qkv" / "gate_up"):
+    # the out features of each original matrix, for splitting the product
+    fused_sizes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
 
 
 def gguf_get(meta: dict[str, Any], arch: str) -> Callable[..., Any]:
