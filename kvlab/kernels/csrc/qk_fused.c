@@ -7,6 +7,7 @@
  * exactly except for the order of the sum of squares, which runs in double here.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -159,27 +160,38 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 KV_GATED(gelu_rows, gelu_mul_4, gelu_mul_1)
 KV_GATED(silu_rows, silu_mul_4, silu_mul_1)
 
-/* A prefill's gated product is a few million exponentials: its tokens are split over the
- * kernel threads (each element is computed alone, so the split changes no bits). */
+/* A prefill's gated product is a few million exponentials: its tokens are handed out to
+ * the kernel threads in chunks, taken from a shared counter (the pool's rule: a worker may
+ * join late or not at all, so no thread owns a fixed share). Each element is computed
+ * alone, so the split changes no bits. */
 typedef void (*gated_fn)(const float *x, float *out, int64_t tokens, int64_t inter);
 typedef struct {
     gated_fn fn;
     const float *x;
     float *out;
-    int64_t tokens, inter;
+    int64_t tokens, inter, chunk;
+    _Atomic int64_t next;
 } gated_job;
 
 static void gated_task(void *p, int tid, int nthreads) {
-    const gated_job *j = p;
-    const int64_t t0 = j->tokens * tid / nthreads, t1 = j->tokens * (tid + 1) / nthreads;
-    if (t1 > t0) j->fn(j->x + t0 * 2 * j->inter, j->out + t0 * j->inter, t1 - t0, j->inter);
+    gated_job *j = p;
+    (void)tid, (void)nthreads;
+    for (int64_t t0; (t0 = atomic_fetch_add(&j->next, j->chunk)) < j->tokens;) {
+        const int64_t n = j->tokens - t0 < j->chunk ? j->tokens - t0 : j->chunk;
+        j->fn(j->x + t0 * 2 * j->inter, j->out + t0 * j->inter, n, j->inter);
+    }
 }
 
 static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64_t inter) {
-    gated_job j = {fn, x, out, tokens, inter};
     const int nt = tokens < 2 || tokens * inter < 65536 ? 1 : kv_pool_threads();
-    if (nt > 1) kv_pool_run(gated_task, &j, nt);
-    else fn(x, out, tokens, inter);
+    if (nt <= 1) {
+        fn(x, out, tokens, inter);
+        return;
+    }
+    gated_job j = {.fn = fn, .x = x, .out = out, .tokens = tokens, .inter = inter,
+                   .chunk = (tokens + 4 * nt - 1) / (4 * nt)};
+    atomic_store(&j.next, 0);
+    kv_pool_run(gated_task, &j, nt);
 }
 
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
