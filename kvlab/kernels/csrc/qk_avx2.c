@@ -16,13 +16,11 @@
 #include "qk.h"
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
+#include "qk_avx2.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define KV_TGT __attribute__((target("avx2,fma,f16c")))
-#define KV_INL static inline __attribute__((always_inline)) KV_TGT
 #define KV_NXMAX 4
 
 /* the plain-C dequantizers, built for AVX2: used for F32 and BF16 (and the K-quant
@@ -31,21 +29,6 @@
 #define KV_H2F(h) (_cvtsh_ss(h))
 #include "qk_dequant.inc"
 
-KV_INL float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-KV_INL int hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-KV_INL __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 /* 8 int32 sums of 4 products each: unsigned a (< 128 or a lone 128) times signed b */
 KV_INL __m256i dot_u8s8(__m256i a, __m256i b) {

@@ -106,22 +106,12 @@ void kv_gemv_iq4_xs_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 /* ---------------- AVX2 ---------------- */
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
+#include "qk_avx2.h"
 
-#define KV_TGT __attribute__((target("avx2,fma,f16c")))
-#define KV_INL static inline __attribute__((always_inline)) KV_TGT
 #define KV_NX 4                /* x rows per pass over a weight row */
 #define KV_IQ4_TILE_MIN_N 8    /* fewer x rows: unpack per block, no tile */
 #define KV_IQ4_TILE_BYTES 65536
 
-KV_INL __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-KV_INL float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* the value table and its magnitudes, in both lanes (shuffle_epi8 looks up per lane) */
 KV_INL __m256i table_values(void) {

@@ -162,16 +162,9 @@ void kv_gemv_iq4_nlx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, i
 /* ---------------- AVX2 ---------------- */
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
+#include "qk_avx2.h"
 
-#define KV_TGT __attribute__((target("avx2,fma,f16c")))
-#define KV_INL static inline __attribute__((always_inline)) KV_TGT
 
-KV_INL __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
 
 /* one register of nibbles -> the values of its low and high nibbles and their magnitudes */
 typedef struct { __m256i lo, alo, hi, ahi; } kv_nib;

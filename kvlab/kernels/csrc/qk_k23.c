@@ -109,10 +109,8 @@ K23_GEMV_GENERIC(kv_gemv_q3_k_generic, dot_q3_k)
 
 /* ---------------- AVX2 ---------------- */
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
+#include "qk_avx2.h"
 
-#define KV_TGT __attribute__((target("avx2,fma,f16c")))
-#define KV_INL static inline __attribute__((always_inline)) KV_TGT
 #define K23_NXMAX 4          /* x rows per pass over a weight row */
 #define K23_TILE_MIN_N 8     /* fewer x rows: the weight blocks are unpacked per pass */
 #define K23_TILE_BYTES 32768 /* unpacked weights per tile (1 to 16 rows of it) */
@@ -128,14 +126,6 @@ void KV_TGT kv_deq_q3_k_avx2(const uint8_t *w, int64_t cols, float *out) { deq_q
  * -4 offset). The decode kernels build one in registers, the prefill tiles keep rows of them. */
 typedef struct { __m256i q[8]; __m256i sc, aux; float d, dmin; } kv_uk23;
 
-KV_INL __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-
-KV_INL float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 16 bytes -> int16, even-indexed bytes into the low lane, odd ones into the high lane */
 KV_INL __m256i even_odd_epi16(__m128i v, const int is_signed) {

@@ -177,16 +177,7 @@ K23X8_GENERIC(kv_gemv_q3_kx8_generic, kv_blk_q3_kx8, q3x8_row)
 /* ---------------- AVX2 ---------------- */
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
-
-#define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
-#define KV_INL static inline __attribute__((always_inline)) KV_TGT_A
-
-KV_INL __m256i bcast4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
+#include "qk_avx2.h"
 
 /* in-lane byte shuffle pattern: dword k of the register takes bytes (b0 + k, b1 + k, b2 + k,
  * b3 + k) of the 16 scale bytes of a sub-block pair; a negative b gives a zero byte */
@@ -311,8 +302,8 @@ KV_INL void tile_q3x8(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
-KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT_A, tile_q2x8, kv_blk_q2_kx8, 256)
-KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT_A, tile_q3x8, kv_blk_q3_kx8, 256)
+KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
+KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)
 
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
