@@ -209,14 +209,16 @@ def test_avx2_matches_portable_c(qtype):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.F16, T.Q2_K, T.Q3_K,
+                                   T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
 def test_qmatmul_propagates_nan_and_inf(qtype, bad, backend):
-    """8-bit activations must not turn a NaN or inf into finite garbage."""
+    """8-bit activations must not turn a NaN or inf into finite garbage (12 x rows: the
+    tiled paths too)."""
     w = make_weight(qtype, 4, 512)
-    x = torch.randn(2, 512)
+    x = torch.randn(12, 512)
     x[1, 300] = bad
     y = qmatmul(x, w)
-    assert y[0].isfinite().all() and not y[1].isfinite().any()
+    assert y[0].isfinite().all() and y[2:].isfinite().all() and not y[1].isfinite().any()
 
 
 def test_qmatmul_leading_dims_and_shape_errors():
