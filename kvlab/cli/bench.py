@@ -30,6 +30,9 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-d", "--depth", type=_ints, default=[0],
                    help="KV cache depths for the tg tests, e.g. 0,1024,4096")
+    p.add_argument("-b", "--batch-size", type=int, default=2048,
+                   help="prompt tokens per step, as llama-bench's -b: a longer prompt "
+                        "prefills in chunks of this many, so memory stays bounded")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     p.add_argument("--estimate", action="store_true",
                    help="print the estimator's prediction beside each measurement")
@@ -38,11 +41,12 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.repetitions < 1:
-        raise KvlabError(f"-r must be >= 1, got {args.repetitions}")
-    longest = max(args.n_prompt + [d + max(args.n_gen) + 1 for d in args.depth])
+    if args.repetitions < 1 or args.batch_size < 1:
+        raise KvlabError(f"-r and -b must be >= 1, got {args.repetitions} and {args.batch_size}")
+    # a pp test generates one token after its prompt, a tg test n after its depth
+    longest = max([p + 1 for p in args.n_prompt] + [d + max(args.n_gen) + 1 for d in args.depth])
     config = engine_config(args, enable_prefix_caching=False, max_num_seqs=1,
-                           max_num_batched_tokens=max(512, max(args.n_prompt + args.depth)),
+                           max_num_batched_tokens=args.batch_size,
                            max_model_len=args.max_model_len or max(longest, 2048))
     engine = Engine.from_model(args.model, config)
     bandwidth = _machine_bandwidth()

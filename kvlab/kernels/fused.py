@@ -10,6 +10,7 @@ kernels of 2-12 µs each, which is most of a small model's step outside the prod
     swiglu(y) -> [T, I]                       silu(y[:, :I]) * y[:, I:]
     scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write (fp32/fp16)
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
+    attend_prefill(q, k, v, slots, ...)       a prefill chunk against its cache slots, causally
 
 Callers check `fits` first (fp32, on the CPU, the extension built) and otherwise use the
 torch ops, which these match to fp32 rounding (tests/test_kernels.py).
@@ -139,6 +140,24 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     _qk.attend_decode(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
                       out.data_ptr(), lens.data_ptr() if lens is not None else 0, _f16(k))
+    return out
+
+
+def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                   first: int, start: int, window: int | None, scale: float) -> torch.Tensor:
+    """One sequence's prefill chunk against its cached keys, causally, read from the pages.
+
+    q: [n, H, D] fp32 heads packed, token i at position start + i; k, v: [num_slots, KVH, D]
+    (see cache_fits); slots: [start + n - first] -> slots[c] holds key position first + c.
+    Query i sees positions first .. start + i, the last `window` of them when set.
+    Returns [n, H, D].
+    """
+    n, heads, dim = q.shape
+    slots = _i64(slots)
+    out = q.new_empty(n, heads, dim)
+    _qk.attend_prefill(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
+                       slots.data_ptr(), first, start, n, heads, k.shape[1], dim, window or 0,
+                       scale, out.data_ptr(), _f16(k))
     return out
 
 

@@ -16,6 +16,7 @@ padded batch so a step with many users costs one call per layer, not one per use
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +34,13 @@ class AttentionGroup:
     rows:    [n] indices into the packed token batch
     slots:   [B, C] slot of each attended key (padding repeats a real slot, masked out)
     mask:    [B, Q, C] True where the query may attend to the key; None when every query
-             sees every key (decode without padding)
+             sees every key (decode without padding), and for a prefill until `key_mask`
+             builds it (the C path needs none)
     lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
     fresh:   a prefill whose keys are exactly its own new tokens, causally (no cached
              prefix, the window wider than the chunk): attention may read them as computed
+    start, first, window: a prefill's first query position, first key position (slots[0, 0])
+             and sliding window (None: causal over everything before)
     """
 
     rows: torch.Tensor
@@ -46,6 +50,21 @@ class AttentionGroup:
     queries_per_seq: int
     lengths: torch.Tensor | None = None
     fresh: bool = False
+    start: int = 0
+    first: int = 0
+    window: int | None = None
+
+    @cached_property
+    def key_mask(self) -> torch.Tensor | None:
+        """`mask`, built for a prefill group on first use: causal, inside the window."""
+        if self.mask is not None or self.queries_per_seq == 1:
+            return self.mask
+        k_pos = torch.arange(self.first, self.start + self.queries_per_seq)
+        q_pos = torch.arange(self.start, self.start + self.queries_per_seq)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if self.window is not None:
+            mask &= (q_pos[:, None] - k_pos[None, :]) < self.window
+        return mask[None].to(self.slots.device)
 
 
 @dataclass(frozen=True)
@@ -105,15 +124,11 @@ def _key_range(span: SeqSpan, window: int | None) -> int:
 def _prefill_group(span: SeqSpan, offset: int, window: int | None,
                    device: torch.device) -> AttentionGroup:
     first = _key_range(span, window)
-    k_pos = torch.arange(first, span.end)
-    q_pos = torch.arange(span.start, span.end)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= (q_pos[:, None] - k_pos[None, :]) < window
     rows = torch.arange(offset, offset + span.num_new)
     fresh = span.start == 0 and (window is None or span.num_new <= window)
     return AttentionGroup(rows.to(device), span.slots[first:span.end][None].to(device),
-                          mask[None].to(device), 1, span.num_new, fresh=fresh)
+                          None, 1, span.num_new, fresh=fresh,
+                          start=span.start, first=first, window=window)
 
 
 def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
@@ -150,22 +165,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
-        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache) else
+        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q) else
                _attend(q, cache, g, scale))
         return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)
         og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
-              if _reads_fresh(g, cache) else _attend(qg, cache, g, scale))
+              if _reads_fresh(g, cache, q) else _attend(qg, cache, g, scale))
         out.index_copy_(0, g.rows, og.to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def _reads_fresh(g: AttentionGroup, cache: KVStore) -> bool:
-    """A fresh prefill over an fp32 cache reads the new K/V as computed (the values the
-    cache holds): no gather of the slots, and causal attention without a mask tensor."""
-    return g.fresh and isinstance(cache, FloatKV) and cache.k.dtype == torch.float32
+def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor) -> bool:
+    """A fresh prefill over an fp32 cache that C attention does not take (CUDA) reads the
+    new K/V as computed (the values the cache holds): no gather, no mask tensor."""
+    return (g.fresh and isinstance(cache, FloatKV) and cache.k.dtype == torch.float32
+            and not _prefill_in_c(q, cache, g))
 
 
 def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -181,6 +197,9 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
     if _decode_in_c(q, cache, g):
         return fused.attend_decode(q, cache.k, cache.v, g.slots, scale, g.lengths)
+    if _prefill_in_c(q, cache, g):
+        return fused.attend_prefill(q, cache.k, cache.v, g.slots[0], g.first, g.start,
+                                    g.window, scale)
     num_heads, head_dim = q.shape[1:]
     if q.is_cuda and isinstance(cache, FloatKV):
         q = q.to(cache.k.dtype)  # attend in the cache's dtype on GPUs: no K/V conversion
@@ -188,7 +207,7 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
     kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
     og = F.scaled_dot_product_attention(
         qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-        attn_mask=None if g.mask is None else g.mask[:, None], scale=scale, enable_gqa=True)
+        attn_mask=None if g.key_mask is None else g.key_mask[:, None], scale=scale, enable_gqa=True)
     return og.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
 
@@ -196,6 +215,14 @@ def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
     """Decode groups over an fp32 or fp16 cache run in C, each row over its own keys only, so
     a sequence's attention is the same whether it decodes alone or beside longer ones."""
     return (g.lengths is not None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
+            and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
+            and g.slots.device.type == "cpu")
+
+
+def _prefill_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
+    """A prefill chunk over an fp32 or fp16 cache runs in C, tile by tile from the pages: no
+    scores matrix, no mask tensor, and a sliding window reads only the keys inside it."""
+    return (g.lengths is None and g.num_seqs == 1 and isinstance(cache, FloatKV)
             and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
             and g.slots.device.type == "cpu")
 
@@ -212,8 +239,8 @@ def _softcapped(q: torch.Tensor, cache: KVStore, groups: tuple[AttentionGroup, .
         kg, vg = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kg, vg))
         scores = qg.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # [B, H, Q, C]
         scores = torch.tanh(scores / cap) * cap
-        if g.mask is not None:  # None: an unpadded decode, every key is seen
-            scores = scores.masked_fill(~g.mask[:, None], float("-inf"))
+        if g.key_mask is not None:  # None: an unpadded decode, every key is seen
+            scores = scores.masked_fill(~g.key_mask[:, None], float("-inf"))
         og = torch.softmax(scores, dim=-1) @ vg  # [B, H, Q, D]
         out.index_copy_(0, g.rows, og.transpose(1, 2).reshape(-1, *q.shape[1:]).to(out.dtype))
     return out

@@ -238,6 +238,13 @@ void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride
 int kv_attend_decode(const float *q, int64_t q_stride, const void *k, const void *v, int kv_f16,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
                      int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2);
+/* Prefill attention over the same caches (qk_flash.c): query token i of n, at position
+ * start + i, sees key positions [first, start + i] (the last `window` of them when window
+ * > 0); slots[c] holds position first + c; out [n, H, D]. 0, or -1 out of memory. */
+int kv_attend_prefill(const float *q, int64_t q_stride, const void *k, const void *v,
+                      int kv_f16, const int64_t *slots, int64_t first, int64_t start,
+                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t window,
+                      float scale, float *out, int use_avx2);
 
 /* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
 typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);

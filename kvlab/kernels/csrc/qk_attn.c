@@ -76,15 +76,10 @@ static const attn_ops ops_generic16 = {scores_c16, softmax_c, mix_c16};
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include <immintrin.h>
-#define TGT __attribute__((target("avx2,fma,f16c")))
+#include "qk_avx2.h"
+#define TGT KV_TGT
 #define LOAD8_F32(p) _mm256_loadu_ps(p)
 #define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-
-TGT static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
 
 /* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads share each load of a key row,
  * with two accumulators each: 8 independent FMA chains instead of one long one. */
@@ -106,30 +101,13 @@ TGT static inline float hsum8(__m256 v) {
                                                     acc[h][j]);                               \
                 }                                                                             \
                 for (int h = 0; h < nh; h++)                                                  \
-                    s[(h0 + h) * C + c] = hsum8(_mm256_add_ps(acc[h][0], acc[h][1])) * scale; \
+                    s[(h0 + h) * C + c] = hsum_ps(_mm256_add_ps(acc[h][0], acc[h][1])) * scale; \
             }                                                                                 \
         }                                                                                     \
     }
 
 KV_SCORES_AVX2(scores_avx2, float, LOAD8_F32)
 KV_SCORES_AVX2(scores_avx2_16, kv_half, LOAD8_F16)
-
-/* e^x for x <= 0: 2^n * e^r, |r| <= ln2 / 2, degree-7 Taylor (error ~5e-9); x is clamped
- * at -87 so that 2^n stays a normal float (e^-87 is far below any softmax weight kept). */
-TGT static inline __m256 exp8_nonpos(__m256 x) {
-    static const float poly[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
-                                  1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(poly[0]);
-    for (int k = 1; k < 8; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
     float m = -INFINITY, sum = 0.0f;
@@ -144,7 +122,7 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
         acc = _mm256_add_ps(acc, e);
     }
     for (; c < C; c++) sum += s[c] = expf(s[c] - m);
-    return sum + hsum8(acc);
+    return sum + hsum_ps(acc);
 }
 
 /* For each 16-float slice of D and up to 4 heads, the weighted sum over all C value rows

@@ -34,4 +34,21 @@ KV_INL __m256i bcast4(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* e^x for x <= 0: 2^n * e^r, |r| <= ln2 / 2, degree-7 Taylor (error ~5e-9); x is clamped
+ * at -87 so that 2^n stays a normal float (e^-87 is far below any softmax weight kept). */
+KV_INL __m256 exp8_nonpos(__m256 x) {
+    static const float poly[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f,
+                                  1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(poly[0]);
+    for (int k = 1; k < 8; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 #endif

@@ -426,6 +426,26 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     return gated(kv_silu_mul, args, nargs);
 }
 
+/* 1 if every slot is in [0, num_slots); else 0 with IndexError set */
+static int slots_in_range(const int64_t *slots, int64_t n, int64_t num_slots) {
+    for (int64_t j = 0; j < n; j++) {
+        if (slots[j] < 0 || slots[j] >= num_slots) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
+                         (long long)slots[j], (long long)num_slots);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static int avx2_chosen(void) {
+#ifdef KV_HAVE_AVX2_BUILD
+    return g_isa == &kv_isa_avx2;
+#else
+    return 0;
+#endif
+}
+
 /* scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16): dst[slots[j]] = src[j],
  * dst fp32 or (f16) fp16 */
 static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -438,11 +458,7 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize
         !get_i64(args[5], &n) || !get_i64(args[6], &row) || !get_i64(args[7], &f16))
         return NULL;
     const int64_t *slots = slots_p;
-    for (int64_t j = 0; j < n; j++) {
-        if (slots[j] < 0 || slots[j] >= num_slots)
-            return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
-                                (long long)slots[j], (long long)num_slots);
-    }
+    if (!slots_in_range(slots, n, num_slots)) return NULL;
     kv_scatter_rows(dst, f16 != 0, src, src_stride, slots, n, row);
     Py_RETURN_NONE;
 }
@@ -471,21 +487,51 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
         if (n < 1 || n > c)
             return PyErr_Format(PyExc_ValueError, "row %lld attends to %lld of %lld slots",
                                 (long long)r, (long long)n, (long long)c);
-        for (int64_t j = r * c; j < r * c + n; j++) {
-            if (slots[j] < 0 || slots[j] >= num_slots)
-                return PyErr_Format(PyExc_IndexError, "slot %lld is out of range [0, %lld)",
-                                    (long long)slots[j], (long long)num_slots);
-        }
+        if (!slots_in_range(slots + r * c, n, num_slots)) return NULL;
     }
-    int use_avx2 = 0;
-#ifdef KV_HAVE_AVX2_BUILD
-    use_avx2 = g_isa == &kv_isa_avx2;
-#endif
+    const int use_avx2 = avx2_chosen();
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
     rc = kv_attend_decode(q, q_stride, k, v, f16 != 0, slots, lengths, b, c, h, kvh, d, scale,
                           out, use_avx2);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* attend_prefill(q, q_stride, k, v, num_slots, slots, first, start, n, H, KVH, D, window,
+ * scale, out, f16): out[n, H, D], query i (position start + i) against key positions
+ * [first, start + i] held in slots[0 .. start + n - first), the last `window` of them when
+ * window > 0 (qk_flash.c) */
+static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(16);
+    void *q, *k, *v, *slots_p, *out;
+    int64_t q_stride, num_slots, first, start, n, h, kvh, d, window, f16;
+    float scale;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
+        !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
+        !get_i64(args[6], &first) || !get_i64(args[7], &start) || !get_i64(args[8], &n) ||
+        !get_i64(args[9], &h) || !get_i64(args[10], &kvh) || !get_i64(args[11], &d) ||
+        !get_i64(args[12], &window) || !get_f32(args[13], &scale) || !get_ptr(args[14], &out) ||
+        !get_i64(args[15], &f16))
+        return NULL;
+    if (kvh <= 0 || h % kvh)
+        return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
+                            "heads", (long long)h, (long long)kvh);
+    if (n < 1 || first < 0 || first > start || window < 0)
+        return PyErr_Format(PyExc_ValueError, "prefill of %lld tokens from position %lld with "
+                            "keys from %lld", (long long)n, (long long)start, (long long)first);
+    const int64_t *slots = slots_p;
+    if (!slots_in_range(slots, start + n - first, num_slots)) return NULL;
+    const int use_avx2 = avx2_chosen();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rc = kv_attend_prefill(q, q_stride, k, v, f16 != 0, slots, first, start, n, h, kvh, d,
+                           window, scale, out, use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -663,10 +709,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                           .slot_mapping = ptr[4], .slots = {ptr[5], ptr[7]},
                           .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9],
                           .kv_f16 = kv_f16 != 0};
-    int use_avx2 = 0;
-#ifdef KV_HAVE_AVX2_BUILD
-    use_avx2 = g_isa == &kv_isa_avx2;
-#endif
+    const int use_avx2 = avx2_chosen();
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);
@@ -807,6 +850,9 @@ static PyMethodDef methods[] = {
      "silu_mul(x, out, tokens, inter)"},
     {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16)"},
+    {"attend_prefill", (PyCFunction)(void (*)(void))py_attend_prefill, METH_FASTCALL,
+     "attend_prefill(q, q_stride, k, v, num_slots, slots, first, start, n, H, KVH, D, "
+     "window, scale, out, f16): chunked prefill attention from the paged cache"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, "
      "lengths, f16)"},
