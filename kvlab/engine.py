@@ -49,7 +49,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(frozen=True)
 class EngineConfig:
     dtype: str = "auto"  # compute dtype of dense weights; auto: float32 on CPU, bf16 on CUDA
-    kv_dtype: str = "auto"  # auto: f32 on CPU, bf16 on CUDA
+    kv_dtype: str = "auto"  # auto: f16 on CPU (read as fp32 by the C attention), bf16 on CUDA
     block_size: int = 16
     kv_cache_gib: float = 2.0  # KV pool size; pages are only resident once used
     max_model_len: int | None = None  # default: the model's context, capped by the pool
@@ -69,7 +69,7 @@ class EngineConfig:
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", "bfloat16" if cuda else "float32")
         if self.kv_dtype == "auto":
-            object.__setattr__(self, "kv_dtype", "bf16" if cuda else "f32")
+            object.__setattr__(self, "kv_dtype", "bf16" if cuda else "f16")
         if self.decode_graphs not in GRAPH_MODES:
             raise KvlabError(f"decode graphs {self.decode_graphs!r} is not a mode (valid: "
                              f"{', '.join(GRAPH_MODES)})")

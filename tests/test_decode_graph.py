@@ -106,4 +106,4 @@ def test_unknown_graph_mode_is_a_clear_error():
 
 def test_auto_dtypes_follow_the_device():
     c = EngineConfig()
-    assert (c.dtype, c.kv_dtype) == ("float32", "f32")
+    assert (c.dtype, c.kv_dtype) == ("float32", "f16")

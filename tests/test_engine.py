@@ -63,7 +63,8 @@ def test_chunked_prefill_equals_alone(tiny, alone):
 @pytest.mark.parametrize("graphs", ["off", "eager"])  # eager: the CUDA-graph decode path
 def test_preemption_loses_nothing(tiny, alone, graphs):
     # room for about 60 tokens: the four requests need 121, so some are preempted
-    e = engine(tiny[1], kv_cache_gib=16 * 4 * 6 * 2 * 2 * 16 * 4 / 2**30, decode_graphs=graphs)
+    e = engine(tiny[1], kv_cache_gib=16 * 4 * 6 * 2 * 2 * 16 * 4 / 2**30, decode_graphs=graphs,
+               kv_dtype="f32")
     assert e.kv.num_blocks == 16
     got = run_all(e, PROMPTS)
     assert got == alone

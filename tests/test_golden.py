@@ -43,7 +43,8 @@ def kvlab_teacher_forced(engine: Engine, ids: list[int], n_prompt: int) -> torch
 
 @pytest.fixture(scope="module")
 def golden(reference, default_model_path):
-    dense = Engine.from_model(str(default_model_path), EngineConfig(keep_quantized=False))
+    dense = Engine.from_model(str(default_model_path),  # fp32 throughout, as transformers
+                              EngineConfig(keep_quantized=False, kv_dtype="f32"))
     ids = dense.tokenizer.encode(PROMPT)
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False)

@@ -45,7 +45,8 @@ def test_engine_runs_with_each_kv_dtype(tmp_path, kind):
     from tiny_models import build
 
     build("llama", tmp_path, num_attention_heads=2)  # head_dim 32: one q8_0 block
-    ref = Engine.from_model(str(tmp_path / "model.gguf"), EngineConfig(block_size=4))
+    ref = Engine.from_model(str(tmp_path / "model.gguf"), EngineConfig(block_size=4,
+                                                                       kv_dtype="f32"))
     other = Engine.from_model(str(tmp_path / "model.gguf"),
                               EngineConfig(block_size=4, kv_dtype=kind))
     ids = list(range(1, 40))

@@ -115,7 +115,7 @@ def test_preempted_constrained_requests_still_validate(default_model_path,
                                                        monkeypatch) -> None:
     # 10 blocks of 16 tokens: eight running requests cannot all keep their KV: preemptions
     engine = Engine.from_model(str(default_model_path), EngineConfig(
-        kv_cache_gib=10 * 16 * 36864 / 2**30, max_num_seqs=8))  # 36864 B/token (f32)
+        kv_cache_gib=10 * 16 * 36864 / 2**30, max_num_seqs=8, kv_dtype="f32"))  # 36864 B/token
     preempted = []
     original = engine.scheduler._preempt
     monkeypatch.setattr(engine.scheduler, "_preempt",

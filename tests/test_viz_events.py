@@ -237,7 +237,7 @@ def test_what_if_estimate(client: httpx.Client) -> None:
     assert big["fits"] is False
     served = client.get("/viz/api/estimate", params={"prompt": "Hello there"}).json()
     assert served["workload"]["prompt_tokens"] >= 2
-    assert served["workload"]["kv_dtype"] == "f32"  # the served engine's own KV layout
+    assert served["workload"]["kv_dtype"] == "f16"  # the served engine's own KV layout
 
 
 @pytest.mark.parametrize("params, word", [

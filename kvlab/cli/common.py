@@ -17,7 +17,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="compute dtype: float32 | bfloat16 (auto: float32 on CPU, bf16 on CUDA)")
     p.add_argument("--kv-dtype", default="auto",
-                   help="KV cache dtype: f32 | bf16 | f16 | q8_0 (auto: f32 on CPU, bf16 on CUDA)")
+                   help="KV cache dtype: f32 | bf16 | f16 | q8_0 (auto: f16 on CPU, bf16 on CUDA)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache pool size in GiB")

@@ -222,7 +222,8 @@ def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
 def _prefill_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
     """A prefill chunk over an fp32 or fp16 cache runs in C, tile by tile from the pages: no
     scores matrix, no mask tensor, and a sliding window reads only the keys inside it."""
-    return (g.lengths is None and g.num_seqs == 1 and isinstance(cache, FloatKV)
+    prefill = g.lengths is None and g.mask is None and g.queries_per_seq > 1  # _prefill_group
+    return (prefill and g.num_seqs == 1 and isinstance(cache, FloatKV)
             and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
             and g.slots.device.type == "cpu")
 
