@@ -1,5 +1,6 @@
 """Prefill attention in C from the paged cache (kernels/csrc/qk_flash.c): against SDPA with
-an explicit mask, chunk-invariant to the bit, and the engine's path for prefill chunks."""
+an explicit mask, chunk-invariant to the bit, and the engine's path for prefill chunks; and
+both C attentions reading a q8_0 cache as stored."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from kvlab.kernels import fused, ops
 from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
-from kvlab.models.kv_store import FloatKV
+from kvlab.models.kv_store import Q8KV, FloatKV, dequantize_q8, quantize_q8
 from tests.test_kernels import ISAS
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
@@ -105,3 +106,56 @@ def test_engine_prefill_chunks_take_the_c_path_and_match_the_torch_one():
 
 def _refuse(*args):
     raise AssertionError("the torch path was asked for")
+
+
+def q8_store(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 values and fp16 scales as Q8KV holds them, and what they stand for in fp32."""
+    q, scale = quantize_q8(values)
+    return q, scale.contiguous(), dequantize_q8(q, scale, torch.float32)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] % 32 == 0])
+def test_prefill_reads_q8_0_as_the_values_it_stands_for(case, isa):
+    n, start, first, heads, kv_heads, dim, window = case
+    gen = torch.Generator().manual_seed(n + 7)
+    keys = start + n - first
+    (kq, ks, kf), (vq, vs, vf) = (q8_store(torch.randn(keys + 9, kv_heads, dim, generator=gen))
+                                  for _ in range(2))
+    slots = torch.randperm(keys + 9, generator=gen)[:keys]
+    q = torch.randn(n, heads, dim, generator=gen)
+    got = fused.attend_prefill(q, kq, vq, slots, first, start, window, 0.1, ks, vs)
+    want = fused.attend_prefill(q, kf, vf, slots, first, start, window, 0.1)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_decode_reads_q8_0_as_the_values_it_stands_for(isa):
+    gen = torch.Generator().manual_seed(4)
+    (kq, ks, kf), (vq, vs, vf) = (q8_store(torch.randn(700, 2, 64, generator=gen))
+                                  for _ in range(2))
+    slots = torch.randperm(700, generator=gen)[:600].view(2, 300)
+    q = torch.randn(2, 8, 64, generator=gen)
+    lengths = torch.tensor([300, 123])
+    got = fused.attend_decode(q, kq, vq, slots, 0.125, lengths, ks, vs)
+    want = fused.attend_decode(q, kf, vf, slots, 0.125, lengths)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_q8_0_cache_takes_the_c_paths_and_matches_its_gather():
+    gen = torch.Generator().manual_seed(5)
+    spans = [SeqSpan(0, 40, torch.arange(40)), SeqSpan(25, 30, torch.arange(100, 155)),
+             SeqSpan(9, 1, torch.arange(200, 210))]
+    q = torch.randn(71, 8, 32, generator=gen)
+    k, v = (torch.randn(71, 2, 32, generator=gen) for _ in range(2))
+    meta = build_metadata(spans, 16, CPU)
+    outs = []
+    for c_on in (True, False):
+        cache = Q8KV(256, 2, 32, CPU)
+        cache.write(torch.arange(256), *(torch.randn(256, 2, 32, generator=torch.Generator()
+                                                     .manual_seed(6)) for _ in range(2)))
+        with pytest.MonkeyPatch.context() as mp:
+            if c_on:
+                mp.setattr(F, "scaled_dot_product_attention", _refuse)
+            else:
+                mp.setattr(Q8KV, "c_stores", lambda self: None)
+            outs.append(paged_attention(q, k, v, cache, meta, True, scale=0.2))
+    assert torch.allclose(outs[0], outs[1], atol=2e-6, rtol=1e-5)

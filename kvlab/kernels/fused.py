@@ -45,6 +45,14 @@ def cache_fits(*stores: torch.Tensor) -> bool:
         s.dtype == dtype and s.is_cpu and s.is_contiguous() for s in stores)
 
 
+def q8_cache_fits(*stores: torch.Tensor) -> bool:
+    """True when q8_0 stores (int8 values, fp16 scales) are contiguous CPU tensors the C
+    attention reads and the extension is built."""
+    return ENABLED and bool(stores) and all(
+        s.dtype in (torch.int8, torch.float16) and s.is_cpu and s.is_contiguous()
+        for s in stores)
+
+
 def _f16(store: torch.Tensor) -> int:
     return int(store.dtype == torch.float16)
 
@@ -123,12 +131,23 @@ def scatter_rows_(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> 
                      slots.data_ptr(), slots.numel(), store[0].numel(), _f16(store))
 
 
+def _cache(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """The cache arguments of the C attention: pointers, kind (0 fp32, 1 fp16, 2 q8_0), and
+    q8_0's fp16 scales [num_slots, KVH, D / 32] (contiguous) when k holds int8."""
+    if k.dtype == torch.int8:
+        return k.data_ptr(), v.data_ptr(), 2, k_scale.data_ptr(), v_scale.data_ptr()
+    return k.data_ptr(), v.data_ptr(), _f16(k), 0, 0
+
+
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                  scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, lengths: torch.Tensor | None = None,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v read straight from the paged cache, no gather.
 
-    q: [B, H, D] fp32 heads packed; k, v: [num_slots, KVH, D] contiguous, both fp32 or both
-    fp16 (see cache_fits); slots: [B, C] -> the
+    q: [B, H, D] fp32 heads packed; k, v: [num_slots, KVH, D] contiguous, both fp32, both
+    fp16, or both int8 with their q8_0 scales (see cache_fits); slots: [B, C] -> the
     keys of row b are k[slots[b, :lengths[b]]] (all C when lengths is None); the padding
     after them is never read, so each row's result does not depend on the others.
     Returns [B, H, D].
@@ -137,27 +156,29 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     slots = _i64(slots)
     lens = _i64(lengths) if lengths is not None else None
     out = q.new_empty(batch, heads, dim)
-    _qk.attend_decode(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
+    _qk.attend_decode(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
-                      out.data_ptr(), lens.data_ptr() if lens is not None else 0, _f16(k))
+                      out.data_ptr(), lens.data_ptr() if lens is not None else 0)
     return out
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                   first: int, start: int, window: int | None, scale: float) -> torch.Tensor:
+                   first: int, start: int, window: int | None, scale: float,
+                   k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill chunk against its cached keys, causally, read from the pages.
 
-    q: [n, H, D] fp32 heads packed, token i at position start + i; k, v: [num_slots, KVH, D]
-    (see cache_fits); slots: [start + n - first] -> slots[c] holds key position first + c.
-    Query i sees positions first .. start + i, the last `window` of them when set.
-    Returns [n, H, D].
+    q: [n, H, D] fp32 heads packed, token i at position start + i; k, v (and q8_0's scales)
+    as for attend_decode; slots: [start + n - first] -> slots[c] holds key position
+    first + c. Query i sees positions first .. start + i, the last `window` of them when
+    set. Returns [n, H, D].
     """
     n, heads, dim = q.shape
     slots = _i64(slots)
     out = q.new_empty(n, heads, dim)
-    _qk.attend_prefill(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[0],
+    _qk.attend_prefill(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                        slots.data_ptr(), first, start, n, heads, k.shape[1], dim, window or 0,
-                       scale, out.data_ptr(), _f16(k))
+                       scale, out.data_ptr())
     return out
 
 

@@ -196,10 +196,12 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
     if _decode_in_c(q, cache, g):
-        return fused.attend_decode(q, cache.k, cache.v, g.slots, scale, g.lengths)
+        k, v, ks, vs = cache.c_stores()
+        return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs)
     if _prefill_in_c(q, cache, g):
-        return fused.attend_prefill(q, cache.k, cache.v, g.slots[0], g.first, g.start,
-                                    g.window, scale)
+        k, v, ks, vs = cache.c_stores()
+        return fused.attend_prefill(q, k, v, g.slots[0], g.first, g.start, g.window, scale,
+                                    ks, vs)
     num_heads, head_dim = q.shape[1:]
     if q.is_cuda and isinstance(cache, FloatKV):
         q = q.to(cache.k.dtype)  # attend in the cache's dtype on GPUs: no K/V conversion
@@ -212,20 +214,21 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
 
 
 def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """Decode groups over an fp32 or fp16 cache run in C, each row over its own keys only, so
-    a sequence's attention is the same whether it decodes alone or beside longer ones."""
-    return (g.lengths is not None and g.queries_per_seq == 1 and isinstance(cache, FloatKV)
-            and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
+    """Decode groups over an fp32, fp16 or q8_0 cache run in C, each row over its own keys
+    only, so a sequence's attention is the same whether it decodes alone or beside longer
+    ones."""
+    return (g.lengths is not None and g.queries_per_seq == 1 and fused.fits(q)
+            and cache.c_stores() is not None and fused.heads_packed(q)
             and g.slots.device.type == "cpu")
 
 
 def _prefill_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """A prefill chunk over an fp32 or fp16 cache runs in C, tile by tile from the pages: no
-    scores matrix, no mask tensor, and a sliding window reads only the keys inside it."""
+    """A prefill chunk over an fp32, fp16 or q8_0 cache runs in C, tile by tile from the
+    pages: no scores matrix, no mask tensor, and a sliding window reads only the keys inside
+    it."""
     prefill = g.lengths is None and g.mask is None and g.queries_per_seq > 1  # _prefill_group
-    return (prefill and g.num_seqs == 1 and isinstance(cache, FloatKV)
-            and fused.fits(q) and fused.cache_fits(cache.k, cache.v) and fused.heads_packed(q)
-            and g.slots.device.type == "cpu")
+    return (prefill and g.num_seqs == 1 and fused.fits(q) and cache.c_stores() is not None
+            and fused.heads_packed(q) and g.slots.device.type == "cpu")
 
 
 def _softcapped(q: torch.Tensor, cache: KVStore, groups: tuple[AttentionGroup, ...],

@@ -49,6 +49,10 @@ class FloatKV:
                 and k.shape[1:] == self.k.shape[1:] and v.shape[1:] == self.v.shape[1:]
                 and k.shape[0] == v.shape[0] == slots.numel() and slots.is_cpu)
 
+    def c_stores(self) -> tuple[torch.Tensor, torch.Tensor, None, None] | None:
+        """(k, v, scales) as the C attention reads them, or None where it cannot."""
+        return (self.k, self.v, None, None) if fused.cache_fits(self.k, self.v) else None
+
     def gather(self, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """slots: [B, C] -> k, v: [B, C, heads, head_dim]."""
@@ -77,6 +81,11 @@ class Q8KV:
             q, s = quantize_q8(x)
             store.index_copy_(0, slots, q)
             scale.index_copy_(0, slots, s)
+
+    def c_stores(self) -> tuple[torch.Tensor, ...] | None:
+        """(k, v, k_scale, v_scale) as the C attention reads them, or None where it cannot."""
+        stores = (self.k, self.v, self.k_scale, self.v_scale)
+        return stores if fused.q8_cache_fits(*stores) else None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:

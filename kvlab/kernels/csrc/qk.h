@@ -232,19 +232,29 @@ void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
  * to nearest even, as torch's .to(torch.float16) */
 void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
                      const int64_t *slots, int64_t n, int64_t row);
-/* Decode attention over the paged fp32 or (kv_f16) fp16 KV cache (qk_attn.c): row b attends
- * to the first lengths[b] of its C slots (all C when lengths is NULL); 0, or -1 out of
- * memory. */
-int kv_attend_decode(const float *q, int64_t q_stride, const void *k, const void *v, int kv_f16,
+/* One layer's paged KV stores as the C attention reads them: [num_slots, KVH, D] values in
+ * fp32, fp16 or int8 (q8_0: one fp16 scale per 32 values of a head, [num_slots, KVH, D/32]) */
+enum { KV_CACHE_F32 = 0, KV_CACHE_F16 = 1, KV_CACHE_Q8_0 = 2 };
+typedef struct {
+    int kind;
+    const void *k, *v;
+    const kv_half *k_scale, *v_scale;  /* q8_0 only */
+} kv_cache_ref;
+static inline int64_t kv_cache_elem_bytes(int kind) {
+    return kind == KV_CACHE_F32 ? 4 : kind == KV_CACHE_F16 ? 2 : 1;
+}
+/* Decode attention over a paged KV cache (qk_attn.c): row b attends to the first lengths[b]
+ * of its C slots (all C when lengths is NULL); 0, or -1 out of memory. */
+int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
                      int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2);
 /* Prefill attention over the same caches (qk_flash.c): query token i of n, at position
  * start + i, sees key positions [first, start + i] (the last `window` of them when window
  * > 0); slots[c] holds position first + c; out [n, H, D]. 0, or -1 out of memory. */
-int kv_attend_prefill(const float *q, int64_t q_stride, const void *k, const void *v,
-                      int kv_f16, const int64_t *slots, int64_t first, int64_t start,
-                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t window,
-                      float scale, float *out, int use_avx2);
+int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
+                      const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
+                      int64_t KVH, int64_t D, int64_t window, float scale, float *out,
+                      int use_avx2);
 
 /* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
 typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);

@@ -21,27 +21,34 @@
 
 typedef struct {
     /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q */
-    void (*scores)(const float *q, int64_t rep, const void *k, const int64_t *slots,
-                   int64_t C, int64_t stride, int64_t D, float scale, float *s);
+    void (*scores)(const float *q, int64_t rep, const void *k, const kv_half *ks,
+                   const int64_t *slots, int64_t C, int64_t stride, int64_t D, float scale,
+                   float *s);
     /* s[0..C) -> exp(s - max s); returns the sum, and the max in *m */
     float (*softmax)(float *s, int64_t C, float *m);
     /* out[h] = sum_c s[h * C + c] * v row c for the rep heads */
-    void (*mix)(const float *s, int64_t rep, const void *v, const int64_t *slots,
-                int64_t C, int64_t stride, int64_t D, float *out);
+    void (*mix)(const float *s, int64_t rep, const void *v, const kv_half *vs,
+                const int64_t *slots, int64_t C, int64_t stride, int64_t D, float *out);
 } attn_ops;
 
-/* one cache element as fp32: ELEM_F32 / ELEM_F16 name the element type and its widening */
-#define ELEM_F32(p, i) (((const float *)(p))[i])
-#define ELEM_F16(p, i) (kv_h2f_table[((const kv_half *)(p))[i]])
+/* one cache element as fp32: ELEM_F32 / ELEM_F16 / ELEM_Q8 name the element type and its
+ * widening; q8_0 rows (int8) come with a row of fp16 scales, one per 32 values (sr) */
+#define ELEM_F32(p, sr, i) (((const float *)(p))[i])
+#define ELEM_F16(p, sr, i) (kv_h2f_table[((const kv_half *)(p))[i]])
+#define ELEM_Q8(p, sr, i) ((float)((const int8_t *)(p))[i] * kv_h2f_table[(sr)[(i) >> 5]])
+#define SCALE_ROW(base, slot, stride) ((base) ? (base) + (slot) * ((stride) >> 5) : NULL)
 
 #define KV_SCORES_C(name, T, ELEM)                                                          \
-    static void name(const float *q, int64_t rep, const void *k, const int64_t *slots,        \
-                     int64_t C, int64_t stride, int64_t D, float scale, float *s) {           \
+    static void name(const float *q, int64_t rep, const void *k, const kv_half *ks,           \
+                     const int64_t *slots, int64_t C, int64_t stride, int64_t D, float scale, \
+                     float *s) {                                                              \
         for (int64_t c = 0; c < C; c++) {                                                     \
             const T *kr = (const T *)k + slots[c] * stride;                                   \
+            const kv_half *sr = SCALE_ROW(ks, slots[c], stride);                              \
+            (void)sr;                                                                         \
             for (int64_t h = 0; h < rep; h++) {                                               \
                 float acc = 0.0f;                                                             \
-                for (int64_t i = 0; i < D; i++) acc += q[h * D + i] * ELEM(kr, i);            \
+                for (int64_t i = 0; i < D; i++) acc += q[h * D + i] * ELEM(kr, sr, i);        \
                 s[h * C + c] = acc * scale;                                                   \
             }                                                                                 \
         }                                                                                     \
@@ -56,13 +63,17 @@ static float softmax_c(float *s, int64_t C, float *max_out) {
 }
 
 #define KV_MIX_C(name, T, ELEM)                                                             \
-    static void name(const float *s, int64_t rep, const void *v, const int64_t *slots,        \
-                     int64_t C, int64_t stride, int64_t D, float *out) {                      \
+    static void name(const float *s, int64_t rep, const void *v, const kv_half *vs,           \
+                     const int64_t *slots, int64_t C, int64_t stride, int64_t D,              \
+                     float *out) {                                                            \
         memset(out, 0, (size_t)(rep * D) * sizeof(float));                                    \
         for (int64_t c = 0; c < C; c++) {                                                     \
             const T *vr = (const T *)v + slots[c] * stride;                                   \
+            const kv_half *sr = SCALE_ROW(vs, slots[c], stride);                              \
+            (void)sr;                                                                         \
             for (int64_t h = 0; h < rep; h++)                                                 \
-                for (int64_t i = 0; i < D; i++) out[h * D + i] += s[h * C + c] * ELEM(vr, i); \
+                for (int64_t i = 0; i < D; i++)                                               \
+                    out[h * D + i] += s[h * C + c] * ELEM(vr, sr, i);                         \
         }                                                                                     \
     }
 
@@ -70,31 +81,41 @@ KV_SCORES_C(scores_c, float, ELEM_F32)
 KV_SCORES_C(scores_c16, kv_half, ELEM_F16)
 KV_MIX_C(mix_c, float, ELEM_F32)
 KV_MIX_C(mix_c16, kv_half, ELEM_F16)
+KV_SCORES_C(scores_c8, int8_t, ELEM_Q8)
+KV_MIX_C(mix_c8, int8_t, ELEM_Q8)
 
 static const attn_ops ops_generic = {scores_c, softmax_c, mix_c};
 static const attn_ops ops_generic16 = {scores_c16, softmax_c, mix_c16};
+static const attn_ops ops_generic8 = {scores_c8, softmax_c, mix_c8};
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include <immintrin.h>
 #include "qk_avx2.h"
 #define TGT KV_TGT
-#define LOAD8_F32(p) _mm256_loadu_ps(p)
-#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD8_F32(p, sr, i) _mm256_loadu_ps((p) + (i))
+#define LOAD8_F16(p, sr, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((p) + (i))))
+#define LOAD8_Q8(p, sr, i)                                                                    \
+    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(                     \
+                      (const __m128i *)((p) + (i))))),                                        \
+                  _mm256_set1_ps(kv_h2f_table[(sr)[(i) >> 5]]))
 
 /* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads share each load of a key row,
  * with two accumulators each: 8 independent FMA chains instead of one long one. */
 #define KV_SCORES_AVX2(name, T, LOAD8)                                                      \
-    TGT static void name(const float *q, int64_t rep, const void *k, const int64_t *slots,    \
-                         int64_t C, int64_t stride, int64_t D, float scale, float *s) {       \
+    TGT static void name(const float *q, int64_t rep, const void *k, const kv_half *ks,       \
+                         const int64_t *slots, int64_t C, int64_t stride, int64_t D,          \
+                         float scale, float *s) {                                             \
         for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
             const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
             const float *qh = q + h0 * D;                                                     \
             for (int64_t c = 0; c < C; c++) {                                                 \
                 const T *kr = (const T *)k + slots[c] * stride;                               \
+                const kv_half *sr = SCALE_ROW(ks, slots[c], stride);                          \
+                (void)sr;                                                                     \
                 __m256 acc[4][2];                                                             \
                 for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
                 for (int64_t i = 0; i < D; i += 8) {                                          \
-                    const __m256 kv = LOAD8(kr + i);                                          \
+                    const __m256 kv = LOAD8(kr, sr, i);                                       \
                     const int j = (int)(i >> 3) & 1;                                          \
                     for (int h = 0; h < nh; h++)                                              \
                         acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), kv,      \
@@ -108,6 +129,7 @@ static const attn_ops ops_generic16 = {scores_c16, softmax_c, mix_c16};
 
 KV_SCORES_AVX2(scores_avx2, float, LOAD8_F32)
 KV_SCORES_AVX2(scores_avx2_16, kv_half, LOAD8_F16)
+KV_SCORES_AVX2(scores_avx2_8, int8_t, LOAD8_Q8)
 
 TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
     float m = -INFINITY, sum = 0.0f;
@@ -128,8 +150,9 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
 /* For each 16-float slice of D and up to 4 heads, the weighted sum over all C value rows
  * stays in 8 registers; each value row slice is loaded once per slice pass. */
 #define KV_MIX_AVX2(name, T, LOAD8)                                                         \
-    TGT static void name(const float *s, int64_t rep, const void *v, const int64_t *slots,    \
-                         int64_t C, int64_t stride, int64_t D, float *out) {                  \
+    TGT static void name(const float *s, int64_t rep, const void *v, const kv_half *vs,       \
+                         const int64_t *slots, int64_t C, int64_t stride, int64_t D,          \
+                         float *out) {                                                        \
         for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
             const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
             for (int64_t i = 0; i < D; i += 16) {                                             \
@@ -137,9 +160,11 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
                 __m256 acc[4][2];                                                             \
                 for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
                 for (int64_t c = 0; c < C; c++) {                                             \
-                    const T *vr = (const T *)v + slots[c] * stride + i;                       \
-                    const __m256 v0 = LOAD8(vr);                                              \
-                    const __m256 v1 = two ? LOAD8(vr + 8) : _mm256_setzero_ps();              \
+                    const T *vr = (const T *)v + slots[c] * stride;                           \
+                    const kv_half *sr = SCALE_ROW(vs, slots[c], stride);                      \
+                    (void)sr;                                                                 \
+                    const __m256 v0 = LOAD8(vr, sr, i);                                       \
+                    const __m256 v1 = two ? LOAD8(vr, sr, i + 8) : _mm256_setzero_ps();       \
                     for (int h = 0; h < nh; h++) {                                            \
                         const __m256 p = _mm256_broadcast_ss(s + (h0 + h) * C + c);           \
                         acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);                        \
@@ -157,9 +182,11 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
 
 KV_MIX_AVX2(mix_avx2, float, LOAD8_F32)
 KV_MIX_AVX2(mix_avx2_16, kv_half, LOAD8_F16)
+KV_MIX_AVX2(mix_avx2_8, int8_t, LOAD8_Q8)
 
 static const attn_ops ops_avx2 = {scores_avx2, softmax_avx2, mix_avx2};
 static const attn_ops ops_avx2_16 = {scores_avx2_16, softmax_avx2, mix_avx2_16};
+static const attn_ops ops_avx2_8 = {scores_avx2_8, softmax_avx2, mix_avx2_8};
 #endif
 
 /* ---------------- driver: key chunks as work items, spread over the kernel threads -------
@@ -176,6 +203,7 @@ typedef struct {
     const attn_ops *ops;
     const float *q;
     const char *k, *v;  /* the cache, elem bytes per value */
+    const kv_half *ks, *vs;  /* q8_0: the scales, [num_slots, KVH, D / 32]; else NULL */
     int64_t elem;
     const int64_t *slots, *lengths;
     int64_t q_stride, C, KVH, D, rep, stride;
@@ -194,12 +222,13 @@ static void attn_item(attn_job *j, int64_t i, float *s) {
     const int64_t len = n - c0 < KV_ATTN_CHUNK ? n - c0 : KV_ATTN_CHUNK;
     const int64_t *slots = j->slots + b * j->C + c0;
     float *part = j->part + i * part_floats(j);
-    j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep,
-                   j->k + g * j->D * j->elem, slots, len, j->stride, j->D, j->scale, s);
+    const int64_t gs = g * (j->D >> 5);  /* head g's first scale */
+    j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep, j->k + g * j->D * j->elem,
+                   j->ks ? j->ks + gs : NULL, slots, len, j->stride, j->D, j->scale, s);
     for (int64_t h = 0; h < j->rep; h++)
         part[j->rep + h] = j->ops->softmax(s + h * len, len, &part[h]);
-    j->ops->mix(s, j->rep, j->v + g * j->D * j->elem, slots, len, j->stride, j->D,
-                part + 2 * j->rep);
+    j->ops->mix(s, j->rep, j->v + g * j->D * j->elem, j->vs ? j->vs + gs : NULL, slots, len,
+                j->stride, j->D, part + 2 * j->rep);
 }
 
 static void attn_task(void *p, int tid, int nthreads) {
@@ -230,17 +259,20 @@ static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *ou
 }
 
 /* Returns 0, or -1 when out of memory. */
-int kv_attend_decode(const float *q, int64_t q_stride, const void *k, const void *v,
-                     int kv_f16, const int64_t *slots, const int64_t *lengths, int64_t B,
-                     int64_t C, int64_t H, int64_t KVH, int64_t D, float scale, float *out,
-                     int use_avx2) {
-    const attn_ops *ops = kv_f16 ? &ops_generic16 : &ops_generic;
+int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
+                     const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
+                     int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2) {
+    static const attn_ops *const generic[3] = {&ops_generic, &ops_generic16, &ops_generic8};
+    const attn_ops *ops = generic[kv->kind];
 #ifdef KV_HAVE_AVX2_BUILD
-    if (use_avx2 && D % 8 == 0) ops = kv_f16 ? &ops_avx2_16 : &ops_avx2;
+    static const attn_ops *const avx2[3] = {&ops_avx2, &ops_avx2_16, &ops_avx2_8};
+    if (use_avx2 && D % 8 == 0) ops = avx2[kv->kind];
 #else
     (void)use_avx2;
 #endif
-    attn_job j = {.ops = ops, .q = q, .k = k, .v = v, .elem = kv_f16 ? 2 : 4,
+    const int q8 = kv->kind == KV_CACHE_Q8_0;
+    attn_job j = {.ops = ops, .q = q, .k = kv->k, .v = kv->v, .ks = q8 ? kv->k_scale : NULL,
+                  .vs = q8 ? kv->v_scale : NULL, .elem = kv_cache_elem_bytes(kv->kind),
                   .slots = slots, .lengths = lengths,
                   .q_stride = q_stride, .C = C, .KVH = KVH, .D = D, .rep = H / KVH,
                   .stride = KVH * D, .scale = scale};

@@ -1,4 +1,5 @@
-/* Prefill attention straight from the paged KV cache (fp32 or fp16), FlashAttention's scheme:
+/* Prefill attention straight from the paged KV cache (fp32, fp16 or q8_0), FlashAttention's
+ * scheme:
  * the scores of a chunk's queries against their keys are never held whole; keys come in
  * tiles of 16, each query row keeps a running max, a running sum and an unnormalized output
  * that every tile rescales (online softmax). Written here because torch's SDPA needs the
@@ -39,15 +40,16 @@ struct fa_job {
     fa_tile_fn tile;
     const float *q;
     const char *k, *v;
-    int64_t elem;  /* bytes per cache value: 4 or 2 */
-    int kv_f16;
+    const kv_half *ks, *vs;  /* q8_0's scales, one per 32 values */
+    int64_t elem;            /* bytes per cache value: 4, 2 or 1 */
+    int kind;                /* KV_CACHE_* */
     const int64_t *slots;
     int64_t q_stride, first, C, start, n, KVH, D, rep, window, stride;
     float scale;
     int64_t t0, ntiles, qt, nblocks;  /* tiles t0.., tokens per item, items per KV head */
-    float *kt;          /* [KVH][ntiles][D][FA_BK] keys, fp32, 0 where no key */
-    int64_t *vslot;     /* [ntiles * FA_BK] slot of each tile lane, -1 where no key */
-    const float *zero;  /* D zeros: the value row of a lane with no key */
+    float *kt;          /* [KVH][ntiles][D][FA_BK] keys as fp32 */
+    int64_t *vslot;     /* [ntiles * FA_BK] slot of each tile lane; a lane with no key
+                           (outside [first, start + n)) reads slots[0]: finite, and masked */
     float *scratch;     /* per thread: see fa_scratch_floats */
     float *out;
     _Atomic int64_t next;
@@ -55,6 +57,15 @@ struct fa_job {
 
 static int64_t fa_rows(const fa_job *j) { return j->qt * j->rep; }
 static int64_t fa_scratch_floats(const fa_job *j) { return fa_rows(j) * (j->D + 2) + j->D; }
+
+/* value d of head g in the row of `slot` in store `base` (scales `sc` for q8_0), as fp32 */
+static inline float fa_elem(const fa_job *j, const char *base, const kv_half *sc, int64_t slot,
+                            int64_t g, int64_t d) {
+    const int64_t at = slot * j->stride + g * j->D + d;
+    if (j->kind == KV_CACHE_F32) return ((const float *)base)[at];
+    if (j->kind == KV_CACHE_F16) return kv_h2f_table[((const kv_half *)base)[at]];
+    return (float)((const int8_t *)base)[at] * kv_h2f_table[sc[at >> 5]];
+}
 
 /* first and last key positions query token i sees */
 static int64_t fa_lo(const fa_job *j, int64_t i) {
@@ -64,15 +75,6 @@ static int64_t fa_lo(const fa_job *j, int64_t i) {
 }
 
 static int64_t fa_hi(const fa_job *j, int64_t i) { return j->start + i; }
-
-static const float *fa_vrow(const fa_job *j, int64_t g, int64_t slot) {
-    if (slot < 0) return j->zero;
-    return (const float *)(j->v + (slot * j->stride + g * j->D) * j->elem);
-}
-
-static inline float fa_load(const fa_job *j, const char *row, int64_t d) {
-    return j->kv_f16 ? kv_h2f_table[((const kv_half *)row)[d]] : ((const float *)row)[d];
-}
 
 /* ---- generic C tile ---- */
 static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
@@ -100,20 +102,14 @@ static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const 
         for (int c = 0; c < FA_BK; c++) {
             if (s[c] == -INFINITY) continue;
             const float p = expf(s[c] - m[r]);
-            const float *vr = fa_vrow(j, g, vs[c]);
             l[r] += p;
-            for (int64_t d = 0; d < D; d++) o[r][d] += p * fa_load(j, (const char *)vr, d);
+            for (int64_t d = 0; d < D; d++) o[r][d] += p * fa_elem(j, j->v, j->vs, vs[c], g, d);
         }
     }
 }
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
-
-KV_INL __m256 fa_load8(const fa_job *j, const float *row, int64_t d) {
-    if (j->kv_f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kv_half *)row + d)));
-    return _mm256_loadu_ps(row + d);
-}
 
 /* s[r][0..16) = q_r . k_c for the tile's 16 keys: 4 rows x 16 keys in 8 registers, named
  * rather than an array so that they stay in registers through the loop */
@@ -179,31 +175,59 @@ KV_INL int fa_softmax_avx2(const fa_job *j, int64_t t, int64_t lo, int64_t hi, _
     return 1;
 }
 
-/* o_r += sum_c p[r][c] v_c, 16 floats of D at a time for the 4 rows */
-KV_INL void fa_mix_avx2(const fa_job *j, int64_t g, const int64_t *vs, const float p[4][FA_BK],
-                        float *const o[4]) {
-    const float *vr[FA_BK];
-    for (int c = 0; c < FA_BK; c++) vr[c] = fa_vrow(j, g, vs[c]);
-    for (int64_t d = 0; d < j->D; d += 16) {
-        __m256 acc[4][2];
-        for (int r = 0; r < 4; r++) {
-            acc[r][0] = _mm256_loadu_ps(o[r] + d);
-            acc[r][1] = _mm256_loadu_ps(o[r] + d + 8);
-        }
-        for (int c = 0; c < FA_BK; c++) {
-            const __m256 v0 = fa_load8(j, vr[c], d), v1 = fa_load8(j, vr[c], d + 8);
-            for (int r = 0; r < 4; r++) {
-                const __m256 b = _mm256_broadcast_ss(&p[r][c]);
-                acc[r][0] = _mm256_fmadd_ps(b, v0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(b, v1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < 4; r++) {
-            _mm256_storeu_ps(o[r] + d, acc[r][0]);
-            _mm256_storeu_ps(o[r] + d + 8, acc[r][1]);
-        }
+/* o_r += sum_c p[r][c] v_c, 16 floats of D at a time for the 4 rows; LOAD16(c, d, v0, v1)
+ * widens the 16 values of lane c's row from d */
+#define FA_MIX_AVX2(name, LOAD16)                                                           \
+    KV_INL void name(const fa_job *j, int64_t g, const int64_t *vs, const float p[4][FA_BK], \
+                     float *const o[4]) {                                                    \
+        const int64_t es = j->elem, gd = g * j->D;                                           \
+        const char *vr[FA_BK];                                                               \
+        const kv_half *sr[FA_BK];                                                            \
+        for (int c = 0; c < FA_BK; c++) {                                                    \
+            vr[c] = j->v + (vs[c] * j->stride + gd) * es;                                    \
+            sr[c] = j->vs ? j->vs + ((vs[c] * j->stride + gd) >> 5) : NULL;                  \
+        }                                                                                    \
+        (void)sr;                                                                            \
+        for (int64_t d = 0; d < j->D; d += 16) {                                             \
+            __m256 acc[4][2];                                                                \
+            for (int r = 0; r < 4; r++) {                                                    \
+                acc[r][0] = _mm256_loadu_ps(o[r] + d);                                       \
+                acc[r][1] = _mm256_loadu_ps(o[r] + d + 8);                                   \
+            }                                                                                \
+            for (int c = 0; c < FA_BK; c++) {                                                \
+                __m256 v0, v1;                                                               \
+                LOAD16(c, d, v0, v1);                                                        \
+                for (int r = 0; r < 4; r++) {                                                \
+                    const __m256 b = _mm256_broadcast_ss(&p[r][c]);                          \
+                    acc[r][0] = _mm256_fmadd_ps(b, v0, acc[r][0]);                           \
+                    acc[r][1] = _mm256_fmadd_ps(b, v1, acc[r][1]);                           \
+                }                                                                            \
+            }                                                                                \
+            for (int r = 0; r < 4; r++) {                                                    \
+                _mm256_storeu_ps(o[r] + d, acc[r][0]);                                       \
+                _mm256_storeu_ps(o[r] + d + 8, acc[r][1]);                                   \
+            }                                                                                \
+        }                                                                                    \
     }
-}
+
+#define FA_LOAD16_F32(c, d, v0, v1)                                                         \
+    (v0 = _mm256_loadu_ps((const float *)vr[c] + (d)),                                       \
+     v1 = _mm256_loadu_ps((const float *)vr[c] + (d) + 8))
+#define FA_LOAD16_F16(c, d, v0, v1)                                                         \
+    (v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kv_half *)vr[c] + (d)))), \
+     v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const kv_half *)vr[c] + (d) + 8))))
+/* 16 int8 values share one scale: D % 32 == 0 and d % 16 == 0 */
+#define FA_LOAD16_Q8(c, d, v0, v1)                                                          \
+    do {                                                                                     \
+        const __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)vr[c] + (d)));   \
+        const __m256 sc = _mm256_set1_ps(kv_h2f_table[sr[c][(d) >> 5]]);                     \
+        v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), sc);                 \
+        v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), sc); \
+    } while (0)
+
+FA_MIX_AVX2(fa_mix_f32, FA_LOAD16_F32)
+FA_MIX_AVX2(fa_mix_f16, FA_LOAD16_F16)
+FA_MIX_AVX2(fa_mix_q8, FA_LOAD16_Q8)
 
 KV_TGT static void fa_tile_avx2(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
                                 const int64_t lo[4], const int64_t hi[4], float *const o[4],
@@ -217,7 +241,11 @@ KV_TGT static void fa_tile_avx2(const fa_job *j, int64_t g, int64_t t, const flo
         if (fa_softmax_avx2(j, t, lo[r], hi[r], s[r], o[r], &m[r], &l[r], p[r])) any = 1;
         else memset(p[r], 0, sizeof p[r]);  /* p = 0: the row's o is left as it is */
     }
-    if (any) fa_mix_avx2(j, g, j->vslot + (t - j->t0) * FA_BK, p, o);
+    if (!any) return;
+    const int64_t *vs = j->vslot + (t - j->t0) * FA_BK;
+    if (j->kind == KV_CACHE_F32) fa_mix_f32(j, g, vs, p, o);
+    else if (j->kind == KV_CACHE_F16) fa_mix_f16(j, g, vs, p, o);
+    else fa_mix_q8(j, g, vs, p, o);
 }
 #endif
 
@@ -231,12 +259,7 @@ static void fa_transpose_task(void *p, int tid, int nthreads) {
         float *kt = j->kt + i * D * FA_BK;
         for (int c = 0; c < FA_BK; c++) {
             const int64_t slot = j->vslot[(t - j->t0) * FA_BK + c];
-            if (slot < 0) {
-                for (int64_t d = 0; d < D; d++) kt[d * FA_BK + c] = 0.0f;
-                continue;
-            }
-            const char *row = j->k + (slot * j->stride + g * D) * j->elem;
-            for (int64_t d = 0; d < D; d++) kt[d * FA_BK + c] = fa_load(j, row, d);
+            for (int64_t d = 0; d < D; d++) kt[d * FA_BK + c] = fa_elem(j, j->k, j->ks, slot, g, d);
         }
     }
 }
@@ -293,12 +316,14 @@ static void fa_run(fa_job *j, kv_task_fn fn, int64_t items, int nt) {
 }
 
 /* Returns 0, or -1 when out of memory. */
-int kv_attend_prefill(const float *q, int64_t q_stride, const void *k, const void *v,
-                      int kv_f16, const int64_t *slots, int64_t first, int64_t start,
-                      int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t window,
-                      float scale, float *out, int use_avx2) {
-    fa_job j = {.tile = fa_tile_c, .q = q, .k = k, .v = v, .elem = kv_f16 ? 2 : 4,
-                .kv_f16 = kv_f16, .slots = slots, .q_stride = q_stride, .first = first,
+int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
+                      const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
+                      int64_t KVH, int64_t D, int64_t window, float scale, float *out,
+                      int use_avx2) {
+    const int q8 = kv->kind == KV_CACHE_Q8_0;
+    fa_job j = {.tile = fa_tile_c, .q = q, .k = kv->k, .v = kv->v, .kind = kv->kind,
+                .ks = q8 ? kv->k_scale : NULL, .vs = q8 ? kv->v_scale : NULL,
+                .elem = kv_cache_elem_bytes(kv->kind), .slots = slots, .q_stride = q_stride, .first = first,
                 .C = start + n - first, .start = start, .n = n, .KVH = KVH, .D = D,
                 .rep = H / KVH, .window = window, .stride = KVH * D, .scale = scale,
                 .out = out};
@@ -315,24 +340,21 @@ int kv_attend_prefill(const float *q, int64_t q_stride, const void *k, const voi
     const int nt = n * j.C * H * D < (1 << 20) || kv_pool_threads() < 1 ? 1 : kv_pool_threads();
     j.kt = malloc((size_t)(KVH * j.ntiles * D * FA_BK) * sizeof(float));
     j.vslot = malloc((size_t)(j.ntiles * FA_BK) * sizeof(int64_t));
-    float *zero = calloc((size_t)D, sizeof(float));
-    j.zero = zero;
     j.scratch = malloc((size_t)(nt * fa_scratch_floats(&j)) * sizeof(float));
     int rc = 0;
-    if (!j.kt || !j.vslot || !zero || !j.scratch) {
+    if (!j.kt || !j.vslot || !j.scratch) {
         rc = -1;
         goto done;
     }
     for (int64_t c = 0; c < j.ntiles * FA_BK; c++) {
         const int64_t pos = j.t0 * FA_BK + c;
-        j.vslot[c] = pos >= first && pos < start + n ? slots[pos - first] : -1;
+        j.vslot[c] = slots[pos >= first && pos < start + n ? pos - first : 0];
     }
     fa_run(&j, fa_transpose_task, KVH * j.ntiles, nt);
     fa_run(&j, fa_task, KVH * j.nblocks, nt);
 done:
     free(j.kt);
     free(j.vslot);
-    free(zero);
     free(j.scratch);
     return rc;
 }

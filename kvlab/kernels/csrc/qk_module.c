@@ -463,20 +463,38 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, lengths,
- * f16): out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of the C cache slots
- * of each row (all C when lengths is 0), k and v fp32 or (f16) fp16 (qk_attn.c) */
+/* the cache arguments (k, v, kind, k_scale, v_scale) of the attention calls, checked */
+static int get_cache(PyObject *const *args, kv_cache_ref *kv) {
+    void *k, *v, *ks, *vs;
+    int64_t kind;
+    if (!get_ptr(args[0], &k) || !get_ptr(args[1], &v) || !get_i64(args[2], &kind) ||
+        !get_ptr(args[3], &ks) || !get_ptr(args[4], &vs))
+        return 0;
+    if (kind < KV_CACHE_F32 || kind > KV_CACHE_Q8_0 || (kind == KV_CACHE_Q8_0 && !(ks && vs))) {
+        PyErr_Format(PyExc_ValueError, "KV cache kind %lld (valid: 0 fp32, 1 fp16, 2 q8_0 "
+                     "with scales)", (long long)kind);
+        return 0;
+    }
+    *kv = (kv_cache_ref){.kind = (int)kind, .k = k, .v = v, .k_scale = ks, .v_scale = vs};
+    return 1;
+}
+
+/* attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, KVH, D,
+ * scale, out, lengths): out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of
+ * the C cache slots of each row (all C when lengths is 0), the cache fp32, fp16 or q8_0
+ * (kind 0, 1, 2; q8_0 with its scales) (qk_attn.c) */
 static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(15);
-    void *q, *k, *v, *slots_p, *out, *lengths_p;
-    int64_t q_stride, num_slots, b, c, h, kvh, d, f16;
+    NARGS(17);
+    void *q, *slots_p, *out, *lengths_p;
+    int64_t q_stride, num_slots, b, c, h, kvh, d;
     float scale;
-    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
-        !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
-        !get_i64(args[6], &b) || !get_i64(args[7], &c) || !get_i64(args[8], &h) ||
-        !get_i64(args[9], &kvh) || !get_i64(args[10], &d) || !get_f32(args[11], &scale) ||
-        !get_ptr(args[12], &out) || !get_ptr(args[13], &lengths_p) || !get_i64(args[14], &f16))
+    kv_cache_ref kv;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_cache(args + 2, &kv) ||
+        !get_i64(args[7], &num_slots) || !get_ptr(args[8], &slots_p) ||
+        !get_i64(args[9], &b) || !get_i64(args[10], &c) || !get_i64(args[11], &h) ||
+        !get_i64(args[12], &kvh) || !get_i64(args[13], &d) || !get_f32(args[14], &scale) ||
+        !get_ptr(args[15], &out) || !get_ptr(args[16], &lengths_p))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -493,30 +511,30 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
-    rc = kv_attend_decode(q, q_stride, k, v, f16 != 0, slots, lengths, b, c, h, kvh, d, scale,
-                          out, use_avx2);
+    rc = kv_attend_decode(q, q_stride, &kv, slots, lengths, b, c, h, kvh, d, scale, out,
+                          use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* attend_prefill(q, q_stride, k, v, num_slots, slots, first, start, n, H, KVH, D, window,
- * scale, out, f16): out[n, H, D], query i (position start + i) against key positions
- * [first, start + i] held in slots[0 .. start + n - first), the last `window` of them when
- * window > 0 (qk_flash.c) */
+/* attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, start,
+ * n, H, KVH, D, window, scale, out): out[n, H, D], query i (position start + i) against key
+ * positions [first, start + i] held in slots[0 .. start + n - first), the last `window` of
+ * them when window > 0; the cache as for attend_decode (qk_flash.c) */
 static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(16);
-    void *q, *k, *v, *slots_p, *out;
-    int64_t q_stride, num_slots, first, start, n, h, kvh, d, window, f16;
+    NARGS(18);
+    void *q, *slots_p, *out;
+    int64_t q_stride, num_slots, first, start, n, h, kvh, d, window;
     float scale;
-    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
-        !get_ptr(args[3], &v) || !get_i64(args[4], &num_slots) || !get_ptr(args[5], &slots_p) ||
-        !get_i64(args[6], &first) || !get_i64(args[7], &start) || !get_i64(args[8], &n) ||
-        !get_i64(args[9], &h) || !get_i64(args[10], &kvh) || !get_i64(args[11], &d) ||
-        !get_i64(args[12], &window) || !get_f32(args[13], &scale) || !get_ptr(args[14], &out) ||
-        !get_i64(args[15], &f16))
+    kv_cache_ref kv;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_cache(args + 2, &kv) ||
+        !get_i64(args[7], &num_slots) || !get_ptr(args[8], &slots_p) ||
+        !get_i64(args[9], &first) || !get_i64(args[10], &start) || !get_i64(args[11], &n) ||
+        !get_i64(args[12], &h) || !get_i64(args[13], &kvh) || !get_i64(args[14], &d) ||
+        !get_i64(args[15], &window) || !get_f32(args[16], &scale) || !get_ptr(args[17], &out))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -530,8 +548,8 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);
-    rc = kv_attend_prefill(q, q_stride, k, v, f16 != 0, slots, first, start, n, h, kvh, d,
-                           window, scale, out, use_avx2);
+    rc = kv_attend_prefill(q, q_stride, &kv, slots, first, start, n, h, kvh, d, window, scale,
+                           out, use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -630,7 +648,8 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
     kv_scatter_rows(kc, s->kv_f16, b->qkv + H * D, width, s->slot_mapping, B, KVH * D);
     kv_scatter_rows(vc, s->kv_f16, b->qkv + (H + KVH) * D, width, s->slot_mapping, B, KVH * D);
-    if (kv_attend_decode(b->qkv, width, kc, vc, s->kv_f16, s->slots[w], s->lengths[w], B,
+    const kv_cache_ref ref = {.kind = s->kv_f16 ? KV_CACHE_F16 : KV_CACHE_F32, .k = kc, .v = vc};
+    if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
                          s->C[w], H, KVH, D, s->scale, b->att, use_avx2))
         return -1;
     if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
@@ -851,11 +870,12 @@ static PyMethodDef methods[] = {
     {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16)"},
     {"attend_prefill", (PyCFunction)(void (*)(void))py_attend_prefill, METH_FASTCALL,
-     "attend_prefill(q, q_stride, k, v, num_slots, slots, first, start, n, H, KVH, D, "
-     "window, scale, out, f16): chunked prefill attention from the paged cache"},
+     "attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, "
+     "start, n, H, KVH, D, window, scale, out): chunked prefill attention from the paged "
+     "cache"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
-     "attend_decode(q, q_stride, k, v, num_slots, slots, B, C, H, KVH, D, scale, out, "
-     "lengths, f16)"},
+     "attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, "
+     "KVH, D, scale, out, lengths)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
