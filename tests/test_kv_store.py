@@ -25,6 +25,22 @@ def test_q8_matches_gguf_reference_dequantization():
     assert (diff < 1e-6).float().mean() > 0.99
 
 
+def test_q8_store_writes_in_c_what_quantize_q8_gives():
+    pytest.importorskip("kvlab.kernels._qk")
+    x = torch.randn(7, 2, 64) * 3
+    x[0, 0, :32] = 0.0  # a block of zeros: scale 0
+    x[1, 1, :32] = torch.arange(32) - 15.5  # ties at .5 steps after scaling
+    x[2] = x[2].to(torch.float16).float()  # values an fp16 scale divides evenly
+    slots = torch.tensor([5, 0, 9, 3, 11, 2, 7])
+    store = Q8KV(12, 2, 64, torch.device("cpu"))
+    assert store._c_writes(slots, x, -x)  # the C write, not quantize_q8 itself
+    store.write(slots, x, -x)
+    q, scale = quantize_q8(x)
+    assert torch.equal(store.k[slots], q) and torch.equal(store.k_scale[slots], scale)
+    q, scale = quantize_q8(-x)
+    assert torch.equal(store.v[slots], q) and torch.equal(store.v_scale[slots], scale)
+
+
 def test_q8_store_write_gather_and_size():
     store = make_kv("q8_0", 32, 2, 64, torch.device("cpu"))
     assert isinstance(store, Q8KV)

@@ -9,6 +9,7 @@ kernels of 2-12 µs each, which is most of a small model's step outside the prod
     geglu(y) -> [T, I]                        gelu_tanh(y[:, :I]) * y[:, I:]
     swiglu(y) -> [T, I]                       silu(y[:, :I]) * y[:, I:]
     scatter_rows_(store, slots, x)            store[slots] = x, the paged KV write (fp32/fp16)
+    scatter_rows_q8_(store, scales, slots, x) ... into a q8_0 store, quantized as it goes
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
     attend_prefill(q, k, v, slots, ...)       a prefill chunk against its cache slots, causally
 
@@ -129,6 +130,16 @@ def scatter_rows_(store: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> 
     slots = _i64(slots)
     _qk.scatter_rows(store.data_ptr(), store.shape[0], x.data_ptr(), x.stride(0),
                      slots.data_ptr(), slots.numel(), store[0].numel(), _f16(store))
+
+
+def scatter_rows_q8_(store: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor,
+                     x: torch.Tensor) -> None:
+    """The q8_0 paged write: store [num_slots, H, D] int8 and scales [num_slots, H, D / 32]
+    fp16 (contiguous) get x [T, H, D] fp32 heads packed at slots [T] (checked), quantized as
+    kv_store.quantize_q8 does."""
+    slots = _i64(slots)
+    _qk.scatter_rows_q8(store.data_ptr(), scales.data_ptr(), store.shape[0], x.data_ptr(),
+                        x.stride(0), slots.data_ptr(), slots.numel(), store[0].numel())
 
 
 def _cache(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,

@@ -232,6 +232,10 @@ void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
  * to nearest even, as torch's .to(torch.float16) */
 void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
                      const int64_t *slots, int64_t n, int64_t row);
+/* the same write into a q8_0 store: each 32 values of a row as int8 and one fp16 scale
+ * (amax / 127), rounded as kvlab.models.kv_store.quantize_q8 rounds; row % 32 == 0 */
+void kv_scatter_rows_q8(int8_t *dst, kv_half *dst_scale, const float *src, int64_t src_stride,
+                        const int64_t *slots, int64_t n, int64_t row);
 /* One layer's paged KV stores as the C attention reads them: [num_slots, KVH, D] values in
  * fp32, fp16 or int8 (q8_0: one fp16 scale per 32 values of a head, [num_slots, KVH, D/32]) */
 enum { KV_CACHE_F32 = 0, KV_CACHE_F16 = 1, KV_CACHE_Q8_0 = 2 };

@@ -78,6 +78,27 @@ void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride
     }
 }
 
+void kv_scatter_rows_q8(int8_t *dst, kv_half *dst_scale, const float *src, int64_t src_stride,
+                        const int64_t *slots, int64_t n, int64_t row) {
+    for (int64_t j = 0; j < n; j++) {
+        int8_t *d = dst + slots[j] * row;
+        kv_half *ds = dst_scale + slots[j] * (row / 32);
+        for (int64_t b = 0; b < row / 32; b++) {
+            const float *x = src + j * src_stride + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const kv_half h = kv_f2h(amax / 127.0f);
+            const float scale = kv_h2f_table[h], inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            ds[b] = h;
+            for (int i = 0; i < 32; i++) {
+                float q = nearbyintf(x[i] * inv);  /* ties to even, as torch.round */
+                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                d[b * 32 + i] = (int8_t)q;
+            }
+        }
+    }
+}
+
 /* GeGLU's gelu_tanh(g) * up: 0.5 * g * (1 + tanh(u)) is computed as g * sigmoid(2u), the
  * same value without tanh's cancellation near -1, with e^x from 2^n * e^r, |r| <= ln2 / 2,
  * and a degree-7 Taylor polynomial (error ~5e-9, below fp32's ulp). The clamp of x to

@@ -463,6 +463,26 @@ static PyObject *py_scatter_rows(PyObject *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* scatter_rows_q8(dst, dst_scale, num_slots, src, src_stride, slots, n, row): the paged
+ * write into a q8_0 store, row % 32 == 0 */
+static PyObject *py_scatter_rows_q8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(8);
+    void *dst, *dst_scale, *src, *slots_p;
+    int64_t num_slots, src_stride, n, row;
+    if (!get_ptr(args[0], &dst) || !get_ptr(args[1], &dst_scale) ||
+        !get_i64(args[2], &num_slots) || !get_ptr(args[3], &src) ||
+        !get_i64(args[4], &src_stride) || !get_ptr(args[5], &slots_p) ||
+        !get_i64(args[6], &n) || !get_i64(args[7], &row))
+        return NULL;
+    if (row % 32) return PyErr_Format(PyExc_ValueError, "q8_0 rows of %lld values: not whole "
+                                      "blocks of 32", (long long)row);
+    const int64_t *slots = slots_p;
+    if (!slots_in_range(slots, n, num_slots)) return NULL;
+    kv_scatter_rows_q8(dst, dst_scale, src, src_stride, slots, n, row);
+    Py_RETURN_NONE;
+}
+
 /* the cache arguments (k, v, kind, k_scale, v_scale) of the attention calls, checked */
 static int get_cache(PyObject *const *args, kv_cache_ref *kv) {
     void *k, *v, *ks, *vs;
@@ -869,6 +889,9 @@ static PyMethodDef methods[] = {
      "silu_mul(x, out, tokens, inter)"},
     {"scatter_rows", (PyCFunction)(void (*)(void))py_scatter_rows, METH_FASTCALL,
      "scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16)"},
+    {"scatter_rows_q8", (PyCFunction)(void (*)(void))py_scatter_rows_q8, METH_FASTCALL,
+     "scatter_rows_q8(dst, dst_scale, num_slots, src, src_stride, slots, n, row): the q8_0 "
+     "paged KV write"},
     {"attend_prefill", (PyCFunction)(void (*)(void))py_attend_prefill, METH_FASTCALL,
      "attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, "
      "start, n, H, KVH, D, window, scale, out): chunked prefill attention from the paged "
