@@ -49,12 +49,21 @@ def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 def test_tiny_quantized_model_is_bit_identical(tmp_path, arch, kv_dtype):
     build(arch, tmp_path)
+    check_bit_identical(tmp_path, kv_dtype)
+
+
+def test_q8_0_kv_in_the_c_layers_is_bit_identical(tmp_path):
+    build("llama", tmp_path, num_attention_heads=2)  # q8_0 KV: whole blocks of 32 per head
+    check_bit_identical(tmp_path, "q8_0")
+
+
+def check_bit_identical(tmp_path, kv_dtype):
     engine = quantized_engine(tmp_path, "q8_0", kv_dtype)
     ids = list(range(3, 40))  # past the sliding window of 4 keys
     fast, slow = logprobs_both_ways(engine, ids, 5)
     plan = engine.runner.model.c_plan
     assert plan.caches(engine.runner.kv_caches) is not None  # the C layers took the stores
-    assert plan.kv_f16 == (kv_dtype == "f16")
+    assert plan.kv_kind == {"f32": 0, "f16": 1, "q8_0": 2}[kv_dtype]
     assert torch.equal(fast, slow)
 
 

@@ -24,7 +24,6 @@ from kvlab.config import ModelConfig
 from kvlab.kernels import QuantizedWeight, fused
 from kvlab.kernels.ops import _qk
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
-from kvlab.models.kv_store import FloatKV
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_module.c
@@ -36,21 +35,29 @@ class Plan:
         self.weights = weights  # int64 [layers, fields]
         self._caches: list[KVStore] | None = None
         self._table: torch.Tensor | None = None
-        self.kv_f16 = False  # the checked stores hold fp16 (else fp32)
+        self.kv_kind = 0  # the checked stores: 0 fp32, 1 fp16, 2 q8_0
 
     def caches(self, kv_caches: list[KVStore]) -> torch.Tensor | None:
-        """int64 [layers, 2]: the K and V store of each layer, or None when the stores are
-        not fp32 or fp16 CPU ones of one dtype; checked and built once per cache list (the
-        runner's own). `kv_f16` tells which."""
+        """int64 [layers, 4]: each layer's K and V store and (q8_0) their scales, or None when
+        the C attention cannot read them all as one kind; checked and built once per cache
+        list (the runner's own). `kv_kind` tells which kind."""
         if kv_caches is not self._caches:
-            ok = len(kv_caches) == self.weights.shape[0] and all(
-                isinstance(c, FloatKV) for c in kv_caches) and fused.cache_fits(
-                *(t for c in kv_caches for t in (c.k, c.v)))
+            stores = [c.c_stores() for c in kv_caches]
+            kinds = {_kind(st) for st in stores}
+            ok = len(kv_caches) == self.weights.shape[0] and len(kinds) == 1 and None not in kinds
             self._caches = kv_caches
-            self._table = torch.tensor([[c.k.data_ptr(), c.v.data_ptr()] for c in kv_caches],
-                                       dtype=torch.int64) if ok else None
-            self.kv_f16 = ok and kv_caches[0].k.dtype == torch.float16
+            self._table = torch.tensor(
+                [[t.data_ptr() if t is not None else 0 for t in st] for st in stores],
+                dtype=torch.int64) if ok else None
+            self.kv_kind = kinds.pop() if ok else 0
         return self._table
+
+
+def _kind(stores: tuple | None) -> int | None:
+    """The C attention's kind of a store's c_stores(): 0 fp32, 1 fp16, 2 q8_0."""
+    if stores is None:
+        return None
+    return {torch.float32: 0, torch.float16: 1, torch.int8: 2}[stores[0].dtype]
 
 
 def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
@@ -123,7 +130,7 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
-        caches.data_ptr(), int(plan.kv_f16))
+        caches.data_ptr(), plan.kv_kind)
     return True
 
 

@@ -614,8 +614,8 @@ typedef struct {
     const int64_t *slot_mapping;            /* [B] */
     const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
     int64_t C[2];
-    const int64_t *caches;                  /* [layers, 2]: K and V stores */
-    int kv_f16;                             /* the stores hold fp16 (else fp32) */
+    const int64_t *caches;                  /* [layers, 4]: K, V stores, K, V scales */
+    int kv_kind;                            /* KV_CACHE_*: fp32, fp16 or q8_0 (scaled) */
 } kv_step;
 
 /* y[:, 0:w->rows] (rows ystride floats apart) = x @ W^T, as py_qmatmul computes it */
@@ -666,9 +666,18 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
                  s->cos[w], s->sin[w], s->eps);
     void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
-    kv_scatter_rows(kc, s->kv_f16, b->qkv + H * D, width, s->slot_mapping, B, KVH * D);
-    kv_scatter_rows(vc, s->kv_f16, b->qkv + (H + KVH) * D, width, s->slot_mapping, B, KVH * D);
-    const kv_cache_ref ref = {.kind = s->kv_f16 ? KV_CACHE_F16 : KV_CACHE_F32, .k = kc, .v = vc};
+    kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
+    const float *knew = b->qkv + H * D, *vnew = b->qkv + (H + KVH) * D;
+    if (s->kv_kind == KV_CACHE_Q8_0) {
+        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping, B, KVH * D);
+        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping, B, KVH * D);
+    } else {
+        const int f16 = s->kv_kind == KV_CACHE_F16;
+        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping, B, KVH * D);
+        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping, B, KVH * D);
+    }
+    const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
+                              .v_scale = vs};
     if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
                          s->C[w], H, KVH, D, s->scale, b->att, use_avx2))
         return -1;
@@ -711,7 +720,7 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
     b.g = b.gu + B * gu;
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
-        rc = attention_half(&plan[l], s->caches + 2 * l, s, x, &b, use_avx2) ||
+        rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||
              mlp_half(&plan[l], s, x, &b);
     free(mem);
     return rc ? -1 : 0;
@@ -719,13 +728,14 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
 
 /* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
  *               cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l,
- *               lengths_l, caches, kv_f16): x [B, hidden] (the residual stream) updated in
- *               place; the K/V stores hold fp32, or fp16 when kv_f16 */
+ *               lengths_l, caches, kv_kind): x [B, hidden] (the residual stream) updated
+ *               in place; caches [layers, 4] (K, V, K scales, V scales), the stores fp32,
+ *               fp16 or q8_0 (kv_kind 0, 1, 2; scales 0 unless q8_0) */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(24);
     void *plan, *x, *ptr[11];
-    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_f16;
+    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind;
     float eps, scale;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
         !get_ptr(args[3], &x) || !get_i64(args[4], &B) || !get_i64(args[5], &hidden) ||
@@ -735,8 +745,12 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         !get_ptr(args[14], &ptr[3]) || !get_ptr(args[15], &ptr[4]) ||
         !get_ptr(args[16], &ptr[5]) || !get_i64(args[17], &Cf) || !get_ptr(args[18], &ptr[6]) ||
         !get_ptr(args[19], &ptr[7]) || !get_i64(args[20], &Cl) || !get_ptr(args[21], &ptr[8]) ||
-        !get_ptr(args[22], &ptr[9]) || !get_i64(args[23], &kv_f16))
+        !get_ptr(args[22], &ptr[9]) || !get_i64(args[23], &kv_kind))
         return NULL;
+    if (kv_kind < KV_CACHE_F32 || kv_kind > KV_CACHE_Q8_0 || (kv_kind == KV_CACHE_Q8_0 && D % 32))
+        return PyErr_Format(PyExc_ValueError, "KV cache kind %lld with head dim %lld (valid: "
+                            "0 fp32, 1 fp16, 2 q8_0 with D %% 32 == 0)", (long long)kv_kind,
+                            (long long)D);
     if (fields != KV_PLAN_FIELDS)
         return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, got %lld",
                             (long long)KV_PLAN_FIELDS, (long long)fields);
@@ -747,7 +761,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                           .scale = scale, .cos = {ptr[0], ptr[2]}, .sin = {ptr[1], ptr[3]},
                           .slot_mapping = ptr[4], .slots = {ptr[5], ptr[7]},
                           .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9],
-                          .kv_f16 = kv_f16 != 0};
+                          .kv_kind = (int)kv_kind};
     const int use_avx2 = avx2_chosen();
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -902,7 +916,7 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
-     "kv_f16)"},
+     "kv_kind)"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
      "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},
