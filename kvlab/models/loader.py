@@ -111,6 +111,7 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
         raw = ckpt.read(src)
         w = _convert(raw, lambda t: transform(config, dst, t), options)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
+        ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
     weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}

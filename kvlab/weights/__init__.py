@@ -51,6 +51,11 @@ class Checkpoint:
     def read(self, name: str) -> RawTensor:
         raise NotImplementedError
 
+    def release_pages(self, name: str | None = None) -> None:
+        """Drop the pages of tensor `name` (or of the whole file) that this process has
+        resident, once what was built from them is a copy; whatever is still read in place
+        faults back in. A no-op where the format has no memory map of its own."""
+
 
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path) -> None:
@@ -61,6 +66,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def names(self) -> set[str]:
         return set(self.file.tensors)
+
+    def release_pages(self, name: str | None = None) -> None:
+        self.file.release_pages(name)
 
     def read(self, name: str) -> RawTensor:
         info = self.file.tensors[name]
