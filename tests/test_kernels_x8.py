@@ -28,7 +28,7 @@ from kvlab.kernels import (
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
 GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL]
-SELF_GROUPED = (T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)  # grouped as themselves
+SELF_GROUPED = (T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.Q5_0)  # as themselves
 NO_QUANTIZER = (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
 
 
@@ -58,10 +58,10 @@ def test_grouped_values_are_the_gguf_values(qtype):
     g = group_rows(w)
     kind = qtype if qtype in SELF_GROUPED else T.Q8_0
     assert g.grouped and g.qtype == kind and g.shape == w.shape
-    # Q4_K, Q3_K and IQ4_XS with unpacked scales; the others their own size; Q8_0
+    # Q4_K, Q3_K and IQ4_XS with unpacked scales; the others their own size; Q8_0's
     per_block = {T.Q4_K: 148 / 256, T.Q6_K: 210 / 256, T.Q2_K: 84 / 256,
                  T.Q3_K: 114 / 256, T.IQ4_XS: 138 / 256,
-                 T.IQ4_NL: 18 / 32}.get(qtype, 34 / 32)
+                 T.IQ4_NL: 18 / 32, T.Q5_0: 22 / 32}.get(qtype, 34 / 32)
     assert g.nbytes == w.out_features * w.in_features * per_block
     assert torch.equal(dequantize(g), dequantize(w))
     ids = torch.tensor([[0, 7, 8], [47, 40, 13]])
@@ -115,7 +115,36 @@ def test_what_cannot_be_grouped_says_why():
     with pytest.raises(ValueError, match="multiple of 8"):
         group_rows(weight(T.Q8_0, rows=44))
     with pytest.raises(ValueError, match="groups of 8"):
-        QuantizedWeight(T.Q5_0, (48, 224), weight(T.Q5_0).data, grouped=True)
+        QuantizedWeight(T.Q5_1, (48, 224), quantize(torch.randn(48, 224), T.Q5_1).data,
+                        grouped=True)
+
+
+def q5_0_as_q8_0(w: QuantizedWeight) -> QuantizedWeight:
+    """The same values as Q8_0 blocks: Q5_0's scale, its 5-bit values less 16 as int8."""
+    b = w.data.view(-1, 22)
+    qh = b[:, 2:6].to(torch.int64)
+    qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
+    bit = (qh[:, None] >> torch.arange(32)) & 1
+    nib = torch.cat([b[:, 6:] & 0xF, b[:, 6:] >> 4], dim=1).to(torch.int64)
+    values = (nib | bit << 4) - 16
+    blocks = torch.cat([b[:, :2], values.to(torch.int8).view(torch.uint8)], dim=1)
+    return QuantizedWeight(T.Q8_0, w.shape, blocks.reshape(w.out_features, -1).contiguous())
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_q5_0_groups_give_q8_0_groups_bits_at_q5_0s_size(isa):
+    w = weight(T.Q5_0)
+    as_q8 = q5_0_as_q8_0(w)
+    assert torch.equal(dequantize(as_q8), dequantize(w))
+    g5, g8 = group_rows(w), group_rows(as_q8)
+    assert g5.nbytes == w.data.numel() < g8.nbytes
+    try:
+        ops._qk.set_isa(isa)
+        for n in (1, 3, 11):
+            x = torch.randn(n, 224)
+            assert torch.equal(qmatmul(x, g5), qmatmul(x, g8))
+    finally:
+        ops._qk.set_isa("auto")
 
 
 def test_copies_keep_the_layout():

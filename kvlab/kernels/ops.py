@@ -154,9 +154,9 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
     return QuantizedWeight(qtype, (rows, cols), data)
 
 
-# GGUF type -> the type of its 8-row groups (Q5_0 and Q4_0 widen to Q8_0 exactly)
+# GGUF type -> the type of its 8-row groups (Q4_0 widens to Q8_0 exactly)
 GROUPS_AS = {
-    T.Q8_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K, T.Q6_K: T.Q6_K,
+    T.Q8_0: T.Q8_0, T.Q5_0: T.Q5_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K, T.Q6_K: T.Q6_K,
     T.Q2_K: T.Q2_K,
     T.Q3_K: T.Q3_K,
     T.IQ4_XS: T.IQ4_XS,
@@ -173,7 +173,7 @@ def can_group(w: QuantizedWeight) -> bool:
 
 def group_rows(w: QuantizedWeight) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
-    Q5_0, Q4_0 as Q8_0x8 (Q8_0's size), Q4_K as Q4_Kx8 (148 bytes per 256), Q6_K as Q6_Kx8
+    Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (148 bytes per 256), Q6_K as Q6_Kx8
     (210 bytes per 256, Q6_K's own size), Q2_K as Q2_Kx8 (its own size), Q3_K as Q3_Kx8
     (114 bytes per 256), IQ4_XS as IQ4_XSx8 (138 bytes per 256), IQ4_NL as IQ4_NLx8 (its own
     size). Their products serve 8 rows per register: batched decode and prefill run 1.3-2x

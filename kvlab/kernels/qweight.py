@@ -25,6 +25,7 @@ GROUPED_KERNEL_TYPES = {
     T.Q3_K: 35,
     T.IQ4_XS: 36,
     T.IQ4_NL: 37,
+    T.Q5_0: 38,
 }
 GROUPED_BLOCK_BYTES = {
     T.Q8_0: 34, T.Q4_K: 148, T.Q6_K: 210,
@@ -32,6 +33,7 @@ GROUPED_BLOCK_BYTES = {
     T.Q3_K: 114,
     T.IQ4_XS: 138,
     T.IQ4_NL: 18,
+    T.Q5_0: 22,
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,

@@ -1083,6 +1083,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_XS] = kv_gemv_iq4_xs_avx2,
         [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_avx2,
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_avx2,
+        [KV_Q5_0X8] = kv_gemv_q5_0x8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1108,6 +1109,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_XS] = KV_ACT_256,
         [KV_IQ4_XSX8] = KV_ACT_256,
         [KV_IQ4_NLX8] = KV_ACT_32,
+        [KV_Q5_0X8] = KV_ACT_32,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,

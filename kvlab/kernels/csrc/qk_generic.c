@@ -64,6 +64,7 @@ int kv_block_size(int qtype) {
         case KV_Q3_KX8: return 256;
         case KV_IQ4_NL: case KV_IQ4_NLX8: return 32;
         case KV_IQ4_XS: case KV_IQ4_XSX8: return 256;
+        case KV_Q5_0X8: return 32;
         default: return 0;
     }
 }
@@ -75,7 +76,7 @@ int kv_type_size(int qtype) {
         case KV_Q8_0: case KV_Q8_0X8: return 34;
         case KV_Q4_0: return 18;
         case KV_Q4_1: return 20;
-        case KV_Q5_0: return 22;
+        case KV_Q5_0: case KV_Q5_0X8: return 22;
         case KV_Q5_1: return 24;
         case KV_Q4_K: return 144;
         case KV_Q4_KX8: return 148;
@@ -372,6 +373,7 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_XS] = kv_gemv_iq4_xs_generic,
         [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_generic,
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_generic,
+        [KV_Q5_0X8] = kv_gemv_q5_0x8_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -394,6 +396,7 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_XS] = KV_ACT_256,
         [KV_IQ4_XSX8] = KV_ACT_256,
         [KV_IQ4_NLX8] = KV_ACT_32,
+        [KV_Q5_0X8] = KV_ACT_32,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,

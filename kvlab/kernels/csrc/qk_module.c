@@ -124,6 +124,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, i
     else if (qtype == KV_Q3_KX8) kv_deq_q3_kx8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_IQ4_XSX8) kv_deq_iq4_xsx8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_IQ4_NLX8) kv_deq_iq4_nlx8_row(w, row_bytes, r, cols, out);
+    else if (qtype == KV_Q5_0X8) kv_deq_q5_0x8_row(w, row_bytes, r, cols, out);
     else g_isa->deq[qtype](w + r * row_bytes, cols, out);
 }
 
@@ -313,8 +314,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q5_0
- * / Q4_0 -> Q8_0x8 (34 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (210 B),
+/* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q4_0
+ * -> Q8_0x8 (34 B per 32), Q5_0 -> Q5_0x8 (22 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (210 B),
  * Q2_K -> Q2_Kx8 (84 B), Q3_K -> Q3_Kx8 (114 B), IQ4_XS -> IQ4_XSx8 (138 B per 256),
  * IQ4_NL -> IQ4_NLx8 (18 B per 32); rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -342,6 +343,7 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
     else if (qtype == KV_Q3_K) kv_to_q3_kx8(src, rows, cols, dst);
     else if (qtype == KV_IQ4_XS) kv_to_iq4_xsx8(src, rows, cols, dst);
     else if (qtype == KV_IQ4_NL) kv_to_iq4_nlx8(src, rows, cols, dst);
+    else if (qtype == KV_Q5_0) kv_to_q5_0x8(src, rows, cols, dst);
     else kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
