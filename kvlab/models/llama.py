@@ -134,14 +134,21 @@ class LlamaModel:
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
             x += self.attention(h, layer, cos, sin, cache, meta, self.config.is_sliding(i))
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            x += linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
+            x += self.mlp(h, layer)
         return x
+
+    def mlp(self, h: torch.Tensor, layer: dict[str, Weight]) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: SwiGLU (the mixture-of-experts files override this)."""
+        return linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
                   sliding: bool) -> torch.Tensor:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
+        if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
+            q = rms_norm(q.contiguous(), layer["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k.contiguous(), layer["k_norm"], c.rms_norm_eps)
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)

@@ -1,0 +1,124 @@
+"""Mixture-of-experts architectures on tiny random configs: kvlab's logits against transformers'
+(fp32, max abs diff <= 1e-4) for prefill, paged decode and a batch of unequal prompts, from the
+safetensors and from a GGUF copy; the experts each token chooses, per layer, equal
+transformers' choices; quantized experts stay in their blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_models import reference_logits, runner_for, step
+
+from kvlab.kernels import QuantizedWeight
+from kvlab.models import find_arch, moe
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.scheduler import ScheduledSeq
+from kvlab.weights import open_checkpoint
+
+from tiny_models import MOE_ARCHS, build, write_gguf
+
+
+@pytest.fixture(scope="module", params=MOE_ARCHS)
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    out = tmp_path_factory.mktemp(arch)
+    return arch, build(arch, out), out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
+def test_batched_decode_equals_each_alone(tiny, fmt):
+    """Experts serve the tokens of several sequences at once (grouped by expert): each row's
+    logits are those it gets alone. (Logits against transformers: tests/test_models.py.)"""
+    arch, hf, out = tiny
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (3, 11, 7)]
+    tables = [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+    runner = runner_for(out / fmt)
+    step(runner, *(ScheduledSeq(str(i), 0, p, t, False, len(p))
+                   for i, (p, t) in enumerate(zip(prompts, tables))))
+    batched = step(runner, *(ScheduledSeq(str(i), len(p), [n], t, True, 0)
+                             for i, (p, n, t) in enumerate(zip(prompts, (5, 6, 7), tables))))
+    for i, (p, n) in enumerate(zip(prompts, (5, 6, 7))):
+        alone = runner_for(out / fmt)
+        step(alone, ScheduledSeq("x", 0, p, tables[i], False, len(p)))
+        one = step(alone, ScheduledSeq("x", len(p), [n], tables[i], True, 0))
+        assert (batched[i] - one[0]).abs().max() <= 1e-5
+
+
+def _transformers_choices(hf, ids: list[int]) -> list[torch.Tensor]:
+    """Per layer: the expert ids [T, k] transformers' router picked, from a forward hook."""
+    picked: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out: picked.append(out[2]))
+             for layer in hf.model.layers]
+    try:
+        reference_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return picked
+
+
+def test_routing_decisions_equal_transformers(tiny, monkeypatch):
+    arch, hf, out = tiny
+    ids = _ids(14, 4)
+    picked: list[torch.Tensor] = []
+    real_route = moe.route
+
+    def recording_route(h, router, config):
+        weights, chosen = real_route(h, router, config)
+        picked.append(chosen)
+        return weights, chosen
+
+    monkeypatch.setattr(moe, "route", recording_route)
+    runner = runner_for(out / "model.gguf")
+    step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 14))
+    ref = _transformers_choices(hf, ids)
+    assert len(picked) == len(ref) == hf.config.num_hidden_layers
+    used = set()
+    for layer, (ours, theirs) in enumerate(zip(picked, ref)):
+        assert torch.equal(ours.sort(-1).values, theirs.sort(-1).values), f"layer {layer}"
+        used |= set(ours.flatten().tolist())
+    assert len(used) > 2  # the tokens spread over several experts
+
+
+def test_quantized_gguf_experts_stay_in_their_blocks(tiny, tmp_path):
+    arch, hf, out = tiny
+    path = tmp_path / "q8.gguf"
+    write_gguf(arch, hf, path, quantize=GGMLQuantizationType.Q8_0)
+    loaded = load_model(open_checkpoint(path), LoadOptions(group_rows=False))
+    experts = loaded.model.layers[0]["experts"]
+    assert len(experts) == loaded.config.moe.num_experts
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == GGMLQuantizationType.Q8_0
+               for w in experts.down)
+    assert all(p.all_quantized for p in experts.gate_up)
+    # the down experts are views of one block of bytes, expert after expert (zero copies)
+    d0, d1 = experts.down[0], experts.down[1]
+    assert d1.data.data_ptr() - d0.data.data_ptr() == d0.nbytes
+    assert {t.qtype for t in loaded.tensors if "_exps." in t.name} == {"Q8_0"}
+    assert not isinstance(loaded.model.layers[0]["router"], QuantizedWeight)
+    ids = _ids(12, 5)
+    runner = runner_for(path)
+    got = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2], True, 12))[0]
+    cos = torch.nn.functional.cosine_similarity(got, reference_logits(hf, ids)[-1], dim=0)
+    assert cos > 0.99
+
+
+def test_moe_models_take_the_per_op_path(tiny):
+    arch, hf, out = tiny
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
+    assert loaded.model.c_plan is None  # the one-call C layers run dense MLPs only
+    assert isinstance(loaded.model.layers[0]["experts"].down[0], QuantizedWeight)
+    assert not isinstance(loaded.model.layers[0]["router"], QuantizedWeight)
+
+
+def test_llama_gguf_with_experts_is_mixtral():
+    meta = {"llama.expert_count": 8}
+    assert find_arch("llama", meta).name == "mixtral"
+    assert find_arch("llama", {}).name == "llama"
+    assert find_arch("llama").name == "llama"
+    assert find_arch("MixtralForCausalLM").name == "mixtral"
