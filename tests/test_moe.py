@@ -5,12 +5,15 @@ transformers' choices; quantized experts stay in their blocks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from test_models import reference_logits, runner_for, step
 
 from kvlab.kernels import QuantizedWeight
+from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.scheduler import ScheduledSeq
@@ -122,3 +125,46 @@ def test_llama_gguf_with_experts_is_mixtral():
     assert find_arch("llama", {}).name == "llama"
     assert find_arch("llama").name == "llama"
     assert find_arch("MixtralForCausalLM").name == "mixtral"
+
+
+def test_expert_share_formula():
+    assert expert_share(8, 64, 1) == pytest.approx(8 / 64)
+    assert expert_share(8, 64, 2) == pytest.approx(1 - (56 / 64) ** 2)
+    assert expert_share(2, 8, 1000) == pytest.approx(1.0)
+    assert expert_share(0, 0, 5) == 1.0  # dense: everything, every step
+
+
+def test_cost_counts_the_chosen_experts(tiny):
+    """Batch 1 reads attention, router, shared expert and k of E experts a layer; a batch of B
+    reads the expected distinct experts E * (1 - (1 - k/E)^B)."""
+    arch, hf, out = tiny
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions())
+    c, m = loaded.config, loaded.config.moe
+    k, e = m.experts_per_token, m.num_experts
+    routed_params = c.num_layers * e * 3 * m.expert_intermediate_size * c.hidden_size
+    routed = 4 * routed_params  # fp32
+    cost = loaded.cost(2)
+    embed = 4 * c.vocab_size * c.hidden_size  # untied: one row read per token
+    assert cost.routed_bytes == routed and (cost.experts, cost.experts_used) == (e, k)
+    assert cost.decode_weight_bytes == (loaded.weight_bytes - embed + embed // c.vocab_size
+                                        - routed * (e - k) // e)
+    assert loaded.active_params == loaded.num_params - routed_params * (e - k) // e
+    for batch in (1, 3, 16):
+        distinct = e * (1 - (1 - k / e) ** batch)
+        assert cost.decode_weight_bytes_at(batch) == pytest.approx(
+            cost.decode_weight_bytes + routed * (distinct - k) / e)
+    dense_params = sum(math.prod(t.shape) for t in loaded.tensors
+                       if t.name.startswith("layers.") and len(t.shape) == 2 and not t.routed)
+    assert cost.matmul_params == dense_params + routed_params * k // e
+
+
+def test_info_reports_experts_and_active_parameters(tiny):
+    from kvlab.cli.info import describe
+
+    arch, hf, out = tiny
+    loaded = load_model(open_checkpoint(out / "model.gguf"), LoadOptions())
+    info = describe(loaded, "tiny")
+    assert info["experts"] == loaded.config.moe.num_experts
+    assert info["active_parameters"] < info["parameters"]
+    steps = info["decode_bytes_per_step"]
+    assert steps[1] == info["decode_bytes_per_token"] < steps[4] < steps[16] <= steps[64]

@@ -57,6 +57,11 @@ class TensorStat:
     nbytes: int
     stored_nbytes: int  # as the checkpoint stores it (8-row groups or F16 -> F32 differ)
 
+    @property
+    def routed(self) -> bool:
+        """One routed expert's matrix ("layers.3.down_exps.5"): read only when chosen."""
+        return "_exps." in self.name
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -77,29 +82,48 @@ class LoadedModel:
     def num_params(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the routed experts it does not pick
+        (the whole embedding and head included, as MoE model names count them)."""
+        routed = sum(math.prod(t.shape) for t in self.tensors if t.routed)
+        return self.num_params - round(routed * (1 - self._routed_share))
+
+    @property
+    def _routed_share(self) -> float:
+        """Share of the routed experts one token reads: experts_used / experts."""
+        moe = self.config.moe
+        return moe.experts_per_token / moe.num_experts if moe else 1.0
+
     def cost(self, kv_bytes_per_element: float) -> ModelCost:
         c = self.config
         embed = next(t for t in self.tensors if t.name == "embed")
         tied = not any(t.name == "lm_head" for t in self.tensors)
-        matmul = sum(math.prod(t.shape) for t in self.tensors
+        share = self._routed_share
+        matmul = sum(math.prod(t.shape) * (share if t.routed else 1) for t in self.tensors
                      if t.name.startswith("layers.") and len(t.shape) == 2)
         return ModelCost(
             decode_weight_bytes=self._decode_bytes(embed, tied, stored=False),
             decode_stored_bytes=self._decode_bytes(embed, tied, stored=True),
-            matmul_params=matmul,
+            matmul_params=round(matmul),
             head_params=c.vocab_size * c.hidden_size,
             kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
             attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim,
             sliding_layer_share=sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers,
-            window=c.sliding_window)
-
+            window=c.sliding_window,
+            routed_bytes=sum(t.nbytes for t in self.tensors if t.routed),
+            experts=c.moe.num_experts if c.moe else 0,
+            experts_used=c.moe.experts_per_token if c.moe else 0)
 
     def _decode_bytes(self, embed: TensorStat, tied: bool, stored: bool) -> int:
-        """Weight bytes a batch-1 decode step reads: every matrix once, one embedding row,
-        the embedding again as the output head when tied; in memory or as stored."""
+        """Weight bytes a batch-1 decode step reads: every matrix once (of the routed experts
+        the k chosen per layer), one embedding row, the embedding again as the output head
+        when tied; in memory or as stored."""
         total, emb = ((self.stored_weight_bytes, embed.stored_nbytes) if stored
                       else (self.weight_bytes, embed.nbytes))
-        return total - emb + emb // embed.shape[0] + (emb if tied else 0)
+        routed = sum(t.stored_nbytes if stored else t.nbytes for t in self.tensors if t.routed)
+        unread = round(routed * (1 - self._routed_share))
+        return total - unread - emb + emb // embed.shape[0] + (emb if tied else 0)
 
 
 def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.metrics import expert_share
+
 
 @dataclass(frozen=True)
 class MatrixSpec:
@@ -105,10 +107,7 @@ class ModelSpec:
 
     def expert_fraction(self, tokens: int) -> float:
         """Share of routed experts a step over `tokens` tokens reads, routing uniform."""
-        if not self.experts:
-            return 1.0
-        miss = (1.0 - self.experts_used / self.experts) ** max(tokens, 1)
-        return 1.0 - miss
+        return expert_share(self.experts_used, self.experts, tokens)
 
     def layer_read_bytes(self, layer: LayerSpec, tokens: int = 1) -> float:
         return layer.dense_bytes + layer.expert_bytes * self.expert_fraction(tokens)
