@@ -192,9 +192,9 @@ class QuantizeFailed(Exception):
 
 
 def quantize(f16: Path, qtype: str, llama_bin: Path) -> Path:
-    """f16 -> llama-3.2-1b-shape-{qtype}.gguf beside it; llama-quantize's log goes beside
+    """f16 (a name with "F16" in it) -> the same name with {qtype} beside it; llama-quantize's log goes beside
     it too (.log), and the lines that warn are echoed."""
-    out = f16.with_name(F16_NAME.replace("F16", qtype))
+    out = f16.with_name(f16.name.replace("F16", qtype))
     cmd = [str(llama_bin / "llama-quantize"), str(f16), str(out.with_suffix(".part")), qtype,
            str(os.cpu_count() or 1)]
     if out.exists():
@@ -385,8 +385,10 @@ def measure_bandwidth(threads: int) -> float | None:
 
 
 def report(model: Path, series: dict[str, Series], bandwidth: float | None,
-           args: argparse.Namespace) -> None:
-    step_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
+           args: argparse.Namespace, step_bytes: float | None = None) -> None:
+    """`step_bytes`: what one decode step reads where not every tensor is (MoE)."""
+    dense_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
+    step_bytes = step_bytes or dense_bytes
     names = list(series)
     peers = names[1:]
     ratio_head = f"kvlab/{peers[0]}" if len(peers) == 1 else "kvlab/faster"

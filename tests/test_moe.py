@@ -12,10 +12,12 @@ import torch
 from gguf import GGMLQuantizationType
 from test_models import reference_logits, runner_for, step
 
+from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import QuantizedWeight
 from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
 from kvlab.models.loader import LoadOptions, load_model
+from kvlab.request import SamplingParams
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights import open_checkpoint
 
@@ -168,3 +170,31 @@ def test_info_reports_experts_and_active_parameters(tiny):
     assert info["active_parameters"] < info["parameters"]
     steps = info["decode_bytes_per_step"]
     assert steps[1] == info["decode_bytes_per_token"] < steps[4] < steps[16] <= steps[64]
+
+
+def test_engine_greedy_equals_transformers_and_reports_the_experts(tiny):
+    """End to end through the engine: greedy tokens equal transformers' generate, and with
+    record_experts each output carries, per layer, the experts of the row that sampled it
+    (the prefill's last prompt position: transformers' choice there)."""
+    arch, hf, out = tiny
+    prompt = _ids(7, 6)
+    config = EngineConfig(block_size=4, record_experts=True)
+    engine = Engine.from_model(str(out / "model.gguf"), config)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=5, temperature=0,
+                                                   ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                      min_new_tokens=5)
+    assert ref[0, len(prompt):].tolist() == tokens
+    k, layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
+    assert all(len(o.experts) == layers and all(len(e) == k for e in o.experts)
+               for o in outputs)
+    theirs = _transformers_choices(hf, prompt)
+    assert [sorted(e) for e in outputs[0].experts] == \
+        [sorted(t[-1].tolist()) for t in theirs]
+    quiet = Engine.from_model(str(out / "model.gguf"), EngineConfig(block_size=4))
+    quiet.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0))
+    assert all(o.experts is None for o in quiet.step())

@@ -128,9 +128,13 @@ def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
     return out
 
 
-def moe_mlp(h: torch.Tensor, layer: dict, moe: MoeConfig) -> torch.Tensor:
-    """The routed experts plus, where the layer has one, the sigmoid-gated shared expert."""
+def moe_mlp(h: torch.Tensor, layer: dict, moe: MoeConfig,
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The routed experts plus, where the layer has one, the sigmoid-gated shared expert;
+    the chosen expert ids [T, k] are appended to `trace` when one is given."""
     weights, ids = route(h, layer["router"], moe)
+    if trace is not None:
+        trace.append(ids)
     out = run_experts(h, layer["experts"], weights, ids)
     if "shexp_gate_up" in layer:
         shared = linear(swiglu(linear(h, layer["shexp_gate_up"])), layer["shexp_down"])
@@ -142,7 +146,8 @@ class MoeModel(LlamaModel):
     """The Llama decoder whose layers with a router run the mixture of experts (layers
     without one, e.g. Qwen2-MoE's `mlp_only_layers`, keep the dense SwiGLU)."""
 
-    def mlp(self, h: torch.Tensor, layer: dict[str, Weight]) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
         if "router" not in layer:
             return super().mlp(h, layer)
-        return moe_mlp(h, layer, self.config.moe)
+        return moe_mlp(h, layer, self.config.moe, trace)
