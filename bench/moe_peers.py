@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -149,35 +148,19 @@ def moe_step_bytes(model: Path, context: int) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-t", type=int, default=2, help="threads, every engine")
-    ap.add_argument("-r", type=int, default=3, help="alternating rounds")
-    ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp test)")
-    ap.add_argument("-n", type=int, default=128, help="generated tokens (tg test)")
+    qp.add_run_args(ap, "Q4_K_M", "/tmp/kvlab-moe-peers")
     ap.add_argument("--layers", type=int, default=16, help="decoder layers (OLMoE: 16)")
-    ap.add_argument("--types", default="Q4_K_M", help="llama-quantize types, comma-separated")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvlab-moe-peers"))
-    ap.add_argument("--llama-bin", type=Path, default=qp.LLAMA_BIN,
-                    help="llama.cpp's build/bin (llama-quantize, llama-bench)")
-    ap.add_argument("--vocab", type=Path, default=qp.VOCAB_FILE,
-                    help="llama.cpp's ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer)")
     args = ap.parse_args(argv)
-    for name in ("t", "r", "p", "n", "layers"):
-        if getattr(args, name) < 1:
-            ap.error(f"-{name} must be >= 1, got {getattr(args, name)}")
-    for binary in (args.llama_bin / "llama-quantize", args.llama_bin / "llama-bench"):
-        if not binary.is_file():
-            ap.error(f"no {binary}: pass --llama-bin DIR (llama.cpp's build/bin)")
+    qp.check_run_args(ap, args, [])
+    if args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     engines: list[qp.Engine] = [qp.KvlabBench(), qp.LlamaBench("llama.cpp", args.llama_bin)]
-    print(f"# CPU: {qp.cpu_kind()}")
-    print(f"# {shlex.join([sys.executable] + sys.argv)}")
-    for engine in engines:
-        print(f"# {engine.name}: {shlex.join(engine.command(Path('FILE'), args))}")
-    bandwidth = qp.measure_bandwidth(args.t)
+    bandwidth = qp.print_header(engines, args)
     args.workdir.mkdir(parents=True, exist_ok=True)
     f16 = ensure_f16(args.workdir, args.vocab, OlmoeShape(layers=args.layers))
     files = []
