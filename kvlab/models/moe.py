@@ -109,23 +109,27 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
 def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
-    out = torch.zeros_like(h)
     if h.shape[0] == 1:  # batch-1 decode: k products on the one row, nothing to gather
+        out = torch.zeros_like(h)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):
             out.add_(experts.run(e, h), alpha=w)
         return out
-    k = ids.shape[1]
+    # the T * k (token, slot) pairs sorted by expert: each expert's rows are one run
+    #   ids [[2, 0], [0, 1]] -> flat [2, 0, 0, 1] -> order [1, 2, 3, 0] (experts 0 0 1 2)
+    t, k = ids.shape
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    tokens, scale = order // k, weights.reshape(-1)[order, None]
+    order = torch.argsort(flat, stable=True)
+    x = h.index_select(0, order // k)
+    scale = weights.reshape(-1)[order, None]
+    y = torch.empty_like(x)
     start = 0
     for e, n in enumerate(torch.bincount(flat, minlength=len(experts)).tolist()):
         if n:
-            rows = tokens[start:start + n]
-            y = experts.run(e, h.index_select(0, rows)) * scale[start:start + n]
-            out.index_add_(0, rows, y)
+            y[start:start + n] = experts.run(e, x[start:start + n]) * scale[start:start + n]
             start += n
-    return out
+    # back to (token, slot) order, then each token's k results summed (a gather and a sum:
+    # torch's CPU index_add_ is far slower)
+    return y.index_select(0, torch.argsort(order)).view(t, k, -1).sum(dim=1)
 
 
 def moe_mlp(h: torch.Tensor, layer: dict, moe: MoeConfig,
