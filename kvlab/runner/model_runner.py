@@ -50,7 +50,8 @@ class ModelRunner:
     def _decode_graphs(self, mode: str, max_batch: int) -> DecodeGraphs | None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"graphs={mode!r} (valid: {', '.join(GRAPH_MODES)})")
-        capture = self.device.type == "cuda"
+        # MoE layers choose their experts on the host (.tolist()): no graph can capture that
+        capture = self.device.type == "cuda" and self.config.moe is None
         if mode == "off" or (mode == "auto" and not capture):
             return None
         width = min(self.num_blocks * self.block_size, self.config.max_position_embeddings)
