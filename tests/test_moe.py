@@ -198,3 +198,19 @@ def test_engine_greedy_equals_transformers_and_reports_the_experts(tiny):
     quiet = Engine.from_model(str(out / "model.gguf"), EngineConfig(block_size=4))
     quiet.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0))
     assert all(o.experts is None for o in quiet.step())
+
+
+def test_qwen2moe_dense_layers_between_expert_layers(tmp_path):
+    """`mlp_only_layers`: those layers keep a dense SwiGLU (no router), the others route."""
+    hf = build("qwen2moe", tmp_path, mlp_only_layers=[1])
+    ids = _ids(10, 7)
+    ref = reference_logits(hf, ids)
+    for fmt in ("hf", "model.gguf"):
+        runner = runner_for(tmp_path / fmt)
+        layers = runner.model.layers
+        assert "router" not in layers[1] and "router" in layers[0] and "router" in layers[2]
+        logits = step(runner, ScheduledSeq("a", 0, ids[:8], [0, 1, 2], True, 8))
+        assert (logits[0] - ref[7]).abs().max() <= 1e-4
+        for pos in (8, 9):
+            logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], [0, 1, 2], True, 0))
+            assert (logits[0] - ref[pos]).abs().max() <= 1e-4

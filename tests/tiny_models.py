@@ -53,14 +53,14 @@ def hf_config(arch: str, **overrides):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default",
                                                    "rope_theta": 1e4}})
-    return _moe_config(arch)
+    return _moe_config(arch, **overrides)
 
 
-def _moe_config(arch: str):
+def _moe_config(arch: str, **overrides):
     """Eight experts (Mixtral: four), two per token, small enough that some go unused."""
     import transformers as tf
 
-    routed = {"num_experts_per_tok": 2}
+    routed = {"num_experts_per_tok": 2, **overrides}
     if arch == "qwen3moe":
         return tf.Qwen3MoeConfig(**_COMMON, **routed, head_dim=16, num_experts=8,
                                  moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1e6)
