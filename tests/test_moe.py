@@ -18,8 +18,9 @@ from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
+from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
-from kvlab.weights import open_checkpoint
+from kvlab.weights import TensorCheckpoint, open_checkpoint
 
 from tiny_models import MOE_ARCHS, build, write_gguf
 
@@ -214,3 +215,17 @@ def test_qwen2moe_dense_layers_between_expert_layers(tmp_path):
         for pos in (8, 9):
             logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], [0, 1, 2], True, 0))
             assert (logits[0] - ref[pos]).abs().max() <= 1e-4
+
+
+def test_a_transformers_model_in_memory_loads_its_fused_experts(tiny):
+    """In memory transformers holds each layer's experts as 3-D gate_up_proj / down_proj
+    (save_pretrained splits them per expert): TensorCheckpoint hands those over as they are."""
+    arch, hf, out = tiny
+    config = {**hf.config.to_dict(), "architectures": [type(hf).__name__]}
+    ckpt = TensorCheckpoint(config, dict(hf.state_dict()))
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
+    loaded = load_model(ckpt, LoadOptions())
+    runner = ModelRunner(loaded.model, loaded.config, 32, 4)
+    ids = _ids(9, 8)
+    logits = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2], True, 9))
+    assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max() <= 1e-4
