@@ -6,6 +6,7 @@ transformers' choices; quantized experts stay in their blocks."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from kvlab.kernels import QuantizedWeight
 from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
 from kvlab.models.loader import LoadOptions, load_model
-from kvlab.request import SamplingParams
+from kvlab.request import RequestOutput, RequestTimings, SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
+from kvlab.server.viz_events import LiveRequests, RunSpec, VizRun
 from kvlab.weights import TensorCheckpoint, open_checkpoint
 
 from tiny_models import MOE_ARCHS, build, write_gguf
@@ -229,3 +231,23 @@ def test_a_transformers_model_in_memory_loads_its_fused_experts(tiny):
     ids = _ids(9, 8)
     logits = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2], True, 9))
     assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max() <= 1e-4
+
+
+def test_viz_token_events_carry_the_experts():
+    """The visualiser's prefill/decode events of a sampled token carry its experts per layer;
+    an output without them (dense models, recording off) adds no field."""
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kw: "x"),
+                             engine=SimpleNamespace(config=SimpleNamespace(block_size=4),
+                                                    cost=SimpleNamespace(kv_bytes_per_token=8)))
+    run = VizRun(engine, LiveRequests(), RunSpec([1, 2, 3], [SamplingParams()]))
+    state = run.states[0]
+    timings = RequestTimings(arrival=0.0, token_times=[0.5, 0.7])
+
+    def output(token: int, experts) -> RequestOutput:
+        return RequestOutput(state.request_id, [token], "x", False, None, 3, 0,
+                             len(state.output_ids) + 1, timings=timings, experts=experts)
+
+    first = run._step_events(state, output(7, [[3, 1], [0, 2]]))
+    assert first[0]["event"] == "prefill" and first[0]["experts"] == [[3, 1], [0, 2]]
+    second = run._step_events(state, output(8, None))
+    assert second[0]["event"] == "decode" and "experts" not in second[0]
