@@ -192,9 +192,9 @@ class QuantizeFailed(Exception):
 
 
 def quantize(f16: Path, qtype: str, llama_bin: Path) -> Path:
-    """f16 -> llama-3.2-1b-shape-{qtype}.gguf beside it; llama-quantize's log goes beside
+    """f16 (a name with "F16" in it) -> the same name with {qtype} beside it; llama-quantize's log goes beside
     it too (.log), and the lines that warn are echoed."""
-    out = f16.with_name(F16_NAME.replace("F16", qtype))
+    out = f16.with_name(f16.name.replace("F16", qtype))
     cmd = [str(llama_bin / "llama-quantize"), str(f16), str(out.with_suffix(".part")), qtype,
            str(os.cpu_count() or 1)]
     if out.exists():
@@ -385,8 +385,10 @@ def measure_bandwidth(threads: int) -> float | None:
 
 
 def report(model: Path, series: dict[str, Series], bandwidth: float | None,
-           args: argparse.Namespace) -> None:
-    step_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
+           args: argparse.Namespace, step_bytes: float | None = None) -> None:
+    """`step_bytes`: what one decode step reads where not every tensor is (MoE)."""
+    dense_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
+    step_bytes = step_bytes or dense_bytes
     names = list(series)
     peers = names[1:]
     ratio_head = f"kvlab/{peers[0]}" if len(peers) == 1 else "kvlab/faster"
@@ -461,30 +463,50 @@ def cpu_kind() -> str:
     return f"{kind}; {name}; {os.cpu_count()} logical cores"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(ap: argparse.ArgumentParser, types: str, workdir: str) -> None:
+    """The flags every peer benchmark takes: threads, rounds, test sizes, quant types, the
+    work folder, llama.cpp's binaries and the vocabulary file."""
     ap.add_argument("-t", type=int, default=2, help="threads, every engine")
     ap.add_argument("-r", type=int, default=3, help="alternating rounds")
     ap.add_argument("-p", type=int, default=512, help="prompt tokens (pp test)")
     ap.add_argument("-n", type=int, default=128, help="generated tokens (tg test)")
-    ap.add_argument("--types", default=DEFAULT_TYPES, help="llama-quantize types, comma-separated")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvlab-quant-peers"))
+    ap.add_argument("--types", default=types, help="llama-quantize types, comma-separated")
+    ap.add_argument("--workdir", type=Path, default=Path(workdir))
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN,
                     help="llama.cpp's build/bin (llama-quantize, llama-bench)")
+    ap.add_argument("--vocab", type=Path, default=VOCAB_FILE,
+                    help="llama.cpp's ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer)")
+
+
+def check_run_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                   binaries: list[Path]) -> None:
+    for name in ("t", "r", "p", "n"):
+        if getattr(args, name) < 1:
+            ap.error(f"-{name} must be >= 1, got {getattr(args, name)}")
+    for binary in [args.llama_bin / "llama-quantize", args.llama_bin / "llama-bench",
+                   *binaries]:
+        if not binary.is_file():
+            ap.error(f"no {binary}: pass --llama-bin / --ik-llama-bin DIR (a build/bin)")
+
+
+def print_header(engines: list[Engine], args: argparse.Namespace) -> float | None:
+    """The CPU, this command and each engine's, then the measured bandwidth (returned)."""
+    print(f"# CPU: {cpu_kind()}")
+    print(f"# {shlex.join([sys.executable] + sys.argv)}")
+    for engine in engines:
+        print(f"# {engine.name}: {shlex.join(engine.command(Path('FILE'), args))}")
+    return measure_bandwidth(args.t)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap, DEFAULT_TYPES, "/tmp/kvlab-quant-peers")
     ap.add_argument("--ik-llama-bin", type=Path, default=None,
                     help="ik_llama.cpp's build/bin: its llama-bench runs as a third engine")
     ap.add_argument("--models", type=Path, nargs="+", default=[], help="extra GGUF files")
     ap.add_argument("--skip-gemma", action="store_true", help="leave out the default Gemma 3")
-    ap.add_argument("--vocab", type=Path, default=VOCAB_FILE,
-                    help="llama.cpp's ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer)")
     args = ap.parse_args(argv)
-    for name in ("t", "r", "p", "n"):
-        if getattr(args, name) < 1:
-            ap.error(f"-{name} must be >= 1, got {getattr(args, name)}")
-    for binary in [args.llama_bin / "llama-quantize", args.llama_bin / "llama-bench"] + \
-            ([args.ik_llama_bin / "llama-bench"] if args.ik_llama_bin else []):
-        if not binary.is_file():
-            ap.error(f"no {binary}: pass --llama-bin / --ik-llama-bin DIR (a build/bin)")
+    check_run_args(ap, args, [args.ik_llama_bin / "llama-bench"] if args.ik_llama_bin else [])
     return args
 
 
@@ -512,11 +534,7 @@ def main(argv: list[str] | None = None) -> None:
     engines: list[Engine] = [KvlabBench(), LlamaBench("llama.cpp", args.llama_bin)]
     if args.ik_llama_bin:
         engines.append(LlamaBench("ik_llama.cpp", args.ik_llama_bin))
-    print(f"# CPU: {cpu_kind()}")
-    print(f"# {shlex.join([sys.executable] + sys.argv)}")
-    for engine in engines:
-        print(f"# {engine.name}: {shlex.join(engine.command(Path('FILE'), args))}")
-    bandwidth = measure_bandwidth(args.t)
+    bandwidth = print_header(engines, args)
     files = list(model_files(args))  # all quantizing first: the benchmarks then run alone
     for model in files:
         report(model, bench_file(model, engines, args), bandwidth, args)

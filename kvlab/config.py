@@ -19,6 +19,17 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token runs `experts_per_token` of `num_experts`."""
+
+    num_experts: int
+    experts_per_token: int  # top-k of the router's softmax
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the k chosen probabilities to sum to 1
+    shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -35,10 +46,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: "full" or "sliding"
     tie_word_embeddings: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys
+    qk_norm_whole: bool = False  # RMSNorm over all heads' queries (keys) as one vector (OLMoE)
     attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
+    moe: MoeConfig | None = None  # None: a dense MLP in every layer
     name: str = ""
 
     def __post_init__(self) -> None:

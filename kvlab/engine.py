@@ -63,6 +63,9 @@ class EngineConfig:
     device: str = "cpu"
     decode_graphs: str = "auto"  # CUDA graphs for decode steps: auto (on CUDA) | off | eager
     chat_template: str | None = None  # a Jinja chat template in place of the model's own
+    # MoE models: each output carries the experts its sampled token's row was routed to
+    # (RequestOutput.experts, for the visualiser); off, a step records nothing
+    record_experts: bool = False
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -283,7 +286,7 @@ class Engine:
                              return_when="FIRST_COMPLETED")
             return outputs + self._stall_outputs()
         start = time.perf_counter()
-        logits = self.runner.execute(sched)
+        logits = self.runner.execute(sched, self.config.record_experts)
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)
         now = time.perf_counter()
         self._account(sched, start, now)
@@ -295,6 +298,8 @@ class Engine:
         for row, seq_id in enumerate(logits.seq_ids):
             out = self._append_sampled(self.requests[seq_id], sampled, row, now)
             out.allowed_tokens = counts.get(row)
+            if logits.experts is not None:
+                out.experts = logits.experts[row].tolist()
             outputs.append(out)
         return outputs
 

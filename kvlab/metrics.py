@@ -22,6 +22,20 @@ class ModelCost:
     attn_flops_per_key: int  # 4 * layers * heads * head_dim: QK^T and PV per (query, key)
     sliding_layer_share: float = 0.0  # layers that only read their last `window` keys
     window: int | None = None
+    # mixture of experts: the routed experts' weights, all of them (decode_weight_bytes and
+    # matmul_params hold the share one token reads: experts_used / experts)
+    routed_bytes: int = 0
+    experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    experts_used: int = 0  # chosen per token
+
+    def decode_weight_bytes_at(self, batch: int) -> float:
+        """Weight bytes a decode step over `batch` sequences reads: the routed experts at the
+        expected share of distinct ones the batch picks, everything else once."""
+        if not self.experts:
+            return float(self.decode_weight_bytes)
+        extra = expert_share(self.experts_used, self.experts, batch) - \
+            self.experts_used / self.experts
+        return self.decode_weight_bytes + self.routed_bytes * extra
 
     def keys_read(self, context: int) -> float:
         """Keys a decode step reads, averaged over layers (sliding layers cap at the window)."""
@@ -40,6 +54,14 @@ class ModelCost:
 
     def decode_bytes(self, context: int) -> float:
         return self.decode_weight_bytes + self.kv_bytes_per_token * self.keys_read(context)
+
+
+def expert_share(used: int, experts: int, tokens: int) -> float:
+    """Expected share of distinct experts `tokens` tokens route to, each picking `used` of
+    `experts` uniformly: 1 - (1 - used / experts) ** tokens (batch 1: used / experts)."""
+    if not experts:
+        return 1.0
+    return 1.0 - (1.0 - used / experts) ** max(tokens, 1)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -92,7 +114,8 @@ class GenerationMetrics:
             itl_p50_ms=1e3 * _percentile(itl, 0.5), itl_p99_ms=1e3 * _percentile(itl, 0.99),
             total_s=end - t.arrival, kv_tokens=kv_tokens,
             kv_bytes=kv_tokens * cost.kv_bytes_per_token,
-            prefill_gb_s=_rate(cost.decode_weight_bytes + cost.kv_bytes_per_token * computed,
+            prefill_gb_s=_rate(cost.decode_weight_bytes_at(computed)
+                               + cost.kv_bytes_per_token * computed,
                                prefill_s) / 1e9,
             prefill_gflop_s=_rate(cost.prefill_flops(computed, cached_tokens), prefill_s) / 1e9,
             decode_gb_s=_rate(steps * cost.decode_bytes(int(mid_context)), decode_s) / 1e9,

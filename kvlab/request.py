@@ -145,3 +145,6 @@ class RequestOutput:
     timings: RequestTimings | None = None
     forced_tokens: int = 0  # of output_tokens, appended by the structure without sampling
     allowed_tokens: int | None = None  # tokens the structure allowed this step's sampled one
+    # with EngineConfig.record_experts on an MoE model: per MoE layer, the expert ids the
+    # sampled token's position was routed to (the step's last position of this request)
+    experts: list[list[int]] | None = None

@@ -238,6 +238,7 @@ def test_synthetic_moe_gguf_untied_hybrid(tmp_path: Path) -> None:
     assert [lyr.attn_flop_per_key for lyr in spec.layers] == [2 * 4 * 8, 0]
     experts = 3 * 4 * 8 * 16
     assert spec.layers[1].expert_params == experts and spec.layers[1].dense_params == 4 * 16
+    assert spec.active_params == spec.n_params - 2 * experts // 2  # 2 of 4 experts unread
     attention = 2 * 16 * 16 + 2 * 8 * 16
     assert spec.matmul_flop_per_token() == 2 * (attention + 2 * 4 * 16 + 2 * experts / 2)
     expected = (spec.weight_bytes - 32 * 16 * 4 + 16 * 4  # input table: one row

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
+MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
+_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama"}  # as llama.cpp's converter writes them
 
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -51,6 +53,25 @@ def hf_config(arch: str, **overrides):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default",
                                                    "rope_theta": 1e4}})
+    return _moe_config(arch, **overrides)
+
+
+def _moe_config(arch: str, **overrides):
+    """Eight experts (Mixtral: four), two per token, small enough that some go unused."""
+    import transformers as tf
+
+    routed = {"num_experts_per_tok": 2, **overrides}
+    if arch == "qwen3moe":
+        return tf.Qwen3MoeConfig(**_COMMON, **routed, head_dim=16, num_experts=8,
+                                 moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1e6)
+    if arch == "qwen2moe":
+        return tf.Qwen2MoeConfig(**_COMMON, **routed, num_experts=8, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, rope_theta=1e6)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**_COMMON, **routed, num_local_experts=4, rope_theta=1e6)
+    if arch == "olmoe":
+        return tf.OlmoeConfig(**{**_COMMON, "intermediate_size": 32}, **routed, num_experts=8,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise ValueError(arch)
 
 
@@ -70,17 +91,20 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(torch.randn_like(p) * 0.1 + (0.0 if gemma else 1.0))
+            elif name.endswith("mlp.gate.weight"):  # routers far from ties between experts
+                p.normal_(0.0, 0.5)
     model.eval()
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     write_gguf(arch, model, out_dir / "model.gguf")
     return model
 
 
-def write_gguf(arch: str, model, path: Path) -> None:
+def write_gguf(arch: str, model, path: Path, quantize=None) -> None:
+    """`quantize`: a gguf.GGMLQuantizationType for the expert tensors (others stay F32)."""
     import gguf
 
     cfg = model.config
-    arch = "llama" if arch == "mistral" else arch  # as llama.cpp's converter writes it
+    arch = _GGUF_ARCH.get(arch, arch)
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
@@ -100,13 +124,32 @@ def write_gguf(arch: str, model, path: Path) -> None:
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    _add_moe_keys(w, arch, cfg)
     _add_byte_tokenizer(w, cfg.vocab_size)
     for name, t in _gguf_tensors(arch, model):
-        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+        data = t.detach().float().numpy().astype(np.float32)
+        if quantize is not None and name.endswith("_exps.weight"):
+            data = gguf.quants.quantize(data, quantize)  # blocks along the last axis
+            w.add_tensor(name, data, raw_dtype=quantize)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add_moe_keys(w, arch: str, cfg) -> None:
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if not experts:
+        return
+    w.add_uint32(f"{arch}.expert_count", experts)
+    w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    w.add_uint32(f"{arch}.expert_feed_forward_length", inter)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length",
+                     cfg.shared_expert_intermediate_size)
 
 
 def _add_byte_tokenizer(w, vocab_size: int) -> None:
@@ -134,7 +177,11 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _LAYER_LLAMA = {"post_attention_layernorm": "ffn_norm"}
 _LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
@@ -153,10 +200,24 @@ def _gguf_tensors(arch: str, model):
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 yield "output.weight", t
+        elif ".mlp.experts." in name:
+            yield from _expert_tensors(name, t)
         elif name.startswith("model.layers."):
             yield _layer_tensor(arch, cfg, name, t, table)
     if arch == "llama":
         yield "rope_freqs.weight", _llama3_freq_factors(model)
+
+
+def _expert_tensors(name: str, t: torch.Tensor):
+    """transformers' fused [experts, 2 * inter, hidden] gate|up and [experts, hidden, inter]
+    down -> llama.cpp's ffn_{gate,up,down}_exps, each [experts, out, in]."""
+    i = name.split(".")[2]
+    if name.endswith("gate_up_proj"):
+        gate, up = t.chunk(2, dim=1)
+        yield f"blk.{i}.ffn_gate_exps.weight", gate
+        yield f"blk.{i}.ffn_up_exps.weight", up
+    else:
+        yield f"blk.{i}.ffn_down_exps.weight", t
 
 
 def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):
@@ -164,7 +225,7 @@ def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):
     module, kind = rest.rsplit(".", 1)
     if arch in ("gemma3", "gemma2") and module.endswith("norm"):
         t = t + 1
-    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # + mixtral
         heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
         t = _permute(t, heads)
     return f"blk.{i}.{table[module]}.{kind}", t

@@ -9,6 +9,7 @@ from kvlab.bench.llama_bench import BenchResult, bench_pp, bench_tg, format_tabl
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
+from kvlab.metrics import ModelCost
 from kvlab.weights import default_model_path
 
 
@@ -78,6 +79,12 @@ def _machine_bandwidth() -> float | None:
         return None
 
 
+def _routed_note(cost: ModelCost) -> str:
+    if not cost.experts:
+        return ""
+    return f"; {cost.experts_used} of {cost.experts} experts per layer and token"
+
+
 def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
     if fmt == "json":
         print(json.dumps({"model": engine.model_name,
@@ -85,5 +92,6 @@ def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
         return
     print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "
           f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token "
-          f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)")
+          f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)"
+          + _routed_note(engine.cost))
     print(format_table(results, fmt))

@@ -37,7 +37,22 @@ def describe(loaded: LoadedModel, path: str) -> dict:
         "kv_bytes_per_token_f32": int(c.kv_bytes_per_token(4)),
         "decode_bytes_per_token": cost.decode_weight_bytes,
         "decode_stored_bytes_per_token": cost.decode_stored_bytes,
+        **_moe_fields(loaded),
     }
+
+
+def _moe_fields(loaded: LoadedModel) -> dict:
+    """Experts, active parameters and the weight bytes a decode step reads at a few batch
+    sizes (the distinct experts a batch routes to grow with it); {} for dense models."""
+    moe = loaded.config.moe
+    if moe is None:
+        return {}
+    cost = loaded.cost(2)
+    return {"experts": moe.num_experts, "experts_used": moe.experts_per_token,
+            "shared_expert": bool(moe.shared_intermediate_size),
+            "active_parameters": loaded.active_params,
+            "decode_bytes_per_step": {b: round(cost.decode_weight_bytes_at(b))
+                                      for b in (1, 4, 16, 64)}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
           f"{info['stored_weight_bytes'] / 1e6:.1f} MB in the file")
     for qtype, v in sorted(info["quant_types"].items(), key=lambda kv: -kv[1]["bytes"]):
         print(f"  {qtype:6s} {v['parameters'] / 1e6:9.2f} M params  {v['bytes'] / 1e6:9.2f} MB")
+    if "experts" in info:
+        print(f"experts         {info['experts_used']} of {info['experts']} per token"
+              + (" + a shared expert" if info["shared_expert"] else "")
+              + f", {info['active_parameters'] / 1e6:.1f} M parameters active per token")
     print(f"layers {info['layers']}, hidden {info['hidden_size']}, heads {info['heads']} "
           f"(KV {info['kv_heads']}), head dim {info['head_dim']}, vocab {info['vocab_size']}")
     window = info["sliding_window"]
@@ -62,4 +81,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode reads    {info['decode_bytes_per_token'] / 1e6:.1f} MB of weights per token "
           f"as held in memory ({info['decode_stored_bytes_per_token'] / 1e6:.1f} MB as the "
           "file stores them)")
+    for batch, nbytes in info.get("decode_bytes_per_step", {}).items():
+        if batch > 1:
+            print(f"  batch {batch:3d}     {nbytes / 1e6:.1f} MB per step (expected distinct "
+                  "experts)")
     return 0

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from kvlab.server import serve
 
     config = engine_config(args, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                           enable_prefix_caching=not args.no_prefix_caching)
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           record_experts=True)  # MoE models: which experts each token ran
     engine = Engine.from_model(args.model, config)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"kvlab viz: {engine.model_name} — open http://{host}:{args.port}/viz "

@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvlab.errors import ModelLoadError
-from kvlab.models import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from kvlab.models import (
+    gemma2,
+    gemma3,
+    llama,
+    mistral,
+    mixtral,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from kvlab.models.spec import ArchSpec
 
 ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
-                                       mistral.SPEC, gemma2.SPEC, phi3.SPEC)}
+                                       mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
+                                       qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
+_GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 
 
-def find_arch(name: str) -> ArchSpec:
-    """A GGUF `general.architecture` or an HF `architectures[0]` / `model_type` -> spec."""
+def find_arch(name: str, gguf_metadata: dict[str, Any] | None = None) -> ArchSpec:
+    """A GGUF `general.architecture` or an HF `architectures[0]` / `model_type` -> spec; with
+    a GGUF file's metadata, a family written under another's name (Mixtral as `llama`)."""
+    for variant in _GGUF_VARIANTS if gguf_metadata is not None else ():
+        base, matches = variant.gguf_variant_of
+        if name == base and matches(gguf_metadata):
+            return variant
     spec = ARCHITECTURES.get(name) or _HF_NAMES.get(name)
     if spec is None and name.endswith("_text"):
         spec = ARCHITECTURES.get(name.removesuffix("_text"))

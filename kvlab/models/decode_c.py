@@ -62,8 +62,8 @@ def _kind(stores: tuple | None) -> int | None:
 
 def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
     """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
-    if _qk is None or not layers:
-        return None
+    if _qk is None or not layers or config.moe is not None or config.qk_norm_whole:
+        return None  # the C layers run dense SwiGLU/GeGLU MLPs and per-head QK-norm only
     rows = []
     for i, layer in enumerate(layers):
         row = _layer_row(layer, config.is_sliding(i), GATES[gate])
@@ -75,8 +75,8 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
 
 
 def _layer_row(layer: dict, sliding: bool, gate: int) -> list[int] | None:
-    qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer["gate_up"], 2)
-    o, down = _desc(layer["o"]), _desc(layer["down"])
+    qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer.get("gate_up"), 2)
+    o, down = _desc(layer["o"]), _desc(layer.get("down"))
     norms = {n: _norm(layer.get(n), n in _OPTIONAL)
              for n in ("attn_norm", "mlp_norm", *_OPTIONAL)}
     if qkv is None or gate_up is None or o is None or down is None or None in norms.values():

@@ -121,9 +121,12 @@ class LlamaModel:
         self.c_plan = decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVStore],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
+                kv_caches: list[KVStore], meta: AttentionMetadata,
+                trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm).
+
+        `trace`: a list the MoE layers append their chosen expert ids [T, k] to, one entry per
+        MoE layer (for a caller that asks; dense layers add nothing)."""
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
         ropes = {False: (cos, sin), True: (cos, sin)}  # one RoPE table for every layer
@@ -134,14 +137,22 @@ class LlamaModel:
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
             x += self.attention(h, layer, cos, sin, cache, meta, self.config.is_sliding(i))
             h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            x += linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
+            x += self.mlp(h, layer, trace)
         return x
+
+    def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: SwiGLU (the mixture-of-experts files override this)."""
+        return linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
                   sliding: bool) -> torch.Tensor:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
+        if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
+            q = rms_norm(q.contiguous(), layer["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k.contiguous(), layer["k_norm"], c.rms_norm_eps)
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)

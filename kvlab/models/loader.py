@@ -26,11 +26,16 @@ from kvlab.kernels import (
 from kvlab.metrics import ModelCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
+from kvlab.models.moe import Experts
 from kvlab.models.spec import ArchSpec, NameTable
 from kvlab.weights import Checkpoint, RawTensor
 
 QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C)
 _SUPPORTED = {t.name for t in SUPPORTED_TYPES}
+_STACKED = (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")),
+            ("shexp_gate_up", ("shexp_gate", "shexp_up")))
+# routers stay as stored: a top-k choice flips on small changes, and they are small
+_DENSE = {"router", "shexp_router"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,11 @@ class TensorStat:
     nbytes: int
     stored_nbytes: int  # as the checkpoint stores it (8-row groups or F16 -> F32 differ)
 
+    @property
+    def routed(self) -> bool:
+        """One routed expert's matrix ("layers.3.down_exps.5"): read only when chosen."""
+        return "_exps." in self.name
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -72,34 +82,53 @@ class LoadedModel:
     def num_params(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors)
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the routed experts it does not pick
+        (the whole embedding and head included, as MoE model names count them)."""
+        routed = sum(math.prod(t.shape) for t in self.tensors if t.routed)
+        return self.num_params - round(routed * (1 - self._routed_share))
+
+    @property
+    def _routed_share(self) -> float:
+        """Share of the routed experts one token reads: experts_used / experts."""
+        moe = self.config.moe
+        return moe.experts_per_token / moe.num_experts if moe else 1.0
+
     def cost(self, kv_bytes_per_element: float) -> ModelCost:
         c = self.config
         embed = next(t for t in self.tensors if t.name == "embed")
         tied = not any(t.name == "lm_head" for t in self.tensors)
-        matmul = sum(math.prod(t.shape) for t in self.tensors
+        share = self._routed_share
+        matmul = sum(math.prod(t.shape) * (share if t.routed else 1) for t in self.tensors
                      if t.name.startswith("layers.") and len(t.shape) == 2)
         return ModelCost(
             decode_weight_bytes=self._decode_bytes(embed, tied, stored=False),
             decode_stored_bytes=self._decode_bytes(embed, tied, stored=True),
-            matmul_params=matmul,
+            matmul_params=round(matmul),
             head_params=c.vocab_size * c.hidden_size,
             kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
             attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim,
             sliding_layer_share=sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers,
-            window=c.sliding_window)
-
+            window=c.sliding_window,
+            routed_bytes=sum(t.nbytes for t in self.tensors if t.routed),
+            experts=c.moe.num_experts if c.moe else 0,
+            experts_used=c.moe.experts_per_token if c.moe else 0)
 
     def _decode_bytes(self, embed: TensorStat, tied: bool, stored: bool) -> int:
-        """Weight bytes a batch-1 decode step reads: every matrix once, one embedding row,
-        the embedding again as the output head when tied; in memory or as stored."""
+        """Weight bytes a batch-1 decode step reads: every matrix once (of the routed experts
+        the k chosen per layer), one embedding row, the embedding again as the output head
+        when tied; in memory or as stored."""
         total, emb = ((self.stored_weight_bytes, embed.stored_nbytes) if stored
                       else (self.weight_bytes, embed.nbytes))
-        return total - emb + emb // embed.shape[0] + (emb if tied else 0)
+        routed = sum(t.stored_nbytes if stored else t.nbytes for t in self.tensors if t.routed)
+        unread = round(routed * (1 - self._routed_share))
+        return total - unread - emb + emb // embed.shape[0] + (emb if tied else 0)
 
 
 def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
-    spec = find_arch(ckpt.architecture)
     gguf = ckpt.format == "gguf"
+    spec = find_arch(ckpt.architecture, ckpt.metadata if gguf else None)
     config = (spec.config_from_gguf if gguf else spec.config_from_hf)(ckpt.metadata)
     table = spec.gguf_names if gguf else spec.hf_names
     transform = spec.gguf_transform if gguf else spec.hf_transform
@@ -107,20 +136,53 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
 
     stats: list[TensorStat] = []
 
-    def get(src: str, dst: str, stat_name: str) -> Weight:
-        raw = ckpt.read(src)
-        w = _convert(raw, lambda t: transform(config, dst, t), options)
+    def convert(raw: RawTensor, dst: str, stat_name: str) -> Weight:
+        w = _convert(raw, lambda t: transform(config, dst, t), options, dense=dst in _DENSE)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
         ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
+    def get(src: str, dst: str, stat_name: str) -> Weight | tuple[Weight, ...]:
+        raw = ckpt.read(src)
+        if len(raw.shape) == 3:  # a layer's experts stacked on the first axis
+            return tuple(convert(sub, dst, f"{stat_name}.{e}")
+                         for e, sub in enumerate(_expert_slices(raw)))
+        return convert(raw, dst, stat_name)
+
+    def get_layer(i: int) -> dict[str, Weight | tuple[Weight, ...]]:
+        layer = {dst: get(src, dst, f"layers.{i}.{dst}")
+                 for src, dst in _layer_names(table, i, names)}
+        for srcs, dst in _expert_names(table, i, names):
+            layer[dst] = tuple(get(src, dst, f"layers.{i}.{dst}.{e}")
+                               for e, src in enumerate(srcs))
+        return layer
+
     weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}
-    layers = [{dst: get(src, dst, f"layers.{i}.{dst}")
-               for src, dst in _layer_names(table, i, names)} for i in range(config.num_layers)]
+    layers = [get_layer(i) for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
     model = spec.model_cls(config, weights, [_stack(layer, fused) for layer in layers])
     return LoadedModel(spec, config, model, tuple(stats))
+
+
+def _expert_slices(raw: RawTensor) -> list[RawTensor]:
+    """[experts, out, in] -> one [out, in] RawTensor per expert, views of the same bytes
+    (quantized blocks are sliced along the expert axis, never dequantized)."""
+    n, shape = raw.shape[0], raw.shape[1:]
+    data = raw.data.view(n, shape[0], -1) if raw.quantized else raw.data
+    return [RawTensor(shape, raw.qtype, data[e]) for e in range(n)]
+
+
+def _expert_names(table: NameTable, i: int, names: set[str]) -> list[tuple[list[str], str]]:
+    """Per-expert checkpoint names of layer i, expert 0 up, for each kvlab name present."""
+    prefix, out = table.layer_prefix.format(i=i), []
+    for src, dst in table.experts.items():
+        found: list[str] = []
+        while (name := prefix + src.format(e=len(found))) in names:
+            found.append(name)
+        if found:
+            out.append((found, dst))
+    return out
 
 
 def _stack(layer: dict[str, Weight],
@@ -128,15 +190,29 @@ def _stack(layer: dict[str, Weight],
     """q/k/v -> "qkv" and gate/up -> "gate_up": one product over the same input each (a
     checkpoint that stores them fused already gives the one matrix, split by its sizes)."""
     out: dict[str, Weight | Stacked] = dict(layer)
-    for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+    for fused, names in _STACKED:
         if fused in layer:
             out[fused] = Stacked((layer[fused],), fused_sizes[fused])
-            continue
-        out[fused] = Stacked.of([out.pop(n) for n in names])
+        elif all(n in layer for n in names):
+            out[fused] = Stacked.of([out.pop(n) for n in names])
+    if "down_exps" in layer:
+        out["experts"] = _experts(out)
     biases = [layer.get(f"{n}_bias") for n in ("q", "k", "v")]
     if all(b is not None for b in biases):
         out["qkv_bias"] = torch.cat(biases)
     return out
+
+
+def _experts(layer: dict) -> Experts:
+    """A layer's expert matrices (tuples, one weight per expert) -> Experts, gate|up of each
+    expert stacked into one product as a dense layer's are."""
+    if "gate_up_exps" in layer:  # stored fused: [2 * inter, hidden] per expert
+        gate_up = tuple(Stacked((w,), (w.shape[0] // 2, w.shape[0] // 2))
+                        for w in layer.pop("gate_up_exps"))
+    else:
+        gate_up = tuple(Stacked.of([g, u])
+                        for g, u in zip(layer.pop("gate_exps"), layer.pop("up_exps")))
+    return Experts(gate_up, layer.pop("down_exps"))
 
 
 def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, str]]:
@@ -148,16 +224,25 @@ def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
                    ckpt: Checkpoint) -> None:
     missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
-        required = {"o", "down"}  # and q/k/v, gate/up, each set alone or fused
+        required = {"o"}  # and q/k/v, gate/up, each set alone or fused
         required |= {"qkv"} if "qkv" in layer else {"q", "k", "v"}
-        required |= {"gate_up"} if "gate_up" in layer else {"gate", "up"}
+        required |= _mlp_names(layer)
         missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:
         raise ModelLoadError(f"{ckpt.path} lacks tensors the {ckpt.architecture} "
                              f"architecture needs: {', '.join(missing[:5])}")
 
 
-def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
+def _mlp_names(layer: dict) -> set[str]:
+    """What a layer's MLP needs: the dense SwiGLU, or (with a router) the experts."""
+    if "router" not in layer:
+        return {"down"} | ({"gate_up"} if "gate_up" in layer else {"gate", "up"})
+    return {"down_exps"} | ({"gate_up_exps"} if "gate_up_exps" in layer
+                            else {"gate_exps", "up_exps"})
+
+
+def _convert(raw: RawTensor, transform: Any, options: LoadOptions,
+             dense: bool = False) -> Weight:
     if raw.qtype not in _SUPPORTED:
         raise ModelLoadError(f"tensor type {raw.qtype} is not supported "
                              f"(valid: {', '.join(sorted(_SUPPORTED))})")
@@ -171,7 +256,7 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions) -> Weight:
     t = transform(raw.data)
     if t.dim() < 2:
         return t.float().to(options.device)
-    qtype = _quant_type_for(t.shape[-1], options.quantize) if on_cpu else None
+    qtype = _quant_type_for(t.shape[-1], options.quantize) if on_cpu and not dense else None
     return _grouped(quantize(t.float(), qtype), options) if qtype else t.to(options.device,
                                                                              options.dtype)
 

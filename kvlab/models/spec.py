@@ -21,6 +21,9 @@ class NameTable:
     globals: dict[str, str]
     layer_prefix: str  # e.g. "blk.{i}."
     layer: dict[str, str]
+    # one 2-D matrix per expert, "{e}" the expert's index (HF MoE checkpoints); GGUF stacks
+    # a layer's experts into one 3-D tensor, named in `layer`
+    experts: dict[str, str] = field(default_factory=dict)
 
 
 def _identity(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,9 @@ class ArchSpec:
     # checkpoints that store q|k|v or gate|up as one matrix (kvlab name "qkv" / "gate_up"):
     # the out features of each original matrix, for splitting the product
     fused_sizes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
+    # (GGUF architecture, test of its metadata): files another family's converter writes
+    # under that name which belong here (Mixtral: `llama` with experts)
+    gguf_variant_of: tuple[str, Callable[[dict[str, Any]], bool]] | None = None
 
 
 def gguf_get(meta: dict[str, Any], arch: str) -> Callable[..., Any]:

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.metrics import expert_share
+
 
 @dataclass(frozen=True)
 class MatrixSpec:
@@ -100,15 +102,18 @@ class ModelSpec:
         return len(self.layers)
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the routed experts it does not pick."""
+        routed = sum(lyr.expert_params for lyr in self.layers)
+        return self.n_params - round(routed * (1 - self.expert_fraction(1)))
+
+    @property
     def embedding_share(self) -> float:
         return self.lookup_params / self.n_params if self.n_params else 0.0
 
     def expert_fraction(self, tokens: int) -> float:
         """Share of routed experts a step over `tokens` tokens reads, routing uniform."""
-        if not self.experts:
-            return 1.0
-        miss = (1.0 - self.experts_used / self.experts) ** max(tokens, 1)
-        return 1.0 - miss
+        return expert_share(self.experts_used, self.experts, tokens)
 
     def layer_read_bytes(self, layer: LayerSpec, tokens: int = 1) -> float:
         return layer.dense_bytes + layer.expert_bytes * self.expert_fraction(tokens)
@@ -158,7 +163,8 @@ class ModelSpec:
                 "layers": self.n_layers if self.layers_known else None,
                 "sliding_window": max(windows) if windows else None,
                 "sliding_layers": len(windows), "experts": self.experts,
-                "experts_used": self.experts_used, "max_context": self.max_context,
+                "experts_used": self.experts_used, "active_params": self.active_params,
+                "max_context": self.max_context,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "tied_output": self.tied_output}
 

@@ -38,9 +38,12 @@ def _header(e: Estimate) -> list[str]:
     window = (f", sliding window {s['sliding_window']} on {s['sliding_layers']} of "
               f"{m.n_layers} layers" if s["sliding_window"] else "")
     embedding = f" (embedding {m.embedding_share:.1%})" if m.lookup_params else ""
+    routed = (f"          {m.experts_used} of {m.experts} experts per token: "
+              f"{_count(m.active_params)} params active" if m.experts else "")
     return [
         (f"model     {m.name}: {_count(m.n_params)} params{embedding}, "
          f"{_dec(m.weight_bytes, 'B')} of weights, {s['bits_per_param']:.2f} bits/param"),
+        *([routed] if routed else []),
         (f"          {layers}, KV {_kib(e.kv_bytes_per_token)}/token {wl.kv_dtype} before window "
          f"caps{window}"),
         (f"hardware  {hw.name}: {hw.bandwidth / GB:,.1f} GB/s, "

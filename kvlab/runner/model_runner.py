@@ -24,6 +24,9 @@ WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attent
 class StepLogits:
     seq_ids: list[str]  # the sequences that need a next token, in row order
     logits: torch.Tensor  # [len(seq_ids), vocab] fp32
+    # asked for with record_experts on an MoE model: [len(seq_ids), moe layers, k], the
+    # experts each logits row's token was routed to; else None
+    experts: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -47,7 +50,8 @@ class ModelRunner:
     def _decode_graphs(self, mode: str, max_batch: int) -> DecodeGraphs | None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"graphs={mode!r} (valid: {', '.join(GRAPH_MODES)})")
-        capture = self.device.type == "cuda"
+        # MoE layers choose their experts on the host (.tolist()): no graph can capture that
+        capture = self.device.type == "cuda" and self.config.moe is None
         if mode == "off" or (mode == "auto" and not capture):
             return None
         width = min(self.num_blocks * self.block_size, self.config.max_position_embeddings)
@@ -64,20 +68,21 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
-    def execute(self, out: SchedulerOutput) -> StepLogits:
+    def execute(self, out: SchedulerOutput, record_experts: bool = False) -> StepLogits:
         """Run one step. With quantized weights, torch stays on one thread between wide
         steps: the C kernels bring their own threads, and torch's OpenMP workers would
         otherwise compete with them for the same cores. Wide (prefill) steps give torch all
         threads for their attention products."""
+        record = record_experts and self.config.moe is not None
         if not self.kernel_decode or out.num_tokens < WIDE_STEP_TOKENS:
-            return self._execute(out)
+            return self._execute(out, record)
         torch.set_num_threads(self.threads)
         try:
-            return self._execute(out)
+            return self._execute(out, record)
         finally:
             torch.set_num_threads(1)
 
-    def _execute(self, out: SchedulerOutput) -> StepLogits:
+    def _execute(self, out: SchedulerOutput, record_experts: bool) -> StepLogits:
         if self.graphs is not None and self.graphs.accepts(out):
             logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
@@ -90,8 +95,12 @@ class ModelRunner:
         meta = build_metadata(spans, self.config.sliding_window, self.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        trace: list[torch.Tensor] | None = [] if record_experts else None
         with torch.inference_mode():
-            hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
+            if trace is None:
+                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
+            else:
+                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, trace)
             rows, seq_ids, row = [], [], 0
             for s in out.scheduled:
                 row += len(s.token_ids)
@@ -102,7 +111,8 @@ class ModelRunner:
                 return StepLogits([], hidden.new_empty(0, self.config.vocab_size))
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model.logits(hidden.index_select(0, index))
-        return StepLogits(seq_ids, logits)
+        experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
+        return StepLogits(seq_ids, logits, experts)
 
     def _slots(self, block_table: list[int], end: int) -> torch.Tensor:
         """[end] slot of each position 0..end-1: table[pos // bs] * bs + pos % bs."""

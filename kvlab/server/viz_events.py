@@ -221,6 +221,8 @@ class VizRun:
         for i, token in enumerate(out.new_token_ids):
             state.output_ids.append(token)
             events.append(self._token_event(state, out, token))
+            if out.experts is not None and i == 0:  # the sampled token's routing (MoE)
+                events[-1]["experts"] = out.experts
             if out.allowed_tokens is not None:  # a structure: the first was sampled from
                 # `allowed_tokens` choices, the rest were forced (computed next step as a chunk)
                 events[-1]["structure"] = ({"forced": True} if i else

@@ -1,0 +1,179 @@
+"""kvlab against llama.cpp on an OLMoE-1B-7B-shaped mixture-of-experts model (Q4_K_M).
+
+    .venv/bin/python bench/moe_peers.py [-t 2] [-r 3] [-p 512] [-n 128] [--layers 16]
+        [--types Q4_K_M] [--workdir /tmp/kvlab-moe-peers] [--llama-bin DIR]
+
+Steps, each skipped when its output already exists in --workdir:
+  1. write a random-weight F16 GGUF (architecture `olmoe`) with OLMoE-1B-7B's shape: 16
+     layers, hidden 2048, 16 heads of 128 (no GQA), QK-norm over the whole q/k projections,
+     64 experts of FFN 1024, 8 per token, untied output; routers and norms in F32 as llama.cpp's
+     converter keeps them; the Llama 3 tokenizer from llama.cpp's vocabulary file (128256
+     tokens where OLMoE has 50304: the embedding and head are larger than the real model's);
+     --layers writes fewer layers (the F16 file is ~13 GB at 16);
+  2. quantize it with llama-quantize to each of --types.
+Then `kvlab bench` and `llama-bench` run alternately on each file, as bench/quant_peers.py
+does (its helpers are imported), and the report prints median pp/tg tok/s, the ratio and the
+decode ceiling: bandwidth over the bytes a batch-1 step reads as stored (attention, routers,
+norms, the output matrix and 8 of the 64 experts per layer, plus the f16 KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_peers as qp  # the sibling script's helpers, by path
+
+
+@dataclass(frozen=True)
+class OlmoeShape:
+    """OLMoE-1B-7B-0924's config.json, the fields a GGUF carries (vocab: the tokenizer's)."""
+
+    layers: int = 16
+    hidden: int = 2048
+    heads: int = 16
+    head_dim: int = 128
+    experts: int = 64
+    experts_used: int = 8
+    expert_ffn: int = 1024
+    vocab: int = 128256
+    context: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+
+
+def olmoe_tensors(s: OlmoeShape) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape) of every tensor, in llama.cpp's names; experts stacked
+    [experts, out, in]."""
+    d, e, f = s.hidden, s.experts, s.expert_ffn
+    tensors = [("token_embd.weight", (s.vocab, d))]
+    for i in range(s.layers):
+        tensors += [(f"blk.{i}.{name}.weight", shape) for name, shape in (
+            ("attn_norm", (d,)), ("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)),
+            ("attn_output", (d, d)), ("attn_q_norm", (d,)), ("attn_k_norm", (d,)),
+            ("ffn_norm", (d,)), ("ffn_gate_inp", (e, d)), ("ffn_gate_exps", (e, f, d)),
+            ("ffn_up_exps", (e, f, d)), ("ffn_down_exps", (e, d, f)))]
+    return tensors + [("output_norm.weight", (d,)), ("output.weight", (s.vocab, d))]
+
+
+def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 1 or "ffn_gate_inp" in name  # the converter keeps routers F32
+
+
+def tensor_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Norms 1.0; matrices N(0, 0.02) in f16 (stacked experts one expert at a time); routers
+    N(0, 0.02) in f32."""
+    if len(shape) == 3:
+        return np.stack([qp.tensor_values(name, shape[1:], qp.LlamaShape(), seed * 1000 + e)
+                         for e in range(shape[0])])
+    values = qp.tensor_values(name, shape, qp.LlamaShape(), seed)
+    return values.astype(np.float32) if _is_f32(name, shape) else values
+
+
+def write_olmoe_gguf(path: Path, vocab_file: Path, s: OlmoeShape) -> None:
+    """Stream the F16 model to `path` one tensor at a time, via a .part file."""
+    import gguf
+
+    part = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(part), "olmoe")
+    _olmoe_metadata(w, s)
+    qp._copy_tokenizer(w, vocab_file, s.vocab)
+    specs = olmoe_tensors(s)
+    for name, shape in specs:
+        dtype = np.dtype(np.float32 if _is_f32(name, shape) else np.float16)
+        w.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for seed, (name, shape) in enumerate(specs):
+        w.write_tensor_data(tensor_values(name, shape, seed))
+    w.close()
+    part.rename(path)
+
+
+def _olmoe_metadata(w, s: OlmoeShape) -> None:
+    w.add_string("general.name", f"OLMoE-1B-7B-shaped, {s.layers} layers (random weights)")
+    w.add_uint32("general.file_type", 1)
+    for key, value in (("block_count", s.layers), ("context_length", s.context),
+                       ("embedding_length", s.hidden), ("feed_forward_length", s.expert_ffn),
+                       ("attention.head_count", s.heads), ("attention.head_count_kv", s.heads),
+                       ("attention.key_length", s.head_dim),
+                       ("attention.value_length", s.head_dim),
+                       ("rope.dimension_count", s.head_dim), ("vocab_size", s.vocab),
+                       ("expert_count", s.experts), ("expert_used_count", s.experts_used)):
+        w.add_uint32(f"olmoe.{key}", value)
+    w.add_float32("olmoe.rope.freq_base", s.rope_theta)
+    w.add_float32("olmoe.attention.layer_norm_rms_epsilon", s.rms_eps)
+
+
+def ensure_f16(workdir: Path, vocab_file: Path, s: OlmoeShape) -> Path:
+    path = workdir / f"olmoe-1b-7b-shape-{s.layers}L-F16.gguf"
+    if path.exists():
+        print(f"# have {path}")
+        return path
+    params = sum(math.prod(shape) for _, shape in olmoe_tensors(s))
+    print(f"# writing {path} ({params / 1e9:.2f} B random parameters, "
+          f"~{2 * params / 1e9:.1f} GB)", flush=True)
+    start = time.perf_counter()
+    write_olmoe_gguf(path, vocab_file, s)
+    print(f"#   done in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+def moe_step_bytes(model: Path, context: int) -> float:
+    """Bytes a batch-1 decode step reads with the weights as stored: every tensor but the
+    embedding (one row) and the routed experts (experts_used of expert_count), plus an f16
+    KV cache of `context` tokens."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(model))
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("olmoe.")}
+    share = meta["olmoe.expert_used_count"] / meta["olmoe.expert_count"]
+    total = 0.0
+    for t in reader.tensors:
+        n = int(t.n_bytes)
+        total += n * share if "_exps" in t.name else (n / t.shape[-1]
+                                                       if t.name == "token_embd.weight" else n)
+    kv = meta["olmoe.block_count"] * meta["olmoe.attention.head_count_kv"] * 2 * \
+        meta["olmoe.attention.key_length"] * 2
+    return total + kv * context
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    qp.add_run_args(ap, "Q4_K_M", "/tmp/kvlab-moe-peers")
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (OLMoE: 16)")
+    args = ap.parse_args(argv)
+    qp.check_run_args(ap, args, [])
+    if args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engines: list[qp.Engine] = [qp.KvlabBench(), qp.LlamaBench("llama.cpp", args.llama_bin)]
+    bandwidth = qp.print_header(engines, args)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    f16 = ensure_f16(args.workdir, args.vocab, OlmoeShape(layers=args.layers))
+    files = []
+    for qtype in (t.strip() for t in args.types.split(",") if t.strip()):
+        try:
+            files.append(qp.quantize(f16, qtype, args.llama_bin))
+        except qp.QuantizeFailed as e:
+            print(f"# {e}")
+    for model in files:
+        series = qp.bench_file(model, engines, args)
+        qp.report(model, series, bandwidth, args, moe_step_bytes(model, args.n // 2 + 1))
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The mixture-of-experts MLP the MoE architecture files share: router, top-k, the chosen
+experts' products on just their tokens, and an optional shared expert.
+
+Per layer and step: the router scores every expert for each of the T tokens, each token keeps
+its top k, and the tokens are grouped by expert. Each expert with at least one token runs
+gate|up (one Stacked product) -> SwiGLU -> down on those rows alone, so its weights are read
+once per step however many tokens chose it; the results, scaled by their routing weights, are
+added back into the tokens' rows. A batch-1 decode step reads k experts, not all of them.
+
+    Experts       per-expert weights, as loaded (quantized blocks stay quantized)
+    route         router logits -> (weights [T, k], expert ids [T, k]), as transformers does
+    moe_mlp       the layer's MLP output [T, hidden]
+    MoeModel      the Llama decoder with this MLP (attention variants come from the config)
+
+Also the checkpoint names and config keys the MoE families share (llama.cpp's GGUF names are
+one convention for all of them; the per-family HF names live in the architecture files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlab.config import MoeConfig
+from kvlab.errors import ModelLoadError
+from kvlab.models.layers import Stacked, Weight, linear, swiglu
+from kvlab.models.llama import LlamaModel
+from kvlab.models.spec import gguf_get
+
+# llama.cpp's per-layer MoE tensors: experts stacked [n_expert, out, in] (torch order)
+GGUF_LAYER = {"ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "gate_exps",
+              "ffn_up_exps.weight": "up_exps", "ffn_down_exps.weight": "down_exps",
+              "ffn_gate_inp_shexp.weight": "shexp_router", "ffn_gate_shexp.weight": "shexp_gate",
+              "ffn_up_shexp.weight": "shexp_up", "ffn_down_shexp.weight": "shexp_down"}
+# transformers' Qwen-MoE / OLMoE layout: save_pretrained writes one matrix per expert, a model
+# in memory holds them fused as [experts, 2 * inter, hidden] and [experts, hidden, inter]
+HF_LAYER = {"mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "gate_up_exps",
+            "mlp.experts.down_proj": "down_exps"}
+HF_EXPERTS = {"mlp.experts.{e}.gate_proj.weight": "gate_exps",
+              "mlp.experts.{e}.up_proj.weight": "up_exps",
+              "mlp.experts.{e}.down_proj.weight": "down_exps"}
+
+
+def moe_from_hf(cfg: dict[str, Any], inter_key: str = "moe_intermediate_size",
+                norm_topk_prob: bool | None = None) -> MoeConfig:
+    """MoeConfig from an HF config; `norm_topk_prob` fixed by a family that has no key.
+    The expert count is `num_experts` or (Mixtral, and transformers 5 for every family)
+    `num_local_experts`."""
+    norm = cfg.get("norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
+    count = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not count:
+        raise ModelLoadError("an MoE config needs num_experts or num_local_experts")
+    return MoeConfig(num_experts=int(count),
+                     experts_per_token=int(cfg["num_experts_per_tok"]),
+                     expert_intermediate_size=int(cfg[inter_key]), norm_topk_prob=bool(norm),
+                     shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size")
+                                                  or 0))
+
+
+def moe_from_gguf(meta: dict[str, Any], arch: str, norm_topk_prob: bool) -> MoeConfig:
+    """MoeConfig from `{arch}.expert_*` keys; llama.cpp fixes the renormalisation per family
+    (its converters write `expert_weights_norm` only for some), so the family gives a default."""
+    g = gguf_get(meta, arch)
+    count, used = int(g("expert_count")), int(g("expert_used_count"))
+    if not 0 < used <= count:
+        raise ModelLoadError(f"{arch}.expert_used_count is {used}, valid: 1..{count} "
+                             "(expert_count)")
+    return MoeConfig(num_experts=count, experts_per_token=used,
+                     expert_intermediate_size=int(g("expert_feed_forward_length",
+                                                    g("feed_forward_length"))),
+                     norm_topk_prob=bool(g("expert_weights_norm", norm_topk_prob)),
+                     shared_intermediate_size=int(g("expert_shared_feed_forward_length", 0)))
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One layer's routed experts; expert e is gate_up[e] ([2 * inter, hidden]) and down[e]."""
+
+    gate_up: tuple[Stacked, ...]
+    down: tuple[Weight, ...]  # [hidden, inter] each
+
+    def __post_init__(self) -> None:
+        if len(self.gate_up) != len(self.down):
+            raise ValueError(f"{len(self.gate_up)} gate/up experts but {len(self.down)} down")
+
+    def __len__(self) -> int:
+        return len(self.down)
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x [n, hidden] -> [n, hidden]."""
+        return linear(swiglu(linear(x, self.gate_up[e])), self.down[e])
+
+
+def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, hidden] -> routing weights [T, k] (h's dtype) and expert ids [T, k] (int64).
+
+    Softmax over all experts in fp32, then top-k, then (norm_topk_prob) renormalised over the
+    k: the order of every transformers MoE file kvlab loads."""
+    logits = linear(h, router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = torch.topk(probs, moe.experts_per_token, dim=-1)
+    if moe.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(h.dtype), ids
+
+
+def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
+    if h.shape[0] == 1:  # batch-1 decode: k products on the one row, nothing to gather
+        out = torch.zeros_like(h)
+        for e, w in zip(ids[0].tolist(), weights[0].tolist()):
+            out.add_(experts.run(e, h), alpha=w)
+        return out
+    # the T * k (token, slot) pairs sorted by expert: each expert's rows are one run
+    #   ids [[2, 0], [0, 1]] -> flat [2, 0, 0, 1] -> order [1, 2, 3, 0] (experts 0 0 1 2)
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    x = h.index_select(0, order // k)
+    scale = weights.reshape(-1)[order, None]
+    y = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=len(experts)).tolist()):
+        if n:
+            y[start:start + n] = experts.run(e, x[start:start + n]) * scale[start:start + n]
+            start += n
+    # back to (token, slot) order, then each token's k results summed (a gather and a sum:
+    # torch's CPU index_add_ is far slower)
+    return y.index_select(0, torch.argsort(order)).view(t, k, -1).sum(dim=1)
+
+
+def moe_mlp(h: torch.Tensor, layer: dict, moe: MoeConfig,
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The routed experts plus, where the layer has one, the sigmoid-gated shared expert;
+    the chosen expert ids [T, k] are appended to `trace` when one is given."""
+    weights, ids = route(h, layer["router"], moe)
+    if trace is not None:
+        trace.append(ids)
+    out = run_experts(h, layer["experts"], weights, ids)
+    if "shexp_gate_up" in layer:
+        shared = linear(swiglu(linear(h, layer["shexp_gate_up"])), layer["shexp_down"])
+        out += torch.sigmoid(linear(h, layer["shexp_router"])) * shared
+    return out
+
+
+class MoeModel(LlamaModel):
+    """The Llama decoder whose layers with a router run the mixture of experts (layers
+    without one, e.g. Qwen2-MoE's `mlp_only_layers`, keep the dense SwiGLU)."""
+
+    def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if "router" not in layer:
+            return super().mlp(h, layer)
+        return moe_mlp(h, layer, self.config.moe, trace)
