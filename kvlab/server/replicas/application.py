@@ -78,9 +78,9 @@ def launch(s: AppSettings, host: str, port: int, ray_address: str | None,
         ray.init(address=ray_address, include_dashboard=False, logging_level=log_level.upper(),
                  **({} if ray_address else {"num_cpus": local_cpus(s)}))
     try:
-        serve.start(http_options={"host": host, "port": port},
-                    logging_config={"log_level": log_level.upper()})
-        serve.run(build(s), name=APP_NAME, route_prefix="/")
+        logs = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
+        serve.start(http_options={"host": host, "port": port}, logging_config=logs)
+        serve.run(build(s), name=APP_NAME, route_prefix="/", logging_config=logs)
         scale = (f"{s.min_replicas}..{s.max_replicas}" if s.autoscaling else str(s.replicas))
         print(f"kvlab serve: {scale} replicas x {s.threads} threads, {s.routing} routing, on "
               f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
