@@ -15,7 +15,8 @@ them; `KVLAB_SERVE_ARGS` (the flags as a command line) comes first, the argument
         args: {model: /models/model.gguf, replicas: 2, threads: 1, max-num-seqs: 16}
 
 A flag without a value (`no-prefix-caching`) takes `true`. HTTP host and port are Serve's
-own settings here (`serve run --host/--port`, `http_options:`), not arguments.
+own settings here (a config file's `http_options: {host, port}`; `serve run` alone listens on
+127.0.0.1:8000), not arguments.
 """
 
 from __future__ import annotations

@@ -99,6 +99,26 @@ def test_deploy_args_are_the_serve_flags(monkeypatch):
     assert parse({})  # one replica by default
 
 
+def test_scaling_and_routing_options(monkeypatch):
+    from kvlab.cli.serve import app_settings
+    from kvlab.errors import KvlabError
+    from kvlab.server.replicas.application import replica_options
+
+    monkeypatch.delenv("KVLAB_SERVE_ARGS", raising=False)
+    fixed = replica_options(app_settings(parse({"replicas": 2, "threads": 3})))
+    assert fixed["num_replicas"] == 2 and fixed["ray_actor_options"] == {"num_cpus": 3}
+    assert fixed["request_router_config"].request_router_class.endswith("router.PrefixRouter")
+    auto = replica_options(app_settings(parse({"min_replicas": 1, "max_replicas": 4,
+                                               "max_num_seqs": 8, "routing": "pow2"})))
+    scaling = auto["autoscaling_config"]
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (
+        1, 4, 4)
+    assert "num_replicas" not in auto and "request_router_config" not in auto
+    for bad in ({"replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"max_replicas": 2}):
+        with pytest.raises(KvlabError, match="replicas"):
+            app_settings(parse(bad))
+
+
 # ---- on Ray -------------------------------------------------------------------------------
 
 

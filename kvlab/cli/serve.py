@@ -133,7 +133,8 @@ def app_settings(args: argparse.Namespace) -> AppSettings:
                            enable_prefix_caching=not args.no_prefix_caching)
     return AppSettings(model=args.model, engine=config, limits=server_limits(args),
                        max_waiting=args.max_waiting, reserve_kv=not args.no_reserve_kv,
-                       replicas=args.replicas or 1, min_replicas=args.min_replicas,
+                       replicas=1 if args.replicas is None else args.replicas,
+                       min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas,
                        target_ongoing_requests=args.target_ongoing_requests,
                        routing=args.routing)
