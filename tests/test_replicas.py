@@ -7,6 +7,7 @@ prefixes to one replica, merges both replicas' metrics and survives a killed rep
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -97,6 +98,34 @@ def test_deploy_args_are_the_serve_flags(monkeypatch):
     assert (ns.replicas, ns.threads, ns.routing, ns.no_prefix_caching) == (3, 1, "round-robin",
                                                                            True)
     assert parse({})  # one replica by default
+
+
+def test_replica_relays_the_whole_response_of_its_app():
+    from kvlab.server.replicas.replica import EngineReplica, Forwarded, ResponseStart
+
+    async def app(scope, receive, send):  # done before the caller reads its first part
+        assert (await receive())["body"] == b"in"
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await send({"type": "http.response.body", "body": b"b"})
+
+    async def broken(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("mid-stream")
+
+    async def read(replica) -> list:
+        parts = []
+        async for part in replica.respond(Forwarded("POST", "/x", b"", [], b"in")):
+            await asyncio.sleep(0.01)
+            parts.append(part)
+        return parts
+
+    replica = object.__new__(EngineReplica)  # its app alone, without Serve
+    replica.replica_id, replica.app = "r", app
+    assert asyncio.run(read(replica)) == [ResponseStart(201, [], "r"), b"a", b"b"]
+    replica.app = broken
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        asyncio.run(read(replica))
 
 
 def test_scaling_and_routing_options(monkeypatch):

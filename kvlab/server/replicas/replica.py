@@ -11,7 +11,8 @@ ASGI response back as it is produced:
 So validation, OpenAI-shaped errors, streaming, timeouts and the KV freed on a disconnect
 behave exactly as without Ray. The replica also reports its own /health and /metrics to the
 ingress every second (see board), and fails Serve's health check when its engine thread is
-gone, so Serve replaces it.
+gone, so Serve replaces it. On shutdown Serve lets requests in flight finish for
+`graceful_shutdown_timeout_s`, then ends the process (the engine thread with it).
 """
 
 from __future__ import annotations
@@ -82,14 +83,7 @@ class EngineReplica:
         gone = asyncio.Event()
         task = asyncio.create_task(self.app(_scope(req), _receiver(req.body, gone), sent.put))
         try:
-            while True:
-                getter = asyncio.ensure_future(sent.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    task.result()  # the app ended without a full response: raise its error
-                    return
-                message = getter.result()
+            while (message := await _next_message(sent, task)) is not None:
                 if message["type"] == "http.response.start":
                     yield ResponseStart(message["status"], list(message.get("headers", [])),
                                         self.replica_id)
@@ -133,9 +127,19 @@ class EngineReplica:
         if not self.engine.alive:
             raise RuntimeError("the engine thread has stopped")
 
-    async def __del__(self) -> None:
-        self.reporter.cancel()
-        await self.lifespan.aclose()
+
+async def _next_message(sent: asyncio.Queue[dict], app: asyncio.Task) -> dict | None:
+    """The app's next ASGI message; None once it has ended (raising what it raised)."""
+    while sent.empty():
+        if app.done():
+            app.result()
+            return None
+        getter = asyncio.ensure_future(sent.get())
+        await asyncio.wait({getter, app}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()
+    return sent.get_nowait()
 
 
 def _scope(req: Forwarded) -> dict:
