@@ -5,8 +5,8 @@
         request router = PrefixRouter | RoundRobinRouter | Serve's power of two choices
 
 `launch` is `kvlab serve --replicas`: it joins the Ray cluster at `ray_address` or starts a
-local one, runs the application on host:port and blocks until SIGINT / SIGTERM, then shuts
-Serve (and the Ray it started) down.
+local one, runs the application on host:port and blocks until SIGINT / SIGTERM; then it
+deletes the application from a cluster it joined, or shuts down the Ray it started.
 """
 
 from __future__ import annotations
@@ -73,10 +73,9 @@ def launch(s: AppSettings, host: str, port: int, ray_address: str | None,
     """Run the application until SIGINT / SIGTERM."""
     import ray
 
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(address=ray_address, include_dashboard=False, logging_level=log_level.upper(),
-                 **({} if ray_address else {"num_cpus": local_cpus(s)}))
+    joined = ray_address is not None
+    ray.init(address=ray_address, include_dashboard=False, logging_level=log_level.upper(),
+             **({} if joined else {"num_cpus": local_cpus(s)}))
     try:
         logs = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
         serve.start(http_options={"host": host, "port": port}, logging_config=logs)
@@ -86,9 +85,11 @@ def launch(s: AppSettings, host: str, port: int, ray_address: str | None,
               f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
         wait_for_signal()
     finally:
-        serve.shutdown()
-        if started_ray:
-            ray.shutdown()
+        if joined:  # the cluster keeps Serve and its other applications
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
 
 
 def local_cpus(s: AppSettings) -> int:
