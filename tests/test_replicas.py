@@ -1,14 +1,18 @@
 """Replicas under Ray Serve on a tiny model: two replicas of one thread behind one ingress.
 
-The routing key, the board and the metrics merge are checked as plain functions; then one
-Ray instance per module serves the OpenAI API (completions, chat, streaming), routes equal
-prefixes to one replica, merges both replicas' metrics and survives a killed replica.
+The routing key, the board, the metrics merge and the relay are checked as plain functions;
+then `kvlab serve --replicas 2`, joined to one Ray instance per module, serves the OpenAI API
+(completions, chat, streaming), routes equal prefixes to one replica, merges both replicas'
+metrics and survives a killed replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -153,30 +157,43 @@ def test_scaling_and_routing_options(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Two replicas of a tiny model behind the ingress; Ray and Serve shut down at the end."""
-    from kvlab.engine import EngineConfig
-    from kvlab.server.replicas.application import APP_NAME
-    from kvlab.server.replicas.application import build as build_app
-    from kvlab.server.replicas.settings import AppSettings
+    """`kvlab serve --replicas 2 --threads 1` on a tiny model, joined to this test's Ray.
 
+    Joining (rather than letting the server start its own Ray) lets the tests kill a
+    replica's actor; Ray and Serve are shut down at the end either way.
+    """
     out: Path = tmp_path_factory.mktemp("replicas")
     build("llama", out, max_position_embeddings=CONTEXT)  # room for a long answer
-    settings = AppSettings(
-        model=str(out / "model.gguf"), replicas=2, reserve_kv=False,
-        engine=EngineConfig(threads=1, kv_cache_gib=0.02, max_num_seqs=4,
-                            chat_template=TEMPLATE))
+    (out / "template.jinja").write_text(TEMPLATE)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvlab.cli.main", "serve", "--model", str(out / "model.gguf"),
+           "--replicas", "2", "--threads", "1", "--max-num-seqs", "4", "--kv-cache-gib", "0.02",
+           "--no-reserve-kv", "--chat-template", str(out / "template.jinja"), "--port", str(port),
+           "--ray-address", ray.get_runtime_context().gcs_address, "--log-level", "warning"]
+    log = out / "serve.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: health(url)["replicas"]["healthy"] == 2, 120)
+        wait_for(lambda: proc.poll() is None and healthy_replicas(url) == 2, 180,
+                 lambda: log.read_text()[-3000:])
         yield url
     finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         serve.shutdown()
         ray.shutdown()
+
+
+def healthy_replicas(url: str) -> int:
+    try:
+        return health(url)["replicas"]["healthy"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
 
 
 def health(url: str) -> dict:
@@ -187,11 +204,11 @@ def per_replica(url: str) -> dict[str, dict]:
     return {r["replica"]: r for r in health(url)["per_replica"]}
 
 
-def wait_for(check, timeout: float) -> None:
+def wait_for(check, timeout: float, why=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            pytest.fail("timed out")
+            pytest.fail(f"timed out\n{why()}")
         time.sleep(0.5)
 
 
