@@ -75,6 +75,32 @@ def test_busy_means_imbalanced_or_full():
     assert is_busy(8, least=8, capacity=8, imbalance=4)
 
 
+def test_prefix_router_ranks_the_key_first_and_spills_when_busy():
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from kvlab.server.replicas.router import PrefixRouter
+
+    replica_id = namedtuple("ReplicaID", "unique_id")
+    replicas = [SimpleNamespace(replica_id=replica_id(f"r{i}"),
+                                max_ongoing_requests=8) for i in range(3)]
+    queue: dict = {}
+    router = object.__new__(PrefixRouter)  # its choice alone, without Serve's machinery
+    router.initialize_state(imbalance=4)
+    router._replica_queue_len_cache = SimpleNamespace(get=queue.get)
+
+    def ranks(key):
+        request = SimpleNamespace(kwargs={"prefix_key": key})
+        chosen = asyncio.run(router.choose_replicas(replicas, request))
+        return [[r.replica_id.unique_id for r in rank] for rank in chosen]
+
+    order = rendezvous_order("k", ["r0", "r1", "r2"])
+    assert ranks("k") == [order[:1], order[1:]]
+    queue.update({replicas[int(order[0][1])].replica_id: 4})  # 4 more than the idle ones
+    assert ranks("k") == [order[:2], order[2:]]
+    assert len(ranks(None)[0]) == 2  # no key: two at random, the less loaded wins
+
+
 def test_board_ages_replicas_out():
     board = ReplicaBoard(fresh_s=3, forget_s=30)
     board.update(ReplicaReport("a", {"status": "ok", "model": "m"}, ""), now=0)
