@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from test_server import start_server
 
-from net import free_port
 from tiny_models import build
 
 ray = pytest.importorskip("ray")
@@ -192,25 +189,15 @@ def cluster(tmp_path_factory):
     build("llama", out, max_position_embeddings=CONTEXT)  # room for a long answer
     (out / "template.jinja").write_text(TEMPLATE)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvlab.cli.main", "serve", "--model", str(out / "model.gguf"),
-           "--replicas", "2", "--threads", "1", "--max-num-seqs", "4", "--kv-cache-gib", "0.02",
-           "--no-reserve-kv", "--chat-template", str(out / "template.jinja"), "--port", str(port),
-           "--ray-address", ray.get_runtime_context().gcs_address, "--log-level", "warning"]
-    log = out / "serve.log"
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: proc.poll() is None and healthy_replicas(url) == 2, 180,
-                 lambda: log.read_text()[-3000:])
-        yield url
+        with start_server(out / "serve.log", "--model", str(out / "model.gguf"),
+                          "--replicas", "2", "--threads", "1", "--max-num-seqs", "4",
+                          "--kv-cache-gib", "0.02", "--no-reserve-kv",
+                          "--chat-template", str(out / "template.jinja"),
+                          "--ray-address", ray.get_runtime_context().gcs_address) as server:
+            wait_for(lambda: healthy_replicas(server.url) == 2, 180)
+            yield server.url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
         serve.shutdown()
         ray.shutdown()
 
@@ -230,11 +217,11 @@ def per_replica(url: str) -> dict[str, dict]:
     return {r["replica"]: r for r in health(url)["per_replica"]}
 
 
-def wait_for(check, timeout: float, why=lambda: "") -> None:
+def wait_for(check, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out\n{why()}")
+            pytest.fail("timed out")
         time.sleep(0.5)
 
 
