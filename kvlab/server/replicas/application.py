@@ -77,7 +77,8 @@ def launch(s: AppSettings, host: str, port: int, ray_address: str | None,
     ray.init(address=ray_address, include_dashboard=False, logging_level=log_level.upper(),
              **({} if joined else {"num_cpus": local_cpus(s)}))
     try:
-        logs = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
+        # per-call access lines (each request twice, each replica report) only when debugging
+        logs = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
         serve.start(http_options={"host": host, "port": port}, logging_config=logs)
         serve.run(build(s), name=APP_NAME, route_prefix="/", logging_config=logs)
         scale = (f"{s.min_replicas}..{s.max_replicas}" if s.autoscaling else str(s.replicas))
