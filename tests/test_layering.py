@@ -11,7 +11,7 @@ RANKS = {
     "errors": 0, "config": 0, "request": 0, "stop": 0, "metrics": 1,
     "tokenizer": 1, "weights": 1, "cache": 1, "scheduler": 2, "kernels": 2,
     "models": 3, "runner": 4, "sampler": 4, "structured": 4, "engine": 5, "llm": 6,
-    "perf": 6, "server": 7, "bench": 7, "cli": 8,
+    "perf": 6, "server": 7, "bench": 7, "cli": 8, "deploy": 8,
 }
 NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop"}
 

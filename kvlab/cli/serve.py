@@ -1,4 +1,8 @@
-"""`kvlab serve`: an OpenAI-compatible HTTP server (completions, chat, models, metrics)."""
+"""`kvlab serve`: an OpenAI-compatible HTTP server (completions, chat, models, metrics).
+
+With `--replicas N` (or `--min-replicas/--max-replicas`) the same API is served by N engine
+replicas under Ray Serve (kvlab.server.replicas); `--threads` is then per replica.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from kvlab.errors import KvlabError
 
 if TYPE_CHECKING:
     from kvlab.server.guard import ServerLimits
+    from kvlab.server.replicas.settings import AppSettings
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -45,7 +50,26 @@ def register(subs: argparse._SubParsersAction) -> None:
                    help="require the API key on /health and /metrics too")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    add_replica_flags(p)
     p.set_defaults(func=run)
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (Ray Serve)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve with N engine replicas under Ray Serve (--threads each)")
+    g.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale between --min-replicas and --max-replicas")
+    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target of requests in flight per replica "
+                        "(default: half of --max-num-seqs)")
+    g.add_argument("--routing", choices=("prefix", "round-robin", "pow2"), default="prefix",
+                   help="which replica a request goes to: the one its prompt's leading KV "
+                        "blocks hash to (spilling over when it is busy), each in turn, or "
+                        "Serve's power of two choices")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: start a local one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
+    if replicated(args):
+        try:
+            from kvlab.server.replicas.application import launch
+        except ImportError as e:
+            raise KvlabError(f"--replicas needs Ray Serve ({e}): pip install 'kvlab[replicas]'"
+                             ) from None
+        launch(app_settings(args), args.host, args.port, args.ray_address, args.log_level)
+        return 0
     limits = server_limits(args)
     config = engine_config(args, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
@@ -82,3 +114,27 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(max_request_bytes=args.max_request_bytes, api_key=args.api_key,
                         protect_metrics=args.protect_metrics,
                         request_timeout=args.request_timeout)
+
+
+def replicated(args: argparse.Namespace) -> bool:
+    return args.replicas is not None or args.max_replicas is not None \
+        or args.min_replicas is not None
+
+
+def app_settings(args: argparse.Namespace) -> AppSettings:
+    """The replicated application from the flags; --threads defaults to a share of the CPUs."""
+    from kvlab.server.replicas.settings import AppSettings
+
+    most = args.max_replicas or args.replicas or 1
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, most))
+    config = engine_config(args, threads=threads, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           block_size=args.block_size,
+                           enable_prefix_caching=not args.no_prefix_caching)
+    return AppSettings(model=args.model, engine=config, limits=server_limits(args),
+                       max_waiting=args.max_waiting, reserve_kv=not args.no_reserve_kv,
+                       replicas=1 if args.replicas is None else args.replicas,
+                       min_replicas=args.min_replicas,
+                       max_replicas=args.max_replicas,
+                       target_ongoing_requests=args.target_ongoing_requests,
+                       routing=args.routing)

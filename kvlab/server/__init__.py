@@ -6,6 +6,7 @@
     serving        an API call -> engine requests -> JSON or server-sent events
     prom           Prometheus /metrics, written by hand
     app            FastAPI routes, error mapping, disconnects, uvicorn
+    replicas/      the same API over N engine replicas under Ray Serve (`--replicas`)
 
 Other front ends reuse `create_app(AsyncEngine(engine))` and add their own routes;
 `AsyncEngine.call(fn)` runs fn(engine) on the engine thread (e.g. `engine.kv_view(id)`).

@@ -1,0 +1,118 @@
+"""The HTTP front door of a replicated app: one Serve deployment in front of the replicas.
+
+    client -> Serve proxy -> Ingress (key and body size checked, body read)
+           -> routing key -> replicas handle (PrefixRouter picks one) -> EngineReplica
+           <- ResponseStart, body chunks <- relayed as they come (server-sent events stream)
+
+/health and /metrics are answered here from the board the replicas report to: /health says
+how many replicas are healthy of how many, with each one's stats; /metrics is every
+replica's metrics, labelled by replica. Every other path goes to a replica, whose answer
+carries an `x-kvlab-replica` header naming it.
+
+When a replica dies under a request, the request ends cleanly: a whole answer becomes a 503
+in OpenAI's error shape, a stream that has begun ends with an error event and `[DONE]`. Serve
+starts a replacement; requests on the other replicas go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from kvlab.server.guard import RequestGuard
+from kvlab.server.prom import CONTENT_TYPE
+from kvlab.server.protocol import ApiError
+from kvlab.server.replicas.board import ReplicaBoard, ReplicaReport
+from kvlab.server.replicas.merge import merge_metrics
+from kvlab.server.replicas.replica import Forwarded, ResponseStart
+from kvlab.server.replicas.router import routing_key
+from kvlab.server.replicas.settings import AppSettings
+
+log = logging.getLogger("kvlab.server")
+REPLICA_HEADER = "x-kvlab-replica"
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+
+
+def replica_failed(exc: BaseException) -> ApiError:
+    return ApiError(503, f"the replica serving this request failed ({type(exc).__name__}); "
+                         "it is being replaced, retry", type_="service_unavailable_error")
+
+
+@serve.ingress()
+class Ingress:
+    """A Serve deployment class: HTTP in, a replica's answer out."""
+
+    def __init__(self, replicas: DeploymentHandle, settings: AppSettings) -> None:
+        self.replicas = replicas.options(method_name="respond", stream=True)
+        self.settings = settings
+        self.board = ReplicaBoard()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title="kvlab replicas")
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/{path:path}", self.forward,
+                          methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+        app.add_middleware(RequestGuard, limits=self.settings.limits)
+        return app
+
+    def report(self, report: ReplicaReport) -> None:
+        """Called by each replica every second."""
+        self.board.update(report)
+
+    async def health(self) -> JSONResponse:
+        body = self.board.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    async def metrics(self) -> Response:
+        current = self.board.current()
+        text = merge_metrics({rep.replica: rep.metrics for rep, _ in current},
+                             healthy=sum(ok for _, ok in current))
+        return Response(text, media_type=CONTENT_TYPE)
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        fwd = Forwarded(request.method, request.url.path, request.scope.get("query_string", b""),
+                        list(request.scope.get("headers", [])), body)
+        s = self.settings
+        key = await asyncio.to_thread(routing_key, fwd.path, body, s.block_chars,
+                                      s.prefix_blocks)
+        stream: DeploymentResponseGenerator = self.replicas.remote(fwd, prefix_key=key)
+        try:
+            start = await stream.__anext__()
+            assert isinstance(start, ResponseStart)
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
+                       if k.decode("latin-1").lower() not in _HOP_HEADERS}
+            headers[REPLICA_HEADER] = start.replica
+            if headers.get("content-type", "").startswith("text/event-stream"):
+                return StreamingResponse(_relay(stream), start.status, headers)
+            content = b"".join([chunk async for chunk in stream])
+        except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
+            stream.cancel()
+            log.warning("request to a replica failed: %r", e)
+            err = replica_failed(e)
+            return JSONResponse(err.body(), status_code=err.status)
+        except BaseException:  # the client went away: let the replica abort its request
+            stream.cancel()
+            raise
+        return Response(content, start.status, headers)
+
+
+async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    """A stream's body chunks; a replica that dies mid-stream ends it with an error event."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
+        log.warning("stream from a replica failed: %r", e)
+        yield f"data: {json.dumps(replica_failed(e).body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        stream.cancel()
