@@ -139,15 +139,17 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
     def convert(raw: RawTensor, dst: str, stat_name: str) -> Weight:
         w = _convert(raw, lambda t: transform(config, dst, t), options, dense=dst in _DENSE)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
-        ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
     def get(src: str, dst: str, stat_name: str) -> Weight | tuple[Weight, ...]:
         raw = ckpt.read(src)
         if len(raw.shape) == 3:  # a layer's experts stacked on the first axis
-            return tuple(convert(sub, dst, f"{stat_name}.{e}")
-                         for e, sub in enumerate(_expert_slices(raw)))
-        return convert(raw, dst, stat_name)
+            w = tuple(convert(sub, dst, f"{stat_name}.{e}")
+                      for e, sub in enumerate(_expert_slices(raw)))
+        else:
+            w = convert(raw, dst, stat_name)
+        ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
+        return w
 
     def get_layer(i: int) -> dict[str, Weight | tuple[Weight, ...]]:
         layer = {dst: get(src, dst, f"layers.{i}.{dst}")
