@@ -133,8 +133,10 @@ def test_product_calls_follow_kvlabs_joined_matrices() -> None:
 
 
 def test_matrices_are_counted_as_the_loader_holds_them() -> None:
-    assert loaded_matrix(MatrixSpec("Q5_0", 64, 64, 22_000)) == \
+    assert loaded_matrix(MatrixSpec("Q4_0", 64, 64, 18_000)) == \
         MatrixSpec("Q8_0x8", 64, 64, 34_000)  # widened to 8 bits
+    assert loaded_matrix(MatrixSpec("Q5_0", 64, 64, 22_000)) == \
+        MatrixSpec("Q5_0x8", 64, 64, 22_000)  # the file's size
     assert loaded_matrix(MatrixSpec("Q6_K", 8, 256, 210)).nbytes == 210  # the file's size
     assert loaded_matrix(MatrixSpec("Q4_K", 8, 256, 144, "ffn_down")).qtype == "Q4_Kx8"
     for kept in (MatrixSpec("Q5_0", 12, 64, 1), MatrixSpec("F32", 8, 8, 256),
