@@ -126,6 +126,11 @@ class GGUFFile:
         info = self.tensors[name]
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def head(self, nbytes: int) -> bytes:
+        """The file's first `nbytes` bytes (header, metadata and tensor directory before
+        the first tensor's offset)."""
+        return self._mmap[:nbytes]
+
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", "<missing>"))
