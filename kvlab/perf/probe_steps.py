@@ -11,7 +11,7 @@ repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
                                      two: the two chunks of a 1024-token prompt)
     decode 1 at 32, 1024             one sequence after a prompt of that length
     decode 4 at 32, 16 at 32         batches of sequences decoding together
-    decode 1 at 1024 (f16, q8_0)     the other KV dtypes (own engines)
+    decode 1 at 32, 1024 (f16, q8_0) the other KV dtypes (own engines)
 
 `kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
 kernel-rate terms.
@@ -54,7 +54,7 @@ def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, th
             timed += _time_f32(engine, rounds, progress)
         for kv_dtype in other_kv:
             with _engine(replica, threads, kv_dtype) as engine:
-                timed.append(_time_deep_decode(engine, max(rounds - 2, 3), kv_dtype))
+                timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
     return fit_factors(model, hw, timed, name=model.name)
 
 
@@ -184,15 +184,25 @@ def _decode_round(engine: Any, req: _Requests) -> dict[str, float]:
     return out
 
 
-def _time_deep_decode(engine: Any, rounds: int, kv_dtype: str) -> TimedStep:
-    """Decode of one sequence after a DEEP prompt, with a `kv_dtype` cache."""
-    req = _Requests(engine)
+def _time_kv_dtype(engine: Any, rounds: int, kv_dtype: str) -> list[TimedStep]:
+    """Decode of one sequence after a SHORT and after a DEEP prompt with a `kv_dtype` cache:
+    the short ones first, then the deep one (prefilled once) in as many rounds; their
+    difference is the KV term, whatever other work shares the machine meanwhile."""
+    req, short = _Requests(engine), []
+    for _ in range(rounds):
+        ids = [req.add(SHORT)]
+        engine.step()
+        short.append(_decode_mean(engine))
+        req.clear(ids)
     rid = req.add(DEEP, max_tokens=(rounds + 1) * (DECODE_STEPS + 1) + 2)
     engine.step()
     engine.step()
     _decode_mean(engine)  # warm-up
-    samples = [_decode_mean(engine) for _ in range(rounds)]
+    deep = [_decode_mean(engine) for _ in range(rounds)]
     req.clear([rid])
+    after = DECODE_STEPS / 2 + 1
     context = int(DEEP + (rounds + 1) * (DECODE_STEPS + 1) / 2 + DECODE_STEPS)
-    return TimedStep(f"decode 1 at {DEEP} {kv_dtype}", (SeqWork(1, context),),
-                     *median_spread(samples), kv_dtype=kv_dtype)
+    return [TimedStep(f"decode 1 at {SHORT} {kv_dtype}", (SeqWork(1, int(SHORT + after)),),
+                      *median_spread(short), kv_dtype=kv_dtype),
+            TimedStep(f"decode 1 at {DEEP} {kv_dtype}", (SeqWork(1, context),),
+                      *median_spread(deep), kv_dtype=kv_dtype)]

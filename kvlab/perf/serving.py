@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlab.cache import KVCacheManager
-from kvlab.perf.step_model import SeqWork
+from kvlab.errors import KvlabError
+from kvlab.perf.hardware import HardwareSpec
+from kvlab.perf.kvlab_steps import unsupported_reason
+from kvlab.perf.model import ModelSpec
+from kvlab.perf.step_model import SeqWork, StepModel
 from kvlab.request import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlab.scheduler import Sequence as Seq
@@ -163,3 +167,60 @@ class _Simulation:
             if len(trace.token_times) >= trace.spec.output_tokens:
                 self.scheduler.finish(seq)
                 self.in_flight -= 1
+
+
+# -- kvlab's engine served, predicted and checked --------------------------------------------
+
+
+def predict_serving(model: ModelSpec, hw: HardwareSpec, requests: Sequence[RequestSpec],
+                    concurrency: int, config: SchedulerConfig | None = None,
+                    kv_dtype: str = "f32") -> ServingPrediction:
+    """`requests` served by kvlab on the probed `hw` with `concurrency` clients: the step
+    model (with the probe's whole-step factors) under kvlab's scheduler."""
+    reason = unsupported_reason(model, hw)
+    if reason:
+        raise KvlabError(f"cannot predict kvlab's own engine: {reason}")
+    sm = StepModel(model, hw, kv_dtype)
+    return simulate(requests, _memoised(sm.seconds), concurrency, config)
+
+
+def _memoised(step_time: StepTime) -> StepTime:
+    """`step_time` remembered by step shape: a steady batch repeats the same few shapes."""
+    seen: dict[tuple[SeqWork, ...], float] = {}
+
+    def seconds(work: Sequence[SeqWork]) -> float:
+        key = tuple(work)
+        if key not in seen:
+            seen[key] = step_time(work)
+        return seen[key]
+    return seconds
+
+
+SERVING_FIGURES = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),
+                   ("TTFT p99 (ms)", "ttft_p99_ms"), ("ITL p50 (ms)", "itl_p50_ms"))
+
+
+def serving_figures(p: ServingPrediction) -> dict[str, float]:
+    """The figures a load test reports, from a prediction: tok/s and milliseconds."""
+    return {"output_tok_s": p.output_tok_s, "ttft_p50_ms": 1e3 * p.ttft(0.5),
+            "ttft_p99_ms": 1e3 * p.ttft(0.99), "itl_p50_ms": 1e3 * p.itl(0.5)}
+
+
+def format_serving(levels: Sequence[tuple[int, dict[str, float], dict[str, float] | None]]
+                   ) -> str:
+    """One row per (concurrency, predicted figures, measured figures or None): predicted,
+    measured and the error in percent for each figure of SERVING_FIGURES."""
+    measured_any = any(m is not None for _, _, m in levels)
+    head = f"{'conc':>5}"
+    for label, _ in SERVING_FIGURES:
+        head += f"  {label:>14}" + (f" {'measured':>9} {'error':>7}" if measured_any else "")
+    lines = [head]
+    for level, pred, meas in levels:
+        row = f"{level:>5}"
+        for _, key in SERVING_FIGURES:
+            row += f"  {pred[key]:>14,.1f}"
+            if meas is not None:
+                err = (meas[key] - pred[key]) / pred[key] * 100 if pred[key] else float("nan")
+                row += f" {meas[key]:>9,.1f} {err:>+6.1f}%"
+        lines.append(row)
+    return "\n".join(lines)

@@ -198,8 +198,8 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
                 name: str = "") -> StepFactors:
     """The factors that bring `StepModel`'s terms to the `timed` steps, in order: fixed and
     f32 KV from single decodes, batch from larger decode batches, prefill and its attention
-    from prefill chunks, then the KV factor of each other dtype. A group no step measures
-    keeps 1."""
+    from prefill chunks, then the KV factor of each other dtype from the difference between
+    its decodes at two contexts. A group no step measures keeps 1."""
     sm = StepModel(model, hw, factors=None)
     terms = {t.name: _terms(sm, t) for t in timed}
     single = [t for t in timed if _kind(t) == "decode" and len(t.work) == 1
@@ -215,10 +215,9 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
         [(terms[t.name].prefill, terms[t.name].attention, rest[t.name]) for t in chunks],
         (1.0, 1.0))
     kv_by_dtype = {"f32": kv}
-    for t in timed:
-        if _kind(t) == "decode" and t.kv_dtype != "f32":
-            left = t.seconds - fixed * terms[t.name].fixed
-            kv_by_dtype[t.kv_dtype] = _ratio([(terms[t.name].kv, left)], KV_FACTOR_RANGE)
+    for dtype in dict.fromkeys(t.kv_dtype for t in timed if t.kv_dtype != "f32"):
+        kv_by_dtype[dtype] = _slope([(terms[t.name].kv, t.seconds - fixed * terms[t.name].fixed)
+                                     for t in timed if t.kv_dtype == dtype])
     factors = StepFactors(fixed, kv_by_dtype, batch, prefill, attention, model=name,
                           noise=max((t.spread for t in timed), default=0.0))
     points = tuple({"name": t.name, "seconds": t.seconds, "spread": t.spread,
@@ -250,6 +249,17 @@ def _ratio(pairs: Sequence[tuple[float, float]],
     """The factor f of least squares for measured ~= f x term; 1 without data."""
     den = sum(term * term for term, _ in pairs)
     return _clamp(sum(term * y for term, y in pairs) / den, bounds) if den > 0 else 1.0
+
+
+def _slope(pairs: Sequence[tuple[float, float]]) -> float:
+    """The factor f of measured ~= c + f x term, c free (the level of a busier moment):
+    from two or more steps at different contexts; from one, as `_ratio`."""
+    if len(pairs) < 2:
+        return _ratio(pairs, KV_FACTOR_RANGE)
+    x, y = np.array(pairs, dtype=float).T
+    dx = x - x.mean()
+    den = float(dx @ dx)
+    return _clamp(float(dx @ (y - y.mean())) / den, KV_FACTOR_RANGE) if den > 0 else 1.0
 
 
 def _least_squares(rows: Sequence[tuple[float, float, float]], default: tuple[float, float],
