@@ -19,6 +19,7 @@ from kvlab.errors import KvlabError
 from kvlab.perf import Estimate, HardwareSpec, ModelSpec, Workload, estimate
 from kvlab.perf.hardware import GB
 from kvlab.perf.kvlab_steps import KvlabPrediction, predict, shares_text, unsupported_reason
+from kvlab.perf.step_model import describe_factors
 
 KV_DTYPE = "f32"  # what kvlab's CPU engine stores by default
 TOLERANCE = 0.25  # the aim: every prediction within 25 % of the measurement
@@ -232,16 +233,6 @@ def _verdict(rows: list[CheckRow]) -> str:
 NOISY = 0.10  # a bench figure whose runs spread more than this is noted
 
 
-def _steps_note(hw: HardwareSpec) -> str:
-    f = hw.steps
-    if f is None:
-        return ("the probe timed no whole steps: the prediction is the kernels' medians alone, "
-                "which a real step does not reach (`kvlab probe` times the steps)")
-    return (f"the kernel terms are scaled to whole steps the probe timed on a replica of "
-            f"{f.model or 'a model'} (fixed x{f.fixed:.2f}, prefill x{f.prefill:.2f}, KV "
-            f"x{f.kv_factor('f32'):.2f}); the probe's repeats spread up to {f.noise:.0%}")
-
-
 def _notes(results: list[BenchResult], rows: list[CheckRow],
            hw: HardwareSpec | None = None) -> list[str]:
     """Where the measurement itself is uncertain, a bias shared by all decode figures, and
@@ -260,7 +251,7 @@ def _notes(results: list[BenchResult], rows: list[CheckRow],
         notes.append(f"decode: all {len(decode)} figures {side} the prediction "
                      f"({min(decode):+.0f} to {max(decode):+.0f} %): {why}")
     if hw is not None:
-        notes.append(_steps_note(hw))
+        notes.append(describe_factors(hw.steps))
     notes.append("not modelled: other work sharing the cores while the bench runs (the probe's "
                  "medians hold for a machine as busy as during the probe)")
     return notes

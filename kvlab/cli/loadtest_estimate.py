@@ -26,6 +26,7 @@ from kvlab.perf.serving import (
     predict_serving,
     serving_figures,
 )
+from kvlab.perf.step_model import describe_factors
 from kvlab.scheduler import SchedulerConfig
 
 TTFT_TOLERANCE, THROUGHPUT_TOLERANCE = 0.30, 0.20  # the aims, per figure
@@ -95,7 +96,12 @@ def format_check(p: Predictor, levels: list[tuple[int, ServingPrediction, Summar
     head = (f"prediction: kvlab serving {p.model.name} on {p.hw.name} (scheduler: max "
             f"{p.config.max_num_seqs} sequences, {p.config.max_num_batched_tokens} tokens a "
             f"step; {p.kv_dtype} KV); error = measured against predicted")
-    return "\n".join([head, format_serving(rows), _verdict(rows), _steps_line(p.hw)])
+    notes = [describe_factors(p.hw.steps), _NOT_MODELLED]
+    return "\n".join([head, format_serving(rows), _verdict(rows)] + [f"note: {n}" for n in notes])
+
+
+_NOT_MODELLED = ("not modelled: the server's HTTP and streaming work, and the load test's "
+                 "client sharing the cores with the server when both run on this machine")
 
 
 def _verdict(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> str:
@@ -108,16 +114,6 @@ def _verdict(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> str:
         return (f"output tok/s within {THROUGHPUT_TOLERANCE:.0%} and TTFT p50 within "
                 f"{TTFT_TOLERANCE:.0%} at every level")
     return f"off by more than the aim: {', '.join(misses)}"
-
-
-def _steps_line(hw: HardwareSpec) -> str:
-    f = hw.steps
-    if f is None:
-        return ("note: the probe timed no whole steps; the kernels' medians alone predict "
-                "faster than a real step (run `kvlab probe`)")
-    return (f"note: step model scaled to whole steps timed on a replica of {f.model}; the "
-            f"probe's repeats spread up to {f.noise:.0%}; the client shares the machine's "
-            "cores with the server when both run here")
 
 
 def as_dict(pred: ServingPrediction) -> dict[str, Any]:

@@ -146,6 +146,17 @@ class StepModel:
         return seconds
 
 
+def describe_factors(f: StepFactors | None) -> str:
+    """One line on what scaled the kernel terms, for a report's notes."""
+    if f is None:
+        return ("the probe timed no whole steps: the prediction is the kernels' medians alone, "
+                "which a real step does not reach (`kvlab probe` times the steps)")
+    kv = ", ".join(f"{d} x{v:.2f}" for d, v in f.kv.items())
+    return (f"the kernel terms are scaled to whole steps the probe timed on a replica of "
+            f"{f.model or 'a model'} (fixed x{f.fixed:.2f}, batch x{f.batch:.2f}, prefill "
+            f"x{f.prefill:.2f}, KV {kv}); the probe's repeats spread up to {f.noise:.0%}")
+
+
 def predict_one(model: ModelSpec, hw: HardwareSpec, workload: Workload, chunk: int = CHUNK
                 ) -> KvlabPrediction:
     """One sequence of `workload` alone, as kvlab_steps.predict reports it, from the step
