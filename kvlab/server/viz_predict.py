@@ -184,9 +184,9 @@ def kvlab_figures(model: ModelSpec, hw: HardwareSpec, wl: Workload, scheduler: A
     decode = float(np.median([(len(t.token_times) - 1) / (t.finished - t.token_times[0])
                               for t in p.traces if len(t.token_times) > 1] or [0.0]))
     noise = hw.steps.noise if hw.steps is not None else 0.0
-    ttft = p.ttft(0.5)
+    ttft, total = p.ttft(0.5), float(np.median([t.finished - t.sent for t in p.traces]))
     return {"engine": "kvlab", "ttft_s": ttft, "prefill_s": ttft,
             "prefill_tok_s": wl.prompt_tokens / ttft, "decode_tok_s": decode,
             "decode_tok_s_range": [decode * (1 - noise), decode * (1 + noise)],
-            "itl_ms": 1e3 * p.itl(0.5),
-            "total_s": float(np.median([t.finished - t.sent for t in p.traces]))}
+            "itl_ms": 1e3 * p.itl(0.5), "total_s": total,
+            "total_s_range": [total * (1 - noise), total * (1 + noise)]}
