@@ -1,8 +1,8 @@
 """`kvlab loadtest --estimate`: kvlab serving each measured load, predicted, beside what the
 load test measured, with the error in percent.
 
-The prediction replays the very requests the run sent (their prompt and output token
-counts, as the server reported them, in the order and with the concurrency or arrival
+The prediction replays the very requests the run sent (the prompt tokens the server computed,
+less those its prefix cache served, and the output tokens, as it reported them, in the order and with the concurrency or arrival
 times the load test used) through kvlab's scheduler over the step model
 (kvlab.perf.serving), with the server's token budget and max sequences as given here, on
 the rates and whole-step timings `kvlab probe` cached. Nothing from the run's timings
@@ -45,8 +45,8 @@ class Predictor:
         if not ok:
             raise KvlabError("no request completed: nothing to predict")
         arrivals = _arrivals(cfg, len(results))
-        specs = [RequestSpec(max(r.prompt_tokens, 1), max(r.output_tokens, 1), arrivals[i])
-                 for i, r in enumerate(results) if r.ok]
+        specs = [RequestSpec(max(r.prompt_tokens - r.cached_tokens, 1), max(r.output_tokens, 1),
+                             arrivals[i]) for i, r in enumerate(results) if r.ok]
         concurrency = cfg.concurrency or len(specs)
         return predict_serving(self.model, self.hw, specs, concurrency, self.config,
                                self.kv_dtype)
