@@ -90,6 +90,11 @@ def _kernel_rows(k: KernelRates | None) -> list[tuple[str, str, str]]:
              (f"f32 K/V read; {k.attention_read_strided / 1e9:.1f} GB/s with 8 "
               "KV heads a row")),
             ("sampling", f"{k.logit_seconds * 1e9:,.2f} ns", "per vocabulary entry, greedy")]
+    if k.spread:
+        worst = max(k.spread, key=lambda name: k.spread[name])
+        rows.append(("kernel noise", f"{sorted(k.spread.values())[len(k.spread) // 2]:.1%}",
+                     (f"median IQR/median of the kernel timers' rounds; the worst: {worst} "
+                     f"{k.spread[worst]:.0%}")))
     for arch in sorted(k.layer_seconds):
         step, layer, position = k.engine(arch)
         rows.append((f"engine ({arch})", f"{layer * 1e6:,.0f} us/layer",
