@@ -297,3 +297,32 @@ def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
     assert four["ttft_s"] > one["ttft_s"] and four["decode_tok_s"] < one["decode_tok_s"]
     gpu = viz_predict(spec, HardwareSpec.from_name("rtx-4090"), 40, 16, 4)
     assert gpu["engine"] == "roofline"
+
+
+# -- the step probe on a tiny model ----------------------------------------------------------
+
+
+def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path) -> None:
+    from test_perf_probe import TINY
+
+    from kvlab.kernels import kernel_backend
+    from kvlab.perf import ModelSpec
+    from kvlab.perf.probe_engine import write_synthetic_gguf
+    from kvlab.perf.probe_steps import measure_steps, write_replica
+    from kvlab.weights.gguf_file import GGUFFile
+
+    if kernel_backend() == "torch":
+        pytest.skip("kvlab's C kernels are not built")
+    source, replica = tmp_path / "m.gguf", tmp_path / "r.gguf"
+    write_synthetic_gguf(source, "gemma3", 2, TINY)
+    write_replica(source, replica)
+    a, b = GGUFFile(source), GGUFFile(replica)
+    assert a.metadata == b.metadata and a.tensors == b.tensors
+    assert (b.raw("output_norm.weight") == a.raw("output_norm.weight")).all()  # copied
+    spec = ModelSpec.from_gguf(replica)
+    assert spec == replace(ModelSpec.from_gguf(source), name=spec.name)
+    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("f16",))
+    names = {p["name"] for p in f.points}
+    assert {"prefill 512", "prefill 512 at 512", "decode 16 at 32",
+            "decode 1 at 1024 f16"} <= names
+    assert set(f.kv) == {"f32", "f16"} and f.model == spec.name

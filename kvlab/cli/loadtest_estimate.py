@@ -96,8 +96,24 @@ def format_check(p: Predictor, levels: list[tuple[int, ServingPrediction, Summar
     head = (f"prediction: kvlab serving {p.model.name} on {p.hw.name} (scheduler: max "
             f"{p.config.max_num_seqs} sequences, {p.config.max_num_batched_tokens} tokens a "
             f"step; {p.kv_dtype} KV); error = measured against predicted")
-    notes = [describe_factors(p.hw.steps), _NOT_MODELLED]
+    notes = [describe_factors(p.hw.steps), _NOT_MODELLED] + _stall_notes(levels)
     return "\n".join([head, format_serving(rows), _verdict(rows)] + [f"note: {n}" for n in notes])
+
+
+STALLS = 1.2  # measured ITL mean / p50 above this: steps slowed now and then
+
+
+def _stall_notes(levels: list[tuple[int, ServingPrediction, Summary]]) -> list[str]:
+    """Levels whose measured token gaps have a mean well above their median: some steps ran
+    far slower (other work on the cores); throughput follows the mean, the step model the
+    median of the probe's repeats."""
+    stalled = [f"{level} ({s.itl_ms['mean'] / s.itl_ms['p50']:.2f})" for level, _, s in levels
+               if s.itl_ms["p50"] and s.itl_ms["mean"] > STALLS * s.itl_ms["p50"]]
+    if not stalled:
+        return []
+    return ["measured ITL mean / p50 at " + ", ".join(stalled) + ": some steps ran far slower "
+            "than most (other work on the cores); output tok/s follows the mean step, the "
+            "prediction the median"]
 
 
 _NOT_MODELLED = ("not modelled: the server's HTTP and streaming work, and the load test's "
