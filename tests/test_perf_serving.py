@@ -280,6 +280,8 @@ def test_loadtest_estimate_replays_the_run(tmp_path: Path,
     text = le.format_check(p, [(2, pred, summarize(cfg, "m", results, 1.0, {}))])
     assert "output tok/s" in text and "replica of hand" in text and "%" in text
     assert le._arrivals(LoadConfig(url="x", rate=2.0, seed=0), 3)[0] == 0.0
+    (gap,) = le._gap_notes([(1, {"itl_p50_ms": 12.0}, {"itl_p50_ms": 19.5})])
+    assert "each token took +7.5 ms beside the predicted engine step" in gap
     with pytest.raises(Exception, match="server-kv-dtype"):
         le.predictor(argparse.Namespace(**{**vars(args), "server_kv_dtype": "f8"}))
 

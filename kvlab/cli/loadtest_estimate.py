@@ -96,7 +96,8 @@ def format_check(p: Predictor, levels: list[tuple[int, ServingPrediction, Summar
     head = (f"prediction: kvlab serving {p.model.name} on {p.hw.name} (scheduler: max "
             f"{p.config.max_num_seqs} sequences, {p.config.max_num_batched_tokens} tokens a "
             f"step; {p.kv_dtype} KV); error = measured against predicted")
-    notes = [describe_factors(p.hw.steps), _NOT_MODELLED] + _stall_notes(levels)
+    notes = ([describe_factors(p.hw.steps), _NOT_MODELLED] + _stall_notes(levels)
+             + _gap_notes(rows))
     return "\n".join([head, format_serving(rows), _verdict(rows)] + [f"note: {n}" for n in notes])
 
 
@@ -114,6 +115,20 @@ def _stall_notes(levels: list[tuple[int, ServingPrediction, Summary]]) -> list[s
     return ["measured ITL mean / p50 at " + ", ".join(stalled) + ": some steps ran far slower "
             "than most (other work on the cores); output tok/s follows the mean step, the "
             "prediction the median"]
+
+
+def _gap_notes(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> list[str]:
+    """The measured token gap past the predicted one at one stream: what each token costs
+    besides the engine step (the server's streaming path, the client), read off the run."""
+    alone = [(pred, meas) for level, pred, meas in rows if level == 1]
+    if not alone:
+        return []
+    pred, meas = alone[0]
+    gap = meas["itl_p50_ms"] - pred["itl_p50_ms"]
+    return [(f"at one stream each token took {gap:+.1f} ms beside the predicted engine step "
+            f"({meas['itl_p50_ms']:.1f} against {pred['itl_p50_ms']:.1f} ms): the server's "
+            "streaming path and the client's, which the prediction leaves out, or other work "
+            "on the cores")]
 
 
 _NOT_MODELLED = ("not modelled: the server's HTTP and streaming work, and the load test's "
