@@ -53,7 +53,7 @@ def test_hardware_this_after_a_probe(tmp_path: Path, monkeypatch: pytest.MonkeyP
     fake = ProbeResult(bandwidth_gbs=25.0, tflops={"fp32": 0.2}, memory_gib=16.0, threads=2,
                        cpu="Fake CPU", measured_at="2025-01-02T03:04:05+00:00",
                        details={"bandwidth": "sum", "memory": "sysconf", "fp32": "mm"})
-    monkeypatch.setattr(probe_cli, "probe", lambda threads, bf16: fake)
+    monkeypatch.setattr(probe_cli, "probe", lambda threads, bf16, **_: fake)
     assert run_cli(["probe", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert "25.0 GB/s" in out and "200.0 GFLOP/s" in out and str(tmp_path) in out

@@ -195,7 +195,7 @@ def test_bench_rows_compare_kvlab_and_roofline() -> None:
 def test_print_check(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                      ) -> None:
     m, hw = model(), machine()
-    monkeypatch.setattr(bench_estimate, "_hardware", lambda threads: hw)
+    monkeypatch.setattr(bench_estimate, "_hardware", lambda threads, *_: hw)
     monkeypatch.setattr(bench_estimate, "_model", lambda path: m)
     tok_s = predict(m, hw, Workload(prompt_tokens=1, output_tokens=8)).decode_tok_s
     results = [_result("tg8", 0, 8, 0, tok_s, samples=(tok_s * 0.7, tok_s * 1.3))]
@@ -222,7 +222,7 @@ def test_bench_reprobes_a_cache_without_kernel_figures(
                                      "cpu": "New CPU", "kernels": asdict(rates())})
     calls = []
     monkeypatch.setattr(probe_mod, "probe",
-                        lambda threads: calls.append(threads) or fresh)
+                        lambda threads, **_: calls.append(threads) or fresh)
     hw = bench_estimate._hardware(2)
     assert calls == [2] and hw.kernels == rates() and "New CPU" in hw.name
     assert "has no kernel figures" in capsys.readouterr().out

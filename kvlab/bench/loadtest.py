@@ -91,6 +91,7 @@ class RequestResult:
     error: str = ""
     text: str = ""  # the reply, as streamed
     forced_tokens: int | None = None  # of output_tokens; None when the server does not say
+    cached_tokens: int = 0  # of prompt_tokens, served by the server's prefix cache
 
     @property
     def tpot(self) -> float | None:
@@ -218,6 +219,8 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
 def _read_usage(result: RequestResult, usage: dict[str, Any]) -> None:
     result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
     result.output_tokens = usage.get("completion_tokens", result.output_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = details.get("cached_tokens") or result.cached_tokens
     forced = (usage.get("completion_tokens_details") or {}).get("forced_tokens")
     if forced is not None:
         result.forced_tokens = forced

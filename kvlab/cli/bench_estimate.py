@@ -19,6 +19,7 @@ from kvlab.errors import KvlabError
 from kvlab.perf import Estimate, HardwareSpec, ModelSpec, Workload, estimate
 from kvlab.perf.hardware import GB
 from kvlab.perf.kvlab_steps import KvlabPrediction, predict, shares_text, unsupported_reason
+from kvlab.perf.step_model import describe_factors
 
 KV_DTYPE = "f32"  # what kvlab's CPU engine stores by default
 TOLERANCE = 0.25  # the aim: every prediction within 25 % of the measurement
@@ -39,9 +40,10 @@ class CheckRow:
         return (self.measured - self.predicted) / self.predicted * 100 if self.predicted else 0.0
 
 
-def _hardware(threads: int | None) -> HardwareSpec:
-    """This machine as `kvlab probe` measured it with kvlab's kernel figures at `threads`;
-    probes now (about 15 s) when the cache lacks them or is for another thread count."""
+def _hardware(threads: int | None, model_path: str | None = None) -> HardwareSpec:
+    """This machine as `kvlab probe` measured it with kvlab's kernel figures and whole
+    steps at `threads`; probes now (about a minute, the steps on a replica of
+    `model_path`) when the cache lacks them or is for another thread count."""
     from kvlab.perf.probe import PROBE_VERSION, cache_path, probe, read_probe, save_probe
 
     try:
@@ -54,8 +56,9 @@ def _hardware(threads: int | None) -> HardwareSpec:
                else f"is for {cached.threads} threads")
     except KvlabError:
         why = "cannot be read" if cache_path().exists() else "is missing"
-    print(f"\nthe probe cache {why}: probing this machine (about 15 s)")
-    save_probe(probe(threads))
+    print(f"\nthe probe cache {why}: probing this machine (about a minute)")
+    gguf = model_path if model_path and Path(model_path).is_file() else None
+    save_probe(probe(threads, model=gguf))
     return read_probe().to_hardware()
 
 
@@ -174,7 +177,7 @@ def _figures(results: list[BenchResult]
 
 def print_check(model_path: str, results: list[BenchResult], threads: int | None,
                 quantized: bool) -> None:
-    hw = _hardware(threads)
+    hw = _hardware(threads, model_path)
     model = _model(model_path)
     # a quantized model's prefill runs kvlab's integer kernels: their probed rate applies
     dtype = "int8" if quantized and "int8" in hw.flops else None
@@ -187,7 +190,7 @@ def print_check(model_path: str, results: list[BenchResult], threads: int | None
     print(_header(hw, model))
     _print_rows(rows)
     print("\nnotes")
-    for line in _notes(results, rows):
+    for line in _notes(results, rows, hw):
         print(f"  {line}")
 
 
@@ -230,7 +233,8 @@ def _verdict(rows: list[CheckRow]) -> str:
 NOISY = 0.10  # a bench figure whose runs spread more than this is noted
 
 
-def _notes(results: list[BenchResult], rows: list[CheckRow]) -> list[str]:
+def _notes(results: list[BenchResult], rows: list[CheckRow],
+           hw: HardwareSpec | None = None) -> list[str]:
     """Where the measurement itself is uncertain, a bias shared by all decode figures, and
     what the step model leaves out."""
     notes = []
@@ -242,18 +246,14 @@ def _notes(results: list[BenchResult], rows: list[CheckRow]) -> list[str]:
     decode = [r.error for r in rows if r.figure.endswith("decode tok/s")]
     if len(decode) > 1 and (max(decode) < 0 or min(decode) > 0):
         side = "below" if max(decode) < 0 else "above"
-        why = ("the probe keeps each kernel's best run, the bench averages whole replies, and "
-               "the engine's own calls are timed on a synthetic model, not on this one"
-               if side == "below" else "the probe ran in a busier moment than the bench")
+        why = ("other work on the cores during the bench, or a probe taken in a quieter "
+               "moment" if side == "below" else "the probe ran in a busier moment than the bench")
         notes.append(f"decode: all {len(decode)} figures {side} the prediction "
                      f"({min(decode):+.0f} to {max(decode):+.0f} %): {why}")
-    else:
-        notes.append("the probe keeps the best of a few runs of each kernel, the bench the "
-                     "mean of its runs: when other work shares the cores, kvlab measures "
-                     "slower than predicted")
-    notes.append("not modelled: batches of several sequences, KV caches other than f32, "
-                 "prompts prefilled in several chunks, engine work that grows with the number "
-                 "of requests")
+    if hw is not None:
+        notes.append(describe_factors(hw.steps))
+    notes.append("not modelled: other work sharing the cores while the bench runs (the probe's "
+                 "medians hold for a machine as busy as during the probe)")
     return notes
 
 

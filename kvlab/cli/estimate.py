@@ -6,8 +6,11 @@ built-in part (`--hardware rtx-4090`), this machine as `kvlab probe` measured it
 (`--hardware this`, the default), or figures given with --bandwidth/--tflops/--memory.
 
 `--engine kvlab` adds kvlab's own engine on this machine: a GGUF model over the rates
-`kvlab probe` measured for kvlab's kernels and engine, in place of the roofline's 60-85 %
-(what `kvlab bench --estimate` checks against a run).
+`kvlab probe` measured for kvlab's kernels and engine, scaled to the whole steps it timed,
+in place of the roofline's 60-85 % (what `kvlab bench --estimate` checks against a run);
+and kvlab serving `--concurrency` clients, each sending `--requests` / concurrency requests
+one after another (closed loop, as `kvlab loadtest` does): kvlab's scheduler replayed over
+the step model, with output tok/s, TTFT and ITL (what `kvlab loadtest --estimate` checks).
 """
 
 from __future__ import annotations
@@ -86,8 +89,8 @@ def _add_workload_args(g: argparse._ArgumentGroup) -> None:
                    help="sequences decoding together (1)")
     g.add_argument("--context", type=_positive_int, metavar="TOKENS",
                    help="KV context reserved per sequence (default: prompt + output)")
-    g.add_argument("--kv-dtype", default="f16", choices=list(KV_BYTES_PER_ELEMENT),
-                   help="KV cache dtype (f16)")
+    g.add_argument("--kv-dtype", choices=list(KV_BYTES_PER_ELEMENT),
+                   help="KV cache dtype (f16; kvlab's own engine: f32, its CPU default)")
     g.add_argument("--dtype", help="compute dtype for FLOP/s: fp32, bf16, fp16, ... "
                                    "(default: the part's own)")
     g.add_argument("--offload-layers", type=int, default=0, metavar="N",
@@ -99,7 +102,13 @@ def _add_workload_args(g: argparse._ArgumentGroup) -> None:
                    help="share of the decode ceiling reached in practice (0.6 0.85)")
     g.add_argument("--engine", choices=("roofline", "kvlab"), default="roofline",
                    help="kvlab: also predict kvlab's own engine from the probed kernel rates "
-                        "(a GGUF model, --hardware this, concurrency 1)")
+                        "and whole steps (a GGUF model, --hardware this)")
+    g.add_argument("--requests", type=_positive_int, metavar="N",
+                   help="with --engine kvlab: requests served (default: 4 x concurrency)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=16, metavar="N",
+                   help="with --engine kvlab: the server's most sequences a step (16)")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, metavar="N",
+                   help="with --engine kvlab: the server's token budget a step (512)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,18 +123,24 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(args)
     workload = Workload(
         prompt_tokens=args.prompt, output_tokens=args.output, concurrency=args.concurrency,
-        context=args.context, kv_dtype=args.kv_dtype, offload_layers=args.offload_layers,
+        context=args.context, kv_dtype=args.kv_dtype or "f16",
+        offload_layers=args.offload_layers,
         offload_bandwidth=None if args.offload_bandwidth is None else args.offload_bandwidth * GB,
         efficiency=(args.efficiency[0], args.efficiency[1]), compute_dtype=args.dtype)
     result = estimate(model, hw, workload)
-    own = predict_kvlab(model, hw, workload) if args.engine == "kvlab" else None
+    own = served = None
+    if args.engine == "kvlab":
+        kvlab_workload = replace(workload, concurrency=1, kv_dtype=args.kv_dtype or "f32")
+        own = predict_kvlab(model, hw, kvlab_workload)
+        served = serve_kvlab(model, hw, kvlab_workload, args)
     if args.json:
         out = result.to_dict()
-        if own is not None:
-            out["kvlab"] = own.to_dict()
+        if own is not None and served is not None:
+            out["kvlab"] = own.to_dict() | {"serving": served}
         print(json.dumps(out, indent=2))
     else:
-        print(format_estimate(result) + ("" if own is None else own.format() + "\n"), end="")
+        text = "" if own is None or served is None else own.format() + _serving_text(served)
+        print(format_estimate(result) + text, end="")
     if args.plot:
         from kvlab.perf.plot import plot_estimate
 
@@ -136,12 +151,48 @@ def run(args: argparse.Namespace) -> int:
 
 
 def predict_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
-    """kvlab's own engine for `workload`; its KV cache is f32 whatever --kv-dtype says."""
+    """kvlab's own engine for one sequence of `workload`."""
     from kvlab.perf.kvlab_steps import predict
 
-    if workload.kv_dtype != "f32":
-        workload = replace(workload, kv_dtype="f32")
+    _check_kvlab_kv(workload.kv_dtype, hw)
     return predict(model, hw, workload)
+
+
+def _check_kvlab_kv(kv_dtype: str, hw: HardwareSpec) -> None:
+    from kvlab.models.kv_store import KV_DTYPES
+
+    if kv_dtype not in KV_DTYPES:
+        raise KvlabError(f"kvlab's engine has no {kv_dtype} KV cache (valid: "
+                         f"{', '.join(KV_DTYPES)})")
+    if kv_dtype != "f32" and hw.steps is None:
+        raise KvlabError(f"a {kv_dtype} KV cache needs the whole-step timings of `kvlab probe` "
+                         "(the kernel rates alone cover f32)")
+
+
+def serve_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """kvlab serving `--requests` requests of `workload` to `--concurrency` closed-loop
+    clients: the figures of `kvlab.perf.serving.serving_figures`, and the load."""
+    from kvlab.perf.serving import RequestSpec, predict_serving, serving_figures
+    from kvlab.scheduler import SchedulerConfig
+
+    n = args.requests or 4 * args.concurrency
+    spec = RequestSpec(workload.prompt_tokens, max(workload.output_tokens, 1))
+    config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    p = predict_serving(model, hw, [spec] * n, args.concurrency, config, workload.kv_dtype)
+    return {"concurrency": args.concurrency, "requests": n, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "steps": p.steps,
+            **serving_figures(p)}
+
+
+def _serving_text(s: dict[str, Any]) -> str:
+    from kvlab.perf.serving import format_serving
+
+    table = format_serving([(s["concurrency"], s, None)])
+    head = (f"serving   kvlab's scheduler (max {s['max_num_seqs']} sequences, "
+            f"{s['max_num_batched_tokens']} tokens a step) over the step model: {s['requests']} "
+            f"requests from {s['concurrency']} closed-loop clients, {s['steps']:,} steps")
+    return head + "\n" + "\n".join("          " + line for line in table.splitlines()) + "\n\n"
 
 
 def _described(args: argparse.Namespace) -> list[str]:

@@ -1,6 +1,8 @@
 """`kvlab loadtest`: stream requests at an OpenAI-compatible server and report TTFT, TPOT, ITL,
 E2E latency, throughput and goodput; `--sweep` repeats it over concurrencies and plots;
-`--json-schema` constrains every reply and counts the valid ones and the forced tokens."""
+`--json-schema` constrains every reply and counts the valid ones and the forced tokens;
+`--estimate` predicts every level for kvlab serving the model on this machine and prints the
+prediction beside the measurement (kvlab.cli.loadtest_estimate)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,23 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", default=None, help="with --sweep: write a PNG plot here")
+    add_estimate_args(p)
     p.set_defaults(func=run)
+
+
+def add_estimate_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prediction (--estimate)")
+    g.add_argument("--estimate", action="store_true",
+                   help="predict each level from `kvlab probe`'s figures for kvlab serving "
+                        "the model here, and print it beside the measurement")
+    g.add_argument("--estimate-model", metavar="FILE.gguf",
+                   help="the served model's GGUF file (default: the default model)")
+    g.add_argument("--server-max-num-seqs", type=int, default=16, metavar="N",
+                   help="the server's --max-num-seqs (16)")
+    g.add_argument("--server-max-num-batched-tokens", type=int, default=512, metavar="N",
+                   help="the server's --max-num-batched-tokens (512)")
+    g.add_argument("--server-kv-dtype", default="f32", metavar="DTYPE",
+                   help="the server's KV cache dtype (f32, kvlab's CPU default)")
 
 
 def _levels(spec: str) -> list[int]:
@@ -75,6 +93,15 @@ def _config(args: argparse.Namespace):
         json_schema=load_schema(args.json_schema) if args.json_schema else None)
 
 
+def _predictor(args: argparse.Namespace):
+    """The prediction's inputs with --estimate (checked before any load is sent), else None."""
+    if not args.estimate:
+        return None
+    from kvlab.cli.loadtest_estimate import predictor
+
+    return predictor(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlab.bench import loadtest as lt
 
@@ -84,19 +111,32 @@ def run(args: argparse.Namespace) -> int:
     slos = lt.parse_slos(args.slo)
     prompts = lt.load_prompts(args.prompts) if args.prompts else lt.builtin_prompts()
     levels = _levels(args.sweep) if args.sweep else [cfg.concurrency]
-    runs = []
+    predictor = _predictor(args)
+    runs, checks = [], []
     for level in levels:
         run_cfg = dataclasses.replace(cfg, concurrency=level)
         results, seconds, model = asyncio.run(lt.run_load(run_cfg, prompts, args.warmup))
         runs.append(lt.summarize(run_cfg, model, results, seconds, slos))
+        if predictor is not None and runs[-1].completed:
+            checks.append((level or 0, predictor.level(run_cfg, results), runs[-1]))
         if not args.json:
             print(lt.format_summary(runs[-1]), flush=True)
     if args.sweep and not args.json:
         print("\n" + lt.format_sweep(runs))
+    if predictor is not None and checks and not args.json:
+        from kvlab.cli.loadtest_estimate import format_check
+
+        print("\n" + format_check(predictor, checks))
     if args.plot:
         lt.plot_sweep(runs, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
     if args.json:
         records = [s.as_dict() for s in runs]
+        if predictor is not None:
+            from kvlab.cli.loadtest_estimate import as_dict
+
+            predicted = {level: as_dict(pred) for level, pred, _ in checks}
+            for record in records:
+                record["predicted"] = predicted.get(record["concurrency"] or 0)
         print(json.dumps({"sweep": records} if args.sweep else records[0], indent=2))
     return 1 if all(s.completed == 0 for s in runs) else 0

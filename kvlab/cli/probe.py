@@ -1,15 +1,19 @@
-"""`kvlab probe`: measure this machine's memory bandwidth and matmul FLOP/s, and how fast
-kvlab's own kernels and engine run here, and cache them for `kvlab estimate --hardware
-this` and `kvlab bench --estimate`."""
+"""`kvlab probe`: measure this machine's memory bandwidth and matmul FLOP/s, how fast
+kvlab's own kernels and engine run here, and whole engine steps on a replica of a model
+(random weights, the model's sizes and types: the default model unless --model names a
+GGUF file), and cache them for `kvlab estimate --hardware this`, `kvlab bench --estimate`
+and `kvlab loadtest --estimate`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from kvlab.perf.hardware import KernelRates
+from kvlab.errors import KvlabError
+from kvlab.perf.hardware import KernelRates, StepFactors
 from kvlab.perf.probe import probe, save_probe
 
 
@@ -20,12 +24,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads to measure with (default: torch's own choice)")
     p.add_argument("--bf16", action="store_true", help="also measure bf16 matmul FLOP/s")
+    p.add_argument("--model", metavar="FILE.gguf",
+                   help="the model whose replica's steps are timed (default: the default model)")
+    p.add_argument("--no-steps", action="store_true",
+                   help="skip the whole-step timings (about 30 s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    result = probe(threads=args.threads, bf16=args.bf16)
+    if args.model is not None and not Path(args.model).is_file():
+        raise KvlabError(f"--model {args.model}: no such file (a GGUF model is expected)")
+    result = probe(threads=args.threads, bf16=args.bf16, model=args.model,
+                   steps=not args.no_steps)
     path = save_probe(result)
     if args.json:
         print(json.dumps({**asdict(result), "cache": str(path)}, indent=2))
@@ -39,8 +50,26 @@ def run(args: argparse.Namespace) -> int:
     rows += _kernel_rows(result.kernel_rates())
     for name, value, how in rows:
         print(f"{name:<22} {value:>15}   {how}")
+    if "steps" in result.details:
+        print(f"whole steps            {result.details['steps']}")
+        print(_step_lines(result.step_factors()))
     print(f"cached to {path} for `kvlab estimate --hardware this`")
     return 0
+
+
+def _step_lines(f: StepFactors | None) -> str:
+    """Each timed step against the step model before and after the fit, then the factors."""
+    if f is None:
+        return ""
+    lines = [f"  {'step':<26} {'median':>10} {'IQR/med':>8} {'kernels':>10} {'fitted':>10}"]
+    for p in f.points:
+        lines.append(f"  {p['name']:<26} {p['seconds'] * 1e3:>8.2f}ms {p['spread']:>8.1%} "
+                     f"{p['kernels'] * 1e3:>8.2f}ms {p['fitted'] * 1e3:>8.2f}ms")
+    kv = ", ".join(f"{d} {v:.2f}" for d, v in f.kv.items())
+    lines.append(f"  factors over the kernel rates: fixed {f.fixed:.2f}, batch {f.batch:.2f}, "
+                 f"prefill {f.prefill:.2f}, prefill attention {f.prefill_attention:.2f}, "
+                 f"KV {kv}; noise: the steps' repeats spread up to {f.noise:.0%} (IQR/median)")
+    return "\n".join(lines)
 
 
 def _kernel_rows(k: KernelRates | None) -> list[tuple[str, str, str]]:
@@ -61,6 +90,11 @@ def _kernel_rows(k: KernelRates | None) -> list[tuple[str, str, str]]:
              (f"f32 K/V read; {k.attention_read_strided / 1e9:.1f} GB/s with 8 "
               "KV heads a row")),
             ("sampling", f"{k.logit_seconds * 1e9:,.2f} ns", "per vocabulary entry, greedy")]
+    if k.spread:
+        worst = max(k.spread, key=lambda name: k.spread[name])
+        rows.append(("kernel noise", f"{sorted(k.spread.values())[len(k.spread) // 2]:.1%}",
+                     (f"median IQR/median of the kernel timers' rounds; the worst: {worst} "
+                     f"{k.spread[worst]:.0%}")))
     for arch in sorted(k.layer_seconds):
         step, layer, position = k.engine(arch)
         rows.append((f"engine ({arch})", f"{layer * 1e6:,.0f} us/layer",

@@ -37,7 +37,12 @@ model (kvlab.perf.kvlab_steps, used by `kvlab bench --estimate` and `kvlab estim
 --engine kvlab`): the model's counted matrices, heads and KV bytes over the rates `kvlab
 probe` measured for kvlab's own kernels (weight reads by type, integer prefill products,
 decode attention over an f32 cache) and for its engine's per-layer and per-step overhead
-(kvlab.perf.probe_kernels, probe_engine).
+(kvlab.perf.probe_kernels, probe_engine). Steps of several sequences, chunked prefill beside
+decodes, and the KV dtypes are kvlab.perf.step_model, whose terms are scaled by factors
+fitted to whole engine steps `kvlab probe` timed on a replica of the model
+(kvlab.perf.probe_steps: medians of repeats, their spread reported); kvlab.perf.serving
+replays kvlab's scheduler over it to predict serving (`kvlab estimate --engine kvlab
+--concurrency N`, `kvlab loadtest --estimate`, the visualiser).
 """
 
 from kvlab.perf.hardware import HardwareSpec, known_parts

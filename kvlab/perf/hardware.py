@@ -54,6 +54,8 @@ class KernelRates:
     step_seconds: Mapping[str, float]
     layer_seconds: Mapping[str, float]
     position_seconds: Mapping[str, float]
+    # interquartile range / median of each timer's repeats (by timer name): the probe's noise
+    spread: Mapping[str, float] = field(default_factory=dict)
 
     def weight_rate(self, qtype: str) -> float:
         """bytes/s for `qtype`; a type the probe did not measure gets the slowest measured."""
@@ -78,6 +80,27 @@ class KernelRates:
             for table in (self.step_seconds, self.layer_seconds, self.position_seconds))
 
 
+@dataclass(frozen=True)
+class StepFactors:
+    """What whole engine steps cost here against the kernel-rate terms of kvlab's step model
+    (kvlab.perf.step_model), as `kvlab probe` timed them on a replica of one model: shared
+    caches, thread wake-ups and activation rounding make a real step slower than the sum of
+    its kernels' isolated best runs. Each factor scales one group of terms."""
+
+    fixed: float  # one pass over the weights, the engine's per-step and per-layer calls
+    kv: Mapping[str, float]  # decode attention over the KV cache, by KV dtype
+    batch: float  # each further decode row: its products, logits and sampling
+    prefill: float  # prefill rows: their products and element-wise passes
+    prefill_attention: float  # prefill attention over the chunk's key range
+    model: str = ""  # the model whose replica was timed
+    noise: float = 0.0  # largest IQR / median over the timed steps' repeats
+    points: tuple[Mapping[str, Any], ...] = ()  # each timed step: name, median, IQR, fit
+
+    def kv_factor(self, kv_dtype: str) -> float:
+        """The factor for `kv_dtype`; one the probe did not time gets f32's."""
+        return self.kv.get(kv_dtype) or self.kv.get("f32") or 1.0
+
+
 def engine_family(architecture: str) -> str:
     """The kvlab model code an architecture runs through: "gemma3" (pre and post norms,
     QK-norm, GeGLU) or "llama" (Llama, Qwen2, Qwen3: fewer calls per layer, SwiGLU)."""
@@ -97,6 +120,7 @@ class HardwareSpec:
     sources: Mapping[str, str] = field(default_factory=dict)
     key: str = "custom"
     kernels: KernelRates | None = None  # kvlab's own kernels, where `kvlab probe` measured them
+    steps: StepFactors | None = None  # whole steps against those kernels, where timed
 
     def __post_init__(self) -> None:
         _check_positive("bandwidth (GB/s)", self.bandwidth / GB)
@@ -167,7 +191,8 @@ class HardwareSpec:
                 "sustained_tflops": {k: v / TERA for k, v in self.flops.items()},
                 "memory_gib": None if self.memory_bytes is None else self.memory_bytes / GIB,
                 "default_dtype": self.default_dtype, "sources": dict(self.sources),
-                "kernels": None if self.kernels is None else asdict(self.kernels)}
+                "kernels": None if self.kernels is None else asdict(self.kernels),
+                "steps": None if self.steps is None else asdict(self.steps)}
 
 
 def known_parts() -> list[HardwareSpec]:

@@ -91,6 +91,7 @@ class KvlabPrediction:
     decode: DecodeTerms  # mean step over the reply
     decode_first: DecodeTerms  # the reply's first and last steps
     decode_last: DecodeTerms
+    steps_from: str = ""  # the model whose whole steps scaled the terms; "": kernels alone
 
     @property
     def ttft(self) -> float:
@@ -121,8 +122,10 @@ class KvlabPrediction:
         prefill = shares_text(self.prefill.shares())
         step = (f"{shares_text(d.shares())}; KV {_secs(self.decode_first.kv)} at the first "
                 f"step, {_secs(self.decode_last.kv)} at the last")
-        head = ("kvlab     kvlab's own engine here: the probed rates of its kernels and engine, "
-                "one sequence, f32 KV cache")
+        how = (f"scaled to whole steps timed on a replica of {self.steps_from}"
+               if self.steps_from else "one sequence")
+        head = (f"kvlab     kvlab's own engine here: the probed rates of its kernels and engine, "
+                f"{how}, {self.workload.kv_dtype} KV cache")
         lines = [head,
                  f"          prefill {self.prefill_tok_s:,.0f} tok/s, TTFT {_secs(self.ttft)} "
                  + f"({prefill})",
@@ -165,7 +168,11 @@ def predict(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPred
         raise KvlabError(f"kvlab's step model covers one sequence at a time, got concurrency "
                          f"{workload.concurrency}; use the roofline for batches")
     assert hw.kernels is not None
-    steps = _Steps(model, hw.kernels)
+    if hw.steps is not None:  # whole steps were timed: their factors scale the terms
+        from kvlab.perf.step_model import predict_one
+
+        return predict_one(model, hw, workload)
+    steps = StepCosts(model, hw.kernels)
     contexts = reply_contexts(workload)
     terms = [steps.decode(c) for c in contexts]
     mean = DecodeTerms(*(float(np.mean([getattr(t, f) for t in terms]))
@@ -202,7 +209,9 @@ def reply_contexts(wl: Workload) -> list[int]:
     return sorted({int(c) for c in np.linspace(first, first + n - 1, min(n, _REPLY_SAMPLES))})
 
 
-class _Steps:
+class StepCosts:
+    """A model's matrices, layers and heads over the probed kernel rates: seconds by term."""
+
     def __init__(self, model: ModelSpec, rates: KernelRates) -> None:
         self.model, self.rates = model, rates
         self.layer_matrices = [tuple(map(loaded_matrix, lyr.matrices)) for lyr in model.layers]

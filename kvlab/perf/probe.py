@@ -7,7 +7,12 @@ kernels and engine overhead: `kvlab.perf.probe_kernels`. Each figure has a time 
 so a probe ends in well under 30 s. Results are cached as JSON at
 $KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
 `kvlab estimate --hardware this`. Caches of versions 1 (before the kernel figures) and 2
-(before the Q8_0x8 kernels) still load; `kvlab bench --estimate` probes again for them.
+(before the Q8_0x8 kernels) and 3 (before the whole-step timings) still load; `kvlab bench
+--estimate` probes again for them.
+
+Whole steps: kvlab's engine on a replica of the model to be predicted (the default model
+unless named), each step shape repeated and its median kept (kvlab.perf.probe_steps); the
+factors fitted to them scale the kernel-rate terms of every kvlab prediction.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -25,12 +30,13 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec, KernelRates
+from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec, KernelRates, StepFactors
 from kvlab.perf.probe_kernels import best_seconds, measure_kernels
 
 CACHE_ENV = "KVLAB_CACHE_DIR"
-PROBE_VERSION = 3  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8
-READABLE_VERSIONS = (1, 2, 3)
+PROBE_VERSION = 4  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8;
+# 4: kernel figures as medians, whole engine steps (`steps`)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class ProbeResult:
     details: dict[str, str] = field(default_factory=dict)  # figure ("bandwidth", "fp32") -> how
     version: int = PROBE_VERSION
     kernels: dict[str, Any] | None = None  # KernelRates as a dict; None: not measured
+    steps: dict[str, Any] | None = None  # StepFactors as a dict; None: not timed
 
     def to_hardware(self) -> HardwareSpec:
         day = self.measured_at[:10]
@@ -53,10 +60,16 @@ class ProbeResult:
             flops={dtype: tf * TERA for dtype, tf in self.tflops.items()},
             memory_bytes=int(self.memory_gib * GIB) if self.memory_gib > 0 else None,
             kind="cpu", default_dtype="fp32",
-            sources=self._sources(), key="this", kernels=self.kernel_rates())
+            sources=self._sources(), key="this", kernels=self.kernel_rates(),
+            steps=self.step_factors())
 
     def kernel_rates(self) -> KernelRates | None:
         return None if self.kernels is None else KernelRates(**self.kernels)
+
+    def step_factors(self) -> StepFactors | None:
+        from kvlab.perf.step_model import factors_from_dict
+
+        return None if self.steps is None else factors_from_dict(self.steps)
 
     def _sources(self) -> dict[str, str]:
         day = f"kvlab probe {self.measured_at[:10]}"
@@ -71,9 +84,12 @@ def cache_path() -> Path:
 
 
 def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
-          matmul_size: int = 2048, budget_s: float = 6.0, kernels: bool = True) -> ProbeResult:
+          matmul_size: int = 2048, budget_s: float = 6.0, kernels: bool = True,
+          model: str | Path | None = None, steps: bool = True) -> ProbeResult:
     """Measure bandwidth and FLOP/s, each within about `budget_s` seconds, and (unless
-    `kernels` is False) kvlab's own kernels and engine in about 1.5 times that."""
+    `kernels` is False) kvlab's own kernels and engine in about 1.5 times that, then
+    (unless `steps` is False) whole engine steps on a replica of `model` (a GGUF file;
+    default: the default model) in about 30 s."""
     if threads is not None:
         if threads < 1:
             raise KvlabError(f"--threads must be a positive integer, got {threads}")
@@ -103,11 +119,33 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
             tflops["int8"] = rate / TERA
             details["int8"] = (f"kvlab integer kernels: 512 rows x Q4_K 2048x2048, best of "
                                f"{runs} (what prefill of a quantized model runs)")
-    return ProbeResult(
+    result = ProbeResult(
         bandwidth_gbs=bandwidth / GB, tflops=tflops, memory_gib=_physical_memory() / GIB,
         threads=rates.threads if rates else torch.get_num_threads(), cpu=_cpu_name(),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), details=details,
         kernels=None if rates is None else asdict(rates))
+    return with_steps(result, model) if steps and rates is not None else result
+
+
+def with_steps(result: ProbeResult, model: str | Path | None = None) -> ProbeResult:
+    """`result` with whole engine steps timed on a replica of `model` (default: the default
+    model); unchanged, with the reason in its details, where kvlab's step model does not
+    cover that model."""
+    from kvlab.perf.kvlab_steps import unsupported_reason
+    from kvlab.perf.model import ModelSpec
+    from kvlab.perf.probe_steps import ROUNDS, measure_steps
+    from kvlab.weights import default_model_path
+
+    path = Path(model) if model is not None else default_model_path()
+    spec = ModelSpec.from_gguf(path)
+    hw = result.to_hardware()
+    reason = unsupported_reason(spec, hw)
+    if reason:
+        return replace(result, details={**result.details, "steps": f"not timed: {reason}"})
+    factors = measure_steps(path, spec, hw, result.threads)
+    how = (f"kvlab's engine on a replica of {spec.name} (random weights, the model's sizes "
+           f"and types), median of {ROUNDS} repeats per step shape")
+    return replace(result, steps=asdict(factors), details={**result.details, "steps": how})
 
 
 def _set_kernel_threads(threads: int) -> None:

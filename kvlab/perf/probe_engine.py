@@ -61,10 +61,10 @@ class EngineOverhead:
 def measure_engine_overhead(architecture: str, threads: int, budget_s: float = 2.0,
                             shape: SyntheticShape = SHAPE) -> EngineOverhead:
     """Time kvlab's engine on synthetic `architecture` models, in one round."""
-    from kvlab.perf.probe_kernels import spread_best
+    from kvlab.perf.probe_kernels import spread_median
 
     with engine_timers(threads, shape, (architecture,)) as timers:
-        return overhead_from(spread_best(timers, budget_s, rounds=1), architecture)
+        return overhead_from(spread_median(timers, budget_s, rounds=1)[0], architecture)
 
 
 _RUNS = ((_FEW, _SHALLOW), (_MANY, _SHALLOW), (_FEW, _DEEP))  # (layers, positions) timed
@@ -79,7 +79,7 @@ def engine_timers(threads: int, shape: SyntheticShape = SHAPE,
                   architectures: tuple[str, ...] = ARCHITECTURES
                   ) -> Iterator[dict[str, Callable[[float], tuple[float]]]]:
     """Timers of kvlab's engine on synthetic models (built once, on entry), for
-    `kvlab.perf.probe_kernels.spread_best`; `overhead_from` reads their best times."""
+    `kvlab.perf.probe_kernels.spread_median`; `overhead_from` reads their times."""
     import torch
 
     from kvlab.perf.probe_kernels import torch_threads

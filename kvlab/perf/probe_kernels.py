@@ -20,9 +20,11 @@ run:
     engine          kvlab's engine on synthetic models (kvlab.perf.probe_engine)
 
 Each figure comes from a timer that returns the best of a few runs within its share of the
-time budget. The timers run in several rounds, one after another (`spread_best`), and each
-keeps its best: a burst of other work on a shared machine then costs every figure a few
-samples rather than one figure all of them.
+time budget. The timers run in several rounds, one after another (`spread_median`), and each
+keeps the median of its rounds, with their spread (IQR / median): a burst of other work on
+a shared machine then moves every figure a little rather than one figure a lot, and the
+spread says how steady the machine was. Whole engine steps, which these kernels leave out
+(shared caches, thread wake-ups, activation rounding), are timed by kvlab.perf.probe_steps.
 """
 
 from __future__ import annotations
@@ -75,16 +77,25 @@ def per_call_seconds(fn: Callable[[], object], calls: int, budget_s: float) -> f
     return best_seconds(batch, budget_s, max_runs=10)[0] / calls
 
 
-def spread_best(timers: dict[str, Timer], budget_s: float, rounds: int = ROUNDS
-                ) -> dict[str, tuple[float, ...]]:
-    """Each timer's best times over `rounds` passes through all the timers in turn."""
-    best: dict[str, tuple[float, ...]] = {}
+def spread_median(timers: dict[str, Timer], budget_s: float, rounds: int = ROUNDS
+                  ) -> tuple[dict[str, tuple[float, ...]], dict[str, float]]:
+    """Each timer's median times over `rounds` passes through all the timers in turn, and
+    the spread of its first piece (interquartile range / median over the rounds)."""
+    import numpy as np
+
+    runs: dict[str, list[tuple[float, ...]]] = {}
     share = budget_s / rounds / max(len(timers), 1)
     for _ in range(rounds):
         for name, timer in timers.items():
-            times = timer(share)
-            best[name] = tuple(map(min, best[name], times)) if name in best else times
-    return best
+            runs.setdefault(name, []).append(timer(share))
+    medians = {name: tuple(float(np.median(piece)) for piece in zip(*times))
+               for name, times in runs.items()}
+    spreads = {}
+    for name, times in runs.items():
+        first = np.array([t[0] for t in times])
+        q1, q3 = np.percentile(first, [25, 75])
+        spreads[name] = float((q3 - q1) / np.median(first)) if np.median(first) > 0 else 0.0
+    return medians, spreads
 
 
 def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
@@ -112,22 +123,22 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
     with ExitStack() as stack:
         if engine:
             timers |= stack.enter_context(engine_timers(threads))
-        best = spread_best(timers, budget_s, rounds)
-    overhead = {arch: overhead_from(best, arch) for arch in (ARCHITECTURES if engine else ())}
+        med, spread = spread_median(timers, budget_s, rounds)
+    overhead = {arch: overhead_from(med, arch) for arch in (ARCHITECTURES if engine else ())}
     return KernelRates(
         threads=threads,
-        weight_read={t: _fit_read(t, weight_mib, *best[f"read {t}"])[0] for t in WEIGHT_TYPES},
-        row_seconds={t: _fit_read(t, weight_mib, *best[f"read {t}"])[1] for t in WEIGHT_TYPES},
-        prefill_ops={t: _prefill_ops(*best[f"prefill {t}"]) for t in WEIGHT_TYPES},
-        call_seconds=_call_cost(weight_mib, *best["call"]),
-        attention_read=_attention_rate(1, attention_positions, *best["attention"]),
+        weight_read={t: _fit_read(t, weight_mib, *med[f"read {t}"])[0] for t in WEIGHT_TYPES},
+        row_seconds={t: _fit_read(t, weight_mib, *med[f"read {t}"])[1] for t in WEIGHT_TYPES},
+        prefill_ops={t: _prefill_ops(*med[f"prefill {t}"]) for t in WEIGHT_TYPES},
+        call_seconds=_call_cost(weight_mib, *med["call"]),
+        attention_read=_attention_rate(1, attention_positions, *med["attention"]),
         attention_read_strided=_attention_rate(8, attention_positions // 8,
-                                               *best["attention strided"]),
-        logit_seconds=_logit_cost(*best["sampling"]),
-        row_op_seconds=_row_op_costs(*best["row ops"]),
+                                               *med["attention strided"]),
+        logit_seconds=_logit_cost(*med["sampling"]),
+        row_op_seconds=_row_op_costs(*med["row ops"]),
         step_seconds={a: o.per_step for a, o in overhead.items()},
         layer_seconds={a: o.per_layer for a, o in overhead.items()},
-        position_seconds={a: o.per_position for a, o in overhead.items()})
+        position_seconds={a: o.per_position for a, o in overhead.items()}, spread=spread)
 
 
 # -- weights ---------------------------------------------------------------------------------

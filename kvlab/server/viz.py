@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from kvlab.errors import RequestError
 from kvlab.perf import ModelSpec
 from kvlab.request import Structure
+from kvlab.scheduler import SchedulerConfig
 from kvlab.server.async_engine import AsyncEngine
 from kvlab.server.guard import parse_json_body
 from kvlab.server.protocol import ApiError
@@ -187,8 +188,10 @@ async def what_if(request: Request, hardware: str = THIS, model: str = SERVED,
     if kv_dtype is None:  # the served engine's own layout on this machine, else a GPU's f16
         native = hardware == THIS and model == SERVED
         kv_dtype = engine.engine.config.kv_dtype if native else "f16"
+    config = engine.engine.config
+    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
     result = await asyncio.to_thread(predict, spec, hw, prompt_tokens, output_tokens,
-                                     concurrency, kv_dtype)
+                                     concurrency, kv_dtype, scheduler)
     result["hardware"]["source"] = machine.label if hardware == THIS else "built-in table"
     return result
 

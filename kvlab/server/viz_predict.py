@@ -1,5 +1,7 @@
 """The visualiser's predictions: which hardware "this machine" is, the what-if model presets,
-and a roofline estimate (kvlab.perf) turned into the few figures the page shows.
+and an estimate (kvlab.perf) turned into the few figures the page shows: for the served
+file on a probed machine, kvlab's own engine serving that many users at once (its step
+model under its scheduler, kvlab.perf.serving); otherwise the roofline.
 
 "This machine" is, in order of preference: the `kvlab probe` cache; a quick measurement made
 once when first asked (about a second of bandwidth and matmul timing); a named part from the
@@ -12,6 +14,8 @@ import logging
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvlab.errors import KvlabError
 from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, known_parts
@@ -130,8 +134,11 @@ def _describe(p: Preset, bits: float, name: str) -> ModelSpec:
 
 
 def predict(model: ModelSpec, hw: HardwareSpec, prompt_tokens: int, output_tokens: int,
-            concurrency: int = 1, kv_dtype: str = "f16") -> dict[str, Any]:
-    """The figures the page shows beside a run, all per stream; seconds and tokens/s."""
+            concurrency: int = 1, kv_dtype: str = "f16", scheduler: Any = None
+            ) -> dict[str, Any]:
+    """The figures the page shows beside a run, all per stream; seconds and tokens/s.
+    `scheduler` (a SchedulerConfig; default kvlab's) is the served engine's, for kvlab's
+    own figures."""
     wl = Workload(prompt_tokens=max(1, prompt_tokens), output_tokens=max(1, output_tokens),
                   concurrency=max(1, concurrency), kv_dtype=kv_dtype)
     e = estimate(model, hw, wl)
@@ -155,5 +162,31 @@ def predict(model: ModelSpec, hw: HardwareSpec, prompt_tokens: int, output_token
         "total_s_range": list(e.total_seconds_range),
         "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bytes": e.kv_bytes,
         "memory_needed_gib": e.memory_needed / GIB, "fits": e.fits,
-        "notes": list(e.notes),
-    }
+        "notes": list(e.notes), "engine": "roofline",
+    } | kvlab_figures(model, hw, wl, scheduler)
+
+
+def kvlab_figures(model: ModelSpec, hw: HardwareSpec, wl: Workload, scheduler: Any = None
+                  ) -> dict[str, Any]:
+    """kvlab's own engine serving `wl.concurrency` users who each send one request at once:
+    TTFT, per-stream decode, ITL and response time, medians over the users; {} where kvlab's
+    step model does not cover the model, the machine or the KV dtype."""
+    from kvlab.models.kv_store import KV_DTYPES
+    from kvlab.perf.kvlab_steps import unsupported_reason
+    from kvlab.perf.serving import RequestSpec, predict_serving
+
+    if (unsupported_reason(model, hw) or wl.kv_dtype not in KV_DTYPES
+            or (wl.kv_dtype != "f32" and hw.steps is None)):
+        return {}
+    spec = RequestSpec(wl.prompt_tokens, wl.output_tokens, arrival=0.0)
+    p = predict_serving(model, hw, [spec] * wl.concurrency, wl.concurrency, scheduler,
+                        wl.kv_dtype)
+    decode = float(np.median([(len(t.token_times) - 1) / (t.finished - t.token_times[0])
+                              for t in p.traces if len(t.token_times) > 1] or [0.0]))
+    noise = hw.steps.noise if hw.steps is not None else 0.0
+    ttft, total = p.ttft(0.5), float(np.median([t.finished - t.sent for t in p.traces]))
+    return {"engine": "kvlab", "ttft_s": ttft, "prefill_s": ttft,
+            "prefill_tok_s": wl.prompt_tokens / ttft, "decode_tok_s": decode,
+            "decode_tok_s_range": [decode * (1 - noise), decode * (1 + noise)],
+            "itl_ms": 1e3 * p.itl(0.5), "total_s": total,
+            "total_s_range": [total * (1 - noise), total * (1 + noise)]}

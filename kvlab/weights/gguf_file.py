@@ -140,6 +140,11 @@ class GGUFFile:
         if end > start:
             self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def head(self, nbytes: int) -> bytes:
+        """The file's first `nbytes` bytes (header, metadata and tensor directory before
+        the first tensor's offset)."""
+        return self._mmap[:nbytes]
+
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", "<missing>"))

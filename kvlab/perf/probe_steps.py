@@ -1,0 +1,208 @@
+"""Whole engine steps, timed on a replica of the model to be predicted: what a real step
+costs besides its kernels' isolated best runs.
+
+The replica is a GGUF with the model's header (architecture, sizes, tokenizer, every tensor's
+name, type and shape) and random blocks of the same types in place of the weights: a step's
+speed does not depend on the values, so the probe needs only the model's header, and the
+replica has its exact layer sizes. kvlab's own engine runs it, and each step shape below is
+repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
+
+    prefill 512, 512 at 512, 32      one chunk after 0, 512, 0 cached positions (the first
+                                     two: the two chunks of a 1024-token prompt)
+    decode 1 at 32, 1024             one sequence after a prompt of that length
+    decode 4 at 32, 16 at 32         batches of sequences decoding together
+    decode 1 at 32, 1024 (f16, q8_0) the other KV dtypes (own engines)
+
+`kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
+kernel-rate terms.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlab.perf.hardware import HardwareSpec, StepFactors
+from kvlab.perf.model import ModelSpec
+from kvlab.perf.step_model import SeqWork, TimedStep, fit_factors, median_spread
+
+ROUNDS = 5
+CHUNK = 512  # the engine's token budget a step: kvlab's default
+SHORT, DEEP = 32, 2 * CHUNK  # prompt lengths timed
+BATCHES = (4, 16)
+DECODE_STEPS = 6  # decode steps timed per round and shape (their mean is one sample)
+OTHER_KV = ("f16", "q8_0")
+_KEEP_AS_IS = {"F32", "F16", "BF16"}  # small tensors (norms): copied, not randomised
+
+
+def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, threads: int,
+                  rounds: int = ROUNDS, other_kv: tuple[str, ...] = OTHER_KV,
+                  progress: Callable[[str], None] | None = None) -> StepFactors:
+    """Time the step shapes of the module docstring on a replica of `model_path` and fit
+    the step model's factors for `model` on `hw` (its kernel rates) to them."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-probe-steps-") as tmp:
+        replica = Path(tmp) / "replica.gguf"
+        write_replica(model_path, replica)
+        timed = []
+        with _engine(replica, threads, "f32") as engine:
+            timed += _time_f32(engine, rounds, progress)
+        for kv_dtype in other_kv:
+            with _engine(replica, threads, kv_dtype) as engine:
+                timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
+    return fit_factors(model, hw, timed, name=model.name)
+
+
+def write_replica(source: str | Path, path: Path) -> None:
+    """`source` byte for byte up to its tensor data (header, metadata, tensor directory),
+    then random blocks of each tensor's type at each tensor's offset; small float tensors
+    (norms) are copied as they are."""
+    from kvlab.weights.gguf_file import GGUFFile
+
+    src = GGUFFile(source)
+    infos = sorted(src.tensors.values(), key=lambda t: t.offset)
+    with open(path, "wb") as out:
+        out.write(src.head(infos[0].offset))
+        for t in infos:
+            out.write(b"\0" * (t.offset - out.tell()))
+            data = src.raw(t.name)
+            if t.qtype.name not in _KEEP_AS_IS:
+                data = _random_blocks(t.qtype, t.shape)
+            out.write(data.tobytes())
+
+
+def _random_blocks(qtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 `qtype` blocks for a tensor of `shape`: a tile of small random values
+    quantized, repeated (the quantizers are slow; a product's speed does not depend on
+    values)."""
+    import torch
+
+    from kvlab.kernels import quantize
+
+    cols = shape[-1]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    tile_rows = min(rows, 16)
+    gen = torch.Generator().manual_seed(rows + cols)
+    tile = quantize(torch.randn(tile_rows, cols, generator=gen) * 0.05, qtype).data.numpy()
+    tile = tile.reshape(tile_rows, -1)
+    return np.ascontiguousarray(np.tile(tile, (-(-rows // tile_rows), 1))[:rows]).reshape(-1)
+
+
+@contextmanager
+def _engine(path: Path, threads: int, kv_dtype: str) -> Iterator[Any]:
+    import torch
+
+    from kvlab.engine import Engine, EngineConfig
+    from kvlab.perf.probe_kernels import torch_threads
+
+    with torch_threads(torch.get_num_threads()):  # the engine's runner changes it
+        yield Engine.from_model(str(path), EngineConfig(
+            threads=threads, kv_dtype=kv_dtype, enable_prefix_caching=False,
+            max_num_batched_tokens=CHUNK, max_num_seqs=max(BATCHES),
+            max_model_len=2 * DEEP))
+
+
+class _Requests:
+    """Random prompts of ordinary token ids, one request id each."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.n = engine, 0
+        vocab = engine.loaded.config.vocab_size
+        self.low, self.high = min(1000, vocab // 2), min(vocab, 50_000)
+        self.rng = np.random.default_rng(0)
+
+    def add(self, prompt: int, max_tokens: int = 64) -> str:
+        from kvlab.request import SamplingParams
+
+        self.n += 1
+        ids = [int(t) for t in self.rng.integers(self.low, self.high, prompt)]
+        self.engine.add_request(f"probe-{self.n}", ids, SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return f"probe-{self.n}"
+
+    def clear(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def _timed_step(engine: Any) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _decode_mean(engine: Any, steps: int = DECODE_STEPS) -> float:
+    engine.step()  # the first decode after a prefill: threads and caches settle
+    return sum(_timed_step(engine) for _ in range(steps)) / steps
+
+
+def _time_f32(engine: Any, rounds: int, progress: Callable[[str], None] | None
+              ) -> list[TimedStep]:
+    """The f32 shapes of the module docstring, each over `rounds` interleaved repeats."""
+    req, samples = _Requests(engine), {}
+    _decode_round(engine, req)  # warm-up: first touch of the weights and the KV pool
+    for r in range(rounds):
+        if progress:
+            progress(f"engine steps, round {r + 1} of {rounds}")
+        for name, seconds in _decode_round(engine, req).items():
+            samples.setdefault(name, []).append(seconds)
+    after = DECODE_STEPS / 2 + 1  # mean decode position past the prompt
+    shapes = {"prefill 512": (SeqWork(CHUNK, 0, logits=False),),
+              "prefill 512 at 512": (SeqWork(CHUNK, CHUNK),), "prefill 32": (SeqWork(SHORT, 0),)}
+    for prompt in (SHORT, DEEP):
+        shapes[f"decode 1 at {prompt}"] = (SeqWork(1, int(prompt + after)),)
+    for batch in BATCHES:
+        shapes[f"decode {batch} at {SHORT}"] = tuple(SeqWork(1, int(SHORT + after))
+                                                     for _ in range(batch))
+    return [TimedStep(name, shapes[name], *median_spread(s)) for name, s in samples.items()]
+
+
+def _decode_round(engine: Any, req: _Requests) -> dict[str, float]:
+    """One repeat of every f32 shape: seconds of each."""
+    out = {}
+    ids = [req.add(DEEP)]
+    out["prefill 512"] = _timed_step(engine)  # the first chunk: no token sampled
+    out["prefill 512 at 512"] = _timed_step(engine)
+    out[f"decode 1 at {DEEP}"] = _decode_mean(engine)
+    req.clear(ids)
+    ids = [req.add(SHORT)]
+    out["prefill 32"] = _timed_step(engine)
+    out[f"decode 1 at {SHORT}"] = _decode_mean(engine)
+    req.clear(ids)
+    for batch in BATCHES:
+        ids = [req.add(SHORT) for _ in range(batch)]
+        engine.step()  # every prompt in one step: batch x SHORT <= CHUNK
+        out[f"decode {batch} at {SHORT}"] = _decode_mean(engine, max(2, DECODE_STEPS // 2))
+        req.clear(ids)
+    return out
+
+
+def _time_kv_dtype(engine: Any, rounds: int, kv_dtype: str) -> list[TimedStep]:
+    """Decode of one sequence after a SHORT and after a DEEP prompt with a `kv_dtype` cache:
+    the short ones first, then the deep one (prefilled once) in as many rounds; their
+    difference is the KV term, whatever other work shares the machine meanwhile."""
+    req, short = _Requests(engine), []
+    for _ in range(rounds):
+        ids = [req.add(SHORT)]
+        engine.step()
+        short.append(_decode_mean(engine))
+        req.clear(ids)
+    rid = req.add(DEEP, max_tokens=(rounds + 1) * (DECODE_STEPS + 1) + 2)
+    engine.step()
+    engine.step()
+    _decode_mean(engine)  # warm-up
+    deep = [_decode_mean(engine) for _ in range(rounds)]
+    req.clear([rid])
+    after = DECODE_STEPS / 2 + 1
+    context = int(DEEP + (rounds + 1) * (DECODE_STEPS + 1) / 2 + DECODE_STEPS)
+    return [TimedStep(f"decode 1 at {SHORT} {kv_dtype}", (SeqWork(1, int(SHORT + after)),),
+                      *median_spread(short), kv_dtype=kv_dtype),
+            TimedStep(f"decode 1 at {DEEP} {kv_dtype}", (SeqWork(1, context),),
+                      *median_spread(deep), kv_dtype=kv_dtype)]

@@ -1,0 +1,330 @@
+"""The batched step model (kvlab.perf.step_model), its factors fitted to timed steps, and the
+scheduler simulation over it (kvlab.perf.serving): hand-made models and step times, no
+timing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from test_perf_kvlab_steps import NS, US, machine, model
+
+from kvlab.perf import Workload
+from kvlab.perf.hardware import StepFactors
+from kvlab.perf.kvlab_steps import StepCosts, predict
+from kvlab.perf.serving import RequestSpec, percentile, predict_serving, simulate
+from kvlab.perf.step_model import (
+    SeqWork,
+    StepModel,
+    TimedStep,
+    factors_from_dict,
+    fit_factors,
+    median_spread,
+)
+from kvlab.scheduler import SchedulerConfig
+
+FACTORS = StepFactors(fixed=1.5, kv={"f32": 2.0, "f16": 3.0}, batch=0.5, prefill=1.25,
+                      prefill_attention=2.5, model="hand")
+
+
+# -- the batched step ------------------------------------------------------------------------
+
+
+def test_one_decode_is_kvlab_steps_decode() -> None:
+    sm, costs = StepModel(model(), machine()), StepCosts(model(), machine().kernels)
+    assert sm.decode_seconds([99]) == pytest.approx(costs.decode(100).total, rel=1e-12)
+
+
+def test_batched_decode_reads_weights_once() -> None:
+    sm = StepModel(model(), machine())
+    one, four = sm.terms([SeqWork(1, 99)]), sm.terms([SeqWork(1, 99)] * 4)
+    assert four.fixed == one.fixed  # one pass over the weights, one step's glue
+    assert four.kv == pytest.approx(4 * one.kv)
+    # each further row: 2 x params of every block matrix at its prefill rate, its
+    # element-wise passes; each further sample: the output product and 1000 logits
+    row = 2 * (2 * (64 * 64 * 2 / 100e9 + 16 * 64 * 2 / 100e9 + 128 * 64 * 2 / 200e9
+                    + 64 * 128 / 100e9)) + 2 * (4 * 64 * NS + 5 * 16 * NS + 128 * NS)
+    logit = 2 * 1000 * 64 / 100e9 + 1000 * NS
+    assert sm.row == pytest.approx(row)
+    assert four.batch == pytest.approx(3 * (row + logit))
+    assert four.prefill == four.attention == 0
+
+
+def test_prefill_chunk_and_mixed_step() -> None:
+    sm = StepModel(model(), machine())
+    out = sm.costs.read_seconds(sm.costs.output) + 5 * US
+    first = sm.terms([SeqWork(512, 0, logits=False)])
+    last = sm.terms([SeqWork(512, 0, logits=True)])
+    assert last.fixed - first.fixed == pytest.approx(out)  # no sample: no output product
+    assert first.prefill == pytest.approx(512 * sm.row) and first.batch == 0
+    # 2 layers x 2 x 4 heads x 32 FLOP a (query, key) pair, 512 x 512 pairs, 100 GFLOP/s
+    assert first.attention == pytest.approx(2 * 256 * 512 * 512 / 100e9)
+    mixed = sm.terms([SeqWork(1, 40), SeqWork(1, 60), SeqWork(100, 0)])
+    assert mixed.batch == pytest.approx(2 * sm.row + 2 * sm.logit)  # both decodes are extra
+    assert mixed.prefill == pytest.approx(100 * sm.row)
+
+
+def test_chunk_attention_keys_start_at_the_first_visible() -> None:
+    from test_perf_kvlab_steps import layer
+
+    sm = StepModel(model(layers=(layer(window=4),)), machine())
+    # start 5, tokens 3, window 4: keys 2..7, six of them, for each of the three queries
+    assert sm.chunk_attention_flop(SeqWork(3, 5)) == 256 * 3 * 6
+    assert sm.chunk_attention_flop(SeqWork(3, 0)) == 256 * 3 * 3
+
+
+def test_kv_dtypes_scale_the_bytes() -> None:
+    kv = {d: StepModel(model(), machine(), d).kv_seconds(100) for d in ("f32", "f16", "q8_0")}
+    assert kv["f16"] == pytest.approx(kv["f32"] / 2)
+    assert kv["q8_0"] == pytest.approx(kv["f32"] * 34 / 32 / 4)
+
+
+def test_factors_scale_their_groups() -> None:
+    work = [SeqWork(1, 300), SeqWork(1, 10), SeqWork(64, 20)]
+    plain = StepModel(model(), machine()).terms(work)
+    hw = replace(machine(), steps=FACTORS)
+    scaled = StepModel(model(), hw, "f16").seconds(work)
+    assert scaled == pytest.approx(1.5 * plain.fixed + 0.5 * plain.batch + 1.25 * plain.prefill
+                                   + 3.0 * plain.kv / 2 + 2.5 * plain.attention)
+    assert FACTORS.kv_factor("q8_0") == 2.0  # not timed: f32's
+
+
+def test_prompt_in_chunks() -> None:
+    sm = StepModel(model(), machine())
+    assert sm.prompt_seconds(1200, 512) == pytest.approx(
+        sm.prefill_seconds(512, 0, False) + sm.prefill_seconds(512, 512, False)
+        + sm.prefill_seconds(176, 1024, True))
+
+
+# -- the factors fitted to timed steps -------------------------------------------------------
+
+
+def _timed(hw_steps: StepFactors) -> list[TimedStep]:
+    """Step shapes as the probe times them, at the seconds `hw_steps` gives them."""
+    shapes = {"prefill 512": (SeqWork(512, 0, False),), "prefill 512 at 512": (SeqWork(512, 512),),
+              "prefill 32": (SeqWork(32, 0),), "decode 1 at 32": (SeqWork(1, 36),),
+              "decode 1 at 1024": (SeqWork(1, 4000),),
+              "decode 4 at 32": (SeqWork(1, 36),) * 4, "decode 16 at 32": (SeqWork(1, 36),) * 16}
+    sm = StepModel(model(), replace(machine(), steps=hw_steps))
+    timed = [TimedStep(n, w, sm.seconds(w), 0.01) for n, w in shapes.items()]
+    f16 = StepModel(model(), replace(machine(), steps=hw_steps), "f16")
+    busier = 0.003  # the f16 engine ran in a busier moment: its level moves, not its slope
+    return timed + [TimedStep(f"decode 1 at {c} f16", (SeqWork(1, c),),
+                              f16.seconds((SeqWork(1, c),)) + busier, 0.02, "f16")
+                    for c in (36, 4000)]
+
+
+def test_fit_recovers_the_factors_of_exact_steps() -> None:
+    f = fit_factors(model(), machine(), _timed(FACTORS), name="hand")
+    assert f.fixed == pytest.approx(1.5) and f.kv["f32"] == pytest.approx(2.0)
+    assert f.batch == pytest.approx(0.5) and f.prefill == pytest.approx(1.25)
+    assert f.prefill_attention == pytest.approx(2.5) and f.kv["f16"] == pytest.approx(3.0)
+    assert f.noise == 0.02 and f.model == "hand"
+    busier = {p["name"]: p["seconds"] - p["fitted"] for p in f.points}
+    assert all(busier[n] == pytest.approx(0.003 if "f16" in n else 0, abs=1e-12) for n in busier)
+    assert factors_from_dict(json.loads(json.dumps(asdict(f)))) == f  # the probe cache
+
+
+def test_fit_clamps_noise_and_keeps_one_without_data() -> None:
+    f = fit_factors(model(), machine(), [])
+    assert (f.fixed, f.batch, f.prefill, f.prefill_attention, f.kv) == (1, 1, 1, 1, {"f32": 1})
+    wild = [replace(t, seconds=t.seconds * 100) for t in _timed(FACTORS)]
+    f = fit_factors(model(), machine(), wild)
+    assert all(0.25 <= x <= 16 for x in (f.fixed, f.batch, f.prefill, *f.kv.values()))
+
+
+def test_median_spread() -> None:
+    assert median_spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, pytest.approx(2 / 3))
+
+
+def test_predict_uses_the_timed_steps() -> None:
+    hw = replace(machine(), steps=FACTORS)
+    wl = Workload(prompt_tokens=600, output_tokens=3, kv_dtype="f32")
+    p, sm = predict(model(), hw, wl), StepModel(model(), hw)
+    assert p.ttft == pytest.approx(sm.prompt_seconds(600, 512))
+    assert p.decode_first.total == pytest.approx(sm.decode_seconds([600]))
+    assert p.decode_last.total == pytest.approx(sm.decode_seconds([601]))
+    assert p.steps_from == "hand" and "replica of hand" in p.format()
+
+
+# -- the scheduler simulation ----------------------------------------------------------------
+
+
+class Steps:
+    """10 ms a step plus 1 ms a row; remembers every step's work."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[SeqWork]] = []
+
+    def __call__(self, work: list[SeqWork]) -> float:
+        self.seen.append(list(work))
+        return 0.010 + 0.001 * sum(w.tokens for w in work)
+
+
+def test_one_request_alone() -> None:
+    steps = Steps()
+    p = simulate([RequestSpec(40, 4)], steps, concurrency=1)
+    (t,) = p.traces
+    assert t.ttft == pytest.approx(0.050) and t.itl == pytest.approx([0.011] * 3)
+    assert [len(s) for s in steps.seen] == [1, 1, 1, 1] and p.steps == 4
+    assert steps.seen[1] == [SeqWork(1, 40, True)]  # the sampled token is the next row
+    assert p.output_tok_s == pytest.approx(4 / 0.083)
+
+
+def test_long_prompt_is_chunked_under_the_budget() -> None:
+    steps = Steps()
+    simulate([RequestSpec(1200, 2)], steps, 1, SchedulerConfig(16, 512))
+    assert [w for (w,) in steps.seen[:3]] == [SeqWork(512, 0, False), SeqWork(512, 512, False),
+                                              SeqWork(176, 1024, True)]
+
+
+def test_closed_loop_sends_the_next_request_when_one_ends() -> None:
+    p = simulate([RequestSpec(10, 3)] * 4, Steps(), concurrency=2)
+    first, second, third, fourth = p.traces
+    assert first.sent == second.sent == 0
+    assert third.sent == pytest.approx(first.finished) and fourth.sent == third.sent
+
+
+def test_decodes_and_a_new_prompt_share_a_step() -> None:
+    steps = Steps()
+    simulate([RequestSpec(10, 5), RequestSpec(30, 2, arrival=0.025)], steps, concurrency=2)
+    # step 1 prefills the first (20 ms); at 20 ms the second has not arrived; step 2
+    # decodes (31 ms); the second arrived meanwhile and joins step 3 beside the decode
+    assert steps.seen[2] == [SeqWork(1, 11, True), SeqWork(30, 0, True)]
+
+
+def test_max_num_seqs_holds_sequences_back() -> None:
+    steps = Steps()
+    p = simulate([RequestSpec(10, 3)] * 4, steps, 4, SchedulerConfig(2, 512))
+    assert max(len(s) for s in steps.seen) == 2
+    assert sorted(t.ttft for t in p.traces)[2] > p.traces[0].finished - 1e-9
+
+
+def test_open_loop_waits_for_arrivals() -> None:
+    p = simulate([RequestSpec(10, 2, arrival=0.0), RequestSpec(10, 2, arrival=5.0)], Steps(), 8)
+    assert p.traces[1].sent == 5.0 and p.traces[1].ttft == pytest.approx(0.020)
+
+
+def test_percentiles_and_bad_input() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and percentile([], 0.5) == 0.0
+    with pytest.raises(ValueError, match="concurrency"):
+        simulate([RequestSpec(1, 1)], Steps(), 0)
+
+
+def test_more_users_more_throughput_slower_streams() -> None:
+    hw = replace(machine(), steps=FACTORS)
+    one = predict_serving(model(), hw, [RequestSpec(40, 32)] * 4, 1)
+    four = predict_serving(model(), hw, [RequestSpec(40, 32)] * 4, 4)
+    assert four.output_tok_s > one.output_tok_s and four.itl(0.5) > one.itl(0.5)
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def _probe_with_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from test_perf_kvlab_steps import rates
+
+    from kvlab.perf.probe import ProbeResult, save_probe
+    from kvlab.perf.probe_engine import SyntheticShape, write_synthetic_gguf
+
+    monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
+    save_probe(ProbeResult(bandwidth_gbs=20.0, tflops={"fp32": 0.5}, memory_gib=16.0,
+                           threads=2, cpu="Test CPU", measured_at="2025-01-02T03:04:05+00:00",
+                           kernels=asdict(rates()), steps=asdict(FACTORS)))
+    gguf = tmp_path / "tiny.gguf"
+    write_synthetic_gguf(gguf, "gemma3", 2, SyntheticShape(64, 128, 4, 1, 32, 16))
+    return gguf
+
+
+def test_estimate_engine_kvlab_concurrency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from test_perf_cli import run_cli
+
+    from kvlab.errors import KvlabError
+
+    gguf = _probe_with_steps(tmp_path, monkeypatch)
+    assert run_cli(["estimate", str(gguf), "--engine", "kvlab", "--concurrency", "4",
+                    "--prompt", "40", "--output", "16", "--kv-dtype", "q8_0"]) == 0
+    out = capsys.readouterr().out
+    assert "16 requests from 4 closed-loop clients" in out and "TTFT p50" in out
+    assert "q8_0 KV cache" in out
+    assert run_cli(["estimate", str(gguf), "--engine", "kvlab", "--concurrency", "2",
+                    "--json"]) == 0
+    serving = json.loads(capsys.readouterr().out)["kvlab"]["serving"]
+    assert serving["concurrency"] == 2 and serving["output_tok_s"] > 0
+    with pytest.raises(KvlabError, match="no bf8"):
+        from kvlab.cli.estimate import _check_kvlab_kv
+
+        _check_kvlab_kv("bf8", replace(machine(), steps=FACTORS))
+
+
+def test_loadtest_estimate_replays_the_run(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from kvlab.bench.loadtest import LoadConfig, RequestResult, summarize
+    from kvlab.cli import loadtest_estimate as le
+
+    gguf = _probe_with_steps(tmp_path, monkeypatch)
+    args = argparse.Namespace(estimate_model=str(gguf), server_max_num_seqs=16,
+                              server_max_num_batched_tokens=512, server_kv_dtype="f32")
+    p = le.predictor(args)
+    cfg = LoadConfig(url="http://x", concurrency=2, num_requests=3)
+    results = [RequestResult(ok=True, prompt_tokens=30, output_tokens=8, ttft=0.1,
+                             latency=0.5, itl=[0.05] * 7) for _ in range(3)]
+    results.append(RequestResult(ok=False, error="boom"))
+    pred = p.level(cfg, results)
+    assert len(pred.traces) == 3 and pred.concurrency == 2
+    text = le.format_check(p, [(2, pred, summarize(cfg, "m", results, 1.0, {}))])
+    assert "output tok/s" in text and "replica of hand" in text and "%" in text
+    assert le._arrivals(LoadConfig(url="x", rate=2.0, seed=0), 3)[0] == 0.0
+    (gap,) = le._gap_notes([(1, {"itl_p50_ms": 12.0}, {"itl_p50_ms": 19.5})])
+    assert "each token took +7.5 ms beside the predicted engine step" in gap
+    with pytest.raises(Exception, match="server-kv-dtype"):
+        le.predictor(argparse.Namespace(**{**vars(args), "server_kv_dtype": "f8"}))
+
+
+def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlab.perf import HardwareSpec, ModelSpec
+    from kvlab.server.viz_predict import predict as viz_predict
+
+    gguf = _probe_with_steps(tmp_path, monkeypatch)
+    spec, hw = ModelSpec.from_gguf(gguf), HardwareSpec.from_name("this")
+    one = viz_predict(spec, hw, 40, 16, concurrency=1, kv_dtype="f32")
+    four = viz_predict(spec, hw, 40, 16, concurrency=4, kv_dtype="f32")
+    assert one["engine"] == four["engine"] == "kvlab"
+    assert four["ttft_s"] > one["ttft_s"] and four["decode_tok_s"] < one["decode_tok_s"]
+    gpu = viz_predict(spec, HardwareSpec.from_name("rtx-4090"), 40, 16, 4)
+    assert gpu["engine"] == "roofline"
+
+
+# -- the step probe on a tiny model ----------------------------------------------------------
+
+
+def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path) -> None:
+    from test_perf_probe import TINY
+
+    from kvlab.kernels import kernel_backend
+    from kvlab.perf import ModelSpec
+    from kvlab.perf.probe_engine import write_synthetic_gguf
+    from kvlab.perf.probe_steps import measure_steps, write_replica
+    from kvlab.weights.gguf_file import GGUFFile
+
+    if kernel_backend() == "torch":
+        pytest.skip("kvlab's C kernels are not built")
+    source, replica = tmp_path / "m.gguf", tmp_path / "r.gguf"
+    write_synthetic_gguf(source, "gemma3", 2, TINY)
+    write_replica(source, replica)
+    a, b = GGUFFile(source), GGUFFile(replica)
+    assert a.metadata == b.metadata and a.tensors == b.tensors
+    assert (b.raw("output_norm.weight") == a.raw("output_norm.weight")).all()  # copied
+    spec = ModelSpec.from_gguf(replica)
+    assert spec == replace(ModelSpec.from_gguf(source), name=spec.name)
+    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("f16",))
+    names = {p["name"] for p in f.points}
+    assert {"prefill 512", "prefill 512 at 512", "decode 16 at 32",
+            "decode 1 at 1024 f16"} <= names
+    assert set(f.kv) == {"f32", "f16"} and f.model == spec.name
