@@ -70,19 +70,23 @@ def main() -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--prompt-tokens", type=int, default=16000)
     p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--stream-tokens", type=int, default=3000,
+                   help="max_tokens of each decoding stream: enough to outlast the prefill")
     p.add_argument("--warm-tokens", type=int, default=16,
                    help="tokens each stream makes before the long prompt is sent")
     args = p.parse_args()
     client = OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", timeout=3600)
     model = client.models.list().data[0].id
-    text = long_text(int(args.prompt_tokens * 0.8))  # ~1.25 tokens a word for this text
+    text = long_text(int(args.prompt_tokens * 0.66))  # ~1.45 tokens a word for this text
     times: list[list[float]] = [[] for _ in range(args.streams)]
     stop = threading.Event()
-    threads = [threading.Thread(target=decode_stream, args=(client, model, 100000, t, stop),
-                                daemon=True) for t in times]
+    threads = [threading.Thread(target=decode_stream, args=(client, model, args.stream_tokens,
+                                                            t, stop), daemon=True) for t in times]
     for t in threads:
         t.start()
     while min(len(t) for t in times) < args.warm_tokens:
+        if not all(t.is_alive() for t in threads):
+            raise SystemExit("a decoding stream ended before the long prompt was sent")
         time.sleep(0.05)
     sent = time.perf_counter()
     stream = client.completions.create(model=model, prompt=text, max_tokens=4, stream=True,
