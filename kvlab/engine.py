@@ -166,7 +166,7 @@ class Engine:
         loaded = load_model(ckpt, options)
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))
-        ckpt.release_pages()  # the file's pages stay resident after load otherwise
+        ckpt.release_pages()  # what the loader left resident: metadata, tensors it skipped
         if config.chat_template is not None:
             tokenizer = tokenizer.with_chat_template(config.chat_template)
         return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))

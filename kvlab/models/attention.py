@@ -39,6 +39,7 @@ class AttentionGroup:
     lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
     fresh:   a prefill whose keys are exactly its own new tokens, causally (no cached
              prefix, the window wider than the chunk): attention may read them as computed
+    prefill: a prefill chunk of one sequence (queries causal among themselves)
     start, first, window: a prefill's first query position, first key position (slots[0, 0])
              and sliding window (None: causal over everything before)
     """
@@ -50,6 +51,7 @@ class AttentionGroup:
     queries_per_seq: int
     lengths: torch.Tensor | None = None
     fresh: bool = False
+    prefill: bool = False
     start: int = 0
     first: int = 0
     window: int | None = None
@@ -57,7 +59,7 @@ class AttentionGroup:
     @cached_property
     def key_mask(self) -> torch.Tensor | None:
         """`mask`, built for a prefill group on first use: causal, inside the window."""
-        if self.mask is not None or self.queries_per_seq == 1:
+        if not self.prefill:
             return self.mask
         k_pos = torch.arange(self.first, self.start + self.queries_per_seq)
         q_pos = torch.arange(self.start, self.start + self.queries_per_seq)
@@ -127,7 +129,7 @@ def _prefill_group(span: SeqSpan, offset: int, window: int | None,
     rows = torch.arange(offset, offset + span.num_new)
     fresh = span.start == 0 and (window is None or span.num_new <= window)
     return AttentionGroup(rows.to(device), span.slots[first:span.end][None].to(device),
-                          None, 1, span.num_new, fresh=fresh,
+                          None, 1, span.num_new, fresh=fresh, prefill=True,
                           start=span.start, first=first, window=window)
 
 
@@ -181,7 +183,7 @@ def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor) -> bool:
     """A fresh prefill over an fp32 cache that C attention does not take (CUDA) reads the
     new K/V as computed (the values the cache holds): no gather, no mask tensor."""
     return (g.fresh and isinstance(cache, FloatKV) and cache.k.dtype == torch.float32
-            and not _prefill_in_c(q, cache, g))
+            and not _prefill_in_c(g, _c_stores(q, cache, g)))
 
 
 def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -195,11 +197,12 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
-    if _decode_in_c(q, cache, g):
-        k, v, ks, vs = cache.c_stores()
+    stores = _c_stores(q, cache, g)
+    if _decode_in_c(g, stores):
+        k, v, ks, vs = stores
         return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs)
-    if _prefill_in_c(q, cache, g):
-        k, v, ks, vs = cache.c_stores()
+    if _prefill_in_c(g, stores):
+        k, v, ks, vs = stores
         return fused.attend_prefill(q, k, v, g.slots[0], g.first, g.start, g.window, scale,
                                     ks, vs)
     num_heads, head_dim = q.shape[1:]
@@ -213,22 +216,24 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) ->
     return og.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
 
-def _decode_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """Decode groups over an fp32, fp16 or q8_0 cache run in C, each row over its own keys
-    only, so a sequence's attention is the same whether it decodes alone or beside longer
-    ones."""
-    return (g.lengths is not None and g.queries_per_seq == 1 and fused.fits(q)
-            and cache.c_stores() is not None and fused.heads_packed(q)
-            and g.slots.device.type == "cpu")
+def _c_stores(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> tuple | None:
+    """The cache's stores as the C attention reads them (fp32, fp16 or q8_0), when it can
+    take these queries (fp32 CPU rows, heads packed); else None."""
+    if fused.fits(q) and fused.heads_packed(q) and g.slots.device.type == "cpu":
+        return cache.c_stores()
+    return None
 
 
-def _prefill_in_c(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> bool:
-    """A prefill chunk over an fp32, fp16 or q8_0 cache runs in C, tile by tile from the
-    pages: no scores matrix, no mask tensor, and a sliding window reads only the keys inside
-    it."""
-    prefill = g.lengths is None and g.mask is None and g.queries_per_seq > 1  # _prefill_group
-    return (prefill and g.num_seqs == 1 and fused.fits(q) and cache.c_stores() is not None
-            and fused.heads_packed(q) and g.slots.device.type == "cpu")
+def _decode_in_c(g: AttentionGroup, stores: tuple | None) -> bool:
+    """Decode groups run in C, each row over its own keys only, so a sequence's attention is
+    the same whether it decodes alone or beside longer ones."""
+    return stores is not None and g.lengths is not None and g.queries_per_seq == 1
+
+
+def _prefill_in_c(g: AttentionGroup, stores: tuple | None) -> bool:
+    """A prefill chunk runs in C, tile by tile from the pages: no scores matrix, no mask
+    tensor, and a sliding window reads only the keys inside it."""
+    return stores is not None and g.prefill and g.num_seqs == 1
 
 
 def _softcapped(q: torch.Tensor, cache: KVStore, groups: tuple[AttentionGroup, ...],

@@ -82,7 +82,7 @@ static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const 
                       float *l) {
     const int64_t D = j->D;
     const float *kt = j->kt + (g * j->ntiles + t - j->t0) * D * FA_BK;
-    const int64_t *vs = j->vslot + (t - j->t0) * FA_BK;
+    const int64_t *lane = j->vslot + (t - j->t0) * FA_BK;  /* each key's slot */
     for (int r = 0; r < 4; r++) {
         float s[FA_BK], mx = -INFINITY;
         for (int c = 0; c < FA_BK; c++) {
@@ -103,7 +103,7 @@ static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const 
             if (s[c] == -INFINITY) continue;
             const float p = expf(s[c] - m[r]);
             l[r] += p;
-            for (int64_t d = 0; d < D; d++) o[r][d] += p * fa_elem(j, j->v, j->vs, vs[c], g, d);
+            for (int64_t d = 0; d < D; d++) o[r][d] += p * fa_elem(j, j->v, j->vs, lane[c], g, d);
         }
     }
 }
@@ -178,14 +178,14 @@ KV_INL int fa_softmax_avx2(const fa_job *j, int64_t t, int64_t lo, int64_t hi, _
 /* o_r += sum_c p[r][c] v_c, 16 floats of D at a time for the 4 rows; LOAD16(c, d, v0, v1)
  * widens the 16 values of lane c's row from d */
 #define FA_MIX_AVX2(name, LOAD16)                                                           \
-    KV_INL void name(const fa_job *j, int64_t g, const int64_t *vs, const float p[4][FA_BK], \
+    KV_INL void name(const fa_job *j, int64_t g, const int64_t *lane, const float p[4][FA_BK],\
                      float *const o[4]) {                                                    \
         const int64_t es = j->elem, gd = g * j->D;                                           \
         const char *vr[FA_BK];                                                               \
         const kv_half *sr[FA_BK];                                                            \
         for (int c = 0; c < FA_BK; c++) {                                                    \
-            vr[c] = j->v + (vs[c] * j->stride + gd) * es;                                    \
-            sr[c] = j->vs ? j->vs + ((vs[c] * j->stride + gd) >> 5) : NULL;                  \
+            vr[c] = j->v + (lane[c] * j->stride + gd) * es;                                  \
+            sr[c] = j->vs ? j->vs + ((lane[c] * j->stride + gd) >> 5) : NULL;                \
         }                                                                                    \
         (void)sr;                                                                            \
         for (int64_t d = 0; d < j->D; d += 16) {                                             \
@@ -242,10 +242,10 @@ KV_TGT static void fa_tile_avx2(const fa_job *j, int64_t g, int64_t t, const flo
         else memset(p[r], 0, sizeof p[r]);  /* p = 0: the row's o is left as it is */
     }
     if (!any) return;
-    const int64_t *vs = j->vslot + (t - j->t0) * FA_BK;
-    if (j->kind == KV_CACHE_F32) fa_mix_f32(j, g, vs, p, o);
-    else if (j->kind == KV_CACHE_F16) fa_mix_f16(j, g, vs, p, o);
-    else fa_mix_q8(j, g, vs, p, o);
+    const int64_t *lane = j->vslot + (t - j->t0) * FA_BK;
+    if (j->kind == KV_CACHE_F32) fa_mix_f32(j, g, lane, p, o);
+    else if (j->kind == KV_CACHE_F16) fa_mix_f16(j, g, lane, p, o);
+    else fa_mix_q8(j, g, lane, p, o);
 }
 #endif
 
