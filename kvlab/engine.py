@@ -8,6 +8,7 @@ RequestOutputs. Not thread-safe: one thread drives it (the server runs it in a w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -145,7 +146,9 @@ class Engine:
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)
-        self.cost: ModelCost = loaded.cost(kv_bytes_per_element(config.kv_dtype))
+        self.cost: ModelCost = dataclasses.replace(
+            loaded.cost(kv_bytes_per_element(config.kv_dtype)),
+            window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is

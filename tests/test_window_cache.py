@@ -150,3 +150,18 @@ def test_engine_holds_only_the_window_and_keeps_greedy_output(gemma):
     assert out == ref[0, len(prompt):].tolist()
     assert max(held) <= 4  # window 4 + a chunk of 8 spans at most 4 blocks of 4
     assert e.kv.window.pool.num_free_blocks == e.kv.window.pool.num_blocks
+
+
+def test_info_and_metrics_state_what_the_window_pool_holds(gemma):
+    from kvlab.cli.info import describe
+
+    _, path = gemma
+    info = describe(load_model(open_checkpoint(path), LoadOptions()), str(path))
+    # 6 layers, 5 sliding (window 4), 2 KV heads of 16: K and V, 128 bytes a layer in f16
+    assert info["sliding_layers"] == 5
+    assert info["kv_full_bytes_per_token_f16"] == 128
+    assert info["kv_window_bytes_f16"] == 5 * 128 * 4
+    e = Engine.from_model(str(path), EngineConfig(block_size=BS, kv_dtype="f16"))
+    assert e.cost.window_released
+    assert e.cost.kv_bytes_held(100) == 128 * 100 + 5 * 128 * 4
+    assert e.cost.kv_bytes_held(3) == 6 * 128 * 3
