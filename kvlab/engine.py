@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab import heap
 from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
 from kvlab.config import ModelConfig
@@ -173,15 +174,20 @@ class Engine:
             torch.set_num_threads(config.threads)
             from kvlab.kernels import set_num_threads
             set_num_threads(config.threads)
+        heap.keep_large_blocks_mapped()
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
                               device=config.device, quantize=config.quantize,
                               group_rows=config.group_rows)
-        loaded = load_model(ckpt, options)
+        # the tokenizer before the weights: building it takes a transient tens of MB, better
+        # spent while the weights are not yet resident
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))
+        loaded = load_model(ckpt, options)
+        ckpt.drop_vocabulary()  # the tokenizer holds its own
         ckpt.release_pages()  # what the loader left resident: metadata, tensors it skipped
+        heap.trim()
         if config.chat_template is not None:
             tokenizer = tokenizer.with_chat_template(config.chat_template)
         return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))
