@@ -279,14 +279,16 @@ class Engine:
         if self.has_unfinished():
             raise RequestError("teacher_forced_logprobs needs an idle engine")
         seq_id = "teacher-forced"
-        if not self.kv.allocate_slots(seq_id, len(ids)):
-            raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
+        chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
+        rows = []
         try:
-            table, window = self.kv.block_table(seq_id), self.kv.window_table(seq_id)
-            chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
-            rows = [self.runner.execute(SchedulerOutput([ScheduledSeq(
-                seq_id, start, chunk, table, True, 0, window)])).logits[0]
-                for start, chunk in chunks]
+            for start, chunk in chunks:  # blocks as generation takes and releases them
+                if not self.kv.allocate_slots(seq_id, start + len(chunk)):
+                    raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
+                rows.append(self.runner.execute(SchedulerOutput([ScheduledSeq(
+                    seq_id, start, chunk, self.kv.block_table(seq_id), True, 0,
+                    self.kv.window_table(seq_id))])).logits[0])
+                self.kv.release_out_of_window(seq_id, start + len(chunk))
         finally:
             self.kv.free(seq_id)
         return torch.log_softmax(torch.stack(rows), dim=-1)
