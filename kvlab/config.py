@@ -10,12 +10,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Phi-3's "longrope": per-frequency divisors, one set below `original` positions and one
+    from there on, and cos/sin scaled by `attention_factor`. GGUF stores the two sets as
+    tensors (rope_factors_short/long), HF in the config (None here until the loader has them)."""
+
+    original: int  # original_max_position_embeddings: where the long factors start
+    attention_factor: float
+    short: tuple[float, ...] | None = None  # [head_dim / 2] each
+    long: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
     # llama3 frequency scaling (Llama 3.1/3.2): None or a tuple
     # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
     llama3: tuple[float, float, float, int] | None = None
     linear_factor: float = 1.0  # positions divided by this ("linear" rope scaling)
+    longrope: LongRope | None = None
 
 
 @dataclass(frozen=True)

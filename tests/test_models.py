@@ -135,7 +135,7 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
         assert (logits[0] - ref[pos]).abs().max() <= TOL, f"decode at {pos}"
 
 
-def test_phi3_refuses_rope_it_does_not_implement():
+def test_phi3_refuses_partial_rotary_and_incomplete_longrope():
     from kvlab.errors import ModelLoadError
     from kvlab.models import phi3
 
@@ -144,7 +144,35 @@ def test_phi3_refuses_rope_it_does_not_implement():
     assert phi3.config_from_hf(cfg).architecture == "phi3"
     with pytest.raises(ModelLoadError, match="partial rotary"):
         phi3.config_from_hf({**cfg, "partial_rotary_factor": 0.75})
-    with pytest.raises(ModelLoadError, match="longrope"):
+    with pytest.raises(ModelLoadError, match="short_factor and long_factor"):
         phi3.config_from_hf({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 32}})
-    with pytest.raises(ModelLoadError, match="longrope"):
-        phi3.config_from_gguf({"phi3.rope.scaling.original_context_length": 4096})
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]}
+
+
+@pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
+def test_phi3_longrope_matches_transformers_decoding_past_the_original_context(tmp_path, fmt):
+    """Short factors below position 16, long ones from there on: transformers' choice when it
+    decodes one token at a time with a cache (its long factors cover every position only
+    when one forward pass runs past the original context)."""
+    hf = build("phi3", tmp_path, max_position_embeddings=64,
+               original_max_position_embeddings=16, rope_parameters=LONGROPE)
+    ids = torch.randint(0, 96, (22,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:10]]), use_cache=True)
+        ref, cache = [out.logits[0, -1]], out.past_key_values
+        for pos in range(10, 22):
+            out = hf(torch.tensor([[ids[pos]]]), past_key_values=cache, use_cache=True)
+            ref.append(out.logits[0, -1])
+            cache = out.past_key_values
+    runner = runner_for(tmp_path / fmt)
+    assert runner.config.rope.longrope.original == 16
+    table = [4, 9, 1, 7, 2, 5]
+    logits = step(runner, ScheduledSeq("a", 0, ids[:10], table, True, 10))
+    assert (logits[0] - ref[0]).abs().max() <= TOL
+    for i, pos in enumerate(range(10, 22)):
+        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
+        assert (logits[0] - ref[i + 1]).abs().max() <= TOL, f"decode at {pos}"

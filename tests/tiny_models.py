@@ -7,6 +7,7 @@ of kvlab's loaders can be checked against the same transformers reference.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,8 @@ def hf_config(arch: str, **overrides):
         return tf.MistralConfig(**{**_COMMON, "sliding_window": None, **overrides},
                                 rope_theta=1e6)
     if arch == "phi3":  # q|k|v and gate|up fused in both files
-        return tf.Phi3Config(**_COMMON, rope_theta=1e4, pad_token_id=0, bos_token_id=1,
-                             eos_token_id=2)
+        return tf.Phi3Config(**{**_COMMON, **overrides}, rope_theta=1e4, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2)
     if arch == "gemma2":  # caps small enough to bend the scores and logits of a tiny model
         return tf.Gemma2Config(
             **{**_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 4}, head_dim=16,
@@ -125,6 +126,12 @@ def write_gguf(arch: str, model, path: Path, quantize=None) -> None:
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     _add_moe_keys(w, arch, cfg)
+    if _longrope(cfg):  # as llama.cpp's converter writes them; the factors are tensors
+        original = cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor",
+                      math.sqrt(1 + math.log(scale) / math.log(original)))
     _add_byte_tokenizer(w, cfg.vocab_size)
     for name, t in _gguf_tensors(arch, model):
         data = t.detach().float().numpy().astype(np.float32)
@@ -206,6 +213,15 @@ def _gguf_tensors(arch: str, model):
             yield _layer_tensor(arch, cfg, name, t, table)
     if arch == "llama":
         yield "rope_freqs.weight", _llama3_freq_factors(model)
+    longrope = _longrope(cfg)
+    if longrope:
+        yield "rope_factors_short.weight", torch.tensor(longrope["short_factor"])
+        yield "rope_factors_long.weight", torch.tensor(longrope["long_factor"])
+
+
+def _longrope(cfg) -> dict | None:
+    scaling = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return scaling if scaling.get("rope_type") == "longrope" else None
 
 
 def _expert_tensors(name: str, t: torch.Tensor):

@@ -8,13 +8,16 @@ ops otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvlab.config import RopeConfig
+from kvlab.errors import ModelLoadError
 from kvlab.kernels import QuantizedWeight, dequantize_rows, fused, qmatmul, qmatmul_stacked
 
 Weight = torch.Tensor | QuantizedWeight
@@ -128,9 +131,50 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+@dataclass(frozen=True)
+class LongRopeTable:
+    """Longrope's two frequency sets: `short` [head_dim / 2] for positions below `original`,
+    `long` from there on (per position, so a sequence's cached keys never change as it
+    grows: transformers' choice for decoding, one token past `original` at a time), and
+    cos/sin scaled by `scale`."""
+
+    short: torch.Tensor
+    long: torch.Tensor
+    original: int
+    scale: float
+
+    @classmethod
+    def build(cls, rope: RopeConfig, head_dim: int, weights: dict[str, Any]) -> LongRopeTable:
+        """From the config's factors, or from a GGUF's rope_short / rope_long tensors."""
+        lr = rope.longrope
+        assert lr is not None
+        base = rope_inv_freq(dataclasses.replace(rope, longrope=None), head_dim)
+        sets = []
+        for name, given in (("rope_short", lr.short), ("rope_long", lr.long)):
+            factors = (weights[name].float().cpu() if name in weights else
+                       torch.tensor(given, dtype=torch.float32) if given is not None else None)
+            if factors is None or factors.shape != base.shape:
+                raise ModelLoadError(f"longrope needs {base.numel()} {name[5:]} factors, got "
+                                     f"{None if factors is None else tuple(factors.shape)}")
+            sets.append(base / factors)
+        return cls(sets[0], sets[1], lr.original, lr.attention_factor)
+
+    def to(self, device: torch.device) -> LongRopeTable:
+        return dataclasses.replace(self, short=self.short.to(device), long=self.long.to(device))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = torch.where((positions >= self.original)[:, None], self.long[None, :],
+                          self.short[None, :])  # [T, head_dim / 2]
+        freqs = positions.float()[:, None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor | LongRopeTable
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, 1, head_dim] for the given positions (half-rotation layout)."""
+    if isinstance(inv_freq, LongRopeTable):
+        return inv_freq.cos_sin(positions)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos(), emb.sin()

@@ -14,6 +14,7 @@ from kvlab.config import ModelConfig, RopeConfig
 from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
+    LongRopeTable,
     Weight,
     embed,
     linear,
@@ -103,16 +104,23 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
+def _rotary(config: ModelConfig, weights: dict[str, Weight]) -> torch.Tensor | LongRopeTable:
+    """The inverse frequencies RoPE rotates by, or longrope's two sets."""
+    if config.rope.longrope is not None:
+        return LongRopeTable.build(config.rope, config.head_dim, weights)
+    inv = rope_inv_freq(config.rope, config.head_dim)
+    if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
+        inv = inv / weights["rope_freqs"].float()
+    return inv
+
+
 class LlamaModel:
     """Weights (frozen after load) plus the forward pass; run state comes in as arguments."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]]) -> None:
         self.config, self.weights, self.layers = config, weights, layers
-        inv = rope_inv_freq(config.rope, config.head_dim)
-        if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
-            inv = inv / weights["rope_freqs"].float()
-        self.inv_freq = inv.to(weights["norm"].device)
+        self.inv_freq = _rotary(config, weights).to(weights["norm"].device)
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig, RopeConfig
+from kvlab.config import LongRope, ModelConfig, RopeConfig
 from kvlab.errors import ModelLoadError
 
 _MISSING = object()
@@ -76,7 +77,26 @@ def hf_rope(cfg: dict[str, Any]) -> RopeConfig:
         return RopeConfig(theta=theta, llama3=llama3)
     if kind == "linear":
         return RopeConfig(theta=theta, linear_factor=float(scaling["factor"]))
+    if kind in ("longrope", "su"):
+        return RopeConfig(theta=theta, longrope=_hf_longrope(cfg, scaling))
     if kind not in ("default", None):
         raise ModelLoadError(f"rope scaling {kind!r} is not supported "
-                             "(valid: default, linear, llama3)")
+                             "(valid: default, linear, llama3, longrope)")
     return RopeConfig(theta=theta)
+
+
+def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
+    """Longrope as transformers reads it: the config's own original_max_position_embeddings
+    first; the attention factor given, or sqrt(1 + ln(s) / ln(original)) for the context
+    scale s = max_position_embeddings / original (1 when s <= 1)."""
+    original = cfg.get("original_max_position_embeddings",
+                       scaling.get("original_max_position_embeddings"))
+    if original is None or "short_factor" not in scaling or "long_factor" not in scaling:
+        raise ModelLoadError("longrope scaling needs original_max_position_embeddings, "
+                             "short_factor and long_factor")
+    factor = scaling.get("factor") or cfg["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(int(original), float(attention), tuple(map(float, scaling["short_factor"])),
+                    tuple(map(float, scaling["long_factor"])))
