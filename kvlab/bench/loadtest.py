@@ -333,6 +333,7 @@ class Summary:
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
     errors: list[str]
+    total_cached_tokens: int = 0  # of total_input_tokens, served by the server's prefix cache
     forced_share: float | None = None  # forced / output tokens, where the server reports it
     valid: int | None = None  # completed replies that passed valid_check (with a schema)
     valid_check: str = ""  # "JSON schema" (jsonschema validated) or "JSON parse"
@@ -359,6 +360,7 @@ def summarize(cfg: LoadConfig, model: str, results: list[RequestResult], duratio
         itl_ms=distribution_ms([gap for r in ok for gap in r.itl]),
         e2el_ms=distribution_ms([r.latency for r in ok]),
         errors=sorted({r.error for r in results if not r.ok})[:5],
+        total_cached_tokens=sum(r.cached_tokens for r in ok),
         forced_share=forced_share(ok), **validity(ok, cfg.json_schema))
 
 
@@ -406,7 +408,8 @@ def format_summary(s: Summary) -> str:
         f"server       {s.url}  ({s.endpoint}, {s.model})",
         f"load         {load}",
         f"requests     {s.completed} completed, {s.failed} failed in {s.duration_s:.2f} s",
-        f"tokens       {s.total_input_tokens} in, {s.total_output_tokens} out",
+        (f"tokens       {s.total_input_tokens} in ({s.total_cached_tokens} from the prefix "
+         f"cache), {s.total_output_tokens} out"),
         (f"throughput   {s.request_throughput:.2f} req/s   "
          f"{s.output_throughput:.1f} output tok/s   {s.total_token_throughput:.1f} total tok/s"),
     ]
