@@ -4,13 +4,17 @@ Every architecture's tiny random model (and a Llama quantized at load to Q8_0 an
 column splits fall on block boundaries) runs in one spawned group: prefill into scattered
 blocks, paged decode steps, a batch of unequal prompts; rank 0's logits must equal the
 single-rank logits to fp32 tolerance. The engine's own launch (spawned workers that follow
-rank 0's step plans, and stop) is checked on one tiny model; the default model's greedy text
-in the slow tests. Splits that cannot work are refused with the sizes, before any rank starts.
+rank 0's step plans, and stop; a rank that dies) on tiny models; the default model's greedy
+text and ranks started by torchrun in the slow tests. Splits that cannot work are refused
+with the sizes, before any rank starts.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +182,28 @@ def test_default_model_greedy_text_equals_one_rank(default_model_path):
         tie = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < 0.1),
                    len(one))
         assert one[:tie] == two[:tie]
+
+
+def kvlab(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *launcher, "-m", "kvlab.cli.main", *args],
+                          check=False, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_refuses_a_split_in_one_line(tiny_models):
+    proc = kvlab("run", "-m", str(tiny_models["llama"][0]), "--tensor-parallel-size", "3",
+                 "-n", "2", "hi")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot be split 3 ways" in proc.stderr and "valid sizes: 1, 2, 4" in proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_give_the_text_of_one_rank(tiny_models):
+    run = ("run", "-m", str(tiny_models["qwen3"][0]), "-t", "1", "-n", "12", "--ignore-eos",
+           "--json", "hello")
+    one = kvlab(*run)
+    two = kvlab(*run, "--tensor-parallel-size", "2",
+                launcher=("-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    texts = [json.loads(line)["text"] for p in (one, two) for line in p.stdout.splitlines()
+             if line.startswith("{")]
+    assert len(texts) == 2 and texts[0] == texts[1]  # rank 1 prints nothing

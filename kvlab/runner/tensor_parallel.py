@@ -87,6 +87,9 @@ def start_ranks(size: int, model_path: str, options: LoadOptions,
                 threads: int | None) -> Ranks:
     """The group of `size` ranks with this process as rank 0. Under torchrun (WORLD_SIZE in
     the environment) a rank > 0 never returns: it follows rank 0, then exits the process."""
+    if dist.is_initialized():
+        raise KvlabError("this process already belongs to a torch.distributed group (another "
+                         "tensor-parallel engine?): close that engine first")
     env_size = int(os.environ.get("WORLD_SIZE", "1"))
     if env_size > 1:
         if env_size != size:
