@@ -11,16 +11,20 @@ Two groups: the model's all-reduces run on `tp.group` (gloo on CPUs, NCCL on CUD
 plans go over a gloo group of their own, whose wait has no practical time limit, since a
 follower waits there for as long as the server is idle. A rank that dies closes its sockets,
 so the others' next collective fails instead of hanging; rank 0 tells the workers to stop on
-close() and at exit, then joins them.
+close() and at exit, then joins them. Signals wait for the end of a step on rank 0 (Ctrl-C
+then stops every rank in a second or two), and spawned workers leave Ctrl-C to rank 0.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -50,7 +54,7 @@ class RankCommand:
     op: str
     step: SchedulerOutput | None = None
     record_experts: bool = False
-    runner_args: tuple = ()
+    runner_args: dict[str, Any] | None = None
 
 
 @dataclass
@@ -62,6 +66,17 @@ class Ranks:
     plans: Any  # torch.distributed ProcessGroup (gloo)
     workers: list[Any]
     closed: bool = False
+    in_step: bool = False  # a step began and did not end: the ranks may be out of step
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One step on every rank, with SIGINT and SIGTERM held until it ends: a signal
+        taken mid-collective can leave the ranks one collective apart, each waiting on the
+        other; held, it is taken between steps, where close() can stop the others."""
+        self.in_step = True
+        with _signals_held():
+            yield
+        self.in_step = False
 
     def send(self, command: RankCommand) -> None:
         dist.broadcast_object_list([command], src=0, group=self.plans)
@@ -72,11 +87,12 @@ class Ranks:
             return
         self.closed = True
         try:
-            self.send(RankCommand("stop"))
+            if not self.in_step:  # else the others wait in a collective, not for a plan
+                self.send(RankCommand("stop"))
         except RuntimeError:
             pass  # a rank already gone: the workers are ended below
         for p in self.workers:
-            p.join(JOIN_SECONDS)
+            p.join(0 if self.in_step else JOIN_SECONDS)
             if p.is_alive():
                 p.terminate()
                 p.join(JOIN_SECONDS)
@@ -97,8 +113,9 @@ def start_ranks(size: int, model_path: str, options: LoadOptions,
                              f"{env_size} ranks (WORLD_SIZE); pass the same number")
         return _join_torchrun(size, model_path, options, threads)
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=RENDEZVOUS,
-                          wait_for_workers=False)
+    with _signals_held():
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=RENDEZVOUS,
+                              wait_for_workers=False)
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_spawned_rank, daemon=True, name=f"kvlab-tp-rank{r}",
                            args=(r, size, port, model_path, options, threads))
@@ -159,10 +176,24 @@ def _init_group(rank: int, size: int, device: str,
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_device(device))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=RENDEZVOUS, init_method=None if store else "env://")
-    plans = dist.new_group(backend="gloo", timeout=IDLE)
+    with _signals_held():  # and so are they in the threads started here
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=RENDEZVOUS, init_method=None if store else "env://")
+        plans = dist.new_group(backend="gloo", timeout=IDLE)
     return TensorParallel(rank, size, dist.group.WORLD), plans
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread (and in threads started meanwhile: gloo's
+    and the store's I/O threads keep the mask) until the block ends; one that came is then
+    delivered. A signal taken inside a socket call can leave the ranks one collective apart."""
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def local_device(device: str) -> str:
@@ -175,6 +206,7 @@ def local_device(device: str) -> str:
 def _spawned_rank(rank: int, size: int, port: int, model_path: str, options: LoadOptions,
                   threads: int | None) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=RENDEZVOUS)
     store.set(f"kvlab-rank-{rank}", "joined")
     tp, plans = _init_group(rank, size, options.device, store)
@@ -199,7 +231,7 @@ def follow(tp: TensorParallel, plans: Any, model_path: str, options: LoadOptions
             break
         if cmd.op == "setup":
             runner = ModelRunner(loaded.model, loaded.config,
-                                 **dict(cmd.runner_args[0], device=device))
+                                 **dict(cmd.runner_args or {}, device=device))
             dist.barrier(group=plans)  # every rank is loaded
         elif cmd.op == "reserve" and runner is not None:
             runner.reserve_kv()
@@ -215,7 +247,7 @@ class LeaderRunner(ModelRunner):
     def __init__(self, ranks: Ranks, model: object, config: Any, **kwargs: Any) -> None:
         super().__init__(model, config, **kwargs)
         self.ranks = ranks
-        ranks.send(RankCommand("setup", runner_args=(kwargs,)))
+        ranks.send(RankCommand("setup", runner_args=kwargs))
         try:
             dist.barrier(group=ranks.plans)
         except RuntimeError as e:
@@ -224,12 +256,14 @@ class LeaderRunner(ModelRunner):
 
     def execute(self, out: SchedulerOutput, record_experts: bool = False,
                 logits: bool = True) -> StepLogits:
-        self.ranks.send(RankCommand("step", out, record_experts))
-        return super().execute(out, record_experts, logits)
+        with self.ranks.step():
+            self.ranks.send(RankCommand("step", out, record_experts))
+            return super().execute(out, record_experts, logits)
 
     def reserve_kv(self) -> None:
-        self.ranks.send(RankCommand("reserve"))
-        super().reserve_kv()
+        with self.ranks.step():
+            self.ranks.send(RankCommand("reserve"))
+            super().reserve_kv()
 
     def close(self) -> None:
         self.ranks.close()
