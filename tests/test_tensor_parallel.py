@@ -1,7 +1,8 @@
 """Tensor parallel over 2 gloo ranks of one thread each, against one rank.
 
-Every architecture's tiny random model (and a Llama quantized at load to Q8_0 and Q4_K, whose
-column splits fall on block boundaries) runs in one spawned group: prefill into scattered
+Every architecture's tiny random model (and a Llama with one KV head, replicated on both
+ranks, and one quantized at load to Q8_0 and Q4_K, whose column splits fall on block
+boundaries) runs in one spawned group: prefill into scattered
 blocks, paged decode steps, a batch of unequal prompts; rank 0's logits must equal the
 single-rank logits to fp32 tolerance. The engine's own launch (spawned workers that follow
 rank 0's step plans, and stop; a rank that dies) on tiny models; the default model's greedy
@@ -81,6 +82,8 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, str | None]]:
     for arch in ARCHS + MOE_ARCHS:
         build(arch, root / arch)
         models[arch] = (root / arch / "model.gguf", None)
+    build("llama", root / "llama-kv1", num_key_value_heads=1)  # each rank: the one KV head
+    models["llama-kv1"] = (root / "llama-kv1" / "model.gguf", None)
     build("llama", root / "llama-wide", hidden_size=512, intermediate_size=512)
     for name, quant in QUANTIZED.items():
         models[name] = (root / "llama-wide" / "model.gguf", quant)
