@@ -2,9 +2,9 @@
 
 Every architecture's tiny random model (and a Llama with one KV head, replicated on both
 ranks, and one quantized at load to Q8_0 and Q4_K, whose column splits fall on block
-boundaries) runs in one spawned group: prefill into scattered
-blocks, paged decode steps, a batch of unequal prompts; rank 0's logits must equal the
-single-rank logits to fp32 tolerance. The engine's own launch (spawned workers that follow
+boundaries) runs in one spawned group: prefill into scattered blocks, paged decode steps, a
+batch of unequal prompts; rank 0's logits must equal the single-rank logits to fp32
+tolerance. The engine's own launch (spawned workers that follow
 rank 0's step plans, and stop; a rank that dies) on tiny models; the default model's greedy
 text and ranks started by torchrun in the slow tests. Splits that cannot work are refused
 with the sizes, before any rank starts.
