@@ -24,7 +24,8 @@ from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError, RequestError
 from kvlab.metrics import GenerationMetrics, ModelCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
-from kvlab.models.loader import LoadedModel, LoadOptions, load_model
+from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
+from kvlab.models.tensor_parallel import SINGLE, check_split
 from kvlab.request import (
     FinishReason,
     RequestOutput,
@@ -35,6 +36,7 @@ from kvlab.request import (
 )
 from kvlab.runner import ModelRunner
 from kvlab.runner.decode_graph import GRAPH_MODES
+from kvlab.runner.tensor_parallel import LeaderRunner, Ranks, start_ranks
 from kvlab.sampler import SampleResult, SamplingBatch, sample
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
@@ -70,6 +72,8 @@ class EngineConfig:
     # MoE models: each output carries the experts its sampled token's row was routed to
     # (RequestOutput.experts, for the visualiser); off, a step records nothing
     record_experts: bool = False
+    # ranks the model is split over (kvlab.models.tensor_parallel); threads are per rank
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -89,6 +93,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise KvlabError(f"--device {self.device}: no CUDA device is available here "
                              "(valid: cpu)")
+        if self.tensor_parallel_size < 1:
+            raise KvlabError(f"--tensor-parallel-size {self.tensor_parallel_size}: it must be "
+                             "at least 1")
         if self.block_size < 1 or self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise KvlabError("block size, KV cache size and max sequences must be positive")
 
@@ -130,7 +137,8 @@ class _Request:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: EngineConfig,
-                 model_name: str = "") -> None:
+                 model_name: str = "", ranks: Ranks | None = None) -> None:
+        """`ranks`: the tensor-parallel group whose rank 0 this is (loaded is its shard)."""
         self.loaded, self.tokenizer, self.config = loaded, tokenizer, config
         self.model_name = model_name or loaded.config.name
         pools = self._pool_sizes(loaded.config, config)
@@ -140,10 +148,13 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv)
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size,
-                                  config.kv_dtype, config.device, quantized,
-                                  config.decode_graphs, config.max_num_seqs,
-                                  pools.window.num_blocks if pools.window else None)
+        args = {"num_blocks": num_blocks, "block_size": config.block_size,
+                "kv_dtype": config.kv_dtype, "device": config.device, "quantized": quantized,
+                "graphs": config.decode_graphs if ranks is None else "off",
+                "max_batch": config.max_num_seqs,
+                "num_window_blocks": pools.window.num_blocks if pools.window else None}
+        self.runner = (ModelRunner(loaded.model, loaded.config, **args) if ranks is None
+                       else LeaderRunner(ranks, loaded.model, loaded.config, **args))
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)
@@ -180,17 +191,30 @@ class Engine:
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
                               device=config.device, quantize=config.quantize,
                               group_rows=config.group_rows)
-        # the tokenizer before the weights: building it takes a transient tens of MB, better
-        # spent while the weights are not yet resident
-        tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
-                     else load_hf_tokenizer(ckpt.path))
-        loaded = load_model(ckpt, options)
-        ckpt.drop_vocabulary()  # the tokenizer holds its own
-        ckpt.release_pages()  # what the loader left resident: metadata, tensors it skipped
-        heap.trim()
-        if config.chat_template is not None:
-            tokenizer = tokenizer.with_chat_template(config.chat_template)
-        return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))
+        ranks = None
+        if config.tensor_parallel_size > 1:
+            check_split(read_config(ckpt)[1], config.tensor_parallel_size)  # before spawning
+            ranks = start_ranks(config.tensor_parallel_size, str(path), options, config.threads)
+        try:
+            # the tokenizer before the weights: building it takes a transient tens of MB,
+            # better spent while the weights are not yet resident
+            tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
+                         else load_hf_tokenizer(ckpt.path))
+            loaded = load_model(ckpt, options, ranks.tp if ranks else SINGLE)
+            ckpt.drop_vocabulary()  # the tokenizer holds its own
+            ckpt.release_pages()  # what the loader left resident: metadata, skipped tensors
+            heap.trim()
+            if config.chat_template is not None:
+                tokenizer = tokenizer.with_chat_template(config.chat_template)
+            return cls(loaded, tokenizer, config, os.path.basename(str(path)), ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        self.runner.close()
 
     # ---- public API -------------------------------------------------------------------------
 

@@ -86,6 +86,13 @@ def _routed_note(cost: ModelCost) -> str:
     return f"; {cost.experts_used} of {cost.experts} experts per layer and token"
 
 
+def _parallel_note(size: int) -> str:
+    if size == 1:
+        return ""
+    return (f"; tensor parallel {size}: bytes and GB/s are rank 0's (its share of the layers, "
+            "the embedding and head whole), FLOP/s too")
+
+
 def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
     if fmt == "json":
         print(json.dumps({"model": engine.model_name,
@@ -94,5 +101,5 @@ def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
     print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "
           f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token "
           f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)"
-          + _routed_note(engine.cost))
+          + _routed_note(engine.cost) + _parallel_note(engine.config.tensor_parallel_size))
     print(format_table(results, fmt))

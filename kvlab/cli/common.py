@@ -18,7 +18,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype: float32 | bfloat16 (auto: float32 on CPU, bf16 on CUDA)")
     p.add_argument("--kv-dtype", default="auto",
                    help="KV cache dtype: f32 | bf16 | f16 | q8_0 (auto: f16 on CPU, bf16 on CUDA)")
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads (per rank with --tensor-parallel-size)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the model's heads and MLP columns over N ranks of "
+                        "torch.distributed: N - 1 spawned workers, or the ranks torchrun "
+                        "started (gloo on CPUs, NCCL on CUDA)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache pool size in GiB")
     p.add_argument("--dequantize", action="store_true",
@@ -62,6 +67,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
               "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
               "keep_quantized": not args.dequantize, "quantize": args.quantize,
               "group_rows": not args.no_group_rows, "device": args.device,
+              "tensor_parallel_size": args.tensor_parallel_size,
               "chat_template": read_text(args.chat_template, "--chat-template")}
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

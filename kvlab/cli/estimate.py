@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import KvlabError
@@ -45,6 +45,7 @@ def register(subparsers: Any) -> None:
     _add_description_args(p.add_argument_group("model description, instead of a file"))
     _add_hardware_args(p.add_argument_group("hardware"))
     _add_workload_args(p.add_argument_group("workload"))
+    _add_parallel_args(p.add_argument_group("parallel configurations (predicted)"))
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the estimate as JSON")
     out.add_argument("--plot", metavar="FILE.png",
@@ -111,6 +112,33 @@ def _add_workload_args(g: argparse._ArgumentGroup) -> None:
                    help="with --engine kvlab: the server's token budget a step (512)")
 
 
+def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--tensor-parallel-size", "--tp", type=_positive_int, default=1,
+                   metavar="N", help="ranks the model is split over (1)")
+    g.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+                   help="whole copies serving together (1)")
+    g.add_argument("--target-rps", type=float, metavar="R",
+                   help="requests/s to serve: the replicas that needs")
+    g.add_argument("--link-bandwidth", type=float, metavar="GB/s",
+                   help="interconnect bandwidth per direction (default: the part's own)")
+    g.add_argument("--link-latency", type=float, default=10.0, metavar="US",
+                   help="with --link-bandwidth: microseconds per all-reduce step (10)")
+
+
+def _parallel(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec,
+              workload: Workload, single: Any) -> Any:
+    """The tensor-parallel / replica prediction, when any of its flags asks for one."""
+    if args.tensor_parallel_size == 1 and args.replicas == 1 and args.target_rps is None:
+        return None
+    from kvlab.perf.hardware import Interconnect
+    from kvlab.perf.parallel import predict_parallel
+
+    link = (None if args.link_bandwidth is None
+            else Interconnect.custom(args.link_bandwidth, args.link_latency))
+    return predict_parallel(model, hw, workload, single, args.tensor_parallel_size,
+                            args.replicas, args.target_rps, link)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list_hardware:
         parts = known_parts()
@@ -128,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         offload_bandwidth=None if args.offload_bandwidth is None else args.offload_bandwidth * GB,
         efficiency=(args.efficiency[0], args.efficiency[1]), compute_dtype=args.dtype)
     result = estimate(model, hw, workload)
+    parallel = _parallel(args, model, hw, workload, result)
     own = served = None
     if args.engine == "kvlab":
         kvlab_workload = replace(workload, concurrency=1, kv_dtype=args.kv_dtype or "f32")
@@ -137,9 +166,15 @@ def run(args: argparse.Namespace) -> int:
         out = result.to_dict()
         if own is not None and served is not None:
             out["kvlab"] = own.to_dict() | {"serving": served}
+        if parallel is not None:
+            out["parallel"] = asdict(parallel) | {"speedup": parallel.speedup}
         print(json.dumps(out, indent=2))
     else:
         text = "" if own is None or served is None else own.format() + _serving_text(served)
+        if parallel is not None:
+            from kvlab.perf.parallel import format_parallel
+
+            text += format_parallel(parallel)
         print(format_estimate(result) + text, end="")
     if args.plot:
         from kvlab.perf.plot import plot_estimate

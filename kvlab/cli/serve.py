@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
+    if replicated(args) and args.tensor_parallel_size > 1:
+        raise KvlabError("--replicas with --tensor-parallel-size > 1 is not supported: run "
+                         "replicas of a whole model, or one server over the ranks")
     if replicated(args):
         try:
             from kvlab.server.replicas.application import launch

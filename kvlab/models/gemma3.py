@@ -28,6 +28,7 @@ from kvlab.models.layers import (
     split,
 )
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.tensor_parallel import SINGLE, TensorParallel
 
 GGUF_NAMES = NameTable(
     globals={"token_embd.weight": "embed", "output_norm.weight": "norm"},
@@ -112,18 +113,21 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 class Gemma3Model:
-    """Weights (frozen after load) plus the forward pass; run state comes in as arguments."""
+    """Weights (frozen after load) plus the forward pass; run state comes in as arguments.
+
+    Under tensor parallel the outputs of o and down are summed over the ranks (before the
+    post norms) and the one-call C layers are not used, as in LlamaModel."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
-                 layers: list[dict[str, Weight]]) -> None:
-        self.config, self.weights, self.layers = config, weights, layers
+                 layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
+        self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
         device = weights["norm"].device
         self.inv_freq_global = rope_inv_freq(config.rope, config.head_dim).to(device)
         self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
                                             config.head_dim).to(device)
         self.embed_scale = config.hidden_size ** 0.5
         # decode layers in one C call (the C attention has no soft-capping)
-        self.c_plan = (None if config.attn_logit_softcapping is not None else
+        self.c_plan = (None if config.attn_logit_softcapping is not None or tp.size > 1 else
                        decode_c.build_plan(config, layers, "gelu_tanh"))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
@@ -143,7 +147,8 @@ class Gemma3Model:
             x = add_rms_norm(x, h, layer["post_attn_norm"], c.rms_norm_eps)
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
             h = geglu(linear(h, layer["gate_up"]))  # gate | up: equal halves
-            x = add_rms_norm(x, linear(h, layer["down"]), layer["post_mlp_norm"], c.rms_norm_eps)
+            h = self.tp.all_reduce(linear(h, layer["down"]))
+            x = add_rms_norm(x, h, layer["post_mlp_norm"], c.rms_norm_eps)
         return x
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight],
@@ -159,7 +164,7 @@ class Gemma3Model:
         k = norm_rope(k, layer.get("k_norm"), *rope, c.rms_norm_eps)
         out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale,
                               softcap=c.attn_logit_softcapping)
-        return linear(out, layer["o"])
+        return self.tp.all_reduce(linear(out, layer["o"]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 through the tied embedding matrix."""

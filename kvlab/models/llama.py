@@ -26,6 +26,7 @@ from kvlab.models.layers import (
     swiglu,
 )
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
+from kvlab.models.tensor_parallel import SINGLE, TensorParallel
 
 # checkpoint name -> kvlab name; "{i}" is the layer index
 GGUF_NAMES = NameTable(
@@ -115,18 +116,23 @@ def _rotary(config: ModelConfig, weights: dict[str, Weight]) -> torch.Tensor | L
 
 
 class LlamaModel:
-    """Weights (frozen after load) plus the forward pass; run state comes in as arguments."""
+    """Weights (frozen after load) plus the forward pass; run state comes in as arguments.
+
+    Under tensor parallel (tp.size > 1) the config and layers are this rank's shard and the
+    outputs of o and down are summed over the ranks; the one-call C layers are not used then
+    (they run every layer in one call, with no place for the all-reduces)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
-                 layers: list[dict[str, Weight]]) -> None:
-        self.config, self.weights, self.layers = config, weights, layers
+                 layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
+        self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
         self.inv_freq = _rotary(config, weights).to(weights["norm"].device)
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
         self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_cuda
                            else torch.float32)
-        self.c_plan = decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
+        self.c_plan = (decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
+                       if tp.size == 1 else None)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore], meta: AttentionMetadata,
@@ -151,7 +157,7 @@ class LlamaModel:
     def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: SwiGLU (the mixture-of-experts files override this)."""
-        return linear(swiglu(linear(h, layer["gate_up"])), layer["down"])
+        return self.tp.all_reduce(linear(swiglu(linear(h, layer["gate_up"])), layer["down"]))
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
@@ -159,8 +165,7 @@ class LlamaModel:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
         if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
-            q = rms_norm(q.contiguous(), layer["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k.contiguous(), layer["k_norm"], c.rms_norm_eps)
+            q, k = self._whole_norm(q, layer["q_norm"]), self._whole_norm(k, layer["k_norm"])
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
@@ -168,7 +173,14 @@ class LlamaModel:
         q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
         out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
-        return linear(out, layer["o"])
+        return self.tp.all_reduce(linear(out, layer["o"]))
+
+    def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over all heads as one vector; under tensor parallel, over all ranks' heads."""
+        if self.tp.size == 1:
+            return rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
+        return self.tp.rms_norm(x, weight, self.config.rms_norm_eps,
+                                x.shape[-1] * self.tp.size)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32, for the positions whose next token is needed."""

@@ -29,6 +29,14 @@ from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
 from kvlab.models.moe import Experts
 from kvlab.models.spec import ArchSpec, NameTable
+from kvlab.models.tensor_parallel import (
+    SINGLE,
+    TensorParallel,
+    check_columns,
+    local_config,
+    shard_ranges,
+    take,
+)
 from kvlab.weights import Checkpoint, RawTensor
 
 QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C)
@@ -127,10 +135,20 @@ class LoadedModel:
         return total - unread - emb + emb // embed.shape[0] + (emb if tied else 0)
 
 
-def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
+def read_config(ckpt: Checkpoint) -> tuple[ArchSpec, ModelConfig]:
+    """The checkpoint's architecture and its whole model's config."""
     gguf = ckpt.format == "gguf"
     spec = find_arch(ckpt.architecture, ckpt.metadata if gguf else None)
-    config = (spec.config_from_gguf if gguf else spec.config_from_hf)(ckpt.metadata)
+    return spec, (spec.config_from_gguf if gguf else spec.config_from_hf)(ckpt.metadata)
+
+
+def load_model(ckpt: Checkpoint, options: LoadOptions,
+               tp: TensorParallel = SINGLE) -> LoadedModel:
+    """The model, or with tp.size > 1 rank tp.rank's shard of it (kvlab.models.tensor_parallel):
+    its config then has this rank's heads and MLP columns, its tensors this rank's slices."""
+    gguf = ckpt.format == "gguf"
+    spec, full = read_config(ckpt)
+    config = local_config(full, tp)
     table = spec.gguf_names if gguf else spec.hf_names
     transform = spec.gguf_transform if gguf else spec.hf_transform
     names = ckpt.names()
@@ -139,8 +157,13 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
 
     def convert(raw: RawTensor, dst: str, stat_name: str,
                 read: Callable[[int, int], None] | None = None) -> Weight:
-        w = _convert(raw, lambda t: transform(config, dst, t), options, dense=dst in _DENSE,
-                     read=read)
+        stored = raw.data.data_ptr()
+        raw = RawTensor(raw.shape, raw.qtype, transform(full, dst, raw.data))
+        if tp.size > 1:
+            raw = _shard(raw, dst, stat_name, full, tp, options.quantize)
+        # `read` spans are the stored tensor's: only while raw still is those bytes
+        same = raw.data.data_ptr() == stored and tp.size == 1
+        w = _convert(raw, options, dense=dst in _DENSE, read=read if same else None)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
         return w
 
@@ -166,7 +189,7 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
     layers = [get_layer(i) for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
-    model = spec.model_cls(config, weights, [_stack(layer, fused) for layer in layers])
+    model = spec.model_cls(config, weights, [_stack(layer, fused) for layer in layers], tp)
     return LoadedModel(spec, config, model, tuple(stats))
 
 
@@ -246,19 +269,41 @@ def _mlp_names(layer: dict) -> set[str]:
                             else {"gate_exps", "up_exps"})
 
 
-def _convert(raw: RawTensor, transform: Any, options: LoadOptions,
-             dense: bool = False, read: Callable[[int, int], None] | None = None) -> Weight:
+def _shard(raw: RawTensor, dst: str, stat_name: str, config: ModelConfig,
+           tp: TensorParallel, quantize: str | None) -> RawTensor:
+    """Rank tp.rank's slice of a (transformed) tensor; the whole tensor where replicated.
+    A column split of quantized blocks (as stored, or as --quantize will make them) must
+    fall on block boundaries."""
+    found = shard_ranges(dst, config, tp, raw.shape) if len(raw.shape) <= 2 else None
+    if found is None:  # replicated (stacked experts are sliced one by one: _expert_slices)
+        return raw
+    axis, ranges = found
+    shape = list(raw.shape)
+    shape[axis] = sum(b - a for a, b in ranges)
+    qtype = None
+    if axis == 1:
+        qtype = (GGMLQuantizationType[raw.qtype] if raw.quantized
+                 else _quant_type_for(raw.shape[1], quantize))
+    if qtype is not None:
+        block = GGML_QUANT_SIZES[qtype]
+        check_columns(stat_name, qtype.name, raw.shape[1], ranges, block[0], tp.size)
+    scale = GGML_QUANT_SIZES[qtype] if qtype is not None and raw.quantized else (1, 1)
+    return RawTensor(tuple(shape), raw.qtype, take(raw.data, axis, ranges, scale))
+
+
+def _convert(raw: RawTensor, options: LoadOptions, dense: bool = False,
+             read: Callable[[int, int], None] | None = None) -> Weight:
     if raw.qtype not in _SUPPORTED:
         raise ModelLoadError(f"tensor type {raw.qtype} is not supported "
                              f"(valid: {', '.join(sorted(_SUPPORTED))})")
     on_cpu = options.device == "cpu"
     if raw.quantized:
-        rows = transform(raw.data)  # row permutations work on the block bytes too
-        w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, rows)
-        if options.keep_quantized and on_cpu:  # `read` spans are raw's: only if rows is raw
-            return _grouped(w, options, read if rows.data_ptr() == raw.data.data_ptr() else None)
+        # row permutations (the transform) work on the block bytes too
+        w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, raw.data)
+        if options.keep_quantized and on_cpu:
+            return _grouped(w, options, read)
         return dequantize(w).to(device=options.device, dtype=options.dtype)
-    t = transform(raw.data)
+    t = raw.data
     if t.dim() < 2:
         return t.float().to(options.device)
     qtype = _quant_type_for(t.shape[-1], options.quantize) if on_cpu and not dense else None

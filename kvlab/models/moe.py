@@ -154,4 +154,5 @@ class MoeModel(LlamaModel):
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:
         if "router" not in layer:
             return super().mlp(h, layer)
-        return moe_mlp(h, layer, self.config.moe, trace)
+        # each rank holds a slice of every expert's columns: one all-reduce of the sum
+        return self.tp.all_reduce(moe_mlp(h, layer, self.config.moe, trace))

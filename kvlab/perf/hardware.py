@@ -31,6 +31,23 @@ _VENDOR_PREFIXES = ("nvidia", "geforce", "amd", "instinct", "apple", "intel")
 
 
 @dataclass(frozen=True)
+class Interconnect:
+    """The link between the devices of a tensor-parallel group (kvlab.perf.parallel)."""
+
+    name: str
+    bandwidth: float  # bytes/s one device sends, one direction
+    latency: float  # seconds per step of a ring all-reduce (a small message's cost)
+    source: str = ""
+
+    @classmethod
+    def custom(cls, bandwidth_gbs: float, latency_us: float) -> Interconnect:
+        _check_positive("--link-bandwidth (GB/s)", bandwidth_gbs)
+        if not (math.isfinite(latency_us) and latency_us >= 0):
+            raise KvlabError(f"--link-latency must be >= 0 microseconds, got {latency_us}")
+        return cls("the given link", bandwidth_gbs * GB, latency_us * 1e-6, "user")
+
+
+@dataclass(frozen=True)
 class KernelRates:
     """kvlab's own kernels on one machine at one thread count, as `kvlab probe` measured them.
 
@@ -121,6 +138,7 @@ class HardwareSpec:
     key: str = "custom"
     kernels: KernelRates | None = None  # kvlab's own kernels, where `kvlab probe` measured them
     steps: StepFactors | None = None  # whole steps against those kernels, where timed
+    interconnect: Interconnect | None = None  # between devices, where the table knows it
 
     def __post_init__(self) -> None:
         _check_positive("bandwidth (GB/s)", self.bandwidth / GB)
@@ -192,6 +210,7 @@ class HardwareSpec:
                 "memory_gib": None if self.memory_bytes is None else self.memory_bytes / GIB,
                 "default_dtype": self.default_dtype, "sources": dict(self.sources),
                 "kernels": None if self.kernels is None else asdict(self.kernels),
+                "interconnect": None if self.interconnect is None else asdict(self.interconnect),
                 "steps": None if self.steps is None else asdict(self.steps)}
 
 
@@ -224,9 +243,13 @@ def _from_table_entry(key: str, entry: Mapping[str, Any]) -> HardwareSpec:
     flops = {dtype: tf * TERA * fraction for dtype, tf in entry["peak_tflops"].items()}
     sources = dict(entry["source"])
     sources["flops"] = f"{sources['flops']}; sustained = {fraction:.0%} of peak"
+    link = entry.get("interconnect")
+    interconnect = None if link is None else Interconnect(
+        link["name"], link["bandwidth_gbs"] * GB, link["latency_us"] * 1e-6, link["source"])
     return HardwareSpec(name=entry["name"], bandwidth=entry["bandwidth_gbs"] * GB, flops=flops,
                         memory_bytes=int(entry["memory_gb"] * GIB), kind=entry["kind"],
-                        default_dtype=entry["default_dtype"], sources=sources, key=key)
+                        default_dtype=entry["default_dtype"], sources=sources, key=key,
+                        interconnect=interconnect)
 
 
 def _squash(name: str) -> str:

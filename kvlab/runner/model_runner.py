@@ -77,21 +77,27 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
-    def execute(self, out: SchedulerOutput, record_experts: bool = False) -> StepLogits:
+    def execute(self, out: SchedulerOutput, record_experts: bool = False,
+                logits: bool = True) -> StepLogits:
         """Run one step. With quantized weights, torch stays on one thread between wide
         steps: the C kernels bring their own threads, and torch's OpenMP workers would
         otherwise compete with them for the same cores. Wide (prefill) steps give torch all
-        threads for their attention products."""
+        threads for their attention products. logits=False stops at the hidden states (a
+        tensor-parallel rank other than 0): the result then has no rows."""
         record = record_experts and self.config.moe is not None
         if not self.kernel_decode or out.num_tokens < WIDE_STEP_TOKENS:
-            return self._execute(out, record)
+            return self._execute(out, record, logits)
         torch.set_num_threads(self.threads)
         try:
-            return self._execute(out, record)
+            return self._execute(out, record, logits)
         finally:
             torch.set_num_threads(1)
 
-    def _execute(self, out: SchedulerOutput, record_experts: bool) -> StepLogits:
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a tensor-parallel group); none here."""
+
+    def _execute(self, out: SchedulerOutput, record_experts: bool,
+                 want_logits: bool = True) -> StepLogits:
         if self.graphs is not None and self.graphs.accepts(out):
             logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
@@ -116,7 +122,7 @@ class ModelRunner:
             rows, seq_ids, row = [], [], 0
             for s in out.scheduled:
                 row += len(s.token_ids)
-                if s.needs_logits:
+                if s.needs_logits and want_logits:
                     rows.append(row - 1)
                     seq_ids.append(s.seq_id)
             if not rows:
