@@ -117,7 +117,7 @@ def engine_replica_pids() -> list[int]:
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True,
                         check=True).stdout
     return [int(line.split()[0]) for line in ps.splitlines()
-            if "ServeReplica" in line and "EngineReplica" in line]
+            if "ray::ServeReplica" in line and "KvlabEngine" in line]
 
 
 def routing_run(args: argparse.Namespace, prompts: Path, n: int, routing: str) -> dict:
@@ -140,7 +140,9 @@ def kill_run(args: argparse.Namespace, prompts: Path, n: int) -> None:
         time.sleep(args.kill_after)
         pids = engine_replica_pids()
         if not pids:
-            raise SystemExit("no engine replica process found to kill")
+            ray = [line for line in subprocess.run(["ps", "-eo", "pid=,args="], check=True,
+                   capture_output=True, text=True).stdout.splitlines() if "ray::" in line]
+            raise SystemExit("no engine replica process found to kill among: " + "; ".join(ray))
         os.kill(pids[0], signal.SIGKILL)
         killed = time.monotonic()
         print(f"killed engine replica pid {pids[0]} {args.kill_after:.0f} s into the load",
@@ -159,7 +161,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--users", type=int, default=8, help="requests per tenant")
-    p.add_argument("--words", type=int, default=700, help="words per system prompt")
+    p.add_argument("--words", type=int, default=1000, help="words per system prompt")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-cache-gib", type=float, default=0.1,

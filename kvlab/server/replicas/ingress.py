@@ -9,17 +9,20 @@ how many replicas are healthy of how many, with each one's stats; /metrics is ev
 replica's metrics, labelled by replica. Every other path goes to a replica, whose answer
 carries an `x-kvlab-replica` header naming it.
 
-When a replica dies under a request, the request ends cleanly: a whole answer becomes a 503
-in OpenAI's error shape, a stream that has begun ends with an error event and `[DONE]`. Serve
+When a replica dies under a request that has sent the client nothing yet (a whole answer, or
+a stream before its first event), the request goes to another replica, up to RETRIES times:
+generation starts over there and the client sees one answer. Past that, or once a stream has
+begun, it ends cleanly: a 503 in OpenAI's error shape, or an error event and `[DONE]`. Serve
 starts a replacement; requests on the other replicas go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +41,8 @@ from kvlab.server.replicas.settings import AppSettings
 log = logging.getLogger("kvlab.server")
 REPLICA_HEADER = "x-kvlab-replica"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+RETRIES = 2  # other replicas a request tries when its replica dies before answering
+RETRY_WAIT_S = 0.5  # times the attempt: Serve needs a moment to drop a dead replica
 
 
 def replica_failed(exc: BaseException) -> ApiError:
@@ -84,35 +89,91 @@ class Ingress:
         s = self.settings
         key = await asyncio.to_thread(routing_key, fwd.path, body, s.block_chars,
                                       s.prefix_blocks)
-        stream: DeploymentResponseGenerator = self.replicas.remote(fwd, prefix_key=key)
         try:
-            start = await stream.__anext__()
-            assert isinstance(start, ResponseStart)
+            return await self._answer(fwd, key)
+        except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
+            log.warning("request to a replica failed: %r", e)
+            err = replica_failed(e)
+            return JSONResponse(err.body(), status_code=err.status)
+
+    async def _answer(self, fwd: Forwarded, key: str | None) -> Response:
+        """The replica's answer; one that dies before any of it is sent is retried."""
+        for attempt in itertools.count():
+            stream, start = await self._open(fwd, key)
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
                        if k.decode("latin-1").lower() not in _HOP_HEADERS}
             headers[REPLICA_HEADER] = start.replica
             if headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(_relay(stream), start.status, headers)
-            content = b"".join([chunk async for chunk in stream])
-        except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
-            stream.cancel()
-            log.warning("request to a replica failed: %r", e)
-            err = replica_failed(e)
-            return JSONResponse(err.body(), status_code=err.status)
-        except BaseException:  # the client went away: let the replica abort its request
-            stream.cancel()
-            raise
-        return Response(content, start.status, headers)
+                return StreamingResponse(_relay(stream, lambda: self._open(fwd, key)),
+                                         start.status, headers)
+            try:
+                content = b"".join([chunk async for chunk in stream])
+            except Exception as e:  # a dead replica raises any Ray error
+                stream.cancel()
+                if attempt >= RETRIES:
+                    raise
+                await _before_retry(e, attempt)
+                continue
+            except BaseException:  # the client went away: let the replica abort its request
+                stream.cancel()
+                raise
+            return Response(content, start.status, headers)
+        raise AssertionError("unreachable")
+
+    async def _open(self, fwd: Forwarded, key: str | None
+                    ) -> tuple[DeploymentResponseGenerator, ResponseStart]:
+        """A replica's stream and its ResponseStart, on another replica if one dies first."""
+        for attempt in itertools.count():
+            stream: DeploymentResponseGenerator = self.replicas.remote(fwd, prefix_key=key)
+            try:
+                start = await stream.__anext__()
+                assert isinstance(start, ResponseStart)
+                return stream, start
+            except Exception as e:  # a dead replica raises any Ray error
+                stream.cancel()
+                if attempt >= RETRIES:
+                    raise
+                await _before_retry(e, attempt)
+            except BaseException:
+                stream.cancel()
+                raise
+        raise AssertionError("unreachable")
 
 
-async def _relay(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
-    """A stream's body chunks; a replica that dies mid-stream ends it with an error event."""
+async def _before_retry(e: BaseException, attempt: int) -> None:
+    """A short wait, so that Serve has dropped the dead replica from the candidates."""
+    log.warning("a replica failed before answering (%r); retrying on another", e)
+    await asyncio.sleep(RETRY_WAIT_S * (attempt + 1))
+
+
+async def _relay(stream: DeploymentResponseGenerator,
+                 reopen: Callable[[], Awaitable[tuple[DeploymentResponseGenerator,
+                                                       ResponseStart]]]
+                 ) -> AsyncIterator[bytes]:
+    """A stream's body chunks. A replica that dies before the first chunk is replaced by
+    another's stream (reopen); one that dies later ends it with an error event."""
+    sent, retries = False, 0
     try:
-        async for chunk in stream:
-            yield chunk
-    except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
-        log.warning("stream from a replica failed: %r", e)
-        yield f"data: {json.dumps(replica_failed(e).body())}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        while True:
+            try:
+                async for chunk in stream:
+                    sent = True
+                    yield chunk
+                return
+            except Exception as e:  # noqa: BLE001 - a dead replica raises any Ray error
+                stream.cancel()
+                if sent or retries >= RETRIES:
+                    log.warning("stream from a replica failed: %r", e)
+                    yield f"data: {json.dumps(replica_failed(e).body())}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
+                await _before_retry(e, retries)
+                retries += 1
+                try:
+                    stream, _ = await reopen()
+                except Exception as again:  # noqa: BLE001
+                    yield f"data: {json.dumps(replica_failed(again).body())}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
     finally:
         stream.cancel()
