@@ -147,11 +147,11 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
 def with_steps(result: ProbeResult, model: str | Path | None = None,
                serving: bool = True) -> ProbeResult:
     """`result` with whole engine steps timed on a replica of `model` (default: the default
-    model), then (with `serving`) serving's costs besides them; unchanged, with the reason
-    in its details, where kvlab's step model does not cover that model."""
+    model), then (with `serving`) serving's costs besides them, the model itself served;
+    unchanged, with the reason in its details, where kvlab's step model does not cover it."""
     from kvlab.perf.kvlab_steps import unsupported_reason
     from kvlab.perf.model import ModelSpec
-    from kvlab.perf.probe_steps import ROUNDS, default_kv_dtype, measure_steps, replica_file
+    from kvlab.perf.probe_steps import ROUNDS, default_kv_dtype, measure_steps
     from kvlab.weights import default_model_path
 
     path = Path(model) if model is not None else default_model_path()
@@ -161,19 +161,18 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
     if reason:
         return replace(result, details={**result.details, "steps": f"not timed: {reason}"})
     details = dict(result.details)
-    with replica_file(path) as replica:
-        factors = measure_steps(path, spec, hw, result.threads, replica=replica)
-        details["steps"] = (f"kvlab's engine on a replica of {spec.name} (random weights, the "
-                            f"model's sizes and types), median of {ROUNDS} repeats per step "
-                            f"shape, {default_kv_dtype()} KV")
-        result = replace(result, steps=asdict(factors), details=details)
-        if not serving:
-            return result
-        from kvlab.perf.probe_serving import LEVELS, measure_stream_costs
+    factors = measure_steps(path, spec, hw, result.threads)
+    details["steps"] = (f"kvlab's engine on a replica of {spec.name} (random weights, the "
+                        f"model's sizes and types), median of {ROUNDS} repeats per step "
+                        f"shape, {default_kv_dtype()} KV")
+    result = replace(result, steps=asdict(factors), details=details)
+    if not serving:
+        return result
+    from kvlab.perf.probe_serving import LEVELS, measure_stream_costs
 
-        stream = measure_stream_costs(replica, spec, result.to_hardware(), result.threads,
-                                      default_kv_dtype())
-    details["stream"] = (f"kvlab serve on the replica, kvlab loadtest at "
+    stream = measure_stream_costs(path, spec, result.to_hardware(), result.threads,
+                                  default_kv_dtype())
+    details["stream"] = (f"kvlab serve on {spec.name}, kvlab loadtest at "
                          f"{' and '.join(map(str, LEVELS))} streams beside it")
     return replace(result, stream=asdict(stream), details=details)
 

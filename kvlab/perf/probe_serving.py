@@ -1,8 +1,11 @@
-"""Serving's costs besides the engine's steps, timed: `kvlab serve` runs a replica of the model
-and `kvlab loadtest` streams from it, each in its own process on this machine, as a user runs
-them; what the client sees past the step model's prediction of the very same requests is the
-streaming path's cost (the server's detokenizing, SSE encoding and HTTP writes, the event
-loop taking each step's outputs, the client reading the stream, all on the same cores).
+"""Serving's costs besides the engine's steps, timed: `kvlab serve` runs the model and `kvlab
+loadtest` streams from it, each in its own process on this machine, as a user runs them; what
+the client sees past the step model's prediction of the very same requests is the streaming
+path's cost (the server's detokenizing, SSE encoding and HTTP writes, the event loop taking
+each step's outputs, the client reading the stream, all on the same cores).
+
+The model itself is served, not the replica the steps were timed on: a replica's random
+weights pick the same few tokens (special ones, of no text), and the client times text.
 
     measured ITL p50 at c streams - predicted step at c streams = step + c x token
     measured TTFT p50 at 1 stream - predicted TTFT at 1 stream  = request + step + token
@@ -38,11 +41,12 @@ MAX_TOKENS = 48  # tokens each request streams (ignore_eos)
 START_TIMEOUT_S = 180.0
 
 
-def measure_stream_costs(replica: Path, model: ModelSpec, hw: HardwareSpec, threads: int,
+def measure_stream_costs(path: Path, model: ModelSpec, hw: HardwareSpec, threads: int,
                          kv_dtype: str) -> StreamCosts:
-    """Serve `replica` with `threads`, load it at each of LEVELS and fit the costs against
-    the step model of `model` on `hw` (with its whole-step factors) at `kv_dtype`."""
-    with _server(replica, threads) as url:
+    """Serve the GGUF at `path` with `threads`, load it at each of LEVELS and fit the costs
+    against the step model of `model` (its spec) on `hw` (with its whole-step factors) at
+    `kv_dtype`."""
+    with _server(path, threads) as url:
         runs = {c: _load(url, c) for c in LEVELS}
     return fit_stream_costs(model, hw, kv_dtype, runs)
 
@@ -75,12 +79,12 @@ def fit_stream_costs(model: ModelSpec, hw: HardwareSpec, kv_dtype: str,
 
 
 @contextmanager
-def _server(replica: Path, threads: int) -> Iterator[str]:
-    """`kvlab serve` on `replica` at a free local port, until the block ends."""
+def _server(path: Path, threads: int) -> Iterator[str]:
+    """`kvlab serve` on the GGUF at `path` at a free local port, until the block ends."""
     port = _free_port()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvlab.cli.main", "serve", "--model", str(replica),
+            [sys.executable, "-m", "kvlab.cli.main", "serve", "--model", str(path),
              "--port", str(port), "--threads", str(threads), "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         url = f"http://127.0.0.1:{port}"
@@ -108,7 +112,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Any) -> None:
         if proc.poll() is not None:
             log.seek(0)
             tail = log.read().decode(errors="replace")[-2000:]
-            raise KvlabError(f"kvlab serve on the probe's replica exited ({proc.returncode}):"
+            raise KvlabError(f"kvlab serve on the probed model exited ({proc.returncode}):"
                              f"\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
@@ -117,7 +121,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Any) -> None:
         except OSError:
             pass
         time.sleep(0.2)
-    raise KvlabError(f"kvlab serve on the probe's replica was not healthy in "
+    raise KvlabError(f"kvlab serve on the probed model was not healthy in "
                      f"{START_TIMEOUT_S:.0f} s")
 
 
@@ -129,10 +133,10 @@ def _load(url: str, concurrency: int) -> dict[str, Any]:
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ))
     if done.returncode != 0:
-        raise KvlabError(f"kvlab loadtest against the probe's replica failed "
+        raise KvlabError(f"kvlab loadtest against the probed model failed "
                          f"({done.returncode}): {done.stderr[-2000:]}")
     summary = json.loads(done.stdout)
     if not summary.get("completed"):
-        raise KvlabError(f"kvlab loadtest against the probe's replica completed no request: "
+        raise KvlabError(f"kvlab loadtest against the probed model completed no request: "
                          f"{summary.get('errors')}")
     return summary

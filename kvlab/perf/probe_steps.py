@@ -48,17 +48,17 @@ _KEEP_AS_IS = {"F32", "F16", "BF16"}  # small tensors (norms): copied, not rando
 
 def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, threads: int,
                   rounds: int = ROUNDS, other_kv: tuple[str, ...] = OTHER_KV,
-                  progress: Callable[[str], None] | None = None,
-                  replica: Path | None = None) -> StepFactors:
-    """Time the step shapes of the module docstring on a replica of `model_path` (or on
-    `replica`, one written already) and fit the step model's factors for `model` on `hw`
-    (its kernel rates) to them."""
-    with replica_file(model_path, replica) as path:
+                  progress: Callable[[str], None] | None = None) -> StepFactors:
+    """Time the step shapes of the module docstring on a replica of `model_path` and fit
+    the step model's factors for `model` on `hw` (its kernel rates) to them."""
+    with tempfile.TemporaryDirectory(prefix="kvlab-probe-steps-") as tmp:
+        replica = Path(tmp) / "replica.gguf"
+        write_replica(model_path, replica)
         base = default_kv_dtype()
-        with _engine(path, threads, base) as engine:
+        with _engine(replica, threads, base) as engine:
             timed = _time_base(engine, rounds, base, progress)
         for kv_dtype in (d for d in other_kv if d != base):
-            with _engine(path, threads, kv_dtype) as engine:
+            with _engine(replica, threads, kv_dtype) as engine:
                 timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
     return fit_factors(model, hw, timed, name=model.name)
 
@@ -68,18 +68,6 @@ def default_kv_dtype() -> str:
     from kvlab.engine import EngineConfig
 
     return EngineConfig().kv_dtype
-
-
-@contextmanager
-def replica_file(model_path: str | Path, replica: Path | None = None) -> Iterator[Path]:
-    """`replica` where given, else a replica of `model_path` in a folder removed after."""
-    if replica is not None:
-        yield replica
-        return
-    with tempfile.TemporaryDirectory(prefix="kvlab-probe-steps-") as tmp:
-        path = Path(tmp) / "replica.gguf"
-        write_replica(model_path, path)
-        yield path
 
 
 def write_replica(source: str | Path, path: Path) -> None:

@@ -248,13 +248,12 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
                      and t.kv_dtype == base), key=lambda t: t.work[0].start)
     fixed, kv = _least_squares([(terms[t.name].fixed, terms[t.name].kv, t.seconds)
                                 for t in single], (1.0, 1.0), KV_FACTOR_RANGE)
-    depths = _depth_factors(sm, base, single, fixed)
     kv_of = {t.name: terms[t.name].kv * kv for t in timed}
-    if depths:
-        sm.kv_dtype, short = base, single[0]
-        kv_of = {t.name: sum(sm.depth_kv_seconds(w.start + 1, depths) for w in t.work
-                             if w.tokens == 1) for t in timed}
-        sm.kv_dtype, kv = "f32", depths[0][1]
+    depths: tuple[tuple[float, float], ...] = ()
+    for _ in range(_DEPTH_ROUNDS if len({t.work[0].start for t in single}) > 2 else 0):
+        depths = _depth_factors(sm, base, single, fixed)
+        kv_of = {t.name: _depth_kv(sm, base, t.work, depths) for t in timed}
+        kv, short = depths[0][1], single[0]
         fixed = _clamp((short.seconds - kv_of[short.name]) / terms[short.name].fixed)
     batched = [t for t in timed if _kind(t) == "decode" and len(t.work) > 1]
     rest = {t.name: t.seconds - fixed * terms[t.name].fixed - kv_of[t.name] for t in timed}
@@ -281,13 +280,22 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
     return replace(factors, points=points)
 
 
+_DEPTH_ROUNDS = 4  # the depth factors and the fixed factor, refitted in turn: they converge
+
+
+def _depth_kv(sm: StepModel, kv_dtype: str, work: Sequence[SeqWork],
+              depths: Sequence[tuple[float, float]]) -> float:
+    sm.kv_dtype = kv_dtype
+    try:
+        return sum(sm.depth_kv_seconds(w.start + 1, depths) for w in work if w.tokens == 1)
+    finally:
+        sm.kv_dtype = "f32"
+
+
 def _depth_factors(sm: StepModel, kv_dtype: str, single: Sequence[TimedStep], fixed: float
                    ) -> tuple[tuple[float, float], ...]:
     """(context, KV factor) of each stretch between consecutive single decodes timed at
-    rising depths, past what `fixed` explains; () from fewer than three depths (one
-    stretch: the plain KV factor says as much)."""
-    if len({t.work[0].start for t in single}) < 3:
-        return ()
+    rising depths (three or more), past what `fixed` explains; the first stretch from 0."""
     sm.kv_dtype = kv_dtype
     try:
         out = []
