@@ -395,3 +395,14 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
             "decode 1 at 4080", "decode 1 at 1024 q8_0"} <= names  # 4080: the tiny context
     assert set(f.kv) == {"f16", "q8_0"} and f.model == spec.name  # f16: the engine's own
     assert [n for n, _ in f.batch_sizes] == [2, 4, 8, 16] and len(f.kv_depths["f16"]) == 2
+
+
+def test_decodes_paired_with_their_rounds_reference() -> None:
+    from kvlab.perf.probe_steps import _paired
+
+    samples = {"decode 1 at 32": [10.0, 20.0, 10.0], "decode 1 at 4096": [14.0, 27.0, 14.0],
+               "prefill 32": [50.0, 90.0, 50.0]}
+    paired = _paired(samples, "decode 1 at 32")
+    assert paired["decode 1 at 4096"] == pytest.approx([14.0, 13.5, 14.0])
+    assert paired["decode 1 at 32"] == samples["decode 1 at 32"]
+    assert paired["prefill 32"] == samples["prefill 32"]  # prefill: its own level

@@ -187,7 +187,23 @@ def _time_base(engine: Any, rounds: int, kv_dtype: str,
         shapes[f"decode {batch} at {SHORT}"] = tuple(SeqWork(1, int(SHORT + after))
                                                      for _ in range(batch))
     return [TimedStep(name, shapes[name], *median_spread(s), kv_dtype=kv_dtype)
-            for name, s in samples.items()]
+            for name, s in _paired(samples, f"decode 1 at {SHORT}").items()]
+
+
+def _paired(samples: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
+    """Each decode shape's repeats as the median `reference` step times its ratio to the
+    `reference` of its own round: the depth and batch factors are differences between
+    decodes, which a load that changes between rounds would otherwise blur.
+
+        round   ref   deep          ratio    paired
+        1       10    14            1.40     14.0   (ref median 10)
+        2       20    27 (loaded)   1.35     13.5
+    """
+    ref = samples[reference]
+    level = float(np.median(ref))
+    return {name: ([level * x / r for x, r in zip(s, ref)]
+                   if name.startswith("decode") and name != reference else s)
+            for name, s in samples.items()}
 
 
 def _deepest(engine: Any) -> tuple[int, ...]:
