@@ -120,7 +120,7 @@ class StepFactors:
 @dataclass(frozen=True)
 class StreamCosts:
     """What serving costs here besides the engine's steps, as `kvlab probe` timed it: `kvlab
-    serve` streaming a replica of the model to `kvlab loadtest` on the same machine, whose
+    serve` streaming the model to `kvlab loadtest` on the same machine, whose
     token gaps and first tokens, past the step model's, are these costs."""
 
     token: float  # seconds per streamed token: its text, SSE chunk, HTTP write, client read

@@ -219,10 +219,10 @@ def describe_stream(s: StreamCosts | None) -> str:
     """One line on the serving costs the prediction adds, for a report's notes."""
     if s is None:
         return ("the probe timed no serving: the prediction is the engine's steps alone "
-                "(`kvlab probe` serves a replica to time the streaming path)")
+                "(`kvlab probe` serves the model to time the streaming path)")
     return (f"besides the engine's steps, the streaming path costs {s.token * 1e3:.2f} ms a "
             f"token + {s.step * 1e3:.2f} ms a step + {s.request * 1e3:.1f} ms a request, as "
-            "the probe timed kvlab serve streaming a replica to kvlab loadtest here")
+            "the probe timed kvlab serve streaming the model to kvlab loadtest here")
 
 
 SERVING_FIGURES = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),
