@@ -246,15 +246,9 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
     base = next((t.kv_dtype for t in timed if _kind(t) == "prefill"), "f32")
     single = sorted((t for t in timed if _kind(t) == "decode" and len(t.work) == 1
                      and t.kv_dtype == base), key=lambda t: t.work[0].start)
-    fixed, kv = _least_squares([(terms[t.name].fixed, terms[t.name].kv, t.seconds)
-                                for t in single], (1.0, 1.0), KV_FACTOR_RANGE)
-    kv_of = {t.name: terms[t.name].kv * kv for t in timed}
-    depths: tuple[tuple[float, float], ...] = ()
-    for _ in range(_DEPTH_ROUNDS if len({t.work[0].start for t in single}) > 2 else 0):
-        depths = _depth_factors(sm, base, single, fixed)
-        kv_of = {t.name: _depth_kv(sm, base, t.work, depths) for t in timed}
-        kv, short = depths[0][1], single[0]
-        fixed = _clamp((short.seconds - kv_of[short.name]) / terms[short.name].fixed)
+    fixed, kv, depths = _fit_single(sm, terms, single, base)
+    kv_of = ({t.name: _depth_kv(sm, base, t.work, depths) for t in timed} if depths
+             else {t.name: terms[t.name].kv * kv for t in timed})
     batched = [t for t in timed if _kind(t) == "decode" and len(t.work) > 1]
     rest = {t.name: t.seconds - fixed * terms[t.name].fixed - kv_of[t.name] for t in timed}
     batch = _ratio([(terms[t.name].batch, rest[t.name]) for t in batched])
@@ -281,6 +275,24 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
 
 
 _DEPTH_ROUNDS = 4  # the depth factors and the fixed factor, refitted in turn: they converge
+
+
+def _fit_single(sm: StepModel, terms: Mapping[str, StepTerms], single: Sequence[TimedStep],
+                kv_dtype: str) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(fixed, KV factor, KV factors by depth) from single decodes in rising depth: both by
+    least squares; from three depths or more, the fixed factor from the shortest decode
+    and a KV factor per stretch of depth, in turn until they settle."""
+    fixed, kv = _least_squares([(terms[t.name].fixed, terms[t.name].kv, t.seconds)
+                                for t in single], (1.0, 1.0), KV_FACTOR_RANGE)
+    depths: tuple[tuple[float, float], ...] = ()
+    if len({t.work[0].start for t in single}) < 3:
+        return fixed, kv, depths
+    short = single[0]
+    for _ in range(_DEPTH_ROUNDS):
+        depths = _depth_factors(sm, kv_dtype, single, fixed)
+        kv_short = _depth_kv(sm, kv_dtype, short.work, depths)
+        fixed = _clamp((short.seconds - kv_short) / terms[short.name].fixed)
+    return fixed, depths[0][1], depths
 
 
 def _depth_kv(sm: StepModel, kv_dtype: str, work: Sequence[SeqWork],
