@@ -136,7 +136,8 @@ def test_fit_clamps_noise_and_keeps_one_without_data() -> None:
 
 
 DEPTHS = replace(FACTORS, kv={"f32": 2.0}, kv_depths={"f32": ((1000.0, 2.0), (4000.0, 6.0))},
-                 batch_sizes=((2.0, 0.5), (4.0, 1.0), (16.0, 1.0)))
+                 batch_sizes=((2.0, 0.5), (4.0, 1.0), (16.0, 1.0)),
+                 prefill_sizes=((32.0, 2.0), (512.0, 1.25)))
 
 
 def test_kv_by_depth_and_batch_by_size() -> None:
@@ -152,6 +153,8 @@ def test_kv_by_depth_and_batch_by_size() -> None:
     plain = StepModel(model(), machine()).terms(three)
     assert sm.scaled_terms(three).batch == pytest.approx(0.75 * plain.batch)  # 2..4 halfway
     assert DEPTHS.batch_factor(1) == 0.5 and DEPTHS.batch_factor(32) == 1.0  # held at ends
+    # 128 rows: halfway from 32 to 512 in log(rows)
+    assert sm.scaled_terms([SeqWork(128, 0)]).prefill == pytest.approx(128 * sm.row * 1.625)
 
 
 def test_fit_recovers_depths_and_batch_sizes() -> None:
@@ -168,6 +171,7 @@ def test_fit_recovers_depths_and_batch_sizes() -> None:
     assert [x for pair in f.batch_sizes for x in pair] == pytest.approx(
         [2.0, 0.5, 4.0, 1.0, 16.0, 1.0])
     assert f.prefill == pytest.approx(1.25) and f.prefill_attention == pytest.approx(2.5)
+    assert [x for pair in f.prefill_sizes for x in pair] == pytest.approx([32, 2.0, 512, 1.25])
     assert all(p["fitted"] == pytest.approx(p["seconds"]) for p in f.points)
     assert factors_from_dict(json.loads(json.dumps(asdict(f)))) == f
 

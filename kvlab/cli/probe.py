@@ -75,6 +75,8 @@ def _step_lines(f: StepFactors | None) -> str:
         kv += f"; {dtype} by depth " + ", ".join(f"to {c:.0f} {v:.2f}" for c, v in depths)
     if f.batch_sizes:
         kv += "; batch by size " + ", ".join(f"{n:.0f} {v:.2f}" for n, v in f.batch_sizes)
+    if f.prefill_sizes:
+        kv += "; prefill by chunk " + ", ".join(f"{n:.0f} {v:.2f}" for n, v in f.prefill_sizes)
     lines.append(f"  factors over the kernel rates: fixed {f.fixed:.2f}, batch {f.batch:.2f}, "
                  f"prefill {f.prefill:.2f}, prefill attention {f.prefill_attention:.2f}, "
                  f"KV {kv}; noise: the steps' repeats spread up to {f.noise:.0%} (IQR/median)")

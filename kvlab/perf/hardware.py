@@ -104,6 +104,10 @@ class StepFactors:
     # the batch factor by sequences in a step, where timed at several: (sequences, factor)
     # in rising order, interpolated between them and held past either end
     batch_sizes: tuple[tuple[float, float], ...] = ()
+    # the prefill factor by chunk length, where timed at several: (tokens, factor) in rising
+    # order, interpolated in log(tokens) (a product's rows per weight read saturate) and
+    # held past either end
+    prefill_sizes: tuple[tuple[float, float], ...] = ()
 
     def kv_factor(self, kv_dtype: str) -> float:
         """The factor for `kv_dtype`; one the probe did not time gets f32's."""
@@ -115,6 +119,13 @@ class StepFactors:
             return self.batch
         sizes, factors = zip(*self.batch_sizes)
         return float(np.interp(sequences, sizes, factors))
+
+    def prefill_factor(self, tokens: int) -> float:
+        """The prefill factor for a chunk of `tokens` (the one factor where not timed)."""
+        if not self.prefill_sizes:
+            return self.prefill
+        sizes, factors = zip(*self.prefill_sizes)
+        return float(np.interp(np.log(tokens), np.log(sizes), factors))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
 
 all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). The decodes at three
 depths give the KV term a factor per stretch of depth, as the C attention's cost per position
-grows once the cache outgrows the caches; the four batch sizes a batch factor per size.
+grows once the cache outgrows the caches; the four batch sizes a batch factor per size; the
+two chunk lengths a prefill factor per length (32 rows use a product's weight reads worse).
 `kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
 kernel-rate terms.
 """

@@ -119,11 +119,12 @@ class StepModel:
         if f is None:
             return t
         depths = f.kv_depths.get(self.kv_dtype)
-        if not depths:
-            return t.scaled(f, self.kv_dtype)
-        kv = sum(self.depth_kv_seconds(w.start + 1, depths) for w in work if w.tokens == 1)
-        return StepTerms(t.fixed * f.fixed, t.batch * f.batch_factor(len(work)),
-                         t.prefill * f.prefill, kv, t.attention * f.prefill_attention)
+        kv = (sum(self.depth_kv_seconds(w.start + 1, depths) for w in work if w.tokens == 1)
+              if depths else t.kv * f.kv_factor(self.kv_dtype))
+        prefill = (sum(w.tokens * self.row * f.prefill_factor(w.tokens) for w in work
+                       if w.tokens > 1) if f.prefill_sizes else t.prefill * f.prefill)
+        return StepTerms(t.fixed * f.fixed, t.batch * f.batch_factor(len(work)), prefill, kv,
+                         t.attention * f.prefill_attention)
 
     def kv_seconds(self, context: float) -> float:
         """One decode's attention over `context` positions at this model's KV dtype."""
@@ -256,10 +257,8 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
     batch_sizes = tuple((float(n), _ratio([(terms[t.name].batch, rest[t.name])
                                             for t in batched if len(t.work) == n]))
                         for n in sizes) if len(sizes) > 1 else ()
-    chunks = [t for t in timed if _kind(t) == "prefill"]
-    prefill, attention = _least_squares(
-        [(terms[t.name].prefill, terms[t.name].attention, rest[t.name]) for t in chunks],
-        (1.0, 1.0))
+    prefill, attention, prefill_sizes = _fit_prefill(
+        terms, rest, [t for t in timed if _kind(t) == "prefill"])
     kv_by_dtype = {base: kv}
     for dtype in dict.fromkeys(t.kv_dtype for t in timed if t.kv_dtype != base):
         kv_by_dtype[dtype] = _slope([(terms[t.name].kv, t.seconds - fixed * terms[t.name].fixed)
@@ -267,11 +266,34 @@ def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
     factors = StepFactors(fixed, kv_by_dtype, batch, prefill, attention, model=name,
                           noise=max((t.spread for t in timed), default=0.0),
                           kv_depths={base: depths} if depths else {},
-                          batch_sizes=batch_sizes)
+                          batch_sizes=batch_sizes, prefill_sizes=prefill_sizes)
     points = tuple({"name": t.name, "seconds": t.seconds, "spread": t.spread,
                     "fitted": _fitted(model, hw, factors, t), "kernels": terms[t.name].total}
                    for t in timed)
     return replace(factors, points=points)
+
+
+def _fit_prefill(terms: Mapping[str, StepTerms], rest: Mapping[str, float],
+                 chunks: Sequence[TimedStep]
+                 ) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(prefill, attention, prefill factor by chunk length) from prefill chunks, past the
+    fixed and KV terms (`rest`): both factors by least squares over the longest chunks
+    where two or more were timed (over every chunk otherwise); then, with that attention
+    factor, a prefill factor of its own for each chunk length timed."""
+    length = {t.name: sum(w.tokens for w in t.work if w.tokens > 1) for t in chunks}
+    longest = [t for t in chunks if length[t.name] == max(length.values())]
+    fit = longest if len(longest) > 1 else chunks
+    prefill, attention = _least_squares(
+        [(terms[t.name].prefill, terms[t.name].attention, rest[t.name]) for t in fit],
+        (1.0, 1.0))
+    lengths = sorted(set(length.values()))
+    if len(longest) < 2 or len(lengths) < 2:
+        return prefill, attention, ()
+    sizes = tuple((float(n), _ratio([(terms[t.name].prefill,
+                                      rest[t.name] - attention * terms[t.name].attention)
+                                     for t in chunks if length[t.name] == n]))
+                  for n in lengths)
+    return prefill, attention, sizes
 
 
 _DEPTH_ROUNDS = 4  # the depth factors and the fixed factor, refitted in turn: they converge
@@ -393,5 +415,6 @@ def factors_from_dict(data: Mapping[str, object]) -> StepFactors:
     d["points"] = tuple(d.get("points") or ())  # type: ignore[arg-type]
     d["kv_depths"] = {dtype: tuple(map(tuple, pts))  # type: ignore[union-attr]
                       for dtype, pts in (d.get("kv_depths") or {}).items()}
-    d["batch_sizes"] = tuple(map(tuple, d.get("batch_sizes") or ()))  # type: ignore[arg-type]
+    for key in ("batch_sizes", "prefill_sizes"):
+        d[key] = tuple(map(tuple, d.get(key) or ()))  # type: ignore[arg-type]
     return StepFactors(**d)  # type: ignore[arg-type]
