@@ -131,7 +131,7 @@ def test_kernel_figures_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     result = ProbeResult(**{**_v1_cache(), "version": PROBE_VERSION, "kernels": _kernels()})
     save_probe(result)
-    assert json.loads((tmp_path / "probe.json").read_text())["version"] == PROBE_VERSION == 4
+    assert json.loads((tmp_path / "probe.json").read_text())["version"] == PROBE_VERSION == 5
     hw = HardwareSpec.this_machine()
     assert hw.kernels is not None and hw.kernels.weight_read["Q4_Kx8"] == 20e9
     assert hw.kernels.engine("gemma3")[1] == pytest.approx(20e-6)

@@ -135,6 +135,47 @@ def test_fit_clamps_noise_and_keeps_one_without_data() -> None:
     assert all(0.25 <= x <= 16 for x in (f.fixed, f.batch, f.prefill, *f.kv.values()))
 
 
+DEPTHS = replace(FACTORS, kv={"f32": 2.0}, kv_depths={"f32": ((1000.0, 2.0), (4000.0, 6.0))},
+                 batch_sizes=((2.0, 0.5), (4.0, 1.0), (16.0, 1.0)),
+                 prefill_sizes=((32.0, 2.0), (512.0, 1.25)))
+
+
+def test_kv_by_depth_and_batch_by_size() -> None:
+    sm = StepModel(model(), replace(machine(), steps=DEPTHS))
+    # positions 1..1000 at 2x the kernel rate, 1001.. at 6x: 3000 further at 6x
+    assert sm.depth_kv_seconds(4000, DEPTHS.kv_depths["f32"]) == pytest.approx(
+        2 * sm.kv_seconds(1000) + 6 * (sm.kv_seconds(4000) - sm.kv_seconds(1000)))
+    assert sm.depth_kv_seconds(500, DEPTHS.kv_depths["f32"]) == pytest.approx(
+        2 * sm.kv_seconds(500))
+    assert sm.depth_kv_seconds(8000, DEPTHS.kv_depths["f32"]) == pytest.approx(
+        2 * sm.kv_seconds(1000) + 6 * (sm.kv_seconds(8000) - sm.kv_seconds(1000)))
+    three = [SeqWork(1, 35)] * 3
+    plain = StepModel(model(), machine()).terms(three)
+    assert sm.scaled_terms(three).batch == pytest.approx(0.75 * plain.batch)  # 2..4 halfway
+    assert DEPTHS.batch_factor(1) == 0.5 and DEPTHS.batch_factor(32) == 1.0  # held at ends
+    # 128 rows: halfway from 32 to 512 in log(rows)
+    assert sm.scaled_terms([SeqWork(128, 0)]).prefill == pytest.approx(128 * sm.row * 1.625)
+
+
+def test_fit_recovers_depths_and_batch_sizes() -> None:
+    shapes = {"prefill 512": (SeqWork(512, 0, False),), "prefill 32": (SeqWork(32, 0),),
+              "prefill 512 at 512": (SeqWork(512, 512),)}
+    shapes.update({f"decode 1 at {c}": (SeqWork(1, c - 1),) for c in (36, 1000, 4000)})
+    shapes.update({f"decode {n} at 32": (SeqWork(1, 35),) * n for n in (2, 4, 16)})
+    sm = StepModel(model(), replace(machine(), steps=DEPTHS))
+    timed = [TimedStep(n, w, sm.seconds(w), 0.01) for n, w in shapes.items()]
+    f = fit_factors(model(), machine(), timed)
+    flat = [x for pair in f.kv_depths["f32"] for x in pair]
+    assert flat == pytest.approx([1000.0, 2.0, 4000.0, 6.0])
+    assert f.fixed == pytest.approx(1.5) and f.kv["f32"] == pytest.approx(2.0)
+    assert [x for pair in f.batch_sizes for x in pair] == pytest.approx(
+        [2.0, 0.5, 4.0, 1.0, 16.0, 1.0])
+    assert f.prefill == pytest.approx(1.25) and f.prefill_attention == pytest.approx(2.5)
+    assert [x for pair in f.prefill_sizes for x in pair] == pytest.approx([32, 2.0, 512, 1.25])
+    assert all(p["fitted"] == pytest.approx(p["seconds"]) for p in f.points)
+    assert factors_from_dict(json.loads(json.dumps(asdict(f)))) == f
+
+
 def test_median_spread() -> None:
     assert median_spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, pytest.approx(2 / 3))
 
@@ -205,6 +246,35 @@ def test_max_num_seqs_holds_sequences_back() -> None:
 def test_open_loop_waits_for_arrivals() -> None:
     p = simulate([RequestSpec(10, 2, arrival=0.0), RequestSpec(10, 2, arrival=5.0)], Steps(), 8)
     assert p.traces[1].sent == 5.0 and p.traces[1].ttft == pytest.approx(0.020)
+
+
+def test_intake_delays_the_first_step() -> None:
+    steps = Steps()
+    p = simulate([RequestSpec(10, 2)] * 2, steps, concurrency=1, request_seconds=0.005)
+    first, second = p.traces
+    assert first.ttft == pytest.approx(0.005 + 0.020)  # intake, then the prefill step
+    assert second.sent == pytest.approx(first.finished)
+    assert second.ttft == pytest.approx(0.005 + 0.020)
+
+
+def test_stream_costs_fitted_and_added() -> None:
+    from kvlab.perf.hardware import StreamCosts
+    from kvlab.perf.probe_serving import fit_stream_costs
+
+    hw = replace(machine(), steps=FACTORS)
+    specs = {c: [RequestSpec(20, 16)] * 2 * c for c in (1, 8)}
+    bare = {c: predict_serving(model(), hw, specs[c], c) for c in specs}
+    cost = StreamCosts(token=0.0005, step=0.002, request=0.010)
+    timed = {c: predict_serving(model(), replace(hw, stream=cost), specs[c], c) for c in specs}
+    runs = {c: {"completed": 2 * c, "total_input_tokens": 40 * c, "total_output_tokens": 32 * c,
+                "output_throughput": timed[c].output_tok_s,
+                "itl_ms": {"p50": 1e3 * timed[c].itl(0.5)},
+                "ttft_ms": {"p50": 1e3 * timed[c].ttft(0.5)}} for c in specs}
+    fitted = fit_stream_costs(model(), hw, "f32", runs)
+    assert fitted.token == pytest.approx(0.0005) and fitted.step == pytest.approx(0.002)
+    assert fitted.request == pytest.approx(0.010)
+    assert timed[8].itl(0.5) == pytest.approx(bare[8].itl(0.5) + 0.002 + 8 * 0.0005)
+    assert cost.step_seconds(0) == 0.0  # a step that streams nothing (a prefill chunk)
 
 
 def test_percentiles_and_bad_input() -> None:
@@ -323,8 +393,20 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
     assert (b.raw("output_norm.weight") == a.raw("output_norm.weight")).all()  # copied
     spec = ModelSpec.from_gguf(replica)
     assert spec == replace(ModelSpec.from_gguf(source), name=spec.name)
-    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("f16",))
+    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("q8_0",))
     names = {p["name"] for p in f.points}
-    assert {"prefill 512", "prefill 512 at 512", "decode 16 at 32",
-            "decode 1 at 1024 f16"} <= names
-    assert set(f.kv) == {"f32", "f16"} and f.model == spec.name
+    assert {"prefill 512", "prefill 512 at 512", "decode 16 at 32", "decode 2 at 32",
+            "decode 1 at 4080", "decode 1 at 1024 q8_0"} <= names  # 4080: the tiny context
+    assert set(f.kv) == {"f16", "q8_0"} and f.model == spec.name  # f16: the engine's own
+    assert [n for n, _ in f.batch_sizes] == [2, 4, 8, 16] and len(f.kv_depths["f16"]) == 2
+
+
+def test_decodes_paired_with_their_rounds_reference() -> None:
+    from kvlab.perf.probe_steps import _paired
+
+    samples = {"decode 1 at 32": [10.0, 20.0, 10.0], "decode 1 at 4096": [14.0, 27.0, 14.0],
+               "prefill 32": [50.0, 90.0, 50.0]}
+    paired = _paired(samples, "decode 1 at 32")
+    assert paired["decode 1 at 4096"] == pytest.approx([14.0, 13.5, 14.0])
+    assert paired["decode 1 at 32"] == samples["decode 1 at 32"]
+    assert paired["prefill 32"] == samples["prefill 32"]  # prefill: its own level

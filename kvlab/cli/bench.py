@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         from kvlab.cli.bench_estimate import print_check
 
         print_check(str(args.model or default_model_path()), results, args.threads,
-                    quantized=engine.runner.kernel_decode)
+                    quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype)
     return 0
 
 

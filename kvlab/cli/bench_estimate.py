@@ -21,7 +21,7 @@ from kvlab.perf.hardware import GB
 from kvlab.perf.kvlab_steps import KvlabPrediction, predict, shares_text, unsupported_reason
 from kvlab.perf.step_model import describe_factors
 
-KV_DTYPE = "f32"  # what kvlab's CPU engine stores by default
+KV_DTYPE = "f32"  # the KV cache predicted where the run's is not given
 TOLERANCE = 0.25  # the aim: every prediction within 25 % of the measurement
 
 
@@ -67,8 +67,9 @@ def _model(path: str) -> ModelSpec:
     return ModelSpec.from_hf_config(p / "config.json") if p.is_dir() else ModelSpec.from_gguf(p)
 
 
-def _workload(prompt: int, output: int, compute_dtype: str | None = None) -> Workload:
-    return Workload(prompt_tokens=prompt, output_tokens=output, kv_dtype=KV_DTYPE,
+def _workload(prompt: int, output: int, compute_dtype: str | None = None,
+              kv_dtype: str = KV_DTYPE) -> Workload:
+    return Workload(prompt_tokens=prompt, output_tokens=output, kv_dtype=kv_dtype,
                     compute_dtype=compute_dtype)
 
 
@@ -84,11 +85,12 @@ def check_rows(model: ModelSpec, hw: HardwareSpec, results: list[BenchResult],
 
 
 def kvlab_rows(model: ModelSpec, hw: HardwareSpec, results: list[BenchResult],
-               compute_dtype: str | None = None) -> list[CheckRow]:
-    """kvlab's step model against every measured figure, with the roofline beside it."""
+               compute_dtype: str | None = None, kv_dtype: str = KV_DTYPE) -> list[CheckRow]:
+    """kvlab's step model against every measured figure (the run's KV cache at `kv_dtype`),
+    with the roofline beside it."""
     rows = []
     for figure, (prompt, output), measured, pick in _figures(results):
-        p = predict(model, hw, _workload(prompt, output))
+        p = predict(model, hw, _workload(prompt, output, kv_dtype=kv_dtype))
         e = estimate(model, hw, _workload(prompt, output, compute_dtype))
         value = pick.kvlab(p)
         rows.append(CheckRow(figure, value, measured, pick.roofline(e), pick.terms(p),
@@ -176,7 +178,7 @@ def _figures(results: list[BenchResult]
 
 
 def print_check(model_path: str, results: list[BenchResult], threads: int | None,
-                quantized: bool) -> None:
+                quantized: bool, kv_dtype: str = KV_DTYPE) -> None:
     hw = _hardware(threads, model_path)
     model = _model(model_path)
     # a quantized model's prefill runs kvlab's integer kernels: their probed rate applies
@@ -186,7 +188,7 @@ def print_check(model_path: str, results: list[BenchResult], threads: int | None
     if reason:
         _print_roofline(model, hw, results, dtype, reason)
         return
-    rows = kvlab_rows(model, hw, results, dtype)
+    rows = kvlab_rows(model, hw, results, dtype, kv_dtype)
     print(_header(hw, model))
     _print_rows(rows)
     print("\nnotes")

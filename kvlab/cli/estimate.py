@@ -217,7 +217,7 @@ def serve_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload,
     p = predict_serving(model, hw, [spec] * n, args.concurrency, config, workload.kv_dtype)
     return {"concurrency": args.concurrency, "requests": n, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "steps": p.steps,
-            **serving_figures(p)}
+            "streaming": hw.stream is not None, **serving_figures(p)}
 
 
 def _serving_text(s: dict[str, Any]) -> str:
@@ -225,7 +225,9 @@ def _serving_text(s: dict[str, Any]) -> str:
 
     table = format_serving([(s["concurrency"], s, None)])
     head = (f"serving   kvlab's scheduler (max {s['max_num_seqs']} sequences, "
-            f"{s['max_num_batched_tokens']} tokens a step) over the step model: {s['requests']} "
+            f"{s['max_num_batched_tokens']} tokens a step) over the step model"
+            f"{' and the streaming path the probe timed' if s.get('streaming') else ''}: "
+            f"{s['requests']} "
             f"requests from {s['concurrency']} closed-loop clients, {s['steps']:,} steps")
     return head + "\n" + "\n".join("          " + line for line in table.splitlines()) + "\n\n"
 

@@ -61,8 +61,8 @@ def add_estimate_args(p: argparse.ArgumentParser) -> None:
                    help="the server's --max-num-seqs (16)")
     g.add_argument("--server-max-num-batched-tokens", type=int, default=512, metavar="N",
                    help="the server's --max-num-batched-tokens (512)")
-    g.add_argument("--server-kv-dtype", default="f32", metavar="DTYPE",
-                   help="the server's KV cache dtype (f32, kvlab's CPU default)")
+    g.add_argument("--server-kv-dtype", default="auto", metavar="DTYPE",
+                   help="the server's --kv-dtype (auto: f16 on CPUs, as kvlab serve's)")
 
 
 def _levels(spec: str) -> list[int]:

@@ -22,6 +22,7 @@ from kvlab.perf import HardwareSpec, ModelSpec
 from kvlab.perf.serving import (
     RequestSpec,
     ServingPrediction,
+    describe_stream,
     format_serving,
     predict_serving,
     serving_figures,
@@ -65,13 +66,16 @@ def predictor(args: argparse.Namespace) -> Predictor:
     reason = unsupported_reason(model, hw)
     if reason:
         raise KvlabError(f"--estimate: kvlab's step model does not apply: {reason}")
+    from kvlab.engine import EngineConfig
     from kvlab.models.kv_store import KV_DTYPES
 
-    if args.server_kv_dtype not in KV_DTYPES:
-        raise KvlabError(f"--server-kv-dtype {args.server_kv_dtype!r}: valid: "
-                         f"{', '.join(KV_DTYPES)}")
+    kv_dtype = args.server_kv_dtype
+    if kv_dtype == "auto":
+        kv_dtype = EngineConfig().kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise KvlabError(f"--server-kv-dtype {kv_dtype!r}: valid: auto, {', '.join(KV_DTYPES)}")
     config = SchedulerConfig(args.server_max_num_seqs, args.server_max_num_batched_tokens)
-    return Predictor(model, hw, config, args.server_kv_dtype)
+    return Predictor(model, hw, config, kv_dtype)
 
 
 def _arrivals(cfg: LoadConfig, n: int) -> list[float | None]:
@@ -96,8 +100,8 @@ def format_check(p: Predictor, levels: list[tuple[int, ServingPrediction, Summar
     head = (f"prediction: kvlab serving {p.model.name} on {p.hw.name} (scheduler: max "
             f"{p.config.max_num_seqs} sequences, {p.config.max_num_batched_tokens} tokens a "
             f"step; {p.kv_dtype} KV); error = measured against predicted")
-    notes = ([describe_factors(p.hw.steps), _NOT_MODELLED] + _stall_notes(levels)
-             + _gap_notes(rows))
+    notes = ([describe_factors(p.hw.steps), describe_stream(p.hw.stream), _NOT_MODELLED]
+             + _stall_notes(levels) + _gap_notes(rows))
     return "\n".join([head, format_serving(rows), _verdict(rows)] + [f"note: {n}" for n in notes])
 
 
@@ -118,8 +122,8 @@ def _stall_notes(levels: list[tuple[int, ServingPrediction, Summary]]) -> list[s
 
 
 def _gap_notes(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> list[str]:
-    """The measured token gap past the predicted one at one stream: what each token costs
-    besides the engine step (the server's streaming path, the client), read off the run."""
+    """The measured token gap past the predicted one at one stream (the prediction holds
+    the streaming path's cost where the probe timed it): what is left, read off the run."""
     alone = [(pred, meas) for level, pred, meas in rows if level == 1]
     if not alone:
         return []
@@ -127,12 +131,12 @@ def _gap_notes(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> li
     gap = meas["itl_p50_ms"] - pred["itl_p50_ms"]
     return [(f"at one stream each token took {gap:+.1f} ms beside the predicted engine step "
             f"({meas['itl_p50_ms']:.1f} against {pred['itl_p50_ms']:.1f} ms): the server's "
-            "streaming path and the client's, which the prediction leaves out, or other work "
+            "streaming path and the client's, past what the probe timed, or other work "
             "on the cores")]
 
 
-_NOT_MODELLED = ("not modelled: the server's HTTP and streaming work, and the load test's "
-                 "client sharing the cores with the server when both run on this machine")
+_NOT_MODELLED = ("not modelled: other work sharing the cores while the load runs (the probe's "
+                 "medians hold for a machine as busy as during the probe)")
 
 
 def _verdict(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> str:

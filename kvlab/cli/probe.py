@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import KernelRates, StepFactors
+from kvlab.perf.hardware import KernelRates, StepFactors, StreamCosts
 from kvlab.perf.probe import probe, save_probe
 
 
@@ -27,7 +27,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", metavar="FILE.gguf",
                    help="the model whose replica's steps are timed (default: the default model)")
     p.add_argument("--no-steps", action="store_true",
-                   help="skip the whole-step timings (about 30 s)")
+                   help="skip the whole-step timings and serving (about 90 s)")
+    p.add_argument("--no-serving", action="store_true",
+                   help="skip timing kvlab serve streaming the replica (about 30 s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and not Path(args.model).is_file():
         raise KvlabError(f"--model {args.model}: no such file (a GGUF model is expected)")
     result = probe(threads=args.threads, bf16=args.bf16, model=args.model,
-                   steps=not args.no_steps)
+                   steps=not args.no_steps, serving=not args.no_serving)
     path = save_probe(result)
     if args.json:
         print(json.dumps({**asdict(result), "cache": str(path)}, indent=2))
@@ -53,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if "steps" in result.details:
         print(f"whole steps            {result.details['steps']}")
         print(_step_lines(result.step_factors()))
+    if "stream" in result.details:
+        print(f"serving                {result.details['stream']}")
+        print(_stream_lines(result.stream_costs()))
     print(f"cached to {path} for `kvlab estimate --hardware this`")
     return 0
 
@@ -66,9 +71,29 @@ def _step_lines(f: StepFactors | None) -> str:
         lines.append(f"  {p['name']:<26} {p['seconds'] * 1e3:>8.2f}ms {p['spread']:>8.1%} "
                      f"{p['kernels'] * 1e3:>8.2f}ms {p['fitted'] * 1e3:>8.2f}ms")
     kv = ", ".join(f"{d} {v:.2f}" for d, v in f.kv.items())
+    for dtype, depths in f.kv_depths.items():
+        kv += f"; {dtype} by depth " + ", ".join(f"to {c:.0f} {v:.2f}" for c, v in depths)
+    if f.batch_sizes:
+        kv += "; batch by size " + ", ".join(f"{n:.0f} {v:.2f}" for n, v in f.batch_sizes)
+    if f.prefill_sizes:
+        kv += "; prefill by chunk " + ", ".join(f"{n:.0f} {v:.2f}" for n, v in f.prefill_sizes)
     lines.append(f"  factors over the kernel rates: fixed {f.fixed:.2f}, batch {f.batch:.2f}, "
                  f"prefill {f.prefill:.2f}, prefill attention {f.prefill_attention:.2f}, "
                  f"KV {kv}; noise: the steps' repeats spread up to {f.noise:.0%} (IQR/median)")
+    return "\n".join(lines)
+
+
+def _stream_lines(s: StreamCosts | None) -> str:
+    """Each load against the step model's prediction, then the costs fitted to them."""
+    if s is None:
+        return ""
+    lines = [f"  {'streams':>7} {'ITL p50':>9} {'steps':>9} {'TTFT p50':>9} {'steps':>9}"]
+    for lv in s.levels:
+        lines.append(f"  {lv['concurrency']:>7} {lv['itl_p50'] * 1e3:>7.2f}ms "
+                     f"{lv['predicted_itl_p50'] * 1e3:>7.2f}ms {lv['ttft_p50'] * 1e3:>7.1f}ms "
+                     f"{lv['predicted_ttft_p50'] * 1e3:>7.1f}ms")
+    lines.append(f"  besides the steps: {s.token * 1e3:.2f} ms a streamed token, "
+                 f"{s.step * 1e3:.2f} ms a step, {s.request * 1e3:.1f} ms a request")
     return "\n".join(lines)
 
 

@@ -21,6 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvlab.errors import KvlabError
 
 GB = 1e9  # bandwidth and traffic: decimal, as spec sheets quote them
@@ -112,10 +114,51 @@ class StepFactors:
     model: str = ""  # the model whose replica was timed
     noise: float = 0.0  # largest IQR / median over the timed steps' repeats
     points: tuple[Mapping[str, Any], ...] = ()  # each timed step: name, median, IQR, fit
+    # decode attention by depth, where timed at several: per KV dtype, (context, factor)
+    # in rising context; the positions up to each context (past the one before) cost that
+    # factor x the kernel rate, those past the last context the last factor
+    kv_depths: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # the batch factor by sequences in a step, where timed at several: (sequences, factor)
+    # in rising order, interpolated between them and held past either end
+    batch_sizes: tuple[tuple[float, float], ...] = ()
+    # the prefill factor by chunk length, where timed at several: (tokens, factor) in rising
+    # order, interpolated in log(tokens) (a product's rows per weight read saturate) and
+    # held past either end
+    prefill_sizes: tuple[tuple[float, float], ...] = ()
 
     def kv_factor(self, kv_dtype: str) -> float:
         """The factor for `kv_dtype`; one the probe did not time gets f32's."""
         return self.kv.get(kv_dtype) or self.kv.get("f32") or 1.0
+
+    def batch_factor(self, sequences: int) -> float:
+        """The batch factor for a step of `sequences` (the one factor where not timed)."""
+        if not self.batch_sizes:
+            return self.batch
+        sizes, factors = zip(*self.batch_sizes)
+        return float(np.interp(sequences, sizes, factors))
+
+    def prefill_factor(self, tokens: int) -> float:
+        """The prefill factor for a chunk of `tokens` (the one factor where not timed)."""
+        if not self.prefill_sizes:
+            return self.prefill
+        sizes, factors = zip(*self.prefill_sizes)
+        return float(np.interp(np.log(tokens), np.log(sizes), factors))
+
+
+@dataclass(frozen=True)
+class StreamCosts:
+    """What serving costs here besides the engine's steps, as `kvlab probe` timed it: `kvlab
+    serve` streaming the model to `kvlab loadtest` on the same machine, whose
+    token gaps and first tokens, past the step model's, are these costs."""
+
+    token: float  # seconds per streamed token: its text, SSE chunk, HTTP write, client read
+    step: float  # seconds per engine step that streams: outputs handed to the event loop
+    request: float  # seconds per request before its first step: HTTP, template, tokenize
+    levels: tuple[Mapping[str, Any], ...] = ()  # each load timed: measured and predicted
+
+    def step_seconds(self, sampled: int) -> float:
+        """Seconds a step that samples `sampled` tokens costs besides the engine's step."""
+        return self.step + sampled * self.token if sampled else 0.0
 
 
 def engine_family(architecture: str) -> str:
@@ -139,6 +182,7 @@ class HardwareSpec:
     kernels: KernelRates | None = None  # kvlab's own kernels, where `kvlab probe` measured them
     steps: StepFactors | None = None  # whole steps against those kernels, where timed
     interconnect: Interconnect | None = None  # between devices, where the table knows it
+    stream: StreamCosts | None = None  # serving's costs besides the steps, where timed
 
     def __post_init__(self) -> None:
         _check_positive("bandwidth (GB/s)", self.bandwidth / GB)

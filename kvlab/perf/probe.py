@@ -30,13 +30,22 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec, KernelRates, StepFactors
+from kvlab.perf.hardware import (
+    GB,
+    GIB,
+    TERA,
+    HardwareSpec,
+    KernelRates,
+    StepFactors,
+    StreamCosts,
+)
 from kvlab.perf.probe_kernels import best_seconds, measure_kernels
 
 CACHE_ENV = "KVLAB_CACHE_DIR"
-PROBE_VERSION = 4  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8;
-# 4: kernel figures as medians, whole engine steps (`steps`)
-READABLE_VERSIONS = (1, 2, 3, 4)
+PROBE_VERSION = 5  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8;
+# 4: kernel figures as medians, whole engine steps (`steps`); 5: steps at the engine's KV
+# dtype, three depths and four batch sizes, serving's costs besides the steps (`stream`)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class ProbeResult:
     version: int = PROBE_VERSION
     kernels: dict[str, Any] | None = None  # KernelRates as a dict; None: not measured
     steps: dict[str, Any] | None = None  # StepFactors as a dict; None: not timed
+    stream: dict[str, Any] | None = None  # StreamCosts as a dict; None: not timed
 
     def to_hardware(self) -> HardwareSpec:
         day = self.measured_at[:10]
@@ -61,7 +71,7 @@ class ProbeResult:
             memory_bytes=int(self.memory_gib * GIB) if self.memory_gib > 0 else None,
             kind="cpu", default_dtype="fp32",
             sources=self._sources(), key="this", kernels=self.kernel_rates(),
-            steps=self.step_factors())
+            steps=self.step_factors(), stream=self.stream_costs())
 
     def kernel_rates(self) -> KernelRates | None:
         return None if self.kernels is None else KernelRates(**self.kernels)
@@ -70,6 +80,11 @@ class ProbeResult:
         from kvlab.perf.step_model import factors_from_dict
 
         return None if self.steps is None else factors_from_dict(self.steps)
+
+    def stream_costs(self) -> StreamCosts | None:
+        if self.stream is None:
+            return None
+        return StreamCosts(**{**self.stream, "levels": tuple(self.stream.get("levels", ()))})
 
     def _sources(self) -> dict[str, str]:
         day = f"kvlab probe {self.measured_at[:10]}"
@@ -85,11 +100,13 @@ def cache_path() -> Path:
 
 def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
           matmul_size: int = 2048, budget_s: float = 6.0, kernels: bool = True,
-          model: str | Path | None = None, steps: bool = True) -> ProbeResult:
+          model: str | Path | None = None, steps: bool = True, serving: bool = True
+          ) -> ProbeResult:
     """Measure bandwidth and FLOP/s, each within about `budget_s` seconds, and (unless
     `kernels` is False) kvlab's own kernels and engine in about 1.5 times that, then
     (unless `steps` is False) whole engine steps on a replica of `model` (a GGUF file;
-    default: the default model) in about 30 s."""
+    default: the default model) in about a minute, and (unless `serving` is False) kvlab
+    serve streaming that replica to kvlab loadtest, in about 30 s."""
     if threads is not None:
         if threads < 1:
             raise KvlabError(f"--threads must be a positive integer, got {threads}")
@@ -124,16 +141,17 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
         threads=rates.threads if rates else torch.get_num_threads(), cpu=_cpu_name(),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), details=details,
         kernels=None if rates is None else asdict(rates))
-    return with_steps(result, model) if steps and rates is not None else result
+    return with_steps(result, model, serving) if steps and rates is not None else result
 
 
-def with_steps(result: ProbeResult, model: str | Path | None = None) -> ProbeResult:
+def with_steps(result: ProbeResult, model: str | Path | None = None,
+               serving: bool = True) -> ProbeResult:
     """`result` with whole engine steps timed on a replica of `model` (default: the default
-    model); unchanged, with the reason in its details, where kvlab's step model does not
-    cover that model."""
+    model), then (with `serving`) serving's costs besides them, the model itself served;
+    unchanged, with the reason in its details, where kvlab's step model does not cover it."""
     from kvlab.perf.kvlab_steps import unsupported_reason
     from kvlab.perf.model import ModelSpec
-    from kvlab.perf.probe_steps import ROUNDS, measure_steps
+    from kvlab.perf.probe_steps import ROUNDS, default_kv_dtype, measure_steps
     from kvlab.weights import default_model_path
 
     path = Path(model) if model is not None else default_model_path()
@@ -142,10 +160,21 @@ def with_steps(result: ProbeResult, model: str | Path | None = None) -> ProbeRes
     reason = unsupported_reason(spec, hw)
     if reason:
         return replace(result, details={**result.details, "steps": f"not timed: {reason}"})
+    details = dict(result.details)
     factors = measure_steps(path, spec, hw, result.threads)
-    how = (f"kvlab's engine on a replica of {spec.name} (random weights, the model's sizes "
-           f"and types), median of {ROUNDS} repeats per step shape")
-    return replace(result, steps=asdict(factors), details={**result.details, "steps": how})
+    details["steps"] = (f"kvlab's engine on a replica of {spec.name} (random weights, the "
+                        f"model's sizes and types), median of {ROUNDS} repeats per step "
+                        f"shape, {default_kv_dtype()} KV")
+    result = replace(result, steps=asdict(factors), details=details)
+    if not serving:
+        return result
+    from kvlab.perf.probe_serving import LEVELS, measure_stream_costs
+
+    stream = measure_stream_costs(path, spec, result.to_hardware(), result.threads,
+                                  default_kv_dtype())
+    details["stream"] = (f"kvlab serve on {spec.name}, kvlab loadtest at "
+                         f"{' and '.join(map(str, LEVELS))} streams beside it")
+    return replace(result, stream=asdict(stream), details=details)
 
 
 def _set_kernel_threads(threads: int) -> None:

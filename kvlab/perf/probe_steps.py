@@ -9,10 +9,16 @@ repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
 
     prefill 512, 512 at 512, 32      one chunk after 0, 512, 0 cached positions (the first
                                      two: the two chunks of a 1024-token prompt)
-    decode 1 at 32, 1024             one sequence after a prompt of that length
-    decode 4 at 32, 16 at 32         batches of sequences decoding together
-    decode 1 at 32, 1024 (f16, q8_0) the other KV dtypes (own engines)
+    decode 1 at 32, 1024, 4096       one sequence after a prompt of that length (the
+                                     4096-token prompt prefilled once, then served by the
+                                     prefix cache: its decodes sit in every round)
+    decode 2, 4, 8, 16 at 32         batches of sequences decoding together
+    decode 1 at 32, 1024 (f32, q8_0) the other KV dtypes (own engines)
 
+all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). The decodes at three
+depths give the KV term a factor per stretch of depth, as the C attention's cost per position
+grows once the cache outgrows the caches; the four batch sizes a batch factor per size; the
+two chunk lengths a prefill factor per length (32 rows use a product's weight reads worse).
 `kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
 kernel-rate terms.
 """
@@ -34,10 +40,10 @@ from kvlab.perf.step_model import SeqWork, TimedStep, fit_factors, median_spread
 
 ROUNDS = 5
 CHUNK = 512  # the engine's token budget a step: kvlab's default
-SHORT, DEEP = 32, 2 * CHUNK  # prompt lengths timed
-BATCHES = (4, 16)
+SHORT, DEEP, DEEPEST = 32, 2 * CHUNK, 8 * CHUNK  # prompt lengths timed
+BATCHES = (2, 4, 8, 16)
 DECODE_STEPS = 6  # decode steps timed per round and shape (their mean is one sample)
-OTHER_KV = ("f16", "q8_0")
+OTHER_KV = ("f32", "q8_0")
 _KEEP_AS_IS = {"F32", "F16", "BF16"}  # small tensors (norms): copied, not randomised
 
 
@@ -49,13 +55,20 @@ def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, th
     with tempfile.TemporaryDirectory(prefix="kvlab-probe-steps-") as tmp:
         replica = Path(tmp) / "replica.gguf"
         write_replica(model_path, replica)
-        timed = []
-        with _engine(replica, threads, "f32") as engine:
-            timed += _time_f32(engine, rounds, progress)
-        for kv_dtype in other_kv:
+        base = default_kv_dtype()
+        with _engine(replica, threads, base) as engine:
+            timed = _time_base(engine, rounds, base, progress)
+        for kv_dtype in (d for d in other_kv if d != base):
             with _engine(replica, threads, kv_dtype) as engine:
                 timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
     return fit_factors(model, hw, timed, name=model.name)
+
+
+def default_kv_dtype() -> str:
+    """The KV dtype kvlab's engine stores on this machine unless told otherwise."""
+    from kvlab.engine import EngineConfig
+
+    return EngineConfig().kv_dtype
 
 
 def write_replica(source: str | Path, path: Path) -> None:
@@ -101,10 +114,11 @@ def _engine(path: Path, threads: int, kv_dtype: str) -> Iterator[Any]:
     from kvlab.perf.probe_kernels import torch_threads
 
     with torch_threads(torch.get_num_threads()):  # the engine's runner changes it
+        # the prefix cache serves only the deepest prompt again (the others are random)
         yield Engine.from_model(str(path), EngineConfig(
-            threads=threads, kv_dtype=kv_dtype, enable_prefix_caching=False,
+            threads=threads, kv_dtype=kv_dtype, enable_prefix_caching=True,
             max_num_batched_tokens=CHUNK, max_num_seqs=max(BATCHES),
-            max_model_len=2 * DEEP))
+            max_model_len=DEEPEST + 2 * CHUNK))
 
 
 class _Requests:
@@ -116,14 +130,24 @@ class _Requests:
         self.low, self.high = min(1000, vocab // 2), min(vocab, 50_000)
         self.rng = np.random.default_rng(0)
 
-    def add(self, prompt: int, max_tokens: int = 64) -> str:
+        self.fixed: dict[int, list[int]] = {}  # prompts sent again: the prefix cache's
+
+    def add(self, prompt: int, max_tokens: int = 64, again: bool = False) -> str:
+        """A request of a random `prompt`-token prompt; `again`: the same one each time."""
         from kvlab.request import SamplingParams
 
         self.n += 1
         ids = [int(t) for t in self.rng.integers(self.low, self.high, prompt)]
+        if again:
+            ids = self.fixed.setdefault(prompt, ids)
         self.engine.add_request(f"probe-{self.n}", ids, SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return f"probe-{self.n}"
+
+    def first_token(self, rid: str) -> None:
+        """Steps until `rid` has sampled its first token (its prompt, however cached)."""
+        while not any(o.request_id == rid and o.new_token_ids for o in self.engine.step()):
+            pass
 
     def clear(self, ids: list[str]) -> None:
         for rid in ids:
@@ -143,29 +167,56 @@ def _decode_mean(engine: Any, steps: int = DECODE_STEPS) -> float:
     return sum(_timed_step(engine) for _ in range(steps)) / steps
 
 
-def _time_f32(engine: Any, rounds: int, progress: Callable[[str], None] | None
-              ) -> list[TimedStep]:
-    """The f32 shapes of the module docstring, each over `rounds` interleaved repeats."""
+def _time_base(engine: Any, rounds: int, kv_dtype: str,
+               progress: Callable[[str], None] | None) -> list[TimedStep]:
+    """The shapes of the module docstring at `kv_dtype`, each over `rounds` interleaved
+    repeats."""
     req, samples = _Requests(engine), {}
-    _decode_round(engine, req)  # warm-up: first touch of the weights and the KV pool
+    deepest = _deepest(engine)
+    _decode_round(engine, req, deepest)  # warm-up: first touch of the weights and KV pool
     for r in range(rounds):
         if progress:
             progress(f"engine steps, round {r + 1} of {rounds}")
-        for name, seconds in _decode_round(engine, req).items():
+        for name, seconds in _decode_round(engine, req, deepest).items():
             samples.setdefault(name, []).append(seconds)
     after = DECODE_STEPS / 2 + 1  # mean decode position past the prompt
     shapes = {"prefill 512": (SeqWork(CHUNK, 0, logits=False),),
               "prefill 512 at 512": (SeqWork(CHUNK, CHUNK),), "prefill 32": (SeqWork(SHORT, 0),)}
-    for prompt in (SHORT, DEEP):
+    for prompt in (SHORT, DEEP) + deepest:
         shapes[f"decode 1 at {prompt}"] = (SeqWork(1, int(prompt + after)),)
     for batch in BATCHES:
         shapes[f"decode {batch} at {SHORT}"] = tuple(SeqWork(1, int(SHORT + after))
                                                      for _ in range(batch))
-    return [TimedStep(name, shapes[name], *median_spread(s)) for name, s in samples.items()]
+    return [TimedStep(name, shapes[name], *median_spread(s), kv_dtype=kv_dtype)
+            for name, s in _paired(samples, f"decode 1 at {SHORT}").items()]
 
 
-def _decode_round(engine: Any, req: _Requests) -> dict[str, float]:
-    """One repeat of every f32 shape: seconds of each."""
+def _paired(samples: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
+    """Each decode shape's repeats as the median `reference` step times its ratio to the
+    `reference` of its own round: the depth and batch factors are differences between
+    decodes, which a load that changes between rounds would otherwise blur.
+
+        round   ref   deep          ratio    paired
+        1       10    14            1.40     14.0   (ref median 10)
+        2       20    27 (loaded)   1.35     13.5
+    """
+    ref = samples[reference]
+    level = float(np.median(ref))
+    return {name: ([level * x / r for x, r in zip(s, ref)]
+                   if name.startswith("decode") and name != reference else s)
+            for name, s in samples.items()}
+
+
+def _deepest(engine: Any) -> tuple[int, ...]:
+    """The deepest prompt timed: DEEPEST, or as deep as the model's context holds it and
+    its decodes (in whole blocks); none where that is not past DEEP."""
+    block = engine.config.block_size
+    deepest = min(DEEPEST, (engine.max_model_len - DECODE_STEPS - 2) // block * block)
+    return (deepest,) if deepest > DEEP + CHUNK else ()
+
+
+def _decode_round(engine: Any, req: _Requests, deepest: tuple[int, ...]) -> dict[str, float]:
+    """One repeat of every shape: seconds of each."""
     out = {}
     ids = [req.add(DEEP)]
     out["prefill 512"] = _timed_step(engine)  # the first chunk: no token sampled
@@ -176,6 +227,11 @@ def _decode_round(engine: Any, req: _Requests) -> dict[str, float]:
     out["prefill 32"] = _timed_step(engine)
     out[f"decode 1 at {SHORT}"] = _decode_mean(engine)
     req.clear(ids)
+    for prompt in deepest:  # prefilled in the warm-up round, then from the prefix cache
+        ids = [req.add(prompt, max_tokens=DECODE_STEPS + 2, again=True)]
+        req.first_token(ids[0])
+        out[f"decode 1 at {prompt}"] = _decode_mean(engine)
+        req.clear(ids)
     for batch in BATCHES:
         ids = [req.add(SHORT) for _ in range(batch)]
         engine.step()  # every prompt in one step: batch x SHORT <= CHUNK

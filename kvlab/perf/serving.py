@@ -22,7 +22,7 @@ import numpy as np
 
 from kvlab.cache import KVCacheManager
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import HardwareSpec
+from kvlab.perf.hardware import HardwareSpec, StreamCosts
 from kvlab.perf.kvlab_steps import unsupported_reason
 from kvlab.perf.model import ModelSpec
 from kvlab.perf.step_model import SeqWork, StepModel
@@ -89,19 +89,21 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def simulate(requests: Sequence[RequestSpec], step_time: StepTime, concurrency: int,
-             config: SchedulerConfig | None = None, max_steps: int = 1_000_000
-             ) -> ServingPrediction:
+             config: SchedulerConfig | None = None, max_steps: int = 1_000_000,
+             request_seconds: float = 0.0) -> ServingPrediction:
     """Replay `requests` through kvlab's scheduler with `concurrency` clients in a closed
-    loop (requests without an arrival time) and `step_time` per step."""
+    loop (requests without an arrival time) and `step_time` per step; each request reaches
+    the scheduler `request_seconds` after it is sent (the server's intake)."""
     if concurrency < 1 or not requests:
         raise ValueError("simulate needs a concurrency >= 1 and at least one request")
-    sim = _Simulation(requests, step_time, concurrency, config or SchedulerConfig())
+    sim = _Simulation(requests, step_time, concurrency, config or SchedulerConfig(),
+                      request_seconds)
     return sim.run(max_steps)
 
 
 class _Simulation:
     def __init__(self, requests: Sequence[RequestSpec], step_time: StepTime, concurrency: int,
-                 config: SchedulerConfig) -> None:
+                 config: SchedulerConfig, request_seconds: float = 0.0) -> None:
         total = sum(r.prompt_tokens + r.output_tokens for r in requests)
         self.kv = KVCacheManager(-(-total // _BLOCK) + len(requests), _BLOCK,
                                  enable_prefix_caching=False)
@@ -111,13 +113,15 @@ class _Simulation:
         self.seqs: dict[str, Seq] = {}
         self.traces: dict[str, RequestTrace] = {}
         self.clock, self.in_flight = 0.0, 0
+        self.request_seconds = request_seconds
+        self.intake: list[tuple[float, Seq]] = []  # sent, not yet in the scheduler: (due, seq)
 
     def run(self, max_steps: int) -> ServingPrediction:
         steps = 0
         self._send_due()
-        while self.scheduler.has_unfinished() or self.queue:
+        while self.scheduler.has_unfinished() or self.queue or self.intake:
             if not self.scheduler.has_unfinished():
-                self.clock = max(self.clock, self._next_arrival())
+                self.clock = max(self.clock, self._next_event())
                 self._send_due()
                 continue
             out = self.scheduler.schedule()
@@ -134,18 +138,22 @@ class _Simulation:
         order = sorted(self.traces, key=lambda rid: int(rid))
         return ServingPrediction(self.concurrency, tuple(self.traces[r] for r in order), steps)
 
-    def _next_arrival(self) -> float:
+    def _next_event(self) -> float:
+        """When the idle scheduler next gets work: a request through intake, or sent."""
+        if self.intake:
+            return min(due for due, _ in self.intake)
         arrival = self.queue[0][1].arrival
         return self.clock if arrival is None else arrival
 
     def _send_due(self) -> None:
-        """Send every request whose time has come: closed-loop ones while a client is free."""
+        """Send every request whose time has come (closed-loop ones while a client is free),
+        then admit those through intake."""
         while self.queue:
             _, spec = self.queue[0]
             due = (self.in_flight < self.concurrency if spec.arrival is None
                    else spec.arrival <= self.clock and self.in_flight < self.concurrency)
             if not due:
-                return
+                break
             index, spec = self.queue.pop(0)
             rid = str(index)
             seq = Seq(rid, [0] * spec.prompt_tokens, spec.prompt_tokens,
@@ -153,8 +161,12 @@ class _Simulation:
             self.seqs[rid] = seq
             sent = self.clock if spec.arrival is None else spec.arrival
             self.traces[rid] = RequestTrace(spec, sent)
-            self.scheduler.add(seq)
+            self.intake.append((sent + self.request_seconds, seq))
             self.in_flight += 1
+        ready = [seq for due, seq in self.intake if due <= self.clock]
+        self.intake = [item for item in self.intake if item[0] > self.clock]
+        for seq in ready:
+            self.scheduler.add(seq)
 
     def _emit(self, out: SchedulerOutput) -> None:
         """Sampled sequences get a token at the step's end; full replies finish."""
@@ -176,12 +188,19 @@ def predict_serving(model: ModelSpec, hw: HardwareSpec, requests: Sequence[Reque
                     concurrency: int, config: SchedulerConfig | None = None,
                     kv_dtype: str = "f32") -> ServingPrediction:
     """`requests` served by kvlab on the probed `hw` with `concurrency` clients: the step
-    model (with the probe's whole-step factors) under kvlab's scheduler."""
+    model (with the probe's whole-step factors) under kvlab's scheduler, plus the serving
+    costs besides the steps where the probe timed them (`HardwareSpec.stream`)."""
     reason = unsupported_reason(model, hw)
     if reason:
         raise KvlabError(f"cannot predict kvlab's own engine: {reason}")
     sm = StepModel(model, hw, kv_dtype)
-    return simulate(requests, _memoised(sm.seconds), concurrency, config)
+    stream = hw.stream
+
+    def seconds(work: Sequence[SeqWork]) -> float:
+        extra = stream.step_seconds(sum(w.logits for w in work)) if stream else 0.0
+        return sm.seconds(work) + extra
+    return simulate(requests, _memoised(seconds), concurrency, config,
+                    request_seconds=stream.request if stream else 0.0)
 
 
 def _memoised(step_time: StepTime) -> StepTime:
@@ -194,6 +213,16 @@ def _memoised(step_time: StepTime) -> StepTime:
             seen[key] = step_time(work)
         return seen[key]
     return seconds
+
+
+def describe_stream(s: StreamCosts | None) -> str:
+    """One line on the serving costs the prediction adds, for a report's notes."""
+    if s is None:
+        return ("the probe timed no serving: the prediction is the engine's steps alone "
+                "(`kvlab probe` serves the model to time the streaming path)")
+    return (f"besides the engine's steps, the streaming path costs {s.token * 1e3:.2f} ms a "
+            f"token + {s.step * 1e3:.2f} ms a step + {s.request * 1e3:.1f} ms a request, as "
+            "the probe timed kvlab serve streaming the model to kvlab loadtest here")
 
 
 SERVING_FIGURES = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),

@@ -23,7 +23,8 @@ each group to what a real step costs. Without factors the terms are the kernels'
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import numpy as np
 
@@ -109,12 +110,41 @@ class StepModel:
         return StepTerms(fixed, batch, prefill, kv, attention)
 
     def seconds(self, work: Sequence[SeqWork]) -> float:
-        return self.terms(work).scaled(self.factors, self.kv_dtype).total
+        return self.scaled_terms(work).total
+
+    def scaled_terms(self, work: Sequence[SeqWork]) -> StepTerms:
+        """`terms` scaled by the probe's factors; where it timed several depths or batch
+        sizes, each decode's KV at its own depth and the batch at the step's sequences."""
+        t, f = self.terms(work), self.factors
+        if f is None:
+            return t
+        depths = f.kv_depths.get(self.kv_dtype)
+        kv = (sum(self.depth_kv_seconds(w.start + 1, depths) for w in work if w.tokens == 1)
+              if depths else t.kv * f.kv_factor(self.kv_dtype))
+        prefill = (sum(w.tokens * self.row * f.prefill_factor(w.tokens) for w in work
+                       if w.tokens > 1) if f.prefill_sizes else t.prefill * f.prefill)
+        return StepTerms(t.fixed * f.fixed, t.batch * f.batch_factor(len(work)), prefill, kv,
+                         t.attention * f.prefill_attention)
 
     def kv_seconds(self, context: float) -> float:
         """One decode's attention over `context` positions at this model's KV dtype."""
         bpe = KV_BYTES_PER_ELEMENT[self.kv_dtype]
         return self.costs.kv_seconds(context) * bpe / _F32_BYTES
+
+    def depth_kv_seconds(self, context: float,
+                         depths: Sequence[tuple[float, float]]) -> float:
+        """One decode's attention over `context` positions, each stretch of positions at
+        the factor timed for it (`StepFactors.kv_depths`):
+
+            depths (1024, a), (4096, b):  positions 1..1024 at a, 1025.. at b
+        """
+        seconds, before = 0.0, 0.0
+        for i, (depth, factor) in enumerate(depths):
+            end = context if i == len(depths) - 1 else min(context, depth)
+            if end > before:
+                seconds += factor * (self.kv_seconds(end) - self.kv_seconds(before))
+            before = depth
+        return seconds
 
     def chunk_attention_flop(self, w: SeqWork) -> float:
         """FLOP of one chunk's prefill attention: its queries against every key from the
@@ -166,7 +196,7 @@ def predict_one(model: ModelSpec, hw: HardwareSpec, workload: Workload, chunk: i
     first = StepTerms(0.0, 0.0, 0.0, 0.0, 0.0)
     for done in range(0, prompt, chunk):
         n = min(chunk, prompt - done)
-        t = sm.terms([SeqWork(n, done, done + n == prompt)]).scaled(f, sm.kv_dtype)
+        t = sm.scaled_terms([SeqWork(n, done, done + n == prompt)])
         first = StepTerms(*(a + b for a, b in zip(_fields(first), _fields(t))))
     rows = sm.costs.row_op_seconds() / sm.row  # the element-wise share of a prefill row
     prefill = PrefillTerms(first.prefill * (1 - rows), first.attention, first.prefill * rows,
@@ -184,10 +214,9 @@ def _fields(t: StepTerms) -> tuple[float, ...]:
 
 def _decode_terms(sm: StepModel, context: int) -> DecodeTerms:
     """A decode attending to `context` positions, its fixed part split as weights and glue."""
-    t = sm.terms([SeqWork(1, context - 1)])
     scale = sm.factors.fixed if sm.factors is not None else 1.0
     overhead = sm.costs.overhead(context) * scale
-    scaled = t.scaled(sm.factors, sm.kv_dtype)
+    scaled = sm.scaled_terms([SeqWork(1, context - 1)])
     return DecodeTerms(scaled.fixed - overhead, scaled.kv, overhead)
 
 
@@ -208,34 +237,117 @@ class TimedStep:
 def fit_factors(model: ModelSpec, hw: HardwareSpec, timed: Sequence[TimedStep],
                 name: str = "") -> StepFactors:
     """The factors that bring `StepModel`'s terms to the `timed` steps, in order: fixed and
-    f32 KV from single decodes, batch from larger decode batches, prefill and its attention
-    from prefill chunks, then the KV factor of each other dtype from the difference between
-    its decodes at two contexts. A group no step measures keeps 1."""
+    KV from single decodes at the KV dtype the prefill chunks ran with (one KV factor per
+    stretch between the depths timed, where more than two), batch from larger decode
+    batches (a factor per batch size, where more than one), prefill and its attention from
+    prefill chunks, then the KV factor of each other dtype from the difference between its
+    decodes at two contexts. A group no step measures keeps 1."""
     sm = StepModel(model, hw, factors=None)
     terms = {t.name: _terms(sm, t) for t in timed}
-    single = [t for t in timed if _kind(t) == "decode" and len(t.work) == 1
-              and t.kv_dtype == "f32"]
-    fixed, kv = _least_squares([(terms[t.name].fixed, terms[t.name].kv, t.seconds)
-                                for t in single], (1.0, 1.0), KV_FACTOR_RANGE)
+    base = next((t.kv_dtype for t in timed if _kind(t) == "prefill"), "f32")
+    single = sorted((t for t in timed if _kind(t) == "decode" and len(t.work) == 1
+                     and t.kv_dtype == base), key=lambda t: t.work[0].start)
+    fixed, kv, depths = _fit_single(sm, terms, single, base)
+    kv_of = ({t.name: _depth_kv(sm, base, t.work, depths) for t in timed} if depths
+             else {t.name: terms[t.name].kv * kv for t in timed})
     batched = [t for t in timed if _kind(t) == "decode" and len(t.work) > 1]
-    rest = {t.name: t.seconds - fixed * terms[t.name].fixed - kv * terms[t.name].kv
-            for t in timed}
+    rest = {t.name: t.seconds - fixed * terms[t.name].fixed - kv_of[t.name] for t in timed}
     batch = _ratio([(terms[t.name].batch, rest[t.name]) for t in batched])
-    chunks = [t for t in timed if _kind(t) == "prefill"]
-    prefill, attention = _least_squares(
-        [(terms[t.name].prefill, terms[t.name].attention, rest[t.name]) for t in chunks],
-        (1.0, 1.0))
-    kv_by_dtype = {"f32": kv}
-    for dtype in dict.fromkeys(t.kv_dtype for t in timed if t.kv_dtype != "f32"):
+    sizes = sorted({len(t.work) for t in batched})
+    batch_sizes = tuple((float(n), _ratio([(terms[t.name].batch, rest[t.name])
+                                            for t in batched if len(t.work) == n]))
+                        for n in sizes) if len(sizes) > 1 else ()
+    prefill, attention, prefill_sizes = _fit_prefill(
+        terms, rest, [t for t in timed if _kind(t) == "prefill"])
+    kv_by_dtype = {base: kv}
+    for dtype in dict.fromkeys(t.kv_dtype for t in timed if t.kv_dtype != base):
         kv_by_dtype[dtype] = _slope([(terms[t.name].kv, t.seconds - fixed * terms[t.name].fixed)
                                      for t in timed if t.kv_dtype == dtype])
     factors = StepFactors(fixed, kv_by_dtype, batch, prefill, attention, model=name,
-                          noise=max((t.spread for t in timed), default=0.0))
+                          noise=max((t.spread for t in timed), default=0.0),
+                          kv_depths={base: depths} if depths else {},
+                          batch_sizes=batch_sizes, prefill_sizes=prefill_sizes)
     points = tuple({"name": t.name, "seconds": t.seconds, "spread": t.spread,
-                    "fitted": terms[t.name].scaled(factors, t.kv_dtype).total,
-                    "kernels": terms[t.name].total} for t in timed)
-    return StepFactors(fixed, kv_by_dtype, batch, prefill, attention, model=name,
-                       noise=factors.noise, points=points)
+                    "fitted": _fitted(model, hw, factors, t), "kernels": terms[t.name].total}
+                   for t in timed)
+    return replace(factors, points=points)
+
+
+def _fit_prefill(terms: Mapping[str, StepTerms], rest: Mapping[str, float],
+                 chunks: Sequence[TimedStep]
+                 ) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(prefill, attention, prefill factor by chunk length) from prefill chunks, past the
+    fixed and KV terms (`rest`): both factors by least squares over the longest chunks
+    where two or more were timed (over every chunk otherwise); then, with that attention
+    factor, a prefill factor of its own for each chunk length timed."""
+    length = {t.name: sum(w.tokens for w in t.work if w.tokens > 1) for t in chunks}
+    longest = [t for t in chunks if length[t.name] == max(length.values())]
+    fit = longest if len(longest) > 1 else chunks
+    prefill, attention = _least_squares(
+        [(terms[t.name].prefill, terms[t.name].attention, rest[t.name]) for t in fit],
+        (1.0, 1.0))
+    lengths = sorted(set(length.values()))
+    if len(longest) < 2 or len(lengths) < 2:
+        return prefill, attention, ()
+    sizes = tuple((float(n), _ratio([(terms[t.name].prefill,
+                                      rest[t.name] - attention * terms[t.name].attention)
+                                     for t in chunks if length[t.name] == n]))
+                  for n in lengths)
+    return prefill, attention, sizes
+
+
+_DEPTH_ROUNDS = 4  # the depth factors and the fixed factor, refitted in turn: they converge
+
+
+def _fit_single(sm: StepModel, terms: Mapping[str, StepTerms], single: Sequence[TimedStep],
+                kv_dtype: str) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """(fixed, KV factor, KV factors by depth) from single decodes in rising depth: both by
+    least squares; from three depths or more, the fixed factor from the shortest decode
+    and a KV factor per stretch of depth, in turn until they settle."""
+    fixed, kv = _least_squares([(terms[t.name].fixed, terms[t.name].kv, t.seconds)
+                                for t in single], (1.0, 1.0), KV_FACTOR_RANGE)
+    depths: tuple[tuple[float, float], ...] = ()
+    if len({t.work[0].start for t in single}) < 3:
+        return fixed, kv, depths
+    short = single[0]
+    for _ in range(_DEPTH_ROUNDS):
+        depths = _depth_factors(sm, kv_dtype, single, fixed)
+        kv_short = _depth_kv(sm, kv_dtype, short.work, depths)
+        fixed = _clamp((short.seconds - kv_short) / terms[short.name].fixed)
+    return fixed, depths[0][1], depths
+
+
+def _depth_kv(sm: StepModel, kv_dtype: str, work: Sequence[SeqWork],
+              depths: Sequence[tuple[float, float]]) -> float:
+    sm.kv_dtype = kv_dtype
+    try:
+        return sum(sm.depth_kv_seconds(w.start + 1, depths) for w in work if w.tokens == 1)
+    finally:
+        sm.kv_dtype = "f32"
+
+
+def _depth_factors(sm: StepModel, kv_dtype: str, single: Sequence[TimedStep], fixed: float
+                   ) -> tuple[tuple[float, float], ...]:
+    """(context, KV factor) of each stretch between consecutive single decodes timed at
+    rising depths (three or more), past what `fixed` explains; the first stretch from 0."""
+    sm.kv_dtype = kv_dtype
+    try:
+        out = []
+        for lo, hi in pairwise(single):
+            a, b = lo.work[0].start + 1, hi.work[0].start + 1
+            if b <= a:
+                continue
+            fixed_gap = fixed * (sm.terms(hi.work).fixed - sm.terms(lo.work).fixed)
+            kv_gap = sm.kv_seconds(b) - sm.kv_seconds(a)
+            factor = (hi.seconds - lo.seconds - fixed_gap) / kv_gap if kv_gap > 0 else 1.0
+            out.append((float(b), _clamp(factor, KV_FACTOR_RANGE)))
+        return tuple(out)
+    finally:
+        sm.kv_dtype = "f32"
+
+
+def _fitted(model: ModelSpec, hw: HardwareSpec, factors: StepFactors, t: TimedStep) -> float:
+    return StepModel(model, hw, t.kv_dtype, factors).seconds(t.work)
 
 
 def _terms(sm: StepModel, t: TimedStep) -> StepTerms:
@@ -301,4 +413,8 @@ def factors_from_dict(data: Mapping[str, object]) -> StepFactors:
     """StepFactors from its JSON form (the probe cache)."""
     d = dict(data)
     d["points"] = tuple(d.get("points") or ())  # type: ignore[arg-type]
+    d["kv_depths"] = {dtype: tuple(map(tuple, pts))  # type: ignore[union-attr]
+                      for dtype, pts in (d.get("kv_depths") or {}).items()}
+    for key in ("batch_sizes", "prefill_sizes"):
+        d[key] = tuple(map(tuple, d.get(key) or ()))  # type: ignore[arg-type]
     return StepFactors(**d)  # type: ignore[arg-type]
