@@ -185,7 +185,6 @@ class Engine:
             torch.set_num_threads(config.threads)
             from kvlab.kernels import set_num_threads
             set_num_threads(config.threads)
-        heap.keep_large_blocks_mapped()
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
