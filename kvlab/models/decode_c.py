@@ -76,7 +76,7 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
 
 def _layer_row(layer: dict, sliding: bool, gate: int) -> list[int] | None:
     qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer.get("gate_up"), 2)
-    o, down = _desc(layer["o"]), _desc(layer.get("down"))
+    o, down = kernel_desc(layer["o"]), kernel_desc(layer.get("down"))
     norms = {n: _norm(layer.get(n), n in _OPTIONAL)
              for n in ("attn_norm", "mlp_norm", *_OPTIONAL)}
     if qkv is None or gate_up is None or o is None or down is None or None in norms.values():
@@ -91,13 +91,13 @@ def _parts(stacked: object, most: int) -> list[int] | None:
     parts = getattr(stacked, "parts", None)
     if parts is None or len(parts) > most:
         return None
-    descs = [_desc(p) for p in parts]
+    descs = [kernel_desc(p) for p in parts]
     if None in descs:
         return None
     return [v for d in descs for v in d] + _EMPTY * (most - len(parts))
 
 
-def _desc(w: object) -> list[int] | None:
+def kernel_desc(w: object) -> list[int] | None:
     """What the C products take of a weight; None for dense tensors and F32 blocks (those
     go through torch)."""
     if not isinstance(w, QuantizedWeight) or w.qtype == GGMLQuantizationType.F32:

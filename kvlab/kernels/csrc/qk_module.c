@@ -36,7 +36,7 @@ static const kv_isa *best_isa(void) {
     return &kv_isa_generic;
 }
 
-static void *scratch(size_t bytes) {
+void *kv_scratch(size_t bytes) {
     if (bytes > g_scratch_bytes) {
         free(g_scratch);
         g_scratch_bytes = 0;
@@ -188,32 +188,18 @@ static int check_layout(int64_t qtype, int64_t cols, int64_t row_bytes) {
 
 /* ---------------- entry points ---------------- */
 
-static int64_t act_row_bytes(int kind, int64_t cols) {
-    switch (kind) {
-        case KV_ACT_32: return cols / 32 * (int64_t)sizeof(kv_act32);
-        case KV_ACT_64: return (cols / 32 + 1) / 2 * (int64_t)sizeof(kv_act64);
-        case KV_ACT_256: return cols / 256 * (int64_t)sizeof(kv_act256);
-        default: return cols * (int64_t)sizeof(float);
-    }
-}
-
 /* x rows -> the activation blocks the active kernel for qtype takes (fp32 x as is) */
 static int quantize_activations(int qtype, const float *x, int64_t n, int64_t cols,
                                 const void **xq, int64_t *xstride) {
     const int kind = g_isa->act_kind[qtype];
-    *xstride = act_row_bytes(kind, cols);
+    *xstride = kv_act_row_bytes(kind, cols);
     if (kind == KV_ACT_FLOAT) {
         *xq = x;
         return 0;
     }
-    char *buf = scratch((size_t)(*xstride * n));
+    char *buf = kv_scratch((size_t)(*xstride * n));
     if (!buf) return -1;
-    for (int64_t j = 0; j < n; j++) {
-        void *row = buf + j * *xstride;
-        if (kind == KV_ACT_32) g_isa->act32(x + j * cols, cols, row);
-        else if (kind == KV_ACT_64) g_isa->act64(x + j * cols, cols, row);
-        else g_isa->act256(x + j * cols, cols, row);
-    }
+    for (int64_t j = 0; j < n; j++) kv_act_row(g_isa, kind, x + j * cols, cols, buf + j * *xstride);
     *xq = buf;
     return 0;
 }
@@ -587,10 +573,6 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
  * plan: norms that are absent (0), a QKV bias, the gated activation. The plan is int64
  * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
 
-typedef struct {
-    int64_t qt, ptr, rows, cols, row_bytes;
-} kv_wdesc;
-
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
 
 typedef struct {
@@ -775,6 +757,37 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts on
+ * x [T, hidden] into out [T, hidden]; experts int64 [E, 3, 5] (gate|up part 0, part 1 or
+ * zeros, down: kv_wdesc each), ids int64 and weights fp32 [T, k] (qk_moe.c) */
+static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(9);
+    void *table, *x, *ids, *weights, *out;
+    int64_t E, T, hidden, k;
+    if (!get_ptr(args[0], &table) || !get_i64(args[1], &E) || !get_ptr(args[2], &x) ||
+        !get_i64(args[3], &T) || !get_i64(args[4], &hidden) || !get_ptr(args[5], &ids) ||
+        !get_ptr(args[6], &weights) || !get_i64(args[7], &k) || !get_ptr(args[8], &out))
+        return NULL;
+    if (E < 1 || k < 1 || T < 0)
+        return PyErr_Format(PyExc_ValueError, "%lld experts, %lld per token, %lld tokens "
+                            "(valid: E >= 1, k >= 1, T >= 0)", (long long)E, (long long)k,
+                            (long long)T);
+    for (int64_t i = 0; i < T * k; i++)
+        if (((const int64_t *)ids)[i] < 0 || ((const int64_t *)ids)[i] >= E)
+            return PyErr_Format(PyExc_IndexError, "expert id %lld is out of range [0, %lld)",
+                                (long long)((const int64_t *)ids)[i], (long long)E);
+    if (T == 0) Py_RETURN_NONE;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rc = kv_moe_experts(g_isa, table, E, x, T, hidden, ids, weights, k, out);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_plan_fields(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -919,6 +932,8 @@ static PyMethodDef methods[] = {
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
      "kv_kind)"},
+    {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
+     "moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
      "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},
