@@ -570,7 +570,9 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
  * dense models (kvlab/models/gemma3.py, llama.py and the files built on it) when every
  * product has a C kernel, so the results are bit-identical; what goes away is the Python
  * between them (a dozen calls a layer). What differs between the families is data in the
- * plan: norms that are absent (0), a QKV bias, the gated activation. The plan is int64
+ * plan: norms that are absent (0), a QKV bias, the gated activation, a router and experts
+ * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
+ * the same choices as the per-op path's torch ops up to fp32 rounding). The plan is int64
  * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
 
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
@@ -587,6 +589,10 @@ typedef struct {
     int64_t gate;                      /* KV_GATE_*: act(gate) * up */
     kv_wdesc down;
     int64_t post_mlp_norm, sliding;
+    int64_t qk_norm_whole;             /* q_norm, k_norm over all heads at once (OLMoE) */
+    int64_t router;                    /* mixture of experts: fp32 [E, hidden]; 0: dense */
+    int64_t n_experts, top_k, norm_topk;
+    int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
@@ -622,6 +628,8 @@ static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n
 
 typedef struct {
     float *h, *qkv, *att, *o, *gu, *g;
+    float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
+    int64_t *route_ids;       /* [B, k] */
 } kv_bufs;
 
 /* the residual add after attention or the MLP: with the block's output norm or without */
@@ -638,6 +646,16 @@ static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
         for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
 }
 
+/* OLMoE: one RMSNorm over each row's whole q (H * D) and whole k, before RoPE */
+static void norm_whole_qk(const kv_layer_plan *L, const kv_step *s, float *qkv, int64_t width) {
+    const int64_t q = s->H * s->D, k = s->KVH * s->D;
+    for (int64_t r = 0; r < s->B; r++) {
+        float *row = qkv + r * width;
+        kv_rms_norm(row, (const float *)(intptr_t)L->q_norm, row, 1, q, s->eps);
+        kv_rms_norm(row + q, (const float *)(intptr_t)L->k_norm, row + q, 1, k, s->eps);
+    }
+}
+
 static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
                           float *x, kv_bufs *b, int use_avx2) {
     const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
@@ -645,9 +663,12 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
     if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
     if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
-    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)L->q_norm, s->cos[w],
+    if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
+    const int64_t q_norm = L->qk_norm_whole ? 0 : L->q_norm;
+    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
+    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)q_norm, s->cos[w],
                  s->sin[w], s->eps);
-    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
+    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)k_norm,
                  s->cos[w], s->sin[w], s->eps);
     void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
     kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
@@ -670,7 +691,25 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     return 0;
 }
 
+/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) */
+static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    const int64_t E = L->n_experts, k = L->top_k;
+    const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
+                             .row_bytes = s->hidden * (int64_t)sizeof(float)};
+    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    if (product(&router, b->h, s->B, b->logits, E)) return -1;
+    for (int64_t r = 0; r < s->B; r++)
+        kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
+                     b->route_w + r * k);
+    if (kv_moe_experts(g_isa, (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
+                       s->hidden, b->route_ids, b->route_w, k, b->o))
+        return -1;
+    residual(x, b->o, L->post_mlp_norm, s);
+    return 0;
+}
+
 static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    if (L->router) return moe_half(L, s, x, b);
     int64_t gu_rows = 0;
     for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
@@ -686,15 +725,17 @@ static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
 
 static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
                          int use_avx2) {
-    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D;
+    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, E = 0, k = 0;
     for (int64_t l = 0; l < layers; l++) {
         int64_t rows = 0;
         for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
         gu = rows > gu ? rows : gu;
+        E = plan[l].n_experts > E ? plan[l].n_experts : E;
+        k = plan[l].top_k > k ? plan[l].top_k : k;
     }
     const int64_t B = s->B;
-    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2)) *
-                        sizeof(float));
+    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
+                                      3 * k)) * sizeof(float));
     if (!mem) return -1;
     kv_bufs b = {.h = mem};
     b.qkv = b.h + B * s->hidden;
@@ -702,6 +743,9 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
     b.o = b.att + B * s->H * s->D;
     b.gu = b.o + B * s->hidden;
     b.g = b.gu + B * gu;
+    b.logits = b.g + B * (gu / 2);
+    b.route_w = b.logits + B * E;
+    b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
         rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||

@@ -13,6 +13,7 @@
  * the per-expert path's; the weighted sum is a multiply then an add, slot after slot, the
  * same for every T (a batch gets the bits each sequence gets alone).
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -242,4 +243,25 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
     run_prods(prods, ws, n, un);
     weighted_sum(D, &s, rows, weights, out);
     return 0;
+}
+
+void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
+                  float *weights) {
+    float m = logits[0], sum = 0;
+    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - m);
+    uint64_t taken[4] = {0, 0, 0, 0};  /* E <= 256 */
+    float top = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!(taken[e / 64] >> (e % 64) & 1) && (best < 0 || logits[e] > logits[best]))
+                best = e;
+        taken[best / 64] |= (uint64_t)1 << (best % 64);
+        ids[j] = best;
+        weights[j] = expf(logits[best] - m) / sum;
+        top += weights[j];
+    }
+    if (norm)
+        for (int64_t j = 0; j < k; j++) weights[j] /= top;
 }
