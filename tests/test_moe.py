@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from test_decode_c import quantized_engine
 from test_models import reference_logits, runner_for, step
 
+from kvlab.bench.llama_bench import bench_tg, weight_check
 from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import QuantizedWeight, fused, group_rows, quantize
 from kvlab.metrics import expert_share
@@ -308,3 +310,15 @@ def test_viz_token_events_carry_the_experts():
     assert first[0]["event"] == "prefill" and first[0]["experts"] == [[3, 1], [0, 2]]
     second = run._step_events(state, output(8, None))
     assert second[0]["event"] == "decode" and "experts" not in second[0]
+
+
+def test_decode_reads_the_active_weights_bytes(tiny):
+    """The weight bytes the kernels count per decode token equal the cost model's active
+    weights (k of E experts a layer) within 10 % (fp32 norms and a per-op router are not
+    counted), and `weight_check` says so."""
+    arch, hf, out = tiny
+    engine = quantized_engine(out, "q8_0")
+    result = bench_tg(engine, 6, 1)
+    active = engine.cost.decode_weight_bytes
+    assert abs(result.weights_read_per_token / active - 1) <= 0.10
+    assert "(within 10 %)" in weight_check([result], active)

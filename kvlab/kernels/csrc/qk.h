@@ -297,6 +297,10 @@ int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       int64_t KVH, int64_t D, int64_t window, float scale, float *out,
                       int use_avx2);
 
+/* bytes of weights the products (and embedding-row lookups) have read since the module
+ * loaded: what a decode step costs, counted where it is spent (qk_module.c) */
+void kv_count_weight_bytes(int64_t bytes);
+
 /* grow-only working memory of the jobs (qk_module.c); the module lock holds it for one job */
 void *kv_scratch(size_t bytes);
 

@@ -18,6 +18,9 @@ static const kv_isa *g_isa = &kv_isa_generic;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *g_scratch;
 static size_t g_scratch_bytes;
+static atomic_llong g_weight_bytes;
+
+void kv_count_weight_bytes(int64_t bytes) { atomic_fetch_add(&g_weight_bytes, bytes); }
 
 static int cpu_has_avx2(void) {
 #ifdef KV_HAVE_AVX2_BUILD
@@ -221,7 +224,10 @@ static PyObject *py_qmatmul(PyObject *self, PyObject *const *args, Py_ssize_t na
     rows_job job = {.fn = gemv_rows, .rows = rows, .qtype = (int)qtype, .w = w,
                     .row_bytes = row_bytes, .cols = cols, .n = n, .out = y};
     rc = quantize_activations((int)qtype, x, n, cols, &job.xq, &job.xstride);
-    if (rc == 0 && rows > 0 && n > 0) run_rows(&job, row_bytes);
+    if (rc == 0 && rows > 0 && n > 0) {
+        run_rows(&job, row_bytes);
+        kv_count_weight_bytes(rows * row_bytes);
+    }
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -273,6 +279,7 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *args, Py_ss
     for (int64_t j = 0; j < n; j++) deq_row((int)qtype, w, row_bytes, ids[j], cols,
                                             (float *)out + j * cols);
     Py_END_ALLOW_THREADS
+    kv_count_weight_bytes(n * row_bytes);
     Py_RETURN_NONE;
 }
 
@@ -614,7 +621,10 @@ static int product(const kv_wdesc *w, const float *x, int64_t n, float *y, int64
                     .w = (const uint8_t *)(intptr_t)w->ptr, .row_bytes = w->row_bytes,
                     .cols = w->cols, .n = n, .out = y, .ystride = ystride};
     if (quantize_activations((int)w->qt, x, n, w->cols, &job.xq, &job.xstride)) return -1;
-    if (w->rows > 0 && n > 0) run_rows(&job, w->row_bytes);
+    if (w->rows > 0 && n > 0) {
+        run_rows(&job, w->row_bytes);
+        kv_count_weight_bytes(w->rows * w->row_bytes);
+    }
     return 0;
 }
 
@@ -884,6 +894,12 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromUnsignedLongLong(x);
 }
 
+static PyObject *py_weight_bytes_read(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong(atomic_load(&g_weight_bytes));
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     const long n = PyLong_AsLong(arg);
@@ -985,6 +1001,8 @@ static PyMethodDef methods[] = {
      "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes) -> xor of the buffer's 64-bit words (all kernel threads)"},
+    {"weight_bytes_read", py_weight_bytes_read, METH_NOARGS,
+     "weight_bytes_read() -> bytes of weights the products and row lookups have read"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},

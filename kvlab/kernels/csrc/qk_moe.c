@@ -104,6 +104,7 @@ static void run_prods(const moe_prod *prods, const kv_wdesc *ws, int64_t count,
         job.parts[k].end = u;
     }
     kv_pool_run(prods_task, &job, nt);
+    kv_count_weight_bytes((int64_t)bytes);
 }
 
 /* ---- rows of activations -> 8-bit blocks, in parallel for a prefill's thousands ---- */
