@@ -116,7 +116,7 @@ def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     runs in torch) or experts without C kernels."""
     router, experts, moe = layer["router"], layer["experts"], config.moe
     e, k = moe.num_experts, moe.experts_per_token
-    ok = (experts.c_table is not None and "shexp_gate_up" not in layer and e <= 256
+    ok = (experts.c_table is not None and "shexp_gate_up" not in layer and 0 < k <= e <= 256
           and isinstance(router, torch.Tensor) and fused.fits(router)
           and router.is_contiguous() and tuple(router.shape) == (e, config.hidden_size))
     if not ok:
