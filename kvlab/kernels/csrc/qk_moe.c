@@ -93,7 +93,8 @@ static void run_prods(const moe_prod *prods, const kv_wdesc *ws, int64_t count,
         total += b * (8 + prods[units[u].prod].n);
     }
     const int nt = bytes < 65536 ? 1 : kv_pool_threads();
-    moe_job job = {.prods = prods, .units = units, .nparts = nt < MOE_MAX_PARTS ? nt : MOE_MAX_PARTS};
+    moe_job job = {.prods = prods, .units = units,
+                   .nparts = nt < MOE_MAX_PARTS ? nt : MOE_MAX_PARTS};
     double cost = 0;
     int64_t u = 0;
     for (int k = 0; k < job.nparts; k++) {
@@ -207,7 +208,8 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
     s.inter = s.gu_rows / 2;
     for (int p = 0; p < 3; p++) {
         s.kind[p] = isa->act_kind[experts[p].qt];
-        s.xs[p] = kv_act_row_bytes(s.kind[p], p < 2 ? hidden : s.inter);
+        const int unused = p == 1 && s.nparts == 1;  /* no second gate|up part */
+        s.xs[p] = unused ? 0 : kv_act_row_bytes(s.kind[p], p < 2 ? hidden : s.inter);
     }
     int64_t units = 0;  /* the most units one job can have: every expert chosen */
     for (int p = 0; p < 3; p++)
