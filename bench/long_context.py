@@ -8,8 +8,9 @@ alternating, one repetition each per round, so machine noise hits both alike and
 machine alone. Both prefill in steps of 2048 prompt tokens (llama-bench's default -b; kvlab's
 -b) with their default KV caches (f16 for both on CPUs). For every test it prints the median
 tok/s of each engine, kvlab / llama.cpp, and both processes' peak RSS; then the KV bytes one
-sequence of the longest prompt holds: kvlab's from its model's shape, llama.cpp's from the
-cache size it logs at start (`llama-bench -v`).
+sequence of the longest prompt holds: kvlab's from its model's shape and block tables (the
+sliding-window layers keep their window only), llama.cpp's from the cache size it logs at
+start (`llama-bench -v`).
 """
 
 from __future__ import annotations
@@ -81,13 +82,19 @@ def llama_kv_mib(stderr: str) -> float | None:
     return sum(float(s) for s in sizes) if sizes else None
 
 
-def kvlab_kv_bytes(model: Path, tokens: int) -> float:
-    """KV bytes kvlab holds for one sequence of `tokens`: every layer keeps every position
-    (f16 on CPUs), in whole blocks of 16 tokens."""
+def kvlab_kv_bytes(model: Path, tokens: int, block_size: int = 16) -> float:
+    """KV bytes kvlab holds for one sequence of `tokens` (f16 on CPUs), in whole blocks: every
+    position of the full-attention layers; in the sliding-window layers the blocks a next
+    query still sees (its window and the block it starts in)."""
     info = json.loads(subprocess.run(KVLAB_CLI + ["info", "--json", str(model)],
                                      capture_output=True, text=True, check=True).stdout)
-    blocks = -(-tokens // 16)
-    return info["kv_bytes_per_token_f16"] * blocks * 16
+    held = -(-tokens // block_size) * block_size
+    if "sliding_layers" not in info:
+        return info["kv_bytes_per_token_f16"] * held
+    window = info["sliding_window"]
+    first = max(0, tokens - window + 1) // block_size * block_size
+    sliding = info["kv_bytes_per_token_f16"] - info["kv_full_bytes_per_token_f16"]
+    return info["kv_full_bytes_per_token_f16"] * held + sliding * (held - first)
 
 
 def tests(args: argparse.Namespace) -> list[Test]:

@@ -65,6 +65,14 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding" and self.sliding_window is not None
 
-    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
-        """Key + value bytes one token adds to the cache, summed over layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(map(self.is_sliding, range(self.num_layers)))
+
+    def kv_bytes_per_token(self, bytes_per_element: float, sliding: bool | None = None) -> float:
+        """Key + value bytes one token adds to the cache, summed over layers: all of them, or
+        only the sliding-window (sliding=True) or full-attention (False) ones."""
+        layers = (self.num_layers if sliding is None else
+                  self.num_sliding_layers if sliding else
+                  self.num_layers - self.num_sliding_layers)
+        return 2 * layers * self.num_kv_heads * self.head_dim * bytes_per_element

@@ -8,6 +8,7 @@ RequestOutputs. Not thread-safe: one thread drives it (the server runs it in a w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache import KVCacheManager
+from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
+from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError, RequestError
 from kvlab.kernels import weight_bytes_read
 from kvlab.metrics import GenerationMetrics, ModelCost
@@ -131,26 +134,38 @@ class Engine:
                  model_name: str = "") -> None:
         self.loaded, self.tokenizer, self.config = loaded, tokenizer, config
         self.model_name = model_name or loaded.config.name
-        kv_bpt = loaded.config.kv_bytes_per_token(kv_bytes_per_element(config.kv_dtype))
-        by_memory = int(config.kv_cache_gib * 2**30 / (kv_bpt * config.block_size))
-        # no more blocks than max_num_seqs full-length sequences could ever use
-        by_need = -(-loaded.config.max_position_embeddings * config.max_num_seqs
-                    // config.block_size)
-        num_blocks = max(1, min(by_memory, by_need))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        pools = self._pool_sizes(loaded.config, config)
+        num_blocks = pools.num_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 pools.window)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv)
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size,
                                   config.kv_dtype, config.device, quantized,
-                                  config.decode_graphs, config.max_num_seqs)
+                                  config.decode_graphs, config.max_num_seqs,
+                                  pools.window.num_blocks if pools.window else None)
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)
-        self.cost: ModelCost = loaded.cost(kv_bytes_per_element(config.kv_dtype))
+        self.cost: ModelCost = dataclasses.replace(
+            loaded.cost(kv_bytes_per_element(config.kv_dtype)),
+            window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
+
+    @staticmethod
+    def _pool_sizes(model: ModelConfig, config: EngineConfig) -> PoolSizes:
+        """Blocks for the KV pools. Sliding-window layers get a pool of their own except
+        where decode steps replay CUDA graphs, whose buffers hold one slot mapping."""
+        budget = CacheBudget(kv_bytes_per_element(config.kv_dtype), config.block_size,
+                             config.kv_cache_gib * 2**30, config.max_num_seqs,
+                             config.max_num_batched_tokens)
+        graphs = config.decode_graphs == "eager" or (config.decode_graphs == "auto"
+                                                     and config.device.startswith("cuda"))
+        windowed = not graphs
+        return pool_sizes(model, budget, windowed)
 
     @classmethod
     def from_model(cls, model_path: str | None = None,
@@ -264,10 +279,11 @@ class Engine:
         if not self.kv.allocate_slots(seq_id, len(ids)):
             raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
         try:
-            table = self.kv.block_table(seq_id)
+            table, window = self.kv.block_table(seq_id), self.kv.window_table(seq_id)
             chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
             rows = [self.runner.execute(SchedulerOutput([ScheduledSeq(
-                seq_id, start, chunk, table, True, 0)])).logits[0] for start, chunk in chunks]
+                seq_id, start, chunk, table, True, 0, window)])).logits[0]
+                for start, chunk in chunks]
         finally:
             self.kv.free(seq_id)
         return torch.log_softmax(torch.stack(rows), dim=-1)

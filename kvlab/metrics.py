@@ -27,6 +27,8 @@ class ModelCost:
     routed_bytes: int = 0
     experts: int = 0  # routed experts per MoE layer; 0: a dense model
     experts_used: int = 0  # chosen per token
+    # the sliding layers keep only their window (a pool of their own); False: every position
+    window_released: bool = False
 
     def decode_weight_bytes_at(self, batch: int) -> float:
         """Weight bytes a decode step over `batch` sequences reads: the routed experts at the
@@ -41,6 +43,13 @@ class ModelCost:
         """Keys a decode step reads, averaged over layers (sliding layers cap at the window)."""
         capped = min(context, self.window) if self.window else context
         return (1 - self.sliding_layer_share) * context + self.sliding_layer_share * capped
+
+    def kv_bytes_held(self, tokens: int) -> float:
+        """KV bytes one sequence of `tokens` holds: every position in full-attention layers;
+        in sliding layers the last `window` when their blocks behind it are released."""
+        if not self.window_released:
+            return float(self.kv_bytes_per_token * tokens)
+        return self.kv_bytes_per_token * self.keys_read(tokens)
 
     def prefill_flops(self, num_tokens: int, start: int = 0) -> float:
         """FLOP to compute tokens [start, start + n): matmuls, causal attention, one head."""
@@ -113,7 +122,7 @@ class GenerationMetrics:
             itl_mean_ms=1e3 * decode_s / steps if steps else 0.0,
             itl_p50_ms=1e3 * _percentile(itl, 0.5), itl_p99_ms=1e3 * _percentile(itl, 0.99),
             total_s=end - t.arrival, kv_tokens=kv_tokens,
-            kv_bytes=kv_tokens * cost.kv_bytes_per_token,
+            kv_bytes=round(cost.kv_bytes_held(kv_tokens)),
             prefill_gb_s=_rate(cost.decode_weight_bytes_at(computed)
                                + cost.kv_bytes_per_token * computed,
                                prefill_s) / 1e9,

@@ -57,6 +57,8 @@ class ScheduledSeq:
     block_table: list[int]
     needs_logits: bool  # this step reaches the end of its known tokens: sample one
     prefill_tokens: int  # how many of token_ids are prompt tokens
+    # its blocks in the sliding-window layers' pool, None where released; None without one
+    window_table: list[int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ class Scheduler:
         return ScheduledSeq(
             seq.seq_id, start, seq.token_ids[start:end], self.kv.block_table(seq.seq_id),
             needs_logits=end == seq.num_tokens,
-            prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start))
+            prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start),
+            window_table=self.kv.window_table(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
@@ -150,6 +153,7 @@ class Scheduler:
             seq = seqs[s.seq_id]
             seq.num_computed_tokens = s.start + len(s.token_ids)
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

@@ -44,7 +44,8 @@ def test_default_model_on_a_known_part(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "Gemma 3 270m" in out and "embedding 62.6%" in out
     assert "reads 246.6 MB of weights" in out
-    assert "KV 18.0 KiB/token" in out and "sliding window 512 on 15 of 18 layers" in out
+    assert "KV 3.0 KiB/token f16 in full-attention layers + 7.50 MiB fixed" in out
+    assert "sliding window 512 on 15 of 18 layers" in out
 
 
 def test_hardware_this_after_a_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -14,6 +14,10 @@ Block table and slot mapping (block_size = 4, a sequence of 10 tokens)::
 
 Blocks 0 and 1 are full; once their tokens are computed they can be registered in the prefix
 cache. Block 2 is partial and never is: its KV is still being written.
+
+A model with sliding-window layers gets a second table per sequence for those layers
+(kvlab.cache.window_blocks): same logical blocks, its own pool, and the blocks behind the
+window released as the sequence moves on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlab.cache.block_pool import BlockPool, hash_block_tokens
+from kvlab.cache.window_blocks import WindowBlocks, WindowSpec
 
 
 @dataclass
@@ -48,8 +53,11 @@ class _SeqBlocks:
 class KVCacheManager:
     """Owns which KV blocks each sequence (by id) uses, and the prefix cache over them."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: WindowSpec | None = None):
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.window = (WindowBlocks(window, block_size, enable_prefix_caching)
+                       if window is not None else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixStats()
@@ -82,7 +90,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        blocks: list[int] = []
+        hit = []
         key: int | None = None
         link: int | None = None
         for i in range((len(token_ids) - 1) // bs):
@@ -91,8 +99,11 @@ class KVCacheManager:
             block = self.pool.lookup(key, tokens, link)
             if block is None:
                 break
-            blocks.append(block.block_id)
+            hit.append(block)
             link = block.content_id
+        if self.window is not None:
+            hit = hit[:self.window.usable_prefix(hit)]
+        blocks = [b.block_id for b in hit]
         num_tokens = len(blocks) * bs
         self.prefix_stats.queries += len(token_ids)
         self.prefix_stats.hits += num_tokens
@@ -116,6 +127,11 @@ class KVCacheManager:
         self._check_still_cached(computed)
         if num_new > self.pool.num_free_blocks - reviving:
             return False
+        hit = [self.pool.blocks[b] for b in computed]
+        if self.window is not None:
+            if not self.window.can_allocate(seq_id, have + num_new, hit):
+                return False
+            self.window.allocate(seq_id, have + num_new, hit)
         if seq is None:
             seq = self._seqs[seq_id] = _SeqBlocks()
             self.pool.touch(computed)  # before allocate, so these are not evicted by it
@@ -126,6 +142,16 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq is not None else []
+
+    def window_table(self, seq_id: str) -> list[int | None] | None:
+        """seq_id's blocks in the sliding-window layers' pool (None: released), or None
+        when the model has no such layers."""
+        return self.window.table(seq_id) if self.window is not None else None
+
+    def release_out_of_window(self, seq_id: str, num_computed_tokens: int) -> None:
+        """Free the window blocks that no query from num_computed_tokens on can see."""
+        if self.window is not None:
+            self.window.release_before(seq_id, num_computed_tokens)
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
         """KV slot of each token position in [start, end): block_id * block_size + offset."""
@@ -157,15 +183,19 @@ class KVCacheManager:
             link = self.pool.cache_block(seq.table[i], key, tokens, parent_link)
             if link is None:
                 seq.chain_broken = True
-                return
+                break
             seq.cached_keys.append(key)
             seq.cached_links.append(link)
+        if self.window is not None:
+            self.window.register(seq_id, seq.cached_keys, seq.cached_links, token_ids)
 
     def free(self, seq_id: str) -> None:
         """Release all of seq_id's blocks, tail first so its tail is evicted before its head."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free(list(reversed(seq.table)))
+        if self.window is not None:
+            self.window.free(seq_id)
 
     def _check_still_cached(self, block_ids: list[int]) -> None:
         for block_id in block_ids:

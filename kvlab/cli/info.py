@@ -7,6 +7,7 @@ import json
 import math
 from collections import defaultdict
 
+from kvlab.config import ModelConfig
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
 from kvlab.weights import default_model_path, open_checkpoint
 
@@ -35,10 +36,22 @@ def describe(loaded: LoadedModel, path: str) -> dict:
         "context_length": c.max_position_embeddings, "sliding_window": c.sliding_window,
         "kv_bytes_per_token_f16": int(c.kv_bytes_per_token(2)),
         "kv_bytes_per_token_f32": int(c.kv_bytes_per_token(4)),
+        **_window_fields(c),
         "decode_bytes_per_token": cost.decode_weight_bytes,
         "decode_stored_bytes_per_token": cost.decode_stored_bytes,
         **_moe_fields(loaded),
     }
+
+
+def _window_fields(c: ModelConfig) -> dict:
+    """With sliding-window layers: KV bytes per token of the full-attention layers and the
+    fixed cost of the sliding ones, which keep their last `window` positions only."""
+    if not c.num_sliding_layers:
+        return {}
+    return {"sliding_layers": c.num_sliding_layers,
+            "kv_full_bytes_per_token_f16": int(c.kv_bytes_per_token(2, sliding=False)),
+            "kv_window_bytes_f16": int(c.kv_bytes_per_token(2, sliding=True)
+                                       * c.sliding_window)}
 
 
 def _moe_fields(loaded: LoadedModel) -> dict:
@@ -78,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
           + (f" (sliding window {window} on local layers)" if window else ""))
     print(f"KV cache        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB/token in f16, "
           f"{info['kv_bytes_per_token_f32'] / 1024:.1f} KiB/token in f32")
+    if "sliding_layers" in info:
+        full = info["layers"] - info["sliding_layers"]
+        print(f"  held          {info['kv_full_bytes_per_token_f16'] / 1024:.1f} KiB/token f16 "
+              f"in the {full} full-attention layers + a fixed "
+              f"{info['kv_window_bytes_f16'] / 2**20:.1f} MiB in the {info['sliding_layers']} "
+              f"sliding ones (their last {window} positions)")
     print(f"decode reads    {info['decode_bytes_per_token'] / 1e6:.1f} MB of weights per token "
           f"as held in memory ({info['decode_stored_bytes_per_token'] / 1e6:.1f} MB as the "
           "file stores them)")

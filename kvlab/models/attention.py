@@ -15,6 +15,7 @@ padded batch so a step with many users costs one call per layer, not one per use
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -76,6 +77,9 @@ class SeqSpan:
     start: int  # tokens already in the cache before this step
     num_new: int
     slots: torch.Tensor  # [start + num_new] slot of every position so far
+    # [start + num_new] the same in the sliding-window layers' own pool (positions behind
+    # the window point at its scratch block); None when those layers share `slots`
+    window_slots: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -87,9 +91,17 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     groups_full: tuple[AttentionGroup, ...]
     groups_sliding: tuple[AttentionGroup, ...]
+    # [T] the same for sliding-window layers with a pool of their own; None: slot_mapping
+    slot_mapping_sliding: torch.Tensor | None = None
 
     def groups(self, sliding: bool) -> tuple[AttentionGroup, ...]:
         return self.groups_sliding if sliding else self.groups_full
+
+    def write_slots(self, sliding: bool) -> torch.Tensor:
+        """[T] where a layer of this kind writes the step's new K/V."""
+        if sliding and self.slot_mapping_sliding is not None:
+            return self.slot_mapping_sliding
+        return self.slot_mapping
 
 
 def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.device
@@ -101,8 +113,16 @@ def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.devic
         row += s.num_new
     slot_mapping = torch.cat([s.slots[s.start:s.end] for s in spans]).to(device)
     full = _groups(spans, offsets, None, device)
-    sliding = _groups(spans, offsets, window, device) if window else full
-    return AttentionMetadata(slot_mapping, full, sliding)
+    own = [s.window_slots is not None for s in spans]
+    if any(own) != all(own):
+        raise ValueError("either every span has window slots or none has")
+    if not window or not any(own):
+        sliding = _groups(spans, offsets, window, device) if window else full
+        return AttentionMetadata(slot_mapping, full, sliding)
+    spans = [dataclasses.replace(s, slots=s.window_slots) for s in spans]
+    sliding_mapping = torch.cat([s.slots[s.start:s.end] for s in spans]).to(device)
+    return AttentionMetadata(slot_mapping, full, _groups(spans, offsets, window, device),
+                             sliding_mapping)
 
 
 def _groups(spans: list[SeqSpan], offsets: list[int], window: int | None,
@@ -159,7 +179,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     Writes the new K/V into the cache first, then reads every attended key from it.
     `softcap` (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap).
     """
-    cache.write(meta.slot_mapping, k, v)
+    cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
     groups = meta.groups(sliding)
     if softcap is not None:

@@ -165,6 +165,7 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], x.shape[1],
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.scale, cos_g.data_ptr(),
         sin_g.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(), meta.slot_mapping.data_ptr(),
+        meta.write_slots(True).data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
         caches.data_ptr(), plan.kv_kind)
@@ -185,7 +186,8 @@ def _fits(x: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],
           meta: AttentionMetadata) -> bool:
     tables = [t for pair in ropes.values() for t in pair]
     return (fused.fits(x, *tables) and x.dim() == 2 and x.is_contiguous()
-            and all(t.is_contiguous() for t in tables) and _int64(meta.slot_mapping))
+            and all(t.is_contiguous() for t in tables) and _int64(meta.slot_mapping)
+            and _int64(meta.write_slots(True)))
 
 
 def _int64(t: torch.Tensor) -> bool:

@@ -137,6 +137,13 @@ class ModelSpec:
         """KV bytes one token adds with full attention everywhere (no window cap)."""
         return bytes_per_element * sum(layer.kv_elements for layer in self.layers)
 
+    def kv_split(self, bytes_per_element: float) -> tuple[float, float]:
+        """(bytes per token of the full-attention layers, fixed bytes of the sliding layers'
+        windows): what one long sequence holds once its windows are full."""
+        full = sum(lyr.kv_elements for lyr in self.layers if lyr.window is None)
+        fixed = sum(lyr.kv_elements * lyr.window for lyr in self.layers if lyr.window)
+        return bytes_per_element * full, bytes_per_element * fixed
+
     def kv_bytes(self, context: np.ndarray | float, bytes_per_element: float,
                  layers: slice = slice(None)) -> np.ndarray | float:
         """KV bytes one sequence holds (and a decode step reads) at `context` tokens."""

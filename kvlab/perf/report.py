@@ -44,14 +44,22 @@ def _header(e: Estimate) -> list[str]:
         (f"model     {m.name}: {_count(m.n_params)} params{embedding}, "
          f"{_dec(m.weight_bytes, 'B')} of weights, {s['bits_per_param']:.2f} bits/param"),
         *([routed] if routed else []),
-        (f"          {layers}, KV {_kib(e.kv_bytes_per_token)}/token {wl.kv_dtype} before window "
-         f"caps{window}"),
+        f"          {layers}, {_kv_per_token(e)}{window}",
         (f"hardware  {hw.name}: {hw.bandwidth / GB:,.1f} GB/s, "
          f"{hw.flop_rate(e.compute_dtype) / TERA:,.2f} TFLOPS {e.compute_dtype} sustained, "
          f"memory {_gib_or_unknown(hw.memory_bytes)}"),
         f"          source: {hw.sources.get('bandwidth', '?')}",
         (f"workload  prompt {wl.prompt_tokens:,}, output {wl.output_tokens:,}, concurrency "
          f"{wl.concurrency}, context {wl.context_tokens:,}, KV {wl.kv_dtype}"), ""]
+
+
+def _kv_per_token(e: Estimate) -> str:
+    """KV per token; with sliding layers, split into what grows and what the windows fix."""
+    full, fixed = e.model.kv_split(e.workload.kv_bytes_per_element)
+    if not fixed:
+        return f"KV {_kib(e.kv_bytes_per_token)}/token {e.workload.kv_dtype}"
+    return (f"KV {_kib(full)}/token {e.workload.kv_dtype} in full-attention layers + "
+            f"{_binary(fixed)} fixed in the windows")
 
 
 def _prefill_lines(e: Estimate) -> list[str]:

@@ -75,9 +75,11 @@ class DecodeGraphs:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
 
     def accepts(self, out: SchedulerOutput) -> bool:
-        """Pure decode steps (one new token per sequence, each needing logits) that fit."""
+        """Pure decode steps (one new token per sequence, each needing logits) that fit, over
+        one block pool (the buffers hold one slot mapping)."""
         return (0 < len(out.scheduled) <= self.max_batch
-                and all(len(s.token_ids) == 1 and s.needs_logits for s in out.scheduled)
+                and all(len(s.token_ids) == 1 and s.needs_logits and s.window_table is None
+                        for s in out.scheduled)
                 and max(s.start for s in out.scheduled) < self.max_width)
 
     def run(self, out: SchedulerOutput, block_size: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The KV pool is one store per layer (kvlab.models.kv_store) of num_blocks * block_size slots,
 plus one block of scratch slots for padding rows, allocated once; its pages only become
-resident when written. On CUDA, pure decode steps replay captured graphs (decode_graph).
+resident when written. Given a window pool (num_window_blocks), the sliding-window layers'
+stores have that many blocks instead, addressed through each sequence's window table. On CUDA, pure decode steps replay captured graphs (decode_graph).
 """
 
 from __future__ import annotations
@@ -32,20 +33,28 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: object, config: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: str = "f32", device: str = "cpu", quantized: bool = False,
-                 graphs: str = "auto", max_batch: int = 16) -> None:
+                 graphs: str = "auto", max_batch: int = 16,
+                 num_window_blocks: int | None = None) -> None:
         self.model, self.config = model, config
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.num_window_blocks = num_window_blocks
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
-        slots = (num_blocks + 1) * block_size  # the last block: scratch for padding rows
-        self.kv_caches = [make_kv(kv_dtype, slots, config.num_kv_heads, config.head_dim,
-                                  self.device) for _ in range(config.num_layers)]
+        self.kv_caches = [make_kv(kv_dtype, self._num_slots(i), config.num_kv_heads,
+                                  config.head_dim, self.device)
+                          for i in range(config.num_layers)]
         self._offsets = torch.arange(block_size)
         self.kernel_decode = self.device.type == "cpu" and quantized
         self.threads = torch.get_num_threads()
         if self.kernel_decode:
             torch.set_num_threads(1)
         self.graphs = self._decode_graphs(graphs, max_batch)
+
+    def _num_slots(self, layer: int) -> int:
+        """Slots of one layer's store: its pool's blocks plus a scratch block (the last) for
+        padding rows and positions behind a window."""
+        own = self.num_window_blocks is not None and self.config.is_sliding(layer)
+        return ((self.num_window_blocks if own else self.num_blocks) + 1) * self.block_size
 
     def _decode_graphs(self, mode: str, max_batch: int) -> DecodeGraphs | None:
         if mode not in GRAPH_MODES:
@@ -89,7 +98,10 @@ class ModelRunner:
         spans, ids, positions = [], [], []
         for s in out.scheduled:
             end = s.start + len(s.token_ids)
-            spans.append(SeqSpan(s.start, len(s.token_ids), self._slots(s.block_table, end)))
+            window = (None if s.window_table is None else
+                      self._slots(self._scratch_released(s.window_table), end))
+            spans.append(SeqSpan(s.start, len(s.token_ids), self._slots(s.block_table, end),
+                                 window))
             ids.extend(s.token_ids)
             positions.extend(range(s.start, end))
         meta = build_metadata(spans, self.config.sliding_window, self.device)
@@ -113,6 +125,12 @@ class ModelRunner:
             logits = self.model.logits(hidden.index_select(0, index))
         experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
         return StepLogits(seq_ids, logits, experts)
+
+    def _scratch_released(self, window_table: list[int | None]) -> list[int]:
+        """A window table with released blocks pointing at the pool's scratch block (never
+        read: those positions are behind every query's window)."""
+        scratch = self.num_window_blocks
+        return [scratch if b is None else b for b in window_table]
 
     def _slots(self, block_table: list[int], end: int) -> torch.Tensor:
         """[end] slot of each position 0..end-1: table[pos // bs] * bs + pos % bs."""

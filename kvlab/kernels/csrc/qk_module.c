@@ -608,7 +608,7 @@ typedef struct {
     int64_t B, hidden, H, KVH, D;
     float eps, scale;
     const float *cos[2], *sin[2];           /* [B, D]: global (0) and local (1) RoPE */
-    const int64_t *slot_mapping;            /* [B] */
+    const int64_t *slot_mapping[2];         /* [B]: full (0) and sliding (1) layers' pools */
     const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
     int64_t C[2];
     const int64_t *caches;                  /* [layers, 4]: K, V stores, K, V scales */
@@ -684,12 +684,12 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
     const float *knew = b->qkv + H * D, *vnew = b->qkv + (H + KVH) * D;
     if (s->kv_kind == KV_CACHE_Q8_0) {
-        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping, B, KVH * D);
-        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping, B, KVH * D);
+        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping[w], B, KVH * D);
+        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping[w], B, KVH * D);
     } else {
         const int f16 = s->kv_kind == KV_CACHE_F16;
-        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping, B, KVH * D);
-        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping, B, KVH * D);
+        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping[w], B, KVH * D);
+        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping[w], B, KVH * D);
     }
     const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
                               .v_scale = vs};
@@ -765,14 +765,16 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
 }
 
 /* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
- *               cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l,
- *               lengths_l, caches, kv_kind): x [B, hidden] (the residual stream) updated
- *               in place; caches [layers, 4] (K, V, K scales, V scales), the stores fp32,
- *               fp16 or q8_0 (kv_kind 0, 1, 2; scales 0 unless q8_0) */
+ *               cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f,
+ *               slots_l, C_l, lengths_l, caches, kv_kind): x [B, hidden] (the residual
+ *               stream) updated in place; new K/V written at slot_mapping_f in full layers,
+ *               slot_mapping_l in sliding ones; caches [layers, 4] (K, V, K scales, V
+ *               scales), the stores fp32, fp16 or q8_0 (kv_kind 0, 1, 2; scales 0 unless
+ *               q8_0) */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(24);
-    void *plan, *x, *ptr[11];
+    NARGS(25);
+    void *plan, *x, *ptr[12];
     int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind;
     float eps, scale;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
@@ -781,9 +783,10 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         !get_f32(args[9], &eps) || !get_f32(args[10], &scale) || !get_ptr(args[11], &ptr[0]) ||
         !get_ptr(args[12], &ptr[1]) || !get_ptr(args[13], &ptr[2]) ||
         !get_ptr(args[14], &ptr[3]) || !get_ptr(args[15], &ptr[4]) ||
-        !get_ptr(args[16], &ptr[5]) || !get_i64(args[17], &Cf) || !get_ptr(args[18], &ptr[6]) ||
-        !get_ptr(args[19], &ptr[7]) || !get_i64(args[20], &Cl) || !get_ptr(args[21], &ptr[8]) ||
-        !get_ptr(args[22], &ptr[9]) || !get_i64(args[23], &kv_kind))
+        !get_ptr(args[16], &ptr[10]) || !get_ptr(args[17], &ptr[5]) ||
+        !get_i64(args[18], &Cf) || !get_ptr(args[19], &ptr[6]) || !get_ptr(args[20], &ptr[7]) ||
+        !get_i64(args[21], &Cl) || !get_ptr(args[22], &ptr[8]) || !get_ptr(args[23], &ptr[9]) ||
+        !get_i64(args[24], &kv_kind))
         return NULL;
     if (kv_kind < KV_CACHE_F32 || kv_kind > KV_CACHE_Q8_0 || (kv_kind == KV_CACHE_Q8_0 && D % 32))
         return PyErr_Format(PyExc_ValueError, "KV cache kind %lld with head dim %lld (valid: "
@@ -797,7 +800,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                             "heads", (long long)H, (long long)KVH);
     const kv_step step = {.B = B, .hidden = hidden, .H = H, .KVH = KVH, .D = D, .eps = eps,
                           .scale = scale, .cos = {ptr[0], ptr[2]}, .sin = {ptr[1], ptr[3]},
-                          .slot_mapping = ptr[4], .slots = {ptr[5], ptr[7]},
+                          .slot_mapping = {ptr[4], ptr[10]}, .slots = {ptr[5], ptr[7]},
                           .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9],
                           .kv_kind = (int)kv_kind};
     const int use_avx2 = avx2_chosen();
@@ -990,8 +993,8 @@ static PyMethodDef methods[] = {
      "KVH, D, scale, out, lengths)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
-     "cos_l, sin_l, slot_mapping, slots_f, C_f, lengths_f, slots_l, C_l, lengths_l, caches, "
-     "kv_kind)"},
+     "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
+     "lengths_l, caches, kv_kind)"},
     {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
      "moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},

@@ -1,0 +1,57 @@
+"""How many KV blocks each pool gets from the cache's memory budget.
+
+Plain Python, no torch. Without sliding-window layers there is one pool, as large as the
+budget allows (and no larger than max_num_seqs full-length sequences could use). With them,
+the window pool is sized first, by what running sequences can hold at once, and the full
+pool gets the rest:
+
+    per running sequence   ceil((window - 1) / block_size) + 2 blocks (the window, the
+                           block being written, one more for a window that straddles)
+    the step's new tokens  ceil(max_num_batched_tokens / block_size) + 1 blocks
+    prefix-cache reserve   as much again, for window blocks a later prompt may reuse
+
+but never more blocks than one shared pool would have had.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.cache.window_blocks import WindowSpec
+from kvlab.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_blocks: int  # the full-attention layers' pool (every layer's, without a window pool)
+    window: WindowSpec | None  # the sliding-window layers' pool; None: they share the above
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    bytes_per_element: float
+    block_size: int
+    memory_bytes: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:
+    """Blocks per pool; windowed=False keeps one pool for all layers. The window pool never
+    has more blocks than one shared pool would, so the full pool never has fewer."""
+    bs = budget.block_size
+    by_need = -(-config.max_position_embeddings * budget.max_num_seqs // bs)
+    shared_block = config.kv_bytes_per_token(budget.bytes_per_element) * bs
+    shared = max(1, min(int(budget.memory_bytes / shared_block), by_need))
+    if not windowed or config.num_sliding_layers == 0:
+        return PoolSizes(shared, None)
+    window = config.sliding_window
+    assert window is not None  # num_sliding_layers > 0
+    running = (budget.max_num_seqs * (-(-(window - 1) // bs) + 2)
+               + -(-budget.max_num_batched_tokens // bs) + 1)
+    num_window = min(2 * running, shared)
+    rest = (budget.memory_bytes
+            - num_window * config.kv_bytes_per_token(budget.bytes_per_element, sliding=True) * bs)
+    full_block = config.kv_bytes_per_token(budget.bytes_per_element, sliding=False) * bs
+    num_blocks = by_need if full_block == 0 else min(int(rest / full_block), by_need)
+    return PoolSizes(max(shared, num_blocks), WindowSpec(window, num_window))
