@@ -5,7 +5,7 @@
 
 Each test runs `kvlab bench` and `llama-bench` as separate processes under `/usr/bin/time -v`,
 alternating, one repetition each per round, so machine noise hits both alike and each has the
-machine alone. Both prefill in steps of 2048 prompt tokens (llama-bench's default -b; kvlab's
+machine alone. Both prefill in passes of 512 prompt tokens (llama-bench's default -ub; kvlab's
 -b) with their default KV caches (f16 for both on CPUs). For every test it prints the median
 tok/s of each engine, kvlab / llama.cpp, and both processes' peak RSS; then the KV bytes one
 sequence of the longest prompt holds: kvlab's from its model's shape and block tables (the

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab import heap
 from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
 from kvlab.config import ModelConfig
@@ -175,15 +176,20 @@ class Engine:
             torch.set_num_threads(config.threads)
             from kvlab.kernels import set_num_threads
             set_num_threads(config.threads)
+        heap.keep_large_blocks_mapped()
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
                               device=config.device, quantize=config.quantize,
                               group_rows=config.group_rows)
-        loaded = load_model(ckpt, options)
+        # the tokenizer before the weights: building it takes a transient tens of MB, better
+        # spent while the weights are not yet resident
         tokenizer = (load_gguf_tokenizer(ckpt.metadata) if ckpt.format == "gguf"
                      else load_hf_tokenizer(ckpt.path))
+        loaded = load_model(ckpt, options)
+        ckpt.drop_vocabulary()  # the tokenizer holds its own
         ckpt.release_pages()  # what the loader left resident: metadata, tensors it skipped
+        heap.trim()
         if config.chat_template is not None:
             tokenizer = tokenizer.with_chat_template(config.chat_template)
         return cls(loaded, tokenizer, config, model_name=os.path.basename(str(path)))
@@ -276,14 +282,16 @@ class Engine:
         if self.has_unfinished():
             raise RequestError("teacher_forced_logprobs needs an idle engine")
         seq_id = "teacher-forced"
-        if not self.kv.allocate_slots(seq_id, len(ids)):
-            raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
+        chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
+        rows = []
         try:
-            table, window = self.kv.block_table(seq_id), self.kv.window_table(seq_id)
-            chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
-            rows = [self.runner.execute(SchedulerOutput([ScheduledSeq(
-                seq_id, start, chunk, table, True, 0, window)])).logits[0]
-                for start, chunk in chunks]
+            for start, chunk in chunks:  # blocks as generation takes and releases them
+                if not self.kv.allocate_slots(seq_id, start + len(chunk)):
+                    raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
+                rows.append(self.runner.execute(SchedulerOutput([ScheduledSeq(
+                    seq_id, start, chunk, self.kv.block_table(seq_id), True, 0,
+                    self.kv.window_table(seq_id))])).logits[0])
+                self.kv.release_out_of_window(seq_id, start + len(chunk))
         finally:
             self.kv.free(seq_id)
         return torch.log_softmax(torch.stack(rows), dim=-1)

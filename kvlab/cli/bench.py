@@ -31,9 +31,10 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-d", "--depth", type=_ints, default=[0],
                    help="KV cache depths for the tg tests, e.g. 0,1024,4096")
-    p.add_argument("-b", "--batch-size", type=int, default=2048,
-                   help="prompt tokens per step, as llama-bench's -b: a longer prompt "
-                        "prefills in chunks of this many, so memory stays bounded")
+    p.add_argument("-b", "--batch-size", type=int, default=512,
+                   help="prompt tokens per step, as llama-bench's -ub (the batch one pass "
+                        "computes, 512 by default in both): a longer prompt prefills in "
+                        "chunks of this many, so memory stays bounded")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     p.add_argument("--estimate", action="store_true",
                    help="print the estimator's prediction beside each measurement")

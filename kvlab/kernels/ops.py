@@ -9,6 +9,8 @@ Without the extension everything still works through gguf's numpy dequantizer an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -177,22 +179,33 @@ def can_group(w: QuantizedWeight) -> bool:
             and w.out_features % 8 == 0)
 
 
-def group_rows(w: QuantizedWeight) -> QuantizedWeight:
+GROUP_CHUNK_ROWS = 8192  # rows grouped per call: the source's pages can go as they are read
+
+
+def group_rows(w: QuantizedWeight,
+               read: Callable[[int, int], None] | None = None) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
     Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (148 bytes per 256), Q6_K as Q6_Kx8
     (210 bytes per 256, Q6_K's own size), Q2_K as Q2_Kx8 (its own size), Q3_K as Q3_Kx8
     (114 bytes per 256), IQ4_XS as IQ4_XSx8 (138 bytes per 256), IQ4_NL as IQ4_NLx8 (its own
     size). Their products serve 8 rows per register: batched decode and prefill run 1.3-2x
-    faster (csrc/qk_x8.c, qk_x8k.c, qk_x8k23.c, qk_iq4x8.c)."""
+    faster (csrc/qk_x8.c, qk_x8k.c, qk_x8k23.c, qk_iq4x8.c). `read(start, end)` is told each
+    span of w's bytes once it has been grouped (a loader drops those file pages then)."""
     if not can_group(w):
         names = ", ".join(t.name for t in GROUPS_AS)
         raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and {names} "
                          "rows in a multiple of 8")
     rows, cols = w.shape
     qtype = GROUPS_AS[w.qtype]
-    data = torch.empty(rows, row_bytes(qtype, cols, grouped=True), dtype=torch.uint8)
+    dst_bytes = row_bytes(qtype, cols, grouped=True)
+    data = torch.empty(rows, dst_bytes, dtype=torch.uint8)
     qt, ptr, _, _, src_bytes = w.kernel_args
-    _qk.to_x8(qt, ptr, rows, cols, src_bytes, data.data_ptr())
+    for r0 in range(0, rows, GROUP_CHUNK_ROWS):
+        n = min(GROUP_CHUNK_ROWS, rows - r0)  # a multiple of 8, as rows is
+        _qk.to_x8(qt, ptr + r0 * src_bytes, n, cols, src_bytes,
+                  data.data_ptr() + r0 * dst_bytes)
+        if read is not None:
+            read(r0 * src_bytes, (r0 + n) * src_bytes)
     return QuantizedWeight(qtype, (rows, cols), data, grouped=True)
 
 

@@ -7,6 +7,7 @@ for dense weights; float tensors are cast to the compute dtype; norms and biases
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,8 +137,10 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
 
     stats: list[TensorStat] = []
 
-    def convert(raw: RawTensor, dst: str, stat_name: str) -> Weight:
-        w = _convert(raw, lambda t: transform(config, dst, t), options, dense=dst in _DENSE)
+    def convert(raw: RawTensor, dst: str, stat_name: str,
+                read: Callable[[int, int], None] | None = None) -> Weight:
+        w = _convert(raw, lambda t: transform(config, dst, t), options, dense=dst in _DENSE,
+                     read=read)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
         return w
 
@@ -146,8 +149,8 @@ def load_model(ckpt: Checkpoint, options: LoadOptions) -> LoadedModel:
         if len(raw.shape) == 3:  # a layer's experts stacked on the first axis
             w = tuple(convert(sub, dst, f"{stat_name}.{e}")
                       for e, sub in enumerate(_expert_slices(raw)))
-        else:
-            w = convert(raw, dst, stat_name)
+        else:  # a large matrix's pages go as its rows are grouped, not all after
+            w = convert(raw, dst, stat_name, lambda a, b: ckpt.release_pages(src, a, b))
         ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
@@ -254,7 +257,7 @@ def _mlp_names(layer: dict) -> set[str]:
 
 
 def _convert(raw: RawTensor, transform: Any, options: LoadOptions,
-             dense: bool = False) -> Weight:
+             dense: bool = False, read: Callable[[int, int], None] | None = None) -> Weight:
     if raw.qtype not in _SUPPORTED:
         raise ModelLoadError(f"tensor type {raw.qtype} is not supported "
                              f"(valid: {', '.join(sorted(_SUPPORTED))})")
@@ -262,8 +265,8 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions,
     if raw.quantized:
         rows = transform(raw.data)  # row permutations work on the block bytes too
         w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, rows)
-        if options.keep_quantized and on_cpu:
-            return _grouped(w, options)
+        if options.keep_quantized and on_cpu:  # `read` spans are raw's: only if rows is raw
+            return _grouped(w, options, read if rows.data_ptr() == raw.data.data_ptr() else None)
         return dequantize(w).to(device=options.device, dtype=options.dtype)
     t = transform(raw.data)
     if t.dim() < 2:
@@ -273,8 +276,9 @@ def _convert(raw: RawTensor, transform: Any, options: LoadOptions,
                                                                              options.dtype)
 
 
-def _grouped(w: QuantizedWeight, options: LoadOptions) -> QuantizedWeight:
-    return group_rows(w) if options.group_rows and can_group(w) else w
+def _grouped(w: QuantizedWeight, options: LoadOptions,
+             read: Callable[[int, int], None] | None = None) -> QuantizedWeight:
+    return group_rows(w, read) if options.group_rows and can_group(w) else w
 
 
 def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | None:

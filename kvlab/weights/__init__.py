@@ -51,10 +51,17 @@ class Checkpoint:
     def read(self, name: str) -> RawTensor:
         raise NotImplementedError
 
-    def release_pages(self, name: str | None = None) -> None:
-        """Drop the pages of tensor `name` (or of the whole file) that this process has
-        resident, once what was built from them is a copy; whatever is still read in place
-        faults back in. A no-op where the format has no memory map of its own."""
+    def release_pages(self, name: str | None = None, start: int = 0,
+                      end: int | None = None) -> None:
+        """Drop the pages of tensor `name` (its bytes [start, end), all by default; or of the
+        whole file) that this process has resident, once what was built from them is a copy;
+        whatever is still read in place faults back in. A no-op where the format has no
+        memory map of its own."""
+
+
+    def drop_vocabulary(self) -> None:
+        """Forget the tokenizer's arrays in the metadata once a tokenizer is built from them
+        (a GGUF's largest metadata: tens of MB of Python objects). A no-op for HF."""
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -67,8 +74,14 @@ class GGUFCheckpoint(Checkpoint):
     def names(self) -> set[str]:
         return set(self.file.tensors)
 
-    def release_pages(self, name: str | None = None) -> None:
-        self.file.release_pages(name)
+    def release_pages(self, name: str | None = None, start: int = 0,
+                      end: int | None = None) -> None:
+        self.file.release_pages(name, start, end)
+
+    def drop_vocabulary(self) -> None:
+        for key in [k for k, v in self.metadata.items()
+                    if k.startswith("tokenizer.ggml.") and isinstance(v, list)]:
+            del self.metadata[key]
 
     def read(self, name: str) -> RawTensor:
         info = self.file.tensors[name]

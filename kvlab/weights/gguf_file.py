@@ -126,19 +126,21 @@ class GGUFFile:
         info = self.tensors[name]
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
-    def release_pages(self, name: str | None = None) -> None:
-        """Drop this process's resident copy of tensor `name`'s pages (whole pages inside
-        it), or of the whole file. The map is read-only and file-backed, so a later read of
-        a tensor kept in place faults its pages back in from the page cache; what is not
-        read again no longer counts in the RSS."""
+    def release_pages(self, name: str | None = None, start: int = 0,
+                      end: int | None = None) -> None:
+        """Drop this process's resident copy of tensor `name`'s pages (the whole pages inside
+        its bytes [start, end), all of them by default), or of the whole file. The map is
+        read-only and file-backed, so a later read of a tensor kept in place faults its pages
+        back in from the page cache; what is not read again no longer counts in the RSS."""
         if name is None:
             self._mmap.madvise(mmap.MADV_DONTNEED)
             return
         info, page = self.tensors[name], mmap.PAGESIZE
-        start = -(-info.offset // page) * page
-        end = (info.offset + info.nbytes) // page * page
-        if end > start:
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        stop = info.nbytes if end is None else min(end, info.nbytes)
+        first = -(-(info.offset + start) // page) * page
+        last = (info.offset + stop) // page * page
+        if last > first:
+            self._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def head(self, nbytes: int) -> bytes:
         """The file's first `nbytes` bytes (header, metadata and tensor directory before
