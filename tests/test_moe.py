@@ -5,6 +5,7 @@ transformers' choices; quantized experts stay in their blocks."""
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -322,3 +323,9 @@ def test_decode_reads_the_active_weights_bytes(tiny):
     active = engine.cost.decode_weight_bytes
     assert abs(result.weights_read_per_token / active - 1) <= 0.10
     assert "(within 10 %)" in weight_check([result], active)
+
+
+def test_a_copy_of_the_experts_points_at_its_own_weights():
+    experts = _experts((T.Q8_0,), T.Q8_0, False, count=2)
+    twin = copy.deepcopy(experts)
+    assert twin.c_table[0, 2, 1] == twin.down[0].data.data_ptr() != experts.c_table[0, 2, 1]

@@ -93,6 +93,10 @@ class Experts:
     def __len__(self) -> int:
         return len(self.down)
 
+    def __reduce__(self) -> tuple:
+        """Copies and pickles rebuild through __init__: c_table gets the new addresses."""
+        return (Experts, (self.gate_up, self.down))
+
     def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, hidden] -> [n, hidden]."""
         return linear(swiglu(linear(x, self.gate_up[e])), self.down[e])
