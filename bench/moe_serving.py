@@ -36,8 +36,10 @@ def loadtest(port: int, args: argparse.Namespace) -> dict[int, float]:
                        "-n", str(args.n), "--max-tokens", str(args.max_tokens), "--ignore-eos",
                        "--endpoint", "completions", "--warmup", "2", "--json"]
     print("#", " ".join(cmd[3:]), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    runs = json.loads(out[out.index("{"):])["sweep"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"kvlab loadtest exited with status {proc.returncode}: {proc.stderr[-2000:]}")
+    runs = json.loads(proc.stdout[proc.stdout.index("{"):])["sweep"]
     for r in runs:
         if r["failed"]:
             sys.exit(f"{r['failed']} requests failed at concurrency {r['concurrency']}: "
