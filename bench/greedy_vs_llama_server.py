@@ -28,8 +28,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
 DEFAULT_BIN = "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 
 
-def start_llama_server(binary: Path, model: Path, threads: int, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([str(binary), "-m", str(model), "-t", str(threads), "-c", "2048",
+def start_llama_server(binary: Path, model: Path, threads: int, port: int,
+                       extra: tuple[str, ...] = ("-c", "2048")) -> subprocess.Popen:
+    """llama-server on 127.0.0.1:port, once /health answers; `extra`: more flags."""
+    proc = subprocess.Popen([str(binary), "-m", str(model), "-t", str(threads), *extra,
                              "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(240):

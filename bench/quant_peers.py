@@ -228,6 +228,7 @@ class Run:
     tg: float
     kvlab_bytes_per_token: float | None = None
     kvlab_gb_s: float | None = None
+    kvlab_weights_read: float | None = None  # weight bytes per token counted in its kernels
 
 
 class EngineFailed(Exception):
@@ -248,7 +249,7 @@ class KvlabBench:
         results = {r["test"]: r for r in json.loads(stdout[stdout.index("{"):])["results"]}
         tg = results[f"tg{args.n}"]
         return Run(results[f"pp{args.p}"]["tok_s_mean"], tg["tok_s_mean"],
-                   tg["bytes_per_token"], tg["gb_s"])
+                   tg["bytes_per_token"], tg["gb_s"], tg.get("weights_read_per_token"))
 
 
 @dataclass(frozen=True)
@@ -434,7 +435,9 @@ def _ceiling_line(series: dict[str, Series], step_bytes: float,
     if kv.median("kvlab_bytes_per_token"):
         print(f"kvlab's own figures: its step reads "
               f"{kv.median('kvlab_bytes_per_token') / 1e6:.1f} MB per token in its in-memory "
-              f"layout, {kv.median('kvlab_gb_s'):.2f} GB/s reached")
+              f"layout, {kv.median('kvlab_gb_s'):.2f} GB/s reached"
+              + (f"; its kernels counted {kv.median('kvlab_weights_read') / 1e6:.1f} MB of "
+                 "weights read per token" if kv.median("kvlab_weights_read") else ""))
     print("raw tg:", {n: [round(r.tg, 2) for r in s.runs] for n, s in series.items()},
           "pp:", {n: [round(r.pp, 1) for r in s.runs] for n, s in series.items()})
 

@@ -22,6 +22,7 @@ from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
 from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError, RequestError
+from kvlab.kernels import weight_bytes_read
 from kvlab.metrics import GenerationMetrics, ModelCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
@@ -110,6 +111,7 @@ class EngineStats:
     kv_bytes_per_token: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found
+    weight_bytes_read: int = 0  # weight bytes the C kernels have read in this process
 
     @property
     def kv_usage(self) -> float:
@@ -279,7 +281,8 @@ class Engine:
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             block_size=self.config.block_size, kv_bytes_per_token=self.cost.kv_bytes_per_token,
-            prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits)
+            prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits,
+            weight_bytes_read=weight_bytes_read())
 
     def kv_view(self, request_id: str) -> KVView | None:
         """Where a live request's KV cache lives: its block table and what came from the cache."""

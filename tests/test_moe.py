@@ -5,18 +5,22 @@ transformers' choices; quantized experts stay in their blocks."""
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType as T
+from test_decode_c import quantized_engine
 from test_models import reference_logits, runner_for, step
 
+from kvlab.bench.llama_bench import bench_tg, weight_check
 from kvlab.engine import Engine, EngineConfig
-from kvlab.kernels import QuantizedWeight
+from kvlab.kernels import QuantizedWeight, fused, group_rows, quantize
 from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
+from kvlab.models.layers import Stacked
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import RequestOutput, RequestTimings, SamplingParams
 from kvlab.runner import ModelRunner
@@ -97,13 +101,14 @@ def test_routing_decisions_equal_transformers(tiny, monkeypatch):
 def test_quantized_gguf_experts_stay_in_their_blocks(tiny, tmp_path):
     arch, hf, out = tiny
     path = tmp_path / "q8.gguf"
-    write_gguf(arch, hf, path, quantize=GGMLQuantizationType.Q8_0)
+    write_gguf(arch, hf, path, quantize=T.Q8_0)
     loaded = load_model(open_checkpoint(path), LoadOptions(group_rows=False))
     experts = loaded.model.layers[0]["experts"]
     assert len(experts) == loaded.config.moe.num_experts
-    assert all(isinstance(w, QuantizedWeight) and w.qtype == GGMLQuantizationType.Q8_0
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == T.Q8_0
                for w in experts.down)
     assert all(p.all_quantized for p in experts.gate_up)
+    assert experts.c_table is not None  # one C call per layer runs the chosen experts
     # the down experts are views of one block of bytes, expert after expert (zero copies)
     d0, d1 = experts.down[0], experts.down[1]
     assert d1.data.data_ptr() - d0.data.data_ptr() == d0.nbytes
@@ -116,10 +121,65 @@ def test_quantized_gguf_experts_stay_in_their_blocks(tiny, tmp_path):
     assert cos > 0.99
 
 
-def test_moe_models_take_the_per_op_path(tiny):
+def _experts(gate_up_types, down_type, grouped: bool, hidden: int = 256, inter: int = 256,
+             count: int = 6) -> moe.Experts:
+    """Random quantized experts; gate|up in one matrix, or (two types) in two parts."""
+    gen = torch.Generator().manual_seed(11)
+
+    def weight(rows, cols, qtype, scale=1.0):
+        w = quantize(torch.randn(rows, cols, generator=gen) * scale, qtype)
+        return group_rows(w) if grouped else w
+
+    gate_up = tuple(Stacked.of([weight(2 * inter, hidden, gate_up_types[0])]
+                               if len(gate_up_types) == 1 else
+                               [weight(inter, hidden, t) for t in gate_up_types])
+                    for _ in range(count))
+    down = tuple(weight(hidden, inter, down_type, 0.1) for _ in range(count))
+    return moe.Experts(gate_up, down)
+
+
+@pytest.mark.parametrize("gate_up_types, down_type, grouped", [
+    ((T.Q4_K,), T.Q6_K, True), ((T.Q8_0,), T.Q8_0, False), ((T.Q4_K, T.Q8_0), T.Q6_K, True),
+    ((T.Q8_0, T.Q4_K), T.Q4_K, False)])
+@pytest.mark.parametrize("tokens", [1, 3, 19])
+def test_c_experts_equal_the_per_expert_products(gate_up_types, down_type, grouped, tokens):
+    """One C call runs a layer's chosen experts on the same 8-bit blocks as one product per
+    expert: the batch path's bits exactly; one token differs only where torch's add with
+    alpha fuses the multiply (a rounding of the sum, not of the products)."""
+    experts = _experts(gate_up_types, down_type, grouped)
+    assert experts.c_table is not None
+    gen = torch.Generator().manual_seed(tokens)
+    h = torch.randn(tokens, 256, generator=gen)
+    ids = torch.stack([torch.randperm(len(experts), generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    got = fused.moe_experts(h, ids, weights, experts.c_table)
+    each = moe.run_experts_each(h, experts, weights, ids)
+    if tokens > 1:
+        assert torch.equal(got, each)
+    assert (got - each).abs().max() <= 1e-6 * each.abs().max()
+    # each token's row is what it gets alone
+    assert torch.equal(got[-1:], fused.moe_experts(h[-1:], ids[-1:], weights[-1:],
+                                                   experts.c_table))
+
+
+def test_c_experts_refuse_an_expert_id_out_of_range():
+    experts = _experts((T.Q8_0,), T.Q8_0, False, count=4)
+    ids = torch.tensor([[0, 4]])
+    with pytest.raises(IndexError, match=r"expert id 4 is out of range \[0, 4\)"):
+        fused.moe_experts(torch.randn(1, 256), ids, torch.rand(1, 2), experts.c_table)
+
+
+def test_dense_experts_take_the_per_expert_products(tiny):
+    arch, hf, out = tiny
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions())
+    assert loaded.model.layers[0]["experts"].c_table is None  # fp32 weights: torch products
+
+
+def test_quantized_moe_models_decode_in_the_c_layers(tiny):
     arch, hf, out = tiny
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
-    assert loaded.model.c_plan is None  # the one-call C layers run dense MLPs only
+    # the one-call C layers route and run the experts; a shared expert stays per-op
+    assert (loaded.model.c_plan is None) == (arch == "qwen2moe")
     assert isinstance(loaded.model.layers[0]["experts"].down[0], QuantizedWeight)
     assert not isinstance(loaded.model.layers[0]["router"], QuantizedWeight)
 
@@ -251,3 +311,21 @@ def test_viz_token_events_carry_the_experts():
     assert first[0]["event"] == "prefill" and first[0]["experts"] == [[3, 1], [0, 2]]
     second = run._step_events(state, output(8, None))
     assert second[0]["event"] == "decode" and "experts" not in second[0]
+
+
+def test_decode_reads_the_active_weights_bytes(tiny):
+    """The weight bytes the kernels count per decode token equal the cost model's active
+    weights (k of E experts a layer) within 10 % (fp32 norms and a per-op router are not
+    counted), and `weight_check` says so."""
+    arch, hf, out = tiny
+    engine = quantized_engine(out, "q8_0")
+    result = bench_tg(engine, 6, 1)
+    active = engine.cost.decode_weight_bytes
+    assert abs(result.weights_read_per_token / active - 1) <= 0.10
+    assert "(within 10 %)" in weight_check([result], active)
+
+
+def test_a_copy_of_the_experts_points_at_its_own_weights():
+    experts = _experts((T.Q8_0,), T.Q8_0, False, count=2)
+    twin = copy.deepcopy(experts)
+    assert twin.c_table[0, 2, 1] == twin.down[0].data.data_ptr() != experts.c_table[0, 2, 1]

@@ -3,7 +3,9 @@
 Each test runs `repetitions` times on the public engine API with random prompt tokens and
 the prefix cache off (every run computes its whole prompt). Beside tok/s it prints the bytes a
 decode step reads, the GB/s that reached and its share of this machine's bandwidth, and the
-FLOP/s of prefill: each figure read against the ceiling it is bound by.
+FLOP/s of prefill: each figure read against the ceiling it is bound by. The weight bytes the C
+kernels really read per decode token are counted too (`weight_check`), against the bytes the
+cost model says the active weights take: a mixture of experts must read only its chosen ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class BenchResult:
     gb_s: float  # decode: bytes per token x tok/s
     gflop_s: float
     bandwidth_share: float | None  # gb_s / measured machine bandwidth
+    weights_read_per_token: float = 0.0  # decode: weight bytes the C kernels read; 0 uncounted
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -46,16 +49,23 @@ def _tokens(engine: Engine, n: int, rng: random.Random) -> list[int]:
     return ids
 
 
-def _run_one(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
-    """(prefill seconds, decode inter-token latencies) of one request."""
+def _run_one(engine: Engine, prompt: list[int],
+             max_tokens: int) -> tuple[float, list[float], float]:
+    """(prefill seconds, decode inter-token latencies, weight bytes the kernels read per
+    decode step) of one request: the steps after its first token are one decode each."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.add_request("bench", prompt, params)
-    last = None
+    last, first_read, decodes = None, None, 0
     while engine.has_unfinished():
         for out in engine.step():
             last = out
+        if first_read is None and last is not None and last.new_token_ids:
+            first_read = engine.stats().weight_bytes_read
+        elif first_read is not None:
+            decodes += 1
     assert last is not None and last.timings is not None
-    return last.timings.prefill_seconds, last.timings.inter_token_latencies
+    read = (engine.stats().weight_bytes_read - first_read) / decodes if decodes else 0.0
+    return last.timings.prefill_seconds, last.timings.inter_token_latencies, read
 
 
 def bench_pp(engine: Engine, n_prompt: int, reps: int, seed: int = 0) -> BenchResult:
@@ -63,7 +73,7 @@ def bench_pp(engine: Engine, n_prompt: int, reps: int, seed: int = 0) -> BenchRe
     samples = []
     flops = engine.cost.prefill_flops(n_prompt)
     for _ in range(reps):
-        prefill_s, _ = _run_one(engine, _tokens(engine, n_prompt, rng), 1)
+        prefill_s, _, _ = _run_one(engine, _tokens(engine, n_prompt, rng), 1)
         samples.append(n_prompt / prefill_s)
     mean = statistics.fmean(samples)
     return BenchResult(f"pp{n_prompt}", n_prompt, 0, 0, mean, _std(samples), tuple(samples),
@@ -73,10 +83,11 @@ def bench_pp(engine: Engine, n_prompt: int, reps: int, seed: int = 0) -> BenchRe
 def bench_tg(engine: Engine, n_gen: int, reps: int, depth: int = 0, seed: int = 0,
              bandwidth_gb_s: float | None = None) -> BenchResult:
     rng = random.Random(seed)
-    samples = []
+    samples, read = [], []
     for _ in range(reps):
-        _, itl = _run_one(engine, _tokens(engine, max(1, depth), rng), n_gen + 1)
+        _, itl, weights = _run_one(engine, _tokens(engine, max(1, depth), rng), n_gen + 1)
         samples.append(len(itl) / sum(itl))
+        read.append(weights)
     mean = statistics.fmean(samples)
     context = max(1, depth) + n_gen // 2
     per_token = engine.cost.decode_bytes(context)
@@ -84,7 +95,20 @@ def bench_tg(engine: Engine, n_gen: int, reps: int, depth: int = 0, seed: int = 
     name = f"tg{n_gen}" + (f"@d{depth}" if depth else "")
     return BenchResult(name, 0, n_gen, depth, mean, _std(samples), tuple(samples), per_token,
                        gb_s, engine.cost.decode_flops(context) * mean / 1e9,
-                       gb_s / bandwidth_gb_s if bandwidth_gb_s else None)
+                       gb_s / bandwidth_gb_s if bandwidth_gb_s else None,
+                       statistics.fmean(read))
+
+
+def weight_check(results: list[BenchResult], active_bytes: int) -> str | None:
+    """The decode weight bytes counted in the kernels against the active weights' bytes."""
+    counted = [r.weights_read_per_token for r in results if r.weights_read_per_token]
+    if not counted or not active_bytes:
+        return None
+    read = statistics.fmean(counted)
+    off = read / active_bytes - 1
+    return (f"decode weights read: {read / 1e6:.1f} MB per token counted in the kernels, "
+            f"{active_bytes / 1e6:.1f} MB of active weights: {100 * off:+.1f} % "
+            f"({'within' if abs(off) <= 0.10 else 'outside'} 10 %)")
 
 
 def _std(xs: list[float]) -> float:

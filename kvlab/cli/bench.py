@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvlab.bench.llama_bench import BenchResult, bench_pp, bench_tg, format_table
+from kvlab.bench.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
@@ -103,3 +103,6 @@ def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
           f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)"
           + _routed_note(engine.cost) + _parallel_note(engine.config.tensor_parallel_size))
     print(format_table(results, fmt))
+    check = weight_check(results, engine.cost.decode_weight_bytes)
+    if check and fmt == "md":
+        print(check)

@@ -10,6 +10,7 @@
     group_rows(w) -> QuantizedWeight              8-row groups: Q8_0x8, Q4_Kx8, Q6_Kx8, IQ4_XSx8, ...
     set_num_threads(n)                            kernel threads and torch's, together
     stream_read(t)                                read all of t on the kernel threads
+    weight_bytes_read() -> int                    weight bytes the C kernels have read so far
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL,
 IQ4_XS (Q2_K, Q3_K, IQ4_NL and IQ4_XS are read from GGUF files; kvlab does not quantize to
@@ -28,6 +29,7 @@ from kvlab.kernels.ops import (
     quantize,
     set_num_threads,
     stream_read,
+    weight_bytes_read,
 )
 from kvlab.kernels.qweight import SUPPORTED_TYPES, QuantizedWeight
 
@@ -45,4 +47,5 @@ __all__ = [
     "quantize",
     "set_num_threads",
     "stream_read",
+    "weight_bytes_read",
 ]

@@ -12,6 +12,7 @@ kernels of 2-12 µs each, which is most of a small model's step outside the prod
     scatter_rows_q8_(store, scales, slots, x) ... into a q8_0 store, quantized as it goes
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
     attend_prefill(q, k, v, slots, ...)       a prefill chunk against its cache slots, causally
+    moe_experts(h, ids, weights, experts)     a layer's routed experts, each read once a step
 
 Callers check `fits` first (fp32, on the CPU, the extension built) and otherwise use the
 torch ops, which these match to fp32 rounding (tests/test_kernels.py).
@@ -190,6 +191,22 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: tor
     _qk.attend_prefill(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                        slots.data_ptr(), first, start, n, heads, k.shape[1], dim, window or 0,
                        scale, out.data_ptr())
+    return out
+
+
+def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+    """sum over each token's k slots of weight * down_e(silu(gate_e) * up_e)(h): [T, hidden].
+
+    h: [T, hidden] fp32; ids: [T, k] expert ids (checked); weights: [T, k] fp32; experts:
+    int64 [E, 3, 5], each expert's gate|up in one or two parts (the second all zeros when
+    one) and down, as QuantizedWeight.kernel_args. The tokens are grouped by expert in C,
+    so each chosen expert's weights are read once for all its tokens."""
+    h, ids, weights = _c(h), _i64(ids), _c(weights)
+    out = torch.empty_like(h)
+    _qk.moe_experts(experts.data_ptr(), experts.shape[0], h.data_ptr(), h.shape[0],
+                    h.shape[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+                    out.data_ptr())
     return out
 
 

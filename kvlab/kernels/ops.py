@@ -54,6 +54,12 @@ def stream_read(x: torch.Tensor) -> float:
     return float(_qk.stream_read(x.data_ptr(), x.numel() * x.element_size()))
 
 
+def weight_bytes_read() -> int:
+    """Bytes of quantized weights the C products and embedding-row lookups have read since
+    the extension loaded (0 without it): the weights a step really touched."""
+    return _qk.weight_bytes_read() if _qk is not None else 0
+
+
 def get_num_threads() -> int:
     return _qk.get_num_threads() if _qk is not None else torch.get_num_threads()
 

@@ -9,10 +9,13 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
 
     attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), qkv_bias, q_norm,
     k_norm, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
-    post_mlp_norm, sliding
+    post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms);
-`gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU).
+`gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). A mixture-of-experts layer has a
+router (fp32 [E, hidden]) and its experts' table (moe.Experts.c_table) in place of gate_up
+and down; the C side routes in fp32 as moe.route does, so its logits equal the per-op path's
+up to fp32 rounding of the router (not bit for bit).
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ def _kind(stores: tuple | None) -> int | None:
 
 def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
     """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
-    if _qk is None or not layers or config.moe is not None or config.qk_norm_whole:
-        return None  # the C layers run dense SwiGLU/GeGLU MLPs and per-head QK-norm only
+    if _qk is None or not layers:
+        return None
     rows = []
     for i, layer in enumerate(layers):
-        row = _layer_row(layer, config.is_sliding(i), GATES[gate])
+        row = _layer_row(layer, config, i, gate)
         if row is None:
             return None
         rows.append(row)
@@ -74,30 +77,64 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
     return Plan(weights) if weights.shape[1] == _qk.plan_fields() else None
 
 
-def _layer_row(layer: dict, sliding: bool, gate: int) -> list[int] | None:
-    qkv, gate_up = _parts(layer["qkv"], 3), _parts(layer.get("gate_up"), 2)
-    o, down = _desc(layer["o"]), _desc(layer.get("down"))
+def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
+    attention, post = _attention_fields(layer, config), _norm(layer.get("post_mlp_norm"))
+    if "router" in layer:  # no dense MLP: n_gate_up 0
+        mlp, moe = [0, *_EMPTY * 2, GATES["silu"], *_EMPTY], _moe_fields(layer, config)
+    else:
+        mlp, moe = _dense_fields(layer, gate), [0] * 5
+    if attention is None or mlp is None or moe is None or post is None:
+        return None
+    return [*attention, *mlp, post, int(config.is_sliding(i)), int(config.qk_norm_whole), *moe]
+
+
+def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """attn_norm, n_qkv, qkv, qkv_bias, q_norm, k_norm, o, post_attn_norm, mlp_norm."""
+    qkv, o = _parts(layer["qkv"], 3), kernel_desc(layer["o"])
     norms = {n: _norm(layer.get(n), n in _OPTIONAL)
-             for n in ("attn_norm", "mlp_norm", *_OPTIONAL)}
-    if qkv is None or gate_up is None or o is None or down is None or None in norms.values():
+             for n in ("attn_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm",
+                       "mlp_norm")}
+    if qkv is None or o is None or None in norms.values():
+        return None
+    if config.qk_norm_whole and not (norms["q_norm"] and norms["k_norm"]):
         return None
     n = norms
     return [n["attn_norm"], len(layer["qkv"].parts), *qkv, n["qkv_bias"], n["q_norm"],
-            n["k_norm"], *o, n["post_attn_norm"], n["mlp_norm"], len(layer["gate_up"].parts),
-            *gate_up, gate, *down, n["post_mlp_norm"], int(sliding)]
+            n["k_norm"], *o, n["post_attn_norm"], n["mlp_norm"]]
+
+
+def _dense_fields(layer: dict, gate: str) -> list[int] | None:
+    """n_gate_up, gate_up[2], gate, down."""
+    gate_up, down = _parts(layer.get("gate_up"), 2), kernel_desc(layer.get("down"))
+    if gate_up is None or down is None:
+        return None
+    return [len(layer["gate_up"].parts), *gate_up, GATES[gate], *down]
+
+
+def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """router, n_experts, top_k, norm_topk, experts; None for a shared expert (Qwen2-MoE's
+    runs in torch) or experts without C kernels."""
+    router, experts, moe = layer["router"], layer["experts"], config.moe
+    e, k = moe.num_experts, moe.experts_per_token
+    ok = (experts.c_table is not None and "shexp_gate_up" not in layer and 0 < k <= e <= 256
+          and isinstance(router, torch.Tensor) and fused.fits(router)
+          and router.is_contiguous() and tuple(router.shape) == (e, config.hidden_size))
+    if not ok:
+        return None
+    return [router.data_ptr(), e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr()]
 
 
 def _parts(stacked: object, most: int) -> list[int] | None:
     parts = getattr(stacked, "parts", None)
     if parts is None or len(parts) > most:
         return None
-    descs = [_desc(p) for p in parts]
+    descs = [kernel_desc(p) for p in parts]
     if None in descs:
         return None
     return [v for d in descs for v in d] + _EMPTY * (most - len(parts))
 
 
-def _desc(w: object) -> list[int] | None:
+def kernel_desc(w: object) -> list[int] | None:
     """What the C products take of a weight; None for dense tensors and F32 blocks (those
     go through torch)."""
     if not isinstance(w, QuantizedWeight) or w.qtype == GGMLQuantizationType.F32:

@@ -144,8 +144,8 @@ class LlamaModel:
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
         ropes = {False: (cos, sin), True: (cos, sin)}  # one RoPE table for every layer
-        if self.c_plan is not None and decode_c.run(self.c_plan, self.config, x, ropes,
-                                                    kv_caches, meta):
+        if self.c_plan is not None and trace is None and decode_c.run(  # C: no expert trace
+                self.c_plan, self.config, x, ropes, kv_caches, meta):
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # x: embed's own
             h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)

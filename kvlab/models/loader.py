@@ -189,8 +189,18 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
     layers = [get_layer(i) for i in range(config.num_layers)]
     _check_present(weights, layers, ckpt)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
-    model = spec.model_cls(config, weights, [_stack(layer, fused) for layer in layers], tp)
+    model = spec.model_cls(config, weights, _stack_all(layers, fused), tp)
     return LoadedModel(spec, config, model, tuple(stats))
+
+
+def _stack_all(layers: list[dict], fused_sizes: dict[str, tuple[int, ...]]) -> list[dict]:
+    """_stack on each layer in turn, each unstacked layer dropped from `layers` as it goes:
+    the copies stacking makes (gate|up of every expert, q|k|v) then never sit beside all the
+    originals, which would lift the peak RSS of a load by their size."""
+    out = []
+    while layers:
+        out.append(_stack(layers.pop(0), fused_sizes))
+    return out
 
 
 def _expert_slices(raw: RawTensor) -> list[RawTensor]:

@@ -18,13 +18,15 @@ one convention for all of them; the per-family HF names live in the architecture
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvlab.config import MoeConfig
 from kvlab.errors import ModelLoadError
+from kvlab.kernels import fused
+from kvlab.models.decode_c import kernel_desc
 from kvlab.models.layers import Stacked, Weight, linear, swiglu
 from kvlab.models.llama import LlamaModel
 from kvlab.models.spec import gguf_get
@@ -80,17 +82,48 @@ class Experts:
 
     gate_up: tuple[Stacked, ...]
     down: tuple[Weight, ...]  # [hidden, inter] each
+    # int64 [E, 3, 5]: what fused.moe_experts takes, or None when some expert has no C path
+    c_table: torch.Tensor | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.gate_up) != len(self.down):
             raise ValueError(f"{len(self.gate_up)} gate/up experts but {len(self.down)} down")
+        object.__setattr__(self, "c_table", _c_table(self))
 
     def __len__(self) -> int:
         return len(self.down)
 
+    def __reduce__(self) -> tuple:
+        """Copies and pickles rebuild through __init__: c_table gets the new addresses."""
+        return (Experts, (self.gate_up, self.down))
+
     def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, hidden] -> [n, hidden]."""
         return linear(swiglu(linear(x, self.gate_up[e])), self.down[e])
+
+
+def _c_table(experts: Experts) -> torch.Tensor | None:
+    """Each expert's gate|up (one or two parts) and down as the C products take them; None
+    unless every expert has C kernels and the experts share their types and shapes."""
+    if not fused.ENABLED or not experts.down:
+        return None
+    rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
+    if None in rows:
+        return None
+    table = torch.tensor(rows, dtype=torch.int64)  # [E, 3, 5]: (qt, ptr, rows, cols, bytes)
+    shapes = table[:, :, [0, 2, 3, 4]]
+    (_, _, gate_rows, gate_cols, _), (_, _, up_rows, up_cols, _), (_, _, hidden, inter, _) = (
+        table[0].tolist())
+    fits = (gate_rows + up_rows == 2 * inter and gate_cols == hidden
+            and up_cols in (0, hidden) and (up_rows == 0 or gate_rows == inter))
+    return table if fits and not bool((shapes != shapes[0]).any()) else None
+
+
+def _c_row(gate_up: Stacked, down: Weight) -> list[list[int]] | None:
+    parts = [kernel_desc(p) for p in gate_up.parts]
+    if not 1 <= len(parts) <= 2 or None in parts or kernel_desc(down) is None:
+        return None
+    return [parts[0], parts[1] if len(parts) == 2 else [0] * 5, kernel_desc(down)]
 
 
 def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +142,15 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
 def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
+    if experts.c_table is not None and fused.fits(h, weights):
+        return fused.moe_experts(h, ids, weights, experts.c_table)
+    return run_experts_each(h, experts, weights, ids)
+
+
+def run_experts_each(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """run_experts one product call per expert (dense weights, no C extension); the C path
+    computes the same products on the same 8-bit blocks."""
     if h.shape[0] == 1:  # batch-1 decode: k products on the one row, nothing to gather
         out = torch.zeros_like(h)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):

@@ -81,6 +81,16 @@ typedef struct {
 
 enum { KV_ACT_FLOAT = 0, KV_ACT_32 = 1, KV_ACT_256 = 2, KV_ACT_64 = 3 };
 
+/* Bytes of one row of `cols` activations in blocks of `kind` (KV_ACT_FLOAT: fp32 as is) */
+static inline int64_t kv_act_row_bytes(int kind, int64_t cols) {
+    switch (kind) {
+        case KV_ACT_32: return cols / 32 * (int64_t)sizeof(kv_act32);
+        case KV_ACT_64: return (cols / 32 + 1) / 2 * (int64_t)sizeof(kv_act64);
+        case KV_ACT_256: return cols / 256 * (int64_t)sizeof(kv_act256);
+        default: return cols * (int64_t)sizeof(float);
+    }
+}
+
 /* Rows [r0, r1) of W (row_bytes apart) times n activation rows (xstride bytes apart):
  * y[j*ystride + r] = dot(W[r], x[j]). */
 typedef void (*kv_gemv_fn)(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
@@ -100,6 +110,27 @@ typedef struct {
 } kv_isa;
 
 extern const kv_isa kv_isa_generic;
+/* one fp32 row -> its activation blocks of `kind` (a copy for KV_ACT_FLOAT) */
+void kv_act_row(const kv_isa *isa, int kind, const float *x, int64_t cols, void *out);
+
+/* What a product takes of a weight: GGML (or grouped) type id, address, rows, cols and
+ * bytes per row, as QuantizedWeight.kernel_args */
+typedef struct {
+    int64_t qt, ptr, rows, cols, row_bytes;
+} kv_wdesc;
+
+/* A layer's routed experts on T tokens (qk_moe.c): experts [E][3] = gate|up in one or two
+ * parts (the second rows 0 when one), down; ids, weights [T, k]; out [T, hidden] =
+ * sum over each token's k slots of weight * down(silu(gate) * up). 0, -1 out of memory. */
+/* One token's routing from its router scores [E]: softmax in fp32, the k largest (the first
+ * of equals first), in descending order, renormalized over the k when norm. */
+void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
+                  float *weights);
+int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
+                   int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
+                   int64_t k, float *out);
+
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KV_NO_AVX2)  /* -DKV_NO_AVX2: portable only */
 #define KV_HAVE_AVX2_BUILD 1
 extern const kv_isa kv_isa_avx2;
@@ -265,6 +296,13 @@ int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
                       int64_t KVH, int64_t D, int64_t window, float scale, float *out,
                       int use_avx2);
+
+/* bytes of weights the products (and embedding-row lookups) have read since the module
+ * loaded: what a decode step costs, counted where it is spent (qk_module.c) */
+void kv_count_weight_bytes(int64_t bytes);
+
+/* grow-only working memory of the jobs (qk_module.c); the module lock holds it for one job */
+void *kv_scratch(size_t bytes);
 
 /* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
 typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);

@@ -18,6 +18,9 @@ static const kv_isa *g_isa = &kv_isa_generic;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *g_scratch;
 static size_t g_scratch_bytes;
+static atomic_llong g_weight_bytes;
+
+void kv_count_weight_bytes(int64_t bytes) { atomic_fetch_add(&g_weight_bytes, bytes); }
 
 static int cpu_has_avx2(void) {
 #ifdef KV_HAVE_AVX2_BUILD
@@ -36,7 +39,7 @@ static const kv_isa *best_isa(void) {
     return &kv_isa_generic;
 }
 
-static void *scratch(size_t bytes) {
+void *kv_scratch(size_t bytes) {
     if (bytes > g_scratch_bytes) {
         free(g_scratch);
         g_scratch_bytes = 0;
@@ -188,32 +191,18 @@ static int check_layout(int64_t qtype, int64_t cols, int64_t row_bytes) {
 
 /* ---------------- entry points ---------------- */
 
-static int64_t act_row_bytes(int kind, int64_t cols) {
-    switch (kind) {
-        case KV_ACT_32: return cols / 32 * (int64_t)sizeof(kv_act32);
-        case KV_ACT_64: return (cols / 32 + 1) / 2 * (int64_t)sizeof(kv_act64);
-        case KV_ACT_256: return cols / 256 * (int64_t)sizeof(kv_act256);
-        default: return cols * (int64_t)sizeof(float);
-    }
-}
-
 /* x rows -> the activation blocks the active kernel for qtype takes (fp32 x as is) */
 static int quantize_activations(int qtype, const float *x, int64_t n, int64_t cols,
                                 const void **xq, int64_t *xstride) {
     const int kind = g_isa->act_kind[qtype];
-    *xstride = act_row_bytes(kind, cols);
+    *xstride = kv_act_row_bytes(kind, cols);
     if (kind == KV_ACT_FLOAT) {
         *xq = x;
         return 0;
     }
-    char *buf = scratch((size_t)(*xstride * n));
+    char *buf = kv_scratch((size_t)(*xstride * n));
     if (!buf) return -1;
-    for (int64_t j = 0; j < n; j++) {
-        void *row = buf + j * *xstride;
-        if (kind == KV_ACT_32) g_isa->act32(x + j * cols, cols, row);
-        else if (kind == KV_ACT_64) g_isa->act64(x + j * cols, cols, row);
-        else g_isa->act256(x + j * cols, cols, row);
-    }
+    for (int64_t j = 0; j < n; j++) kv_act_row(g_isa, kind, x + j * cols, cols, buf + j * *xstride);
     *xq = buf;
     return 0;
 }
@@ -235,7 +224,10 @@ static PyObject *py_qmatmul(PyObject *self, PyObject *const *args, Py_ssize_t na
     rows_job job = {.fn = gemv_rows, .rows = rows, .qtype = (int)qtype, .w = w,
                     .row_bytes = row_bytes, .cols = cols, .n = n, .out = y};
     rc = quantize_activations((int)qtype, x, n, cols, &job.xq, &job.xstride);
-    if (rc == 0 && rows > 0 && n > 0) run_rows(&job, row_bytes);
+    if (rc == 0 && rows > 0 && n > 0) {
+        run_rows(&job, row_bytes);
+        kv_count_weight_bytes(rows * row_bytes);
+    }
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -287,6 +279,7 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *args, Py_ss
     for (int64_t j = 0; j < n; j++) deq_row((int)qtype, w, row_bytes, ids[j], cols,
                                             (float *)out + j * cols);
     Py_END_ALLOW_THREADS
+    kv_count_weight_bytes(n * row_bytes);
     Py_RETURN_NONE;
 }
 
@@ -584,12 +577,10 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
  * dense models (kvlab/models/gemma3.py, llama.py and the files built on it) when every
  * product has a C kernel, so the results are bit-identical; what goes away is the Python
  * between them (a dozen calls a layer). What differs between the families is data in the
- * plan: norms that are absent (0), a QKV bias, the gated activation. The plan is int64
+ * plan: norms that are absent (0), a QKV bias, the gated activation, a router and experts
+ * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
+ * the same choices as the per-op path's torch ops up to fp32 rounding). The plan is int64
  * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
-
-typedef struct {
-    int64_t qt, ptr, rows, cols, row_bytes;
-} kv_wdesc;
 
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
 
@@ -605,6 +596,10 @@ typedef struct {
     int64_t gate;                      /* KV_GATE_*: act(gate) * up */
     kv_wdesc down;
     int64_t post_mlp_norm, sliding;
+    int64_t qk_norm_whole;             /* q_norm, k_norm over all heads at once (OLMoE) */
+    int64_t router;                    /* mixture of experts: fp32 [E, hidden]; 0: dense */
+    int64_t n_experts, top_k, norm_topk;
+    int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
@@ -626,7 +621,10 @@ static int product(const kv_wdesc *w, const float *x, int64_t n, float *y, int64
                     .w = (const uint8_t *)(intptr_t)w->ptr, .row_bytes = w->row_bytes,
                     .cols = w->cols, .n = n, .out = y, .ystride = ystride};
     if (quantize_activations((int)w->qt, x, n, w->cols, &job.xq, &job.xstride)) return -1;
-    if (w->rows > 0 && n > 0) run_rows(&job, w->row_bytes);
+    if (w->rows > 0 && n > 0) {
+        run_rows(&job, w->row_bytes);
+        kv_count_weight_bytes(w->rows * w->row_bytes);
+    }
     return 0;
 }
 
@@ -640,6 +638,8 @@ static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n
 
 typedef struct {
     float *h, *qkv, *att, *o, *gu, *g;
+    float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
+    int64_t *route_ids;       /* [B, k] */
 } kv_bufs;
 
 /* the residual add after attention or the MLP: with the block's output norm or without */
@@ -656,6 +656,16 @@ static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
         for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
 }
 
+/* OLMoE: one RMSNorm over each row's whole q (H * D) and whole k, before RoPE */
+static void norm_whole_qk(const kv_layer_plan *L, const kv_step *s, float *qkv, int64_t width) {
+    const int64_t q = s->H * s->D, k = s->KVH * s->D;
+    for (int64_t r = 0; r < s->B; r++) {
+        float *row = qkv + r * width;
+        kv_rms_norm(row, (const float *)(intptr_t)L->q_norm, row, 1, q, s->eps);
+        kv_rms_norm(row + q, (const float *)(intptr_t)L->k_norm, row + q, 1, k, s->eps);
+    }
+}
+
 static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
                           float *x, kv_bufs *b, int use_avx2) {
     const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
@@ -663,9 +673,12 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
     if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
     if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
-    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)L->q_norm, s->cos[w],
+    if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
+    const int64_t q_norm = L->qk_norm_whole ? 0 : L->q_norm;
+    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
+    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)q_norm, s->cos[w],
                  s->sin[w], s->eps);
-    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)L->k_norm,
+    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)k_norm,
                  s->cos[w], s->sin[w], s->eps);
     void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
     kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
@@ -688,7 +701,25 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     return 0;
 }
 
+/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) */
+static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    const int64_t E = L->n_experts, k = L->top_k;
+    const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
+                             .row_bytes = s->hidden * (int64_t)sizeof(float)};
+    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    if (product(&router, b->h, s->B, b->logits, E)) return -1;
+    for (int64_t r = 0; r < s->B; r++)
+        kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
+                     b->route_w + r * k);
+    if (kv_moe_experts(g_isa, (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
+                       s->hidden, b->route_ids, b->route_w, k, b->o))
+        return -1;
+    residual(x, b->o, L->post_mlp_norm, s);
+    return 0;
+}
+
 static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    if (L->router) return moe_half(L, s, x, b);
     int64_t gu_rows = 0;
     for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
@@ -704,15 +735,17 @@ static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
 
 static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
                          int use_avx2) {
-    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D;
+    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, E = 0, k = 0;
     for (int64_t l = 0; l < layers; l++) {
         int64_t rows = 0;
         for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
         gu = rows > gu ? rows : gu;
+        E = plan[l].n_experts > E ? plan[l].n_experts : E;
+        k = plan[l].top_k > k ? plan[l].top_k : k;
     }
     const int64_t B = s->B;
-    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2)) *
-                        sizeof(float));
+    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
+                                      3 * k)) * sizeof(float));
     if (!mem) return -1;
     kv_bufs b = {.h = mem};
     b.qkv = b.h + B * s->hidden;
@@ -720,6 +753,9 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
     b.o = b.att + B * s->H * s->D;
     b.gu = b.o + B * s->hidden;
     b.g = b.gu + B * gu;
+    b.logits = b.g + B * (gu / 2);
+    b.route_w = b.logits + B * E;
+    b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
         rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||
@@ -778,6 +814,37 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+/* moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts on
+ * x [T, hidden] into out [T, hidden]; experts int64 [E, 3, 5] (gate|up part 0, part 1 or
+ * zeros, down: kv_wdesc each), ids int64 and weights fp32 [T, k] (qk_moe.c) */
+static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(9);
+    void *table, *x, *ids, *weights, *out;
+    int64_t E, T, hidden, k;
+    if (!get_ptr(args[0], &table) || !get_i64(args[1], &E) || !get_ptr(args[2], &x) ||
+        !get_i64(args[3], &T) || !get_i64(args[4], &hidden) || !get_ptr(args[5], &ids) ||
+        !get_ptr(args[6], &weights) || !get_i64(args[7], &k) || !get_ptr(args[8], &out))
+        return NULL;
+    if (E < 1 || k < 1 || T < 0)
+        return PyErr_Format(PyExc_ValueError, "%lld experts, %lld per token, %lld tokens "
+                            "(valid: E >= 1, k >= 1, T >= 0)", (long long)E, (long long)k,
+                            (long long)T);
+    for (int64_t i = 0; i < T * k; i++)
+        if (((const int64_t *)ids)[i] < 0 || ((const int64_t *)ids)[i] >= E)
+            return PyErr_Format(PyExc_IndexError, "expert id %lld is out of range [0, %lld)",
+                                (long long)((const int64_t *)ids)[i], (long long)E);
+    if (T == 0) Py_RETURN_NONE;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&g_lock);
+    rc = kv_moe_experts(g_isa, table, E, x, T, hidden, ids, weights, k, out);
+    pthread_mutex_unlock(&g_lock);
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_plan_fields(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -828,6 +895,12 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLongLong(x);
+}
+
+static PyObject *py_weight_bytes_read(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong(atomic_load(&g_weight_bytes));
 }
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
@@ -922,6 +995,8 @@ static PyMethodDef methods[] = {
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
      "lengths_l, caches, kv_kind)"},
+    {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
+     "moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
      "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},
@@ -929,6 +1004,8 @@ static PyMethodDef methods[] = {
      "argmax_rows(x, rows, cols, out): first index of each fp32 row's max (or first NaN)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes) -> xor of the buffer's 64-bit words (all kernel threads)"},
+    {"weight_bytes_read", py_weight_bytes_read, METH_NOARGS,
+     "weight_bytes_read() -> bytes of weights the products and row lookups have read"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},

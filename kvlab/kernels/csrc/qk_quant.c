@@ -1,4 +1,5 @@
-/* fp32 -> GGUF block quantizers (load-time only, portable C).
+/* fp32 -> GGUF block quantizers (load-time only, portable C), and kv_act_row: one row into
+ * the 8-bit activation blocks of the active kernels.
  *
  * Q8_0 follows the reference rounding exactly (d = amax/127 in fp32, round half away from
  * zero), so its bytes equal gguf.quants.quantize. The K-quants have no single reference:
@@ -200,4 +201,12 @@ void kv_quantize_q6_k(const float *x, int64_t n, uint8_t *out) {
             }
         }
     }
+}
+
+/* One fp32 row -> the 8-bit activation blocks a product kernel takes (a copy for fp32) */
+void kv_act_row(const kv_isa *isa, int kind, const float *x, int64_t cols, void *out) {
+    if (kind == KV_ACT_32) isa->act32(x, cols, out);
+    else if (kind == KV_ACT_64) isa->act64(x, cols, out);
+    else if (kind == KV_ACT_256) isa->act256(x, cols, out);
+    else memcpy(out, x, (size_t)cols * sizeof(float));
 }
