@@ -197,10 +197,27 @@ KV_GEMV_DECL(kv_gemv_q3_kx8_avx2);
 int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_NO_VNNI) */
 #endif
 
+#define KV_GROUP_NX 8  /* x rows per tile: 8 accumulators + 8 weight registers fit in 32 */
+/* x rows [j, j + KV_GROUP_NX) of n through tile(b, ...) with a constant nx */
+#define KV_GROUP_TILES(tile, b, nb, x, xstride, n, y, ystride)                             \
+    for (int64_t j = 0; j < n; j += KV_GROUP_NX) {                                         \
+        const char *xj = x + j * xstride;                                                  \
+        float *yj = y + j * ystride;                                                       \
+        switch (n - j >= KV_GROUP_NX ? KV_GROUP_NX : n - j) {                              \
+            case 8: tile(b, nb, xj, xstride, 8, yj, ystride); break;                       \
+            case 7: tile(b, nb, xj, xstride, 7, yj, ystride); break;                       \
+            case 6: tile(b, nb, xj, xstride, 6, yj, ystride); break;                       \
+            case 5: tile(b, nb, xj, xstride, 5, yj, ystride); break;                       \
+            case 4: tile(b, nb, xj, xstride, 4, yj, ystride); break;                       \
+            case 3: tile(b, nb, xj, xstride, 3, yj, ystride); break;                       \
+            case 2: tile(b, nb, xj, xstride, 2, yj, ystride); break;                       \
+            default: tile(b, nb, xj, xstride, 1, yj, ystride); break;                      \
+        }                                                                                  \
+    }
+
 /* The driver of an 8-row-group kernel: groups [r0, r1) of W (8 rows each, the group's
  * blocks of `blk_t` contiguous), x rows in tiles of up to KV_GROUP_NX through tile(b, blocks,
  * x, xs, nx, y, ys) with nx a constant for each case, so the tile's loops over x rows unroll. */
-#define KV_GROUP_NX 8  /* x rows per tile: 8 accumulators + 8 weight registers fit in 32 */
 #define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
     static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
                          int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
@@ -209,19 +226,26 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
         const int64_t nb = cols / (block_elems);                                           \
         for (int64_t r = r0; r < r1; r += 8) {                                             \
             const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
-            for (int64_t j = 0; j < n; j += KV_GROUP_NX) {                                 \
-                const char *xj = x + j * xstride;                                          \
-                float *yj = y + j * ystride + r;                                           \
-                switch (n - j >= KV_GROUP_NX ? KV_GROUP_NX : n - j) {                      \
-                    case 8: tile(b, nb, xj, xstride, 8, yj, ystride); break;               \
-                    case 7: tile(b, nb, xj, xstride, 7, yj, ystride); break;               \
-                    case 6: tile(b, nb, xj, xstride, 6, yj, ystride); break;               \
-                    case 5: tile(b, nb, xj, xstride, 5, yj, ystride); break;               \
-                    case 4: tile(b, nb, xj, xstride, 4, yj, ystride); break;               \
-                    case 3: tile(b, nb, xj, xstride, 3, yj, ystride); break;               \
-                    case 2: tile(b, nb, xj, xstride, 2, yj, ystride); break;               \
-                    default: tile(b, nb, xj, xstride, 1, yj, ystride); break;              \
-                }                                                                          \
+            KV_GROUP_TILES(tile, b, nb, x, xstride, n, y + r, ystride);                    \
+        }                                                                                  \
+    }
+
+/* KV_GROUP_GEMV with two groups per tile where there are two and several x rows (prefill):
+ * tile2(b, ...) computes groups b and b + nb (16 rows, y and y + 8) */
+#define KV_GROUP_GEMV2(name, TGT, tile, tile2, blk_t, block_elems)                         \
+    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
+                         float *y, int64_t ystride) {                                      \
+        const char *x = (const char *)xq;                                                  \
+        const int64_t nb = cols / (block_elems);                                           \
+        for (int64_t r = r0; r < r1;) {                                                    \
+            const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
+            if (n > 1 && r1 - r >= 16) {                                                   \
+                KV_GROUP_TILES(tile2, b, nb, x, xstride, n, y + r, ystride);               \
+                r += 16;                                                                   \
+            } else {                                                                       \
+                KV_GROUP_TILES(tile, b, nb, x, xstride, n, y + r, ystride);                \
+                r += 8;                                                                    \
             }                                                                              \
         }                                                                                  \
     }

@@ -226,10 +226,9 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
 }
 
 /* sc_2p * (sub-block 2p's sum of q * x) + sc_2p+1 * (sub-block 2p+1's), 8 rows in lanes.
- * VNNI: vpdpbusd chains, then the int32 products. AVX2: the eight maddubs of a sub-block
- * summed as int16 (each at most 2 * 15 * 127, eight of them 30480 < 2^15), then one madd
- * against the scale as an int16 pair: half the multiplier-port work of a madd per maddubs,
- * and the same integers. */
+ * VNNI: vpdpbusd chains, then the int32 products. (The AVX2 tiles below sum a sub-block's
+ * eight maddubs as int16, each at most 2 * 15 * 127, eight of them 30480 < 2^15, then apply
+ * the scale as an int16 pair in one madd: the same integers.) */
 #define KV_K8_SUB_VNNI(lo, hi, x, s0, s1, out)                                             \
     do {                                                                                  \
         __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();                   \
@@ -239,19 +238,6 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
         }                                                                                 \
         out = _mm256_add_epi32(_mm256_mullo_epi32(l, s0), _mm256_mullo_epi32(h, s1));     \
     } while (0)
-#define KV_K8_SUB_AVX2(lo, hi, x, s0, s1, out)                                             \
-    do {                                                                                  \
-        __m256i l = _mm256_maddubs_epi16(lo[0], k8_bcast4(x));                            \
-        __m256i h = _mm256_maddubs_epi16(hi[0], k8_bcast4(x + 32));                       \
-        for (int t = 1; t < 8; t++) {                                                     \
-            l = _mm256_add_epi16(l, _mm256_maddubs_epi16(lo[t], k8_bcast4(x + 4 * t)));   \
-            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(hi[t], k8_bcast4(x + 32 + 4 * t))); \
-        }                                                                                 \
-        out = _mm256_add_epi32(                                                           \
-            _mm256_madd_epi16(l, _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16))),         \
-            _mm256_madd_epi16(h, _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16))));        \
-    } while (0)
-
 /* one group's super-blocks against nx x rows */
 #define KV_K8_TILE(name, TGT, SUB)                                                          \
     static inline __attribute__((always_inline)) TGT void name(                           \
@@ -308,7 +294,149 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
     }
 
 KV_K8_TILE(tile_k8_vnni, KV_TGT_V, KV_K8_SUB_VNNI)
-KV_K8_TILE(tile_k8_avx2, KV_TGT_A, KV_K8_SUB_AVX2)
+
+/* AVX2 has 16 vector registers, so the VNNI tile's 16 unpacked weight registers would be
+ * spilled and reloaded for every x row. Here the loop over x rows is inside the loop over
+ * chunks: a chunk is unpacked into 2 registers and used by up to 4 x rows at once, whose
+ * int16 sums (2 per row) stay in registers. The integers are the same, so are the bits. */
+static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
+    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, __m256i *isum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *x0 = ((const kv_act256 *)xq)->qs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+    for (int p = 0; p < 4; p++) {
+        __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0;
+        __m256i h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+#define KV_K8_ROW(lj, hj, xj)                                                                 \
+    lj = _mm256_add_epi16(lj, _mm256_maddubs_epi16(lo, k8_bcast4(xj + 64 * p + 4 * t)));      \
+    hj = _mm256_add_epi16(hj, _mm256_maddubs_epi16(hi, k8_bcast4(xj + 64 * p + 32 + 4 * t)))
+        for (int t = 0; t < 8; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)b->qs[p][t]);
+            const __m256i lo = _mm256_and_si256(v, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            KV_K8_ROW(l0, h0, x0);
+            if (nx > 1) { KV_K8_ROW(l1, h1, x1); }
+            if (nx > 2) { KV_K8_ROW(l2, h2, x2); }
+            if (nx > 3) { KV_K8_ROW(l3, h3, x3); }
+            __asm__("" : "+x"(l0), "+x"(l1), "+x"(l2), "+x"(l3), "+x"(h0), "+x"(h1), "+x"(h2), "+x"(h3));
+        }
+#undef KV_K8_ROW
+        const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p]));
+        const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p + 1]));
+        const __m256i s0d = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
+        const __m256i s1d = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+        const __m256i ls[4] = {l0, l1, l2, l3}, hs[4] = {h0, h1, h2, h3};
+        for (int j = 0; j < nx; j++)
+            isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(_mm256_madd_epi16(ls[j], s0d),
+                                                                 _mm256_madd_epi16(hs[j], s1d)));
+    }
+}
+
+/* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
+static inline __attribute__((always_inline)) KV_TGT_A void k8_finish_avx2(
+    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, const __m256i *isum,
+    __m256 *acc) {
+    __m256i mdup[4][2];  /* (m_s, m_s) as int16 pairs, sub-blocks 2p and 2p+1 */
+    for (int p = 0; p < 4; p++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->m[2 * p + h]));
+            mdup[p][h] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
+        }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
+    for (int j = 0; j < nx; j++) {
+        const kv_act256 *a = (const kv_act256 *)(xq + j * xs);
+        __m256i msum = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++)
+            for (int h = 0; h < 2; h++) /* m_s * (bsums[2s] + bsums[2s + 1]) */
+                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
+                    mdup[p][h], k8_bcast4(a->bsums + 4 * p + 2 * h)));
+        const __m256 dx = _mm256_set1_ps(a->d);
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+        acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum), acc[j]);
+    }
+}
+
+static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
+    const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
+    int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+        for (int j0 = 0; j0 < nx; j0 += 4)
+            k8_rows_avx2(b + i, xi + j0 * xs, xs, nx - j0 < 4 ? nx - j0 : 4, isum + j0);
+        k8_finish_avx2(b + i, xi, xs, nx, isum, acc);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+/* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
+ * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both
+ * groups against up to 4 x rows; low (h = 0) or high nibbles (h = 1). */
+static inline __attribute__((always_inline)) KV_TGT_A void k8_pair_sub_avx2(
+    const kv_blk_q4_kx8 *A, const kv_blk_q4_kx8 *B, int p, int h, const char *xq, int64_t xs,
+    const int nx, __m256i *ia, __m256i *ib) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int8_t *x0 = ((const kv_act256 *)xq)->qs + 64 * p + 32 * h;
+    const int8_t *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#define KV_K8_PAIR_ROW(aj, bj, xj)                                                              \
+    do {                                                                                        \
+        const __m256i bx = k8_bcast4(xj + 4 * t);                                               \
+        aj = _mm256_add_epi16(aj, _mm256_maddubs_epi16(wa, bx));                                \
+        bj = _mm256_add_epi16(bj, _mm256_maddubs_epi16(wb, bx));                                \
+    } while (0)
+    for (int t = 0; t < 8; t++) {
+        __m256i wa = _mm256_loadu_si256((const __m256i *)A->qs[p][t]);
+        __m256i wb = _mm256_loadu_si256((const __m256i *)B->qs[p][t]);
+        if (h) wa = _mm256_srli_epi16(wa, 4), wb = _mm256_srli_epi16(wb, 4);
+        wa = _mm256_and_si256(wa, m4), wb = _mm256_and_si256(wb, m4);
+        KV_K8_PAIR_ROW(a0, b0, x0);
+        if (nx > 1) KV_K8_PAIR_ROW(a1, b1, x1);
+        if (nx > 2) KV_K8_PAIR_ROW(a2, b2, x2);
+        if (nx > 3) KV_K8_PAIR_ROW(a3, b3, x3);
+        /* keep each chain in its register: unasked, GCC re-associates the eight adds into
+         * a tree whose partial sums spill to the stack */
+        __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(b0), "+x"(b1), "+x"(b2), "+x"(b3));
+    }
+#undef KV_K8_PAIR_ROW
+    const __m256i sa = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)A->sc[2 * p + h]));
+    const __m256i sb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)B->sc[2 * p + h]));
+    const __m256i sad = _mm256_or_si256(sa, _mm256_slli_epi32(sa, 16));
+    const __m256i sbd = _mm256_or_si256(sb, _mm256_slli_epi32(sb, 16));
+    const __m256i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
+    for (int j = 0; j < nx; j++) {
+        ia[j] = _mm256_add_epi32(ia[j], _mm256_madd_epi16(as[j], sad));
+        ib[j] = _mm256_add_epi32(ib[j], _mm256_madd_epi16(bs[j], sbd));
+    }
+}
+
+/* groups A (rows r..r+7, out y) and B = A + nb (rows r+8..r+15, out y + 8) */
+static inline __attribute__((always_inline)) KV_TGT_A void tile2_k8_avx2(
+    const kv_blk_q4_kx8 *A, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
+    int64_t ys) {
+    const kv_blk_q4_kx8 *B = A + nb;
+    __m256 acca[KV_GROUP_NX], accb[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acca[j] = accb[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i ia[KV_GROUP_NX], ib[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) ia[j] = ib[j] = _mm256_setzero_si256();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+        for (int j0 = 0; j0 < nx; j0 += 4)
+            for (int s = 0; s < 8; s++)
+                k8_pair_sub_avx2(A + i, B + i, s / 2, s % 2, xi + j0 * xs, xs,
+                                 nx - j0 < 4 ? nx - j0 : 4, ia + j0, ib + j0);
+        k8_finish_avx2(A + i, xi, xs, nx, ia, acca);
+        k8_finish_avx2(B + i, xi, xs, nx, ib, accb);
+    }
+    for (int j = 0; j < nx; j++) {
+        _mm256_storeu_ps(y + j * ys, acca[j]);
+        _mm256_storeu_ps(y + j * ys + 8, accb[j]);
+    }
+}
 
 /* a Q6_Kx8 group's 4 chunks as bytes 0..63: nibble | two bits shifted to bits 4-5 (the
  * 16-bit shifts move bits across bytes only where the masks drop them) */
@@ -410,7 +538,7 @@ void kv_gemv_q6_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_
 }
 
 KV_GROUP_GEMV(gemv_k8_vnni, KV_TGT_V, tile_k8_vnni, kv_blk_q4_kx8, 256)
-KV_GROUP_GEMV(gemv_k8_avx2, KV_TGT_A, tile_k8_avx2, kv_blk_q4_kx8, 256)
+KV_GROUP_GEMV2(gemv_k8_avx2, KV_TGT_A, tile_k8_avx2, tile2_k8_avx2, kv_blk_q4_kx8, 256)
 
 void kv_gemv_q4_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
