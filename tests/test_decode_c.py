@@ -1,7 +1,8 @@
 """A dense model's decode layers as one C call give bit-identical logits to the per-op path,
 on every architecture's tiny model quantized at load (every product then has a C kernel)
-and on the real model. Mixture-of-experts layers route in C (fp32 router, softmax, top-k):
-the same experts, logits equal up to the router's fp32 rounding."""
+and on the real model. Mixture-of-experts layers route in C (fp32 router, softmax, top-k)
+and run a shared expert's sigmoid gate in C: the same experts, logits equal up to the fp32
+rounding of those gates."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import fused
+from kvlab.models import decode_c
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer
@@ -20,8 +22,6 @@ from tiny_models import ARCHS, MOE_ARCHS, build
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 # Gemma 2's soft-capped attention has no C kernel: its decode stays on the per-op path
 C_ARCHS = tuple(a for a in ARCHS if a != "gemma2")
-# Qwen2-MoE's shared expert runs in torch: its decode stays on the per-op path
-C_MOE_ARCHS = tuple(a for a in MOE_ARCHS if a != "qwen2moe")
 
 
 def quantized_engine(out, quant: str, kv_dtype: str = "f32") -> Engine:
@@ -36,18 +36,33 @@ def test_softcapped_attention_has_no_c_layers(tmp_path):
     assert quantized_engine(tmp_path, "q8_0").runner.model.c_plan is None
 
 
-def test_a_shared_expert_has_no_c_layers(tmp_path):
-    build("qwen2moe", tmp_path)
-    assert quantized_engine(tmp_path, "q8_0").runner.model.c_plan is None
-
-
-@pytest.mark.parametrize("arch", C_MOE_ARCHS)
-def test_tiny_quantized_moe_model_in_the_c_layers(tmp_path, arch):
-    """The router's product in C rounds differently from torch's: logprobs within 1e-5."""
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_tiny_quantized_moe_model_in_the_c_layers(tmp_path, arch, monkeypatch):
+    """The router's and the shared expert gate's products in C round differently from
+    torch's: logprobs within 1e-5."""
     build(arch, tmp_path)
     engine = quantized_engine(tmp_path, "q8_0")
-    fast, slow = logprobs_both_ways(engine, list(range(3, 40)), 5)
+    ran, ids = c_steps(monkeypatch), list(range(3, 40))
+    fast, slow = logprobs_both_ways(engine, ids, 5)
+    assert ran[1:] == [True] * (len(ids) - 5)  # the prefill per-op, each decode step in C
     assert (fast - slow).abs().max() <= 1e-5
+
+
+def c_steps(monkeypatch) -> list[bool]:
+    """What each decode_c.run call from now on returns (True: the C layers ran the step)."""
+    ran, run = [], decode_c.run
+    monkeypatch.setattr(decode_c, "run", lambda *args: ran.append(run(*args)) or ran[-1])
+    return ran
+
+
+def test_a_shared_expert_is_in_the_plan(tmp_path):
+    """Qwen2-MoE's shared expert takes the dense MLP's fields and its gate the last one."""
+    build("qwen2moe", tmp_path)
+    model = quantized_engine(tmp_path, "q8_0").runner.model
+    row, layer = model.c_plan.weights[0].tolist(), model.layers[0]
+    assert row[-1] == layer["shexp_router"].data_ptr()
+    down = list(layer["shexp_down"].kernel_args)
+    assert any(row[i:i + 5] == down for i in range(len(row)))
 
 
 def logprobs_both_ways(engine: Engine, ids: list[int], prefill: int):
@@ -84,7 +99,7 @@ def check_bit_identical(tmp_path, kv_dtype):
     assert torch.equal(fast, slow)
 
 
-@pytest.mark.parametrize("arch", C_ARCHS + C_MOE_ARCHS)
+@pytest.mark.parametrize("arch", C_ARCHS + MOE_ARCHS)
 def test_batched_greedy_alone_and_together(tmp_path, arch):
     build(arch, tmp_path)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -9,13 +9,16 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
 
     attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), qkv_bias, q_norm,
     k_norm, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
-    post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts
+    post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
+    shexp_gate
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms);
 `gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). A mixture-of-experts layer has a
-router (fp32 [E, hidden]) and its experts' table (moe.Experts.c_table) in place of gate_up
-and down; the C side routes in fp32 as moe.route does, so its logits equal the per-op path's
-up to fp32 rounding of the router (not bit for bit).
+router (fp32 [E, hidden]) and its experts' table (moe.Experts.c_table) in place of the dense
+MLP; the C side routes in fp32 as moe.route does, so its logits equal the per-op path's up
+to fp32 rounding of the router and gates (not bit for bit). A shared expert (Qwen2-MoE's)
+is then the layer's gate_up and down, and shexp_gate its fp32 gate vector [hidden]: its
+output, scaled by sigmoid(shexp_gate . h), is added to the routed experts' sum.
 """
 
 from __future__ import annotations
@@ -79,10 +82,10 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
 
 def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
     attention, post = _attention_fields(layer, config), _norm(layer.get("post_mlp_norm"))
-    if "router" in layer:  # no dense MLP: n_gate_up 0
-        mlp, moe = [0, *_EMPTY * 2, GATES["silu"], *_EMPTY], _moe_fields(layer, config)
+    if "router" in layer:
+        mlp, moe = _shared_expert_fields(layer), _moe_fields(layer, config)
     else:
-        mlp, moe = _dense_fields(layer, gate), [0] * 5
+        mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
     if attention is None or mlp is None or moe is None or post is None:
         return None
     return [*attention, *mlp, post, int(config.is_sliding(i)), int(config.qk_norm_whole), *moe]
@@ -103,25 +106,40 @@ def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
             n["k_norm"], *o, n["post_attn_norm"], n["mlp_norm"]]
 
 
-def _dense_fields(layer: dict, gate: str) -> list[int] | None:
+def _dense_fields(gate_up: object, down: object, gate: str) -> list[int] | None:
     """n_gate_up, gate_up[2], gate, down."""
-    gate_up, down = _parts(layer.get("gate_up"), 2), kernel_desc(layer.get("down"))
-    if gate_up is None or down is None:
+    parts, down_desc = _parts(gate_up, 2), kernel_desc(down)
+    if parts is None or down_desc is None:
         return None
-    return [len(layer["gate_up"].parts), *gate_up, GATES[gate], *down]
+    return [len(gate_up.parts), *parts, GATES[gate], *down_desc]
+
+
+def _shared_expert_fields(layer: dict) -> list[int] | None:
+    """An MoE layer's dense MLP fields: its shared expert (SwiGLU), or none (n_gate_up 0)."""
+    if "shexp_gate_up" not in layer:
+        return [0, *_EMPTY * 2, GATES["silu"], *_EMPTY]
+    return _dense_fields(layer["shexp_gate_up"], layer["shexp_down"], "silu")
 
 
 def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
-    """router, n_experts, top_k, norm_topk, experts; None for a shared expert (Qwen2-MoE's
-    runs in torch) or experts without C kernels."""
-    router, experts, moe = layer["router"], layer["experts"], config.moe
+    """router, n_experts, top_k, norm_topk, experts, shexp_gate; None for experts without C
+    kernels or a router or shared-expert gate the C side cannot read."""
+    experts, moe = layer["experts"], config.moe
     e, k = moe.num_experts, moe.experts_per_token
-    ok = (experts.c_table is not None and "shexp_gate_up" not in layer and 0 < k <= e <= 256
-          and isinstance(router, torch.Tensor) and fused.fits(router)
-          and router.is_contiguous() and tuple(router.shape) == (e, config.hidden_size))
-    if not ok:
+    router = _gate_rows(layer["router"], e, config)
+    shared = "shexp_gate_up" in layer
+    shexp_gate = _gate_rows(layer.get("shexp_router"), 1, config) if shared else 0
+    if experts.c_table is None or not 0 < k <= e <= 256 or None in (router, shexp_gate):
         return None
-    return [router.data_ptr(), e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr()]
+    return [router, e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr(), shexp_gate]
+
+
+def _gate_rows(w: object, rows: int, config: ModelConfig) -> int | None:
+    """The address of an fp32 gate [rows, hidden] (a router, a shared expert's gate), or
+    None when the C products cannot read it."""
+    ok = (isinstance(w, torch.Tensor) and fused.fits(w) and w.is_contiguous()
+          and tuple(w.shape) == (rows, config.hidden_size))
+    return w.data_ptr() if ok else None
 
 
 def _parts(stacked: object, most: int) -> list[int] | None:

@@ -7,6 +7,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -579,7 +580,9 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
  * between them (a dozen calls a layer). What differs between the families is data in the
  * plan: norms that are absent (0), a QKV bias, the gated activation, a router and experts
  * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
- * the same choices as the per-op path's torch ops up to fp32 rounding). The plan is int64
+ * the same choices as the per-op path's torch ops up to fp32 rounding); a shared expert
+ * (Qwen2-MoE) beside the routed ones is then the layer's gate_up and down, its output
+ * scaled by sigmoid(shexp_gate . h) and added to theirs. The plan is int64
  * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
 
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
@@ -600,6 +603,7 @@ typedef struct {
     int64_t router;                    /* mixture of experts: fp32 [E, hidden]; 0: dense */
     int64_t n_experts, top_k, norm_topk;
     int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
+    int64_t shexp_gate;                /* fp32 [hidden]: the shared expert's gate; 0: none */
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
@@ -638,6 +642,7 @@ static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n
 
 typedef struct {
     float *h, *qkv, *att, *o, *gu, *g;
+    float *shared;            /* [B, hidden]: the shared expert's output */
     float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
     int64_t *route_ids;       /* [B, k] */
 } kv_bufs;
@@ -701,7 +706,37 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     return 0;
 }
 
-/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) */
+/* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
+ * shared expert of an MoE layer */
+static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
+    int64_t gu_rows = 0;
+    for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
+    if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
+    if (L->gate == KV_GATE_SILU)
+        kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    else
+        kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    return product(&L->down, b->g, s->B, y, s->hidden);
+}
+
+/* o += sigmoid(shexp_gate . h) * shared expert(h), row by row: the product, then the add,
+ * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp) */
+static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
+    const kv_wdesc gate = {.qt = KV_F32, .ptr = L->shexp_gate, .rows = 1, .cols = s->hidden,
+                           .row_bytes = s->hidden * (int64_t)sizeof(float)};
+    if (gated_mlp(L, s, b, b->shared)) return -1;
+    if (product(&gate, b->h, s->B, b->logits, 1)) return -1;  /* the router's are used */
+    for (int64_t r = 0; r < s->B; r++) {
+        const float g = 1.0f / (1.0f + expf(-b->logits[r]));
+        float *o = b->o + r * s->hidden;
+        const float *sh = b->shared + r * s->hidden;
+        for (int64_t i = 0; i < s->hidden; i++) o[i] += g * sh[i];
+    }
+    return 0;
+}
+
+/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
+ * expert where the layer has one */
 static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
     const int64_t E = L->n_experts, k = L->top_k;
     const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
@@ -714,21 +749,15 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
     if (kv_moe_experts(g_isa, (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
                        s->hidden, b->route_ids, b->route_w, k, b->o))
         return -1;
+    if (L->shexp_gate && shared_expert(L, s, b)) return -1;
     residual(x, b->o, L->post_mlp_norm, s);
     return 0;
 }
 
 static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
     if (L->router) return moe_half(L, s, x, b);
-    int64_t gu_rows = 0;
-    for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
-    if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
-    if (L->gate == KV_GATE_SILU)
-        kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
-    else
-        kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
-    if (product(&L->down, b->g, s->B, b->o, s->hidden)) return -1;
+    if (gated_mlp(L, s, b, b->o)) return -1;
     residual(x, b->o, L->post_mlp_norm, s);
     return 0;
 }
@@ -744,7 +773,7 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
         k = plan[l].top_k > k ? plan[l].top_k : k;
     }
     const int64_t B = s->B;
-    float *mem = malloc((size_t)(B * (2 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
+    float *mem = malloc((size_t)(B * (3 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
                                       3 * k)) * sizeof(float));
     if (!mem) return -1;
     kv_bufs b = {.h = mem};
@@ -753,7 +782,8 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
     b.o = b.att + B * s->H * s->D;
     b.gu = b.o + B * s->hidden;
     b.g = b.gu + B * gu;
-    b.logits = b.g + B * (gu / 2);
+    b.shared = b.g + B * (gu / 2);
+    b.logits = b.shared + B * s->hidden;
     b.route_w = b.logits + B * E;
     b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     int rc = 0;
