@@ -1,18 +1,23 @@
 """Soft-capped scores (Gemma 2: s -> cap * tanh(s / cap)) in both C attentions, decode
 (kernels/csrc/qk_attn.c) and prefill (qk_flash.c): against a float64 reference, on both
 kernel sets, fp32 and fp16 caches, sliding windows and chunks after a cached prefix; cap 0
-is the uncapped kernel."""
+is the uncapped kernel; and paged_attention takes the C kernels for a capped model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvlab.kernels import fused, ops
+from kvlab.models import attention
+from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
+from kvlab.models.kv_store import FloatKV
 from tests.test_attention_prefill import CASES
 from tests.test_kernels import ISAS
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
+CPU = torch.device("cpu")
 CAP = 2.0  # scores of 3 x randn queries reach well past it: the cap bends them
 
 
@@ -100,3 +105,35 @@ def test_a_negative_cap_is_refused():
     with pytest.raises(ValueError, match="soft-cap"):
         fused.attend_decode(torch.randn(1, 2, 16), k, k, torch.tensor([[0, 1]]), 0.25,
                             softcap=-1.0)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_paged_attention_caps_in_c_as_the_torch_path_does(window):
+    """A fresh prompt, a chunk after a cached prefix and a decode in one step, fp32 and fp16
+    caches: the C kernels (SDPA and the torch cap never called) against the torch cap."""
+    gen = torch.Generator().manual_seed(2)
+    spans = [SeqSpan(0, 40, torch.arange(40)), SeqSpan(25, 30, torch.arange(100, 155)),
+             SeqSpan(9, 1, torch.arange(200, 210))]
+    q = torch.randn(71, 8, 32, generator=gen) * 3
+    k, v = (torch.randn(71, 2, 32, generator=gen) for _ in range(2))
+    meta = build_metadata(spans, window, CPU)
+    for dtype in (torch.float32, torch.float16):
+        outs = []
+        for c_on in (True, False):
+            fill = torch.Generator().manual_seed(3)  # the cached prefixes, same for both
+            cache = FloatKV(256, 2, 32, dtype, CPU)
+            cache.k.copy_(torch.randn(256, 2, 32, generator=fill))
+            cache.v.copy_(torch.randn(256, 2, 32, generator=fill))
+            with pytest.MonkeyPatch.context() as mp:
+                if c_on:
+                    mp.setattr(F, "scaled_dot_product_attention", _refuse)
+                    mp.setattr(attention, "_softcapped", _refuse)
+                else:
+                    mp.setattr(attention, "_c_stores", lambda *a: None)
+                outs.append(paged_attention(q, k, v, cache, meta, window is not None,
+                                            scale=0.2, softcap=CAP))
+        assert torch.allclose(outs[0], outs[1], atol=2e-6, rtol=1e-5)
+
+
+def _refuse(*args):
+    raise AssertionError("the torch path was asked for")
