@@ -155,14 +155,15 @@ def _cache(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                   scale: float, lengths: torch.Tensor | None = None,
                   k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """softmax(q k^T * scale) v read straight from the paged cache, no gather.
 
     q: [B, H, D] fp32 heads packed; k, v: [num_slots, KVH, D] contiguous, both fp32, both
     fp16, or both int8 with their q8_0 scales (see cache_fits); slots: [B, C] -> the
     keys of row b are k[slots[b, :lengths[b]]] (all C when lengths is None); the padding
     after them is never read, so each row's result does not depend on the others.
-    Returns [B, H, D].
+    softcap > 0 (Gemma 2) bounds each scaled score s to cap * tanh(s / cap) before the
+    softmax; 0 leaves the scores as they are. Returns [B, H, D].
     """
     batch, heads, dim = q.shape
     slots = _i64(slots)
@@ -170,27 +171,27 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     out = q.new_empty(batch, heads, dim)
     _qk.attend_decode(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
-                      out.data_ptr(), lens.data_ptr() if lens is not None else 0)
+                      out.data_ptr(), lens.data_ptr() if lens is not None else 0, softcap)
     return out
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                    first: int, start: int, window: int | None, scale: float,
                    k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   v_scale: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """One sequence's prefill chunk against its cached keys, causally, read from the pages.
 
     q: [n, H, D] fp32 heads packed, token i at position start + i; k, v (and q8_0's scales)
     as for attend_decode; slots: [start + n - first] -> slots[c] holds key position
     first + c. Query i sees positions first .. start + i, the last `window` of them when
-    set. Returns [n, H, D].
+    set; softcap as for attend_decode. Returns [n, H, D].
     """
     n, heads, dim = q.shape
     slots = _i64(slots)
     out = q.new_empty(n, heads, dim)
     _qk.attend_prefill(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                        slots.data_ptr(), first, start, n, heads, k.shape[1], dim, window or 0,
-                       scale, out.data_ptr())
+                       scale, out.data_ptr(), softcap)
     return out
 
 

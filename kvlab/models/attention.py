@@ -182,27 +182,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
     groups = meta.groups(sliding)
-    if softcap is not None:
-        return _softcapped(q, cache, groups, scale, softcap).reshape(num_tokens, -1)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
-        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q) else
-               _attend(q, cache, g, scale))
+        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, softcap) else
+               _attend(q, cache, g, scale, softcap))
         return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)
         og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
-              if _reads_fresh(g, cache, q) else _attend(qg, cache, g, scale))
+              if _reads_fresh(g, cache, q, softcap) else _attend(qg, cache, g, scale, softcap))
         out.index_copy_(0, g.rows, og.to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor) -> bool:
+def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor,
+                 softcap: float | None) -> bool:
     """A fresh prefill over an fp32 cache that C attention does not take (CUDA) reads the
-    new K/V as computed (the values the cache holds): no gather, no mask tensor."""
-    return (g.fresh and isinstance(cache, FloatKV) and cache.k.dtype == torch.float32
+    new K/V as computed (the values the cache holds): no gather, no mask tensor. SDPA has
+    no soft-cap, so a capped one is not read that way."""
+    return (softcap is None and g.fresh and isinstance(cache, FloatKV)
+            and cache.k.dtype == torch.float32
             and not _prefill_in_c(g, _c_stores(q, cache, g)))
 
 
@@ -215,16 +216,20 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o[0].transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
+            softcap: float | None = None) -> torch.Tensor:
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
     stores = _c_stores(q, cache, g)
+    cap = softcap or 0.0  # the C kernels' "no cap"
     if _decode_in_c(g, stores):
         k, v, ks, vs = stores
-        return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs)
+        return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs, softcap=cap)
     if _prefill_in_c(g, stores):
         k, v, ks, vs = stores
         return fused.attend_prefill(q, k, v, g.slots[0], g.first, g.start, g.window, scale,
-                                    ks, vs)
+                                    ks, vs, softcap=cap)
+    if softcap is not None:
+        return _softcapped(q, cache, g, scale, softcap)
     num_heads, head_dim = q.shape[1:]
     if q.is_cuda and isinstance(cache, FloatKV):
         q = q.to(cache.k.dtype)  # attend in the cache's dtype on GPUs: no K/V conversion
@@ -256,20 +261,18 @@ def _prefill_in_c(g: AttentionGroup, stores: tuple | None) -> bool:
     return stores is not None and g.prefill and g.num_seqs == 1
 
 
-def _softcapped(q: torch.Tensor, cache: KVStore, groups: tuple[AttentionGroup, ...],
-                scale: float, cap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, written out in torch (SDPA and the C kernels have
-    no cap): scores, cap * tanh(scores / cap), mask, softmax, values; per group."""
-    out = q.new_empty(q.shape)
-    for g in groups:
-        qg = q.index_select(0, g.rows).reshape(g.num_seqs, g.queries_per_seq, *q.shape[1:])
-        kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
-        rep = q.shape[1] // kg.shape[2]
-        kg, vg = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kg, vg))
-        scores = qg.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # [B, H, Q, C]
-        scores = torch.tanh(scores / cap) * cap
-        if g.key_mask is not None:  # None: an unpadded decode, every key is seen
-            scores = scores.masked_fill(~g.key_mask[:, None], float("-inf"))
-        og = torch.softmax(scores, dim=-1) @ vg  # [B, H, Q, D]
-        out.index_copy_(0, g.rows, og.transpose(1, 2).reshape(-1, *q.shape[1:]).to(out.dtype))
-    return out
+def _softcapped(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
+                cap: float) -> torch.Tensor:
+    """One group's attention with soft-capped scores, written out in torch where the C
+    kernels do not apply (SDPA has no cap): scores, cap * tanh(scores / cap), mask,
+    softmax, values. q: [n, H, D] in group row order -> [n, H, D]."""
+    qg = q.reshape(g.num_seqs, g.queries_per_seq, *q.shape[1:])
+    kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
+    rep = q.shape[1] // kg.shape[2]
+    kg, vg = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kg, vg))
+    scores = qg.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # [B, H, Q, C]
+    scores = torch.tanh(scores / cap) * cap
+    if g.key_mask is not None:  # None: an unpadded decode, every key is seen
+        scores = scores.masked_fill(~g.key_mask[:, None], float("-inf"))
+    og = torch.softmax(scores, dim=-1) @ vg  # [B, H, Q, D]
+    return og.transpose(1, 2).reshape(-1, *q.shape[1:])

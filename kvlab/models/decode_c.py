@@ -13,12 +13,14 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     shexp_gate
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms);
-`gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). A mixture-of-experts layer has a
-router (fp32 [E, hidden]) and its experts' table (moe.Experts.c_table) in place of the dense
-MLP; the C side routes in fp32 as moe.route does, so its logits equal the per-op path's up
-to fp32 rounding of the router and gates (not bit for bit). A shared expert (Qwen2-MoE's)
-is then the layer's gate_up and down, and shexp_gate its fp32 gate vector [hidden]: its
-output, scaled by sigmoid(shexp_gate . h), is added to the routed experts' sum.
+`gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). Gemma 2's soft-cap on the
+attention scores is one scalar of the step, as the per-op path passes it to the same C
+attention. A mixture-of-experts layer has a router (fp32 [E, hidden]) and its experts'
+table (moe.Experts.c_table) in place of the dense MLP; the C side routes in fp32 as
+moe.route does, so its logits equal the per-op path's up to fp32 rounding of the router and
+gates (not bit for bit). A shared expert (Qwen2-MoE's) is then the layer's gate_up and down,
+and shexp_gate its fp32 gate vector [hidden]: its output, scaled by sigmoid(shexp_gate . h),
+is added to the routed experts' sum.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         meta.write_slots(True).data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
-        caches.data_ptr(), plan.kv_kind)
+        caches.data_ptr(), plan.kv_kind, c.attn_logit_softcapping or 0.0)
     return True
 
 

@@ -126,9 +126,8 @@ class Gemma3Model:
         self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
                                             config.head_dim).to(device)
         self.embed_scale = config.hidden_size ** 0.5
-        # decode layers in one C call (the C attention has no soft-capping)
-        self.c_plan = (None if config.attn_logit_softcapping is not None or tp.size > 1 else
-                       decode_c.build_plan(config, layers, "gelu_tanh"))
+        # decode layers in one C call (Gemma 2's soft-cap included)
+        self.c_plan = None if tp.size > 1 else decode_c.build_plan(config, layers, "gelu_tanh")
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],

@@ -9,8 +9,9 @@
  *                               h / (H / KVH) (grouped-query attention)
  *
  * Per (sequence, KV head) the H / KVH query heads are scored against each key row while
- * it is in L1, then softmaxed, then the value rows are summed with those weights. The
- * AVX2 variant differs only in its three inner loops (and FMA rounding).
+ * it is in L1, soft-capped when cap > 0 (Gemma 2: s -> cap * tanh(s / cap)), softmaxed,
+ * then the value rows are summed with those weights. The AVX2 variant differs only in its
+ * three inner loops (and FMA rounding).
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -207,7 +208,7 @@ typedef struct {
     int64_t elem;
     const int64_t *slots, *lengths;
     int64_t q_stride, C, KVH, D, rep, stride;
-    float scale;
+    float scale, softcap;  /* softcap 0: none */
     int64_t nitems, *item_bg, *item_c0;  /* item -> (row * KVH + head, first key) */
     float *part;     /* per item: rep maxes, rep sums, rep * D unnormalized outputs */
     float *scratch;  /* per thread: rep * KV_ATTN_CHUNK scores */
@@ -225,6 +226,10 @@ static void attn_item(attn_job *j, int64_t i, float *s) {
     const int64_t gs = g * (j->D >> 5);  /* head g's first scale */
     j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep, j->k + g * j->D * j->elem,
                    j->ks ? j->ks + gs : NULL, slots, len, j->stride, j->D, j->scale, s);
+    /* a step of its own after the scale, shared by both kernel sets: cap 0 leaves the
+       uncapped arithmetic untouched */
+    if (j->softcap > 0.0f)
+        for (int64_t c = 0; c < j->rep * len; c++) s[c] = kv_softcap(s[c], j->softcap);
     for (int64_t h = 0; h < j->rep; h++)
         part[j->rep + h] = j->ops->softmax(s + h * len, len, &part[h]);
     j->ops->mix(s, j->rep, j->v + g * j->D * j->elem, j->vs ? j->vs + gs : NULL, slots, len,
@@ -261,7 +266,8 @@ static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *ou
 /* Returns 0, or -1 when out of memory. */
 int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
-                     int64_t H, int64_t KVH, int64_t D, float scale, float *out, int use_avx2) {
+                     int64_t H, int64_t KVH, int64_t D, float scale, float softcap, float *out,
+                     int use_avx2) {
     static const attn_ops *const generic[3] = {&ops_generic, &ops_generic16, &ops_generic8};
     const attn_ops *ops = generic[kv->kind];
 #ifdef KV_HAVE_AVX2_BUILD
@@ -275,7 +281,7 @@ int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                   .vs = q8 ? kv->v_scale : NULL, .elem = kv_cache_elem_bytes(kv->kind),
                   .slots = slots, .lengths = lengths,
                   .q_stride = q_stride, .C = C, .KVH = KVH, .D = D, .rep = H / KVH,
-                  .stride = KVH * D, .scale = scale};
+                  .stride = KVH * D, .scale = scale, .softcap = softcap};
     int64_t keys = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = lengths ? lengths[b] : C;

@@ -14,6 +14,9 @@
  *     out   [n, H, D]            query i sees key positions p with p <= start + i and, for a
  *                                window W > 0, start + i - p < W
  *
+ * With a soft-cap (Gemma 2, cap > 0) each scaled score becomes cap * tanh(s / cap) before
+ * the tile's max and exp, the same scalar step in both tile kernels; cap 0 skips it.
+ *
  * Tiles sit at absolute key positions [16 t, 16 t + 16), and every query row's arithmetic
  * depends only on its own scores, so a row's result is the same bits however the prompt
  * was chunked and whatever else shares the call. Keys are first transposed per tile into
@@ -45,7 +48,7 @@ struct fa_job {
     int kind;                /* KV_CACHE_* */
     const int64_t *slots;
     int64_t q_stride, first, C, start, n, KVH, D, rep, window, stride;
-    float scale;
+    float scale, softcap;  /* softcap 0: none */
     int64_t t0, ntiles, qt, nblocks;  /* tiles t0.., tokens per item, items per KV head */
     float *kt;          /* [KVH][ntiles][D][FA_BK] keys as fp32 */
     int64_t *vslot;     /* [ntiles * FA_BK] slot of each tile lane; a lane with no key
@@ -89,7 +92,9 @@ static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const 
             const int64_t pos = t * FA_BK + c;
             float acc = 0.0f;
             for (int64_t d = 0; d < D; d++) acc += qr[r][d] * kt[d * FA_BK + c];
-            s[c] = pos >= lo[r] && pos <= hi[r] ? acc * j->scale : -INFINITY;
+            float sc = acc * j->scale;
+            if (j->softcap > 0.0f) sc = kv_softcap(sc, j->softcap);
+            s[c] = pos >= lo[r] && pos <= hi[r] ? sc : -INFINITY;
             mx = s[c] > mx ? s[c] : mx;
         }
         if (mx == -INFINITY) continue;
@@ -142,8 +147,17 @@ KV_INL float fa_hmax(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* masked, scaled scores -> p (0 where masked), updating m, l and rescaling o; 0 if the
- * row sees none of the tile's keys */
+/* the soft-cap on 8 scaled scores, lane by lane with the portable tile's scalar tanhf, so
+ * both tile kernels cap to the same bits */
+KV_INL __m256 fa_softcap8(__m256 x, float cap) {
+    float v[8];
+    _mm256_storeu_ps(v, x);
+    for (int i = 0; i < 8; i++) v[i] = kv_softcap(v[i], cap);
+    return _mm256_loadu_ps(v);
+}
+
+/* masked, scaled (and soft-capped) scores -> p (0 where masked), updating m, l and
+ * rescaling o; 0 if the row sees none of the tile's keys */
 KV_INL int fa_softmax_avx2(const fa_job *j, int64_t t, int64_t lo, int64_t hi, __m256 s[2],
                            float *o, float *m, float *l, float *p) {
     const __m256i pos0 = _mm256_add_epi32(_mm256_set1_epi32((int)(t * FA_BK)),
@@ -154,8 +168,9 @@ KV_INL int fa_softmax_avx2(const fa_job *j, int64_t t, int64_t lo, int64_t hi, _
         const __m256i pos = _mm256_add_epi32(pos0, _mm256_set1_epi32(8 * h));
         vis[h] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(pos, lo1),
                                                       _mm256_cmpgt_epi32(hi1, pos)));
-        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                _mm256_mul_ps(s[h], _mm256_set1_ps(j->scale)), vis[h]);
+        __m256 x = _mm256_mul_ps(s[h], _mm256_set1_ps(j->scale));
+        if (j->softcap > 0.0f) x = fa_softcap8(x, j->softcap);
+        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, vis[h]);
     }
     const float mx = fa_hmax(_mm256_max_ps(s[0], s[1]));
     if (mx == -INFINITY) return 0;
@@ -318,15 +333,15 @@ static void fa_run(fa_job *j, kv_task_fn fn, int64_t items, int nt) {
 /* Returns 0, or -1 when out of memory. */
 int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
-                      int64_t KVH, int64_t D, int64_t window, float scale, float *out,
-                      int use_avx2) {
+                      int64_t KVH, int64_t D, int64_t window, float scale, float softcap,
+                      float *out, int use_avx2) {
     const int q8 = kv->kind == KV_CACHE_Q8_0;
     fa_job j = {.tile = fa_tile_c, .q = q, .k = kv->k, .v = kv->v, .kind = kv->kind,
                 .ks = q8 ? kv->k_scale : NULL, .vs = q8 ? kv->v_scale : NULL,
                 .elem = kv_cache_elem_bytes(kv->kind), .slots = slots, .q_stride = q_stride, .first = first,
                 .C = start + n - first, .start = start, .n = n, .KVH = KVH, .D = D,
                 .rep = H / KVH, .window = window, .stride = KVH * D, .scale = scale,
-                .out = out};
+                .softcap = softcap, .out = out};
 #ifdef KV_HAVE_AVX2_BUILD
     if (use_avx2 && D % 16 == 0) j.tile = fa_tile_avx2;
 #else

@@ -479,6 +479,17 @@ static PyObject *py_scatter_rows_q8(PyObject *self, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* an attention call's soft-cap: 0 (none) or a finite cap > 0, checked */
+static int get_softcap(PyObject *o, float *cap) {
+    if (!get_f32(o, cap)) return 0;
+    if (!(*cap >= 0.0f && *cap < INFINITY)) {
+        PyErr_Format(PyExc_ValueError, "attention soft-cap %R (valid: 0 for none, or a "
+                     "finite cap > 0)", o);
+        return 0;
+    }
+    return 1;
+}
+
 /* the cache arguments (k, v, kind, k_scale, v_scale) of the attention calls, checked */
 static int get_cache(PyObject *const *args, kv_cache_ref *kv) {
     void *k, *v, *ks, *vs;
@@ -496,21 +507,23 @@ static int get_cache(PyObject *const *args, kv_cache_ref *kv) {
 }
 
 /* attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, KVH, D,
- * scale, out, lengths): out[B, H, D] = softmax(q k^T * scale) v over the first lengths[b] of
- * the C cache slots of each row (all C when lengths is 0), the cache fp32, fp16 or q8_0
- * (kind 0, 1, 2; q8_0 with its scales) (qk_attn.c) */
+ * scale, out, lengths, softcap): out[B, H, D] = softmax(q k^T * scale) v over the first
+ * lengths[b] of the C cache slots of each row (all C when lengths is 0), the cache fp32,
+ * fp16 or q8_0 (kind 0, 1, 2; q8_0 with its scales); softcap > 0 bounds each score by
+ * cap * tanh(s / cap) before the softmax (qk_attn.c) */
 static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(17);
+    NARGS(18);
     void *q, *slots_p, *out, *lengths_p;
     int64_t q_stride, num_slots, b, c, h, kvh, d;
-    float scale;
+    float scale, softcap;
     kv_cache_ref kv;
     if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_cache(args + 2, &kv) ||
         !get_i64(args[7], &num_slots) || !get_ptr(args[8], &slots_p) ||
         !get_i64(args[9], &b) || !get_i64(args[10], &c) || !get_i64(args[11], &h) ||
         !get_i64(args[12], &kvh) || !get_i64(args[13], &d) || !get_f32(args[14], &scale) ||
-        !get_ptr(args[15], &out) || !get_ptr(args[16], &lengths_p))
+        !get_ptr(args[15], &out) || !get_ptr(args[16], &lengths_p) ||
+        !get_softcap(args[17], &softcap))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -527,8 +540,8 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
-    rc = kv_attend_decode(q, q_stride, &kv, slots, lengths, b, c, h, kvh, d, scale, out,
-                          use_avx2);
+    rc = kv_attend_decode(q, q_stride, &kv, slots, lengths, b, c, h, kvh, d, scale, softcap,
+                          out, use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -536,21 +549,23 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, start,
- * n, H, KVH, D, window, scale, out): out[n, H, D], query i (position start + i) against key
- * positions [first, start + i] held in slots[0 .. start + n - first), the last `window` of
- * them when window > 0; the cache as for attend_decode (qk_flash.c) */
+ * n, H, KVH, D, window, scale, out, softcap): out[n, H, D], query i (position start + i)
+ * against key positions [first, start + i] held in slots[0 .. start + n - first), the last
+ * `window` of them when window > 0; the cache and softcap as for attend_decode
+ * (qk_flash.c) */
 static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(18);
+    NARGS(19);
     void *q, *slots_p, *out;
     int64_t q_stride, num_slots, first, start, n, h, kvh, d, window;
-    float scale;
+    float scale, softcap;
     kv_cache_ref kv;
     if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_cache(args + 2, &kv) ||
         !get_i64(args[7], &num_slots) || !get_ptr(args[8], &slots_p) ||
         !get_i64(args[9], &first) || !get_i64(args[10], &start) || !get_i64(args[11], &n) ||
         !get_i64(args[12], &h) || !get_i64(args[13], &kvh) || !get_i64(args[14], &d) ||
-        !get_i64(args[15], &window) || !get_f32(args[16], &scale) || !get_ptr(args[17], &out))
+        !get_i64(args[15], &window) || !get_f32(args[16], &scale) ||
+        !get_ptr(args[17], &out) || !get_softcap(args[18], &softcap))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -565,7 +580,7 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&g_lock);
     rc = kv_attend_prefill(q, q_stride, &kv, slots, first, start, n, h, kvh, d, window, scale,
-                           out, use_avx2);
+                           softcap, out, use_avx2);
     pthread_mutex_unlock(&g_lock);
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -610,7 +625,7 @@ typedef struct {
 
 typedef struct {
     int64_t B, hidden, H, KVH, D;
-    float eps, scale;
+    float eps, scale, softcap;              /* softcap: on the attention scores, 0 none */
     const float *cos[2], *sin[2];           /* [B, D]: global (0) and local (1) RoPE */
     const int64_t *slot_mapping[2];         /* [B]: full (0) and sliding (1) layers' pools */
     const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
@@ -699,7 +714,7 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
                               .v_scale = vs};
     if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
-                         s->C[w], H, KVH, D, s->scale, b->att, use_avx2))
+                         s->C[w], H, KVH, D, s->scale, s->softcap, b->att, use_avx2))
         return -1;
     if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
     residual(x, b->o, L->post_attn_norm, s);
@@ -796,17 +811,18 @@ static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, co
 
 /* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
  *               cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f,
- *               slots_l, C_l, lengths_l, caches, kv_kind): x [B, hidden] (the residual
- *               stream) updated in place; new K/V written at slot_mapping_f in full layers,
- *               slot_mapping_l in sliding ones; caches [layers, 4] (K, V, K scales, V
- *               scales), the stores fp32, fp16 or q8_0 (kv_kind 0, 1, 2; scales 0 unless
- *               q8_0) */
+ *               slots_l, C_l, lengths_l, caches, kv_kind, softcap): x [B, hidden] (the
+ *               residual stream) updated in place; new K/V written at slot_mapping_f in
+ *               full layers, slot_mapping_l in sliding ones; caches [layers, 4] (K, V, K
+ *               scales, V scales), the stores fp32, fp16 or q8_0 (kv_kind 0, 1, 2; scales 0
+ *               unless q8_0); softcap on every layer's attention scores as for
+ *               attend_decode (0: none) */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(25);
+    NARGS(26);
     void *plan, *x, *ptr[12];
     int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind;
-    float eps, scale;
+    float eps, scale, softcap;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
         !get_ptr(args[3], &x) || !get_i64(args[4], &B) || !get_i64(args[5], &hidden) ||
         !get_i64(args[6], &H) || !get_i64(args[7], &KVH) || !get_i64(args[8], &D) ||
@@ -816,7 +832,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         !get_ptr(args[16], &ptr[10]) || !get_ptr(args[17], &ptr[5]) ||
         !get_i64(args[18], &Cf) || !get_ptr(args[19], &ptr[6]) || !get_ptr(args[20], &ptr[7]) ||
         !get_i64(args[21], &Cl) || !get_ptr(args[22], &ptr[8]) || !get_ptr(args[23], &ptr[9]) ||
-        !get_i64(args[24], &kv_kind))
+        !get_i64(args[24], &kv_kind) || !get_softcap(args[25], &softcap))
         return NULL;
     if (kv_kind < KV_CACHE_F32 || kv_kind > KV_CACHE_Q8_0 || (kv_kind == KV_CACHE_Q8_0 && D % 32))
         return PyErr_Format(PyExc_ValueError, "KV cache kind %lld with head dim %lld (valid: "
@@ -829,10 +845,10 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
                             "heads", (long long)H, (long long)KVH);
     const kv_step step = {.B = B, .hidden = hidden, .H = H, .KVH = KVH, .D = D, .eps = eps,
-                          .scale = scale, .cos = {ptr[0], ptr[2]}, .sin = {ptr[1], ptr[3]},
-                          .slot_mapping = {ptr[4], ptr[10]}, .slots = {ptr[5], ptr[7]},
-                          .lengths = {ptr[6], ptr[8]}, .C = {Cf, Cl}, .caches = ptr[9],
-                          .kv_kind = (int)kv_kind};
+                          .scale = scale, .softcap = softcap, .cos = {ptr[0], ptr[2]},
+                          .sin = {ptr[1], ptr[3]}, .slot_mapping = {ptr[4], ptr[10]},
+                          .slots = {ptr[5], ptr[7]}, .lengths = {ptr[6], ptr[8]},
+                          .C = {Cf, Cl}, .caches = ptr[9], .kv_kind = (int)kv_kind};
     const int use_avx2 = avx2_chosen();
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -1016,15 +1032,15 @@ static PyMethodDef methods[] = {
      "paged KV write"},
     {"attend_prefill", (PyCFunction)(void (*)(void))py_attend_prefill, METH_FASTCALL,
      "attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, "
-     "start, n, H, KVH, D, window, scale, out): chunked prefill attention from the paged "
-     "cache"},
+     "start, n, H, KVH, D, window, scale, out, softcap): chunked prefill attention from the "
+     "paged cache"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, "
-     "KVH, D, scale, out, lengths)"},
+     "KVH, D, scale, out, lengths, softcap)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
-     "lengths_l, caches, kv_kind)"},
+     "lengths_l, caches, kv_kind, softcap)"},
     {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
      "moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
