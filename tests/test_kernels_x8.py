@@ -97,6 +97,16 @@ def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
         ops._qk.set_isa("auto")
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
+    """At 8192 columns the kernels take x in chunks of 24 rows (about 256 KiB of quantized
+    x) against every group: 53 rows are 24 + 24 + 5, each row as it comes alone."""
+    g = group_rows(weight(qtype, rows=24, cols=8192, seed=8))
+    x = torch.randn(53, 8192, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
+    assert torch.equal(qmatmul(x, g), alone)
+
+
 def test_threads_split_between_groups():
     """Row ranges handed to the kernel threads start on a group: 1 and 2 threads agree."""
     g = group_rows(weight(T.Q8_0, rows=8 * 600, cols=256, seed=7))  # several 16 KiB units
