@@ -5,7 +5,9 @@
 #
 #   bench/replicas_vs_single.sh [REPLICAS] [THREADS] [CONCURRENCY] [ROUNDS]
 #
-# Prints each run's figures and the output tok/s of every run; logs go to $OUT.
+# Prints each run's figures, where its CPU went (bench/proc_cpu.py: core-s per 1,000 output
+# tokens of each engine replica, the ingress, Serve's proxy, Ray's daemons, the client and
+# other load on the machine) and the output tok/s of every run; logs go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPLICAS=${1:-2}
@@ -13,6 +15,7 @@ THREADS=${2:-1}
 CONCURRENCY=${3:-8}
 ROUNDS=${4:-2}
 KVLAB=${KVLAB:-.venv/bin/kvlab}
+PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-artifacts}
 PORT=8093
 mkdir -p "$OUT"
@@ -30,7 +33,8 @@ measure() {  # label replicas(0: single) serve-flags...
     local pid=$!
     for _ in $(seq 300); do healthy "$want" && break; sleep 1; done
     echo "== $label: kvlab serve $* (load $(cut -d' ' -f1-3 /proc/loadavg)) =="
-    "$KVLAB" loadtest --url "http://127.0.0.1:$PORT" -c "$CONCURRENCY" -n $((CONCURRENCY * 6)) \
+    "$PYTHON" bench/proc_cpu.py $((CONCURRENCY * 6 * 64)) -- \
+        "$KVLAB" loadtest --url "http://127.0.0.1:$PORT" -c "$CONCURRENCY" -n $((CONCURRENCY * 6)) \
         --max-tokens 64 --ignore-eos --endpoint completions | tee "$OUT/loadtest-$label.txt"
     kill -INT "$pid"
     wait "$pid" || true
@@ -40,4 +44,5 @@ for round in $(seq "$ROUNDS"); do
     measure "single-$round" 0 --threads "$THREADS"
     measure "replicas-$round" "$REPLICAS" --replicas "$REPLICAS" --threads "$THREADS"
 done
-grep -H "output tok/s" "$OUT"/loadtest-single-*.txt "$OUT"/loadtest-replicas-*.txt
+grep -H -e "output tok/s" -e "core-s per" "$OUT"/loadtest-single-*.txt \
+    "$OUT"/loadtest-replicas-*.txt

@@ -130,11 +130,22 @@ def test_deploy_args_are_the_serve_flags(monkeypatch):
 def test_replica_relays_the_whole_response_of_its_app():
     from kvlab.server.replicas.replica import EngineReplica, Forwarded, ResponseStart
 
+    read_one = asyncio.Event()  # set each time the caller has read a part
+
     async def app(scope, receive, send):  # done before the caller reads its first part
         assert (await receive())["body"] == b"in"
         await send({"type": "http.response.start", "status": 201, "headers": []})
         await send({"type": "http.response.body", "body": b"a", "more_body": True})
         await send({"type": "http.response.body", "body": b"b"})
+
+    async def paced(scope, receive, send):  # each part only once the one before was read
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in (b"a", b"b"):
+            await read_one.wait()
+            read_one.clear()
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await read_one.wait()
+        await send({"type": "http.response.body", "body": b""})
 
     async def broken(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -145,11 +156,15 @@ def test_replica_relays_the_whole_response_of_its_app():
         async for part in replica.respond(Forwarded("POST", "/x", b"", [], b"in")):
             await asyncio.sleep(0.01)
             parts.append(part)
+            read_one.set()
         return parts
 
     replica = object.__new__(EngineReplica)  # its app alone, without Serve
     replica.replica_id, replica.app = "r", app
-    assert asyncio.run(read(replica)) == [ResponseStart(201, [], "r"), b"a", b"b"]
+    # parts already queued travel as one; a part sent alone is relayed without waiting
+    assert asyncio.run(read(replica)) == [ResponseStart(201, [], "r"), b"ab"]
+    replica.app = paced
+    assert asyncio.run(read(replica)) == [ResponseStart(200, [], "r"), b"a", b"b"]
     replica.app = broken
     with pytest.raises(RuntimeError, match="mid-stream"):
         asyncio.run(read(replica))

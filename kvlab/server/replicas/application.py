@@ -30,6 +30,12 @@ APP_NAME = "kvlab"
 INGRESS = "KvlabIngress"
 REPLICA = "KvlabEngine"
 INGRESS_MAX_ONGOING = 4096  # the ingress only relays bytes; the replicas bound the work
+# Serve runs user code and each handle's router on event loops of their own by default: a
+# thread hop per streamed chunk in every replica, the ingress and the proxy. kvlab's
+# deployments never block their loop (the engine steps on its own thread, blocking work goes
+# to worker threads), so a Ray that kvlab starts runs them on the main loop.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def replica_options(s: AppSettings) -> dict[str, Any]:
@@ -74,8 +80,14 @@ def launch(s: AppSettings, host: str, port: int, ray_address: str | None,
     import ray
 
     joined = ray_address is not None
+    if not joined:  # Ray's processes inherit this environment; one set by the user wins
+        for name, value in SERVE_ENV.items():
+            os.environ.setdefault(name, value)
+    # a local Ray collects no Ray metrics: kvlab's /metrics are its own, and the agent that
+    # gathers Ray's would take CPU from the replicas
+    local = {"num_cpus": local_cpus(s), "_system_config": {"enable_metrics_collection": False}}
     ray.init(address=ray_address, include_dashboard=False, logging_level=log_level.upper(),
-             **({} if joined else {"num_cpus": local_cpus(s)}))
+             **({} if joined else local))
     try:
         # per-call access lines (each request twice, each replica report) only when debugging
         logs = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}

@@ -6,7 +6,8 @@ ASGI response back as it is produced:
 
     Forwarded -> scope + receive (the body, then a disconnect when the caller goes away)
               -> create_app(AsyncEngine(engine)) -> send -> queue
-              -> yields ResponseStart, then body chunks (one per server-sent event)
+              -> yields ResponseStart, then body chunks (each what the app has sent so far:
+                 one server-sent event, or several that queued up meanwhile)
 
 So validation, OpenAI-shaped errors, streaming, timeouts and the KV freed on a disconnect
 behave exactly as without Ray. The replica also reports its own /health and /metrics to the
@@ -88,9 +89,10 @@ class EngineReplica:
                     yield ResponseStart(message["status"], list(message.get("headers", [])),
                                         self.replica_id)
                 elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body", False):
+                    body, more = _with_queued_bodies(message, sent)
+                    if body:
+                        yield body
+                    if not more:
                         return
         finally:
             gone.set()  # the app sees a disconnect: an unfinished request is aborted
@@ -140,6 +142,18 @@ async def _next_message(sent: asyncio.Queue[dict], app: asyncio.Task) -> dict | 
             return getter.result()
         getter.cancel()
     return sent.get_nowait()
+
+
+def _with_queued_bodies(message: dict, sent: asyncio.Queue[dict]) -> tuple[bytes, bool]:
+    """A body message's bytes joined with those of the body messages already queued behind
+    it, and whether more is to come. Nothing is waited for: a stream's events that piled up
+    while the replica was busy travel as one chunk (one Serve item), a lone one at once."""
+    parts, more = [message.get("body", b"")], message.get("more_body", False)
+    while more and not sent.empty():  # after the start, an HTTP response is body messages
+        message = sent.get_nowait()
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(parts), more
 
 
 def _scope(req: Forwarded) -> dict:
