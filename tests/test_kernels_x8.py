@@ -99,10 +99,10 @@ def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
-    """At 8192 columns the kernels take x in chunks of 24 rows (about 256 KiB of quantized
-    x) against every group: 53 rows are 24 + 24 + 5, each row as it comes alone."""
+    """More than 2 MiB of quantized x goes in chunks of about 256 KiB against every group: at
+    8192 columns 250 rows (2.3 MB) are ten chunks of 24 and one of 10, each row as alone."""
     g = group_rows(weight(qtype, rows=24, cols=8192, seed=8))
-    x = torch.randn(53, 8192, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(250, 8192, generator=torch.Generator().manual_seed(9))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     assert torch.equal(qmatmul(x, g), alone)
 

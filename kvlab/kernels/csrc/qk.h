@@ -220,17 +220,22 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
  * blocks of `blk_t` contiguous), x rows in tiles of up to KV_GROUP_NX through tile(b, blocks,
  * x, xs, nx, y, ys) with nx a constant for each case, so the tile's loops over x rows unroll.
  * Many x rows (prefill) go in chunks of about KV_GROUP_XBYTES, each chunk against every
- * group: a chunk stays in L2 while the groups stream past it, where without chunks every
- * group would read all of x again from L3 (at 8192 columns, 512 rows of x are 4.8 MB). */
+ * group, when all of x is more than KV_GROUP_XWHOLE: a chunk then stays in L2 while the
+ * groups stream past, where without chunks every group would read all of x again from L3
+ * (at 8192 columns, 512 rows of x are 4.8 MB). A smaller x is read whole: chunks would make
+ * a tall matrix's weights stream in from DRAM once per chunk (measured slower at 16384 x
+ * 2048, IQ4_XSx8, 2 threads). */
 #define KV_GROUP_XBYTES (256 * 1024)
-#define KV_GROUP_CHUNK(xstride)                                                         \
-    (KV_GROUP_NX * ((KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX > 1                        \
-                        ? (KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX : 1))
+#define KV_GROUP_XWHOLE (2 * 1024 * 1024)
+#define KV_GROUP_CHUNK(xstride, n)                                                         \
+    ((n) * (xstride) <= KV_GROUP_XWHOLE ? (n)                                              \
+     : KV_GROUP_NX * ((KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX > 1                      \
+                          ? (KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX : 1))
 #define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
     static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
                          int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
                          float *y, int64_t ystride) {                                      \
-        const int64_t nb = cols / (block_elems), step = KV_GROUP_CHUNK(xstride);        \
+        const int64_t nb = cols / (block_elems), step = KV_GROUP_CHUNK(xstride, n);        \
         for (int64_t c = 0; c < n; c += step) {                                            \
             const char *x = (const char *)xq + c * xstride;                                \
             const int64_t m = n - c < step ? n - c : step;                                 \
@@ -248,7 +253,7 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
     static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
                          int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
                          float *y, int64_t ystride) {                                      \
-        const int64_t nb = cols / (block_elems), step = KV_GROUP_CHUNK(xstride);        \
+        const int64_t nb = cols / (block_elems), step = KV_GROUP_CHUNK(xstride, n);        \
         for (int64_t c = 0; c < n; c += step) {                                            \
             const char *x = (const char *)xq + c * xstride;                                \
             const int64_t m = n - c < step ? n - c : step;                                 \
