@@ -27,7 +27,7 @@ qk = Extension(
     sources=[f"{CSRC}/{name}.c" for name in ("qk_module", "qk_pool", "qk_generic", "qk_avx2",
                                             "qk_quant", "qk_fused", "qk_attn", "qk_x8",
                                             "qk_x8k", "qk_k23", "qk_iq4", "qk_x8k23",
-                                            "qk_iq4x8", "qk_flash", "qk_x8q5", "qk_moe")],
+                                            "qk_iq4x8", "qk_flash", "qk_x8q5", "qk_x8k5", "qk_moe")],
     depends=[f"{CSRC}/qk.h", f"{CSRC}/qk_avx2.h", f"{CSRC}/qk_dequant.inc"],
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=[] if sys.platform == "win32" else ["-pthread"],

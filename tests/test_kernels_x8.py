@@ -1,5 +1,5 @@
-"""kvlab.kernels.group_rows: Q8_0 / Q5_0 / Q4_0 rows as Q8_0x8, and Q4_K, Q6_K, Q2_K, Q3_K,
-IQ4_XS and IQ4_NL
+"""kvlab.kernels.group_rows: Q8_0 / Q4_0 rows as Q8_0x8, and Q5_0, Q4_K, Q5_K, Q6_K, Q2_K,
+Q3_K, IQ4_XS and IQ4_NL
 rows as Q4_Kx8 etc., interleaved in groups of 8.
 
 The values must be exactly those of the GGUF blocks, and a product must give the same bits
@@ -27,8 +27,9 @@ from kvlab.kernels import (
 )
 
 pytestmark = pytest.mark.skipif(ops._qk is None, reason="C extension not built")
-GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL]
-SELF_GROUPED = (T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.Q5_0)  # as themselves
+GROUPABLE = [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS,
+             T.IQ4_NL]
+SELF_GROUPED = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.Q5_0)  # as themselves
 NO_QUANTIZER = (T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
 
 
@@ -58,8 +59,8 @@ def test_grouped_values_are_the_gguf_values(qtype):
     g = group_rows(w)
     kind = qtype if qtype in SELF_GROUPED else T.Q8_0
     assert g.grouped and g.qtype == kind and g.shape == w.shape
-    # Q4_K, Q3_K and IQ4_XS with unpacked scales; the others their own size; Q8_0's
-    per_block = {T.Q4_K: 148 / 256, T.Q6_K: 210 / 256, T.Q2_K: 84 / 256,
+    # Q4_K, Q5_K, Q3_K and IQ4_XS with unpacked scales; the others their own size; Q8_0's
+    per_block = {T.Q4_K: 148 / 256, T.Q5_K: 180 / 256, T.Q6_K: 210 / 256, T.Q2_K: 84 / 256,
                  T.Q3_K: 114 / 256, T.IQ4_XS: 138 / 256,
                  T.IQ4_NL: 18 / 32, T.Q5_0: 22 / 32}.get(qtype, 34 / 32)
     assert g.nbytes == w.out_features * w.in_features * per_block
@@ -80,8 +81,8 @@ def test_grouped_product_is_the_plain_kernels_dot(qtype):
 
 
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS,
+                                   T.IQ4_NL], ids=lambda t: t.name)
 def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
     cols = 96 if qtype in (T.Q5_0, T.IQ4_NL) else 768
     # 7 groups: prefill tiles take two groups at a time where they can, then the odd one;
@@ -97,7 +98,7 @@ def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
         ops._qk.set_isa("auto")
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
     """More than 2 MiB of quantized x goes in chunks of about 256 KiB against every group: at
     8192 columns 250 rows (2.3 MB) are ten chunks of 24 and one of 10, each row as alone."""
@@ -123,7 +124,7 @@ def test_threads_split_between_groups():
 
 def test_what_cannot_be_grouped_says_why():
     assert not can_group(weight(T.Q8_0, rows=44))
-    assert not can_group(weight(T.Q5_K, rows=48, cols=256))
+    assert not can_group(weight(T.Q5_1, rows=48, cols=256))
     with pytest.raises(ValueError, match="multiple of 8"):
         group_rows(weight(T.Q8_0, rows=44))
     with pytest.raises(ValueError, match="groups of 8"):

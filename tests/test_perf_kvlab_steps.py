@@ -139,8 +139,10 @@ def test_matrices_are_counted_as_the_loader_holds_them() -> None:
         MatrixSpec("Q5_0x8", 64, 64, 22_000)  # the file's size
     assert loaded_matrix(MatrixSpec("Q6_K", 8, 256, 210)).nbytes == 210  # the file's size
     assert loaded_matrix(MatrixSpec("Q4_K", 8, 256, 144, "ffn_down")).qtype == "Q4_Kx8"
+    assert loaded_matrix(MatrixSpec("Q5_K", 8, 256, 176)) == \
+        MatrixSpec("Q5_Kx8", 8, 256, 180)  # unpacked scales
     for kept in (MatrixSpec("Q5_0", 12, 64, 1), MatrixSpec("F32", 8, 8, 256),
-                 MatrixSpec("Q5_K", 8, 256, 176)):  # 12 rows; no grouped kernel for these
+                 MatrixSpec("Q5_1", 8, 256, 192)):  # 12 rows; no grouped kernel for these
         assert loaded_matrix(kept) == kept
 
 

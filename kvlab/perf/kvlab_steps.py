@@ -16,7 +16,8 @@ machine's stream bandwidth.
 
 Every rate is measured with no real model (kvlab.perf.probe_kernels, probe_engine); the
 model contributes only its counted matrices, heads, layers and KV bytes, each matrix as
-kvlab's loader holds it (Q8_0, Q5_0, Q4_0, Q4_K and Q6_K in 8-row groups, `loaded_matrix`).
+kvlab's loader holds it (Q8_0, Q5_0, Q4_0, the K-quants and IQ4 in 8-row groups,
+`loaded_matrix`).
 One sequence and an f32 KV cache, as `kvlab bench` runs it.
 """
 
@@ -193,8 +194,8 @@ def product_calls(matrices: tuple[MatrixSpec, ...]) -> int:
 
 def loaded_matrix(m: MatrixSpec) -> MatrixSpec:
     """`m` as kvlab's loader holds it on the CPU: GGUF types with 8-row group kernels, in a
-    multiple of 8 rows, become Q8_0x8 / Q4_Kx8 / Q6_Kx8 / IQ4_XSx8 / IQ4_NLx8 with their
-    bytes (Q5_0 and Q4_0 widen to 8 bits, Q4_K and IQ4_XS carry unpacked scales)."""
+    multiple of 8 rows, become Q8_0x8 / Q4_Kx8 / Q5_Kx8 / Q6_Kx8 / IQ4_XSx8 / ... with their
+    bytes (Q4_0 widens to 8 bits, Q4_K, Q5_K and IQ4_XS carry unpacked scales)."""
     qtype = GGMLQuantizationType.__members__.get(m.qtype)
     if qtype not in GROUPS_AS or m.rows % 8:
         return m

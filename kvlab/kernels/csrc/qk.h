@@ -27,7 +27,8 @@ enum {
     KV_IQ4_XSX8 = 36,  /* kvlab's own: IQ4_XS rows in groups of 8 (qk_iq4x8.c) */
     KV_IQ4_NLX8 = 37,  /* kvlab's own: IQ4_NL rows in groups of 8 (qk_iq4x8.c) */
     KV_Q5_0X8 = 38,  /* kvlab's own: Q5_0 rows in groups of 8, Q5_0's size (qk_x8q5.c) */
-    KV_NTYPES = 39
+    KV_Q5_KX8 = 39,  /* kvlab's own: Q5_K rows in groups of 8 (qk_x8k5.c) */
+    KV_NTYPES = 40
 };
 
 typedef uint16_t kv_half;
@@ -182,8 +183,13 @@ KV_GEMV_DECL(kv_gemv_iq4_nlx8_generic);
 int kv_to_q5_0x8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 KV_DEQ_ROW_DECL(kv_deq_q5_0x8_row);
 KV_GEMV_DECL(kv_gemv_q5_0x8_generic);
+/* Q5_Kx8 (qk_x8k5.c): Q4_Kx8's fields and Q5_K's fifth bits, 180 B per row and super-block */
+int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+KV_DEQ_ROW_DECL(kv_deq_q5_kx8_row);
+KV_GEMV_DECL(kv_gemv_q5_kx8_generic);
 #ifdef KV_HAVE_AVX2_BUILD
 KV_GEMV_DECL(kv_gemv_q5_0x8_avx2);
+KV_GEMV_DECL(kv_gemv_q5_kx8_avx2);
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2);
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2);
 void kv_deq_iq4_nl_avx2(const uint8_t *w, int64_t cols, float *out);

@@ -1084,6 +1084,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_avx2,
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_avx2,
         [KV_Q5_0X8] = kv_gemv_q5_0x8_avx2,
+        [KV_Q5_KX8] = kv_gemv_q5_kx8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1110,6 +1111,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_XSX8] = KV_ACT_256,
         [KV_IQ4_NLX8] = KV_ACT_32,
         [KV_Q5_0X8] = KV_ACT_32,
+        [KV_Q5_KX8] = KV_ACT_256,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,

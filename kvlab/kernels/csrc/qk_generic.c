@@ -65,6 +65,7 @@ int kv_block_size(int qtype) {
         case KV_IQ4_NL: case KV_IQ4_NLX8: return 32;
         case KV_IQ4_XS: case KV_IQ4_XSX8: return 256;
         case KV_Q5_0X8: return 32;
+        case KV_Q5_KX8: return 256;
         default: return 0;
     }
 }
@@ -82,6 +83,7 @@ int kv_type_size(int qtype) {
         case KV_Q4_KX8: return 148;
         case KV_Q6_KX8: return 210;
         case KV_Q5_K: return 176;
+        case KV_Q5_KX8: return 180;
         case KV_Q6_K: return 210;
         case KV_Q2_K: return 84;
         case KV_Q3_K: return 110;
@@ -374,6 +376,7 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_XSX8] = kv_gemv_iq4_xsx8_generic,
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_generic,
         [KV_Q5_0X8] = kv_gemv_q5_0x8_generic,
+        [KV_Q5_KX8] = kv_gemv_q5_kx8_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -397,6 +400,7 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_XSX8] = KV_ACT_256,
         [KV_IQ4_NLX8] = KV_ACT_32,
         [KV_Q5_0X8] = KV_ACT_32,
+        [KV_Q5_KX8] = KV_ACT_256,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,

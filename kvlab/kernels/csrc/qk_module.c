@@ -129,6 +129,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, i
     else if (qtype == KV_IQ4_XSX8) kv_deq_iq4_xsx8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_IQ4_NLX8) kv_deq_iq4_nlx8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_Q5_0X8) kv_deq_q5_0x8_row(w, row_bytes, r, cols, out);
+    else if (qtype == KV_Q5_KX8) kv_deq_q5_kx8_row(w, row_bytes, r, cols, out);
     else g_isa->deq[qtype](w + r * row_bytes, cols, out);
 }
 
@@ -309,7 +310,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 /* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q4_0
- * -> Q8_0x8 (34 B per 32), Q5_0 -> Q5_0x8 (22 B per 32), Q4_K -> Q4_Kx8 (148 B per 256), Q6_K -> Q6_Kx8 (210 B),
+ * -> Q8_0x8 (34 B per 32), Q5_0 -> Q5_0x8 (22 B per 32), Q4_K -> Q4_Kx8 (148 B per 256),
+ * Q5_K -> Q5_Kx8 (180 B), Q6_K -> Q6_Kx8 (210 B),
  * Q2_K -> Q2_Kx8 (84 B), Q3_K -> Q3_Kx8 (114 B), IQ4_XS -> IQ4_XSx8 (138 B per 256),
  * IQ4_NL -> IQ4_NLx8 (18 B per 32); rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -321,10 +323,11 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
         !get_i64(args[3], &cols) || !get_i64(args[4], &src_row_bytes) || !get_ptr(args[5], &dst))
         return NULL;
     if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0 && qtype != KV_Q4_K &&
-        qtype != KV_Q6_K && qtype != KV_Q2_K && qtype != KV_Q3_K && qtype != KV_IQ4_XS &&
-        qtype != KV_IQ4_NL)
+        qtype != KV_Q5_K && qtype != KV_Q6_K && qtype != KV_Q2_K && qtype != KV_Q3_K &&
+        qtype != KV_IQ4_XS && qtype != KV_IQ4_NL)
         return PyErr_Format(PyExc_ValueError, "8-row groups are built from Q8_0, Q5_0, Q4_0, "
-                            "Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS or IQ4_NL rows, not GGML type id %lld",
+                            "Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS or IQ4_NL rows, not GGML type "
+                            "id %lld",
                             (long long)qtype);
     if (!check_layout(qtype, cols, src_row_bytes)) return NULL;
     if (rows % 8)
@@ -332,6 +335,7 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
                             (long long)rows);
     Py_BEGIN_ALLOW_THREADS
     if (qtype == KV_Q4_K) kv_to_q4_kx8(src, rows, cols, dst);
+    else if (qtype == KV_Q5_K) kv_to_q5_kx8(src, rows, cols, dst);
     else if (qtype == KV_Q6_K) kv_to_q6_kx8(src, rows, cols, dst);
     else if (qtype == KV_Q2_K) kv_to_q2_kx8(src, rows, cols, dst);
     else if (qtype == KV_Q3_K) kv_to_q3_kx8(src, rows, cols, dst);

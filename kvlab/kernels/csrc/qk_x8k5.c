@@ -1,0 +1,209 @@
+/* Q5_K in groups of 8 rows ("Q5_Kx8", kvlab's own in-memory layout; see qk_x8.c for the
+ * idea and qk_x8k.c for Q4_Kx8, whose fields it keeps): one register lane per weight row,
+ * x's 4 bytes broadcast, the sub-block scales and the float steps serving 8 rows at once.
+ *
+ *   super-block i of rows 8g..8g+7 (1440 B = 8 x 180, Q5_K's 176 + unpacked scales):
+ *     d[8], dmin[8]     fp16, row 8g+k in slot k
+ *     sc[8][8], m[8][8] 6-bit sub-block scale and min, [sub-block s][row k]
+ *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q5_K qs: its low
+ *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
+ *     qh[8][32]         qh[t][4k + e] = byte 4t + e of row k's Q5_K qh: its bit s is the
+ *                       fifth bit of element 4t+e of sub-block s
+ *   so chunk t of sub-block s is nibble | (qh[t] shifted to bit 4) & 0x10, values 0..31:
+ *   one register of qh serves the chunk's 8 sub-blocks, a shift, an and and an or each.
+ *   Per row and x row (x in kv_act256 blocks), as exact integers:
+ *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
+ *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
+ *
+ * Both kernels below (AVX2, portable) do exactly these steps, from acc = 0, for any number
+ * of x rows: a row's output does not depend on the batch or the kernel path.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "qk.h"
+
+#define KV_FN(name) name##_x8k5
+#define KV_TGT
+#define KV_H2F(h) (kv_h2f_table[h])
+#include "qk_dequant.inc"
+#undef KV_TGT
+
+typedef struct {
+    kv_half d[8], dmin[8];
+    uint8_t sc[8][8], m[8][8];
+    uint8_t qs[4][8][32];
+    uint8_t qh[8][32];
+} kv_blk_q5_kx8;  /* 1440 B */
+
+int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    if (rows % 8 || cols % 256) return -1;
+    const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q5_k);
+    kv_blk_q5_kx8 *out = (kv_blk_q5_kx8 *)dst;
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t i = 0; i < nb; i++, out++) {
+            for (int k = 0; k < 8; k++) {
+                const kv_blk_q5_k *b = (const kv_blk_q5_k *)(src + (8 * g + k) * row_bytes) + i;
+                uint8_t sc[8], mn[8];
+                kv_scale_min_k4(b->scales, sc, mn);
+                out->d[k] = b->d, out->dmin[k] = b->dmin;
+                for (int s = 0; s < 8; s++) out->sc[s][k] = sc[s], out->m[s][k] = mn[s];
+                for (int t = 0; t < 8; t++) {
+                    for (int p = 0; p < 4; p++) memcpy(&out->qs[p][t][4 * k], b->qs + 32 * p + 4 * t, 4);
+                    memcpy(&out->qh[t][4 * k], b->qh + 4 * t, 4);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* element l (0..31) of sub-block s of row k, 0..31 */
+static inline int q5kx8_value(const kv_blk_q5_kx8 *b, int s, int l, int k) {
+    const int byte = 4 * k + l % 4;
+    const int lo = (b->qs[s / 2][l / 4][byte] >> (4 * (s % 2))) & 0xF;
+    return lo | ((b->qh[l / 4][byte] >> s) & 1) << 4;
+}
+
+/* row r -> fp32, rounded as deq_q5_k rounds */
+void kv_deq_q5_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
+                       float *out) {
+    const kv_blk_q5_kx8 *b = (const kv_blk_q5_kx8 *)(w + (r / 8) * 8 * row_bytes);
+    const int k = (int)(r % 8);
+    for (int64_t i = 0; i < cols / 256; i++) {
+        const float d = kv_h2f_table[b[i].d[k]], dmin = kv_h2f_table[b[i].dmin[k]];
+        for (int s = 0; s < 8; s++, out += 32) {
+            const float dl = d * (float)b[i].sc[s][k], ml = dmin * (float)b[i].m[s][k];
+            for (int l = 0; l < 32; l++) out[l] = dl * (float)q5kx8_value(b + i, s, l, k) - ml;
+        }
+    }
+}
+
+/* ---------------- portable kernel (the reference) ---------------- */
+
+static void row_sums(const kv_blk_q5_kx8 *b, int k, const kv_act256 *a, int32_t *isum,
+                     int32_t *msum) {
+    *isum = *msum = 0;
+    for (int s = 0; s < 8; s++) {
+        int32_t dot = 0;
+        for (int l = 0; l < 32; l++) dot += q5kx8_value(b, s, l, k) * a->qs[32 * s + l];
+        *isum += b->sc[s][k] * dot;
+        *msum += b->m[s][k] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
+    }
+}
+
+void kv_gemv_q5_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                            float *y, int64_t ystride) {
+    for (int64_t r = r0; r < r1; r += 8) {
+        const kv_blk_q5_kx8 *b = (const kv_blk_q5_kx8 *)(w + r * row_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);
+            for (int k = 0; k < 8; k++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < cols / 256; i++) {
+                    int32_t isum, msum;
+                    row_sums(b + i, k, a + i, &isum, &msum);
+                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
+                    acc = fmaf(-(kv_h2f_table[b[i].dmin[k]] * a[i].d), (float)msum, acc);
+                }
+                y[j * ystride + r + k] = acc;
+            }
+        }
+    }
+}
+
+/* ---------------- AVX2 (maddubs) ----------------
+ * A maddubs of 4 values 0..31 against x's int8 (-127..127) is at most 2 * 31 * 127 = 7874
+ * per int16 pair, so 4 of them (31496 < 2^15) add as int16: a sub-block's 8 chunks go in
+ * two halves of 4, each times the scale as an int16 pair in one madd, both into int32.
+ * The integers are those of the portable kernel, so are the bits. No VNNI variant: on
+ * VNNI machines this code runs. */
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include "qk_avx2.h"
+
+/* chunk t of sub-block s, 8 rows, values 0..31: the nibble, bit s of qh moved to bit 4 by
+ * a 16-bit shift (within 4 places the bits that cross between bytes are masked off) */
+KV_INL __m256i k5_chunk(const kv_blk_q5_kx8 *b, const int s, const int t) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    __m256i v = load256(b->qs[s / 2][t]), h = load256(b->qh[t]);
+    if (s % 2) v = _mm256_srli_epi16(v, 4);
+    h = s < 4 ? _mm256_slli_epi16(h, 4 - s) : _mm256_srli_epi16(h, s - 4);
+    return _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(h, b4));
+}
+
+/* (c, c) as int16 pairs from 8 bytes, row k's in lane k */
+KV_INL __m256i k5_pair16(const uint8_t *c) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
+}
+
+/* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
+KV_INL void k5_finish_avx2(const kv_blk_q5_kx8 *b, const char *xq, int64_t xs, const int nx,
+                           const __m256i *isum, __m256 *acc) {
+    __m256i mdup[8];  /* (m_s, m_s) as int16 pairs */
+    for (int s = 0; s < 8; s++) mdup[s] = k5_pair16(b->m[s]);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
+    for (int j = 0; j < nx; j++) {
+        const kv_act256 *a = (const kv_act256 *)(xq + j * xs);
+        __m256i msum = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) /* m_s * (bsums[2s] + bsums[2s + 1]) */
+            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mdup[s], bcast4(a->bsums + 2 * s)));
+        const __m256 dx = _mm256_set1_ps(a->d);
+        acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+        acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum), acc[j]);
+    }
+}
+
+/* half u of sub-block s of one group against up to 8 x rows: each unpacked chunk feeds
+ * every row's chain, so the unpacking is shared by 8 maddubs */
+KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const int s, const int u, const char *xq,
+                         int64_t xs, const int nx, __m256i *isum) {
+    const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
+    __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
+            c7 = c0;
+#define KV_K5_ROW8(j, cj) \
+    if (nx > j) cj = _mm256_add_epi16(cj, _mm256_maddubs_epi16(w, bcast4(x + j * xs + 4 * t)))
+    for (int t = 4 * u; t < 4 * u + 4; t++) {
+        const __m256i w = k5_chunk(b, s, t);
+        KV_K5_ROW8(0, c0); KV_K5_ROW8(1, c1); KV_K5_ROW8(2, c2); KV_K5_ROW8(3, c3);
+        KV_K5_ROW8(4, c4); KV_K5_ROW8(5, c5); KV_K5_ROW8(6, c6); KV_K5_ROW8(7, c7);
+        __asm__("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7));
+    }
+#undef KV_K5_ROW8
+    const __m256i sc = k5_pair16(b->sc[s]);
+    const __m256i cs[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(cs[j], sc));
+}
+
+/* One group against nx x rows. For Q5_K one group and 8 x rows per chunk beat Q4_Kx8's two
+ * groups of 4 rows (at 512 x rows, 2048 x 8192: about 110 against 90 GFLOP/s in one thread):
+ * the fifth bit's shift, and, or cost more than the broadcasts a pair would share. No
+ * software prefetch: a group's super-blocks are one sequential stream, and prefetching
+ * super-block i + 2 or i + 6 made a batch-1 decode from DRAM slower (13.0 -> 10.5 and 11.2
+ * GB/s at 8192 x 8192 on an AMD EPYC), the hardware prefetcher being ahead already. */
+KV_INL void tile_k5_avx2(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                         const int nx, float *y, int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+#pragma GCC unroll 16
+        for (int h = 0; h < 16; h++) k5_sub8_avx2(b + i, h / 2, h % 2, xi, xs, nx, isum);
+        k5_finish_avx2(b + i, xi, xs, nx, isum, acc);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
+
+void kv_gemv_q5_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                         int64_t ystride) {
+    gemv_k5_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+#endif /* KV_HAVE_AVX2_BUILD */
