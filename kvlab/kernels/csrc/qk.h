@@ -237,25 +237,9 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
     ((n) * (xstride) <= KV_GROUP_XWHOLE ? (n)                                              \
      : KV_GROUP_NX * ((KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX > 1                      \
                           ? (KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX : 1))
-#define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
-    static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
-                         float *y, int64_t ystride) {                                      \
-        const int64_t nb = cols / (block_elems), step = KV_GROUP_CHUNK(xstride, n);        \
-        for (int64_t c = 0; c < n; c += step) {                                            \
-            const char *x = (const char *)xq + c * xstride;                                \
-            const int64_t m = n - c < step ? n - c : step;                                 \
-            float *yc = y + c * ystride;                                                   \
-            for (int64_t r = r0; r < r1; r += 8) {                                         \
-                const blk_t *b = (const blk_t *)(w + r * row_bytes);                       \
-                KV_GROUP_TILES(tile, b, nb, x, xstride, m, yc + r, ystride);               \
-            }                                                                              \
-        }                                                                                  \
-    }
-
-/* KV_GROUP_GEMV with two groups per tile where there are two and several x rows (prefill):
- * tile2(b, ...) computes groups b and b + nb (16 rows, y and y + 8) */
-#define KV_GROUP_GEMV2(name, TGT, tile, tile2, blk_t, block_elems)                         \
+/* the driver; with pairs (a constant 1) two groups per tile where there are two and several
+ * x rows (prefill): tile2(b, ...) computes groups b and b + nb (16 rows, y and y + 8) */
+#define KV_GROUP_DRIVER(name, TGT, tile, tile2, pairs, blk_t, block_elems)                \
     static TGT void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,      \
                          int64_t cols, const void *xq, int64_t xstride, int64_t n,         \
                          float *y, int64_t ystride) {                                      \
@@ -266,12 +250,40 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
             float *yc = y + c * ystride;                                                   \
             for (int64_t r = r0; r < r1;) {                                                \
                 const blk_t *b = (const blk_t *)(w + r * row_bytes);                       \
-                if (n > 1 && r1 - r >= 16) {                                               \
+                if ((pairs) && n > 1 && r1 - r >= 16) {                                    \
                     KV_GROUP_TILES(tile2, b, nb, x, xstride, m, yc + r, ystride);          \
                     r += 16;                                                               \
                 } else {                                                                   \
                     KV_GROUP_TILES(tile, b, nb, x, xstride, m, yc + r, ystride);           \
                     r += 8;                                                                \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+#define KV_GROUP_GEMV(name, TGT, tile, blk_t, block_elems)                                 \
+    KV_GROUP_DRIVER(name, TGT, tile, tile, 0, blk_t, block_elems)
+#define KV_GROUP_GEMV2(name, TGT, tile, tile2, blk_t, block_elems)                         \
+    KV_GROUP_DRIVER(name, TGT, tile, tile2, 1, blk_t, block_elems)
+
+/* The portable kernel of a K-quant group layout with scales and mins (Q4_Kx8, Q5_Kx8): per
+ * row k and x row, row_sums(block, k, x block, &isum, &msum) gives a super-block's exact
+ * integers, then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc). */
+#define KV_KX8_GENERIC(name, blk_t, row_sums)                                              \
+    void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,   \
+              const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride) {     \
+        for (int64_t r = r0; r < r1; r += 8) {                                             \
+            const blk_t *b = (const blk_t *)(w + r * row_bytes);                           \
+            for (int64_t j = 0; j < n; j++) {                                              \
+                const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);  \
+                for (int k = 0; k < 8; k++) {                                              \
+                    float acc = 0.0f;                                                      \
+                    for (int64_t i = 0; i < cols / 256; i++) {                             \
+                        int32_t isum, msum;                                                \
+                        row_sums(b + i, k, a + i, &isum, &msum);                           \
+                        acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);    \
+                        acc = fmaf(-(kv_h2f_table[b[i].dmin[k]] * a[i].d), (float)msum, acc); \
+                    }                                                                      \
+                    y[j * ystride + r + k] = acc;                                          \
                 }                                                                          \
             }                                                                              \
         }                                                                                  \

@@ -92,26 +92,7 @@ static void row_sums(const kv_blk_q5_kx8 *b, int k, const kv_act256 *a, int32_t 
     }
 }
 
-void kv_gemv_q5_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                            float *y, int64_t ystride) {
-    for (int64_t r = r0; r < r1; r += 8) {
-        const kv_blk_q5_kx8 *b = (const kv_blk_q5_kx8 *)(w + r * row_bytes);
-        for (int64_t j = 0; j < n; j++) {
-            const kv_act256 *a = (const kv_act256 *)((const char *)xq + j * xstride);
-            for (int k = 0; k < 8; k++) {
-                float acc = 0.0f;
-                for (int64_t i = 0; i < cols / 256; i++) {
-                    int32_t isum, msum;
-                    row_sums(b + i, k, a + i, &isum, &msum);
-                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
-                    acc = fmaf(-(kv_h2f_table[b[i].dmin[k]] * a[i].d), (float)msum, acc);
-                }
-                y[j * ystride + r + k] = acc;
-            }
-        }
-    }
-}
+KV_KX8_GENERIC(kv_gemv_q5_kx8_generic, kv_blk_q5_kx8, row_sums)
 
 /* ---------------- AVX2 (maddubs) ----------------
  * A maddubs of 4 values 0..31 against x's int8 (-127..127) is at most 2 * 31 * 127 = 7874
