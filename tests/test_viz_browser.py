@@ -236,7 +236,9 @@ def test_page_shows_what_the_api_returned(browser: Any, server: str) -> None:
 
 def test_second_tab_sees_the_first_tabs_blocks(browser: Any, server: str) -> None:
     a, b = open_page(browser, server), open_page(browser, server)
-    a.fill("#max-tokens", "40")
+    # long enough that tab A still holds its blocks when tab B's first pool view arrives: 40
+    # tokens took well under a second on a quiet machine, and B could miss them
+    a.fill("#max-tokens", "400")
     a.click("#run")
     a.wait_for_function("() => { const r = window.vizState.run; return r && r.users[0].first; }",
                         timeout=120_000)
