@@ -257,6 +257,20 @@ def test_intake_delays_the_first_step() -> None:
     assert second.ttft == pytest.approx(0.005 + 0.020)
 
 
+def test_intake_takes_requests_one_at_a_time() -> None:
+    """Four clients sending at once: the first is prefilled alone by the idle engine, the
+    other three arrive during that step and are prefilled together in the next."""
+    steps = Steps()
+    p = simulate([RequestSpec(10, 2)] * 4, steps, concurrency=4, request_seconds=0.001,
+                 intake_seconds=0.001)
+    assert [len(s) for s in steps.seen[:2]] == [1, 4]  # then B, C, D and A's first decode
+    first, *rest = p.traces
+    # A in at 1 ms; its 20 ms step shares the cores with B's, C's and D's intake (3 ms)
+    assert first.ttft == pytest.approx(0.001 + 0.020 + 0.003)
+    # the second step: three 10-token prefills and A's decode, 10 ms + 31 x 1 ms
+    assert [t.ttft for t in rest] == pytest.approx([0.024 + 0.041] * 3)
+
+
 def test_stream_costs_fitted_and_added() -> None:
     from kvlab.perf.hardware import StreamCosts
     from kvlab.perf.probe_serving import fit_stream_costs
@@ -264,16 +278,22 @@ def test_stream_costs_fitted_and_added() -> None:
     hw = replace(machine(), steps=FACTORS)
     specs = {c: [RequestSpec(20, 16)] * 2 * c for c in (1, 8)}
     bare = {c: predict_serving(model(), hw, specs[c], c) for c in specs}
-    cost = StreamCosts(token=0.0005, step=0.002, request=0.010)
+    cost = StreamCosts(token=0.0005, step=0.002, request=0.010, serial=0.5)
     timed = {c: predict_serving(model(), replace(hw, stream=cost), specs[c], c) for c in specs}
     runs = {c: {"completed": 2 * c, "total_input_tokens": 40 * c, "total_output_tokens": 32 * c,
                 "output_throughput": timed[c].output_tok_s,
                 "itl_ms": {"p50": 1e3 * timed[c].itl(0.5)},
                 "ttft_ms": {"p50": 1e3 * timed[c].ttft(0.5)}} for c in specs}
     fitted = fit_stream_costs(model(), hw, "f32", runs)
-    assert fitted.token == pytest.approx(0.0005) and fitted.step == pytest.approx(0.002)
-    assert fitted.request == pytest.approx(0.010)
-    assert timed[8].itl(0.5) == pytest.approx(bare[8].itl(0.5) + 0.002 + 8 * 0.0005)
+    assert fitted.serial == 0.5  # half the request cost one request at a time
+    assert fitted.token == pytest.approx(0.0005, rel=1e-3)
+    assert fitted.step == pytest.approx(0.002, rel=1e-3)
+    assert fitted.request == pytest.approx(0.010, rel=1e-3)
+    # without the intake's stagger, a step of 8 streams is the bare one plus the step's and
+    # the tokens' costs
+    steps_only = predict_serving(model(), replace(hw, stream=replace(cost, request=0.0)),
+                                 specs[8], 8)
+    assert steps_only.itl(0.5) == pytest.approx(bare[8].itl(0.5) + 0.002 + 8 * 0.0005)
     assert cost.step_seconds(0) == 0.0  # a step that streams nothing (a prefill chunk)
 
 

@@ -84,16 +84,17 @@ def _step_lines(f: StepFactors | None) -> str:
 
 
 def _stream_lines(s: StreamCosts | None) -> str:
-    """Each load against the step model's prediction, then the costs fitted to them."""
+    """Each load against its prediction with the costs fitted to them, then the costs."""
     if s is None:
         return ""
-    lines = [f"  {'streams':>7} {'ITL p50':>9} {'steps':>9} {'TTFT p50':>9} {'steps':>9}"]
+    lines = [f"  {'streams':>7} {'ITL p50':>9} {'fitted':>9} {'TTFT p50':>9} {'fitted':>9}"]
     for lv in s.levels:
         lines.append(f"  {lv['concurrency']:>7} {lv['itl_p50'] * 1e3:>7.2f}ms "
                      f"{lv['predicted_itl_p50'] * 1e3:>7.2f}ms {lv['ttft_p50'] * 1e3:>7.1f}ms "
                      f"{lv['predicted_ttft_p50'] * 1e3:>7.1f}ms")
     lines.append(f"  besides the steps: {s.token * 1e3:.2f} ms a streamed token, "
-                 f"{s.step * 1e3:.2f} ms a step, {s.request * 1e3:.1f} ms a request")
+                 f"{s.step * 1e3:.2f} ms a step, {s.request * 1e3:.1f} ms a request "
+                 f"({s.intake * 1e3:.1f} ms of it one request at a time)")
     return "\n".join(lines)
 
 

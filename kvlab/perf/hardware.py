@@ -155,6 +155,13 @@ class StreamCosts:
     step: float  # seconds per engine step that streams: outputs handed to the event loop
     request: float  # seconds per request before its first step: HTTP, template, tokenize
     levels: tuple[Mapping[str, Any], ...] = ()  # each load timed: measured and predicted
+    serial: float = 0.0  # share of `request` the server spends on one request at a time
+
+    @property
+    def intake(self) -> float:
+        """Seconds of each request's cost that requests sent together take one after another
+        (the server's event loop); the rest passes for all of them at once."""
+        return self.request * self.serial
 
     def step_seconds(self, sampled: int) -> float:
         """Seconds a step that samples `sampled` tokens costs besides the engine's step."""

@@ -11,7 +11,11 @@ weights pick the same few tokens (special ones, of no text), and the client time
     measured TTFT p50 at 1 stream - predicted TTFT at 1 stream  = request + step + token
 
 Two loads (LEVELS) give step and token; the first token's gap gives request. The medians are
-over every token gap and first token of each load.
+over every token gap and first token of each load. Since the costs change the steps the
+prediction replays, the fit is repeated with the costs found so far in the prediction,
+until what is left is small. Last, the busiest load's first tokens say how much of the
+request cost is the server's intake, spent on one request at a time (requests sent together
+then reach the engine's steps apart: kvlab.perf.serving).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from kvlab.perf.hardware import HardwareSpec, StreamCosts
 from kvlab.perf.model import ModelSpec
 
 LEVELS = (1, 8)  # streams at once, in two loads
-REQUESTS = 2  # requests per stream in each load
+REQUESTS = {1: 8, 8: 2}  # requests per stream in each load (8 first tokens alone for request)
 MAX_TOKENS = 48  # tokens each request streams (ignore_eos)
 START_TIMEOUT_S = 180.0
 
@@ -51,31 +55,56 @@ def measure_stream_costs(path: Path, model: ModelSpec, hw: HardwareSpec, threads
     return fit_stream_costs(model, hw, kv_dtype, runs)
 
 
+SERIAL_SHARES = tuple(i / 10 for i in range(11))  # of the request cost, tried by the fit
+
+
 def fit_stream_costs(model: ModelSpec, hw: HardwareSpec, kv_dtype: str,
                      runs: Mapping[int, Mapping[str, Any]]) -> StreamCosts:
     """The costs of the module docstring from load-test summaries (`kvlab loadtest --json`)
-    by concurrency, against the step model's prediction of the same requests."""
+    by concurrency, against the step model's prediction of the same requests (the prompt
+    tokens the server computed, less those its prefix cache served); then the share of the
+    request cost the server spends on one request at a time, whichever of SERIAL_SHARES
+    predicts the busiest load's TTFT p50 best (its requests are sent together: the share
+    decides how many of them the first step takes)."""
+    fits = [_fit(model, hw, kv_dtype, runs, share) for share in SERIAL_SHARES]
+    return min(fits, key=lambda c: abs(c.levels[-1]["ttft_p50"]
+                                       - c.levels[-1]["predicted_ttft_p50"]))
+
+
+def _fit(model: ModelSpec, hw: HardwareSpec, kv_dtype: str,
+         runs: Mapping[int, Mapping[str, Any]], serial: float, passes: int = 6) -> StreamCosts:
+    """token, step and request at a given serial share. The costs move the predicted steps
+    (a slower step, requests that reach different steps), so each pass predicts with the
+    costs fitted so far and fits what is still unexplained on top."""
+    costs = StreamCosts(0.0, 0.0, 0.0, serial=serial)
+    for _ in range(passes):
+        timed = replace(hw, stream=costs)
+        levels = [_level(model, timed, kv_dtype, c, run) for c, run in sorted(runs.items())]
+        gaps = [(lv["concurrency"], lv["itl_p50"] - lv["predicted_itl_p50"]) for lv in levels]
+        (c1, g1), (c2, g2) = gaps[0], gaps[-1]
+        token = (g2 - g1) / (c2 - c1) if c2 > c1 else 0.0
+        step = g1 - c1 * token
+        first = levels[0]
+        request = first["ttft_p50"] - first["predicted_ttft_p50"] - step - c1 * token
+        costs = StreamCosts(max(costs.token + token, 0.0), max(costs.step + step, 0.0),
+                            max(costs.request + request, 0.0), tuple(levels), serial)
+    return costs
+
+
+def _level(model: ModelSpec, hw: HardwareSpec, kv_dtype: str, c: int,
+           run: Mapping[str, Any]) -> dict[str, Any]:
+    """One load's measured figures beside the step model's for the same requests."""
     from kvlab.perf.serving import RequestSpec, predict_serving
 
-    bare = replace(hw, stream=None)
-    levels = []
-    for c, run in sorted(runs.items()):
-        done = max(int(run["completed"]), 1)
-        specs = [RequestSpec(max(int(run["total_input_tokens"]) // done, 1),
-                             max(int(run["total_output_tokens"]) // done, 1))] * done
-        p = predict_serving(model, bare, specs, c, kv_dtype=kv_dtype)
-        levels.append({"concurrency": c, "itl_p50": run["itl_ms"]["p50"] / 1e3,
-                       "predicted_itl_p50": p.itl(0.5), "ttft_p50": run["ttft_ms"]["p50"] / 1e3,
-                       "predicted_ttft_p50": p.ttft(0.5),
-                       "output_tok_s": run["output_throughput"],
-                       "predicted_output_tok_s": p.output_tok_s})
-    gaps = [(lv["concurrency"], lv["itl_p50"] - lv["predicted_itl_p50"]) for lv in levels]
-    (c1, g1), (c2, g2) = gaps[0], gaps[-1]
-    token = max((g2 - g1) / (c2 - c1), 0.0) if c2 > c1 else 0.0
-    step = max(g1 - c1 * token, 0.0)
-    first = levels[0]
-    request = max(first["ttft_p50"] - first["predicted_ttft_p50"] - step - c1 * token, 0.0)
-    return StreamCosts(token, step, request, tuple(levels))
+    done = max(int(run["completed"]), 1)
+    computed = int(run["total_input_tokens"]) - int(run.get("total_cached_tokens", 0))
+    specs = [RequestSpec(max(computed // done, 1),
+                         max(int(run["total_output_tokens"]) // done, 1))] * done
+    p = predict_serving(model, hw, specs, c, kv_dtype=kv_dtype)
+    return {"concurrency": c, "itl_p50": run["itl_ms"]["p50"] / 1e3,
+            "predicted_itl_p50": p.itl(0.5), "ttft_p50": run["ttft_ms"]["p50"] / 1e3,
+            "predicted_ttft_p50": p.ttft(0.5), "output_tok_s": run["output_throughput"],
+            "predicted_output_tok_s": p.output_tok_s}
 
 
 @contextmanager
@@ -128,7 +157,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Any) -> None:
 def _load(url: str, concurrency: int) -> dict[str, Any]:
     """`kvlab loadtest` at `concurrency` streams: its JSON summary."""
     cmd = [sys.executable, "-m", "kvlab.cli.main", "loadtest", "--url", url, "-c",
-           str(concurrency), "-n", str(REQUESTS * concurrency), "--max-tokens", str(MAX_TOKENS),
+           str(concurrency), "-n", str(REQUESTS[concurrency] * concurrency),
+           "--max-tokens", str(MAX_TOKENS),
            "--ignore-eos", "--json"]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ))

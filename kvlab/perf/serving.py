@@ -8,6 +8,17 @@ the step model (kvlab.perf.step_model) says how long the step takes; the clock m
 by that much. A sequence that samples at the end of a step emits a token then: its first
 token is its TTFT, the gaps between later ones its ITLs, as a client measures them.
 
+A request reaches the scheduler `request_seconds` after it is sent. Part of that, the
+intake, the server spends on one request at a time (its event loop parses each and hands it
+to the engine thread), so requests sent together arrive `intake_seconds` apart; an idle
+engine starts a step with the first, and the others join at the next step. The intake runs
+on the engine's cores, so a step that runs beside it takes that much longer. That is what a
+load test's closed loop sees when its clients' replies end together:
+
+    t=0      4 clients send          intake 1 ms: A in at 1 ms, B at 2, C at 3, D at 4
+    1 ms     step: prefill A         (B, C, D arrive meanwhile: the step takes 3 ms more)
+    t1       step: prefill B, C, D   -> A's TTFT one step, the others' two
+
     t=0  step 1: prefill A, B (budget 512)     -> A, B first tokens at t1
     t1   step 2: decode A, B                    -> tokens at t2 (ITL t2 - t1)
     ...  A finishes; its client sends C at once; C is prefilled beside B's decode
@@ -90,20 +101,23 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def simulate(requests: Sequence[RequestSpec], step_time: StepTime, concurrency: int,
              config: SchedulerConfig | None = None, max_steps: int = 1_000_000,
-             request_seconds: float = 0.0) -> ServingPrediction:
+             request_seconds: float = 0.0, intake_seconds: float = 0.0) -> ServingPrediction:
     """Replay `requests` through kvlab's scheduler with `concurrency` clients in a closed
-    loop (requests without an arrival time) and `step_time` per step; each request reaches
-    the scheduler `request_seconds` after it is sent (the server's intake)."""
+    loop (requests without an arrival time) and `step_time` per step; a request reaches the
+    scheduler `request_seconds` after it is sent, `intake_seconds` of which the server
+    spends on one request at a time."""
     if concurrency < 1 or not requests:
         raise ValueError("simulate needs a concurrency >= 1 and at least one request")
+    if not 0.0 <= intake_seconds <= request_seconds:
+        raise ValueError("simulate needs 0 <= intake_seconds <= request_seconds")
     sim = _Simulation(requests, step_time, concurrency, config or SchedulerConfig(),
-                      request_seconds)
+                      (request_seconds, intake_seconds))
     return sim.run(max_steps)
 
 
 class _Simulation:
     def __init__(self, requests: Sequence[RequestSpec], step_time: StepTime, concurrency: int,
-                 config: SchedulerConfig, request_seconds: float = 0.0) -> None:
+                 config: SchedulerConfig, request: tuple[float, float] = (0.0, 0.0)) -> None:
         total = sum(r.prompt_tokens + r.output_tokens for r in requests)
         self.kv = KVCacheManager(-(-total // _BLOCK) + len(requests), _BLOCK,
                                  enable_prefix_caching=False)
@@ -113,8 +127,10 @@ class _Simulation:
         self.seqs: dict[str, Seq] = {}
         self.traces: dict[str, RequestTrace] = {}
         self.clock, self.in_flight = 0.0, 0
-        self.request_seconds = request_seconds
+        self.request_seconds, self.intake_seconds = request
         self.intake: list[tuple[float, Seq]] = []  # sent, not yet in the scheduler: (due, seq)
+        self.intake_free = 0.0  # when the server can take in its next request
+        self.busy: list[tuple[float, float]] = []  # intake work not yet past: (from, to)
 
     def run(self, max_steps: int) -> ServingPrediction:
         steps = 0
@@ -127,8 +143,9 @@ class _Simulation:
             out = self.scheduler.schedule()
             if not out.scheduled:
                 raise RuntimeError("the simulated scheduler made no progress (KV pool full)")
-            self.clock += self.step_time([SeqWork(len(s.token_ids), s.start, s.needs_logits)
-                                          for s in out.scheduled])
+            seconds = self.step_time([SeqWork(len(s.token_ids), s.start, s.needs_logits)
+                                      for s in out.scheduled])
+            self.clock += seconds + self._intake_during(self.clock, seconds)
             self.scheduler.update(out, self.seqs)
             self._emit(out)
             self._send_due()
@@ -137,6 +154,16 @@ class _Simulation:
                 raise RuntimeError(f"the simulation ran past {max_steps} steps")
         order = sorted(self.traces, key=lambda rid: int(rid))
         return ServingPrediction(self.concurrency, tuple(self.traces[r] for r in order), steps)
+
+    def _intake_during(self, start: float, seconds: float) -> float:
+        """The intake work a step starting at `start` shares the cores with: it runs on the
+        same cores, so the step takes that much longer (which may overlap further intake)."""
+        extra = 0.0
+        for _ in range(3):
+            end = start + seconds + extra
+            extra = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.busy)
+        self.busy = [(a, b) for a, b in self.busy if b > start + seconds + extra]
+        return extra
 
     def _next_event(self) -> float:
         """When the idle scheduler next gets work: a request through intake, or sent."""
@@ -161,7 +188,12 @@ class _Simulation:
             self.seqs[rid] = seq
             sent = self.clock if spec.arrival is None else spec.arrival
             self.traces[rid] = RequestTrace(spec, sent)
-            self.intake.append((sent + self.request_seconds, seq))
+            begin = max(sent, self.intake_free)
+            self.intake_free = begin + self.intake_seconds
+            if self.intake_seconds:
+                self.busy.append((begin, self.intake_free))
+            latency = self.request_seconds - self.intake_seconds  # for all at once
+            self.intake.append((self.intake_free + latency, seq))
             self.in_flight += 1
         ready = [seq for due, seq in self.intake if due <= self.clock]
         self.intake = [item for item in self.intake if item[0] > self.clock]
@@ -200,7 +232,8 @@ def predict_serving(model: ModelSpec, hw: HardwareSpec, requests: Sequence[Reque
         extra = stream.step_seconds(sum(w.logits for w in work)) if stream else 0.0
         return sm.seconds(work) + extra
     return simulate(requests, _memoised(seconds), concurrency, config,
-                    request_seconds=stream.request if stream else 0.0)
+                    request_seconds=stream.request if stream else 0.0,
+                    intake_seconds=stream.intake if stream else 0.0)
 
 
 def _memoised(step_time: StepTime) -> StepTime:
@@ -221,8 +254,9 @@ def describe_stream(s: StreamCosts | None) -> str:
         return ("the probe timed no serving: the prediction is the engine's steps alone "
                 "(`kvlab probe` serves the model to time the streaming path)")
     return (f"besides the engine's steps, the streaming path costs {s.token * 1e3:.2f} ms a "
-            f"token + {s.step * 1e3:.2f} ms a step + {s.request * 1e3:.1f} ms a request, as "
-            "the probe timed kvlab serve streaming the model to kvlab loadtest here")
+            f"token + {s.step * 1e3:.2f} ms a step + {s.request * 1e3:.1f} ms a request "
+            f"({s.intake * 1e3:.1f} ms of it taken one request at a time), as the probe timed "
+            "kvlab serve streaming the model to kvlab loadtest here")
 
 
 SERVING_FIGURES = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"),
