@@ -413,12 +413,14 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
     assert (b.raw("output_norm.weight") == a.raw("output_norm.weight")).all()  # copied
     spec = ModelSpec.from_gguf(replica)
     assert spec == replace(ModelSpec.from_gguf(source), name=spec.name)
-    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("q8_0",))
+    f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("q8_0",),
+                      window_s=0.0)
     names = {p["name"] for p in f.points}
     assert {"prefill 512", "prefill 512 at 512", "decode 16 at 32", "decode 2 at 32",
             "decode 1 at 4080", "decode 1 at 1024 q8_0"} <= names  # 4080: the tiny context
     assert set(f.kv) == {"f16", "q8_0"} and f.model == spec.name  # f16: the engine's own
     assert [n for n, _ in f.batch_sizes] == [2, 4, 8, 16] and len(f.kv_depths["f16"]) == 2
+    assert f.rounds == 1  # no window: the rounds asked for
 
 
 def test_decodes_paired_with_their_rounds_reference() -> None:

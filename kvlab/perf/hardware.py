@@ -113,6 +113,7 @@ class StepFactors:
     prefill_attention: float  # prefill attention over the chunk's key range
     model: str = ""  # the model whose replica was timed
     noise: float = 0.0  # largest IQR / median over the timed steps' repeats
+    rounds: int = 0  # repeats of each step shape (0: not recorded)
     points: tuple[Mapping[str, Any], ...] = ()  # each timed step: name, median, IQR, fit
     # decode attention by depth, where timed at several: per KV dtype, (context, factor)
     # in rising context; the positions up to each context (past the one before) cost that

@@ -151,7 +151,7 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
     unchanged, with the reason in its details, where kvlab's step model does not cover it."""
     from kvlab.perf.kvlab_steps import unsupported_reason
     from kvlab.perf.model import ModelSpec
-    from kvlab.perf.probe_steps import ROUNDS, default_kv_dtype, measure_steps
+    from kvlab.perf.probe_steps import default_kv_dtype, measure_steps
     from kvlab.weights import default_model_path
 
     path = Path(model) if model is not None else default_model_path()
@@ -163,8 +163,8 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
     details = dict(result.details)
     factors = measure_steps(path, spec, hw, result.threads)
     details["steps"] = (f"kvlab's engine on a replica of {spec.name} (random weights, the "
-                        f"model's sizes and types), median of {ROUNDS} repeats per step "
-                        f"shape, {default_kv_dtype()} KV")
+                        f"model's sizes and types), median of {factors.rounds} repeats per "
+                        f"step shape, {default_kv_dtype()} KV")
     result = replace(result, steps=asdict(factors), details=details)
     if not serving:
         return result

@@ -15,7 +15,10 @@ repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
     decode 2, 4, 8, 16 at 32         batches of sequences decoding together
     decode 1 at 32, 1024 (f32, q8_0) the other KV dtypes (own engines)
 
-all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). The decodes at three
+all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). The repeats go on past
+ROUNDS until they span WINDOW_S seconds: a shared machine's speed drifts by 10-20 % for tens of
+seconds at a time, and a median of repeats that all fell in one slow stretch would hold that
+stretch for the machine. The decodes at three
 depths give the KV term a factor per stretch of depth, as the C attention's cost per position
 grows once the cache outgrows the caches; the four batch sizes a batch factor per size; the
 two chunk lengths a prefill factor per length (32 rows use a product's weight reads worse).
@@ -29,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,9 @@ from kvlab.perf.hardware import HardwareSpec, StepFactors
 from kvlab.perf.model import ModelSpec
 from kvlab.perf.step_model import SeqWork, TimedStep, fit_factors, median_spread
 
-ROUNDS = 5
+ROUNDS = 5  # repeats of every shape at least
+WINDOW_S = 60.0  # and more, up to MAX_ROUNDS, until the repeats span this many seconds
+MAX_ROUNDS = 25
 CHUNK = 512  # the engine's token budget a step: kvlab's default
 SHORT, DEEP, DEEPEST = 32, 2 * CHUNK, 8 * CHUNK  # prompt lengths timed
 BATCHES = (2, 4, 8, 16)
@@ -49,19 +55,21 @@ _KEEP_AS_IS = {"F32", "F16", "BF16"}  # small tensors (norms): copied, not rando
 
 def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, threads: int,
                   rounds: int = ROUNDS, other_kv: tuple[str, ...] = OTHER_KV,
-                  progress: Callable[[str], None] | None = None) -> StepFactors:
-    """Time the step shapes of the module docstring on a replica of `model_path` and fit
-    the step model's factors for `model` on `hw` (its kernel rates) to them."""
+                  progress: Callable[[str], None] | None = None,
+                  window_s: float = WINDOW_S) -> StepFactors:
+    """Time the step shapes of the module docstring on a replica of `model_path` (at least
+    `rounds` repeats, more until they span `window_s`) and fit the step model's factors for
+    `model` on `hw` (its kernel rates) to them."""
     with tempfile.TemporaryDirectory(prefix="kvlab-probe-steps-") as tmp:
         replica = Path(tmp) / "replica.gguf"
         write_replica(model_path, replica)
         base = default_kv_dtype()
         with _engine(replica, threads, base) as engine:
-            timed = _time_base(engine, rounds, base, progress)
+            timed, done = _time_base(engine, (rounds, window_s), base, progress)
         for kv_dtype in (d for d in other_kv if d != base):
             with _engine(replica, threads, kv_dtype) as engine:
                 timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
-    return fit_factors(model, hw, timed, name=model.name)
+    return replace(fit_factors(model, hw, timed, name=model.name), rounds=done)
 
 
 def default_kv_dtype() -> str:
@@ -167,16 +175,20 @@ def _decode_mean(engine: Any, steps: int = DECODE_STEPS) -> float:
     return sum(_timed_step(engine) for _ in range(steps)) / steps
 
 
-def _time_base(engine: Any, rounds: int, kv_dtype: str,
-               progress: Callable[[str], None] | None) -> list[TimedStep]:
-    """The shapes of the module docstring at `kv_dtype`, each over `rounds` interleaved
-    repeats."""
+def _time_base(engine: Any, repeats: tuple[int, float], kv_dtype: str,
+               progress: Callable[[str], None] | None) -> tuple[list[TimedStep], int]:
+    """The shapes of the module docstring at `kv_dtype`, each over interleaved repeats: at
+    least `repeats[0]`, more until they span `repeats[1]` seconds (at most MAX_ROUNDS); and
+    how many ran."""
     req, samples = _Requests(engine), {}
     deepest = _deepest(engine)
     _decode_round(engine, req, deepest)  # warm-up: first touch of the weights and KV pool
-    for r in range(rounds):
+    least, window = repeats
+    start, done = time.perf_counter(), 0
+    while done < least or (done < MAX_ROUNDS and time.perf_counter() - start < window):
+        done += 1
         if progress:
-            progress(f"engine steps, round {r + 1} of {rounds}")
+            progress(f"engine steps, round {done} (at least {least}, over {window:.0f} s)")
         for name, seconds in _decode_round(engine, req, deepest).items():
             samples.setdefault(name, []).append(seconds)
     after = DECODE_STEPS / 2 + 1  # mean decode position past the prompt
@@ -188,7 +200,7 @@ def _time_base(engine: Any, rounds: int, kv_dtype: str,
         shapes[f"decode {batch} at {SHORT}"] = tuple(SeqWork(1, int(SHORT + after))
                                                      for _ in range(batch))
     return [TimedStep(name, shapes[name], *median_spread(s), kv_dtype=kv_dtype)
-            for name, s in _paired(samples, f"decode 1 at {SHORT}").items()]
+            for name, s in _paired(samples, f"decode 1 at {SHORT}").items()], done
 
 
 def _paired(samples: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
