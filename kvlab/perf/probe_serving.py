@@ -40,7 +40,11 @@ from kvlab.perf.hardware import HardwareSpec, StreamCosts
 from kvlab.perf.model import ModelSpec
 
 LEVELS = (1, 8)  # streams at once, in two loads
-REQUESTS = {1: 8, 8: 2}  # requests per stream in each load (8 first tokens alone for request)
+# requests per stream in each load: the 1-stream load sends the load test's first 16 prompts
+# (its first tokens give the request cost), the 8-stream load the same 16 again, so each load
+# has one kind of prompt (uncached, then served by the prefix cache up to its last block), as
+# the fit's one average prompt per load assumes
+REQUESTS = {1: 16, 8: 2}
 MAX_TOKENS = 48  # tokens each request streams (ignore_eos)
 START_TIMEOUT_S = 180.0
 
