@@ -5,7 +5,7 @@ The replica is a GGUF with the model's header (architecture, sizes, tokenizer, e
 name, type and shape) and random blocks of the same types in place of the weights: a step's
 speed does not depend on the values, so the probe needs only the model's header, and the
 replica has its exact layer sizes. kvlab's own engine runs it, and each step shape below is
-repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
+repeated (rounds interleaved), the median kept and the spread (IQR / median) reported:
 
     prefill 512, 512 at 512, 32      one chunk after 0, 512, 0 cached positions (the first
                                      two: the two chunks of a 1024-token prompt)
@@ -15,13 +15,13 @@ repeated ROUNDS times, the median kept and the spread (IQR / median) reported:
     decode 2, 4, 8, 16 at 32         batches of sequences decoding together
     decode 1 at 32, 1024 (f32, q8_0) the other KV dtypes (own engines)
 
-all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). The repeats go on past
-ROUNDS until they span WINDOW_S seconds: a shared machine's speed drifts by 10-20 % for tens of
-seconds at a time, and a median of repeats that all fell in one slow stretch would hold that
-stretch for the machine. The decodes at three
-depths give the KV term a factor per stretch of depth, as the C attention's cost per position
-grows once the cache outgrows the caches; the four batch sizes a batch factor per size; the
-two chunk lengths a prefill factor per length (32 rows use a product's weight reads worse).
+all on the KV dtype kvlab's engine uses by default here (f16 on CPUs). There are at least
+ROUNDS rounds, and more until they span WINDOW_S seconds: a shared machine's speed drifts by
+10-25 % for tens of seconds at a time, and a median of rounds that all fell in one slow
+stretch would hold that stretch for the machine. The decodes at three depths give the KV term
+a factor per stretch of depth, as the C attention's cost per position grows once the cache
+outgrows the caches; the four batch sizes a batch factor per size; the two chunk lengths a
+prefill factor per length (32 rows use a product's weight reads worse).
 `kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
 kernel-rate terms.
 """
