@@ -65,7 +65,7 @@ def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, th
         write_replica(model_path, replica)
         base = default_kv_dtype()
         with _engine(replica, threads, base) as engine:
-            timed, done = _time_base(engine, (rounds, window_s), base, progress)
+            timed, done = _time_base(engine, rounds, window_s, base, progress)
         for kv_dtype in (d for d in other_kv if d != base):
             with _engine(replica, threads, kv_dtype) as engine:
                 timed += _time_kv_dtype(engine, max(rounds - 2, 3), kv_dtype)
@@ -175,20 +175,19 @@ def _decode_mean(engine: Any, steps: int = DECODE_STEPS) -> float:
     return sum(_timed_step(engine) for _ in range(steps)) / steps
 
 
-def _time_base(engine: Any, repeats: tuple[int, float], kv_dtype: str,
+def _time_base(engine: Any, rounds: int, window_s: float, kv_dtype: str,
                progress: Callable[[str], None] | None) -> tuple[list[TimedStep], int]:
     """The shapes of the module docstring at `kv_dtype`, each over interleaved repeats: at
-    least `repeats[0]`, more until they span `repeats[1]` seconds (at most MAX_ROUNDS); and
-    how many ran."""
+    least `rounds`, more until they span `window_s` seconds (at most MAX_ROUNDS); and how
+    many ran."""
     req, samples = _Requests(engine), {}
     deepest = _deepest(engine)
     _decode_round(engine, req, deepest)  # warm-up: first touch of the weights and KV pool
-    least, window = repeats
     start, done = time.perf_counter(), 0
-    while done < least or (done < MAX_ROUNDS and time.perf_counter() - start < window):
+    while done < rounds or (done < MAX_ROUNDS and time.perf_counter() - start < window_s):
         done += 1
         if progress:
-            progress(f"engine steps, round {done} (at least {least}, over {window:.0f} s)")
+            progress(f"engine steps, round {done} (at least {rounds}, over {window_s:.0f} s)")
         for name, seconds in _decode_round(engine, req, deepest).items():
             samples.setdefault(name, []).append(seconds)
     after = DECODE_STEPS / 2 + 1  # mean decode position past the prompt

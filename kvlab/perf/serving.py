@@ -8,6 +8,10 @@ the step model (kvlab.perf.step_model) says how long the step takes; the clock m
 by that much. A sequence that samples at the end of a step emits a token then: its first
 token is its TTFT, the gaps between later ones its ITLs, as a client measures them.
 
+    t=0  step 1: prefill A, B (budget 512)     -> A, B first tokens at t1
+    t1   step 2: decode A, B                    -> tokens at t2 (ITL t2 - t1)
+    ...  A finishes; its client sends C at once; C is prefilled beside B's decode
+
 A request reaches the scheduler `request_seconds` after it is sent. Part of that, the
 intake, the server spends on one request at a time (its event loop parses each and hands it
 to the engine thread), so requests sent together arrive `intake_seconds` apart; an idle
@@ -18,10 +22,6 @@ load test's closed loop sees when its clients' replies end together:
     t=0      4 clients send          intake 1 ms: A in at 1 ms, B at 2, C at 3, D at 4
     1 ms     step: prefill A         (B, C, D arrive meanwhile: the step takes 3 ms more)
     t1       step: prefill B, C, D   -> A's TTFT one step, the others' two
-
-    t=0  step 1: prefill A, B (budget 512)     -> A, B first tokens at t1
-    t1   step 2: decode A, B                    -> tokens at t2 (ITL t2 - t1)
-    ...  A finishes; its client sends C at once; C is prefilled beside B's decode
 """
 
 from __future__ import annotations
@@ -111,13 +111,14 @@ def simulate(requests: Sequence[RequestSpec], step_time: StepTime, concurrency: 
     if not 0.0 <= intake_seconds <= request_seconds:
         raise ValueError("simulate needs 0 <= intake_seconds <= request_seconds")
     sim = _Simulation(requests, step_time, concurrency, config or SchedulerConfig(),
-                      (request_seconds, intake_seconds))
+                      request_seconds, intake_seconds)
     return sim.run(max_steps)
 
 
 class _Simulation:
     def __init__(self, requests: Sequence[RequestSpec], step_time: StepTime, concurrency: int,
-                 config: SchedulerConfig, request: tuple[float, float] = (0.0, 0.0)) -> None:
+                 config: SchedulerConfig, request_seconds: float = 0.0,
+                 intake_seconds: float = 0.0) -> None:
         total = sum(r.prompt_tokens + r.output_tokens for r in requests)
         self.kv = KVCacheManager(-(-total // _BLOCK) + len(requests), _BLOCK,
                                  enable_prefix_caching=False)
@@ -127,7 +128,7 @@ class _Simulation:
         self.seqs: dict[str, Seq] = {}
         self.traces: dict[str, RequestTrace] = {}
         self.clock, self.in_flight = 0.0, 0
-        self.request_seconds, self.intake_seconds = request
+        self.request_seconds, self.intake_seconds = request_seconds, intake_seconds
         self.intake: list[tuple[float, Seq]] = []  # sent, not yet in the scheduler: (due, seq)
         self.intake_free = 0.0  # when the server can take in its next request
         self.busy: list[tuple[float, float]] = []  # intake work not yet past: (from, to)
