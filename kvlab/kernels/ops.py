@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from kvlab.kernels.hugepages import weight_buffer
 from kvlab.kernels.qweight import QuantizedWeight, row_bytes
 
 try:
@@ -200,7 +201,7 @@ def group_rows(w: QuantizedWeight,
     rows, cols = w.shape
     qtype = GROUPS_AS[w.qtype]
     dst_bytes = row_bytes(qtype, cols, grouped=True)
-    data = torch.empty(rows, dst_bytes, dtype=torch.uint8)
+    data = weight_buffer(rows * dst_bytes).view(rows, dst_bytes)
     qt, ptr, _, _, src_bytes = w.kernel_args
     for r0 in range(0, rows, GROUP_CHUNK_ROWS):
         n = min(GROUP_CHUNK_ROWS, rows - r0)  # a multiple of 8, as rows is

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvlab.config import RopeConfig
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import QuantizedWeight, dequantize_rows, fused, qmatmul, qmatmul_stacked
+from kvlab.kernels.hugepages import weight_buffer
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -63,8 +64,10 @@ def _same_storage(a: Weight, b: Weight) -> bool:
 def _concat_rows(a: Weight, b: Weight) -> Weight:
     if isinstance(a, torch.Tensor):
         return torch.cat([a, b])
-    return QuantizedWeight(a.qtype, (a.shape[0] + b.shape[0], a.shape[1]),
-                           torch.cat([a.data, b.data]), grouped=a.grouped)  # whole groups
+    data = weight_buffer(a.data.numel() + b.data.numel()).view(-1, a.data.shape[1])
+    torch.cat([a.data, b.data], out=data)  # whole groups
+    return QuantizedWeight(a.qtype, (a.shape[0] + b.shape[0], a.shape[1]), data,
+                           grouped=a.grouped)
 
 
 def linear(x: torch.Tensor, w: Weight | Stacked,

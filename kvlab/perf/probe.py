@@ -116,7 +116,8 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
     from kvlab.kernels import kernel_backend
 
     how = "C stream read" if kernel_backend() != "torch" else "torch.sum"
-    details = {"bandwidth": f"{how} over {buffer_mib} MiB, best of {bw_runs}",
+    details = {"bandwidth": f"{how} over {buffer_mib} MiB in the weights' pages, best of "
+                            f"{bw_runs}",
                "memory": "physical memory (sysconf)"}
     tflops: dict[str, float] = {}
     for dtype in ("fp32", "bf16") if bf16 else ("fp32",):
@@ -184,16 +185,23 @@ def _set_kernel_threads(threads: int) -> None:
     set_num_threads(threads)
 
 
-def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0) -> tuple[float, int]:
+def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0,
+                      huge_pages: bool = True) -> tuple[float, int]:
     """Best bytes/s of a full read of a buffer, and how many runs it took: kvlab's C stream
     read on its kernel threads (loads only, nothing else per byte), or torch.sum where the
-    C extension is not built."""
+    C extension is not built. The buffer is in the pages kvlab's weights are in (2 MiB where
+    the system gives them, kernels/hugepages.py), so this is what a decode step could stream;
+    `huge_pages=False` reads 4 KiB pages, as torch's own buffers and a file's map are."""
     from kvlab.kernels import stream_read
+    from kvlab.kernels.hugepages import weight_buffer
 
-    x = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
-    stream_read(x)  # first touch and warm-up
+    nbytes = buffer_mib * 2**20
+    raw = weight_buffer(nbytes) if huge_pages else torch.empty(nbytes, dtype=torch.uint8)
+    x = raw.view(torch.float32)
+    x.fill_(1.0)  # first touch
+    stream_read(x)  # warm-up
     seconds, runs = best_seconds(lambda: stream_read(x), budget_s, max_runs=20)
-    return x.numel() * 4 / seconds, runs
+    return nbytes / seconds, runs
 
 
 def measure_matmul(dtype: str = "fp32", size: int = 2048, budget_s: float = 6.0

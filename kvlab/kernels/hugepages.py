@@ -1,0 +1,55 @@
+"""Weight buffers in 2 MiB pages: what a decode step streams, it streams without 4 KiB stalls.
+
+A batch-1 decode step reads every weight once, front to back, so it runs at the speed memory
+streams. With 4 KiB pages that stream stalls at every page: the CPU's prefetchers stop at a page
+boundary, and each new page costs a TLB walk. Linux's transparent huge pages map 2 MiB at once,
+but where the system setting is `madvise` (a common default) only memory that asks for them
+gets them, and torch's allocations do not ask.
+
+`weight_buffer(n)` is a private anonymous mapping that asks: the 2 MiB-aligned span inside it
+is advised MADV_HUGEPAGE before anything touches it. The front slack up to that alignment is
+never touched, so it costs address space only; the tail after the last whole 2 MiB page is
+left to 4 KiB pages, so no buffer holds more than its bytes' pages. The buffer lives as long
+as any tensor viewing it and is unmapped with the last one. Where the mapping or the advice
+is not available (not Linux, THP off) it is a plain torch buffer; the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = HUGE_PAGE  # a buffer smaller than one huge page could hold none
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor of `nbytes`, in huge pages where the system gives them."""
+    if nbytes < MIN_BYTES or _ADVICE is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, AttributeError, ValueError):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE  # the mapping's address is 4 KiB-aligned
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        region.madvise(_ADVICE, start, huge)
+    except OSError:  # THP compiled out or set to never: 4 KiB pages, same bytes
+        pass
+    return whole[start:start + nbytes]
+
+
+def huge_page_bytes() -> int:
+    """This process's anonymous memory in huge pages (Linux's smaps_rollup; 0 elsewhere)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
