@@ -492,7 +492,7 @@ def test_fused_swiglu_within_fp32_rounding(inter):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads,kv_heads,dim",
-                         [(4, 1, 256), (4, 2, 64), (6, 1, 24), (3, 3, 20)])
+                         [(4, 1, 256), (4, 2, 64), (6, 1, 24), (6, 2, 40), (3, 3, 20)])
 def test_attend_decode_matches_sdpa(isa, heads, kv_heads, dim):
     from kvlab.kernels import fused
 

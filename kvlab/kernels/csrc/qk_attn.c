@@ -21,10 +21,11 @@
 #include "qk.h"
 
 typedef struct {
-    /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q */
+    /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q; v: the value rows
+       (the AVX2 set fetches them into cache beside their keys, for mix) */
     void (*scores)(const float *q, int64_t rep, const void *k, const kv_half *ks,
-                   const int64_t *slots, int64_t C, int64_t stride, int64_t D, float scale,
-                   float *s);
+                   const void *v, const int64_t *slots, int64_t C, int64_t stride, int64_t D,
+                   float scale, float *s);
     /* s[0..C) -> exp(s - max s); returns the sum, and the max in *m */
     float (*softmax)(float *s, int64_t C, float *m);
     /* out[h] = sum_c s[h * C + c] * v row c for the rep heads */
@@ -41,8 +42,9 @@ typedef struct {
 
 #define KV_SCORES_C(name, T, ELEM)                                                          \
     static void name(const float *q, int64_t rep, const void *k, const kv_half *ks,           \
-                     const int64_t *slots, int64_t C, int64_t stride, int64_t D, float scale, \
-                     float *s) {                                                              \
+                     const void *v, const int64_t *slots, int64_t C, int64_t stride,          \
+                     int64_t D, float scale, float *s) {                                      \
+        (void)v;                                                                              \
         for (int64_t c = 0; c < C; c++) {                                                     \
             const T *kr = (const T *)k + slots[c] * stride;                                   \
             const kv_half *sr = SCALE_ROW(ks, slots[c], stride);                              \
@@ -100,30 +102,82 @@ static const attn_ops ops_generic8 = {scores_c8, softmax_c, mix_c8};
                       (const __m128i *)((p) + (i))))),                                        \
                   _mm256_set1_ps(kv_h2f_table[(sr)[(i) >> 5]]))
 
-/* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads share each load of a key row,
- * with two accumulators each: 8 independent FMA chains instead of one long one. */
+/* A head's row of the cache is D values at a stride of KVH * D, in pages that can be far
+ * apart, so the hardware prefetcher does not see the rows coming: the scores fetch each key
+ * row and its value row KV_PREFETCH keys ahead of their use. */
+#define KV_PREFETCH 16
+KV_INL void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, _MM_HINT_T0);
+}
+
+/* D % 8 == 0 (checked by kv_attend_decode). Up to 4 heads against 2 keys at a time: one
+ * accumulator per (head, key) sums over all of D, so each key row is loaded once for every
+ * head and the 8 accumulators stay in registers (the head count is a constant in each
+ * inlined copy). A pair's sums reduce by hadds: two heads' two keys into 4 lanes at once. */
 #define KV_SCORES_AVX2(name, T, LOAD8)                                                      \
-    TGT static void name(const float *q, int64_t rep, const void *k, const kv_half *ks,       \
-                         const int64_t *slots, int64_t C, int64_t stride, int64_t D,          \
-                         float scale, float *s) {                                             \
-        for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
-            const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
-            const float *qh = q + h0 * D;                                                     \
-            for (int64_t c = 0; c < C; c++) {                                                 \
-                const T *kr = (const T *)k + slots[c] * stride;                               \
-                const kv_half *sr = SCALE_ROW(ks, slots[c], stride);                          \
-                (void)sr;                                                                     \
-                __m256 acc[4][2];                                                             \
-                for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
-                for (int64_t i = 0; i < D; i += 8) {                                          \
-                    const __m256 kv = LOAD8(kr, sr, i);                                       \
-                    const int j = (int)(i >> 3) & 1;                                          \
-                    for (int h = 0; h < nh; h++)                                              \
-                        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), kv,      \
-                                                    acc[h][j]);                               \
+    KV_INL void name##_heads(const float *qh, const int nh, const void *k, const kv_half *ks, \
+                             const void *v, const int64_t *slots, int64_t C, int64_t stride, \
+                             int64_t D, float scale, float *s) {                              \
+        const __m128 sc = _mm_set1_ps(scale);                                                 \
+        int64_t c = 0;                                                                        \
+        for (; c + 2 <= C; c += 2) {                                                          \
+            if (c + KV_PREFETCH + 2 <= C)                                                     \
+                for (int64_t f = c + KV_PREFETCH; f < c + KV_PREFETCH + 2; f++) {             \
+                    prefetch_row((const T *)k + slots[f] * stride, D * (int64_t)sizeof(T));   \
+                    prefetch_row((const T *)v + slots[f] * stride, D * (int64_t)sizeof(T));   \
                 }                                                                             \
+            const T *k0 = (const T *)k + slots[c] * stride;                                   \
+            const T *k1 = (const T *)k + slots[c + 1] * stride;                               \
+            const kv_half *s0 = SCALE_ROW(ks, slots[c], stride);                              \
+            const kv_half *s1 = SCALE_ROW(ks, slots[c + 1], stride);                          \
+            (void)s0;                                                                         \
+            (void)s1;                                                                         \
+            __m256 acc[4][2];                                                                 \
+            for (int h = 0; h < nh; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();         \
+            for (int64_t i = 0; i < D; i += 8) {                                              \
+                const __m256 x0 = LOAD8(k0, s0, i), x1 = LOAD8(k1, s1, i);                    \
+                for (int h = 0; h < nh; h++) {                                                \
+                    const __m256 qv = _mm256_loadu_ps(qh + h * D + i);                        \
+                    acc[h][0] = _mm256_fmadd_ps(qv, x0, acc[h][0]);                           \
+                    acc[h][1] = _mm256_fmadd_ps(qv, x1, acc[h][1]);                           \
+                }                                                                             \
+            }                                                                                 \
+            for (int h = 0; h < nh; h += 2) {                                                 \
+                const __m256 t0 = _mm256_hadd_ps(acc[h][0], acc[h][1]);                       \
+                const __m256 t1 = h + 1 < nh ? _mm256_hadd_ps(acc[h + 1][0], acc[h + 1][1])   \
+                                             : _mm256_setzero_ps();                           \
+                const __m256 u = _mm256_hadd_ps(t0, t1);                                      \
+                __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)); \
+                r = _mm_mul_ps(r, sc); /* head h: keys c, c+1; head h + 1: keys c, c+1 */     \
+                _mm_storel_pi((__m64 *)(s + h * C + c), r);                                   \
+                if (h + 1 < nh) _mm_storeh_pi((__m64 *)(s + (h + 1) * C + c), r);             \
+            }                                                                                 \
+        }                                                                                     \
+        if (c < C) { /* an odd last key */                                                    \
+            const T *k0 = (const T *)k + slots[c] * stride;                                   \
+            const kv_half *s0 = SCALE_ROW(ks, slots[c], stride);                              \
+            (void)s0;                                                                         \
+            __m256 acc[4];                                                                    \
+            for (int h = 0; h < nh; h++) acc[h] = _mm256_setzero_ps();                        \
+            for (int64_t i = 0; i < D; i += 8) {                                              \
+                const __m256 x0 = LOAD8(k0, s0, i);                                           \
                 for (int h = 0; h < nh; h++)                                                  \
-                    s[(h0 + h) * C + c] = hsum_ps(_mm256_add_ps(acc[h][0], acc[h][1])) * scale; \
+                    acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + h * D + i), x0, acc[h]);    \
+            }                                                                                 \
+            for (int h = 0; h < nh; h++) s[h * C + c] = hsum_ps(acc[h]) * scale;              \
+        }                                                                                     \
+    }                                                                                         \
+    TGT static void name(const float *q, int64_t rep, const void *k, const kv_half *ks,       \
+                         const void *v, const int64_t *slots, int64_t C, int64_t stride,      \
+                         int64_t D, float scale, float *s) {                                  \
+        for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
+            const float *qh = q + h0 * D;                                                     \
+            float *sh = s + h0 * C;                                                           \
+            switch (rep - h0 < 4 ? rep - h0 : 4) {                                            \
+                case 1: name##_heads(qh, 1, k, ks, v, slots, C, stride, D, scale, sh); break; \
+                case 2: name##_heads(qh, 2, k, ks, v, slots, C, stride, D, scale, sh); break; \
+                case 3: name##_heads(qh, 3, k, ks, v, slots, C, stride, D, scale, sh); break; \
+                default: name##_heads(qh, 4, k, ks, v, slots, C, stride, D, scale, sh); break; \
             }                                                                                 \
         }                                                                                     \
     }
@@ -149,34 +203,51 @@ TGT static float softmax_avx2(float *s, int64_t C, float *max_out) {
 }
 
 /* For each 16-float slice of D and up to 4 heads, the weighted sum over all C value rows
- * stays in 8 registers; each value row slice is loaded once per slice pass. */
+ * stays in 8 registers; each value row slice is loaded once per slice pass. The head count
+ * and the slice's width (one register for the last slice when D % 16 == 8) are constants
+ * in each inlined copy. */
 #define KV_MIX_AVX2(name, T, LOAD8)                                                         \
+    KV_INL void name##_slice(const float *s, const int nh, const int two, const void *v,      \
+                             const kv_half *vs, const int64_t *slots, int64_t C,              \
+                             int64_t stride, int64_t D, int64_t i, float *out) {              \
+        __m256 acc[4][2];                                                                     \
+        for (int h = 0; h < nh; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();             \
+        for (int64_t c = 0; c < C; c++) {                                                     \
+            const T *vr = (const T *)v + slots[c] * stride;                                   \
+            const kv_half *sr = SCALE_ROW(vs, slots[c], stride);                              \
+            (void)sr;                                                                         \
+            const __m256 v0 = LOAD8(vr, sr, i);                                               \
+            const __m256 v1 = two ? LOAD8(vr, sr, i + 8) : _mm256_setzero_ps();               \
+            for (int h = 0; h < nh; h++) {                                                    \
+                const __m256 p = _mm256_broadcast_ss(s + h * C + c);                          \
+                acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);                                \
+                if (two) acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);                       \
+            }                                                                                 \
+        }                                                                                     \
+        for (int h = 0; h < nh; h++) {                                                        \
+            _mm256_storeu_ps(out + h * D + i, acc[h][0]);                                     \
+            if (two) _mm256_storeu_ps(out + h * D + i + 8, acc[h][1]);                        \
+        }                                                                                     \
+    }                                                                                         \
+    KV_INL void name##_heads(const float *s, const int nh, const void *v, const kv_half *vs,  \
+                             const int64_t *slots, int64_t C, int64_t stride, int64_t D,     \
+                             float *out) {                                                    \
+        int64_t i = 0;                                                                        \
+        for (; i + 16 <= D; i += 16)                                                          \
+            name##_slice(s, nh, 1, v, vs, slots, C, stride, D, i, out);                       \
+        if (i < D) name##_slice(s, nh, 0, v, vs, slots, C, stride, D, i, out);                \
+    }                                                                                         \
     TGT static void name(const float *s, int64_t rep, const void *v, const kv_half *vs,       \
                          const int64_t *slots, int64_t C, int64_t stride, int64_t D,          \
                          float *out) {                                                        \
         for (int64_t h0 = 0; h0 < rep; h0 += 4) {                                             \
-            const int nh = rep - h0 < 4 ? (int)(rep - h0) : 4;                                \
-            for (int64_t i = 0; i < D; i += 16) {                                             \
-                const int two = i + 16 <= D; /* D % 16 == 8: the last slice is one register */ \
-                __m256 acc[4][2];                                                             \
-                for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();      \
-                for (int64_t c = 0; c < C; c++) {                                             \
-                    const T *vr = (const T *)v + slots[c] * stride;                           \
-                    const kv_half *sr = SCALE_ROW(vs, slots[c], stride);                      \
-                    (void)sr;                                                                 \
-                    const __m256 v0 = LOAD8(vr, sr, i);                                       \
-                    const __m256 v1 = two ? LOAD8(vr, sr, i + 8) : _mm256_setzero_ps();       \
-                    for (int h = 0; h < nh; h++) {                                            \
-                        const __m256 p = _mm256_broadcast_ss(s + (h0 + h) * C + c);           \
-                        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);                        \
-                        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);                        \
-                    }                                                                         \
-                }                                                                             \
-                for (int h = 0; h < nh; h++) {                                                \
-                    float *o = out + (h0 + h) * D + i;                                        \
-                    _mm256_storeu_ps(o, acc[h][0]);                                           \
-                    if (two) _mm256_storeu_ps(o + 8, acc[h][1]);                              \
-                }                                                                             \
+            const float *sh = s + h0 * C;                                                     \
+            float *oh = out + h0 * D;                                                         \
+            switch (rep - h0 < 4 ? rep - h0 : 4) {                                            \
+                case 1: name##_heads(sh, 1, v, vs, slots, C, stride, D, oh); break;           \
+                case 2: name##_heads(sh, 2, v, vs, slots, C, stride, D, oh); break;           \
+                case 3: name##_heads(sh, 3, v, vs, slots, C, stride, D, oh); break;           \
+                default: name##_heads(sh, 4, v, vs, slots, C, stride, D, oh); break;          \
             }                                                                                 \
         }                                                                                     \
     }
@@ -225,7 +296,8 @@ static void attn_item(attn_job *j, int64_t i, float *s) {
     float *part = j->part + i * part_floats(j);
     const int64_t gs = g * (j->D >> 5);  /* head g's first scale */
     j->ops->scores(j->q + b * j->q_stride + g * j->rep * j->D, j->rep, j->k + g * j->D * j->elem,
-                   j->ks ? j->ks + gs : NULL, slots, len, j->stride, j->D, j->scale, s);
+                   j->ks ? j->ks + gs : NULL, j->v + g * j->D * j->elem, slots, len, j->stride,
+                   j->D, j->scale, s);
     /* a step of its own after the scale, shared by both kernel sets: cap 0 leaves the
        uncapped arithmetic untouched */
     if (j->softcap > 0.0f)
