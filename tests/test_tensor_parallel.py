@@ -164,27 +164,31 @@ def test_a_shard_holds_its_heads_and_columns(tiny_models):
 def test_default_model_greedy_text_equals_one_rank(default_model_path):
     """Dequantized weights: the same greedy text. Quantized kernels round each activation
     block to 8 bits, so the fp32 order of the all-reduce's sum can flip a rounding and the
-    logits drift (max |d logprob| over the top 5 was 0.36 along 32 steps); the text must
-    agree up to the first step whose top-2 margin is under 0.1 nats, as in test_golden."""
+    logits drift (max |d logprob| over the top 5 was 0.37 along 32 steps). So both sizes
+    score rank 1's greedy text: the drift stays under 0.5 nats at every step, and both pick
+    the same token wherever the top two are more than that apart."""
     prompt = "The capital of France is"
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for keep_quantized in (False, True):
-        out = {}
+        texts, scores = {}, {}
         for size in (1, 2):
             llm = LLM(str(default_model_path), EngineConfig(
                 threads=1, tensor_parallel_size=size, keep_quantized=keep_quantized))
             ids = llm.engine.tokenizer.encode(prompt)
-            tokens = llm.generate([ids], params)[0].token_ids
-            out[size] = tokens, llm.engine.teacher_forced_logprobs(ids + tokens, len(ids))
+            texts[size] = llm.generate([ids], params)[0].token_ids
+            scores[size] = llm.engine.teacher_forced_logprobs(ids + texts[1], len(ids))
             llm.engine.close()
-        (one, lp), (two, _) = out[1], out[2]
         if not keep_quantized:
-            assert one == two
+            assert texts[1] == texts[2]
             continue
-        top2 = lp.topk(2, dim=-1).values
-        tie = next((i for i, m in enumerate((top2[:, 0] - top2[:, 1]).tolist()) if m < 0.1),
-                   len(one))
-        assert one[:tie] == two[:tie]
+        one, two = scores[1], scores[2]
+        top5 = one.topk(5, dim=-1).indices
+        drift = (one.gather(1, top5) - two.gather(1, top5)).abs().amax(dim=-1)
+        assert drift.max() < 0.5, f"logprobs of 1 and 2 ranks drift by {drift.max():.3f}"
+        top2 = one.topk(2, dim=-1).values
+        sure = top2[:, 0] - top2[:, 1] > 0.5
+        assert sure.sum() >= len(sure) // 2
+        assert torch.equal(one.argmax(-1)[sure], two.argmax(-1)[sure])
 
 
 def kvlab(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -1,7 +1,8 @@
-"""Weight buffers in 2 MiB pages: what a decode step streams, it streams without 4 KiB stalls.
+"""Weight and KV cache buffers in 2 MiB pages: what a decode step streams, it streams without
+4 KiB stalls.
 
 A batch-1 decode step reads every weight once, front to back, so it runs at the speed memory
-streams. With 4 KiB pages that stream stalls at every page: the CPU's prefetchers stop at a page
+streams; at depth it reads the KV cache too, a head's row from each slot. With 4 KiB pages that stream stalls at every page: the CPU's prefetchers stop at a page
 boundary, and each new page costs a TLB walk. Linux's transparent huge pages map 2 MiB at once,
 but where the system setting is `madvise` (a common default) only memory that asks for them
 gets them, and torch's allocations do not ask.
@@ -16,6 +17,7 @@ is not available (not Linux, THP off) it is a plain torch buffer; the bytes are 
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -41,6 +43,13 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     except OSError:  # THP compiled out or set to never: 4 KiB pages, same bytes
         pass
     return whole[start:start + nbytes]
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous tensor in weight_buffer's pages: pages become resident
+    only when written, in 2 MiB steps where they are huge."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return weight_buffer(nbytes).view(dtype).view(shape)
 
 
 def huge_page_bytes() -> int:

@@ -10,11 +10,19 @@ from __future__ import annotations
 import torch
 
 from kvlab.errors import KvlabError
-from kvlab.kernels import fused
+from kvlab.kernels import fused, hugepages
 
 FLOAT_KV = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 KV_DTYPES = (*FLOAT_KV, "q8_0")
 Q8_BLOCK = 32
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A store's tensor; on the CPU in huge pages, as the weights (attention reads a head's
+    row from every slot each step, across far more 4 KiB pages than the TLB holds)."""
+    if torch.device(device).type == "cpu":
+        return hugepages.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class FloatKV:
@@ -22,8 +30,8 @@ class FloatKV:
                  device: torch.device) -> None:
         # empty, not zeros: pages become resident only when written, and attention only
         # reads slots that were written (padding repeats a sequence's own slot)
-        self.k = torch.empty(slots, heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty(slots, heads, head_dim, dtype=dtype, device=device)
+        self.k = _empty((slots, heads, head_dim), dtype, device)
+        self.v = _empty((slots, heads, head_dim), dtype, device)
 
     @staticmethod
     def bytes_per_element(dtype: torch.dtype) -> float:
@@ -65,10 +73,10 @@ class Q8KV:
             raise KvlabError(f"--kv-dtype q8_0 needs head_dim divisible by {Q8_BLOCK}, the "
                              f"model has {head_dim}; use f16 or bf16")
         blocks = head_dim // Q8_BLOCK
-        self.k = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)
-        self.v = torch.empty(slots, heads, head_dim, dtype=torch.int8, device=device)
-        self.k_scale = torch.empty(slots, heads, blocks, 1, dtype=torch.float16, device=device)
-        self.v_scale = torch.empty(slots, heads, blocks, 1, dtype=torch.float16, device=device)
+        self.k = _empty((slots, heads, head_dim), torch.int8, device)
+        self.v = _empty((slots, heads, head_dim), torch.int8, device)
+        self.k_scale = _empty((slots, heads, blocks, 1), torch.float16, device)
+        self.v_scale = _empty((slots, heads, blocks, 1), torch.float16, device)
 
     bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
 
