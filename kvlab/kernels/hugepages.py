@@ -2,8 +2,9 @@
 4 KiB stalls.
 
 A batch-1 decode step reads every weight once, front to back, so it runs at the speed memory
-streams; at depth it reads the KV cache too, a head's row from each slot. With 4 KiB pages that stream stalls at every page: the CPU's prefetchers stop at a page
-boundary, and each new page costs a TLB walk. Linux's transparent huge pages map 2 MiB at once,
+streams; at depth it reads the KV cache too, a head's row from each slot. With 4 KiB pages
+that stream stalls at every page: the CPU's prefetchers stop at a page boundary, and each new
+page costs a TLB walk. Linux's transparent huge pages map 2 MiB at once,
 but where the system setting is `madvise` (a common default) only memory that asks for them
 gets them, and torch's allocations do not ask.
 
@@ -23,13 +24,12 @@ import mmap
 import torch
 
 HUGE_PAGE = 2 << 20
-MIN_BYTES = HUGE_PAGE  # a buffer smaller than one huge page could hold none
 _ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def weight_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor of `nbytes`, in huge pages where the system gives them."""
-    if nbytes < MIN_BYTES or _ADVICE is None:
+    if nbytes < HUGE_PAGE or _ADVICE is None:  # a smaller buffer could hold no huge page
         return torch.empty(nbytes, dtype=torch.uint8)
     try:
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -48,8 +48,7 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous tensor in weight_buffer's pages: pages become resident
     only when written, in 2 MiB steps where they are huge."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return weight_buffer(nbytes).view(dtype).view(shape)
+    return weight_buffer(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def huge_page_bytes() -> int:
