@@ -34,6 +34,34 @@ KV_INL __m256i bcast4(const void *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* 8 bytes, one per weight row -> lane k = (c_k, c_k) as int16, the scale operand of a madd
+ * against int16 pair sums: one byte shuffle of the 8 bytes broadcast. Unsigned bytes go to
+ * the low byte of each int16 (the high one zeroed), signed ones to the high byte, and a
+ * shift by 8 then extends the sign. */
+KV_INL __m256i pairs_u8(const void *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return _mm256_shuffle_epi8(_mm256_set1_epi64x(v), _mm256_setr_epi8(
+        0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,
+        4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1));
+}
+
+KV_INL __m256i pairs_i8(const void *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), _mm256_setr_epi8(
+        -1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3,
+        -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7)), 8);
+}
+
+/* 16 signed bytes a[8], b[8] -> lane k = (a_k, b_k) as int16 */
+KV_INL __m256i pairs2_i8(const void *p) {
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)), _mm256_setr_epi8(
+            -1, 0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11,
+            -1, 4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15)), 8);
+}
+
 /* e^x for x <= 0: 2^n * e^r, |r| <= ln2 / 2, degree-7 Taylor (error ~5e-9); x is clamped
  * at -87 so that 2^n stays a normal float (e^-87 is far below any softmax weight kept). */
 KV_INL __m256 exp8_nonpos(__m256 x) {

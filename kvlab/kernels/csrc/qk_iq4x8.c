@@ -204,9 +204,7 @@ KV_INL void tile_xs(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_
         for (int s = 0; s < 8; s++) {
             _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
             _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
-            const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[s]));
-            const __m256i sc = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xFFFF)),
-                                               _mm256_slli_epi32(s32, 16));
+            const __m256i sc = pairs_i8(b[i].sc[s]);
             for (int t = 0; t < 4; t++) {
                 const kv_nib v = nib_values(b[i].qs[s][t], table);
                 for (int j = 0; j < nx; j++) {

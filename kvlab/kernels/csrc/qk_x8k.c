@@ -190,7 +190,8 @@ void kv_gemv_q6_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 /* ---------------- AVX2 (maddubs) and AVX512-VNNI (vpdpbusd) kernels ---------------- */
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
+#undef KV_TGT
+#include "qk_avx2.h"
 
 #define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
@@ -276,12 +277,17 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
 
 KV_K8_TILE(tile_k8_vnni, KV_TGT_V, KV_K8_SUB_VNNI)
 
+#ifndef KV_K8_AHEAD
+#define KV_K8_AHEAD 2
+#endif
+#define KV_K8_LINES ((int)(sizeof(kv_blk_q4_kx8) + 63) / 64)
 /* AVX2 has 16 vector registers, so the VNNI tile's 16 unpacked weight registers would be
  * spilled and reloaded for every x row. Here the loop over x rows is inside the loop over
  * chunks: a chunk is unpacked into 2 registers and used by up to 4 x rows at once, whose
  * int16 sums (2 per row) stay in registers. The integers are the same, so are the bits. */
 static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
-    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, __m256i *isum) {
+    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, __m256i *isum,
+    const char *ahead) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *x0 = ((const kv_act256 *)xq)->qs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
     for (int p = 0; p < 4; p++) {
@@ -294,6 +300,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
             const __m256i v = _mm256_loadu_si256((const __m256i *)b->qs[p][t]);
             const __m256i lo = _mm256_and_si256(v, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (ahead && 8 * p + t < KV_K8_LINES) _mm_prefetch(ahead + 64 * (8 * p + t), _MM_HINT_T0);
             KV_K8_ROW(l0, h0, x0);
             if (nx > 1) { KV_K8_ROW(l1, h1, x1); }
             if (nx > 2) { KV_K8_ROW(l2, h2, x2); }
@@ -301,10 +308,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
             __asm__("" : "+x"(l0), "+x"(l1), "+x"(l2), "+x"(l3), "+x"(h0), "+x"(h1), "+x"(h2), "+x"(h3));
         }
 #undef KV_K8_ROW
-        const __m256i s0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p]));
-        const __m256i s1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p + 1]));
-        const __m256i s0d = _mm256_or_si256(s0, _mm256_slli_epi32(s0, 16));
-        const __m256i s1d = _mm256_or_si256(s1, _mm256_slli_epi32(s1, 16));
+        const __m256i s0d = pairs_u8(b->sc[2 * p]), s1d = pairs_u8(b->sc[2 * p + 1]);
         const __m256i ls[4] = {l0, l1, l2, l3}, hs[4] = {h0, h1, h2, h3};
         for (int j = 0; j < nx; j++)
             isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(_mm256_madd_epi16(ls[j], s0d),
@@ -318,10 +322,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_finish_avx2(
     __m256 *acc) {
     __m256i mdup[4][2];  /* (m_s, m_s) as int16 pairs, sub-blocks 2p and 2p+1 */
     for (int p = 0; p < 4; p++)
-        for (int h = 0; h < 2; h++) {
-            const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->m[2 * p + h]));
-            mdup[p][h] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));
-        }
+        for (int h = 0; h < 2; h++) mdup[p][h] = pairs_u8(b->m[2 * p + h]);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
     for (int j = 0; j < nx; j++) {
@@ -347,7 +348,8 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
         for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
         const char *xi = xq + i * (int64_t)sizeof(kv_act256);
         for (int j0 = 0; j0 < nx; j0 += 4)
-            k8_rows_avx2(b + i, xi + j0 * xs, xs, nx - j0 < 4 ? nx - j0 : 4, isum + j0);
+            k8_rows_avx2(b + i, xi + j0 * xs, xs, nx - j0 < 4 ? nx - j0 : 4, isum + j0,
+                         j0 ? NULL : (const char *)(b + i + KV_K8_AHEAD));
         k8_finish_avx2(b + i, xi, xs, nx, isum, acc);
     }
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
@@ -384,10 +386,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_pair_sub_avx2(
         __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(b0), "+x"(b1), "+x"(b2), "+x"(b3));
     }
 #undef KV_K8_PAIR_ROW
-    const __m256i sa = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)A->sc[2 * p + h]));
-    const __m256i sb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)B->sc[2 * p + h]));
-    const __m256i sad = _mm256_or_si256(sa, _mm256_slli_epi32(sa, 16));
-    const __m256i sbd = _mm256_or_si256(sb, _mm256_slli_epi32(sb, 16));
+    const __m256i sad = pairs_u8(A->sc[2 * p + h]), sbd = pairs_u8(B->sc[2 * p + h]);
     const __m256i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
     for (int j = 0; j < nx; j++) {
         ia[j] = _mm256_add_epi32(ia[j], _mm256_madd_epi16(as[j], sad));
@@ -475,22 +474,14 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
                 _mm_prefetch((const char *)(b + i + 2) + 128 * g + 64, _MM_HINT_T0);      \
                 const __m256i sc = _mm256_cvtepi8_epi32(                                  \
                     _mm_loadl_epi64((const __m128i *)b[i].sc[g]));                        \
-                const __m256i sc16 = _mm256_or_si256(                                     \
-                    _mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16)); \
+                const __m256i sc16 = pairs_i8(b[i].sc[g]);                             \
                 for (int j = 0; j < nx; j++) {                                            \
                     const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 16 * g; \
                     isum[j] = _mm256_add_epi32(isum[j], SUB(q, x, sc, sc16));             \
                 }                                                                         \
             }                                                                             \
             __m256i scp[8];  /* (sc_2h, sc_2h+1) as int16 pairs */                         \
-            for (int h = 0; h < 8; h++) {                                                 \
-                const __m256i lo = _mm256_cvtepi8_epi32(                                  \
-                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * h]));                    \
-                const __m256i hi = _mm256_cvtepi8_epi32(                                  \
-                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * h + 1]));                \
-                scp[h] = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), \
-                                         _mm256_slli_epi32(hi, 16));                      \
-            }                                                                             \
+            for (int h = 0; h < 8; h++) scp[h] = pairs2_i8(b[i].sc[2 * h]);           \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));  \
             for (int j = 0; j < nx; j++) {                                                \
                 const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;                \

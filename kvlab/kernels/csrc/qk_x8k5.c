@@ -114,17 +114,11 @@ KV_INL __m256i k5_chunk(const kv_blk_q5_kx8 *b, const int s, const int t) {
     return _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(h, b4));
 }
 
-/* (c, c) as int16 pairs from 8 bytes, row k's in lane k */
-KV_INL __m256i k5_pair16(const uint8_t *c) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-    return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
-}
-
 /* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
 KV_INL void k5_finish_avx2(const kv_blk_q5_kx8 *b, const char *xq, int64_t xs, const int nx,
                            const __m256i *isum, __m256 *acc) {
     __m256i mdup[8];  /* (m_s, m_s) as int16 pairs */
-    for (int s = 0; s < 8; s++) mdup[s] = k5_pair16(b->m[s]);
+    for (int s = 0; s < 8; s++) mdup[s] = pairs_u8(b->m[s]);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
     for (int j = 0; j < nx; j++) {
@@ -154,7 +148,7 @@ KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const int s, const int u, const
         __asm__("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7));
     }
 #undef KV_K5_ROW8
-    const __m256i sc = k5_pair16(b->sc[s]);
+    const __m256i sc = pairs_u8(b->sc[s]);
     const __m256i cs[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
     for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(cs[j], sc));
 }
