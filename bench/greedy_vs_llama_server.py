@@ -7,6 +7,8 @@ greedily. Quantized kernels on both sides round activations differently, so the 
 part where the top two candidates are nearly tied: kvlab's teacher-forced log-probabilities
 along its own continuation give the margin at every position, and the verdict is whether
 the two continuations agree up to the first position whose margin is below --tie nats.
+Where they part, the same weights dequantized to fp32 (kvlab's reference path, equal to
+transformers to 2e-3 in log-prob) say how far apart the two engines' tokens are there.
 """
 
 from __future__ import annotations
@@ -63,13 +65,27 @@ def kvlab_greedy(llm: LLM, ids: list[int], n: int) -> tuple[list[int], list[floa
     return out, (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def reference_gap(ref: LLM, ids: list[int], ours: list[int], theirs: list[int]) -> str:
+    """At the first difference: fp32 log-prob of kvlab's token minus llama.cpp's."""
+    at = first_difference(ours, theirs)
+    if at is None:
+        return ""
+    lp = ref.engine.teacher_forced_logprobs(ids + ours[:at], len(ids) + at)[0]
+    return f"; fp32 reference there: kvlab's token {float(lp[ours[at]] - lp[theirs[at]]):+.3f} " \
+           "nats against llama.cpp's"
+
+
 def compare(name: str, ours: list[int], theirs: list[int], margins: list[float],
-            tie: float) -> bool:
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            tie: float, context: str = "") -> bool:
+    first_diff = first_difference(ours, theirs)
     first_tie = next((i for i, m in enumerate(margins) if m < tie), len(margins))
     ok = first_diff is None or first_diff >= first_tie
     where = "none" if first_diff is None else (
-        f"token {first_diff} (kvlab's margin there {margins[first_diff]:.3f} nats)")
+        f"token {first_diff} (kvlab's margin there {margins[first_diff]:.3f} nats{context})")
     print(f"{name!r}: equal for {first_diff if first_diff is not None else len(ours)} of "
           f"{len(ours)} tokens; first difference: {where}; first near-tie (< {tie}): "
           f"token {first_tie} -> {'agree up to the first near-tie' if ok else 'DIFFER'}")
@@ -87,6 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     model = Path(args.model or default_model_path())
     llm = LLM(str(model), EngineConfig(threads=args.threads))
+    ref = LLM(str(model), EngineConfig(threads=args.threads, keep_quantized=False))
     server = start_llama_server(Path(args.llama_bin) / "llama-server", model, args.threads,
                                 args.port)
     try:
@@ -94,8 +111,9 @@ def main() -> int:
         for prompt in PROMPTS:
             ids = llm.tokenizer.encode(prompt)
             ours, margins = kvlab_greedy(llm, ids, args.n)
-            results.append(compare(prompt, ours, llama_greedy(args.port, ids, args.n),
-                                   margins, args.tie))
+            theirs = llama_greedy(args.port, ids, args.n)
+            results.append(compare(prompt, ours, theirs, margins, args.tie,
+                                   reference_gap(ref, ids, ours, theirs)))
     finally:
         server.kill()
     print(f"{sum(results)}/{len(results)} prompts agree up to the first near-tie")
