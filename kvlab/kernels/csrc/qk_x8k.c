@@ -193,14 +193,8 @@ void kv_gemv_q6_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 #undef KV_TGT
 #include "qk_avx2.h"
 
-#define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
+#define KV_TGT_A KV_TGT
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
-
-static inline __attribute__((always_inline)) KV_TGT_A __m256i k8_bcast4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
 
 static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i acc, __m256i q,
                                                                         __m256i x) {
@@ -215,8 +209,8 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
     do {                                                                                  \
         __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();                   \
         for (int t = 0; t < 8; t++) {                                                     \
-            l = k8_dot_v(l, lo[t], k8_bcast4(x + 4 * t));                                 \
-            h = k8_dot_v(h, hi[t], k8_bcast4(x + 32 + 4 * t));                            \
+            l = k8_dot_v(l, lo[t], bcast4(x + 4 * t));                                 \
+            h = k8_dot_v(h, hi[t], bcast4(x + 32 + 4 * t));                            \
         }                                                                                 \
         out = _mm256_add_epi32(_mm256_mullo_epi32(l, s0), _mm256_mullo_epi32(h, s1));     \
     } while (0)
@@ -264,7 +258,7 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
                 for (int p = 0; p < 4; p++)                                               \
                     for (int h = 0; h < 2; h++) /* m_s * (bsums[2s] + bsums[2s + 1]) */   \
                         msum = _mm256_add_epi32(msum, _mm256_madd_epi16(                  \
-                            mdup[p][h], k8_bcast4(a->bsums + 4 * p + 2 * h)));            \
+                            mdup[p][h], bcast4(a->bsums + 4 * p + 2 * h)));            \
                 const __m256 dx = _mm256_set1_ps(a->d);                                   \
                 acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx),                           \
                                          _mm256_cvtepi32_ps(isum[j]), acc[j]);            \
@@ -277,9 +271,7 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
 
 KV_K8_TILE(tile_k8_vnni, KV_TGT_V, KV_K8_SUB_VNNI)
 
-#ifndef KV_K8_AHEAD
-#define KV_K8_AHEAD 2
-#endif
+#define KV_K8_AHEAD 2  /* super-blocks a batch-1 product prefetches ahead */
 #define KV_K8_LINES ((int)(sizeof(kv_blk_q4_kx8) + 63) / 64)
 /* AVX2 has 16 vector registers, so the VNNI tile's 16 unpacked weight registers would be
  * spilled and reloaded for every x row. Here the loop over x rows is inside the loop over
@@ -294,8 +286,8 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
         __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0;
         __m256i h0 = l0, h1 = l0, h2 = l0, h3 = l0;
 #define KV_K8_ROW(lj, hj, xj)                                                                 \
-    lj = _mm256_add_epi16(lj, _mm256_maddubs_epi16(lo, k8_bcast4(xj + 64 * p + 4 * t)));      \
-    hj = _mm256_add_epi16(hj, _mm256_maddubs_epi16(hi, k8_bcast4(xj + 64 * p + 32 + 4 * t)))
+    lj = _mm256_add_epi16(lj, _mm256_maddubs_epi16(lo, bcast4(xj + 64 * p + 4 * t)));      \
+    hj = _mm256_add_epi16(hj, _mm256_maddubs_epi16(hi, bcast4(xj + 64 * p + 32 + 4 * t)))
         for (int t = 0; t < 8; t++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)b->qs[p][t]);
             const __m256i lo = _mm256_and_si256(v, m4);
@@ -331,7 +323,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_finish_avx2(
         for (int p = 0; p < 4; p++)
             for (int h = 0; h < 2; h++) /* m_s * (bsums[2s] + bsums[2s + 1]) */
                 msum = _mm256_add_epi32(msum, _mm256_madd_epi16(
-                    mdup[p][h], k8_bcast4(a->bsums + 4 * p + 2 * h)));
+                    mdup[p][h], bcast4(a->bsums + 4 * p + 2 * h)));
         const __m256 dx = _mm256_set1_ps(a->d);
         acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
         acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum), acc[j]);
@@ -368,7 +360,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_pair_sub_avx2(
     __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
 #define KV_K8_PAIR_ROW(aj, bj, xj)                                                              \
     do {                                                                                        \
-        const __m256i bx = k8_bcast4(xj + 4 * t);                                               \
+        const __m256i bx = bcast4(xj + 4 * t);                                               \
         aj = _mm256_add_epi16(aj, _mm256_maddubs_epi16(wa, bx));                                \
         bj = _mm256_add_epi16(bj, _mm256_maddubs_epi16(wb, bx));                                \
     } while (0)
@@ -442,17 +434,17 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
 static inline __attribute__((always_inline)) KV_TGT_V __m256i q6_sub_vnni(
     const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
     (void)sc16;
-    __m256i p = k8_dot_v(_mm256_setzero_si256(), q[0], k8_bcast4(x));
-    for (int c = 1; c < 4; c++) p = k8_dot_v(p, q[c], k8_bcast4(x + 4 * c));
+    __m256i p = k8_dot_v(_mm256_setzero_si256(), q[0], bcast4(x));
+    for (int c = 1; c < 4; c++) p = k8_dot_v(p, q[c], bcast4(x + 4 * c));
     return _mm256_mullo_epi32(p, sc);
 }
 static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
     const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
     (void)sc;
-    const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], k8_bcast4(x)),
-                                       _mm256_maddubs_epi16(q[1], k8_bcast4(x + 4)));
-    const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], k8_bcast4(x + 8)),
-                                       _mm256_maddubs_epi16(q[3], k8_bcast4(x + 12)));
+    const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                       _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+    const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                       _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
     return _mm256_add_epi32(_mm256_madd_epi16(l, sc16), _mm256_madd_epi16(h, sc16));
 }
 
@@ -488,7 +480,7 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
                 __m256i corr = _mm256_setzero_si256();                                    \
                 for (int h = 0; h < 8; h++)                                               \
                     corr = _mm256_add_epi32(corr, _mm256_madd_epi16(                      \
-                        scp[h], k8_bcast4(a->bsums + 2 * h)));                            \
+                        scp[h], bcast4(a->bsums + 2 * h)));                            \
                 const __m256i total = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(corr, 5)); \
                 acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),          \
                                          _mm256_cvtepi32_ps(total), acc[j]);              \
