@@ -255,6 +255,7 @@ class AsyncEngine:
                 self.stats = self.engine.stats()
         except BaseException as e:  # the thread dies: nobody may wait on it from now on
             log.exception("the engine thread died")
+            self._thread_done = True  # before the failures are posted: /health agrees with them
             self._post(self._fail, EngineUnavailable(f"the engine thread has stopped: {e}"))
         finally:
             self._thread_done = True
