@@ -614,26 +614,33 @@ def test_attend_decode_checks_slots():
 
 def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
     """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path,
-    for Q8_0 and for the 8-row groups of Q8_0, Q4_K and Q6_K (group_rows)."""
+    for Q8_0 and for the 8-row groups of Q8_0, Q4_K, Q6_K and IQ4_XS (group_rows)."""
     import os
+    import pickle
     import subprocess
     import sys
 
+    from kvlab.kernels import group_rows
+
+    xs = tmp_path / "iq4_xs.pkl"  # random blocks: kvlab has no IQ4_XS quantizer
+    xs.write_bytes(pickle.dumps(group_rows(make_weight(T.IQ4_XS, 16, 512, seed=1))))
+
     script = (
-        "import torch, sys\n"
+        "import pickle, torch, sys\n"
         "from gguf import GGMLQuantizationType as T\n"
         "from kvlab.kernels import group_rows, qmatmul, quantize\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = quantize(torch.randn(67, 320, generator=g), T.Q8_0)\n"
         "w8 = group_rows(quantize(torch.randn(64, 320, generator=g), T.Q8_0))\n"
         "k8 = [group_rows(quantize(torch.randn(16, 512, generator=g), t)) for t in (T.Q4_K, T.Q6_K)]\n"
-        "x, xk = torch.randn(13, 320, generator=g), torch.randn(13, 512, generator=g)\n"
+        "k8.append(pickle.loads(open(sys.argv[2], 'rb').read()))\n"
+        "x, xk = torch.randn(13, 320, generator=g), torch.randn(21, 512, generator=g)\n"
         "torch.save([qmatmul(x[:n].contiguous(), v) for n in (1, 4, 8, 13) for v in (w, w8)]\n"
-        "           + [qmatmul(xk[:n].contiguous(), v) for n in (1, 13) for v in k8], sys.argv[1])\n")
+        "           + [qmatmul(xk[:n].contiguous(), v) for n in (1, 13, 21) for v in k8], sys.argv[1])\n")
     outs = []
     for env in ({}, {"KVLAB_NO_VNNI": "1"}):
         path = tmp_path / f"out{len(outs)}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
+        subprocess.run([sys.executable, "-c", script, str(path), str(xs)], check=True,
                        env={**os.environ, **env})
         outs.append(torch.load(path))
     for a, b in zip(*outs):

@@ -249,11 +249,67 @@ KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
+/* IQ4_XSx8 with AVX512-VNNI: a value v becomes the unsigned byte v + 128 (the table's bytes
+ * with the top bit flipped), so vpdpbusd takes it against x with no sign step and no int16
+ * pair to saturate; a sub-block's 8 products per row (p, below 32 * 241 * 128) are scaled
+ * in int32, and the + 128 is taken back by sc * 128 * (x's two 16-sums). Per super-block
+ * isum = sum_s sc_s * (p_s - 128 * bsum_s): the AVX2 kernel's integer, so the same bits. */
+#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+static inline __attribute__((always_inline)) KV_TGT_V void tile_xs_vnni(
+    const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
+    int64_t ys) {
+    const __m256i table = _mm256_xor_si256(
+        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values)),
+        _mm256_set1_epi8((char)0x80));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ahead = (const char *)(b + i + 2);
+        _mm_prefetch(ahead + 1024, _MM_HINT_T0);
+        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
+            __m256i p[KV_GROUP_NX];
+            for (int j = 0; j < nx; j++) p[j] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)b[i].qs[s][t]);
+                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                const __m256i hi = _mm256_shuffle_epi8(
+                    table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+                for (int j = 0; j < nx; j++) {
+                    const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+                    p[j] = _mm256_dpbusd_epi32(p[j], lo, bcast4(x));
+                    p[j] = _mm256_dpbusd_epi32(p[j], hi, bcast4(x + 16));
+                }
+            }
+            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[s]));
+            const __m256i sc2 = pairs_i8(b[i].sc[s]);
+            for (int j = 0; j < nx; j++) {
+                const __m256i bias = _mm256_slli_epi32(
+                    _mm256_madd_epi16(sc2, bcast4(ACT(kv_act256, j, i)->bsums + 2 * s)), 7);
+                isum[j] = _mm256_add_epi32(isum[j],
+                                           _mm256_sub_epi32(_mm256_mullo_epi32(p[j], sc), bias));
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i)->d)),
+                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
+KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
 
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
-    gemv_xsx8(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+    (kv_use_vnni() ? gemv_xsx8_vnni : gemv_xsx8)(w, row_bytes, r0, r1, cols, xq, xstride, n, y,
+                                                 ystride);
 }
 
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2) {
