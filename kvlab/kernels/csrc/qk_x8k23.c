@@ -302,18 +302,120 @@ KV_INL void tile_q3x8(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
+/* ---------------- AVX512-VNNI ----------------
+ * The values (Q2_K 0..3, Q3_K 0..7) go into vpdpbusd unsigned against x, so a sub-block's
+ * four chunks sum in int32 with no int16 step; that sum is scaled in int32 by the row's
+ * sub-block scale. The integers per super-block are the AVX2 kernels' (isum, msum; Q3_K's
+ * isum - 4 * corr), so are the bits. */
+#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
+
+/* isum[j] += sc * (sum over sub-block s of q * x_j), for nx x rows */
+KV_INL_V void sub_dot_vnni(const __m256i q[4], const char *xq, int64_t xs, int64_t i, int s,
+                           __m256i sc, const int nx, __m256i *isum) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *x = K23X8_ACT(xq, xs, j, i)->qs + 16 * s;
+        __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[0], bcast4(x));
+        for (int c = 1; c < 4; c++) p = _mm256_dpbusd_epi32(p, q[c], bcast4(x + 4 * c));
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p, sc));
+    }
+}
+
+/* sum_t pair_t . (x_j's 16-sums 2t, 2t+1): the mins (Q2_K) or scales (Q3_K) of each
+ * sub-block pair as int16 pairs */
+KV_INL_V __m256i pair_sums(const __m256i pairs[8], const kv_act256 *a) {
+    __m256i sum = _mm256_madd_epi16(pairs[0], bcast4(a->bsums));
+    for (int t = 1; t < 8; t++) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs[t], bcast4(a->bsums + 2 * t)));
+    return sum;
+}
+
+KV_INL_V void tile_q2x8_vnni(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                             const int nx, float *y, int64_t ys) {
+    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi32(0xF);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX], mins[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
+            const __m256i scw = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
+            mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                low_bits(b[i].qs[2 * t + h], q);
+                const __m256i sc = _mm256_and_si256(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + h])), m4);
+                sub_dot_vnni(q, xq, xs, i, 2 * t + h, sc, nx, isum);
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            const __m256 dx = _mm256_set1_ps(a->d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(pair_sums(mins, a)),
+                                      acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_INL_V void tile_q3x8_vnni(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                             const int nx, float *y, int64_t ys) {
+    const __m256i pat_pair = lane_pattern(0, -1, 8, -1);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX], pairs[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
+            const __m256i scw = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);
+            /* (sc_2t, sc_2t+1) sign-extended to int16 */
+            pairs[t] = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8), 8);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                low_bits(b[i].qs[2 * t + h], q);
+                for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h));
+                const __m256i sc =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + h]));
+                sub_dot_vnni(q, xq, xs, i, 2 * t + h, sc, nx, isum);
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            const __m256i total = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(pair_sums(pairs, a), 2));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
+                                     _mm256_cvtepi32_ps(total), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)
+KV_GROUP_GEMV(gemv_q2x8_vnni, KV_TGT_V, tile_q2x8_vnni, kv_blk_q2_kx8, 256)
+KV_GROUP_GEMV(gemv_q3x8_vnni, KV_TGT_V, tile_q3x8_vnni, kv_blk_q3_kx8, 256)
 
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    gemv_q2x8_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+    (kv_use_vnni() ? gemv_q2x8_vnni : gemv_q2x8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride,
+                                                      n, y, ystride);
 }
 
 void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    gemv_q3x8_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+    (kv_use_vnni() ? gemv_q3x8_vnni : gemv_q3x8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride,
+                                                      n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
