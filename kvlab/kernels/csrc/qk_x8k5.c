@@ -98,8 +98,8 @@ KV_KX8_GENERIC(kv_gemv_q5_kx8_generic, kv_blk_q5_kx8, row_sums)
  * A maddubs of 4 values 0..31 against x's int8 (-127..127) is at most 2 * 31 * 127 = 7874
  * per int16 pair, so 4 of them (31496 < 2^15) add as int16: a sub-block's 8 chunks go in
  * two halves of 4, each times the scale as an int16 pair in one madd, both into int32.
- * The integers are those of the portable kernel, so are the bits. No VNNI variant: on
- * VNNI machines this code runs. */
+ * The integers are those of the portable kernel, so are the bits. With AVX512-VNNI a
+ * sub-block's 8 chunks go into vpdpbusd as int32 and are scaled once: the same integers. */
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
@@ -174,11 +174,43 @@ KV_INL void tile_k5_avx2(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
-KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
+#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
-void kv_gemv_q5_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                         int64_t ystride) {
-    gemv_k5_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+/* sub-block s of one group against up to 8 x rows, int32 chains: no halves */
+KV_INL_V void k5_sub8_vnni(const kv_blk_q5_kx8 *b, const int s, const char *xq, int64_t xs,
+                           const int nx, __m256i *isum) {
+    const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
+    __m256i c[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) c[j] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t++) {
+        const __m256i w = k5_chunk(b, s, t);
+        for (int j = 0; j < nx; j++) c[j] = _mm256_dpbusd_epi32(c[j], w, bcast4(x + j * xs + 4 * t));
+    }
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[s]));
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(c[j], sc));
+}
+
+KV_INL_V void tile_k5_vnni(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                           const int nx, float *y, int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) k5_sub8_vnni(b + i, s, xi, xs, nx, isum);
+        k5_finish_avx2(b + i, xi, xs, nx, isum, acc);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
+KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)
+
+KV_GEMV_DECL(kv_gemv_q5_kx8_avx2) {
+    (kv_use_vnni() ? gemv_k5_vnni : gemv_k5_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
+                                                  y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
