@@ -158,11 +158,41 @@ KV_INL void tile_q5x8(const kv_blk_q5_0x8 *b, int64_t nb, const char *xq, int64_
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
-KV_GROUP_GEMV(gemv_q5x8_avx2, KV_TGT, tile_q5x8, kv_blk_q5_0x8, 32)
+/* AVX512-VNNI: the 8 chunks into vpdpbusd in two int32 chains that start from the bias
+ * (half each); the same integer as the maddubs path, so the same bits */
+#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+static inline __attribute__((always_inline)) KV_TGT_V void tile_q5x8_vnni(
+    const kv_blk_q5_0x8 *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
+    int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *next = (const char *)(b + i + 2);
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+        _mm_prefetch(next + 128, _MM_HINT_T0);
+        __m256i w[8];
+        q5x8_unpack(&b[i], w);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++) {
+            const kv_act32 *a = (const kv_act32 *)(xq + j * xs) + i;
+            __m256i c0 = _mm256_set1_epi32(a->bias / 8), c1 = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t += 2) {
+                c0 = _mm256_dpbusd_epi32(c0, w[t], bcast4(a->qs + 4 * t));
+                c1 = _mm256_dpbusd_epi32(c1, w[t + 1], bcast4(a->qs + 4 * t + 4));
+            }
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
+                                     _mm256_cvtepi32_ps(_mm256_add_epi32(c0, c1)), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
 
-void kv_gemv_q5_0x8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                         int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                         int64_t ystride) {
-    gemv_q5x8_avx2(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+KV_GROUP_GEMV(gemv_q5x8_avx2, KV_TGT, tile_q5x8, kv_blk_q5_0x8, 32)
+KV_GROUP_GEMV(gemv_q5x8_vnni, KV_TGT_V, tile_q5x8_vnni, kv_blk_q5_0x8, 32)
+
+KV_GEMV_DECL(kv_gemv_q5_0x8_avx2) {
+    (kv_use_vnni() ? gemv_q5x8_vnni : gemv_q5x8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride,
+                                                      n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
