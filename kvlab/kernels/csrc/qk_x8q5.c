@@ -122,71 +122,62 @@ KV_INL void q5x8_unpack(const kv_blk_q5_0x8 *b, __m256i w[8]) {
     w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
 }
 
-/* one group's blocks against nx x rows: 4 chunks' maddubs pairs add in int16 (at most
- * 4 * 2 * 31 * 127 < 32768), then one madd each; the next blocks' bytes prefetched */
-KV_INL void tile_q5x8(const kv_blk_q5_0x8 *b, int64_t nb, const char *xq, int64_t xs,
-                      const int nx, float *y, int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
+/* a block's integer dot for one x row: 4 chunks' maddubs pairs add in int16 (at most
+ * 4 * 2 * 31 * 127 < 32768), then one madd each */
+KV_INL __m256i q5x8_dot_avx2(const __m256i w[8], const kv_act32 *a) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const char *next = (const char *)(b + i + 2);
-        _mm_prefetch(next, _MM_HINT_T0);
-        _mm_prefetch(next + 64, _MM_HINT_T0);
-        _mm_prefetch(next + 128, _MM_HINT_T0);
-        __m256i w[8];
-        q5x8_unpack(&b[i], w);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++) {
-            const kv_act32 *a = (const kv_act32 *)(xq + j * xs) + i;
-            __m256i s[2];
-            for (int h = 0; h < 2; h++) {
-                const int t = 4 * h;
-                s[h] = _mm256_add_epi16(
-                    _mm256_add_epi16(_mm256_maddubs_epi16(w[t], bcast4(a->qs + 4 * t)),
-                                     _mm256_maddubs_epi16(w[t + 1], bcast4(a->qs + 4 * t + 4))),
-                    _mm256_add_epi16(_mm256_maddubs_epi16(w[t + 2], bcast4(a->qs + 4 * t + 8)),
-                                     _mm256_maddubs_epi16(w[t + 3], bcast4(a->qs + 4 * t + 12))));
-            }
-            const __m256i isum = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(s[0], ones), _mm256_madd_epi16(s[1], ones)),
-                _mm256_set1_epi32(a->bias / 8));
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
-                                     _mm256_cvtepi32_ps(isum), acc[j]);
-        }
+    __m256i s[2];
+    for (int h = 0; h < 2; h++) {
+        const int t = 4 * h;
+        s[h] = _mm256_add_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(w[t], bcast4(a->qs + 4 * t)),
+                             _mm256_maddubs_epi16(w[t + 1], bcast4(a->qs + 4 * t + 4))),
+            _mm256_add_epi16(_mm256_maddubs_epi16(w[t + 2], bcast4(a->qs + 4 * t + 8)),
+                             _mm256_maddubs_epi16(w[t + 3], bcast4(a->qs + 4 * t + 12))));
     }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+    return _mm256_add_epi32(
+        _mm256_add_epi32(_mm256_madd_epi16(s[0], ones), _mm256_madd_epi16(s[1], ones)),
+        _mm256_set1_epi32(a->bias / 8));
 }
 
 /* AVX512-VNNI: the 8 chunks into vpdpbusd in two int32 chains that start from the bias
  * (half each); the same integer as the maddubs path, so the same bits */
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
-static inline __attribute__((always_inline)) KV_TGT_V void tile_q5x8_vnni(
-    const kv_blk_q5_0x8 *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
-    int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const char *next = (const char *)(b + i + 2);
-        _mm_prefetch(next, _MM_HINT_T0);
-        _mm_prefetch(next + 64, _MM_HINT_T0);
-        _mm_prefetch(next + 128, _MM_HINT_T0);
-        __m256i w[8];
-        q5x8_unpack(&b[i], w);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++) {
-            const kv_act32 *a = (const kv_act32 *)(xq + j * xs) + i;
-            __m256i c0 = _mm256_set1_epi32(a->bias / 8), c1 = _mm256_setzero_si256();
-            for (int t = 0; t < 8; t += 2) {
-                c0 = _mm256_dpbusd_epi32(c0, w[t], bcast4(a->qs + 4 * t));
-                c1 = _mm256_dpbusd_epi32(c1, w[t + 1], bcast4(a->qs + 4 * t + 4));
-            }
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
-                                     _mm256_cvtepi32_ps(_mm256_add_epi32(c0, c1)), acc[j]);
-        }
+static inline __attribute__((always_inline)) KV_TGT_V __m256i q5x8_dot_vnni(
+    const __m256i w[8], const kv_act32 *a) {
+    __m256i c0 = _mm256_set1_epi32(a->bias / 8), c1 = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t += 2) {
+        c0 = _mm256_dpbusd_epi32(c0, w[t], bcast4(a->qs + 4 * t));
+        c1 = _mm256_dpbusd_epi32(c1, w[t + 1], bcast4(a->qs + 4 * t + 4));
     }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+    return _mm256_add_epi32(c0, c1);
 }
+
+/* one group's blocks against nx x rows, each block unpacked once for all of them; the next
+ * blocks' bytes prefetched */
+#define KV_Q5X8_TILE(name, tgt, dot)                                                        \
+    static inline __attribute__((always_inline)) tgt void name(                            \
+        const kv_blk_q5_0x8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,      \
+        float *y, int64_t ys) {                                                             \
+        __m256 acc[KV_GROUP_NX];                                                            \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                          \
+        for (int64_t i = 0; i < nb; i++) {                                                  \
+            const char *next = (const char *)(b + i + 2);                                   \
+            for (int c = 0; c < 3; c++) _mm_prefetch(next + 64 * c, _MM_HINT_T0);          \
+            __m256i w[8];                                                                   \
+            q5x8_unpack(&b[i], w);                                                          \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
+            for (int j = 0; j < nx; j++) {                                                  \
+                const kv_act32 *a = (const kv_act32 *)(xq + j * xs) + i;                    \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),           \
+                                         _mm256_cvtepi32_ps(dot(w, a)), acc[j]);            \
+            }                                                                               \
+        }                                                                                   \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                 \
+    }
+
+KV_Q5X8_TILE(tile_q5x8, KV_TGT, q5x8_dot_avx2)
+KV_Q5X8_TILE(tile_q5x8_vnni, KV_TGT_V, q5x8_dot_vnni)
 
 KV_GROUP_GEMV(gemv_q5x8_avx2, KV_TGT, tile_q5x8, kv_blk_q5_0x8, 32)
 KV_GROUP_GEMV(gemv_q5x8_vnni, KV_TGT_V, tile_q5x8_vnni, kv_blk_q5_0x8, 32)
