@@ -164,8 +164,6 @@ void kv_gemv_iq4_nlx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, i
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
 
-
-
 /* one register of nibbles -> the values of its low and high nibbles and their magnitudes */
 typedef struct { __m256i lo, alo, hi, ahi; } kv_nib;
 
@@ -186,46 +184,29 @@ KV_INL __m256i chunk(__m256i acc, __m256i v, __m256i av, const int8_t *x, __m256
 
 #define ACT(type, j, i) ((const type *)(xq + (j) * xs) + (i))
 
-/* IQ4_XSx8: per chunk t of sub-block s, both nibbles into nx sums, weighted by the
- * sub-block's scales (int16 in both halves of a lane, so madd applies them). Super-block
- * i + 2 is prefetched: without it decode from DRAM waits on every super-block. */
-KV_INL void tile_xs(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
-                    const int nx, float *y, int64_t ys) {
-    const __m256i table =
-        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const char *ahead = (const char *)(b + i + 2);
-        _mm_prefetch(ahead + 1024, _MM_HINT_T0);
-        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
-        __m256i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
-            _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
-            const __m256i sc = pairs_i8(b[i].sc[s]);
-            for (int t = 0; t < 4; t++) {
-                const kv_nib v = nib_values(b[i].qs[s][t], table);
-                for (int j = 0; j < nx; j++) {
-                    const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
-                    isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, sc), v.hi, v.ahi, x + 16, sc);
-                }
-            }
+/* the 16 values, in every lane */
+KV_INL __m256i iq4_table(void) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+}
+
+/* IQ4_XSx8, sub-block s of super-block i: per chunk t both nibbles into nx sums, weighted
+ * by the sub-block's scales (int16 in both halves of a lane, so madd applies them) */
+KV_INL void xs_sub_avx2(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const char *xq,
+                        int64_t xs, int64_t i, const int nx, __m256i *isum) {
+    const __m256i sc = pairs_i8(b->sc[s]);
+    for (int t = 0; t < 4; t++) {
+        const kv_nib v = nib_values(b->qs[s][t], table);
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+            isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, sc), v.hi, v.ahi, x + 16, sc);
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i)->d)),
-                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
     }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
 /* IQ4_NLx8: a block's 4 chunks, both nibbles; 8 blocks (1152 B) ahead prefetched */
 KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_t xs,
                     const int nx, float *y, int64_t ys) {
-    const __m256i table =
-        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+    const __m256i table = iq4_table();
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
@@ -255,53 +236,68 @@ KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_
  * in int32, and the + 128 is taken back by sc * 128 * (x's two 16-sums). Per super-block
  * isum = sum_s sc_s * (p_s - 128 * bsum_s): the AVX2 kernel's integer, so the same bits. */
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
-static inline __attribute__((always_inline)) KV_TGT_V void tile_xs_vnni(
-    const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,
-    int64_t ys) {
-    const __m256i table = _mm256_xor_si256(
-        _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values)),
-        _mm256_set1_epi8((char)0x80));
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const char *ahead = (const char *)(b + i + 2);
-        _mm_prefetch(ahead + 1024, _MM_HINT_T0);
-        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
-        __m256i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
-            _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
-            __m256i p[KV_GROUP_NX];
-            for (int j = 0; j < nx; j++) p[j] = _mm256_setzero_si256();
-            for (int t = 0; t < 4; t++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)b[i].qs[s][t]);
-                const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
-                const __m256i hi = _mm256_shuffle_epi8(
-                    table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
-                for (int j = 0; j < nx; j++) {
-                    const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
-                    p[j] = _mm256_dpbusd_epi32(p[j], lo, bcast4(x));
-                    p[j] = _mm256_dpbusd_epi32(p[j], hi, bcast4(x + 16));
-                }
-            }
-            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[s]));
-            const __m256i sc2 = pairs_i8(b[i].sc[s]);
-            for (int j = 0; j < nx; j++) {
-                const __m256i bias = _mm256_slli_epi32(
-                    _mm256_madd_epi16(sc2, bcast4(ACT(kv_act256, j, i)->bsums + 2 * s)), 7);
-                isum[j] = _mm256_add_epi32(isum[j],
-                                           _mm256_sub_epi32(_mm256_mullo_epi32(p[j], sc), bias));
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i)->d)),
-                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+#define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
+
+/* the values + 128, as unsigned bytes */
+KV_INL_V __m256i iq4_table_u8(void) {
+    return _mm256_xor_si256(iq4_table(), _mm256_set1_epi8((char)0x80));
 }
+
+KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const char *xq,
+                          int64_t xs, int64_t i, const int nx, __m256i *isum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i p[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) p[j] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)b->qs[s][t]);
+        const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+        const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+            p[j] = _mm256_dpbusd_epi32(p[j], lo, bcast4(x));
+            p[j] = _mm256_dpbusd_epi32(p[j], hi, bcast4(x + 16));
+        }
+    }
+    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[s]));
+    const __m256i sc2 = pairs_i8(b->sc[s]);
+    for (int j = 0; j < nx; j++) {
+        const __m256i bias = _mm256_slli_epi32(
+            _mm256_madd_epi16(sc2, bcast4(ACT(kv_act256, j, i)->bsums + 2 * s)), 7);
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_sub_epi32(_mm256_mullo_epi32(p[j], sc), bias));
+    }
+}
+
+/* IQ4_XSx8: one group against nx x rows, sub() adding a sub-block's integer sums. Super-block
+ * i + 2 is prefetched: without it decode from DRAM waits on every super-block. */
+#define KV_XS_TILE(name, tgt, table_of, sub)                                                  \
+    static inline __attribute__((always_inline)) tgt void name(                              \
+        const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,      \
+        float *y, int64_t ys) {                                                               \
+        const __m256i table = table_of();                                                     \
+        __m256 acc[KV_GROUP_NX];                                                              \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                            \
+        for (int64_t i = 0; i < nb; i++) {                                                    \
+            const char *ahead = (const char *)(b + i + 2);                                    \
+            _mm_prefetch(ahead + 1024, _MM_HINT_T0);                                          \
+            _mm_prefetch(ahead + 1088, _MM_HINT_T0);                                          \
+            __m256i isum[KV_GROUP_NX];                                                        \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                    \
+            for (int s = 0; s < 8; s++) {                                                     \
+                _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);                                   \
+                _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);                              \
+                sub(b + i, s, table, xq, xs, i, nx, isum);                                    \
+            }                                                                                 \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));      \
+            for (int j = 0; j < nx; j++)                                                      \
+                acc[j] = _mm256_fmadd_ps(                                                     \
+                    _mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i)->d)),               \
+                    _mm256_cvtepi32_ps(isum[j]), acc[j]);                                     \
+        }                                                                                     \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                   \
+    }
+
+KV_XS_TILE(tile_xs, KV_TGT, iq4_table, xs_sub_avx2)
+KV_XS_TILE(tile_xs_vnni, KV_TGT_V, iq4_table_u8, xs_sub_vnni)
 
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)

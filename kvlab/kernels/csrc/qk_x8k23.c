@@ -180,15 +180,16 @@ K23X8_GENERIC(kv_gemv_q3_kx8_generic, kv_blk_q3_kx8, q3x8_row)
 #include "qk_avx2.h"
 
 /* in-lane byte shuffle pattern: dword k of the register takes bytes (b0 + k, b1 + k, b2 + k,
- * b3 + k) of the 16 scale bytes of a sub-block pair; a negative b gives a zero byte */
-KV_INL __m256i lane_pattern(int b0, int b1, int b2, int b3) {
-    uint8_t p[32];
-    for (int k = 0; k < 8; k++) {
-        const int b[4] = {b0, b1, b2, b3};
-        for (int e = 0; e < 4; e++) p[4 * k + e] = b[e] < 0 ? 0x80 : (uint8_t)(b[e] + k);
-    }
-    return _mm256_loadu_si256((const __m256i *)p);
-}
+ * b3 + k) of the 16 scale bytes of a sub-block pair; a negative b gives a zero byte. A
+ * constant expression, so the compiler keeps it in a register or loads it as one. */
+#define K23_B(b, k) ((b) < 0 ? 0x80u : (unsigned)((b) + (k)))
+#define K23_DW(b0, b1, b2, b3, k) \
+    (int)(K23_B(b0, k) | K23_B(b1, k) << 8 | K23_B(b2, k) << 16 | K23_B(b3, k) << 24)
+#define lane_pattern(b0, b1, b2, b3)                                                       \
+    _mm256_setr_epi32(K23_DW(b0, b1, b2, b3, 0), K23_DW(b0, b1, b2, b3, 1),               \
+                      K23_DW(b0, b1, b2, b3, 2), K23_DW(b0, b1, b2, b3, 3),               \
+                      K23_DW(b0, b1, b2, b3, 4), K23_DW(b0, b1, b2, b3, 5),               \
+                      K23_DW(b0, b1, b2, b3, 6), K23_DW(b0, b1, b2, b3, 7))
 
 /* the four chunks of a sub-block (4 values per row lane each): its two low bits */
 KV_INL void low_bits(const uint8_t *qs, __m256i q[4]) {
@@ -206,101 +207,128 @@ KV_INL __m256i third_bit(__m256i hb, const int c, const int h) {
     return _mm256_and_si256(v, _mm256_set1_epi8(4));
 }
 
-/* sum over a sub-block of q * x for 8 rows, times the scale pairs: maddubs' int16 sums of
- * four chunks stay below 4 * 2 * 7 * 128 */
-KV_INL __m256i sub_dot(const __m256i q[4], const int8_t *x, __m256i scale) {
-    __m256i p = _mm256_maddubs_epi16(q[0], bcast4(x));
-    for (int c = 1; c < 4; c++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[c], bcast4(x + 4 * c)));
-    return _mm256_madd_epi16(p, scale);
-}
-
 #define K23X8_ACT(xq, xs, j, i) ((const kv_act256 *)((xq) + (j) * (xs)) + (i))
 
-/* Q2_Kx8: a sub-block's scale pair is (byte, byte) & 0xF, a min pair (m_2t, m_2t+1) the
- * high nibbles of the sub-block pair's bytes */
-KV_INL void tile_q2x8(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                      const int nx, float *y, int64_t ys) {
-    const __m256i pat_sc[2] = {lane_pattern(0, -1, 0, -1), lane_pattern(8, -1, 8, -1)};
-    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi16(0xF);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX], mins[8];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-            /* two super-blocks ahead: the hardware prefetcher alone leaves DRAM idle */
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
-            const __m256i scw = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
-            mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                low_bits(b[i].qs[2 * t + h], q);
-                const __m256i scale = _mm256_and_si256(_mm256_shuffle_epi8(scw, pat_sc[h]), m4);
-                for (int j = 0; j < nx; j++)
-                    isum[j] = _mm256_add_epi32(isum[j], sub_dot(q, K23X8_ACT(xq, xs, j, i)->qs
-                                                                   + 16 * (2 * t + h), scale));
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-            __m256i msum = _mm256_madd_epi16(mins[0], bcast4(a->bsums));
-            for (int t = 1; t < 8; t++)
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[t], bcast4(a->bsums + 2 * t)));
-            const __m256 dx = _mm256_set1_ps(a->d);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
-            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(msum), acc[j]);
-        }
+/* isum[j] += scale . (sum over sub-block s of q * x_j), for nx x rows, by maddubs: the int16
+ * sums of four chunks stay below 4 * 2 * 7 * 128; scale is an int16 pair per row */
+KV_INL void sub_dot_avx2(const __m256i q[4], const char *xq, int64_t xs, int64_t i, int s,
+                         __m256i scale, const int nx, __m256i *isum) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *x = K23X8_ACT(xq, xs, j, i)->qs + 16 * s;
+        __m256i p = _mm256_maddubs_epi16(q[0], bcast4(x));
+        for (int c = 1; c < 4; c++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[c], bcast4(x + 4 * c)));
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p, scale));
     }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
-/* Q3_Kx8: the int8 scales go into the high byte of each int16 (sc * 256, sign kept with
- * no extension step); the sums of a super-block stay below 16 * 16 * 7 * 128 * 32 * 256 <
- * 2^31 and are shifted back exactly */
-KV_INL void tile_q3x8(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                      const int nx, float *y, int64_t ys) {
-    const __m256i pat_sc[2] = {lane_pattern(-1, 0, -1, 0), lane_pattern(-1, 8, -1, 8)};
-    const __m256i pat_pair = lane_pattern(-1, 0, -1, 8);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX], pairs[8];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
-            const __m256i scw = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);
-            pairs[t] = _mm256_shuffle_epi8(scw, pat_pair);
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                low_bits(b[i].qs[2 * t + h], q);
-                for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h));
-                const __m256i scale = _mm256_shuffle_epi8(scw, pat_sc[h]);
-                for (int j = 0; j < nx; j++)
-                    isum[j] = _mm256_add_epi32(isum[j], sub_dot(q, K23X8_ACT(xq, xs, j, i)->qs
-                                                                   + 16 * (2 * t + h), scale));
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-            __m256i corr = _mm256_madd_epi16(pairs[0], bcast4(a->bsums));
-            for (int t = 1; t < 8; t++)
-                corr = _mm256_add_epi32(corr, _mm256_madd_epi16(pairs[t], bcast4(a->bsums + 2 * t)));
-            const __m256i total = _mm256_sub_epi32(_mm256_srai_epi32(isum[j], 8),
-                                                   _mm256_slli_epi32(_mm256_srai_epi32(corr, 8), 2));
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
-                                     _mm256_cvtepi32_ps(total), acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+/* sum_t pair_t . (x_j's 16-sums 2t, 2t+1): the mins (Q2_K) or scales (Q3_K) of each
+ * sub-block pair as int16 pairs */
+KV_INL __m256i pair_sums(const __m256i pairs[8], const kv_act256 *a) {
+    __m256i sum = _mm256_madd_epi16(pairs[0], bcast4(a->bsums));
+    for (int t = 1; t < 8; t++) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs[t], bcast4(a->bsums + 2 * t)));
+    return sum;
 }
+
+/* The scale of sub-block 2t + h of 8 rows as each path's dot takes it. Q2_K's is the low
+ * nibble of its byte: here (byte, byte) & 0xF as an int16 pair, picked from the pair's 16
+ * bytes scw. Q3_K's int8 goes into the high byte of each int16 (sc * 256, sign kept with no
+ * extension step); a super-block's sums stay below 16 * 16 * 7 * 128 * 32 * 256 < 2^31 and
+ * are shifted back exactly by q3_isum_avx2. */
+KV_INL __m256i q2_scale_avx2(__m256i scw, const uint8_t *sc, const int h) {
+    (void)sc;
+    const __m256i pat = h ? lane_pattern(8, -1, 8, -1) : lane_pattern(0, -1, 0, -1);
+    return _mm256_and_si256(_mm256_shuffle_epi8(scw, pat), _mm256_set1_epi16(0xF));
+}
+
+KV_INL __m256i q3_scale_avx2(__m256i scw, const int8_t *sc, const int h) {
+    (void)sc;
+    return _mm256_shuffle_epi8(scw, h ? lane_pattern(-1, 8, -1, 8) : lane_pattern(-1, 0, -1, 0));
+}
+
+KV_INL __m256i q3_isum_avx2(__m256i isum) { return _mm256_srai_epi32(isum, 8); }
+
+/* Q2_Kx8, one group against nx x rows: a min pair (m_2t, m_2t+1) is the high nibbles of the
+ * sub-block pair's bytes; scale_of and dot are the path's */
+#define KV_Q2X8_TILE(name, tgt, scale_of, dot)                                                  \
+    static inline __attribute__((always_inline)) tgt void name(                                \
+        const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,          \
+        float *y, int64_t ys) {                                                                 \
+        const __m256i pat_m = lane_pattern(0, -1, 8, -1);                                       \
+        __m256 acc[KV_GROUP_NX];                                                                \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                              \
+        for (int64_t i = 0; i < nb; i++) {                                                      \
+            __m256i isum[KV_GROUP_NX], mins[8];                                                 \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                      \
+            for (int t = 0; t < 8; t++) {                                                       \
+                /* two super-blocks ahead: the hardware prefetcher alone leaves DRAM idle */    \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);                \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);           \
+                const __m256i scw = _mm256_broadcastsi128_si256(                                \
+                    _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));                          \
+                mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);                \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    __m256i q[4];                                                               \
+                    low_bits(b[i].qs[2 * t + h], q);                                            \
+                    dot(q, xq, xs, i, 2 * t + h, scale_of(scw, b[i].sc[2 * t + h], h), nx,      \
+                        isum);                                                                  \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));        \
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));     \
+            for (int j = 0; j < nx; j++) {                                                      \
+                const kv_act256 *a = K23X8_ACT(xq, xs, j, i);                                   \
+                const __m256 dx = _mm256_set1_ps(a->d);                                         \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]),    \
+                                         acc[j]);                                               \
+                acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx),                                \
+                                          _mm256_cvtepi32_ps(pair_sums(mins, a)), acc[j]);      \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                     \
+    }
+
+/* Q3_Kx8, one group against nx x rows: the values' -4 is taken back once per super-block as
+ * 4 * the scale pairs (sign-extended to int16) times x's 16-sums; norm() undoes the path's
+ * scaling of isum */
+#define KV_Q3X8_TILE(name, tgt, scale_of, dot, norm)                                            \
+    static inline __attribute__((always_inline)) tgt void name(                                \
+        const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,          \
+        float *y, int64_t ys) {                                                                 \
+        const __m256i pat_pair = lane_pattern(-1, 0, -1, 8);                                    \
+        __m256 acc[KV_GROUP_NX];                                                                \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                              \
+        for (int64_t i = 0; i < nb; i++) {                                                      \
+            __m256i isum[KV_GROUP_NX], pairs[8];                                                \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                      \
+            for (int t = 0; t < 8; t++) {                                                       \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);                \
+                _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);           \
+                const __m256i scw = _mm256_broadcastsi128_si256(                                \
+                    _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));                          \
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);             \
+                pairs[t] = _mm256_srai_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8);            \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    __m256i q[4];                                                               \
+                    low_bits(b[i].qs[2 * t + h], q);                                            \
+                    for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h)); \
+                    dot(q, xq, xs, i, 2 * t + h, scale_of(scw, b[i].sc[2 * t + h], h), nx,      \
+                        isum);                                                                  \
+                }                                                                               \
+            }                                                                                   \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));        \
+            for (int j = 0; j < nx; j++) {                                                      \
+                const kv_act256 *a = K23X8_ACT(xq, xs, j, i);                                   \
+                const __m256i total =                                                           \
+                    _mm256_sub_epi32(norm(isum[j]), _mm256_slli_epi32(pair_sums(pairs, a), 2)); \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),               \
+                                         _mm256_cvtepi32_ps(total), acc[j]);                    \
+            }                                                                                   \
+        }                                                                                       \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                     \
+    }
+
+KV_Q2X8_TILE(tile_q2x8, KV_TGT, q2_scale_avx2, sub_dot_avx2)
+KV_Q3X8_TILE(tile_q3x8, KV_TGT, q3_scale_avx2, sub_dot_avx2, q3_isum_avx2)
 
 /* ---------------- AVX512-VNNI ----------------
  * The values (Q2_K 0..3, Q3_K 0..7) go into vpdpbusd unsigned against x, so a sub-block's
@@ -310,7 +338,7 @@ KV_INL void tile_q3x8(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
 #define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
-/* isum[j] += sc * (sum over sub-block s of q * x_j), for nx x rows */
+/* isum[j] += sc * (sum over sub-block s of q * x_j), for nx x rows; sc is int32 per row */
 KV_INL_V void sub_dot_vnni(const __m256i q[4], const char *xq, int64_t xs, int64_t i, int s,
                            __m256i sc, const int nx, __m256i *isum) {
     for (int j = 0; j < nx; j++) {
@@ -321,84 +349,21 @@ KV_INL_V void sub_dot_vnni(const __m256i q[4], const char *xq, int64_t xs, int64
     }
 }
 
-/* sum_t pair_t . (x_j's 16-sums 2t, 2t+1): the mins (Q2_K) or scales (Q3_K) of each
- * sub-block pair as int16 pairs */
-KV_INL_V __m256i pair_sums(const __m256i pairs[8], const kv_act256 *a) {
-    __m256i sum = _mm256_madd_epi16(pairs[0], bcast4(a->bsums));
-    for (int t = 1; t < 8; t++) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs[t], bcast4(a->bsums + 2 * t)));
-    return sum;
+KV_INL_V __m256i q2_scale_vnni(__m256i scw, const uint8_t *sc, const int h) {
+    (void)scw, (void)h;
+    return _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+                            _mm256_set1_epi32(0xF));
 }
 
-KV_INL_V void tile_q2x8_vnni(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                             const int nx, float *y, int64_t ys) {
-    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi32(0xF);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX], mins[8];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
-            const __m256i scw = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
-            mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                low_bits(b[i].qs[2 * t + h], q);
-                const __m256i sc = _mm256_and_si256(
-                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + h])), m4);
-                sub_dot_vnni(q, xq, xs, i, 2 * t + h, sc, nx, isum);
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-            const __m256 dx = _mm256_set1_ps(a->d);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum[j]), acc[j]);
-            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(pair_sums(mins, a)),
-                                      acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+KV_INL_V __m256i q3_scale_vnni(__m256i scw, const int8_t *sc, const int h) {
+    (void)scw, (void)h;
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
 }
 
-KV_INL_V void tile_q3x8_vnni(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                             const int nx, float *y, int64_t ys) {
-    const __m256i pat_pair = lane_pattern(0, -1, 8, -1);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX], pairs[8];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; t++) {
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);
-            const __m256i scw = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);
-            /* (sc_2t, sc_2t+1) sign-extended to int16 */
-            pairs[t] = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8), 8);
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                low_bits(b[i].qs[2 * t + h], q);
-                for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h));
-                const __m256i sc =
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + h]));
-                sub_dot_vnni(q, xq, xs, i, 2 * t + h, sc, nx, isum);
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-            const __m256i total = _mm256_sub_epi32(isum[j], _mm256_slli_epi32(pair_sums(pairs, a), 2));
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
-                                     _mm256_cvtepi32_ps(total), acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
-}
+KV_INL_V __m256i q3_isum_vnni(__m256i isum) { return isum; }
+
+KV_Q2X8_TILE(tile_q2x8_vnni, KV_TGT_V, q2_scale_vnni, sub_dot_vnni)
+KV_Q3X8_TILE(tile_q3x8_vnni, KV_TGT_V, q3_scale_vnni, sub_dot_vnni, q3_isum_vnni)
 
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)

@@ -153,25 +153,11 @@ KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const int s, const int u, const
     for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(cs[j], sc));
 }
 
-/* One group against nx x rows. For Q5_K one group and 8 x rows per chunk beat Q4_Kx8's two
- * groups of 4 rows (at 512 x rows, 2048 x 8192: about 110 against 90 GFLOP/s in one thread):
- * the fifth bit's shift, and, or cost more than the broadcasts a pair would share. No
- * software prefetch: a group's super-blocks are one sequential stream, and prefetching
- * super-block i + 2 or i + 6 made a batch-1 decode from DRAM slower (13.0 -> 10.5 and 11.2
- * GB/s at 8192 x 8192 on an AMD EPYC), the hardware prefetcher being ahead already. */
-KV_INL void tile_k5_avx2(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                         const int nx, float *y, int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+/* super-block b's integer sums for nx x rows, by maddubs */
+KV_INL void k5_block_avx2(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, const int nx,
+                          __m256i *isum) {
 #pragma GCC unroll 16
-        for (int h = 0; h < 16; h++) k5_sub8_avx2(b + i, h / 2, h % 2, xi, xs, nx, isum);
-        k5_finish_avx2(b + i, xi, xs, nx, isum, acc);
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+    for (int h = 0; h < 16; h++) k5_sub8_avx2(b, h / 2, h % 2, xi, xs, nx, isum);
 }
 
 #define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
@@ -191,20 +177,38 @@ KV_INL_V void k5_sub8_vnni(const kv_blk_q5_kx8 *b, const int s, const char *xq, 
     for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(c[j], sc));
 }
 
-KV_INL_V void tile_k5_vnni(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                           const int nx, float *y, int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+/* the same sums by vpdpbusd */
+KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, const int nx,
+                            __m256i *isum) {
 #pragma GCC unroll 8
-        for (int s = 0; s < 8; s++) k5_sub8_vnni(b + i, s, xi, xs, nx, isum);
-        k5_finish_avx2(b + i, xi, xs, nx, isum, acc);
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+    for (int s = 0; s < 8; s++) k5_sub8_vnni(b, s, xi, xs, nx, isum);
 }
+
+/* One group against nx x rows. For Q5_K one group and 8 x rows per chunk beat Q4_Kx8's two
+ * groups of 4 rows (at 512 x rows, 2048 x 8192: about 110 against 90 GFLOP/s in one thread):
+ * the fifth bit's shift, and, or cost more than the broadcasts a pair would share. No
+ * software prefetch: a group's super-blocks are one sequential stream, and prefetching
+ * super-block i + 2 or i + 6 made a batch-1 decode from DRAM slower (13.0 -> 10.5 and 11.2
+ * GB/s at 8192 x 8192 on an AMD EPYC), the hardware prefetcher being ahead already.
+ * block() adds one super-block's integer sums. */
+#define KV_K5_TILE(name, tgt, block)                                                          \
+    static inline __attribute__((always_inline)) tgt void name(                              \
+        const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,        \
+        float *y, int64_t ys) {                                                               \
+        __m256 acc[KV_GROUP_NX];                                                              \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                            \
+        for (int64_t i = 0; i < nb; i++) {                                                    \
+            __m256i isum[KV_GROUP_NX];                                                        \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                    \
+            const char *xi = xq + i * (int64_t)sizeof(kv_act256);                             \
+            block(b + i, xi, xs, nx, isum);                                                   \
+            k5_finish_avx2(b + i, xi, xs, nx, isum, acc);                                     \
+        }                                                                                     \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                   \
+    }
+
+KV_K5_TILE(tile_k5_avx2, KV_TGT, k5_block_avx2)
+KV_K5_TILE(tile_k5_vnni, KV_TGT_V, k5_block_vnni)
 
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)
