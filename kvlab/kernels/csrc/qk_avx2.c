@@ -544,7 +544,7 @@ int kv_use_vnni(void) {
     static int vnni = -1;  /* racy first call: every thread computes the same answer */
     if (vnni < 0)
         vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
-               __builtin_cpu_supports("avx512vl");
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
     return vnni;
 }
 

@@ -299,13 +299,71 @@ KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const 
 KV_XS_TILE(tile_xs, KV_TGT, iq4_table, xs_sub_avx2)
 KV_XS_TILE(tile_xs_vnni, KV_TGT_V, iq4_table_u8, xs_sub_vnni)
 
+/* IQ4_XSx8 with AVX512-VNNI, 512 bits (qk_zmm.h), for 2 or more x rows: a value v becomes the unsigned byte v + 128
+ * (the table's bytes with the top bit flipped), so vpdpbusd takes it against x with no sign
+ * step and no int16 pair to saturate; a sub-block's products per row (p, below
+ * 32 * 241 * 128) are scaled in int32, and the + 128 is taken back once per super-block as
+ * 128 * sum_s sc_s * (x's two 16-sums of s). isum = sum_s sc_s * p_s - 128 * that: the AVX2
+ * kernel's integer, so the same bits. */
+#include "qk_zmm.h"
+
+KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, int s, __m512i table, const char *xq,
+                         int64_t xs, int64_t i, const int nx, __m512i *isum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i p[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) p[j] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t += 2) {
+        const __m512i raw = zpair_load(b->qs[s][t]);
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+            p[j] = zdot(zdot(p[j], lo, x), hi, x + 16);
+        }
+    }
+    const __m512i sc = zdup_i8(b->sc[s]);
+    for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
+}
+
+KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
+                          const int nx, float *y, int64_t ys) {
+    const __m512i table = _mm512_xor_si512(
+        _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)kv_iq4_values)),
+        _mm512_set1_epi8((char)0x80));
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const char *ahead = (const char *)(b + i + 2);
+        _mm_prefetch(ahead + 1024, _MM_HINT_T0);
+        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
+        __m512i isum[KV_GROUP_NX], scw[4];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
+            xs_sub_zmm(b + i, s, table, xq, xs, i, nx, isum);
+        }
+        zsub32_i8(b[i].sc, scw);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = ACT(kv_act256, j, i);
+            const __m256i bias = _mm256_slli_epi32(zfold(zpair_sums(scw, a->bsums)), 7);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(zfold(isum[j]), bias)),
+                                     acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)
+KV_GROUP_GEMV(gemv_xsx8_zmm, KV_TGT_Z, tile_xs_zmm, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
 
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
-    (kv_use_vnni() ? gemv_xsx8_vnni : gemv_xsx8)(w, row_bytes, r0, r1, cols, xq, xstride, n, y,
-                                                 ystride);
+    (!kv_use_vnni() ? gemv_xsx8 : n >= KV_ZMM_MIN_N ? gemv_xsx8_zmm : gemv_xsx8_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2) {

@@ -347,6 +347,49 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
+/* Q4_Kx8 at 512 bits (qk_zmm.h), for 2 or more x rows: sub-block s's chunk pairs against x's
+ * 8-byte pieces, scaled once per sub-block; the mins' sums as int16 pairs in vpdpwssd */
+#include "qk_zmm.h"
+
+KV_INL_Z void k8_sub_zmm(const kv_blk_q4_kx8 *b, const int s, const char *xq, int64_t xs,
+                         const int nx, __m512i *isum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
+    __m512i c[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) c[j] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; t += 2) {
+        const __m512i v = zpair_load(b->qs[s / 2][t]);
+        const __m512i w = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m4);
+        for (int j = 0; j < nx; j++) c[j] = zdot(c[j], w, x + j * xs + 4 * t);
+    }
+    const __m512i sc = zdup_u8(b->sc[s]);
+    for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
+}
+
+KV_INL_Z void tile_k8_zmm(const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                          const int nx, float *y, int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX], mw[4];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+#pragma GCC unroll 2
+        for (int s = 0; s < 8; s++) k8_sub_zmm(b + i, s, xi, xs, nx, isum);
+        zsub32_u8(b[i].m, mw);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = (const kv_act256 *)(xi + j * xs);
+            const __m256 dx = _mm256_set1_ps(a->d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),
+                                      _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 /* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
  * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both
  * groups against up to 4 x rows; low (h = 0) or high nibbles (h = 1). */
@@ -502,12 +545,13 @@ void kv_gemv_q6_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_
 }
 
 KV_GROUP_GEMV(gemv_k8_vnni, KV_TGT_V, tile_k8_vnni, kv_blk_q4_kx8, 256)
+KV_GROUP_GEMV(gemv_k8_zmm, KV_TGT_Z, tile_k8_zmm, kv_blk_q4_kx8, 256)
 KV_GROUP_GEMV2(gemv_k8_avx2, KV_TGT_A, tile_k8_avx2, tile2_k8_avx2, kv_blk_q4_kx8, 256)
 
 void kv_gemv_q4_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (kv_use_vnni() ? gemv_k8_vnni : gemv_k8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
-                                                  y, ystride);
+    (!kv_use_vnni() ? gemv_k8_avx2 : n >= KV_ZMM_MIN_N ? gemv_k8_zmm : gemv_k8_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */

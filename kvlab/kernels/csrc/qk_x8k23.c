@@ -365,22 +365,141 @@ KV_INL_V __m256i q3_isum_vnni(__m256i isum) { return isum; }
 KV_Q2X8_TILE(tile_q2x8_vnni, KV_TGT_V, q2_scale_vnni, sub_dot_vnni)
 KV_Q3X8_TILE(tile_q3x8_vnni, KV_TGT_V, q3_scale_vnni, sub_dot_vnni, q3_isum_vnni)
 
+/* ---------------- AVX512-VNNI, 512 bits (qk_zmm.h), for 2 or more x rows ----------------
+ * The values (Q2_K 0..3, Q3_K 0..7) go into vpdpbusd unsigned against x, two chunks per row
+ * in a lane pair. A lane's partial over a 16-element sub-block (two chunks, below
+ * 8 * 7 * 127) fits int16, so two sub-blocks' partials go as one int16 pair into vpdpwssd
+ * against their scales: one multiply for two sub-blocks. The mins (Q2_K) and the -4 (Q3_K)
+ * go the same way against x's 16-sums. The integers per super-block are the AVX2 kernels'
+ * (isum, msum; Q3_K's isum - 4 * corr), so are the bits. */
+#include "qk_zmm.h"
+
+/* lanes (even, odd) = (e, o) */
+#define K23_ALT(e, o) _mm512_set1_epi64((int64_t)((uint64_t)(o) << 32 | (uint32_t)(e)))
+
+/* sub-block s of 8 rows as chunk pairs (0, 1) and (2, 3): the two low bits */
+KV_INL_Z void zlow_bits(const uint8_t *qs, __m512i w[2]) {
+    const __m512i v = zdup(load256(qs)), m3 = _mm512_set1_epi8(3);
+    w[0] = _mm512_and_si512(_mm512_srlv_epi32(v, K23_ALT(0, 2)), m3);
+    w[1] = _mm512_and_si512(_mm512_srlv_epi32(v, K23_ALT(4, 6)), m3);
+}
+
+/* Q3_K: bits c + 4h and c + 1 + 4h of every byte of hdup (qh duplicated by zdup), moved to
+ * bit 2 in the even and odd lanes (c = 0 or 2; 32-bit shifts, the bit stays in its byte) */
+KV_INL_Z __m512i zthird(__m512i hdup, const int c, const int h) {
+    const int a = c + 4 * h - 2;
+    const __m512i v = a < 0 ? _mm512_sllv_epi32(hdup, K23_ALT(-a, -a - 1))
+                            : _mm512_srlv_epi32(hdup, K23_ALT(a, a + 1));
+    return _mm512_and_si512(v, _mm512_set1_epi8(4));
+}
+
+/* isum[j] += sc . (sub-block pair t's partials) for nx x rows: w0, w1 the chunk pairs of
+ * sub-blocks 2t and 2t + 1, sc their scales as int16 pairs */
+KV_INL_Z void k23_pair_zmm(const __m512i w0[2], const __m512i w1[2], __m512i sc, const char *xq,
+                           int64_t xs, int64_t i, int t, const int nx, __m512i *isum) {
+    for (int j = 0; j < nx; j++) {
+        const int8_t *x = K23X8_ACT(xq, xs, j, i)->qs + 32 * t;
+        const __m512i lo = zdot(zdot(_mm512_setzero_si512(), w0[0], x), w0[1], x + 8);
+        const __m512i hi = zdot(zdot(_mm512_setzero_si512(), w1[0], x + 16), w1[1], x + 24);
+        isum[j] = zscale2(isum[j], lo, hi, sc);
+    }
+}
+
+/* sub-block pair t: super-block `ahead` (two on) prefetched, the chunk pairs of sub-blocks
+ * 2t and 2t + 1 into w0 and w1; returns the pair's 16 scale bytes in both lanes */
+KV_INL_Z __m256i k23_pair_bits(const void *ahead, const void *sc, const uint8_t qs[16][32],
+                               const int t, __m512i w0[2], __m512i w1[2]) {
+    _mm_prefetch((const char *)ahead + 128 * t, _MM_HINT_T0);
+    _mm_prefetch((const char *)ahead + 128 * t + 64, _MM_HINT_T0);
+    zlow_bits(qs[2 * t], w0);
+    zlow_bits(qs[2 * t + 1], w1);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
+}
+
+KV_INL_Z void tile_q2x8_zmm(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                            const int nx, float *y, int64_t ys) {
+    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi32(0xF);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX], mw[4];
+        __m256i mins[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            __m512i w0[2], w1[2];
+            const __m256i scw = k23_pair_bits(b + i + 2, b[i].sc[2 * t], b[i].qs, t, w0, w1);
+            mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
+            const __m512i sc = zpairs16(
+                _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t])), m4),
+                _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + 1])), m4));
+            k23_pair_zmm(w0, w1, sc, xq, xs, i, t, nx, isum);
+        }
+        for (int q = 0; q < 4; q++) mw[q] = zpair(mins[2 * q], mins[2 * q + 1]);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            const __m256 dx = _mm256_set1_ps(a->d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),
+                                      _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+KV_INL_Z void tile_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                            const int nx, float *y, int64_t ys) {
+    const __m256i pat_pair = lane_pattern(-1, 0, -1, 8);
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX], cw[4];
+        __m256i pairs[8];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            __m512i w0[2], w1[2];
+            const __m256i scw = k23_pair_bits(b + i + 2, b[i].sc[2 * t], b[i].qs, t, w0, w1);
+            pairs[t] = _mm256_srai_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8);
+            const __m512i sc = zdup(pairs[t]);
+            const __m512i hb = zdup(load256(b[i].qh[t]));
+            for (int c = 0; c < 2; c++) {
+                w0[c] = _mm512_or_si512(w0[c], zthird(hb, 2 * c, 0));
+                w1[c] = _mm512_or_si512(w1[c], zthird(hb, 2 * c, 1));
+            }
+            k23_pair_zmm(w0, w1, sc, xq, xs, i, t, nx, isum);
+        }
+        for (int q = 0; q < 4; q++) cw[q] = zpair(pairs[2 * q], pairs[2 * q + 1]);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            const __m256i total = _mm256_sub_epi32(
+                zfold(isum[j]), _mm256_slli_epi32(zfold(zpair_sums(cw, a->bsums)), 2));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),
+                                     _mm256_cvtepi32_ps(total), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)
 KV_GROUP_GEMV(gemv_q2x8_vnni, KV_TGT_V, tile_q2x8_vnni, kv_blk_q2_kx8, 256)
+KV_GROUP_GEMV(gemv_q2x8_zmm, KV_TGT_Z, tile_q2x8_zmm, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_vnni, KV_TGT_V, tile_q3x8_vnni, kv_blk_q3_kx8, 256)
+KV_GROUP_GEMV(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, kv_blk_q3_kx8, 256)
 
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (kv_use_vnni() ? gemv_q2x8_vnni : gemv_q2x8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride,
-                                                      n, y, ystride);
+    (!kv_use_vnni() ? gemv_q2x8_avx2 : n >= KV_ZMM_MIN_N ? gemv_q2x8_zmm : gemv_q2x8_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (kv_use_vnni() ? gemv_q3x8_vnni : gemv_q3x8_avx2)(w, row_bytes, r0, r1, cols, xq, xstride,
-                                                      n, y, ystride);
+    (!kv_use_vnni() ? gemv_q3x8_avx2 : n >= KV_ZMM_MIN_N ? gemv_q3x8_zmm : gemv_q3x8_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
