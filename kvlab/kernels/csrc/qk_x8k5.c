@@ -210,11 +210,57 @@ KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, 
 KV_K5_TILE(tile_k5_avx2, KV_TGT, k5_block_avx2)
 KV_K5_TILE(tile_k5_vnni, KV_TGT_V, k5_block_vnni)
 
+/* Q5_Kx8 at 512 bits (qk_zmm.h), for 2 or more x rows: sub-block s's chunk pairs against x's
+ * 8-byte pieces, scaled once per sub-block; the mins' sums as int16 pairs */
+#include "qk_zmm.h"
+
+KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, int64_t xs,
+                         const int nx, __m512i *isum) {
+    const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
+    __m512i c[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) c[j] = _mm512_setzero_si512();
+    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    for (int t = 0; t < 8; t += 2) { /* k5_chunk for chunks t and t + 1 at once */
+        __m512i v = zpair_load(b->qs[s / 2][t]), h = zpair_load(b->qh[t]);
+        if (s % 2) v = _mm512_srli_epi16(v, 4);
+        h = s < 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
+        const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m4), h, b4, 0xF8); /* a | b&c */
+        for (int j = 0; j < nx; j++) c[j] = zdot(c[j], w, x + j * xs + 4 * t);
+    }
+    const __m512i sc = zdup_u8(b->sc[s]);
+    for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
+}
+
+KV_INL_Z void tile_k5_zmm(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                          const int nx, float *y, int64_t ys) {
+    __m256 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX], mw[4];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+#pragma GCC unroll 2
+        for (int s = 0; s < 8; s++) k5_sub_zmm(b + i, s, xi, xs, nx, isum);
+        zsub32_u8(b[i].m, mw);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
+        const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = (const kv_act256 *)(xi + j * xs);
+            const __m256 dx = _mm256_set1_ps(a->d);
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),
+                                      _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)
+KV_GROUP_GEMV(gemv_k5_zmm, KV_TGT_Z, tile_k5_zmm, kv_blk_q5_kx8, 256)
 
 KV_GEMV_DECL(kv_gemv_q5_kx8_avx2) {
-    (kv_use_vnni() ? gemv_k5_vnni : gemv_k5_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
-                                                  y, ystride);
+    (!kv_use_vnni() ? gemv_k5_avx2 : n >= KV_ZMM_MIN_N ? gemv_k5_zmm : gemv_k5_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
