@@ -366,29 +366,7 @@ KV_INL_Z void k8_sub_zmm(const kv_blk_q4_kx8 *b, const int s, const char *xq, in
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
 }
 
-KV_INL_Z void tile_k8_zmm(const kv_blk_q4_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                          const int nx, float *y, int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m512i isum[KV_GROUP_NX], mw[4];
-        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
-        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
-#pragma GCC unroll 2
-        for (int s = 0; s < 8; s++) k8_sub_zmm(b + i, s, xi, xs, nx, isum);
-        zsub32_u8(b[i].m, mw);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = (const kv_act256 *)(xi + j * xs);
-            const __m256 dx = _mm256_set1_ps(a->d);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);
-            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),
-                                      _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
-}
+KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_sub_zmm)
 
 /* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
  * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both

@@ -231,29 +231,7 @@ KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, in
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
 }
 
-KV_INL_Z void tile_k5_zmm(const kv_blk_q5_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                          const int nx, float *y, int64_t ys) {
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m512i isum[KV_GROUP_NX], mw[4];
-        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
-        const char *xi = xq + i * (int64_t)sizeof(kv_act256);
-#pragma GCC unroll 2
-        for (int s = 0; s < 8; s++) k5_sub_zmm(b + i, s, xi, xs, nx, isum);
-        zsub32_u8(b[i].m, mw);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin));
-        for (int j = 0; j < nx; j++) {
-            const kv_act256 *a = (const kv_act256 *)(xi + j * xs);
-            const __m256 dx = _mm256_set1_ps(a->d);
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);
-            acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),
-                                      _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), acc[j]);
-        }
-    }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
-}
+KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_sub_zmm)
 
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)

@@ -102,4 +102,35 @@ KV_INL_Z void zsub32_i8(const int8_t v[8][8], __m512i w[4]) {
     }
 }
 
+/* The tile of a K-quant group with scales and mins (Q4_Kx8, Q5_Kx8) against nx x rows:
+ * sub(b, s, x, xs, nx, isum) adds sub-block s's scaled products (lane pairs); then per
+ * super-block acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) as the
+ * 256-bit kernels do, msum from the mins as int16 pairs. */
+#define KV_ZMM_KMIN_TILE(name, blk_t, sub)                                                  \
+    KV_INL_Z void name(const blk_t *b, int64_t nb, const char *xq, int64_t xs, const int nx,  \
+                       float *y, int64_t ys) {                                              \
+        __m256 acc[KV_GROUP_NX];                                                            \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                          \
+        for (int64_t i = 0; i < nb; i++) {                                                  \
+            __m512i isum[KV_GROUP_NX], mw[4];                                               \
+            for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
+            const char *xi = xq + i * (int64_t)sizeof(kv_act256);                           \
+            _Pragma("GCC unroll 2") for (int s = 0; s < 8; s++)                             \
+                sub(b + i, s, xi, xs, nx, isum);                                            \
+            zsub32_u8(b[i].m, mw);                                                          \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
+            const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
+            for (int j = 0; j < nx; j++) {                                                  \
+                const kv_act256 *a = (const kv_act256 *)(xi + j * xs);                      \
+                const __m256 dx = _mm256_set1_ps(a->d);                                     \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx),                             \
+                                         _mm256_cvtepi32_ps(zfold(isum[j])), acc[j]);       \
+                acc[j] = _mm256_fnmadd_ps(_mm256_mul_ps(mwf, dx),                           \
+                                          _mm256_cvtepi32_ps(zfold(zpair_sums(mw, a->bsums))), \
+                                          acc[j]);                                          \
+            }                                                                               \
+        }                                                                                   \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                 \
+    }
+
 #endif
