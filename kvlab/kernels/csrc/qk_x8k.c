@@ -351,22 +351,29 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
  * 8-byte pieces, scaled once per sub-block; the mins' sums as int16 pairs in vpdpwssd */
 #include "qk_zmm.h"
 
-KV_INL_Z void k8_sub_zmm(const kv_blk_q4_kx8 *b, const int s, const char *xq, int64_t xs,
-                         const int nx, __m512i *isum) {
+/* sub-blocks 2p and 2p + 1 (the low and high nibbles of the same bytes): a lane's partial
+ * over its 4 chunks of a sub-block is below 16 * 15 * 127 < 2^15, so the two sub-blocks'
+ * partials are scaled by one vpdpwssd (zscale2) */
+KV_INL_Z void k8_pair_zmm(const kv_blk_q4_kx8 *b, const int p, const char *xq, int64_t xs,
+                          const int nx, __m512i *isum) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
-    __m512i c[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) c[j] = _mm512_setzero_si512();
+    const int8_t *x = ((const kv_act256 *)xq)->qs + 64 * p;
+    __m512i c0[KV_GROUP_NX], c1[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) c0[j] = c1[j] = _mm512_setzero_si512();
     for (int t = 0; t < 8; t += 2) {
-        const __m512i v = zpair_load(b->qs[s / 2][t]);
-        const __m512i w = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m4);
-        for (int j = 0; j < nx; j++) c[j] = zdot(c[j], w, x + j * xs + 4 * t);
+        const __m512i v = zpair_load(b->qs[p][t]);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int j = 0; j < nx; j++) {
+            c0[j] = zdot(c0[j], lo, x + j * xs + 4 * t);
+            c1[j] = zdot(c1[j], hi, x + j * xs + 32 + 4 * t);
+        }
     }
-    const __m512i sc = zdup_u8(b->sc[s]);
-    for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
+    const __m512i sc = zpairs16(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p])),
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p + 1])));
+    for (int j = 0; j < nx; j++) isum[j] = zscale2(isum[j], c0[j], c1[j], sc);
 }
 
-KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_sub_zmm)
+KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_pair_zmm)
 
 /* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
  * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both

@@ -231,7 +231,14 @@ KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, in
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
 }
 
-KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_sub_zmm)
+/* sub-blocks 2p and 2p + 1 (each lane's partial may pass 2^15: scaled in int32) */
+KV_INL_Z void k5_pair_zmm(const kv_blk_q5_kx8 *b, const int p, const char *xq, int64_t xs,
+                          const int nx, __m512i *isum) {
+    k5_sub_zmm(b, 2 * p, xq, xs, nx, isum);
+    k5_sub_zmm(b, 2 * p + 1, xq, xs, nx, isum);
+}
+
+KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_pair_zmm)
 
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)

@@ -103,7 +103,7 @@ KV_INL_Z void zsub32_i8(const int8_t v[8][8], __m512i w[4]) {
 }
 
 /* The tile of a K-quant group with scales and mins (Q4_Kx8, Q5_Kx8) against nx x rows:
- * sub(b, s, x, xs, nx, isum) adds sub-block s's scaled products (lane pairs); then per
+ * sub(b, p, x, xs, nx, isum) adds sub-blocks 2p and 2p + 1's scaled products (lane pairs); per
  * super-block acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) as the
  * 256-bit kernels do, msum from the mins as int16 pairs. */
 #define KV_ZMM_KMIN_TILE(name, blk_t, sub)                                                  \
@@ -115,8 +115,7 @@ KV_INL_Z void zsub32_i8(const int8_t v[8][8], __m512i w[4]) {
             __m512i isum[KV_GROUP_NX], mw[4];                                               \
             for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
             const char *xi = xq + i * (int64_t)sizeof(kv_act256);                           \
-            _Pragma("GCC unroll 2") for (int s = 0; s < 8; s++)                             \
-                sub(b + i, s, xi, xs, nx, isum);                                            \
+            for (int p = 0; p < 4; p++) sub(b + i, p, xi, xs, nx, isum);                   \
             zsub32_u8(b[i].m, mw);                                                          \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
             const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
