@@ -367,9 +367,10 @@ KV_Q3X8_TILE(tile_q3x8_vnni, KV_TGT_V, q3_scale_vnni, sub_dot_vnni, q3_isum_vnni
 
 /* ---------------- AVX512-VNNI, 512 bits (qk_zmm.h), for 2 or more x rows ----------------
  * The values (Q2_K 0..3, Q3_K 0..7) go into vpdpbusd unsigned against x, two chunks per row
- * in a lane pair. A lane's partial over a 16-element sub-block (two chunks, below
- * 8 * 7 * 127) fits int16, so two sub-blocks' partials go as one int16 pair into vpdpwssd
- * against their scales: one multiply for two sub-blocks. The mins (Q2_K) and the -4 (Q3_K)
+ * in a lane pair. Q2_K's chunks are scaled before the products (q2_prescale). For Q3_K a
+ * lane's partial over a 16-element sub-block (two chunks, below 8 * 7 * 127) fits int16, so
+ * two sub-blocks' partials go as one int16 pair into vpdpwssd against their scales: one
+ * multiply for two sub-blocks. The mins (Q2_K) and the -4 (Q3_K)
  * go the same way against x's 16-sums. The integers per super-block are the AVX2 kernels'
  * (isum, msum; Q3_K's isum - 4 * corr), so are the bits. */
 #include "qk_zmm.h"
@@ -416,9 +417,20 @@ KV_INL_Z __m256i k23_pair_bits(const void *ahead, const void *sc, const uint8_t 
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
 }
 
+/* Q2_K: a value times its 4-bit scale is at most 3 * 15 = 45, so the chunks are scaled before
+ * the products (the bytes of each int16 times the scale: no carry between them) and a row's
+ * whole super-block goes into one int32 chain: no per-sub-block scaling per x row */
+KV_INL_Z void q2_prescale(const uint8_t *sc, __m512i w[2]) {
+    const __m256i s = _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)),
+                                       _mm256_set1_epi32(0xF));
+    const __m512i s16 = zdup(_mm256_or_si256(s, _mm256_slli_epi32(s, 16)));
+    w[0] = _mm512_mullo_epi16(w[0], s16);
+    w[1] = _mm512_mullo_epi16(w[1], s16);
+}
+
 KV_INL_Z void tile_q2x8_zmm(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, int64_t xs,
                             const int nx, float *y, int64_t ys) {
-    const __m256i pat_m = lane_pattern(0, -1, 8, -1), m4 = _mm256_set1_epi32(0xF);
+    const __m256i pat_m = lane_pattern(0, -1, 8, -1);
     __m256 acc[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
@@ -429,10 +441,13 @@ KV_INL_Z void tile_q2x8_zmm(const kv_blk_q2_kx8 *b, int64_t nb, const char *xq, 
             __m512i w0[2], w1[2];
             const __m256i scw = k23_pair_bits(b + i + 2, b[i].sc[2 * t], b[i].qs, t, w0, w1);
             mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);
-            const __m512i sc = zpairs16(
-                _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t])), m4),
-                _mm256_and_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b[i].sc[2 * t + 1])), m4));
-            k23_pair_zmm(w0, w1, sc, xq, xs, i, t, nx, isum);
+            q2_prescale(b[i].sc[2 * t], w0);
+            q2_prescale(b[i].sc[2 * t + 1], w1);
+            for (int j = 0; j < nx; j++) {
+                const int8_t *x = K23X8_ACT(xq, xs, j, i)->qs + 32 * t;
+                isum[j] = zdot(zdot(zdot(zdot(isum[j], w0[0], x), w0[1], x + 8), w1[0], x + 16),
+                               w1[1], x + 24);
+            }
         }
         for (int q = 0; q < 4; q++) mw[q] = zpair(mins[2 * q], mins[2 * q + 1]);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
