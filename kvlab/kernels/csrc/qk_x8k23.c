@@ -247,6 +247,14 @@ KV_INL __m256i q3_scale_avx2(__m256i scw, const int8_t *sc, const int h) {
 
 KV_INL __m256i q3_isum_avx2(__m256i isum) { return _mm256_srai_epi32(isum, 8); }
 
+/* sub-block pair t's 16 scale bytes in both lanes, with super-block `ahead` (two on)
+ * prefetched: the hardware prefetcher alone leaves DRAM idle */
+KV_INL __m256i k23_scw(const void *ahead, const void *sc, const int t) {
+    _mm_prefetch((const char *)ahead + 128 * t, _MM_HINT_T0);
+    _mm_prefetch((const char *)ahead + 128 * t + 64, _MM_HINT_T0);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
+}
+
 /* Q2_Kx8, one group against nx x rows: a min pair (m_2t, m_2t+1) is the high nibbles of the
  * sub-block pair's bytes; scale_of and dot are the path's */
 #define KV_Q2X8_TILE(name, tgt, scale_of, dot)                                                  \
@@ -260,11 +268,7 @@ KV_INL __m256i q3_isum_avx2(__m256i isum) { return _mm256_srai_epi32(isum, 8); }
             __m256i isum[KV_GROUP_NX], mins[8];                                                 \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                      \
             for (int t = 0; t < 8; t++) {                                                       \
-                /* two super-blocks ahead: the hardware prefetcher alone leaves DRAM idle */    \
-                _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);                \
-                _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);           \
-                const __m256i scw = _mm256_broadcastsi128_si256(                                \
-                    _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));                          \
+                const __m256i scw = k23_scw(b + i + 2, b[i].sc[2 * t], t);                      \
                 mins[t] = _mm256_srli_epi16(_mm256_shuffle_epi8(scw, pat_m), 4);                \
                 for (int h = 0; h < 2; h++) {                                                   \
                     __m256i q[4];                                                               \
@@ -301,10 +305,7 @@ KV_INL __m256i q3_isum_avx2(__m256i isum) { return _mm256_srai_epi32(isum, 8); }
             __m256i isum[KV_GROUP_NX], pairs[8];                                                \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                      \
             for (int t = 0; t < 8; t++) {                                                       \
-                _mm_prefetch((const char *)(b + i + 2) + 128 * t, _MM_HINT_T0);                \
-                _mm_prefetch((const char *)(b + i + 2) + 128 * t + 64, _MM_HINT_T0);           \
-                const __m256i scw = _mm256_broadcastsi128_si256(                                \
-                    _mm_loadu_si128((const __m128i *)b[i].sc[2 * t]));                          \
+                const __m256i scw = k23_scw(b + i + 2, b[i].sc[2 * t], t);                      \
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);             \
                 pairs[t] = _mm256_srai_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8);            \
                 for (int h = 0; h < 2; h++) {                                                   \
@@ -410,11 +411,9 @@ KV_INL_Z void k23_pair_zmm(const __m512i w0[2], const __m512i w1[2], __m512i sc,
  * 2t and 2t + 1 into w0 and w1; returns the pair's 16 scale bytes in both lanes */
 KV_INL_Z __m256i k23_pair_bits(const void *ahead, const void *sc, const uint8_t qs[16][32],
                                const int t, __m512i w0[2], __m512i w1[2]) {
-    _mm_prefetch((const char *)ahead + 128 * t, _MM_HINT_T0);
-    _mm_prefetch((const char *)ahead + 128 * t + 64, _MM_HINT_T0);
     zlow_bits(qs[2 * t], w0);
     zlow_bits(qs[2 * t + 1], w1);
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc));
+    return k23_scw(ahead, sc, t);
 }
 
 /* Q2_K: a value times its 4-bit scale is at most 3 * 15 = 45, so the chunks are scaled before
