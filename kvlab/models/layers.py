@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvlab.config import RopeConfig
 from kvlab.errors import ModelLoadError
-from kvlab.kernels import QuantizedWeight, dequantize_rows, fused, qmatmul, qmatmul_stacked
+from kvlab.kernels import QuantizedWeight, dequantize_rows, fused, qmatmul, qmatmul_stacked, scratch
 from kvlab.kernels.hugepages import weight_buffer
 
 Weight = torch.Tensor | QuantizedWeight
@@ -70,11 +70,14 @@ def _concat_rows(a: Weight, b: Weight) -> Weight:
                            grouped=a.grouped)
 
 
-def linear(x: torch.Tensor, w: Weight | Stacked,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out] with w: [out, in]; dense products run in the weight's dtype."""
+def linear(x: torch.Tensor, w: Weight | Stacked, bias: torch.Tensor | None = None,
+           transient: bool = False) -> torch.Tensor:
+    """x: [T, in] -> [T, out] with w: [out, in]; dense products run in the weight's dtype.
+
+    transient: the caller consumes the result before its thread's next transient product,
+    so a large quantized product may be written into a kept buffer (kernels/scratch.py)."""
     if isinstance(w, Stacked) and len(w.parts) == 1:
-        y = linear(x, w.parts[0])
+        y = linear(x, w.parts[0], transient=transient)
     elif isinstance(w, Stacked) and w.all_quantized:
         y = qmatmul_stacked(_fp32(x), w.parts)  # decode: no torch.cat
     elif isinstance(w, Stacked):
@@ -82,7 +85,8 @@ def linear(x: torch.Tensor, w: Weight | Stacked,
     elif isinstance(w, torch.Tensor):
         y = F.linear(x.to(w.dtype), w)
     else:
-        y = qmatmul(_fp32(x), w)
+        out = scratch.take(x.shape[0], w.shape[0]) if transient and x.dim() == 2 else None
+        y = qmatmul(_fp32(x), w, out)
     return y if bias is None else y + bias
 
 

@@ -157,7 +157,8 @@ class LlamaModel:
     def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: SwiGLU (the mixture-of-experts files override this)."""
-        return self.tp.all_reduce(linear(swiglu(linear(h, layer["gate_up"])), layer["down"]))
+        gate_up = linear(h, layer["gate_up"], transient=True)  # swiglu consumes it here
+        return self.tp.all_reduce(linear(swiglu(gate_up), layer["down"]))
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
