@@ -95,8 +95,9 @@ def qmatmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
     blocks): a row's result depends on that row alone, so a sequence gets bit-identical
     logits whether it runs alone, batched with others, in prefill chunks of any size or
     after a prefix-cache hit. `dense_matmul` (fp32 tiles + BLAS) is about 20 % faster for
-    long prompts but rounds differently from the decode path. `out`, a contiguous fp32
-    [n, out_features], receives the result where the C kernels compute it."""
+    long prompts but rounds differently from the decode path. `out` (a contiguous fp32
+    [n, out_features], as `scratch.take` gives) receives the result where the C kernels
+    compute it."""
     qt, ptr, rows, cols, nbytes = w.kernel_args
     if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
         return _qmatmul_any_layout(x, w)
@@ -105,17 +106,9 @@ def qmatmul(x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
         raise ValueError(f"x has {x.shape[1]} features, the weight {w!r} takes {cols}")
     if _qk is None or qt == T.F32:
         return dense_matmul(x, w)
-    y = _output(out, n, rows)
+    y = torch.empty(n, rows, dtype=torch.float32) if out is None else out
     _qk.qmatmul(qt, ptr, rows, cols, nbytes, x.data_ptr(), n, y.data_ptr())
     return y
-
-
-def _output(out: torch.Tensor | None, n: int, rows: int) -> torch.Tensor:
-    """`out` when it is a contiguous fp32 [n, rows], else a new tensor"""
-    if out is not None and out.shape == (n, rows) and out.dtype == torch.float32 and \
-            out.is_contiguous():
-        return out
-    return torch.empty(n, rows, dtype=torch.float32)
 
 
 def qmatmul_stacked(x: torch.Tensor, ws: tuple[QuantizedWeight, ...]) -> torch.Tensor:

@@ -343,7 +343,7 @@ KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, 
             _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
             xs_sub_zmm(b + i, s, table, xq, xs, i, nx, isum);
         }
-        zsub32_i8(b[i].sc, scw);
+        zsub32(b[i].sc, 1, scw);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
         for (int j = 0; j < nx; j++) {
             const kv_act256 *a = ACT(kv_act256, j, i);

@@ -68,10 +68,10 @@ KV_INL_Z __m512i zscale2(__m512i acc, __m512i lo, __m512i hi, __m512i sc) {
 }
 
 /* ymm int16 pairs (a_r, b_r) per row lane -> zmm lanes 2r and 2r + 1 = that pair */
-KV_INL_Z __m512i zpairs16(__m256i a, __m256i b) {
-    return zdup(_mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)),
-                                _mm256_slli_epi32(b, 16)));
+KV_INL_Z __m256i pack16(__m256i a, __m256i b) {
+    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(b, 16));
 }
+KV_INL_Z __m512i zpairs16(__m256i a, __m256i b) { return zdup(pack16(a, b)); }
 
 /* For sums of a per-row weight v_s times x's 16-sums: w[q] lane 2r is an int16 pair for
  * x's bsums 4q, 4q + 1 and lane 2r + 1 one for bsums 4q + 2, 4q + 3 (row r). */
@@ -85,20 +85,17 @@ KV_INL_Z __m512i zpair_sums(const __m512i w[4], const int16_t *bsums) {
     return s;
 }
 
-/* w for 32-element sub-blocks (v[s][r], s = 0..7, each against both its 16-sums) */
-KV_INL_Z void zsub32_u8(const uint8_t v[8][8], __m512i w[4]) {
+/* w for 32-element sub-blocks (v[s][r], s = 0..7, each against both its 16-sums); the bytes
+ * signed (int8) or not (uint8) */
+KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
     for (int q = 0; q < 4; q++) {
-        const __m512i p = zpair(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)v[2 * q])),
-                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)v[2 * q + 1])));
-        w[q] = _mm512_or_si512(p, _mm512_slli_epi32(p, 16));
-    }
-}
-KV_INL_Z void zsub32_i8(const int8_t v[8][8], __m512i w[4]) {
-    for (int q = 0; q < 4; q++) {
-        const __m512i p = zpair(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)v[2 * q])),
-                                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)v[2 * q + 1])));
-        w[q] = _mm512_or_si512(_mm512_and_si512(p, _mm512_set1_epi32(0xFFFF)),
-                               _mm512_slli_epi32(p, 16));
+        __m256i h[2];
+        for (int k = 0; k < 2; k++) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)v + 8 * (2 * q + k)));
+            const __m256i x = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+            h[k] = pack16(x, x);
+        }
+        w[q] = zpair(h[0], h[1]);
     }
 }
 
@@ -116,7 +113,7 @@ KV_INL_Z void zsub32_i8(const int8_t v[8][8], __m512i w[4]) {
             for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
             const char *xi = xq + i * (int64_t)sizeof(kv_act256);                           \
             for (int p = 0; p < 4; p++) sub(b + i, p, xi, xs, nx, isum);                   \
-            zsub32_u8(b[i].m, mw);                                                          \
+            zsub32(b[i].m, 0, mw);                                                          \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
             const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
             for (int j = 0; j < nx; j++) {                                                  \
