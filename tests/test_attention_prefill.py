@@ -159,3 +159,39 @@ def test_a_q8_0_cache_takes_the_c_paths_and_matches_its_gather():
                 mp.setattr(Q8KV, "c_stores", lambda self: None)
             outs.append(paged_attention(q, k, v, cache, meta, True, scale=0.2))
     assert torch.allclose(outs[0], outs[1], atol=2e-6, rtol=1e-5)
+
+
+def test_the_avx512_tile_gives_the_avx2_tiles_bits(tmp_path):
+    """Where AVX-512 runs, prefill takes 8 query rows a tile in zmm; with KVLAB_NO_VNNI=1 the
+    4-row AVX2 tile runs instead. Both must give the same bits, for every cache kind."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from kvlab.kernels import fused\n"
+        "from kvlab.models.kv_store import quantize_q8\n"
+        f"cases = {[c for c in CASES if c[5] % 32 == 0]!r}\n"
+        "outs = []\n"
+        "for n, start, first, heads, kvh, dim, window in cases:\n"
+        "    g = torch.Generator().manual_seed(n)\n"
+        "    keys = start + n - first\n"
+        "    k, v = (torch.randn(keys + 5, kvh, dim, generator=g) for _ in range(2))\n"
+        "    slots = torch.randperm(keys + 5, generator=g)[:keys]\n"
+        "    q = torch.randn(n, heads, dim, generator=g)\n"
+        "    for kk, vv, sc in ((k, v, ()), (k.half(), v.half(), ()),\n"
+        "                       (quantize_q8(k)[0], quantize_q8(v)[0],\n"
+        "                        (quantize_q8(k)[1].contiguous(), quantize_q8(v)[1].contiguous()))):\n"
+        "        outs.append(fused.attend_prefill(q, kk, vv, slots, first, start, window, 0.1,\n"
+        "                                         *sc, softcap=30.0 if window else 0.0))\n"
+        "torch.save(outs, sys.argv[1])\n")
+    outs = []
+    for env in ({}, {"KVLAB_NO_VNNI": "1"}):
+        path = tmp_path / f"out{len(outs)}.pt"
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
+                       env={**os.environ, **env})
+        outs.append(torch.load(path))
+    assert len(outs[0]) == len(outs[1]) > 0
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -538,8 +538,8 @@ static KV_TGT_VNNI void gemv4_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int
     gemv2_q8_0_vnni(w, row_bytes, r, r1, cols, xq, xstride, n, y, ystride);
 }
 
-/* AVX512-VNNI with VL on this CPU, unless KVLAB_NO_VNNI=1 forces the maddubs path (tests
- * run both); the answer is the same either way */
+/* AVX512-VNNI with VL and BW on this CPU, unless KVLAB_NO_VNNI=1 forces the maddubs path and
+ * the 256-bit prefill attention (tests run both); the answer is the same either way */
 int kv_use_vnni(void) {
     static int vnni = -1;  /* racy first call: every thread computes the same answer */
     if (vnni < 0)

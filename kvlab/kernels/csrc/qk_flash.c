@@ -21,7 +21,8 @@
  * depends only on its own scores, so a row's result is the same bits however the prompt
  * was chunked and whatever else shares the call. Keys are first transposed per tile into
  * fp32 [D][16] (one pass over the chunk's keys), so the score kernel broadcasts one query
- * value against 16 keys per FMA pair; values are read in place from their slots.
+ * value against 16 keys per FMA pair; values are read in place from their slots. A tile call
+ * takes 8 query rows: with AVX-512 in one pass (8 FMA chains of zmm), else as two 4-row halves.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -32,12 +33,14 @@
 
 #define FA_BK 16    /* keys per tile */
 #define FA_ROWS 64  /* query rows (token, head) per work item */
+#define FA_R 8      /* query rows per tile call */
 
 typedef struct fa_job fa_job;
-/* One tile for up to 4 query rows: scores, online-softmax update, o += p v. */
-typedef void (*fa_tile_fn)(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
-                           const int64_t lo[4], const int64_t hi[4], float *const o[4],
-                           float *m, float *l);
+/* One tile for FA_R query rows: scores, online-softmax update, o += p v. A padding row has
+ * lo > hi (it sees no key) and its o points at scratch nobody reads. */
+typedef void (*fa_tile_fn)(const fa_job *j, int64_t g, int64_t t, const float *const qr[FA_R],
+                           const int64_t lo[FA_R], const int64_t hi[FA_R],
+                           float *const o[FA_R], float *m, float *l);
 
 struct fa_job {
     fa_tile_fn tile;
@@ -79,10 +82,22 @@ static int64_t fa_lo(const fa_job *j, int64_t i) {
 
 static int64_t fa_hi(const fa_job *j, int64_t i) { return j->start + i; }
 
+/* FA_R rows through a 4-row tile, a half whose rows all see nothing skipped */
+#define FA_HALVES(name, tile4)                                                               \
+    static void name(const fa_job *j, int64_t g, int64_t t, const float *const qr[FA_R],    \
+                     const int64_t lo[FA_R], const int64_t hi[FA_R], float *const o[FA_R],  \
+                     float *m, float *l) {                                                   \
+        for (int h = 0; h < FA_R; h += 4) {                                                  \
+            int live = 0;                                                                    \
+            for (int r = h; r < h + 4; r++) live |= lo[r] <= hi[r];                          \
+            if (live) tile4(j, g, t, qr + h, lo + h, hi + h, o + h, m + h, l + h);          \
+        }                                                                                    \
+    }
+
 /* ---- generic C tile ---- */
-static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
-                      const int64_t lo[4], const int64_t hi[4], float *const o[4], float *m,
-                      float *l) {
+static void fa_tile4_c(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
+                       const int64_t lo[4], const int64_t hi[4], float *const o[4], float *m,
+                       float *l) {
     const int64_t D = j->D;
     const float *kt = j->kt + (g * j->ntiles + t - j->t0) * D * FA_BK;
     const int64_t *lane = j->vslot + (t - j->t0) * FA_BK;  /* each key's slot */
@@ -112,6 +127,8 @@ static void fa_tile_c(const fa_job *j, int64_t g, int64_t t, const float *const 
         }
     }
 }
+
+FA_HALVES(fa_tile_c, fa_tile4_c)
 
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
@@ -190,19 +207,24 @@ KV_INL int fa_softmax_avx2(const fa_job *j, int64_t t, int64_t lo, int64_t hi, _
     return 1;
 }
 
+/* where the tile's 16 values rows of head g start (vr) and their q8_0 scales (sr) */
+static inline void fa_value_rows(const fa_job *j, int64_t g, const int64_t *lane,
+                                 const char *vr[FA_BK], const kv_half *sr[FA_BK]) {
+    for (int c = 0; c < FA_BK; c++) {
+        const int64_t at = lane[c] * j->stride + g * j->D;
+        vr[c] = j->v + at * j->elem;
+        sr[c] = j->vs ? j->vs + (at >> 5) : NULL;
+    }
+}
+
 /* o_r += sum_c p[r][c] v_c, 16 floats of D at a time for the 4 rows; LOAD16(c, d, v0, v1)
  * widens the 16 values of lane c's row from d */
 #define FA_MIX_AVX2(name, LOAD16)                                                           \
     KV_INL void name(const fa_job *j, int64_t g, const int64_t *lane, const float p[4][FA_BK],\
                      float *const o[4]) {                                                    \
-        const int64_t es = j->elem, gd = g * j->D;                                           \
         const char *vr[FA_BK];                                                               \
         const kv_half *sr[FA_BK];                                                            \
-        for (int c = 0; c < FA_BK; c++) {                                                    \
-            vr[c] = j->v + (lane[c] * j->stride + gd) * es;                                  \
-            sr[c] = j->vs ? j->vs + ((lane[c] * j->stride + gd) >> 5) : NULL;                \
-        }                                                                                    \
-        (void)sr;                                                                            \
+        fa_value_rows(j, g, lane, vr, sr);                                                   \
         for (int64_t d = 0; d < j->D; d += 16) {                                             \
             __m256 acc[4][2];                                                                \
             for (int r = 0; r < 4; r++) {                                                    \
@@ -244,9 +266,9 @@ FA_MIX_AVX2(fa_mix_f32, FA_LOAD16_F32)
 FA_MIX_AVX2(fa_mix_f16, FA_LOAD16_F16)
 FA_MIX_AVX2(fa_mix_q8, FA_LOAD16_Q8)
 
-KV_TGT static void fa_tile_avx2(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
-                                const int64_t lo[4], const int64_t hi[4], float *const o[4],
-                                float *m, float *l) {
+KV_INL void fa_tile4_avx2(const fa_job *j, int64_t g, int64_t t, const float *const qr[4],
+                          const int64_t lo[4], const int64_t hi[4], float *const o[4], float *m,
+                          float *l) {
     const float *kt = j->kt + (g * j->ntiles + t - j->t0) * j->D * FA_BK;
     __m256 s[4][2];
     float p[4][FA_BK];
@@ -261,6 +283,89 @@ KV_TGT static void fa_tile_avx2(const fa_job *j, int64_t g, int64_t t, const flo
     if (j->kind == KV_CACHE_F32) fa_mix_f32(j, g, lane, p, o);
     else if (j->kind == KV_CACHE_F16) fa_mix_f16(j, g, lane, p, o);
     else fa_mix_q8(j, g, lane, p, o);
+}
+
+KV_TGT FA_HALVES(fa_tile_avx2, fa_tile4_avx2)
+/* ---- AVX-512: all FA_R = 8 rows in one pass ----
+ * The 4-row AVX2 tile keeps 8 accumulators in flight, one FMA chain each, which is as many
+ * as two FMA pipes of latency 4 need and no more: measured, the score and mix loops stall on
+ * them. Here a row's 16 scores are one zmm and a row's 16 output floats at a time one zmm,
+ * so 8 rows are 8 independent chains of zmm FMAs, each K or V load shared by 8 rows rather
+ * than 4. Every lane does the AVX2 tile's arithmetic in the same order (scores summed over d,
+ * outputs over the tile's keys, one FMA a step) and the softmax is the AVX2 one on each half,
+ * so the results are the same bits. */
+#include "qk_zmm.h"
+
+#define FA_FMA8(acc, x, w)                                                                  \
+    for (int r = 0; r < FA_R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r]), w, acc[r])
+
+KV_INL_Z void fa_scores_zmm(const float *kt, int64_t D, const float *const qr[FA_R],
+                            __m512 s[FA_R]) {
+    __m512 acc[FA_R];
+    for (int r = 0; r < FA_R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++, kt += FA_BK) {
+        const __m512 k = _mm512_loadu_ps(kt);
+        float x[FA_R];
+        for (int r = 0; r < FA_R; r++) x[r] = qr[r][d];
+        FA_FMA8(acc, x, k);
+    }
+    for (int r = 0; r < FA_R; r++) s[r] = acc[r];
+}
+
+/* o_r += sum_c p[r][c] v_c, 16 floats of D at a time for the 8 rows; LOAD(c, d) gives the
+ * 16 values of lane c's row from d as the AVX2 loads do */
+#define FA_MIX_ZMM(name, LOAD)                                                              \
+    KV_INL_Z void name(const fa_job *j, int64_t g, const int64_t *lane,                     \
+                       const float p[FA_R][FA_BK], float *const o[FA_R]) {                  \
+        const char *vr[FA_BK];                                                              \
+        const kv_half *sr[FA_BK];                                                           \
+        fa_value_rows(j, g, lane, vr, sr);                                                  \
+        for (int64_t d = 0; d < j->D; d += 16) {                                            \
+            __m512 acc[FA_R];                                                               \
+            for (int r = 0; r < FA_R; r++) acc[r] = _mm512_loadu_ps(o[r] + d);              \
+            for (int c = 0; c < FA_BK; c++) {                                               \
+                const __m512 v = LOAD(c, d);                                                \
+                float x[FA_R];                                                              \
+                for (int r = 0; r < FA_R; r++) x[r] = p[r][c];                              \
+                FA_FMA8(acc, x, v);                                                         \
+            }                                                                               \
+            for (int r = 0; r < FA_R; r++) _mm512_storeu_ps(o[r] + d, acc[r]);              \
+        }                                                                                   \
+    }
+
+#define FA_LOADZ_F32(c, d) _mm512_loadu_ps((const float *)vr[c] + (d))
+#define FA_LOADZ_F16(c, d) \
+    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const kv_half *)vr[c] + (d))))
+/* the AVX2 load's steps: int8 -> int32 -> float, times the 32 values' scale */
+#define FA_LOADZ_Q8(c, d)                                                                   \
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                  \
+                      _mm_loadu_si128((const __m128i *)((const int8_t *)vr[c] + (d))))),     \
+                  _mm512_set1_ps(kv_h2f_table[sr[c][(d) >> 5]]))
+
+FA_MIX_ZMM(fa_mixz_f32, FA_LOADZ_F32)
+FA_MIX_ZMM(fa_mixz_f16, FA_LOADZ_F16)
+FA_MIX_ZMM(fa_mixz_q8, FA_LOADZ_Q8)
+
+KV_TGT_Z static void fa_tile_zmm(const fa_job *j, int64_t g, int64_t t,
+                                 const float *const qr[FA_R], const int64_t lo[FA_R],
+                                 const int64_t hi[FA_R], float *const o[FA_R], float *m,
+                                 float *l) {
+    const float *kt = j->kt + (g * j->ntiles + t - j->t0) * j->D * FA_BK;
+    __m512 s[FA_R];
+    float p[FA_R][FA_BK];
+    fa_scores_zmm(kt, j->D, qr, s);
+    int any = 0;
+    for (int r = 0; r < FA_R; r++) {
+        __m256 h[2] = {_mm512_castps512_ps256(s[r]),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s[r]), 1))};
+        if (fa_softmax_avx2(j, t, lo[r], hi[r], h, o[r], &m[r], &l[r], p[r])) any = 1;
+        else memset(p[r], 0, sizeof p[r]);
+    }
+    if (!any) return;
+    const int64_t *lane = j->vslot + (t - j->t0) * FA_BK;
+    if (j->kind == KV_CACHE_F32) fa_mixz_f32(j, g, lane, p, o);
+    else if (j->kind == KV_CACHE_F16) fa_mixz_f16(j, g, lane, p, o);
+    else fa_mixz_q8(j, g, lane, p, o);
 }
 #endif
 
@@ -289,13 +394,13 @@ static void fa_item(fa_job *j, int64_t item, float *scr) {
     for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
     const float *qrow = j->q + i0 * j->q_stride + g * rep * D;
     for (int64_t t = fa_lo(j, i0) / FA_BK; t <= fa_hi(j, i1 - 1) / FA_BK; t++) {
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            const int64_t ia = i0 + r0 / rep, ib = i0 + (r0 + 3 < R ? r0 + 3 : R - 1) / rep;
+        for (int64_t r0 = 0; r0 < R; r0 += FA_R) {
+            const int64_t ia = i0 + r0 / rep, ib = i0 + (r0 + FA_R - 1 < R ? r0 + FA_R - 1 : R - 1) / rep;
             if (t * FA_BK > fa_hi(j, ib) || t * FA_BK + FA_BK - 1 < fa_lo(j, ia)) continue;
-            const float *qr[4];
-            int64_t lo[4], hi[4];
-            float *o[4], mm[4], ll[4];
-            for (int k = 0; k < 4; k++) {
+            const float *qr[FA_R];
+            int64_t lo[FA_R], hi[FA_R];
+            float *o[FA_R], mm[FA_R], ll[FA_R];
+            for (int k = 0; k < FA_R; k++) {
                 const int64_t r = r0 + k < R ? r0 + k : -1, i = i0 + (r < 0 ? 0 : r) / rep;
                 qr[k] = r < 0 ? qrow : qrow + (i - i0) * j->q_stride + (r % rep) * D;
                 lo[k] = r < 0 ? 1 : fa_lo(j, i);  /* a padding row sees nothing */
@@ -305,7 +410,7 @@ static void fa_item(fa_job *j, int64_t item, float *scr) {
                 ll[k] = r < 0 ? 0.0f : l[r];
             }
             j->tile(j, g, t, qr, lo, hi, o, mm, ll);
-            for (int k = 0; k < 4 && r0 + k < R; k++) m[r0 + k] = mm[k], l[r0 + k] = ll[k];
+            for (int k = 0; k < FA_R && r0 + k < R; k++) m[r0 + k] = mm[k], l[r0 + k] = ll[k];
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -343,7 +448,7 @@ int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                 .rep = H / KVH, .window = window, .stride = KVH * D, .scale = scale,
                 .softcap = softcap, .out = out};
 #ifdef KV_HAVE_AVX2_BUILD
-    if (use_avx2 && D % 16 == 0) j.tile = fa_tile_avx2;
+    if (use_avx2 && D % 16 == 0) j.tile = kv_use_vnni() ? fa_tile_zmm : fa_tile_avx2;
 #else
     (void)use_avx2;
 #endif
