@@ -123,40 +123,46 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i bcast4(const int8_
     return _mm256_set1_epi32(v);
 }
 
-/* one group's blocks against nx x rows; isum(j) -> lanes, then the float steps */
-#define KV_X8_TILE(name, TGT, SETUP, DOT)                                                   \
+/* one group's blocks against nx x rows; DOTS sets isum[j] for x row j, then the float steps */
+#define KV_X8_ACT(j) ((const kv_act32 *)(xq + (j) * xs) + i)
+#define KV_X8_TILE(name, TGT, SETUP, DOTS)                                                  \
     static inline __attribute__((always_inline)) TGT void name(                           \
         const kv_blk_q8_0x8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,     \
         float *y, int64_t ys) {                                                           \
         __m256 acc[KV_GROUP_NX];                                                             \
         for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                        \
         for (int64_t i = 0; i < nb; i++) {                                                \
-            __m256i w[8];                                                                 \
+            __m256i w[8], isum[KV_GROUP_NX];                                              \
             SETUP                                                                         \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));  \
-            for (int j = 0; j < nx; j++) {                                                \
-                const kv_act32 *a = (const kv_act32 *)(xq + j * xs) + i;                  \
-                __m256i p0, p1;                                                           \
-                DOT                                                                       \
-                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->d)),         \
-                                         _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),    \
-                                         acc[j]);                                         \
-            }                                                                             \
+            DOTS                                                                          \
+            for (int j = 0; j < nx; j++)                                                  \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(KV_X8_ACT(j)->d)), \
+                                         _mm256_cvtepi32_ps(isum[j]), acc[j]);            \
         }                                                                                 \
         for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                \
     }
 
-/* VNNI: unsigned weights straight into vpdpbusd, two chains of four chunks */
+/* VNNI: unsigned weights straight into vpdpbusd, chunk by chunk across the x rows so that
+ * neighbouring products are independent: one chain per x row from its bias, two (even and
+ * odd chunks) for one or two rows (as Q5_0x8's, qk_x8q5.c) */
 #define KV_X8_SETUP_V \
     for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256((const __m256i *)(b[i].qs + 32 * t));
-#define KV_X8_DOT_V                                                                        \
-    p0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(a->bias), w[0], bcast4(a->qs));            \
-    p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[1], bcast4(a->qs + 4));            \
-    for (int t = 2; t < 8; t += 2) {                                                      \
-        p0 = _mm256_dpbusd_epi32(p0, w[t], bcast4(a->qs + 4 * t));                        \
-        p1 = _mm256_dpbusd_epi32(p1, w[t + 1], bcast4(a->qs + 4 * t + 4));                \
+#define KV_X8_DOTS_V                                                                       \
+    {                                                                                     \
+        const int two = nx <= 2;                                                          \
+        __m256i odd[2];                                                                   \
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_set1_epi32(KV_X8_ACT(j)->bias);     \
+        for (int j = 0; j < (two ? nx : 0); j++) odd[j] = _mm256_setzero_si256();         \
+        for (int t = 0; t < 8; t++)                                                       \
+            for (int j = 0; j < nx; j++) {                                                \
+                const __m256i x = bcast4(KV_X8_ACT(j)->qs + 4 * t);                       \
+                if (two && t % 2) odd[j] = _mm256_dpbusd_epi32(odd[j], w[t], x);          \
+                else isum[j] = _mm256_dpbusd_epi32(isum[j], w[t], x);                     \
+            }                                                                             \
+        for (int j = 0; j < (two ? nx : 0); j++) isum[j] = _mm256_add_epi32(isum[j], odd[j]); \
     }
-KV_X8_TILE(tile_x8_vnni, KV_TGT_V, KV_X8_SETUP_V, KV_X8_DOT_V)
+KV_X8_TILE(tile_x8_vnni, KV_TGT_V, KV_X8_SETUP_V, KV_X8_DOTS_V)
 
 /* AVX2: back to signed weights; |w| (<= 128) as maddubs' unsigned operand, w's sign moved
  * onto x; no pair of products reaches int16's limit (2 * 128 * 127 < 32768) */
@@ -167,16 +173,20 @@ KV_X8_TILE(tile_x8_vnni, KV_TGT_V, KV_X8_SETUP_V, KV_X8_DOT_V)
                                  _mm256_set1_epi8((char)0x80));                           \
         w[t] = _mm256_sign_epi8(ws[t], ws[t]);                                            \
     }
-#define KV_X8_DOT_A                                                                        \
-    p0 = p1 = _mm256_setzero_si256();                                                     \
-    for (int t = 0; t < 8; t += 2) {                                                      \
-        p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(                  \
-            w[t], _mm256_sign_epi8(bcast4(a->qs + 4 * t), ws[t])), _mm256_set1_epi16(1))); \
-        p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(                  \
-            w[t + 1], _mm256_sign_epi8(bcast4(a->qs + 4 * t + 4), ws[t + 1])),             \
-            _mm256_set1_epi16(1)));                                                       \
+#define KV_X8_DOTS_A                                                                       \
+    for (int j = 0; j < nx; j++) {                                                        \
+        const kv_act32 *a = KV_X8_ACT(j);                                                 \
+        __m256i p0 = _mm256_setzero_si256(), p1 = p0;                                     \
+        for (int t = 0; t < 8; t += 2) {                                                  \
+            p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(_mm256_maddubs_epi16(              \
+                w[t], _mm256_sign_epi8(bcast4(a->qs + 4 * t), ws[t])), _mm256_set1_epi16(1))); \
+            p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(_mm256_maddubs_epi16(              \
+                w[t + 1], _mm256_sign_epi8(bcast4(a->qs + 4 * t + 4), ws[t + 1])),         \
+                _mm256_set1_epi16(1)));                                                   \
+        }                                                                                 \
+        isum[j] = _mm256_add_epi32(p0, p1);                                               \
     }
-KV_X8_TILE(tile_x8_avx2, KV_TGT_A, KV_X8_SETUP_A, KV_X8_DOT_A)
+KV_X8_TILE(tile_x8_avx2, KV_TGT_A, KV_X8_SETUP_A, KV_X8_DOTS_A)
 
 KV_GROUP_GEMV(gemv_x8_vnni, KV_TGT_V, tile_x8_vnni, kv_blk_q8_0x8, 32)
 KV_GROUP_GEMV(gemv_x8_avx2, KV_TGT_A, tile_x8_avx2, kv_blk_q8_0x8, 32)
