@@ -456,24 +456,35 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6x8_unpack(
                            _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
 }
 
-/* sc_g * (group g's sum of q * x), 8 rows in lanes. VNNI: one vpdpbusd chain, then the
- * int32 product. AVX2: maddubs pairs summed as int16 (each at most 2 * 63 * 127, two of them
- * 32004 < 2^15), then madd against the scale as an int16 pair: the same integer. */
-static inline __attribute__((always_inline)) KV_TGT_V __m256i q6_sub_vnni(
-    const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
+/* isum[j] += sc_g * (group g's sum of q * x) for x rows j < nx (x16(j): row j's 16 bytes of
+ * group g), 8 weight rows in lanes. VNNI: a vpdpbusd chain per x row, chunk by chunk across
+ * the rows so that neighbouring products are independent, then the int32 product. AVX2:
+ * maddubs pairs summed as int16 (each at most 2 * 63 * 127, two of them 32004 < 2^15), then
+ * madd against the scale as an int16 pair: the same integer. */
+#define Q6_X16(j) (((const kv_act256 *)(xq + (j) * xs) + i)->qs + 16 * g)
+static inline __attribute__((always_inline)) KV_TGT_V void q6_sub_vnni(
+    const __m256i q[4], const char *xq, int64_t xs, int64_t i, int g, const int nx,
+    __m256i sc, __m256i sc16, __m256i *isum) {
     (void)sc16;
-    __m256i p = k8_dot_v(_mm256_setzero_si256(), q[0], bcast4(x));
-    for (int c = 1; c < 4; c++) p = k8_dot_v(p, q[c], bcast4(x + 4 * c));
-    return _mm256_mullo_epi32(p, sc);
+    __m256i p[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) p[j] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < nx; j++) p[j] = k8_dot_v(p[j], q[c], bcast4(Q6_X16(j) + 4 * c));
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(p[j], sc));
 }
-static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
-    const __m256i q[4], const int8_t *x, __m256i sc, __m256i sc16) {
+static inline __attribute__((always_inline)) KV_TGT_A void q6_sub_avx2(
+    const __m256i q[4], const char *xq, int64_t xs, int64_t i, int g, const int nx,
+    __m256i sc, __m256i sc16, __m256i *isum) {
     (void)sc;
-    const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
-                                       _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
-    const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
-                                       _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
-    return _mm256_add_epi32(_mm256_madd_epi16(l, sc16), _mm256_madd_epi16(h, sc16));
+    for (int j = 0; j < nx; j++) {
+        const int8_t *x = Q6_X16(j);
+        const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                           _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+        const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                           _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+        isum[j] = _mm256_add_epi32(
+            isum[j], _mm256_add_epi32(_mm256_madd_epi16(l, sc16), _mm256_madd_epi16(h, sc16)));
+    }
 }
 
 /* Q6_Kx8: per 16-element group, 4 chunks into one chain, times the group's int8 scales;
@@ -495,10 +506,7 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i q6_sub_avx2(
                 const __m256i sc = _mm256_cvtepi8_epi32(                                  \
                     _mm_loadl_epi64((const __m128i *)b[i].sc[g]));                        \
                 const __m256i sc16 = pairs_i8(b[i].sc[g]);                             \
-                for (int j = 0; j < nx; j++) {                                            \
-                    const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 16 * g; \
-                    isum[j] = _mm256_add_epi32(isum[j], SUB(q, x, sc, sc16));             \
-                }                                                                         \
+                SUB(q, xq, xs, i, g, nx, sc, sc16, isum);                                 \
             }                                                                             \
             __m256i scp[8];  /* (sc_2h, sc_2h+1) as int16 pairs */                         \
             for (int h = 0; h < 8; h++) scp[h] = pairs2_i8(b[i].sc[2 * h]);           \
