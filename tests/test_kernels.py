@@ -474,6 +474,20 @@ def test_fused_gates_split_over_threads_change_no_bits(gate):
 
 
 @needs_c
+@pytest.mark.parametrize("gate", ["geglu", "swiglu"])
+def test_fused_gates_give_every_element_the_same_bits_at_any_width(gate):
+    """A row of 2 * 15 runs 8 elements eight-wide (AVX2), 4 four-wide and 3 one at a time;
+    as 15 rows of one element each, every element takes the scalar path."""
+    from kvlab.kernels import fused
+
+    fn = getattr(fused, gate)
+    y = torch.randn(64, 2 * 15, generator=torch.Generator().manual_seed(9)) * 6
+    y[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    alone = fn(torch.stack([y[:, :15], y[:, 15:]], dim=-1).reshape(-1, 2))
+    assert torch.equal(fn(y).reshape(-1, 1), alone)
+
+
+@needs_c
 @pytest.mark.parametrize("inter", [2048, 13])
 def test_fused_swiglu_within_fp32_rounding(inter):
     from kvlab.kernels import fused

@@ -161,6 +161,42 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 }
 #endif
 
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+/* The same steps eight at a time (AVX2 without FMA, so nothing is contracted: each lane does
+ * the SSE2 and scalar operations, to the bit). A prefill's activations are millions of
+ * exponentials and a division each; twice the width halves their time. */
+#define KV_TGT8 __attribute__((target("avx2")))
+static inline __attribute__((always_inline)) KV_TGT8 __m256 exp_clamped_8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
+    const __m256 shift = _mm256_set1_ps(EXP_SHIFT);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), shift),
+                                   shift);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
+    __m256 p = _mm256_set1_ps(exp_poly[0]);
+    for (int k = 1; k < 8; k++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(exp_poly[k]));
+    const __m256 scale = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(p, scale);
+}
+
+static inline __attribute__((always_inline)) KV_TGT8 __m256 gelu_mul_8(__m256 g, __m256 up) {
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(GELU_K0), _mm256_add_ps(
+        g, _mm256_mul_ps(_mm256_set1_ps(GELU_K1), _mm256_mul_ps(_mm256_mul_ps(g, g), g))));
+    const __m256 e = exp_clamped_8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+}
+
+static inline __attribute__((always_inline)) KV_TGT8 __m256 silu_mul_8(__m256 g, __m256 up) {
+    const __m256 e = exp_clamped_8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), up);
+}
+#define KV_GATED_AVX2(f8)                                                                  \
+    for (; i + 8 <= inter; i += 8)                                                         \
+        _mm256_storeu_ps(out + i, f8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + inter + i)));
+#endif
+
 /* out[t, i] = act(x[t, i]) * x[t, inter + i]: x is [tokens, 2 * inter] (gate | up); act is
  * gelu_tanh (GeGLU) or silu (SwiGLU) */
 #ifdef __SSE2__
@@ -170,16 +206,30 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 #else
 #define KV_GATED_SSE(f4)
 #endif
-#define KV_GATED(name, f4, f1)                                                             \
-    static void name(const float *x, float *out, int64_t tokens, int64_t inter) {          \
+#define KV_GATED(name, TGT, WIDE, f4, f1)                                                  \
+    static TGT void name(const float *x, float *out, int64_t tokens, int64_t inter) {      \
         for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {               \
             int64_t i = 0;                                                                 \
+            WIDE                                                                           \
             KV_GATED_SSE(f4)                                                               \
             for (; i < inter; i++) out[i] = f1(x[i], x[inter + i]);                        \
         }                                                                                  \
     }
-KV_GATED(gelu_rows, gelu_mul_4, gelu_mul_1)
-KV_GATED(silu_rows, silu_mul_4, silu_mul_1)
+KV_GATED(gelu_rows, , , gelu_mul_4, gelu_mul_1)
+KV_GATED(silu_rows, , , silu_mul_4, silu_mul_1)
+#ifdef KV_HAVE_AVX2_BUILD
+KV_GATED(gelu_rows8, KV_TGT8, KV_GATED_AVX2(gelu_mul_8), gelu_mul_4, gelu_mul_1)
+KV_GATED(silu_rows8, KV_TGT8, KV_GATED_AVX2(silu_mul_8), silu_mul_4, silu_mul_1)
+#endif
+
+/* the eight-wide rows where the CPU has AVX2 (the same bits either way) */
+static int gated_avx2(void) {
+#ifdef KV_HAVE_AVX2_BUILD
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
 
 /* A prefill's gated product is a few million exponentials: its tokens are handed out to
  * the kernel threads in chunks, taken from a shared counter (the pool's rule: a worker may
@@ -215,12 +265,16 @@ static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64
     kv_pool_run(gated_task, &j, nt);
 }
 
+#ifndef KV_HAVE_AVX2_BUILD
+#define gelu_rows8 gelu_rows
+#define silu_rows8 silu_rows
+#endif
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
-    gated(gelu_rows, x, out, tokens, inter);
+    gated(gated_avx2() ? gelu_rows8 : gelu_rows, x, out, tokens, inter);
 }
 
 void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
-    gated(silu_rows, x, out, tokens, inter);
+    gated(gated_avx2() ? silu_rows8 : silu_rows, x, out, tokens, inter);
 }
 
 /* ---- greedy argmax: the first index of a row's largest value, or of its first NaN (as
