@@ -601,6 +601,15 @@ def test_scatter_rows_is_index_copy():
     kv = kv * 1000 + 1e-3  # some values need rounding, some overflow fp16's range
     fused.scatter_rows_(half, slots, kv)
     assert torch.equal(half[slots], kv.to(torch.float16))
+    # 20 values a row: 16 eight at a time (F16C) and 4 one at a time; subnormal halves,
+    # ties to even and overflow on both paths
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(4, 2, 10, generator=g) * torch.tensor([1e-6, 1.0, 7e4, 1e-8])[:, None, None]
+    kv[0, 0, :3] = torch.tensor([2049.0, 2051.0, 65519.0])  # halfway between two halves
+    kv[0, 1, 8:] = torch.tensor([2049.0, -65520.0])
+    half = torch.zeros(6, 2, 10, dtype=torch.float16)
+    fused.scatter_rows_(half, torch.tensor([5, 1, 0, 2]), kv)
+    assert torch.equal(half[torch.tensor([5, 1, 0, 2])], kv.to(torch.float16))
 
 
 @needs_c

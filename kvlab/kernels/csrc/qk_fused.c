@@ -14,6 +14,9 @@
 #endif
 
 #include "qk.h"
+#ifdef KV_HAVE_AVX2_BUILD
+#include <immintrin.h>
+#endif
 
 /* 1 / sqrt(mean(x^2) + eps), the mean in double and then rounded to fp32 as torch's */
 static float rms_scale(const float *x, int64_t dim, float eps) {
@@ -65,16 +68,31 @@ void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, i
 }
 
 /* dst[slots[j]] = src row j (row values, rows src_stride floats apart): the paged KV write */
+/* fp32 -> fp16 of n values, rounded to nearest even (kv_f2h one at a time; with F16C eight
+ * at a time, the same halves but for a NaN's payload bits, kept by F16C, set by kv_f2h) */
+static void to_half(kv_half *d, const float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) d[i] = kv_f2h(s[i]);
+}
+#ifdef KV_HAVE_AVX2_BUILD
+static __attribute__((target("avx,f16c"))) void to_half8(kv_half *d, const float *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+    to_half(d + i, s + i, n - i);
+}
+#endif
+
 void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
                      const int64_t *slots, int64_t n, int64_t row) {
+    void (*half)(kv_half *, const float *, int64_t) = to_half;
+#ifdef KV_HAVE_AVX2_BUILD
+    if (__builtin_cpu_supports("f16c")) half = to_half8;
+#endif
     for (int64_t j = 0; j < n; j++) {
         const float *s = src + j * src_stride;
-        if (!kv_f16) {
-            memcpy((float *)dst + slots[j] * row, s, (size_t)row * sizeof(float));
-            continue;
-        }
-        kv_half *d = (kv_half *)dst + slots[j] * row;
-        for (int64_t i = 0; i < row; i++) d[i] = kv_f2h(s[i]);
+        if (!kv_f16) memcpy((float *)dst + slots[j] * row, s, (size_t)row * sizeof(float));
+        else half((kv_half *)dst + slots[j] * row, s, row);
     }
 }
 
@@ -162,7 +180,6 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 #endif
 
 #ifdef KV_HAVE_AVX2_BUILD
-#include <immintrin.h>
 /* The same steps eight at a time (AVX2 without FMA, so nothing is contracted: each lane does
  * the SSE2 and scalar operations, to the bit). A prefill's activations are millions of
  * exponentials and a division each; twice the width halves their time. */
