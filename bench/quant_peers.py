@@ -14,8 +14,9 @@ Then, for every quantized file, the default Gemma 3 model and any --models, it r
 bench` and llama.cpp's `llama-bench` (and ik_llama.cpp's, if given) as separate processes,
 alternating, one repetition each per round, so machine noise hits all engines alike and each
 has the machine alone. It prints median pp/tg tok/s, the ratios kvlab / llama.cpp (or the
-faster peer) and the decode ceiling: this machine's read bandwidth over the bytes one decode
-step reads with the weights as the file stores them (the yardstick common to every engine).
+faster peer) and the decode ceiling: this machine's read bandwidth (probed before each round)
+over the bytes one decode step reads with the weights as the file stores them (the yardstick
+common to every engine).
 An engine that cannot run a file (kvlab without a kernel for a quant type) gets a row with the
 first line of its error; the other files still run.
 """
@@ -308,11 +309,15 @@ class Series:
         return statistics.median(values) if values else None
 
 
-def bench_file(model: Path, engines: list[Engine], args: argparse.Namespace
-               ) -> dict[str, Series]:
-    """`args.r` rounds; each round runs every engine once, in turn."""
+def bench_file(model: Path, engines: list[Engine], args: argparse.Namespace,
+               bandwidths: list[float] | None = None) -> dict[str, Series]:
+    """`args.r` rounds; each round runs every engine once, in turn. With `bandwidths`, each
+    round first probes the read bandwidth and appends it: on a shared host it drifts over
+    minutes, and the decode ceiling is then read against the bandwidth of the same rounds."""
     series = {e.name: Series() for e in engines}
     for rnd in range(1, args.r + 1):
+        if bandwidths is not None and (gb_s := measure_bandwidth(args.t, quiet=True)):
+            bandwidths.append(gb_s)
         for engine in engines:
             s = series[engine.name]
             if s.error is not None:
@@ -360,25 +365,28 @@ _BANDWIDTH_SNIPPET = """
 import sys, torch
 from kvlab.kernels import set_num_threads
 from kvlab.perf.probe import measure_bandwidth
-threads = int(sys.argv[1])
+threads, budget = int(sys.argv[1]), float(sys.argv[2])
 torch.set_num_threads(threads)
 set_num_threads(threads)
-small, _ = measure_bandwidth(512, 4.0, huge_pages=False)
-gb_s, runs = measure_bandwidth(512, 4.0)
+small, _ = measure_bandwidth(512, budget, huge_pages=False)
+gb_s, runs = measure_bandwidth(512, budget)
 print(gb_s / 1e9, runs, small / 1e9)
 """
 
 
-def measure_bandwidth(threads: int) -> float | None:
+def measure_bandwidth(threads: int, quiet: bool = False) -> float | None:
     """GB/s of kvlab's C stream read over 512 MiB at `threads` (what `kvlab probe` measures),
     in its own process so nothing of it stays running beside the engines. The ceiling is the
-    read in 2 MiB pages, as kvlab keeps its weights; the read in 4 KiB pages is printed too."""
-    cmd = [sys.executable, "-c", _BANDWIDTH_SNIPPET, str(threads)]
+    read in 2 MiB pages, as kvlab keeps its weights; the read in 4 KiB pages is printed too
+    (`quiet`: a shorter probe between rounds, printed with the file's ceiling)."""
+    cmd = [sys.executable, "-c", _BANDWIDTH_SNIPPET, str(threads), "1.5" if quiet else "4.0"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"# bandwidth probe failed: {_error_line(proc.stderr)}; no ceiling line")
         return None
     gb_s, runs, small = proc.stdout.split()
+    if quiet:
+        return float(gb_s)
     print(f"# read bandwidth at {threads} threads: {float(gb_s):.2f} GB/s in 2 MiB pages, "
           f"{float(small):.2f} in 4 KiB pages (kvlab.perf.probe.measure_bandwidth, 512 MiB, "
           f"best of {runs})")
@@ -389,8 +397,10 @@ def measure_bandwidth(threads: int) -> float | None:
 
 
 def report(model: Path, series: dict[str, Series], bandwidth: float | None,
-           args: argparse.Namespace, step_bytes: float | None = None) -> None:
-    """`step_bytes`: what one decode step reads where not every tensor is (MoE)."""
+           args: argparse.Namespace, step_bytes: float | None = None,
+           probes: list[float] | None = None) -> None:
+    """`step_bytes`: what one decode step reads where not every tensor is (MoE); `probes`:
+    the bandwidths probed between this file's rounds, whose median is then the ceiling's."""
     dense_bytes, file_bytes = decode_bytes_as_stored(model, args.n // 2 + 1)
     step_bytes = step_bytes or dense_bytes
     names = list(series)
@@ -406,6 +416,10 @@ def report(model: Path, series: dict[str, Series], bandwidth: float | None,
     for name, s in series.items():
         if s.error is not None:
             print(f"{name} failed: {s.error}")
+    if probes:
+        bandwidth = statistics.median(probes)
+        print(f"# read bandwidth probed before each round: "
+              f"{', '.join(f'{b:.2f}' for b in probes)} GB/s; the ceiling takes the median")
     _ceiling_line(series, step_bytes, bandwidth)
 
 
@@ -543,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = print_header(engines, args)
     files = list(model_files(args))  # all quantizing first: the benchmarks then run alone
     for model in files:
-        report(model, bench_file(model, engines, args), bandwidth, args)
+        probes: list[float] = []
+        report(model, bench_file(model, engines, args, probes), bandwidth, args, probes=probes)
         sys.stdout.flush()
 
 
