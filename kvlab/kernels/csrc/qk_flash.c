@@ -395,7 +395,8 @@ static void fa_item(fa_job *j, int64_t item, float *scr) {
     const float *qrow = j->q + i0 * j->q_stride + g * rep * D;
     for (int64_t t = fa_lo(j, i0) / FA_BK; t <= fa_hi(j, i1 - 1) / FA_BK; t++) {
         for (int64_t r0 = 0; r0 < R; r0 += FA_R) {
-            const int64_t ia = i0 + r0 / rep, ib = i0 + (r0 + FA_R - 1 < R ? r0 + FA_R - 1 : R - 1) / rep;
+            const int64_t last = r0 + FA_R - 1 < R ? r0 + FA_R - 1 : R - 1;
+            const int64_t ia = i0 + r0 / rep, ib = i0 + last / rep;
             if (t * FA_BK > fa_hi(j, ib) || t * FA_BK + FA_BK - 1 < fa_lo(j, ia)) continue;
             const float *qr[FA_R];
             int64_t lo[FA_R], hi[FA_R];

@@ -187,8 +187,8 @@ static __m128 silu_mul_4(__m128 g, __m128 up) {
 static inline __attribute__((always_inline)) KV_TGT8 __m256 exp_clamped_8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
     const __m256 shift = _mm256_set1_ps(EXP_SHIFT);
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), shift),
-                                   shift);
+    const __m256 n = _mm256_sub_ps(
+        _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), shift), shift);
     const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI))),
                                    _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
     __m256 p = _mm256_set1_ps(exp_poly[0]);
