@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                            max_model_len=args.max_model_len or max(longest, 2048))
     engine = Engine.from_model(args.model, config)
     bandwidth = _machine_bandwidth()
-    _run_one_warmup(engine)
+    _run_one_warmup(engine, max(args.n_prompt, default=0))
     results = [bench_pp(engine, p, args.repetitions) for p in args.n_prompt if p]
     results += [bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth)
                 for d in args.depth for n in args.n_gen if n]
@@ -65,10 +65,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_one_warmup(engine: Engine) -> None:
-    """First calls page in the weights and warm the allocator; not part of any figure."""
+def _run_one_warmup(engine: Engine, n_prompt: int) -> None:
+    """First calls page in the weights and warm the allocator; not part of any figure. The
+    prompt is the longest pp test's, as llama-bench warms up with the test's whole prompt:
+    a first prefill of that size grows its buffers (the kept prefill output, the KV pages)."""
     bench_tg(engine, 4, 1)
-    bench_pp(engine, 32, 1)
+    bench_pp(engine, n_prompt or 32, 1)
 
 
 def _machine_bandwidth() -> float | None:
