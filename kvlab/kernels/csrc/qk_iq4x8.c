@@ -325,11 +325,15 @@ KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, int s, __m512i table, const c
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
 }
 
+/* the values + 128 as unsigned bytes, in every 128-bit lane */
+KV_INL_Z __m512i iq4_table_u8_zmm(void) {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)kv_iq4_values)),
+                            _mm512_set1_epi8((char)0x80));
+}
+
 KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
                           const int nx, float *y, int64_t ys) {
-    const __m512i table = _mm512_xor_si512(
-        _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)kv_iq4_values)),
-        _mm512_set1_epi8((char)0x80));
+    const __m512i table = iq4_table_u8_zmm();
     __m256 acc[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
@@ -356,9 +360,76 @@ KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, 
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
+/* IQ4_XSx8, two groups at once (16 rows, lane r = row r; prefill): a chunk t of both groups
+ * is one zmm, so a sub-block's vpmulld scales 16 rows where the pair lanes above scale 8,
+ * and no lanes are folded. Each x row's sub-block chain starts from -128 * (x's two 16-sums)
+ * (one vpdpwssd), so after the 8 products p is the signed dot itself and sc * p the same
+ * integer as above: the same bits. */
+KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, int s,
+                           __m512i table, const char *xq, int64_t xs, int64_t i, const int nx,
+                           __m512i *isum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m128 = _mm512_set1_epi32((int)0xFF80FF80);
+    __m512i p[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) {
+        int32_t b2;
+        memcpy(&b2, ACT(kv_act256, j, i)->bsums + 2 * s, 4);
+        p[j] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(b2), m128);
+    }
+    for (int t = 0; t < 4; t++) {
+        const __m512i raw = _mm512_inserti64x4(
+            _mm512_castsi256_si512(load256(A->qs[s][t])), load256(B->qs[s][t]), 1);
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+        const __m512i hi =
+            _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act256, j, i)->qs + 32 * s + 4 * t;
+            int32_t x0, x1;
+            memcpy(&x0, x, 4);
+            memcpy(&x1, x + 16, 4);
+            p[j] = _mm512_dpbusd_epi32(p[j], lo, _mm512_set1_epi32(x0));
+            p[j] = _mm512_dpbusd_epi32(p[j], hi, _mm512_set1_epi32(x1));
+        }
+    }
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
+        _mm_loadl_epi64((const __m128i *)A->sc[s]), _mm_loadl_epi64((const __m128i *)B->sc[s])));
+    for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
+}
+
+KV_INL_Z void tile2_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
+                           const int nx, float *y, int64_t ys) {
+    const __m512i table = iq4_table_u8_zmm();
+    const kv_blk_iq4_xsx8 *B = b + nb;
+    __m512 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            for (int g = 0; g < 2; g++) {
+                const char *ahead = (const char *)((g ? B : b) + i + 2) + 128 * s;
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            }
+            xs16_sub_zmm(b + i, B + i, s, table, xq, xs, i, nx, isum);
+        }
+        for (int g = 0; g < 2; g++) {
+            const char *ahead = (const char *)((g ? B : b) + i + 2);
+            _mm_prefetch(ahead + 1024, _MM_HINT_T0);
+            _mm_prefetch(ahead + 1088, _MM_HINT_T0);
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[i].d)),
+            _mm_loadu_si128((const __m128i *)B[i].d), 1));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ACT(kv_act256, j, i)->d)),
+                                     _mm512_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)
-KV_GROUP_GEMV(gemv_xsx8_zmm, KV_TGT_Z, tile_xs_zmm, kv_blk_iq4_xsx8, 256)
+KV_GROUP_GEMV2(gemv_xsx8_zmm, KV_TGT_Z, tile_xs_zmm, tile2_xs_zmm, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
 
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
