@@ -496,12 +496,89 @@ KV_INL_Z void tile_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, 
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
 
+/* Q3_Kx8, two groups at once (16 rows, lane r = row r; prefill): a chunk of both groups is
+ * one zmm, so a sub-block pair's scales (one vpdpwssd) serve 16 rows and no lanes are folded.
+ * The -4 goes into each x row's sum per pair as (-4 sc_2t, -4 sc_2t+1) . (x's 16-sums), the
+ * scales times -4 taken once for all x rows. The integer is the one above: the same bits. */
+KV_INL_Z __m512i z16_load(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(a)), load256(b), 1);
+}
+
+/* sub-block pair t of both groups: chunk c of sub-block 2t + h into q[h][c], the scales as
+ * int16 pairs per row (sc) and times -4 (scm4) */
+KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int t,
+                         __m512i q[2][4], __m512i *sc, __m512i *scm4) {
+    const __m512i m3 = _mm512_set1_epi8(3), b4 = _mm512_set1_epi8(4);
+    const __m512i hb = z16_load(A->qh[t], B->qh[t]);
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = z16_load(A->qs[2 * t + h], B->qs[2 * t + h]);
+        for (int c = 0; c < 4; c++) {
+            const int sh = c + 4 * h - 2;  /* the third bit c + 4h -> bit 2, as third_bit */
+            const __m512i th = sh > 0 ? _mm512_srli_epi16(hb, sh)
+                               : sh < 0 ? _mm512_slli_epi16(hb, -sh) : hb;
+            q[h][c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 2 * c), m3),
+                                      _mm512_and_si512(th, b4));
+        }
+    }
+    __m256i half[2];
+    for (int g = 0; g < 2; g++) {
+        const int8_t(*s8)[8] = (g ? B : A)->sc;
+        half[g] = pack16(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8[2 * t])),
+                         _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8[2 * t + 1])));
+    }
+    *sc = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+    *scm4 = _mm512_mullo_epi16(*sc, _mm512_set1_epi16(-4));
+}
+
+KV_INL_Z void tile2_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
+                             const int nx, float *y, int64_t ys) {
+    const kv_blk_q3_kx8 *B = b + nb;
+    __m512 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        __m512i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            for (int g = 0; g < 2; g++) {
+                const char *ahead = (const char *)((g ? B : b) + i + 2) + 128 * t;
+                _mm_prefetch(ahead, _MM_HINT_T0);
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            }
+            __m512i q[2][4], sc, scm4;
+            q3x16_pair(b + i, B + i, t, q, &sc, &scm4);
+            for (int j = 0; j < nx; j++) {
+                const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+                __m512i lo = _mm512_setzero_si512(), hi = lo;
+                for (int c = 0; c < 4; c++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, a->qs + 32 * t + 4 * c, 4);
+                    memcpy(&x1, a->qs + 32 * t + 16 + 4 * c, 4);
+                    lo = _mm512_dpbusd_epi32(lo, q[0][c], _mm512_set1_epi32(x0));
+                    hi = _mm512_dpbusd_epi32(hi, q[1][c], _mm512_set1_epi32(x1));
+                }
+                int32_t b2;
+                memcpy(&b2, a->bsums + 2 * t, 4);
+                isum[j] = _mm512_dpwssd_epi32(zscale2(isum[j], lo, hi, sc), scm4,
+                                              _mm512_set1_epi32(b2));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[i].d)),
+            _mm_loadu_si128((const __m128i *)B[i].d), 1));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm512_fmadd_ps(
+                _mm512_mul_ps(dw, _mm512_set1_ps(K23X8_ACT(xq, xs, j, i)->d)),
+                _mm512_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
+}
+
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)
 KV_GROUP_GEMV(gemv_q2x8_vnni, KV_TGT_V, tile_q2x8_vnni, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q2x8_zmm, KV_TGT_Z, tile_q2x8_zmm, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_vnni, KV_TGT_V, tile_q3x8_vnni, kv_blk_q3_kx8, 256)
-KV_GROUP_GEMV(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, kv_blk_q3_kx8, 256)
+KV_GROUP_GEMV2(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, tile2_q3x8_zmm, kv_blk_q3_kx8, 256)
 
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
