@@ -376,8 +376,7 @@ KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, i
         p[j] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi32(b2), m128);
     }
     for (int t = 0; t < 4; t++) {
-        const __m512i raw = _mm512_inserti64x4(
-            _mm512_castsi256_si512(load256(A->qs[s][t])), load256(B->qs[s][t]), 1);
+        const __m512i raw = z16_load(A->qs[s][t], B->qs[s][t]);
         const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
         const __m512i hi =
             _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
@@ -417,9 +416,7 @@ KV_INL_Z void tile2_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq,
             _mm_prefetch(ahead + 1024, _MM_HINT_T0);
             _mm_prefetch(ahead + 1088, _MM_HINT_T0);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[i].d)),
-            _mm_loadu_si128((const __m128i *)B[i].d), 1));
+        const __m512 dw = z16_scales(b[i].d, B[i].d);
         for (int j = 0; j < nx; j++)
             acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ACT(kv_act256, j, i)->d)),
                                      _mm512_cvtepi32_ps(isum[j]), acc[j]);

@@ -500,10 +500,6 @@ KV_INL_Z void tile_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, 
  * one zmm, so a sub-block pair's scales (one vpdpwssd) serve 16 rows and no lanes are folded.
  * The -4 goes into each x row's sum per pair as (-4 sc_2t, -4 sc_2t+1) . (x's 16-sums), the
  * scales times -4 taken once for all x rows. The integer is the one above: the same bits. */
-KV_INL_Z __m512i z16_load(const void *a, const void *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(a)), load256(b), 1);
-}
-
 /* sub-block pair t of both groups: chunk c of sub-block 2t + h into q[h][c], the scales as
  * int16 pairs per row (sc) and times -4 (scm4) */
 KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int t,
@@ -562,9 +558,7 @@ KV_INL_Z void tile2_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq,
                                               _mm512_set1_epi32(b2));
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[i].d)),
-            _mm_loadu_si128((const __m128i *)B[i].d), 1));
+        const __m512 dw = z16_scales(b[i].d, B[i].d);
         for (int j = 0; j < nx; j++)
             acc[j] = _mm512_fmadd_ps(
                 _mm512_mul_ps(dw, _mm512_set1_ps(K23X8_ACT(xq, xs, j, i)->d)),

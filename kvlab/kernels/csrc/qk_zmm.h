@@ -47,6 +47,19 @@ KV_INL_Z __m512i zdup_i8(const int8_t *p) {
     return zpair(v, v);
 }
 
+/* Two groups at once (16 rows, lane r = row r): 32 bytes of group a's block, then b's */
+KV_INL_Z __m512i z16_load(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* the fp16 row scales of two groups' blocks as 16 floats */
+KV_INL_Z __m512 z16_scales(const kv_half *a, const kv_half *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+        _mm_loadu_si128((const __m128i *)b), 1));
+}
+
 /* lanes 2r and 2r + 1 summed -> lane r of 8 */
 KV_INL_Z __m256i zfold(__m512i v) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
