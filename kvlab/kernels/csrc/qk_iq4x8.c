@@ -394,35 +394,16 @@ KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, i
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
 }
 
-KV_INL_Z void tile2_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
-                           const int nx, float *y, int64_t ys) {
+KV_INL_Z void xs16_sums(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, int64_t i,
+                        const char *xq, int64_t xs, const int nx, __m512i *isum) {
     const __m512i table = iq4_table_u8_zmm();
-    const kv_blk_iq4_xsx8 *B = b + nb;
-    __m512 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m512i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
-        for (int s = 0; s < 8; s++) {
-            for (int g = 0; g < 2; g++) {
-                const char *ahead = (const char *)((g ? B : b) + i + 2) + 128 * s;
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + 64, _MM_HINT_T0);
-            }
-            xs16_sub_zmm(b + i, B + i, s, table, xq, xs, i, nx, isum);
-        }
-        for (int g = 0; g < 2; g++) {
-            const char *ahead = (const char *)((g ? B : b) + i + 2);
-            _mm_prefetch(ahead + 1024, _MM_HINT_T0);
-            _mm_prefetch(ahead + 1088, _MM_HINT_T0);
-        }
-        const __m512 dw = z16_scales(b[i].d, B[i].d);
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ACT(kv_act256, j, i)->d)),
-                                     _mm512_cvtepi32_ps(isum[j]), acc[j]);
+    for (int s = 0; s < 8; s++) {
+        z16_prefetch(A + 2, B + 2, 128 * s);
+        xs16_sub_zmm(A, B, s, table, xq, xs, i, nx, isum);
     }
-    for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
+    z16_prefetch(A + 2, B + 2, 1024);
 }
+KV_ZMM_TILE2(tile2_xs_zmm, kv_blk_iq4_xsx8, xs16_sums)
 
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)

@@ -527,14 +527,52 @@ static inline __attribute__((always_inline)) KV_TGT_A void q6_sub_avx2(
 
 KV_Q6_TILE(tile_q6_vnni, KV_TGT_V, q6_sub_vnni)
 KV_Q6_TILE(tile_q6_avx2, KV_TGT_A, q6_sub_avx2)
+/* Q6_Kx8, two groups at once in zmm (16 rows, lane r = row r; prefill): a 16-value group's
+ * vpmulld scales 16 rows. Each x row's chain starts from -32 * (x's 16-sum of the group), one
+ * vpdpwssd, so p is the signed dot and sc * p the integer of the tiles above: the same bits. */
+KV_INL_Z void q6x16_sums(const kv_blk_q6_kx8 *A, const kv_blk_q6_kx8 *B, int64_t i,
+                        const char *xq, int64_t xs, const int nx, __m512i *isum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+    const __m512i m32 = _mm512_set1_epi32(0x0000FFE0); /* int16 pair (-32, 0) */
+    for (int g = 0; g < 16; g++) {
+        z16_prefetch(A + 2, B + 2, 128 * g);
+        const __m512i l0 = z16_load(A->ql[g][0], B->ql[g][0]);
+        const __m512i l1 = z16_load(A->ql[g][1], B->ql[g][1]);
+        const __m512i h = z16_load(A->qh[g], B->qh[g]);
+        const __m512i l0h = _mm512_srli_epi16(l0, 4), l1h = _mm512_srli_epi16(l1, 4);
+        const __m512i q[4] = {  /* q6x8_unpack's bytes: nibble | two bits at 4-5 */
+            _mm512_ternarylogic_epi32(l0, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m2), 0xEA),
+            _mm512_ternarylogic_epi32(l1, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m2), 0xEA),
+            _mm512_ternarylogic_epi32(l0h, m4, _mm512_and_si512(h, m2), 0xEA),
+            _mm512_ternarylogic_epi32(l1h, m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m2),
+                                      0xEA)};
+        const __m512i sc = _mm512_cvtepi8_epi32(
+            _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)A->sc[g]),
+                               _mm_loadl_epi64((const __m128i *)B->sc[g])));
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;
+            __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_set1_epi16(a->bsums[g]),
+                                            m32);
+            for (int c = 0; c < 4; c++) {
+                int32_t x4;
+                memcpy(&x4, a->qs + 16 * g + 4 * c, 4);
+                p = _mm512_dpbusd_epi32(p, q[c], _mm512_set1_epi32(x4));
+            }
+            isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p, sc));
+        }
+    }
+}
+KV_ZMM_TILE2(tile2_q6_zmm, kv_blk_q6_kx8, q6x16_sums)
+
 KV_GROUP_GEMV(gemv_q6_vnni, KV_TGT_V, tile_q6_vnni, kv_blk_q6_kx8, 256)
+KV_GROUP_GEMV2(gemv_q6_zmm, KV_TGT_Z, tile_q6_vnni, tile2_q6_zmm, kv_blk_q6_kx8, 256)
 KV_GROUP_GEMV(gemv_q6_avx2, KV_TGT_A, tile_q6_avx2, kv_blk_q6_kx8, 256)
 
 void kv_gemv_q6_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (kv_use_vnni() ? gemv_q6_vnni : gemv_q6_avx2)(w, row_bytes, r0, r1, cols, xq, xstride, n,
-                                                  y, ystride);
+    (!kv_use_vnni() ? gemv_q6_avx2 : n >= KV_ZMM_MIN_N ? gemv_q6_zmm : gemv_q6_vnni)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 KV_GROUP_GEMV(gemv_k8_vnni, KV_TGT_V, tile_k8_vnni, kv_blk_q4_kx8, 256)

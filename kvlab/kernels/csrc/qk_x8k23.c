@@ -526,46 +526,30 @@ KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int t,
     *scm4 = _mm512_mullo_epi16(*sc, _mm512_set1_epi16(-4));
 }
 
-KV_INL_Z void tile2_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, int64_t xs,
-                             const int nx, float *y, int64_t ys) {
-    const kv_blk_q3_kx8 *B = b + nb;
-    __m512 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m512i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t++) {
-            for (int g = 0; g < 2; g++) {
-                const char *ahead = (const char *)((g ? B : b) + i + 2) + 128 * t;
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + 64, _MM_HINT_T0);
+KV_INL_Z void q3x16_sums(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int64_t i,
+                        const char *xq, int64_t xs, const int nx, __m512i *isum) {
+    for (int t = 0; t < 8; t++) {
+        z16_prefetch(A + 2, B + 2, 128 * t);
+        __m512i q[2][4], sc, scm4;
+        q3x16_pair(A, B, t, q, &sc, &scm4);
+        for (int j = 0; j < nx; j++) {
+            const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
+            __m512i lo = _mm512_setzero_si512(), hi = lo;
+            for (int c = 0; c < 4; c++) {
+                int32_t x0, x1;
+                memcpy(&x0, a->qs + 32 * t + 4 * c, 4);
+                memcpy(&x1, a->qs + 32 * t + 16 + 4 * c, 4);
+                lo = _mm512_dpbusd_epi32(lo, q[0][c], _mm512_set1_epi32(x0));
+                hi = _mm512_dpbusd_epi32(hi, q[1][c], _mm512_set1_epi32(x1));
             }
-            __m512i q[2][4], sc, scm4;
-            q3x16_pair(b + i, B + i, t, q, &sc, &scm4);
-            for (int j = 0; j < nx; j++) {
-                const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-                __m512i lo = _mm512_setzero_si512(), hi = lo;
-                for (int c = 0; c < 4; c++) {
-                    int32_t x0, x1;
-                    memcpy(&x0, a->qs + 32 * t + 4 * c, 4);
-                    memcpy(&x1, a->qs + 32 * t + 16 + 4 * c, 4);
-                    lo = _mm512_dpbusd_epi32(lo, q[0][c], _mm512_set1_epi32(x0));
-                    hi = _mm512_dpbusd_epi32(hi, q[1][c], _mm512_set1_epi32(x1));
-                }
-                int32_t b2;
-                memcpy(&b2, a->bsums + 2 * t, 4);
-                isum[j] = _mm512_dpwssd_epi32(zscale2(isum[j], lo, hi, sc), scm4,
-                                              _mm512_set1_epi32(b2));
-            }
+            int32_t b2;
+            memcpy(&b2, a->bsums + 2 * t, 4);
+            isum[j] = _mm512_dpwssd_epi32(zscale2(isum[j], lo, hi, sc), scm4,
+                                          _mm512_set1_epi32(b2));
         }
-        const __m512 dw = z16_scales(b[i].d, B[i].d);
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm512_fmadd_ps(
-                _mm512_mul_ps(dw, _mm512_set1_ps(K23X8_ACT(xq, xs, j, i)->d)),
-                _mm512_cvtepi32_ps(isum[j]), acc[j]);
     }
-    for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
 }
+KV_ZMM_TILE2(tile2_q3x8_zmm, kv_blk_q3_kx8, q3x16_sums)
 
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)

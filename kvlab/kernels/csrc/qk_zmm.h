@@ -60,6 +60,38 @@ KV_INL_Z __m512 z16_scales(const kv_half *a, const kv_half *b) {
         _mm_loadu_si128((const __m128i *)b), 1));
 }
 
+/* The tile of two groups at once (b and b + nb: 16 rows, lane r = row r; y and y + 8) against
+ * nx x rows: sums(A, B, i, xq, xs, nx, isum) adds super-block i's exact integers per x row,
+ * then acc = fma(d * d_x, isum, acc) as the 8-row tiles do, so the same bits. */
+#define KV_ZMM_TILE2(name, blk_t, sums)                                                     \
+    KV_INL_Z void name(const blk_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, \
+                       float *y, int64_t ys) {                                              \
+        const blk_t *B = b + nb;                                                            \
+        __m512 acc[KV_GROUP_NX];                                                            \
+        for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();                          \
+        for (int64_t i = 0; i < nb; i++) {                                                  \
+            __m512i isum[KV_GROUP_NX];                                                      \
+            for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
+            sums(b + i, B + i, i, xq, xs, nx, isum);                                        \
+            const __m512 dw = z16_scales(b[i].d, B[i].d);                                   \
+            for (int j = 0; j < nx; j++) {                                                  \
+                const __m512 dx = _mm512_set1_ps(((const kv_act256 *)(xq + j * xs) + i)->d); \
+                acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[j]), \
+                                         acc[j]);                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);                 \
+    }
+
+/* super-block `ahead` of both groups (A and B rows) prefetched, bytes [off, off + 128) */
+KV_INL_Z void z16_prefetch(const void *a, const void *b, int64_t off) {
+    for (int k = 0; k < 2; k++) {
+        const char *p = (const char *)(k ? b : a) + off;
+        _mm_prefetch(p, _MM_HINT_T0);
+        _mm_prefetch(p + 64, _MM_HINT_T0);
+    }
+}
+
 /* lanes 2r and 2r + 1 summed -> lane r of 8 */
 KV_INL_Z __m256i zfold(__m512i v) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
