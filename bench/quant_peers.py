@@ -365,10 +365,10 @@ _BANDWIDTH_SNIPPET = """
 import sys, torch
 from kvlab.kernels import set_num_threads
 from kvlab.perf.probe import measure_bandwidth
-threads, budget = int(sys.argv[1]), float(sys.argv[2])
+threads, budget, both = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
 torch.set_num_threads(threads)
 set_num_threads(threads)
-small, _ = measure_bandwidth(512, budget, huge_pages=False)
+small = measure_bandwidth(512, budget, huge_pages=False)[0] if both else 0.0
 gb_s, runs = measure_bandwidth(512, budget)
 print(gb_s / 1e9, runs, small / 1e9)
 """
@@ -378,8 +378,10 @@ def measure_bandwidth(threads: int, quiet: bool = False) -> float | None:
     """GB/s of kvlab's C stream read over 512 MiB at `threads` (what `kvlab probe` measures),
     in its own process so nothing of it stays running beside the engines. The ceiling is the
     read in 2 MiB pages, as kvlab keeps its weights; the read in 4 KiB pages is printed too
-    (`quiet`: a shorter probe between rounds, printed with the file's ceiling)."""
-    cmd = [sys.executable, "-c", _BANDWIDTH_SNIPPET, str(threads), "1.5" if quiet else "4.0"]
+    (`quiet`: a shorter probe between rounds, 2 MiB pages only, printed with the file's
+    ceiling)."""
+    cmd = [sys.executable, "-c", _BANDWIDTH_SNIPPET, str(threads), "1.5" if quiet else "4.0",
+           "0" if quiet else "1"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"# bandwidth probe failed: {_error_line(proc.stderr)}; no ceiling line")

@@ -286,6 +286,7 @@ KV_INL void fa_tile4_avx2(const fa_job *j, int64_t g, int64_t t, const float *co
 }
 
 KV_TGT FA_HALVES(fa_tile_avx2, fa_tile4_avx2)
+
 /* ---- AVX-512: all FA_R = 8 rows in one pass ----
  * The 4-row AVX2 tile keeps 8 accumulators in flight, one FMA chain each, which is as many
  * as two FMA pipes of latency 4 need and no more: measured, the score and mix loops stall on

@@ -67,7 +67,6 @@ void kv_norm_rope(float *x, int64_t tokens, int64_t row_stride, int64_t heads, i
     }
 }
 
-/* dst[slots[j]] = src row j (row values, rows src_stride floats apart): the paged KV write */
 /* fp32 -> fp16 of n values, rounded to nearest even (kv_f2h one at a time; with F16C eight
  * at a time, the same halves but for a NaN's payload bits, kept by F16C, set by kv_f2h) */
 static void to_half(kv_half *d, const float *s, int64_t n) {
@@ -83,6 +82,7 @@ static __attribute__((target("avx,f16c"))) void to_half8(kv_half *d, const float
 }
 #endif
 
+/* dst[slots[j]] = src row j (row values, rows src_stride floats apart): the paged KV write */
 void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,
                      const int64_t *slots, int64_t n, int64_t row) {
     void (*half)(kv_half *, const float *, int64_t) = to_half;
@@ -212,6 +212,9 @@ static inline __attribute__((always_inline)) KV_TGT8 __m256 silu_mul_8(__m256 g,
 #define KV_GATED_AVX2(f8)                                                                  \
     for (; i + 8 <= inter; i += 8)                                                         \
         _mm256_storeu_ps(out + i, f8(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + inter + i)));
+#else
+#define KV_TGT8
+#define KV_GATED_AVX2(f8)
 #endif
 
 /* out[t, i] = act(x[t, i]) * x[t, inter + i]: x is [tokens, 2 * inter] (gate | up); act is
@@ -234,10 +237,8 @@ static inline __attribute__((always_inline)) KV_TGT8 __m256 silu_mul_8(__m256 g,
     }
 KV_GATED(gelu_rows, , , gelu_mul_4, gelu_mul_1)
 KV_GATED(silu_rows, , , silu_mul_4, silu_mul_1)
-#ifdef KV_HAVE_AVX2_BUILD
 KV_GATED(gelu_rows8, KV_TGT8, KV_GATED_AVX2(gelu_mul_8), gelu_mul_4, gelu_mul_1)
 KV_GATED(silu_rows8, KV_TGT8, KV_GATED_AVX2(silu_mul_8), silu_mul_4, silu_mul_1)
-#endif
 
 /* the eight-wide rows where the CPU has AVX2 (the same bits either way) */
 static int gated_avx2(void) {
@@ -282,10 +283,6 @@ static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64
     kv_pool_run(gated_task, &j, nt);
 }
 
-#ifndef KV_HAVE_AVX2_BUILD
-#define gelu_rows8 gelu_rows
-#define silu_rows8 silu_rows
-#endif
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
     gated(gated_avx2() ? gelu_rows8 : gelu_rows, x, out, tokens, inter);
 }
