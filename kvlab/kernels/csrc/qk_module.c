@@ -97,25 +97,27 @@ static void rows_task(void *p, int tid, int nthreads) {
     }
 }
 
+static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
+    g_isa->gemv[job->qtype](job->w, job->row_bytes, r0, r1, job->cols, job->xq, job->xstride,
+                            job->n, (float *)job->out,
+                            job->ystride ? job->ystride : job->rows);
+}
+
 /* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
- * The 8-row group types split only between groups. */
+ * The 8-row group types split only between groups, and between pairs of groups for a
+ * product with several x rows, whose tiles take two groups at once (a lone group, as at
+ * 8192 Q3_K columns where 16 KiB is one group, would take the one-group tile). */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = job->qtype >= KV_Q8_0X8 ? 8 : 1;  /* the grouped types */
+    const int64_t align = job->qtype < KV_Q8_0X8 ? 1 : job->fn == gemv_rows && job->n > 1 ? 16 : 8;
     const int64_t groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
     for (int k = 0; k < job->nparts; k++) {
         atomic_store(&job->parts[k].next, groups * k / job->nparts * align);
-        job->parts[k].end = groups * (k + 1) / job->nparts * align;
+        job->parts[k].end = k + 1 < job->nparts ? groups * (k + 1) / job->nparts * align : job->rows;
     }
     kv_pool_run(rows_task, job, nt);
-}
-
-static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
-    g_isa->gemv[job->qtype](job->w, job->row_bytes, r0, r1, job->cols, job->xq, job->xstride,
-                            job->n, (float *)job->out,
-                            job->ystride ? job->ystride : job->rows);
 }
 
 /* row r of a matrix -> fp32 (grouped rows are spread over their group's blocks) */
