@@ -198,6 +198,21 @@ def test_wide_rows_are_batch_invariant_across_tiles(qtype, isa):
 
 @needs_c
 @pytest.mark.parametrize("qtype", K23, ids=lambda t: t.name)
+def test_many_x_rows_through_byte_rows_keep_each_rows_bits(qtype):
+    """From 32 x rows (with AVX512-VNNI) each pair of groups is first turned into bytes, once
+    per pass over about 1 MiB of x: 56 weight rows are three pairs and a lone group (the
+    one-group tile), and 250 x rows at 8192 columns are three passes. Random blocks hold every
+    value and scale, Q3_K's -4 x -32 and -4 x 31 (bytes 0 and 252) among them. Every output
+    row has the bits it has alone."""
+    for rows, cols, n in ((56, 768, 40), (16, 8192, 250)):
+        w = group_rows(make_weight(qtype, rows, cols, seed=11))
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(12))
+        alone = torch.cat([qmatmul(x[j:j + 1], w) for j in range(n)])
+        assert torch.equal(qmatmul(x, w), alone), (rows, cols)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", K23, ids=lambda t: t.name)
 def test_threads_one_and_two_give_identical_results(qtype):
     w = make_weight(qtype, 1024, 512, seed=3)  # above the single-thread threshold
     x = torch.randn(9, 512)
