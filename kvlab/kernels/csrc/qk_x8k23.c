@@ -559,19 +559,9 @@ KV_ZMM_TILE2(tile2_q3x8_zmm, kv_blk_q3_kx8, q3x16_sums)
  * super-block (lane r = row r, chunk k = values 4k..4k+3), and a row's super-block is then
  * one chain of 64 vpdpbusd per x row, nothing scaled per sub-block. The sums are the integers
  * of the tiles above (Q3_K: sum(v s x) = 128 sum(x) - sum(byte x)), so the bits are the same.
- * The bytes of a pair are made once per pass over up to K23_BYTES_XBYTES of x, about 1/80 of
- * the multiplies at 512 x rows. On an AMD EPYC (Zen 4), 2 threads, 512 x rows, Q3_K 2048 x
- * 8192 ran 434 -> 658 GFLOP/s and 16384 x 2048 501 -> 701 (medians of interleaved calls). */
-#define K23_BYTES_MIN_N 32
-#define K23_BYTES_XBYTES (1024 * 1024)
-
-/* the bytes of a pair: w[64] per super-block, then (Q2_K) its mins as 8 int16-pair vectors */
-typedef struct { const __m512i *w; const void *b; } k23_bytes;
-
-/* int32 lanes (small) -> the value in both int16 halves */
-KV_INL_Z __m512i dup16(__m512i s32) {
-    return _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
-}
+ * The driver is qk_zmm.h's KV_BYTES_GEMV. On an AMD EPYC (Zen 4), 2 threads, 512 x rows,
+ * Q3_K 2048 x 8192 ran 434 -> 658 GFLOP/s and 16384 x 2048 501 -> 701 (medians of
+ * interleaved calls). */
 
 /* per byte c - q * s (q a byte, s and c per int16 half, every result 0..255) */
 KV_INL_Z __m512i bytes_msub(__m512i q, __m512i s16, __m512i c16) {
@@ -592,7 +582,7 @@ KV_INL_Z void q2_bytes_block(const kv_blk_q2_kx8 *A, const kv_blk_q2_kx8 *B, __m
     __m512i m[16];
     for (int s = 0; s < 16; s++) {
         const __m512i v = z16_load(A->qs[s], B->qs[s]), sc = sc16(A->sc[s], B->sc[s]);
-        const __m512i s16 = dup16(_mm512_and_si512(sc, mf));
+        const __m512i s16 = zdup16(_mm512_and_si512(sc, mf));
         m[s] = _mm512_srli_epi32(sc, 4);
         for (int c = 0; c < 4; c++)  /* q * s <= 45: no carry between the bytes of an int16 */
             _mm512_store_si512(out + 4 * s + c,
@@ -607,7 +597,7 @@ KV_INL_Z void q3_bytes_block(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, __m
         __m512i q[2][4], sc, scm4;
         q3x16_pair(A, B, t, q, &sc, &scm4);
         for (int h = 0; h < 2; h++) {
-            const __m512i s = dup16(h ? _mm512_srai_epi32(sc, 16)
+            const __m512i s = zdup16(h ? _mm512_srai_epi32(sc, 16)
                                       : _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16));
             const __m512i c = _mm512_add_epi16(_mm512_set1_epi16(128), _mm512_slli_epi16(s, 2));
             for (int k = 0; k < 4; k++)
@@ -638,7 +628,7 @@ KV_INL_Z int32_t act_sum(const kv_act256 *a) {
     return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1)));
 }
 
-KV_INL_Z void tile_q2_bytes(const k23_bytes *k, int64_t nb, const char *xq, int64_t xs,
+KV_INL_Z void tile_q2_bytes(const kv_bytes *k, int64_t nb, const char *xq, int64_t xs,
                             const int nx, float *y, int64_t ys) {
     const kv_blk_q2_kx8 *A = k->b, *B = A + nb;
     __m512 acc[KV_GROUP_NX];
@@ -664,7 +654,7 @@ KV_INL_Z void tile_q2_bytes(const k23_bytes *k, int64_t nb, const char *xq, int6
     for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
 }
 
-KV_INL_Z void tile_q3_bytes(const k23_bytes *k, int64_t nb, const char *xq, int64_t xs,
+KV_INL_Z void tile_q3_bytes(const kv_bytes *k, int64_t nb, const char *xq, int64_t xs,
                             const int nx, float *y, int64_t ys) {
     const kv_blk_q3_kx8 *A = k->b, *B = A + nb;
     __m512 acc[KV_GROUP_NX];
@@ -683,37 +673,8 @@ KV_INL_Z void tile_q3_bytes(const k23_bytes *k, int64_t nb, const char *xq, int6
     for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
 }
 
-/* The driver: x in passes of up to K23_BYTES_XBYTES; per pass each pair of groups turned into
- * bytes (`per` vectors a super-block, by convert) and run against the pass's x rows by tile; a
- * lone last group takes the one-group tile `tile1` */
-#define K23_BYTES_GEMV(name, blk_t, per, convert, tile, tile1)                               \
-    static KV_TGT_Z void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,    \
-                              int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
-                              float *y, int64_t ystride) {                                   \
-        const int64_t nb = cols / 256, rows = K23_BYTES_XBYTES / xstride / KV_GROUP_NX;      \
-        const int64_t step = rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;                    \
-        __m512i *buf = aligned_alloc(64, (size_t)nb * (per) * sizeof(__m512i));              \
-        for (int64_t c = 0; c < n; c += step) {                                              \
-            const char *x = (const char *)xq + c * xstride;                                  \
-            const int64_t m = n - c < step ? n - c : step;                                   \
-            float *yc = y + c * ystride;                                                     \
-            for (int64_t r = r0; r < r1;) {                                                  \
-                const blk_t *b = (const blk_t *)(w + r * row_bytes);                         \
-                if (buf && r1 - r >= 16) {                                                   \
-                    for (int64_t i = 0; i < nb; i++) convert(b + i, b + nb + i, buf + (per) * i); \
-                    const k23_bytes k = {buf, b};                                            \
-                    KV_GROUP_TILES(tile, &k, nb, x, xstride, m, yc + r, ystride);            \
-                    r += 16;                                                                 \
-                } else {                                                                     \
-                    KV_GROUP_TILES(tile1, b, nb, x, xstride, m, yc + r, ystride);            \
-                    r += 8;                                                                  \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-        free(buf);                                                                           \
-    }
-K23_BYTES_GEMV(gemv_q2x8_bytes, kv_blk_q2_kx8, 72, q2_bytes_block, tile_q2_bytes, tile_q2x8_zmm)
-K23_BYTES_GEMV(gemv_q3x8_bytes, kv_blk_q3_kx8, 64, q3_bytes_block, tile_q3_bytes, tile_q3x8_zmm)
+KV_BYTES_GEMV(gemv_q2x8_bytes, kv_blk_q2_kx8, 72, q2_bytes_block, tile_q2_bytes, tile_q2x8_zmm)
+KV_BYTES_GEMV(gemv_q3x8_bytes, kv_blk_q3_kx8, 64, q3_bytes_block, tile_q3_bytes, tile_q3x8_zmm)
 
 KV_GROUP_GEMV(gemv_q2x8_avx2, KV_TGT, tile_q2x8, kv_blk_q2_kx8, 256)
 KV_GROUP_GEMV(gemv_q3x8_avx2, KV_TGT, tile_q3x8, kv_blk_q3_kx8, 256)
@@ -725,14 +686,14 @@ KV_GROUP_GEMV2(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, tile2_q3x8_zmm, kv_blk_q3
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni() ? gemv_q2x8_avx2 : n >= K23_BYTES_MIN_N ? gemv_q2x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q2x8_zmm : gemv_q2x8_vnni)(
+    (!kv_use_vnni() ? gemv_q2x8_avx2 : n >= KV_BYTES_MIN_N ? gemv_q2x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q2x8_zmm : gemv_q2x8_vnni)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni() ? gemv_q3x8_avx2 : n >= K23_BYTES_MIN_N ? gemv_q3x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q3x8_zmm : gemv_q3x8_vnni)(
+    (!kv_use_vnni() ? gemv_q3x8_avx2 : n >= KV_BYTES_MIN_N ? gemv_q3x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q3x8_zmm : gemv_q3x8_vnni)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */

@@ -174,4 +174,49 @@ KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
         for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                 \
     }
 
+/* ---- byte rows: prefill with many x rows ----
+ * A type whose values (with their scales, where they fit) make bytes is turned, one pair of
+ * groups (16 rows) at a time, into 64 chunks of bytes per super-block (lane r = row r, chunk
+ * k = values 4k..4k+3), plus what its tile needs per super-block (scales, mins): `per`
+ * vectors in all. That is done once per pass over up to KV_BYTES_XBYTES of x (at 512 x rows
+ * about 1/80 of the multiplies), and every x row's tile then reads ready bytes. */
+#define KV_BYTES_MIN_N 32
+#define KV_BYTES_XBYTES (1024 * 1024)
+typedef struct { const __m512i *w; const void *b; } kv_bytes;  /* a pair's bytes, its blocks */
+
+/* int32 lanes (small) -> the value in both int16 halves */
+KV_INL_Z __m512i zdup16(__m512i s32) {
+    return _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+}
+
+/* The driver: x in passes; per pass each pair of groups made into bytes by convert(A, B,
+ * out) and run against the pass's x rows by tile(&kv_bytes, ...); a lone last group (or no
+ * memory for the bytes) takes the one-group tile tile1 */
+#define KV_BYTES_GEMV(name, blk_t, per, convert, tile, tile1)                                \
+    static KV_TGT_Z void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,    \
+                              int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
+                              float *y, int64_t ystride) {                                   \
+        const int64_t nb = cols / 256, rows = KV_BYTES_XBYTES / xstride / KV_GROUP_NX;       \
+        const int64_t step = rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;                    \
+        __m512i *buf = aligned_alloc(64, (size_t)nb * (per) * sizeof(__m512i));              \
+        for (int64_t c = 0; c < n; c += step) {                                              \
+            const char *x = (const char *)xq + c * xstride;                                  \
+            const int64_t m = n - c < step ? n - c : step;                                   \
+            float *yc = y + c * ystride;                                                     \
+            for (int64_t r = r0; r < r1;) {                                                  \
+                const blk_t *b = (const blk_t *)(w + r * row_bytes);                         \
+                if (buf && r1 - r >= 16) {                                                   \
+                    for (int64_t i = 0; i < nb; i++) convert(b + i, b + nb + i, buf + (per) * i); \
+                    const kv_bytes k = {buf, b};                                             \
+                    KV_GROUP_TILES(tile, &k, nb, x, xstride, m, yc + r, ystride);            \
+                    r += 16;                                                                 \
+                } else {                                                                     \
+                    KV_GROUP_TILES(tile1, b, nb, x, xstride, m, yc + r, ystride);            \
+                    r += 8;                                                                  \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        free(buf);                                                                           \
+    }
+
 #endif
