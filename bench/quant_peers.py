@@ -466,7 +466,8 @@ def _ceiling_line(series: dict[str, Series], step_bytes: float,
 
 def cpu_kind() -> str:
     """'AVX512-VNNI' or 'AVX2-only' (what llama.cpp's and kvlab's kernels dispatch on), with
-    the CPU's name and core count."""
+    the CPU's name and core count. KVLAB_NO_VNNI=1 runs kvlab's AVX2 kernels on an AVX-512
+    CPU; pair it with peers built for AVX2 (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON ...)."""
     flags, name = set(), "unknown CPU"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -476,6 +477,8 @@ def cpu_kind() -> str:
             name = value.strip()
     if "avx512_vnni" in flags:
         kind = "AVX512-VNNI"
+        if os.environ.get("KVLAB_NO_VNNI"):  # kvlab's kernels as on an AVX2-only CPU
+            kind += ", kvlab on its AVX2 paths (KVLAB_NO_VNNI=1)"
     elif "avx512f" in flags:
         kind = "AVX512 without VNNI"
     elif "avx2" in flags:
