@@ -640,7 +640,7 @@ KV_INL_Z void tile_q2_bytes(const kv_bytes *k, int64_t nb, const char *xq, int64
         const __m512 dw = z16_scales(A[i].d, B[i].d), mw = z16_scales(A[i].dmin, B[i].dmin);
         for (int j = 0; j < nx; j++) {
             const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
-            __m512i msum = _mm512_setzero_si512();
+            __m512i msum = _mm512_setzero_si512();  /* sum_s m_s * bsum_s, 16 rows */
             for (int q = 0; q < 8; q++) {
                 int32_t b2;
                 memcpy(&b2, a->bsums + 2 * q, 4);
@@ -686,14 +686,20 @@ KV_GROUP_GEMV2(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, tile2_q3x8_zmm, kv_blk_q3
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni() ? gemv_q2x8_avx2 : n >= KV_BYTES_MIN_N ? gemv_q2x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q2x8_zmm : gemv_q2x8_vnni)(
+    (!kv_use_vnni()            ? gemv_q2x8_avx2
+     : n >= KV_BYTES_MIN_N ? gemv_q2x8_bytes
+     : n >= KV_ZMM_MIN_N   ? gemv_q2x8_zmm
+                           : gemv_q2x8_vnni)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni() ? gemv_q3x8_avx2 : n >= KV_BYTES_MIN_N ? gemv_q3x8_bytes : n >= KV_ZMM_MIN_N ? gemv_q3x8_zmm : gemv_q3x8_vnni)(
+    (!kv_use_vnni()            ? gemv_q3x8_avx2
+     : n >= KV_BYTES_MIN_N ? gemv_q3x8_bytes
+     : n >= KV_ZMM_MIN_N   ? gemv_q3x8_zmm
+                           : gemv_q3x8_vnni)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
