@@ -637,7 +637,8 @@ def test_attend_decode_checks_slots():
 
 def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
     """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path,
-    for Q8_0 and for the 8-row groups of Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, IQ4_XS, Q2_K and Q3_K."""
+    for Q8_0 and for the 8-row groups of Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, IQ4_XS, Q2_K and Q3_K;
+    40 x rows take the byte-row paths of Q2_K and Q3_K with VNNI."""
     import os
     import pickle
     import subprocess
@@ -659,9 +660,9 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
         "w5 = group_rows(quantize(torch.randn(64, 320, generator=g), T.Q5_0))\n"
         "k8 = [group_rows(quantize(torch.randn(16, 512, generator=g), t)) for t in (T.Q4_K, T.Q6_K, T.Q5_K)]\n"
         "k8 += pickle.loads(open(sys.argv[2], 'rb').read())\n"
-        "x, xk = torch.randn(13, 320, generator=g), torch.randn(21, 512, generator=g)\n"
+        "x, xk = torch.randn(13, 320, generator=g), torch.randn(40, 512, generator=g)\n"
         "torch.save([qmatmul(x[:n].contiguous(), v) for n in (1, 4, 8, 13) for v in (w, w8, w5)]\n"
-        "           + [qmatmul(xk[:n].contiguous(), v) for n in (1, 13, 21) for v in k8], sys.argv[1])\n")
+        "           + [qmatmul(xk[:n].contiguous(), v) for n in (1, 13, 21, 40) for v in k8], sys.argv[1])\n")
     outs = []
     for env in ({}, {"KVLAB_NO_VNNI": "1"}):
         path = tmp_path / f"out{len(outs)}.pt"
