@@ -54,15 +54,16 @@ void *kv_scratch(size_t bytes) {
  *
  * Each thread owns one contiguous part of the rows and walks it front to back, so the
  * hardware prefetchers see one long stream per thread (interleaving small chunks between
- * threads halved the bandwidth on the model's 0.1-1 MB matrices). A part is taken in
- * chunks that halve: half of what is left, then half of the rest, down to ~16 KiB units
- * at the tail. A thread done with its part takes chunks from the next parts, so a worker
- * that is late, or never scheduled on a busy machine, costs nothing but its own speed-up,
- * while a part is a handful of calls rather than one per 16 KiB (at batch 1 those calls
- * cost 4-20 % of a product streamed from memory).
+ * threads halved the bandwidth on the model's 0.1-1 MB matrices). A thread done with its
+ * part takes chunks from the next parts, so a worker that is late, or never scheduled on a
+ * busy machine, costs nothing but its own speed-up. The chunks are units of ~16 KiB, except
+ * in a product with one x row (decode): there a unit is little work and the calls cost
+ * 4-20 % of a product streamed from memory, so its part is taken in chunks that halve: half
+ * of what is left, then half of the rest, down to the unit at the tail.
  *
  *     rows: |---- part 0 (caller) ---->|---- part 1 (worker 1) ---->|
- *            1/2      1/4   1/8 .. u u   1/2 ...   <- thieves take chunks from here too
+ *            u u u u u u ...             u u u ...  <- thieves take chunks from here too
+ *     n = 1: 1/2      1/4   1/8 .. u u   1/2 ...
  */
 
 #define KV_MAX_PARTS 64
@@ -77,7 +78,7 @@ typedef void (*rows_fn)(const rows_job *job, int64_t r0, int64_t r1);
 struct rows_job {
     rows_fn fn;
     int64_t rows, unit, align;
-    int qtype, nparts;
+    int qtype, nparts, halving;
     const uint8_t *w;
     int64_t row_bytes, cols;
     const void *xq;   /* gemv: activations; quantize: fp32 input */
@@ -87,13 +88,19 @@ struct rows_job {
     kv_part parts[KV_MAX_PARTS];
 };
 
-/* chunk c of a part: half of the rows left (a multiple of `align`), at least `unit` */
-static int64_t chunk_rows(const kv_part *part, int64_t c, int64_t unit, int64_t align,
-                          int64_t *r0) {
+/* chunk c of a part: its c-th unit, or (halving) half of the rows left, a multiple of
+ * `align` and at least a unit; 0 rows past the part's end */
+static int64_t chunk_rows(const kv_part *part, int64_t c, const rows_job *job, int64_t *r0) {
+    const int64_t unit = job->unit;
+    if (!job->halving) {
+        if (c >= (part->end - part->start + unit - 1) / unit) return 0;
+        *r0 = part->start + c * unit;
+        return part->end - *r0 < unit ? part->end - *r0 : unit;
+    }
     int64_t r = part->start, size = 0;
     for (int64_t i = 0; i <= c && r < part->end; i++) {
         r += size;
-        const int64_t left = part->end - r, half = left / 2 / align * align;
+        const int64_t left = part->end - r, half = left / 2 / job->align * job->align;
         size = half > unit ? half : unit < left ? unit : left;
     }
     *r0 = r;
@@ -107,8 +114,7 @@ static void rows_task(void *p, int tid, int nthreads) {
         kv_part *part = &job->parts[(tid + k) % job->nparts];
         for (;;) {
             int64_t r0;
-            const int64_t n = chunk_rows(part, atomic_fetch_add(&part->next, 1), job->unit,
-                                         job->align, &r0);
+            const int64_t n = chunk_rows(part, atomic_fetch_add(&part->next, 1), job, &r0);
             if (n <= 0) break;
             job->fn(job, r0, r0 + n);
         }
@@ -132,6 +138,7 @@ static void run_rows(rows_job *job, int64_t bytes_per_row) {
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
     job->align = align;
+    job->halving = job->fn == gemv_rows && job->n == 1;
     for (int k = 0; k < job->nparts; k++) {
         atomic_store(&job->parts[k].next, 0);
         job->parts[k].start = groups * k / job->nparts * align;
