@@ -124,8 +124,9 @@ def test_threads_split_between_groups():
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_split_product_computes_every_row_once(n):
-    """Threads take their parts in halving chunks: 301 groups (odd, so a lone group at the
-    end for several x rows) on 2 threads give each 8-row slice's own product, bit for bit."""
+    """Threads take their parts in chunks (halving ones for one x row): 301 groups (odd, so a
+    lone group at the end for several x rows) on 2 threads give each 8-row slice's own
+    product, bit for bit, in an output that starts as NaN (a skipped chunk stays NaN)."""
     w = weight(T.Q4_K, rows=8 * 301, cols=512, seed=5)  # 694 KB: parts of many chunks
     x = torch.randn(n, 512, generator=torch.Generator().manual_seed(6))
     slices = [group_rows(QuantizedWeight(T.Q4_K, (8, 512), w.data[r:r + 8]))
@@ -133,7 +134,7 @@ def test_split_product_computes_every_row_once(n):
     before = ops.get_num_threads()
     try:
         ops.set_num_threads(2)
-        whole = qmatmul(x, group_rows(w))
+        whole = qmatmul(x, group_rows(w), out=torch.full((n, 8 * 301), float("nan")))
     finally:
         ops.set_num_threads(before)
     assert torch.equal(whole, torch.cat([qmatmul(x, g) for g in slices], dim=1))

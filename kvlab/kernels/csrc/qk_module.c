@@ -89,7 +89,7 @@ struct rows_job {
 };
 
 /* chunk c of a part: its c-th unit, or (halving) half of the rows left, a multiple of
- * `align` and at least a unit; 0 rows past the part's end */
+ * `align` and at least a unit; the last chunk is what is left; 0 rows past the part's end */
 static int64_t chunk_rows(const kv_part *part, int64_t c, const rows_job *job, int64_t *r0) {
     const int64_t unit = job->unit;
     if (!job->halving) {
