@@ -1,8 +1,9 @@
 """Where a decode step's time goes: ms per step, how much of it the one C call that runs all
-decode layers takes (Gemma 3 on quantized weights: products, norms, attention), the other
+decode layers takes (products, norms, attention; the default Gemma 3 or any GGUF), the other
 matmul kernels (the output head), and the rest (Python, small torch ops, sampling).
 
-    .venv/bin/python bench/decode_step.py [--batch 1] [--steps 100] [-t 2] [--no-group-rows]
+    .venv/bin/python bench/decode_step.py [-m FILE] [--batch 1] [--steps 100] [-t 2]
+                                          [--no-group-rows]
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from kvlab.request import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", default=None, help="a GGUF file (default: the Gemma 3 model)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("--no-group-rows", action="store_true",
                     help="keep Q8_0/Q5_0/Q4_0 in GGUF row order (the plain kernels)")
     args = ap.parse_args()
-    engine = Engine.from_model(None, EngineConfig(threads=args.t, enable_prefix_caching=False,
+    engine = Engine.from_model(args.model, EngineConfig(threads=args.t, enable_prefix_caching=False,
                                                   group_rows=not args.no_group_rows))
     params = SamplingParams(max_tokens=args.steps + 20, temperature=0, ignore_eos=True)
     for i in range(args.batch):
