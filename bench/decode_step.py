@@ -25,8 +25,9 @@ def main() -> None:
     ap.add_argument("--no-group-rows", action="store_true",
                     help="keep Q8_0/Q5_0/Q4_0 in GGUF row order (the plain kernels)")
     args = ap.parse_args()
-    engine = Engine.from_model(args.model, EngineConfig(threads=args.t, enable_prefix_caching=False,
-                                                  group_rows=not args.no_group_rows))
+    config = EngineConfig(threads=args.t, enable_prefix_caching=False,
+                          group_rows=not args.no_group_rows)
+    engine = Engine.from_model(args.model, config)
     params = SamplingParams(max_tokens=args.steps + 20, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [2, *range(1000 + 7 * i, 1020 + 7 * i)], params)

@@ -686,7 +686,7 @@ KV_GROUP_GEMV2(gemv_q3x8_zmm, KV_TGT_Z, tile_q3x8_zmm, tile2_q3x8_zmm, kv_blk_q3
 void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni()            ? gemv_q2x8_avx2
+    (!kv_use_vnni()          ? gemv_q2x8_avx2
      : n >= KV_BYTES_MIN_N ? gemv_q2x8_bytes
      : n >= KV_ZMM_MIN_N   ? gemv_q2x8_zmm
                            : gemv_q2x8_vnni)(
@@ -696,7 +696,7 @@ void kv_gemv_q2_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_
 void kv_gemv_q3_kx8_avx2(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
                          int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
                          int64_t ystride) {
-    (!kv_use_vnni()            ? gemv_q3x8_avx2
+    (!kv_use_vnni()          ? gemv_q3x8_avx2
      : n >= KV_BYTES_MIN_N ? gemv_q3x8_bytes
      : n >= KV_ZMM_MIN_N   ? gemv_q3x8_zmm
                            : gemv_q3x8_vnni)(
