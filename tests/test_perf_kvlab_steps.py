@@ -71,10 +71,10 @@ def model(arch: str = "llama", layers: tuple[LayerSpec, ...] | None = None) -> M
 def test_decode_step_is_weights_plus_kv_plus_overhead() -> None:
     p = predict(model(), machine(), Workload(prompt_tokens=99, output_tokens=2))
     assert reply_contexts(p.workload) == [100]
-    # weights: 1 MB q (Q8_0 -> Q8_0x8, 10 GB/s) + 2 MB gate (Q4_K -> Q4_Kx8, 148/144 of
-    # the bytes, 20 GB/s) per layer, the 10 MB output; rows: (64+16+16+64+128+128+64) per
+    # weights: 1 MB q (Q8_0 -> Q8_0x8, 10 GB/s) + 2 MB gate (Q4_K -> Q4_Kx8, its own
+    # size, 20 GB/s) per layer, the 10 MB output; rows: (64+16+16+64+128+128+64) per
     # layer + 1000 at 1 ns; calls: q|k|v joined, gate|up joined -> 4 per layer + output = 9
-    weights = (2 * (100 * US + 100 * US * 148 / 144) + 1000 * US + (2 * 480 + 1000) * NS
+    weights = (2 * (100 * US + 100 * US) + 1000 * US + (2 * 480 + 1000) * NS
                + 9 * 5 * US)
     # KV: 32 f32 values a position, 100 positions, 2 layers, one pass (4 heads a pass), 4 GB/s
     kv = 2 * 32 * 4 * 100 / 4e9

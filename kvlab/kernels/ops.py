@@ -189,7 +189,7 @@ GROUP_CHUNK_ROWS = 8192  # rows grouped per call: the source's pages can go as t
 def group_rows(w: QuantizedWeight,
                read: Callable[[int, int], None] | None = None) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
-    Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (148 bytes
+    Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (144 bytes
     per 256), Q5_K as Q5_Kx8 (180 bytes per 256), Q6_K as Q6_Kx8 (210 bytes per 256, Q6_K's
     own size), Q2_K as Q2_Kx8 (its own size), Q3_K as Q3_Kx8 (114 bytes per 256), IQ4_XS as
     IQ4_XSx8 (138 bytes per 256), IQ4_NL as IQ4_NLx8 (its own size). Their products serve 8

@@ -42,6 +42,9 @@ typedef struct { kv_half d, m; uint8_t qh[4]; uint8_t qs[16]; } kv_blk_q5_1;   /
 /* K-quants: 256-element super-blocks. Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scale and
  * min packed in `scales`; value = d*sc*q - dmin*m. Q6_K: 16 groups of 16, int8 scales. */
 typedef struct { kv_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; } kv_blk_q4_k;   /* 144 */
+/* a K-quant group's sub-block scales and mins, one byte each, [sub-block s][row k]: how the
+ * 8-row tiles read them (Q5_Kx8 stores them so; Q4_Kx8 unpacks them per super-block) */
+typedef struct { uint8_t sc[8][8], m[8][8]; } kv_k8_scales;
 typedef struct {
     kv_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128];
 } kv_blk_q5_k;                                                                          /* 176 */
@@ -139,7 +142,7 @@ extern const kv_isa kv_isa_avx2;
 #endif
 
 /* ---- 8-row groups, one register lane per row: Q8_0x8 (qk_x8.c; from Q8_0, Q5_0, Q4_0,
- * Q8_0's size), Q4_Kx8 (qk_x8k.c; scales unpacked, 148 B per row and super-block), Q6_Kx8
+ * Q8_0's size), Q4_Kx8 (qk_x8k.c; Q4_K's 144 B per row and super-block), Q6_Kx8
  * (qk_x8k.c; Q6_K's 210 B, the 6-bit values regrouped). Conversions return -1 if rows % 8 (or,
  * for Q8_0x8, the source type) does not fit. ---- */
 int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,

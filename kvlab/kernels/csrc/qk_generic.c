@@ -80,7 +80,7 @@ int kv_type_size(int qtype) {
         case KV_Q5_0: case KV_Q5_0X8: return 22;
         case KV_Q5_1: return 24;
         case KV_Q4_K: return 144;
-        case KV_Q4_KX8: return 148;
+        case KV_Q4_KX8: return 144;
         case KV_Q6_KX8: return 210;
         case KV_Q5_K: return 176;
         case KV_Q5_KX8: return 180;

@@ -3,11 +3,14 @@
  * broadcast gives 8 rows' partial dots at once, and the integer sub-block scales and the
  * float steps each serve 8 rows per instruction.
  *
- *   Q4_Kx8 super-block i of rows 8g..8g+7 (1184 B = 8 x 148, Q4_K's 144 + unpacked scales):
+ *   Q4_Kx8 super-block i of rows 8g..8g+7 (1152 B = 8 x 144, Q4_K's own size: a batch-1
+ *   decode reads no more bytes than the file's blocks):
  *     d[8], dmin[8]     fp16, row 8g+k in slot k
- *     sc[8][8], m[8][8] 6-bit sub-block scale and min, [sub-block s][row k]
+ *     scales[12][8]     byte j of row k's 12 packed bytes of 6-bit scales and mins, [j][k]
  *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q4_K qs: its low
  *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
+ *   The SIMD tiles unpack a super-block's scales and mins for all 8 rows at once (11 vector
+ *   operations, k8_scales_avx2) into kv_k8_scales, the layout they read.
  *   per row and x row (x in kv_act256 blocks), as exact integers:
  *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
  *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
@@ -37,9 +40,17 @@
 
 typedef struct {
     kv_half d[8], dmin[8];
-    uint8_t sc[8][8], m[8][8];
+    uint8_t scales[12][8];
     uint8_t qs[4][8][32];
-} kv_blk_q4_kx8;  /* 1184 B */
+} kv_blk_q4_kx8;
+_Static_assert(sizeof(kv_blk_q4_kx8) == 8 * sizeof(kv_blk_q4_k), "Q4_Kx8 is Q4_K's size");
+
+/* row k's scales and mins (portable) */
+static void k8_row_scales(const kv_blk_q4_kx8 *b, int k, uint8_t sc[8], uint8_t mn[8]) {
+    uint8_t packed[12];
+    for (int j = 0; j < 12; j++) packed[j] = b->scales[j][k];
+    kv_scale_min_k4(packed, sc, mn);
+}
 
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 256) return -1;
@@ -49,10 +60,8 @@ int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
         for (int64_t i = 0; i < nb; i++, out++) {
             for (int k = 0; k < 8; k++) {
                 const kv_blk_q4_k *b = (const kv_blk_q4_k *)(src + (8 * g + k) * row_bytes) + i;
-                uint8_t sc[8], mn[8];
-                kv_scale_min_k4(b->scales, sc, mn);
                 out->d[k] = b->d, out->dmin[k] = b->dmin;
-                for (int s = 0; s < 8; s++) out->sc[s][k] = sc[s], out->m[s][k] = mn[s];
+                for (int j = 0; j < 12; j++) out->scales[j][k] = b->scales[j];
                 for (int p = 0; p < 4; p++)
                     for (int t = 0; t < 8; t++) memcpy(&out->qs[p][t][4 * k], b->qs + 32 * p + 4 * t, 4);
             }
@@ -68,10 +77,11 @@ void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
     const int k = (int)(r % 8);
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = kv_h2f_table[b[i].d[k]], dmin = kv_h2f_table[b[i].dmin[k]];
+        uint8_t sc[8], mn[8];
+        k8_row_scales(b + i, k, sc, mn);
         for (int p = 0; p < 4; p++, out += 64) {
-            const float d1 = d * (float)b[i].sc[2 * p][k], m1 = dmin * (float)b[i].m[2 * p][k];
-            const float d2 = d * (float)b[i].sc[2 * p + 1][k];
-            const float m2 = dmin * (float)b[i].m[2 * p + 1][k];
+            const float d1 = d * (float)sc[2 * p], m1 = dmin * (float)mn[2 * p];
+            const float d2 = d * (float)sc[2 * p + 1], m2 = dmin * (float)mn[2 * p + 1];
             for (int l = 0; l < 32; l++) {
                 const uint8_t q = b[i].qs[p][l / 4][4 * k + l % 4];
                 out[l] = d1 * (float)(q & 0xF) - m1;
@@ -85,6 +95,8 @@ void kv_deq_q4_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
 
 static void row_sums(const kv_blk_q4_kx8 *b, int k, const kv_act256 *a, int32_t *isum,
                      int32_t *msum) {
+    uint8_t sc[8], mn[8];
+    k8_row_scales(b, k, sc, mn);
     *isum = *msum = 0;
     for (int p = 0; p < 4; p++) {
         int32_t lo = 0, hi = 0;
@@ -93,9 +105,9 @@ static void row_sums(const kv_blk_q4_kx8 *b, int k, const kv_act256 *a, int32_t 
             lo += (q & 0xF) * a->qs[64 * p + l];
             hi += (q >> 4) * a->qs[64 * p + 32 + l];
         }
-        *isum += b->sc[2 * p][k] * lo + b->sc[2 * p + 1][k] * hi;
+        *isum += sc[2 * p] * lo + sc[2 * p + 1] * hi;
     }
-    for (int s = 0; s < 8; s++) *msum += b->m[s][k] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
+    for (int s = 0; s < 8; s++) *msum += mn[s] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
 }
 
 KV_KX8_GENERIC(kv_gemv_q4_kx8_generic, kv_blk_q4_kx8, row_sums)
@@ -201,6 +213,28 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
     return _mm256_dpbusd_epi32(acc, q, x);
 }
 
+/* super-block b's scales and mins for its 8 rows, as kv_scale_min_k4 gives them: with A, B, C
+ * the packed bytes 0-3, 4-7 and 8-11 ([j][k], 32 B each), sub-blocks 0-3 take A & 63 and
+ * B & 63, sub-blocks 4-7 the low (scale) or high (min) nibble of C with bits 6-7 of A or B
+ * as bits 4-5 (16-bit shifts: the masks drop what crosses a byte) */
+static inline __attribute__((always_inline)) KV_TGT_A const kv_k8_scales *k8_scales_avx2(
+    const kv_blk_q4_kx8 *b, kv_k8_scales *u) {
+    const __m256i m63 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i hi2 = _mm256_set1_epi8(0x30);
+    const __m256i A = _mm256_loadu_si256((const __m256i *)b->scales[0]);
+    const __m256i B = _mm256_loadu_si256((const __m256i *)b->scales[4]);
+    const __m256i C = _mm256_loadu_si256((const __m256i *)b->scales[8]);
+    _mm256_storeu_si256((__m256i *)u->sc[0], _mm256_and_si256(A, m63));
+    _mm256_storeu_si256((__m256i *)u->m[0], _mm256_and_si256(B, m63));
+    _mm256_storeu_si256((__m256i *)u->sc[4],
+                        _mm256_or_si256(_mm256_and_si256(C, m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(A, 2), hi2)));
+    _mm256_storeu_si256((__m256i *)u->m[4],
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(B, 2), hi2)));
+    return u;
+}
+
 /* sc_2p * (sub-block 2p's sum of q * x) + sc_2p+1 * (sub-block 2p+1's), 8 rows in lanes.
  * VNNI: vpdpbusd chains, then the int32 products. (The AVX2 tiles below sum a sub-block's
  * eight maddubs as int16, each at most 2 * 15 * 127, eight of them 30480 < 2^15, then apply
@@ -225,6 +259,8 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
         for (int64_t i = 0; i < nb; i++) {                                                \
             __m256i isum[KV_GROUP_NX];                                                       \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                \
+            kv_k8_scales u;                                                               \
+            k8_scales_avx2(b + i, &u);                                                    \
             for (int p = 0; p < 4; p++) {                                                 \
                 __m256i lo[8], hi[8];                                                     \
                 for (int t = 0; t < 8; t++) {                                             \
@@ -233,9 +269,9 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
                     hi[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);                \
                 }                                                                         \
                 const __m256i s0 = _mm256_cvtepu8_epi32(                                  \
-                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * p]));                    \
+                    _mm_loadl_epi64((const __m128i *)u.sc[2 * p]));                       \
                 const __m256i s1 = _mm256_cvtepu8_epi32(                                  \
-                    _mm_loadl_epi64((const __m128i *)b[i].sc[2 * p + 1]));                \
+                    _mm_loadl_epi64((const __m128i *)u.sc[2 * p + 1]));                   \
                 for (int j = 0; j < nx; j++) {                                            \
                     const int8_t *x = ((const kv_act256 *)(xq + j * xs) + i)->qs + 64 * p; \
                     __m256i sub;                                                          \
@@ -247,7 +283,7 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
             for (int p = 0; p < 4; p++)                                                   \
                 for (int h = 0; h < 2; h++) {                                             \
                     const __m256i m = _mm256_cvtepu8_epi32(                               \
-                        _mm_loadl_epi64((const __m128i *)b[i].m[2 * p + h]));             \
+                        _mm_loadl_epi64((const __m128i *)u.m[2 * p + h]));                \
                     mdup[p][h] = _mm256_or_si256(m, _mm256_slli_epi32(m, 16));            \
                 }                                                                         \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));  \
@@ -278,8 +314,8 @@ KV_K8_TILE(tile_k8_vnni, KV_TGT_V, KV_K8_SUB_VNNI)
  * chunks: a chunk is unpacked into 2 registers and used by up to 4 x rows at once, whose
  * int16 sums (2 per row) stay in registers. The integers are the same, so are the bits. */
 static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
-    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, __m256i *isum,
-    const char *ahead) {
+    const kv_blk_q4_kx8 *b, const kv_k8_scales *u, const char *xq, int64_t xs, const int nx,
+    __m256i *isum, const char *ahead) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *x0 = ((const kv_act256 *)xq)->qs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
     for (int p = 0; p < 4; p++) {
@@ -300,7 +336,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
             __asm__("" : "+x"(l0), "+x"(l1), "+x"(l2), "+x"(l3), "+x"(h0), "+x"(h1), "+x"(h2), "+x"(h3));
         }
 #undef KV_K8_ROW
-        const __m256i s0d = pairs_u8(b->sc[2 * p]), s1d = pairs_u8(b->sc[2 * p + 1]);
+        const __m256i s0d = pairs_u8(u->sc[2 * p]), s1d = pairs_u8(u->sc[2 * p + 1]);
         const __m256i ls[4] = {l0, l1, l2, l3}, hs[4] = {h0, h1, h2, h3};
         for (int j = 0; j < nx; j++)
             isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(_mm256_madd_epi16(ls[j], s0d),
@@ -310,11 +346,11 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
 
 /* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
 static inline __attribute__((always_inline)) KV_TGT_A void k8_finish_avx2(
-    const kv_blk_q4_kx8 *b, const char *xq, int64_t xs, const int nx, const __m256i *isum,
-    __m256 *acc) {
+    const kv_blk_q4_kx8 *b, const kv_k8_scales *u, const char *xq, int64_t xs, const int nx,
+    const __m256i *isum, __m256 *acc) {
     __m256i mdup[4][2];  /* (m_s, m_s) as int16 pairs, sub-blocks 2p and 2p+1 */
     for (int p = 0; p < 4; p++)
-        for (int h = 0; h < 2; h++) mdup[p][h] = pairs_u8(b->m[2 * p + h]);
+        for (int h = 0; h < 2; h++) mdup[p][h] = pairs_u8(u->m[2 * p + h]);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
     for (int j = 0; j < nx; j++) {
@@ -339,10 +375,12 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
         __m256i isum[KV_GROUP_NX];
         for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
         const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+        kv_k8_scales u;
+        k8_scales_avx2(b + i, &u);
         for (int j0 = 0; j0 < nx; j0 += 4)
-            k8_rows_avx2(b + i, xi + j0 * xs, xs, nx - j0 < 4 ? nx - j0 : 4, isum + j0,
+            k8_rows_avx2(b + i, &u, xi + j0 * xs, xs, nx - j0 < 4 ? nx - j0 : 4, isum + j0,
                          j0 ? NULL : (const char *)(b + i + KV_K8_AHEAD));
-        k8_finish_avx2(b + i, xi, xs, nx, isum, acc);
+        k8_finish_avx2(b + i, &u, xi, xs, nx, isum, acc);
     }
     for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
 }
@@ -354,8 +392,8 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile_k8_avx2(
 /* sub-blocks 2p and 2p + 1 (the low and high nibbles of the same bytes): a lane's partial
  * over its 4 chunks of a sub-block is below 16 * 15 * 127 < 2^15, so the two sub-blocks'
  * partials are scaled by one vpdpwssd (zscale2) */
-KV_INL_Z void k8_pair_zmm(const kv_blk_q4_kx8 *b, const int p, const char *xq, int64_t xs,
-                          const int nx, __m512i *isum) {
+KV_INL_Z void k8_pair_zmm(const kv_blk_q4_kx8 *b, const kv_k8_scales *u, const int p,
+                          const char *xq, int64_t xs, const int nx, __m512i *isum) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int8_t *x = ((const kv_act256 *)xq)->qs + 64 * p;
     __m512i c0[KV_GROUP_NX], c1[KV_GROUP_NX];
@@ -368,19 +406,20 @@ KV_INL_Z void k8_pair_zmm(const kv_blk_q4_kx8 *b, const int p, const char *xq, i
             c1[j] = zdot(c1[j], hi, x + j * xs + 32 + 4 * t);
         }
     }
-    const __m512i sc = zpairs16(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p])),
-                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[2 * p + 1])));
+    const __m512i sc = zpairs16(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u->sc[2 * p])),
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u->sc[2 * p + 1])));
     for (int j = 0; j < nx; j++) isum[j] = zscale2(isum[j], c0[j], c1[j], sc);
 }
 
-KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_pair_zmm)
+KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_scales_avx2, k8_pair_zmm)
 
 /* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
  * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both
  * groups against up to 4 x rows; low (h = 0) or high nibbles (h = 1). */
 static inline __attribute__((always_inline)) KV_TGT_A void k8_pair_sub_avx2(
-    const kv_blk_q4_kx8 *A, const kv_blk_q4_kx8 *B, int p, int h, const char *xq, int64_t xs,
-    const int nx, __m256i *ia, __m256i *ib) {
+    const kv_blk_q4_kx8 *A, const kv_blk_q4_kx8 *B, const kv_k8_scales *ua,
+    const kv_k8_scales *ub, int p, int h, const char *xq, int64_t xs, const int nx,
+    __m256i *ia, __m256i *ib) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int8_t *x0 = ((const kv_act256 *)xq)->qs + 64 * p + 32 * h;
     const int8_t *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
@@ -406,7 +445,7 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_pair_sub_avx2(
         __asm__("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(b0), "+x"(b1), "+x"(b2), "+x"(b3));
     }
 #undef KV_K8_PAIR_ROW
-    const __m256i sad = pairs_u8(A->sc[2 * p + h]), sbd = pairs_u8(B->sc[2 * p + h]);
+    const __m256i sad = pairs_u8(ua->sc[2 * p + h]), sbd = pairs_u8(ub->sc[2 * p + h]);
     const __m256i as[4] = {a0, a1, a2, a3}, bs[4] = {b0, b1, b2, b3};
     for (int j = 0; j < nx; j++) {
         ia[j] = _mm256_add_epi32(ia[j], _mm256_madd_epi16(as[j], sad));
@@ -425,12 +464,15 @@ static inline __attribute__((always_inline)) KV_TGT_A void tile2_k8_avx2(
         __m256i ia[KV_GROUP_NX], ib[KV_GROUP_NX];
         for (int j = 0; j < nx; j++) ia[j] = ib[j] = _mm256_setzero_si256();
         const char *xi = xq + i * (int64_t)sizeof(kv_act256);
+        kv_k8_scales ua, ub;
+        k8_scales_avx2(A + i, &ua);
+        k8_scales_avx2(B + i, &ub);
         for (int j0 = 0; j0 < nx; j0 += 4)
             for (int s = 0; s < 8; s++)
-                k8_pair_sub_avx2(A + i, B + i, s / 2, s % 2, xi + j0 * xs, xs,
+                k8_pair_sub_avx2(A + i, B + i, &ua, &ub, s / 2, s % 2, xi + j0 * xs, xs,
                                  nx - j0 < 4 ? nx - j0 : 4, ia + j0, ib + j0);
-        k8_finish_avx2(A + i, xi, xs, nx, ia, acca);
-        k8_finish_avx2(B + i, xi, xs, nx, ib, accb);
+        k8_finish_avx2(A + i, &ua, xi, xs, nx, ia, acca);
+        k8_finish_avx2(B + i, &ub, xi, xs, nx, ib, accb);
     }
     for (int j = 0; j < nx; j++) {
         _mm256_storeu_ps(y + j * ys, acca[j]);

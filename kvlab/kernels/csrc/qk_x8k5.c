@@ -19,6 +19,7 @@
  * of x rows: a row's output does not depend on the batch or the kernel path.
  */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "qk.h"
@@ -35,6 +36,8 @@ typedef struct {
     uint8_t qs[4][8][32];
     uint8_t qh[8][32];
 } kv_blk_q5_kx8;  /* 1440 B */
+_Static_assert(offsetof(kv_blk_q5_kx8, m) == offsetof(kv_blk_q5_kx8, sc) + 64,
+               "Q5_Kx8's sc and m are kv_k8_scales");
 
 int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 256) return -1;
@@ -232,13 +235,20 @@ KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, in
 }
 
 /* sub-blocks 2p and 2p + 1 (each lane's partial may pass 2^15: scaled in int32) */
-KV_INL_Z void k5_pair_zmm(const kv_blk_q5_kx8 *b, const int p, const char *xq, int64_t xs,
-                          const int nx, __m512i *isum) {
+KV_INL_Z void k5_pair_zmm(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const int p,
+                          const char *xq, int64_t xs, const int nx, __m512i *isum) {
+    (void)u;  /* b's own sc and m */
     k5_sub_zmm(b, 2 * p, xq, xs, nx, isum);
     k5_sub_zmm(b, 2 * p + 1, xq, xs, nx, isum);
 }
 
-KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_pair_zmm)
+/* Q5_Kx8 keeps its scales and mins unpacked, in kv_k8_scales' layout */
+KV_INL_Z const kv_k8_scales *k5_scales(const kv_blk_q5_kx8 *b, kv_k8_scales *tmp) {
+    (void)tmp;
+    return (const kv_k8_scales *)b->sc;
+}
+
+KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_scales, k5_pair_zmm)
 
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)

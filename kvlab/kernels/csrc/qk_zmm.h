@@ -145,10 +145,12 @@ KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
 }
 
 /* The tile of a K-quant group with scales and mins (Q4_Kx8, Q5_Kx8) against nx x rows:
- * sub(b, p, x, xs, nx, isum) adds sub-blocks 2p and 2p + 1's scaled products (lane pairs); per
+ * scales_of(b, &tmp) gives a super-block's scales and mins (kv_k8_scales; tmp is room to
+ * unpack them into), sub(b, u, p, x, xs, nx, isum) adds sub-blocks 2p and 2p + 1's scaled
+ * products (lane pairs); per
  * super-block acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) as the
  * 256-bit kernels do, msum from the mins as int16 pairs. */
-#define KV_ZMM_KMIN_TILE(name, blk_t, sub)                                                  \
+#define KV_ZMM_KMIN_TILE(name, blk_t, scales_of, sub)                                       \
     KV_INL_Z void name(const blk_t *b, int64_t nb, const char *xq, int64_t xs, const int nx,  \
                        float *y, int64_t ys) {                                              \
         __m256 acc[KV_GROUP_NX];                                                            \
@@ -157,8 +159,10 @@ KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
             __m512i isum[KV_GROUP_NX], mw[4];                                               \
             for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
             const char *xi = xq + i * (int64_t)sizeof(kv_act256);                           \
-            for (int p = 0; p < 4; p++) sub(b + i, p, xi, xs, nx, isum);                   \
-            zsub32(b[i].m, 0, mw);                                                          \
+            kv_k8_scales tmp;                                                               \
+            const kv_k8_scales *u = scales_of(b + i, &tmp);                                 \
+            for (int p = 0; p < 4; p++) sub(b + i, u, p, xi, xs, nx, isum);                \
+            zsub32(u->m, 0, mw);                                                            \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
             const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
             for (int j = 0; j < nx; j++) {                                                  \
