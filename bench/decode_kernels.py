@@ -3,19 +3,22 @@
     .venv/bin/python bench/decode_kernels.py -m FILE.gguf [-t 1,2] [--reps 7]
 
 For each quant type among the file's layer matrices, the matrices in the layout the engine
-multiplies them in (8-row groups where the type has them, as loaded), enough of them to
-exceed the last-level cache so every product streams from DRAM as in a decode step, each
+multiplies them in (8-row groups where the type has them, as loaded), enough of them (or
+of copies of them) to exceed the last-level cache 8 times, so every product streams from
+DRAM as in a decode step, each
 multiplied by one random x row in turn. Prints GB/s of the bytes the kernels read (median and
 best of --reps passes) and that as a share of kvlab's probed read bandwidth at the same
 thread count, measured in the same run: a type far below the others is compute-bound there.
+Each product is its own call here, so small matrices (Gemma 3 270M's are 0.2-1.6 MB) also
+show the per-call cost that the one-call C decode layers avoid.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -25,23 +28,15 @@ from kvlab.kernels.ops import can_group, group_rows
 from kvlab.perf.probe import measure_bandwidth
 from kvlab.weights.gguf_file import GGUFFile
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_bench import pass_times  # the sibling script's timing, by path
+
 SET_BYTES = 256e6  # per type: 8x the 32 MiB L3 of the machines kvlab is measured on
 
 
-def pass_times(fn: Callable[[], object], reps: int) -> list[float]:
-    """Seconds of each of `reps` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def matrices_by_type(file: GGUFFile) -> dict[T, list[QuantizedWeight]]:
-    """Up to SET_BYTES of each type's layer matrices (the decode layout), by type; the whole
-    set is cycled twice over where the file holds less."""
+    """Each type's layer matrices in the decode layout, up to SET_BYTES, by type; where the
+    file holds less of a type, copies of them (distinct buffers) up to SET_BYTES."""
     out: dict[T, list[QuantizedWeight]] = {}
     for name, t in file.tensors.items():
         if len(t.shape) != 2 or not name.startswith("blk.") or t.qtype in (T.F32, T.F16, T.BF16):
@@ -50,6 +45,11 @@ def matrices_by_type(file: GGUFFile) -> dict[T, list[QuantizedWeight]]:
         if sum(w.nbytes for w in ws) < SET_BYTES:
             w = QuantizedWeight.from_gguf(file, name)
             ws.append(group_rows(w) if can_group(w) else w)
+    for ws in out.values():
+        originals = list(ws)
+        while sum(w.nbytes for w in ws) < SET_BYTES:
+            ws.extend(QuantizedWeight(w.qtype, w.shape, w.data.clone(), grouped=w.grouped)
+                      for w in originals)
     return out
 
 

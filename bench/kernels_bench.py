@@ -32,15 +32,20 @@ T = GGMLQuantizationType
 DRAM_SET_BYTES = 128 << 20  # > 4x the 32 MiB L3 here: cycled matrices miss the cache
 
 
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds per call, after one warm-up call."""
+def pass_times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds per call, after one warm-up call."""
+    return statistics.median(pass_times(fn, reps))
 
 
 def memory_bandwidth(reps: int) -> float:
