@@ -321,6 +321,9 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
     for (int p = 0; p < 4; p++) {
         __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0;
         __m256i h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+        if (ahead) /* a quarter of the lines here, the rest after the loop: no test per chunk */
+            for (int c = 0; c < KV_K8_LINES / 4; c++)
+                _mm_prefetch(ahead + 64 * (KV_K8_LINES / 4 * p + c), _MM_HINT_T0);
 #define KV_K8_ROW(lj, hj, xj)                                                                 \
     lj = _mm256_add_epi16(lj, _mm256_maddubs_epi16(lo, bcast4(xj + 64 * p + 4 * t)));      \
     hj = _mm256_add_epi16(hj, _mm256_maddubs_epi16(hi, bcast4(xj + 64 * p + 32 + 4 * t)))
@@ -328,7 +331,6 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
             const __m256i v = _mm256_loadu_si256((const __m256i *)b->qs[p][t]);
             const __m256i lo = _mm256_and_si256(v, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            if (ahead && 8 * p + t < KV_K8_LINES) _mm_prefetch(ahead + 64 * (8 * p + t), _MM_HINT_T0);
             KV_K8_ROW(l0, h0, x0);
             if (nx > 1) { KV_K8_ROW(l1, h1, x1); }
             if (nx > 2) { KV_K8_ROW(l2, h2, x2); }
@@ -342,6 +344,9 @@ static inline __attribute__((always_inline)) KV_TGT_A void k8_rows_avx2(
             isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(_mm256_madd_epi16(ls[j], s0d),
                                                                  _mm256_madd_epi16(hs[j], s1d)));
     }
+    if (ahead)
+        for (int c = KV_K8_LINES / 4 * 4; c < KV_K8_LINES; c++)
+            _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
 }
 
 /* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
