@@ -271,9 +271,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
-    def reserve_kv_memory(self) -> None:
-        """Make the whole KV pool resident now instead of as blocks are first written."""
-        self.runner.reserve_kv()
+    def reserve_kv_memory(self, tokens: int | None = None) -> None:
+        """Make the whole KV pool resident now instead of as blocks are first written; with
+        `tokens`, only what a first sequence of that many tokens will write."""
+        self.runner.reserve_kv(tokens)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -82,3 +82,39 @@ def test_q8_kv_needs_head_dim_in_blocks_of_32(tmp_path):
     build("qwen2", tmp_path)  # head_dim 16
     with pytest.raises(KvlabError, match="head_dim divisible by 32"):
         Engine.from_model(str(tmp_path / "model.gguf"), EngineConfig(kv_dtype="q8_0"))
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_reserve_zeroes_the_first_and_last_slots_only(kind):
+    store = make_kv(kind, 40, 2, 64, torch.device("cpu"))
+    tensors = [t for t in vars(store).values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        t.fill_(7)
+    store.reserve(first=16, last=8)  # what a 10-token sequence with 8-token blocks writes
+    for t in tensors:
+        assert (t[:16] == 0).all() and (t[32:] == 0).all()
+        assert (t[16:32] == 7).all()  # the rest is left for when it is written
+    store.reserve()
+    assert all((t == 0).all() for t in tensors)
+
+
+def test_engine_reserve_covers_the_first_sequence(tmp_path):
+    from kvlab.engine import Engine, EngineConfig
+    from kvlab.request import SamplingParams
+
+    from tiny_models import build
+
+    build("llama", tmp_path)
+    engine = Engine.from_model(str(tmp_path / "model.gguf"),
+                               EngineConfig(block_size=4, kv_dtype="f32", kv_cache_gib=0.01))
+    for cache in engine.runner.kv_caches:
+        cache.k.fill_(float("nan"))
+    engine.reserve_kv_memory(tokens=7)  # two blocks of 4
+    for cache in engine.runner.kv_caches:
+        assert (cache.k[:8] == 0).all() and (cache.k[-4:] == 0).all()
+        assert cache.k[8:-4].isnan().all()
+    engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()  # its 6 written positions are in the reserved slots, at the front
+    for cache in engine.runner.kv_caches:
+        assert not cache.k[:6].isnan().any() and cache.k[8:-4].isnan().all()

@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
+    # the KV pages this sequence will write are faulted in now, not inside its TTFT
+    llm.engine.reserve_kv_memory(tokens=len(ids) + params.max_tokens)
     text, last = [], None
     for out in llm.stream(prompt, params):
         text.append(out.text_delta)

@@ -25,6 +25,17 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _zero_rows(t: torch.Tensor, first: int | None, last: int) -> None:
+    """Zero all of t's slot rows, or its first `first` and last `last`: writing is what makes
+    a page resident, and a fresh 2 MiB page can take milliseconds to fault in."""
+    if first is None:
+        t.zero_()
+        return
+    t[:first].zero_()
+    if last > 0:
+        t[-last:].zero_()
+
+
 class FloatKV:
     def __init__(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -37,10 +48,11 @@ class FloatKV:
     def bytes_per_element(dtype: torch.dtype) -> float:
         return torch.empty(0, dtype=dtype).element_size()
 
-    def reserve(self) -> None:
-        """Make every page resident now (a server's memory then stays flat under load)."""
+    def reserve(self, first: int | None = None, last: int = 0) -> None:
+        """Make pages resident now: every slot's (a server's memory then stays flat under
+        load), or those of the first `first` slots and the last `last` (_zero_rows)."""
         for t in (self.k, self.v):
-            t.zero_()
+            _zero_rows(t, first, last)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._c_writes(slots, k, v):
@@ -80,9 +92,9 @@ class Q8KV:
 
     bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
 
-    def reserve(self) -> None:
+    def reserve(self, first: int | None = None, last: int = 0) -> None:
         for t in (self.k, self.v, self.k_scale, self.v_scale):
-            t.zero_()
+            _zero_rows(t, first, last)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._c_writes(slots, k, v):  # one pass per token instead of a dozen torch ops

@@ -68,10 +68,16 @@ class ModelRunner:
                             self.num_blocks * self.block_size, self.device, max_batch, width,
                             capture=capture and mode == "auto")
 
-    def reserve_kv(self) -> None:
-        """Touch the whole KV pool, as llama.cpp clears its cache buffer at start."""
+    def reserve_kv(self, tokens: int | None = None) -> None:
+        """Touch the whole KV pool, as llama.cpp clears its cache buffer at start; or, with
+        `tokens`, the slots a first sequence of that many tokens gets (a pool hands out its
+        blocks from the front) and the scratch block (the last: padding rows)."""
+        if tokens is None:
+            first, last = None, 0
+        else:
+            first, last = -(-tokens // self.block_size) * self.block_size, self.block_size
         for cache in self.kv_caches:
-            cache.reserve()
+            cache.reserve(first, last)
 
     @property
     def kv_bytes_per_token(self) -> int:

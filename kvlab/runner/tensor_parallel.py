@@ -55,6 +55,7 @@ class RankCommand:
     step: SchedulerOutput | None = None
     record_experts: bool = False
     runner_args: dict[str, Any] | None = None
+    tokens: int | None = None  # "reserve": the first slots only (ModelRunner.reserve_kv)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def follow(tp: TensorParallel, plans: Any, model_path: str, options: LoadOptions
                                  **dict(cmd.runner_args or {}, device=device))
             dist.barrier(group=plans)  # every rank is loaded
         elif cmd.op == "reserve" and runner is not None:
-            runner.reserve_kv()
+            runner.reserve_kv(cmd.tokens)
         elif cmd.op == "step" and runner is not None:
             runner.execute(cmd.step, cmd.record_experts, logits=False)
     dist.destroy_process_group()
@@ -260,10 +261,10 @@ class LeaderRunner(ModelRunner):
             self.ranks.send(RankCommand("step", out, record_experts))
             return super().execute(out, record_experts, logits)
 
-    def reserve_kv(self) -> None:
+    def reserve_kv(self, tokens: int | None = None) -> None:
         with self.ranks.step():
-            self.ranks.send(RankCommand("reserve"))
-            super().reserve_kv()
+            self.ranks.send(RankCommand("reserve", tokens=tokens))
+            super().reserve_kv(tokens)
 
     def close(self) -> None:
         self.ranks.close()
