@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
+from test_decode_c import quantized_engine
 
 from kvlab.kernels import fused, scratch
 
-from test_decode_c import quantized_engine
 from tiny_models import build
 
 
