@@ -5,8 +5,7 @@
 For each quant type among the file's layer matrices, the matrices in the layout the engine
 multiplies them in (8-row groups where the type has them, as loaded), enough of them (or
 of copies of them) to exceed the last-level cache 8 times, so every product streams from
-DRAM as in a decode step, each
-multiplied by one random x row in turn. Prints GB/s of the bytes the kernels read (median and
+DRAM as in a decode step, each multiplied by one random x row in turn. Prints GB/s of the bytes the kernels read (median and
 best of --reps passes) and that as a share of kvlab's probed read bandwidth at the same
 thread count, measured in the same run: a type far below the others is compute-bound there.
 Each product is its own call here, so small matrices (Gemma 3 270M's are 0.2-1.6 MB) also

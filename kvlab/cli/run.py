@@ -24,14 +24,14 @@ def register(subs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = LLM(args.model, engine_config(args))
-    prompt: str | list[int] = args.prompt
     if args.chat:
-        prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
-    ids = prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
+        ids = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.tokenizer.encode(args.prompt)
     # the KV pages this sequence will write are faulted in now, not inside its TTFT
     llm.engine.reserve_kv_memory(tokens=len(ids) + params.max_tokens)
     text, last = [], None
-    for out in llm.stream(prompt, params):
+    for out in llm.stream(ids, params):
         text.append(out.text_delta)
         if not args.json:
             sys.stdout.write(out.text_delta)
