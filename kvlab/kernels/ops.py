@@ -9,6 +9,7 @@ Without the extension everything still works through gguf's numpy dequantizer an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -19,11 +20,14 @@ from gguf import quants as gguf_quants
 from kvlab.kernels.hugepages import weight_buffer
 from kvlab.kernels.qweight import QuantizedWeight, row_bytes
 
-try:
-    from kvlab.kernels import _qk
-except ImportError:  # not built: `pip install -e .` or `python setup.py build_ext --inplace`
-    _qk = None
+if os.environ.get("KVLAB_EMULATE_512"):  # tests only: AVX-512 kernels emulated on AVX2
+    from kvlab.kernels import _qk_emu512 as _qk  # built by `make emu512`
 else:
+    try:
+        from kvlab.kernels import _qk
+    except ImportError:  # not built: `pip install -e .` or `python setup.py build_ext --inplace`
+        _qk = None
+if _qk is not None:
     _qk.set_num_threads(torch.get_num_threads())
 
 T = GGMLQuantizationType

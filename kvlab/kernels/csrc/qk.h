@@ -11,6 +11,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Target sets of the AVX512-VNNI kernels (256-bit VNNI) and of the 512-bit ones. The test
+ * build with -DKV_EMULATE_512 runs both as AVX2 code through SIMDe (qk_emu512.h). */
+#ifdef KV_EMULATE_512
+#include "qk_emu512.h"
+#define KV_ISA_VNNI "avx2,fma,f16c"
+#define KV_ISA_ZMM "avx2,fma,f16c"
+#else
+#define KV_ISA_VNNI "avx2,fma,f16c,avx512vl,avx512vnni"
+#define KV_ISA_ZMM "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+#endif
+
 /* GGML type ids, as in gguf.GGMLQuantizationType */
 enum {
     KV_F32 = 0, KV_F16 = 1, KV_Q4_0 = 2, KV_Q4_1 = 3, KV_Q5_0 = 6, KV_Q5_1 = 7,

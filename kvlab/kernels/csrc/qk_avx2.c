@@ -47,7 +47,7 @@ KV_INL __m256i dot_u8s8(__m256i a, __m256i b) {
  * tile it was computed in. Built twice: with maddubs + madd, and with AVX512-VNNI's
  * vpdpbusd on ymm registers, which gives the same int32 sums (maddubs cannot saturate
  * here: |w| <= 128, |x| <= 127) in one instruction instead of two. */
-#define KV_TGT_VNNI __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_VNNI __attribute__((target(KV_ISA_VNNI)))
 #define KV_INL_VNNI static inline __attribute__((always_inline)) KV_TGT_VNNI
 
 KV_INL_VNNI __m256i dot_u8s8_vnni(__m256i a, __m256i b) {
@@ -543,8 +543,12 @@ static KV_TGT_VNNI void gemv4_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int
 int kv_use_vnni(void) {
     static int vnni = -1;  /* racy first call: every thread computes the same answer */
     if (vnni < 0)
+#ifdef KV_EMULATE_512
+        vnni = !getenv("KVLAB_NO_VNNI");
+#else
         vnni = !getenv("KVLAB_NO_VNNI") && __builtin_cpu_supports("avx512vnni") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+#endif
     return vnni;
 }
 

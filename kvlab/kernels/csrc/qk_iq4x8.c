@@ -235,7 +235,7 @@ KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_
  * pair to saturate; a sub-block's 8 products per row (p, below 32 * 241 * 128) are scaled
  * in int32, and the + 128 is taken back by sc * 128 * (x's two 16-sums). Per super-block
  * isum = sum_s sc_s * (p_s - 128 * bsum_s): the AVX2 kernel's integer, so the same bits. */
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 #define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
 /* the values + 128, as unsigned bytes */

@@ -1095,8 +1095,16 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+#ifdef KV_EMULATE_512  /* the test build's own name, so that both can be installed */
+#define KV_MODULE_NAME "_qk_emu512"
+#define KV_MODULE_INIT PyInit__qk_emu512
+#else
+#define KV_MODULE_NAME "_qk"
+#define KV_MODULE_INIT PyInit__qk
+#endif
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_qk", "kvlab quantized matrix kernels (C)", -1, methods,
+    PyModuleDef_HEAD_INIT, KV_MODULE_NAME, "kvlab quantized matrix kernels (C)", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
@@ -1105,7 +1113,7 @@ static void after_fork_child(void) {
     kv_pool_after_fork_child();
 }
 
-PyMODINIT_FUNC PyInit__qk(void) {
+PyMODINIT_FUNC KV_MODULE_INIT(void) {
     kv_init_tables();
     g_isa = best_isa();
     pthread_atfork(NULL, NULL, after_fork_child);

@@ -114,7 +114,7 @@ void kv_gemv_q8_0x8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 #include <immintrin.h>
 
 #define KV_TGT_A __attribute__((target("avx2,fma,f16c")))
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 
 static inline __attribute__((always_inline)) KV_TGT_A __m256i bcast4(const int8_t *p) {
     /* 4 bytes into every lane */

@@ -206,7 +206,7 @@ void kv_gemv_q6_kx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 #include "qk_avx2.h"
 
 #define KV_TGT_A KV_TGT
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 
 static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i acc, __m256i q,
                                                                         __m256i x) {

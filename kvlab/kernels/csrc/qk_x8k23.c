@@ -337,7 +337,7 @@ KV_Q3X8_TILE(tile_q3x8, KV_TGT, q3_scale_avx2, sub_dot_avx2, q3_isum_avx2)
  * four chunks sum in int32 with no int16 step; that sum is scaled in int32 by the row's
  * sub-block scale. The integers per super-block are the AVX2 kernels' (isum, msum; Q3_K's
  * isum - 4 * corr), so are the bits. */
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 #define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
 /* isum[j] += sc * (sum over sub-block s of q * x_j), for nx x rows; sc is int32 per row */

@@ -163,7 +163,7 @@ KV_INL void k5_block_avx2(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, co
     for (int h = 0; h < 16; h++) k5_sub8_avx2(b, h / 2, h % 2, xi, xs, nx, isum);
 }
 
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 #define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
 /* sub-block s of one group against up to 8 x rows, int32 chains: no halves */

@@ -159,7 +159,7 @@ KV_INL void q5x8_dots_avx2(const __m256i w[8], const char *xq, int64_t xs, int64
  * chunks) for one or two rows, which would otherwise wait on vpdpbusd's latency (row by row
  * with two chains each, 4096 x 640 at 512 x rows: 216 -> 258 GFLOP/s). The maddubs path's
  * integer, so its bits. */
-#define KV_TGT_V __attribute__((target("avx2,fma,f16c,avx512vl,avx512vnni")))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 static inline __attribute__((always_inline)) KV_TGT_V void q5x8_dots_vnni(
     const __m256i w[8], const char *xq, int64_t xs, int64_t i, const int nx, __m256i *c) {
     const int two = nx <= 2;

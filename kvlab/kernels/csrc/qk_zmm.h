@@ -11,7 +11,7 @@
 #ifndef KVLAB_QK_ZMM_H
 #define KVLAB_QK_ZMM_H
 
-#define KV_TGT_Z __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KV_TGT_Z __attribute__((target(KV_ISA_ZMM)))
 #define KV_INL_Z static inline __attribute__((always_inline)) KV_TGT_Z
 /* x rows from which the 512-bit tiles are used: at batch 1 a chunk pair's permute is not
  * shared by other x rows, and the 256-bit VNNI tiles were faster (Q4_Kx8 143 against 125
