@@ -17,7 +17,7 @@ from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
 # Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
-# KV_Q4_KX8, ... in csrc/qk.h) and its bytes per block (Q5_Kx8, Q3_Kx8 and IQ4_XSx8 keep
+# KV_Q4_KX8, ... in csrc/qk.h) and its bytes per block (Q3_Kx8 and IQ4_XSx8 keep
 # their scales unpacked; the others are their file type's size)
 GROUPED_KERNEL_TYPES = {
     T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33,
@@ -35,7 +35,7 @@ GROUPED_BLOCK_BYTES = {
     T.IQ4_XS: 138,
     T.IQ4_NL: 18,
     T.Q5_0: 22,
-    T.Q5_K: 180,
+    T.Q5_K: 176,
 }
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,

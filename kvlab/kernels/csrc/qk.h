@@ -54,7 +54,8 @@ typedef struct { kv_half d, m; uint8_t qh[4]; uint8_t qs[16]; } kv_blk_q5_1;   /
  * min packed in `scales`; value = d*sc*q - dmin*m. Q6_K: 16 groups of 16, int8 scales. */
 typedef struct { kv_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; } kv_blk_q4_k;   /* 144 */
 /* a K-quant group's sub-block scales and mins, one byte each, [sub-block s][row k]: how the
- * 8-row tiles read them (Q5_Kx8 stores them so; Q4_Kx8 unpacks them per super-block) */
+ * 8-row tiles read them (Q4_Kx8 and Q5_Kx8 keep them packed and unpack them per super-block,
+ * kv_k8_row_scales and k8_unpack_scales) */
 typedef struct { uint8_t sc[8][8], m[8][8]; } kv_k8_scales;
 typedef struct {
     kv_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128];

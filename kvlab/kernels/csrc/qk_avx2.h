@@ -79,4 +79,24 @@ KV_INL __m256 exp8_nonpos(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* an 8-row K-quant group's scales and mins (12 packed bytes per row stored [byte j][row k])
+ * into kv_k8_scales, as kv_scale_min_k4 gives them: with A, B, C the packed bytes 0-3, 4-7
+ * and 8-11 (32 B each), sub-blocks 0-3 take A & 63 and B & 63, sub-blocks 4-7 the low (scale)
+ * or high (min) nibble of C with bits 6-7 of A or B as bits 4-5 (16-bit shifts: the masks drop
+ * what crosses a byte). 3 loads and 11 operations for the 8 rows. */
+KV_INL const kv_k8_scales *k8_unpack_scales(const uint8_t (*packed)[8], kv_k8_scales *u) {
+    const __m256i m63 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i hi2 = _mm256_set1_epi8(0x30);
+    const __m256i A = load256(packed[0]), B = load256(packed[4]), C = load256(packed[8]);
+    _mm256_storeu_si256((__m256i *)u->sc[0], _mm256_and_si256(A, m63));
+    _mm256_storeu_si256((__m256i *)u->m[0], _mm256_and_si256(B, m63));
+    _mm256_storeu_si256((__m256i *)u->sc[4],
+                        _mm256_or_si256(_mm256_and_si256(C, m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(A, 2), hi2)));
+    _mm256_storeu_si256((__m256i *)u->m[4],
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
+                                        _mm256_and_si256(_mm256_srli_epi16(B, 2), hi2)));
+    return u;
+}
+
 #endif

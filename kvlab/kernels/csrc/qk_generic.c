@@ -83,7 +83,7 @@ int kv_type_size(int qtype) {
         case KV_Q4_KX8: return 144;
         case KV_Q6_KX8: return 210;
         case KV_Q5_K: return 176;
-        case KV_Q5_KX8: return 180;
+        case KV_Q5_KX8: return 176;
         case KV_Q6_K: return 210;
         case KV_Q2_K: return 84;
         case KV_Q3_K: return 110;

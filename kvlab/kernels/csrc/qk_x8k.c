@@ -47,9 +47,7 @@ _Static_assert(sizeof(kv_blk_q4_kx8) == 8 * sizeof(kv_blk_q4_k), "Q4_Kx8 is Q4_K
 
 /* row k's scales and mins (portable) */
 static void k8_row_scales(const kv_blk_q4_kx8 *b, int k, uint8_t sc[8], uint8_t mn[8]) {
-    uint8_t packed[12];
-    for (int j = 0; j < 12; j++) packed[j] = b->scales[j][k];
-    kv_scale_min_k4(packed, sc, mn);
+    kv_k8_row_scales(b->scales, k, sc, mn);
 }
 
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
@@ -213,26 +211,10 @@ static inline __attribute__((always_inline)) KV_TGT_V __m256i k8_dot_v(__m256i a
     return _mm256_dpbusd_epi32(acc, q, x);
 }
 
-/* super-block b's scales and mins for its 8 rows, as kv_scale_min_k4 gives them: with A, B, C
- * the packed bytes 0-3, 4-7 and 8-11 ([j][k], 32 B each), sub-blocks 0-3 take A & 63 and
- * B & 63, sub-blocks 4-7 the low (scale) or high (min) nibble of C with bits 6-7 of A or B
- * as bits 4-5 (16-bit shifts: the masks drop what crosses a byte) */
+/* super-block b's scales and mins for its 8 rows */
 static inline __attribute__((always_inline)) KV_TGT_A const kv_k8_scales *k8_scales_avx2(
     const kv_blk_q4_kx8 *b, kv_k8_scales *u) {
-    const __m256i m63 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(0x0F);
-    const __m256i hi2 = _mm256_set1_epi8(0x30);
-    const __m256i A = _mm256_loadu_si256((const __m256i *)b->scales[0]);
-    const __m256i B = _mm256_loadu_si256((const __m256i *)b->scales[4]);
-    const __m256i C = _mm256_loadu_si256((const __m256i *)b->scales[8]);
-    _mm256_storeu_si256((__m256i *)u->sc[0], _mm256_and_si256(A, m63));
-    _mm256_storeu_si256((__m256i *)u->m[0], _mm256_and_si256(B, m63));
-    _mm256_storeu_si256((__m256i *)u->sc[4],
-                        _mm256_or_si256(_mm256_and_si256(C, m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(A, 2), hi2)));
-    _mm256_storeu_si256((__m256i *)u->m[4],
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(B, 2), hi2)));
-    return u;
+    return k8_unpack_scales(b->scales, u);
 }
 
 /* sc_2p * (sub-block 2p's sum of q * x) + sc_2p+1 * (sub-block 2p+1's), 8 rows in lanes.

@@ -2,9 +2,11 @@
  * idea and qk_x8k.c for Q4_Kx8, whose fields it keeps): one register lane per weight row,
  * x's 4 bytes broadcast, the sub-block scales and the float steps serving 8 rows at once.
  *
- *   super-block i of rows 8g..8g+7 (1440 B = 8 x 180, Q5_K's 176 + unpacked scales):
+ *   super-block i of rows 8g..8g+7 (1408 B = 8 x 176, Q5_K's own size: a batch-1 decode
+ *   reads no more bytes than the file's blocks):
  *     d[8], dmin[8]     fp16, row 8g+k in slot k
- *     sc[8][8], m[8][8] 6-bit sub-block scale and min, [sub-block s][row k]
+ *     scales[12][8]     byte j of row k's 12 packed bytes of 6-bit scales and mins, [j][k],
+ *                       as Q4_Kx8 keeps them; the SIMD tiles unpack them for 8 rows at once
  *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q5_K qs: its low
  *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
  *     qh[8][32]         qh[t][4k + e] = byte 4t + e of row k's Q5_K qh: its bit s is the
@@ -32,12 +34,11 @@
 
 typedef struct {
     kv_half d[8], dmin[8];
-    uint8_t sc[8][8], m[8][8];
+    uint8_t scales[12][8];
     uint8_t qs[4][8][32];
     uint8_t qh[8][32];
-} kv_blk_q5_kx8;  /* 1440 B */
-_Static_assert(offsetof(kv_blk_q5_kx8, m) == offsetof(kv_blk_q5_kx8, sc) + 64,
-               "Q5_Kx8's sc and m are kv_k8_scales");
+} kv_blk_q5_kx8;
+_Static_assert(sizeof(kv_blk_q5_kx8) == 8 * sizeof(kv_blk_q5_k), "Q5_Kx8 is Q5_K's size");
 
 int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 256) return -1;
@@ -47,10 +48,8 @@ int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
         for (int64_t i = 0; i < nb; i++, out++) {
             for (int k = 0; k < 8; k++) {
                 const kv_blk_q5_k *b = (const kv_blk_q5_k *)(src + (8 * g + k) * row_bytes) + i;
-                uint8_t sc[8], mn[8];
-                kv_scale_min_k4(b->scales, sc, mn);
                 out->d[k] = b->d, out->dmin[k] = b->dmin;
-                for (int s = 0; s < 8; s++) out->sc[s][k] = sc[s], out->m[s][k] = mn[s];
+                for (int j = 0; j < 12; j++) out->scales[j][k] = b->scales[j];
                 for (int t = 0; t < 8; t++) {
                     for (int p = 0; p < 4; p++) memcpy(&out->qs[p][t][4 * k], b->qs + 32 * p + 4 * t, 4);
                     memcpy(&out->qh[t][4 * k], b->qh + 4 * t, 4);
@@ -75,8 +74,10 @@ void kv_deq_q5_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
     const int k = (int)(r % 8);
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = kv_h2f_table[b[i].d[k]], dmin = kv_h2f_table[b[i].dmin[k]];
+        uint8_t sc[8], mn[8];
+        kv_k8_row_scales(b[i].scales, k, sc, mn);
         for (int s = 0; s < 8; s++, out += 32) {
-            const float dl = d * (float)b[i].sc[s][k], ml = dmin * (float)b[i].m[s][k];
+            const float dl = d * (float)sc[s], ml = dmin * (float)mn[s];
             for (int l = 0; l < 32; l++) out[l] = dl * (float)q5kx8_value(b + i, s, l, k) - ml;
         }
     }
@@ -86,12 +87,14 @@ void kv_deq_q5_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
 
 static void row_sums(const kv_blk_q5_kx8 *b, int k, const kv_act256 *a, int32_t *isum,
                      int32_t *msum) {
+    uint8_t sc[8], mn[8];
+    kv_k8_row_scales(b->scales, k, sc, mn);
     *isum = *msum = 0;
     for (int s = 0; s < 8; s++) {
         int32_t dot = 0;
         for (int l = 0; l < 32; l++) dot += q5kx8_value(b, s, l, k) * a->qs[32 * s + l];
-        *isum += b->sc[s][k] * dot;
-        *msum += b->m[s][k] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
+        *isum += sc[s] * dot;
+        *msum += mn[s] * (a->bsums[2 * s] + a->bsums[2 * s + 1]);
     }
 }
 
@@ -118,10 +121,10 @@ KV_INL __m256i k5_chunk(const kv_blk_q5_kx8 *b, const int s, const int t) {
 }
 
 /* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
-KV_INL void k5_finish_avx2(const kv_blk_q5_kx8 *b, const char *xq, int64_t xs, const int nx,
-                           const __m256i *isum, __m256 *acc) {
+KV_INL void k5_finish_avx2(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const char *xq,
+                           int64_t xs, const int nx, const __m256i *isum, __m256 *acc) {
     __m256i mdup[8];  /* (m_s, m_s) as int16 pairs */
-    for (int s = 0; s < 8; s++) mdup[s] = pairs_u8(b->m[s]);
+    for (int s = 0; s < 8; s++) mdup[s] = pairs_u8(u->m[s]);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));
     for (int j = 0; j < nx; j++) {
@@ -137,8 +140,8 @@ KV_INL void k5_finish_avx2(const kv_blk_q5_kx8 *b, const char *xq, int64_t xs, c
 
 /* half u of sub-block s of one group against up to 8 x rows: each unpacked chunk feeds
  * every row's chain, so the unpacking is shared by 8 maddubs */
-KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const int s, const int u, const char *xq,
-                         int64_t xs, const int nx, __m256i *isum) {
+KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const uint8_t sc8[8], const int s, const int u,
+                         const char *xq, int64_t xs, const int nx, __m256i *isum) {
     const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
     __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
             c7 = c0;
@@ -151,24 +154,24 @@ KV_INL void k5_sub8_avx2(const kv_blk_q5_kx8 *b, const int s, const int u, const
         __asm__("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7));
     }
 #undef KV_K5_ROW8
-    const __m256i sc = pairs_u8(b->sc[s]);
+    const __m256i sc = pairs_u8(sc8);
     const __m256i cs[8] = {c0, c1, c2, c3, c4, c5, c6, c7};
     for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(cs[j], sc));
 }
 
 /* super-block b's integer sums for nx x rows, by maddubs */
-KV_INL void k5_block_avx2(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, const int nx,
-                          __m256i *isum) {
+KV_INL void k5_block_avx2(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const char *xi,
+                          int64_t xs, const int nx, __m256i *isum) {
 #pragma GCC unroll 16
-    for (int h = 0; h < 16; h++) k5_sub8_avx2(b, h / 2, h % 2, xi, xs, nx, isum);
+    for (int h = 0; h < 16; h++) k5_sub8_avx2(b, u->sc[h / 2], h / 2, h % 2, xi, xs, nx, isum);
 }
 
 #define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 #define KV_INL_V static inline __attribute__((always_inline)) KV_TGT_V
 
 /* sub-block s of one group against up to 8 x rows, int32 chains: no halves */
-KV_INL_V void k5_sub8_vnni(const kv_blk_q5_kx8 *b, const int s, const char *xq, int64_t xs,
-                           const int nx, __m256i *isum) {
+KV_INL_V void k5_sub8_vnni(const kv_blk_q5_kx8 *b, const uint8_t sc8[8], const int s,
+                           const char *xq, int64_t xs, const int nx, __m256i *isum) {
     const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
     __m256i c[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) c[j] = _mm256_setzero_si256();
@@ -176,15 +179,15 @@ KV_INL_V void k5_sub8_vnni(const kv_blk_q5_kx8 *b, const int s, const char *xq, 
         const __m256i w = k5_chunk(b, s, t);
         for (int j = 0; j < nx; j++) c[j] = _mm256_dpbusd_epi32(c[j], w, bcast4(x + j * xs + 4 * t));
     }
-    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[s]));
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc8));
     for (int j = 0; j < nx; j++) isum[j] = _mm256_add_epi32(isum[j], _mm256_mullo_epi32(c[j], sc));
 }
 
 /* the same sums by vpdpbusd */
-KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, const int nx,
-                            __m256i *isum) {
+KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const char *xi,
+                            int64_t xs, const int nx, __m256i *isum) {
 #pragma GCC unroll 8
-    for (int s = 0; s < 8; s++) k5_sub8_vnni(b, s, xi, xs, nx, isum);
+    for (int s = 0; s < 8; s++) k5_sub8_vnni(b, u->sc[s], s, xi, xs, nx, isum);
 }
 
 /* One group against nx x rows. For Q5_K one group and 8 x rows per chunk beat Q4_Kx8's two
@@ -204,8 +207,10 @@ KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const char *xi, int64_t xs, 
             __m256i isum[KV_GROUP_NX];                                                        \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                    \
             const char *xi = xq + i * (int64_t)sizeof(kv_act256);                             \
-            block(b + i, xi, xs, nx, isum);                                                   \
-            k5_finish_avx2(b + i, xi, xs, nx, isum, acc);                                     \
+            kv_k8_scales u;                                                                   \
+            k8_unpack_scales(b[i].scales, &u);                                                \
+            block(b + i, &u, xi, xs, nx, isum);                                               \
+            k5_finish_avx2(b + i, &u, xi, xs, nx, isum, acc);                                 \
         }                                                                                     \
         for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                   \
     }
@@ -217,8 +222,8 @@ KV_K5_TILE(tile_k5_vnni, KV_TGT_V, k5_block_vnni)
  * 8-byte pieces, scaled once per sub-block; the mins' sums as int16 pairs */
 #include "qk_zmm.h"
 
-KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, int64_t xs,
-                         const int nx, __m512i *isum) {
+KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const uint8_t sc8[8], const int s,
+                         const char *xq, int64_t xs, const int nx, __m512i *isum) {
     const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
     __m512i c[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) c[j] = _mm512_setzero_si512();
@@ -230,22 +235,19 @@ KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const int s, const char *xq, in
         const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m4), h, b4, 0xF8); /* a | b&c */
         for (int j = 0; j < nx; j++) c[j] = zdot(c[j], w, x + j * xs + 4 * t);
     }
-    const __m512i sc = zdup_u8(b->sc[s]);
+    const __m512i sc = zdup_u8(sc8);
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(c[j], sc));
 }
 
 /* sub-blocks 2p and 2p + 1 (each lane's partial may pass 2^15: scaled in int32) */
 KV_INL_Z void k5_pair_zmm(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const int p,
                           const char *xq, int64_t xs, const int nx, __m512i *isum) {
-    (void)u;  /* b's own sc and m */
-    k5_sub_zmm(b, 2 * p, xq, xs, nx, isum);
-    k5_sub_zmm(b, 2 * p + 1, xq, xs, nx, isum);
+    k5_sub_zmm(b, u->sc[2 * p], 2 * p, xq, xs, nx, isum);
+    k5_sub_zmm(b, u->sc[2 * p + 1], 2 * p + 1, xq, xs, nx, isum);
 }
 
-/* Q5_Kx8 keeps its scales and mins unpacked, in kv_k8_scales' layout */
-KV_INL_Z const kv_k8_scales *k5_scales(const kv_blk_q5_kx8 *b, kv_k8_scales *tmp) {
-    (void)tmp;
-    return (const kv_k8_scales *)b->sc;
+KV_INL_Z const kv_k8_scales *k5_scales(const kv_blk_q5_kx8 *b, kv_k8_scales *u) {
+    return k8_unpack_scales(b->scales, u);
 }
 
 KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_scales, k5_pair_zmm)
