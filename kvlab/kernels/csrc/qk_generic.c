@@ -88,7 +88,7 @@ int kv_type_size(int qtype) {
         case KV_Q2_K: return 84;
         case KV_Q3_K: return 110;
         case KV_Q2_KX8: return 84;
-        case KV_Q3_KX8: return 114;
+        case KV_Q3_KX8: return 110;
         case KV_IQ4_NL: case KV_IQ4_NLX8: return 18;
         case KV_IQ4_XS: return 136;
         case KV_IQ4_XSX8: return 138;

@@ -8,10 +8,18 @@
  *     d[8], dmin[8]   fp16, row 8g+k in slot k
  *     sc[16][8]       the file's byte for sub-block s of row k: scale low nibble, min high
  *     qs[16][32]      qs[s][4k + e], bits 2c, 2c+1: element 4c + e of sub-block s of row k
- *   Q3_Kx8 super-block (912 B = 8 x 114, Q3_K's 110 with the 6-bit scales unpacked):
- *     d[8]; sc[16][8] int8 (scale - 32); qs[16][32] the low two bits, laid out as Q2_Kx8's
- *     qh[8][32]       qh[t][4k + e], bit c + 4h: the third bit of element 4c + e of
- *                     sub-block 2t + h (q = low | third << 2, 0..7: the file's value + 4)
+ *   Q3_Kx8 super-block (880 B = 8 x 110, Q3_K's own size):
+ *     d[8]; scales[12][8] byte j of row k's 12 packed bytes of 6-bit scales, [j][k] (the
+ *     SIMD tiles unpack them for 8 rows at once, q3_unpack_scales, into kv_q3_scales:
+ *     int8 scale - 32, [sub-block s][row k]);
+ *     q3[8][3][32]    the values q = low | third << 2 (0..7: the file's value + 4) of sub-block
+ *                     pair t, three bits each, byte 4k + e of each vector for row k: with v_c
+ *                     the value of element 4(c % 4) + e of sub-block 2t + c / 4 (chunk c, 0..7),
+ *                     q3[t][0] = v0 | v1 << 3 | (v6 & 3) << 6,
+ *                     q3[t][1] = v2 | v3 << 3 | (v7 & 3) << 6,
+ *                     q3[t][2] = v4 | v5 << 3 | (v6 >> 2) << 6 | (v7 >> 2) << 7,
+ *                     so the 8 chunks come out in 19 operations (the file's split into 2 + 1
+ *                     bits took 37)
  *   per row and x row (x in kv_act256 blocks), as exact integers:
  *     isum = sum_s sc_s * (sum over sub-block s of q * x)
  *     Q2_Kx8: msum = sum_s m_s * bsum_s; acc = fma(d * d_x, isum, acc),
@@ -34,12 +42,19 @@ typedef struct {
 } kv_blk_q2_kx8;
 typedef struct {
     kv_half d[8];
-    int8_t sc[16][8];
-    uint8_t qs[16][32];
-    uint8_t qh[8][32];
+    uint8_t scales[12][8];
+    uint8_t q3[8][3][32];
 } kv_blk_q3_kx8;
-_Static_assert(sizeof(kv_blk_q2_kx8) == 8 * 84, "Q2_Kx8 is Q2_K's size");
-_Static_assert(sizeof(kv_blk_q3_kx8) == 8 * 114, "Q3_Kx8 is 114 B per row and super-block");
+typedef struct { int8_t sc[16][8]; } kv_q3_scales;  /* scale - 32, [sub-block s][row k] */
+_Static_assert(sizeof(kv_blk_q2_kx8) == 8 * sizeof(kv_blk_q2_k), "Q2_Kx8 is Q2_K's size");
+_Static_assert(sizeof(kv_blk_q3_kx8) == 8 * sizeof(kv_blk_q3_k), "Q3_Kx8 is Q3_K's size");
+
+/* row k's 16 scales (minus 32), portable */
+static void q3_row_scales(const kv_blk_q3_kx8 *b, int k, int8_t sc[16]) {
+    uint8_t packed[12];
+    for (int j = 0; j < 12; j++) packed[j] = b->scales[j][k];
+    kv_q3_k_scales(packed, sc);
+}
 
 /* element e (0..255) of a file block: its two low bits; Q3_K's third bit */
 static int k23_low(const uint8_t *qs, int e) { return qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4)) & 3; }
@@ -49,9 +64,23 @@ static int k3_high(const uint8_t *hmask, int e) { return hmask[e % 32] >> (e / 3
 static int x8_low(const uint8_t qs[16][32], int k, int e) {
     return qs[e / 16][4 * k + e % 4] >> (2 * (e % 16 / 4)) & 3;
 }
+/* Q3_Kx8: sub-block pair e / 32, its chunk c (0..7) and lane byte l of element e of row k */
+#define Q3X8_PLACE(e, k) const int c = 4 * (e / 16 % 2) + e % 16 / 4, l = 4 * (k) + e % 4
 static int x8_q3(const kv_blk_q3_kx8 *b, int k, int e) {
-    const int hi = b->qh[e / 32][4 * k + e % 4] >> (e % 16 / 4 + 4 * (e / 16 % 2)) & 1;
-    return x8_low(b->qs, k, e) | hi << 2;
+    Q3X8_PLACE(e, k);
+    const uint8_t(*v)[32] = b->q3[e / 32];
+    if (c < 6) return v[c / 2][l] >> (3 * (c % 2)) & 7;
+    return (v[c - 6][l] >> 6) | (v[2][l] >> c & 1) << 2;
+}
+static void put_q3(kv_blk_q3_kx8 *b, int k, int e, int q) {
+    Q3X8_PLACE(e, k);
+    uint8_t(*v)[32] = b->q3[e / 32];
+    if (c < 6) {
+        v[c / 2][l] |= (uint8_t)(q << (3 * (c % 2)));
+    } else {
+        v[c - 6][l] |= (uint8_t)((q & 3) << 6);
+        v[2][l] |= (uint8_t)((q >> 2) << c);
+    }
 }
 
 static void put_low(uint8_t qs[16][32], int k, int e, int q) {
@@ -85,15 +114,10 @@ int kv_to_q3_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
         for (int64_t i = 0; i < nb; i++, out++) {
             for (int k = 0; k < 8; k++) {
                 const kv_blk_q3_k *b = (const kv_blk_q3_k *)(src + (8 * g + k) * row_bytes) + i;
-                int8_t sc[16];
-                kv_q3_k_scales(b->scales, sc);
                 out->d[k] = b->d;
-                for (int s = 0; s < 16; s++) out->sc[s][k] = sc[s];
-                for (int e = 0; e < 256; e++) {
-                    put_low(out->qs, k, e, k23_low(b->qs, e));
-                    out->qh[e / 32][4 * k + e % 4] |=
-                        (uint8_t)(k3_high(b->hmask, e) << (e % 16 / 4 + 4 * (e / 16 % 2)));
-                }
+                for (int j = 0; j < 12; j++) out->scales[j][k] = b->scales[j];
+                for (int e = 0; e < 256; e++)
+                    put_q3(out, k, e, k23_low(b->qs, e) | k3_high(b->hmask, e) << 2);
             }
         }
     }
@@ -121,8 +145,10 @@ void kv_deq_q3_kx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t c
     const int k = (int)(r % 8);
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = kv_h2f_table[b[i].d[k]];
+        int8_t sc[16];
+        q3_row_scales(b + i, k, sc);
         for (int s = 0; s < 16; s++, out += 16) {
-            const float dl = d * (float)b[i].sc[s][k];
+            const float dl = d * (float)sc[s];
             for (int l = 0; l < 16; l++) out[l] = dl * (float)(x8_q3(b + i, k, 16 * s + l) - 4);
         }
     }
@@ -150,11 +176,13 @@ static float q3x8_row(const kv_blk_q3_kx8 *b, int64_t nb, int k, const kv_act256
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         int32_t isum = 0, corr = 0;
+        int8_t sc[16];
+        q3_row_scales(b + i, k, sc);
         for (int s = 0; s < 16; s++) {
             int32_t dot = 0;
             for (int l = 0; l < 16; l++) dot += x8_q3(b + i, k, 16 * s + l) * a[i].qs[16 * s + l];
-            isum += b[i].sc[s][k] * dot;
-            corr += b[i].sc[s][k] * a[i].bsums[s];
+            isum += sc[s] * dot;
+            corr += sc[s] * a[i].bsums[s];
         }
         acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)(isum - 4 * corr), acc);
     }
@@ -201,14 +229,43 @@ KV_INL void low_bits(const uint8_t *qs, __m256i q[4]) {
     q[3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
 }
 
-/* bit c + 4h of every byte of hb -> 4 (16-bit shifts: the bit stays inside its byte) */
-KV_INL __m256i third_bit(__m256i hb, const int c, const int h) {
-    const int sh = c + 4 * h - 2;
-    const __m256i v = sh > 0 ? _mm256_srli_epi16(hb, sh) : sh < 0 ? _mm256_slli_epi16(hb, -sh) : hb;
-    return _mm256_and_si256(v, _mm256_set1_epi8(4));
+/* sub-block pair t's 8 chunks of 8 rows (chunk c of sub-block 2t + h into q[4h + c]),
+ * values 0..7, from its three vectors (16-bit shifts: the masks drop what crosses a byte) */
+KV_INL void q3_chunks(const uint8_t v[3][32], __m256i q[8]) {
+    const __m256i m7 = _mm256_set1_epi8(7), m3 = _mm256_set1_epi8(3), b4 = _mm256_set1_epi8(4);
+    const __m256i a = load256(v[0]), b = load256(v[1]), c = load256(v[2]);
+    q[0] = _mm256_and_si256(a, m7);
+    q[1] = _mm256_and_si256(_mm256_srli_epi16(a, 3), m7);
+    q[2] = _mm256_and_si256(b, m7);
+    q[3] = _mm256_and_si256(_mm256_srli_epi16(b, 3), m7);
+    q[4] = _mm256_and_si256(c, m7);
+    q[5] = _mm256_and_si256(_mm256_srli_epi16(c, 3), m7);
+    q[6] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 6), m3),
+                           _mm256_and_si256(_mm256_srli_epi16(c, 4), b4));
+    q[7] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 6), m3),
+                           _mm256_and_si256(_mm256_srli_epi16(c, 5), b4));
 }
 
 #define K23X8_ACT(xq, xs, j, i) ((const kv_act256 *)((xq) + (j) * (xs)) + (i))
+
+/* super-block b's 16 scales of its 8 rows, as kv_q3_k_scales gives them: with L0, L1, H the
+ * packed bytes 0-3, 4-7 and 8-11 ([j][k], 32 B each, 4 sub-blocks x 8 rows in the order
+ * kv_q3_scales wants them), sub-blocks 0-3 and 4-7 take the low nibbles of L0 and L1, 8-11 and
+ * 12-15 their high ones, with bits 0-1, 2-3, 4-5, 6-7 of H as bits 4-5 (16-bit shifts: the
+ * masks drop what crosses a byte); 3 loads and 19 operations for the 8 rows */
+KV_INL const kv_q3_scales *q3_unpack_scales(const kv_blk_q3_kx8 *b, kv_q3_scales *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i m32 = _mm256_set1_epi8(32);
+    const __m256i L0 = load256(b->scales[0]), L1 = load256(b->scales[4]), H = load256(b->scales[8]);
+    const __m256i lo[4] = {L0, L1, _mm256_srli_epi16(L0, 4), _mm256_srli_epi16(L1, 4)};
+    const __m256i hi[4] = {_mm256_slli_epi16(H, 4), _mm256_slli_epi16(H, 2), H,
+                           _mm256_srli_epi16(H, 2)};
+    for (int q = 0; q < 4; q++)
+        _mm256_storeu_si256((__m256i *)u->sc[4 * q],
+                            _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo[q], m4),
+                                                            _mm256_and_si256(hi[q], hi2)), m32));
+    return u;
+}
 
 /* isum[j] += scale . (sum over sub-block s of q * x_j), for nx x rows, by maddubs: the int16
  * sums of four chunks stay below 4 * 2 * 7 * 128; scale is an int16 pair per row */
@@ -305,17 +362,16 @@ KV_INL __m256i k23_scw(const void *ahead, const void *sc, const int t) {
         for (int64_t i = 0; i < nb; i++) {                                                      \
             __m256i isum[KV_GROUP_NX], pairs[8];                                                \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                      \
+            kv_q3_scales u;                                                                     \
+            q3_unpack_scales(b + i, &u);                                                        \
             for (int t = 0; t < 8; t++) {                                                       \
-                const __m256i scw = k23_scw(b + i + 2, b[i].sc[2 * t], t);                      \
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)b[i].qh[t]);             \
+                const __m256i scw = k23_scw(b + i + 2, u.sc[2 * t], t);                         \
                 pairs[t] = _mm256_srai_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8);            \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    __m256i q[4];                                                               \
-                    low_bits(b[i].qs[2 * t + h], q);                                            \
-                    for (int c = 0; c < 4; c++) q[c] = _mm256_or_si256(q[c], third_bit(hb, c, h)); \
-                    dot(q, xq, xs, i, 2 * t + h, scale_of(scw, b[i].sc[2 * t + h], h), nx,      \
+                __m256i q[8];                                                                   \
+                q3_chunks(b[i].q3[t], q);                                                       \
+                for (int h = 0; h < 2; h++)                                                     \
+                    dot(q + 4 * h, xq, xs, i, 2 * t + h, scale_of(scw, u.sc[2 * t + h], h), nx, \
                         isum);                                                                  \
-                }                                                                               \
             }                                                                                   \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));        \
             for (int j = 0; j < nx; j++) {                                                      \
@@ -387,13 +443,17 @@ KV_INL_Z void zlow_bits(const uint8_t *qs, __m512i w[2]) {
     w[1] = _mm512_and_si512(_mm512_srlv_epi32(v, K23_ALT(4, 6)), m3);
 }
 
-/* Q3_K: bits c + 4h and c + 1 + 4h of every byte of hdup (qh duplicated by zdup), moved to
- * bit 2 in the even and odd lanes (c = 0 or 2; 32-bit shifts, the bit stays in its byte) */
-KV_INL_Z __m512i zthird(__m512i hdup, const int c, const int h) {
-    const int a = c + 4 * h - 2;
-    const __m512i v = a < 0 ? _mm512_sllv_epi32(hdup, K23_ALT(-a, -a - 1))
-                            : _mm512_srlv_epi32(hdup, K23_ALT(a, a + 1));
-    return _mm512_and_si512(v, _mm512_set1_epi8(4));
+/* Q3_K: sub-block pair t's chunk pairs (0, 1), (2, 3) into w0 and (4, 5), (6, 7) into w1, as
+ * q3_chunks takes them apart (32-bit shifts: the masks drop what crosses a byte) */
+KV_INL_Z void q3_zchunks(const uint8_t v[3][32], __m512i w0[2], __m512i w1[2]) {
+    const __m256i a = load256(v[0]), b = load256(v[1]), c = load256(v[2]);
+    const __m512i m7 = _mm512_set1_epi8(7), sh = K23_ALT(0, 3), cz = zdup(c);
+    w0[0] = _mm512_and_si512(_mm512_srlv_epi32(zdup(a), sh), m7);
+    w0[1] = _mm512_and_si512(_mm512_srlv_epi32(zdup(b), sh), m7);
+    w1[0] = _mm512_and_si512(_mm512_srlv_epi32(cz, sh), m7);
+    w1[1] = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32(zpair(a, b), 6), _mm512_set1_epi8(3)),
+        _mm512_and_si512(_mm512_srlv_epi32(cz, K23_ALT(4, 5)), _mm512_set1_epi8(4)));
 }
 
 /* isum[j] += sc . (sub-block pair t's partials) for nx x rows: w0, w1 the chunk pairs of
@@ -472,16 +532,14 @@ KV_INL_Z void tile_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, 
         __m512i isum[KV_GROUP_NX], cw[4];
         __m256i pairs[8];
         for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        kv_q3_scales u;
+        q3_unpack_scales(b + i, &u);
         for (int t = 0; t < 8; t++) {
             __m512i w0[2], w1[2];
-            const __m256i scw = k23_pair_bits(b + i + 2, b[i].sc[2 * t], b[i].qs, t, w0, w1);
+            const __m256i scw = k23_scw(b + i + 2, u.sc[2 * t], t);
+            q3_zchunks(b[i].q3[t], w0, w1);
             pairs[t] = _mm256_srai_epi16(_mm256_shuffle_epi8(scw, pat_pair), 8);
             const __m512i sc = zdup(pairs[t]);
-            const __m512i hb = zdup(load256(b[i].qh[t]));
-            for (int c = 0; c < 2; c++) {
-                w0[c] = _mm512_or_si512(w0[c], zthird(hb, 2 * c, 0));
-                w1[c] = _mm512_or_si512(w1[c], zthird(hb, 2 * c, 1));
-            }
             k23_pair_zmm(w0, w1, sc, xq, xs, i, t, nx, isum);
         }
         for (int q = 0; q < 4; q++) cw[q] = zpair(pairs[2 * q], pairs[2 * q + 1]);
@@ -503,23 +561,24 @@ KV_INL_Z void tile_q3x8_zmm(const kv_blk_q3_kx8 *b, int64_t nb, const char *xq, 
  * scales times -4 taken once for all x rows. The integer is the one above: the same bits. */
 /* sub-block pair t of both groups: chunk c of sub-block 2t + h into q[h][c], the scales as
  * int16 pairs per row (sc) and times -4 (scm4) */
-KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int t,
-                         __m512i q[2][4], __m512i *sc, __m512i *scm4) {
-    const __m512i m3 = _mm512_set1_epi8(3), b4 = _mm512_set1_epi8(4);
-    const __m512i hb = z16_load(A->qh[t], B->qh[t]);
-    for (int h = 0; h < 2; h++) {
-        const __m512i v = z16_load(A->qs[2 * t + h], B->qs[2 * t + h]);
-        for (int c = 0; c < 4; c++) {
-            const int sh = c + 4 * h - 2;  /* the third bit c + 4h -> bit 2, as third_bit */
-            const __m512i th = sh > 0 ? _mm512_srli_epi16(hb, sh)
-                               : sh < 0 ? _mm512_slli_epi16(hb, -sh) : hb;
-            q[h][c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 2 * c), m3),
-                                      _mm512_and_si512(th, b4));
-        }
-    }
+KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, const kv_q3_scales u[2],
+                         int t, __m512i q[2][4], __m512i *sc, __m512i *scm4) {
+    const __m512i m7 = _mm512_set1_epi8(7), m3 = _mm512_set1_epi8(3), b4 = _mm512_set1_epi8(4);
+    const __m512i a = z16_load(A->q3[t][0], B->q3[t][0]), b = z16_load(A->q3[t][1], B->q3[t][1]);
+    const __m512i c = z16_load(A->q3[t][2], B->q3[t][2]);  /* as q3_chunks, 16 rows */
+    q[0][0] = _mm512_and_si512(a, m7);
+    q[0][1] = _mm512_and_si512(_mm512_srli_epi16(a, 3), m7);
+    q[0][2] = _mm512_and_si512(b, m7);
+    q[0][3] = _mm512_and_si512(_mm512_srli_epi16(b, 3), m7);
+    q[1][0] = _mm512_and_si512(c, m7);
+    q[1][1] = _mm512_and_si512(_mm512_srli_epi16(c, 3), m7);
+    q[1][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 6), m3),
+                              _mm512_and_si512(_mm512_srli_epi16(c, 4), b4));
+    q[1][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 6), m3),
+                              _mm512_and_si512(_mm512_srli_epi16(c, 5), b4));
     __m256i half[2];
     for (int g = 0; g < 2; g++) {
-        const int8_t(*s8)[8] = (g ? B : A)->sc;
+        const int8_t(*s8)[8] = u[g].sc;
         half[g] = pack16(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8[2 * t])),
                          _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s8[2 * t + 1])));
     }
@@ -529,10 +588,12 @@ KV_INL_Z void q3x16_pair(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int t,
 
 KV_INL_Z void q3x16_sums(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, int64_t i,
                         const char *xq, int64_t xs, const int nx, __m512i *isum) {
+    kv_q3_scales u[2];
+    q3_unpack_scales(A, u), q3_unpack_scales(B, u + 1);
     for (int t = 0; t < 8; t++) {
         z16_prefetch(A + 2, B + 2, 128 * t);
         __m512i q[2][4], sc, scm4;
-        q3x16_pair(A, B, t, q, &sc, &scm4);
+        q3x16_pair(A, B, u, t, q, &sc, &scm4);
         for (int j = 0; j < nx; j++) {
             const kv_act256 *a = K23X8_ACT(xq, xs, j, i);
             __m512i lo = _mm512_setzero_si512(), hi = lo;
@@ -593,9 +654,11 @@ KV_INL_Z void q2_bytes_block(const kv_blk_q2_kx8 *A, const kv_blk_q2_kx8 *B, __m
 }
 
 KV_INL_Z void q3_bytes_block(const kv_blk_q3_kx8 *A, const kv_blk_q3_kx8 *B, __m512i *out) {
+    kv_q3_scales u[2];
+    q3_unpack_scales(A, u), q3_unpack_scales(B, u + 1);
     for (int t = 0; t < 8; t++) {
         __m512i q[2][4], sc, scm4;
-        q3x16_pair(A, B, t, q, &sc, &scm4);
+        q3x16_pair(A, B, u, t, q, &sc, &scm4);
         for (int h = 0; h < 2; h++) {
             const __m512i s = zdup16(h ? _mm512_srai_epi32(sc, 16)
                                       : _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16));
