@@ -7,12 +7,13 @@
  *     d[8], dmin[8]     fp16, row 8g+k in slot k
  *     scales[12][8]     byte j of row k's 12 packed bytes of 6-bit scales and mins, [j][k],
  *                       as Q4_Kx8 keeps them; the SIMD tiles unpack them for 8 rows at once
- *     qs[4][8][32]      qs[p][t][4k + e] = byte 32p + 4t + e of row k's Q5_K qs: its low
- *                       nibble is element 4t+e of sub-block 2p, its high one of sub-block 2p+1
- *     qh[8][32]         qh[t][4k + e] = byte 4t + e of row k's Q5_K qh: its bit s is the
- *                       fifth bit of element 4t+e of sub-block s
- *   so chunk t of sub-block s is nibble | (qh[t] shifted to bit 4) & 0x10, values 0..31:
- *   one register of qh serves the chunk's 8 sub-blocks, a shift, an and and an or each.
+ *     q5[4][8][32]      byte 4k + e of q5[p][t]: the value (0..31) of element 4t + e of
+ *                       sub-block 2p of row k in bits 0-4, bits 2-4 of sub-block 2p + 1's in
+ *                       bits 5-7
+ *     w5[4][2][32]      bits 2(t % 4), 2(t % 4) + 1 of byte 4k + e of w5[p][t / 4]: bits 0-1 of
+ *                       element 4t + e of sub-block 2p + 1
+ *   so chunk t of an even sub-block is one and, of an odd one two shifts (one when t % 4 is
+ *   0), two ands and an or (the file's nibbles and bit planes took a shift more for each).
  *   Per row and x row (x in kv_act256 blocks), as exact integers:
  *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
  *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
@@ -35,8 +36,8 @@
 typedef struct {
     kv_half d[8], dmin[8];
     uint8_t scales[12][8];
-    uint8_t qs[4][8][32];
-    uint8_t qh[8][32];
+    uint8_t q5[4][8][32];
+    uint8_t w5[4][2][32];
 } kv_blk_q5_kx8;
 _Static_assert(sizeof(kv_blk_q5_kx8) == 8 * sizeof(kv_blk_q5_k), "Q5_Kx8 is Q5_K's size");
 
@@ -44,16 +45,25 @@ int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 256) return -1;
     const int64_t nb = cols / 256, row_bytes = nb * (int64_t)sizeof(kv_blk_q5_k);
     kv_blk_q5_kx8 *out = (kv_blk_q5_kx8 *)dst;
+    memset(dst, 0, (size_t)(rows / 8 * nb) * sizeof *out);  /* bits are or-ed in */
     for (int64_t g = 0; g < rows / 8; g++) {
         for (int64_t i = 0; i < nb; i++, out++) {
             for (int k = 0; k < 8; k++) {
                 const kv_blk_q5_k *b = (const kv_blk_q5_k *)(src + (8 * g + k) * row_bytes) + i;
                 out->d[k] = b->d, out->dmin[k] = b->dmin;
                 for (int j = 0; j < 12; j++) out->scales[j][k] = b->scales[j];
-                for (int t = 0; t < 8; t++) {
-                    for (int p = 0; p < 4; p++) memcpy(&out->qs[p][t][4 * k], b->qs + 32 * p + 4 * t, 4);
-                    memcpy(&out->qh[t][4 * k], b->qh + 4 * t, 4);
-                }
+                for (int s = 0; s < 8; s++)
+                    for (int l = 0; l < 32; l++) {
+                        const int q = (b->qs[32 * (s / 2) + l] >> (4 * (s % 2)) & 0xF) |
+                                      (b->qh[l] >> s & 1) << 4;
+                        const int byte = 4 * k + l % 4;
+                        if (s % 2 == 0) {
+                            out->q5[s / 2][l / 4][byte] |= (uint8_t)q;
+                        } else {
+                            out->q5[s / 2][l / 4][byte] |= (uint8_t)(q >> 2 << 5);
+                            out->w5[s / 2][l / 16][byte] |= (uint8_t)((q & 3) << (2 * (l / 4 % 4)));
+                        }
+                    }
             }
         }
     }
@@ -62,9 +72,9 @@ int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
 
 /* element l (0..31) of sub-block s of row k, 0..31 */
 static inline int q5kx8_value(const kv_blk_q5_kx8 *b, int s, int l, int k) {
-    const int byte = 4 * k + l % 4;
-    const int lo = (b->qs[s / 2][l / 4][byte] >> (4 * (s % 2))) & 0xF;
-    return lo | ((b->qh[l / 4][byte] >> s) & 1) << 4;
+    const int byte = 4 * k + l % 4, v = b->q5[s / 2][l / 4][byte];
+    if (s % 2 == 0) return v & 31;
+    return (v >> 5) << 2 | (b->w5[s / 2][l / 16][byte] >> (2 * (l / 4 % 4)) & 3);
 }
 
 /* row r -> fp32, rounded as deq_q5_k rounds */
@@ -110,14 +120,15 @@ KV_KX8_GENERIC(kv_gemv_q5_kx8_generic, kv_blk_q5_kx8, row_sums)
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
 
-/* chunk t of sub-block s, 8 rows, values 0..31: the nibble, bit s of qh moved to bit 4 by
- * a 16-bit shift (within 4 places the bits that cross between bytes are masked off) */
+/* chunk t of sub-block s, 8 rows, values 0..31 (16-bit shifts: the masks drop what crosses
+ * a byte) */
 KV_INL __m256i k5_chunk(const kv_blk_q5_kx8 *b, const int s, const int t) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
-    __m256i v = load256(b->qs[s / 2][t]), h = load256(b->qh[t]);
-    if (s % 2) v = _mm256_srli_epi16(v, 4);
-    h = s < 4 ? _mm256_slli_epi16(h, 4 - s) : _mm256_srli_epi16(h, s - 4);
-    return _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(h, b4));
+    const __m256i v = load256(b->q5[s / 2][t]);
+    if (s % 2 == 0) return _mm256_and_si256(v, _mm256_set1_epi8(31));
+    const int sh = 2 * (t % 4);
+    const __m256i w = load256(b->w5[s / 2][t / 4]);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 3), _mm256_set1_epi8(0x1C)),
+                           _mm256_and_si256(sh ? _mm256_srli_epi16(w, sh) : w, _mm256_set1_epi8(3)));
 }
 
 /* the float steps of super-block i for nx x rows: acc += d * d_x * isum - dmin * d_x * msum */
@@ -227,12 +238,19 @@ KV_INL_Z void k5_sub_zmm(const kv_blk_q5_kx8 *b, const uint8_t sc8[8], const int
     const int8_t *x = ((const kv_act256 *)xq)->qs + 32 * s;
     __m512i c[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) c[j] = _mm512_setzero_si512();
-    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
     for (int t = 0; t < 8; t += 2) { /* k5_chunk for chunks t and t + 1 at once */
-        __m512i v = zpair_load(b->qs[s / 2][t]), h = zpair_load(b->qh[t]);
-        if (s % 2) v = _mm512_srli_epi16(v, 4);
-        h = s < 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
-        const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m4), h, b4, 0xF8); /* a | b&c */
+        const __m512i v = zpair_load(b->q5[s / 2][t]);
+        __m512i w;
+        if (s % 2 == 0) {
+            w = _mm512_and_si512(v, _mm512_set1_epi8(31));
+        } else {
+            const int sh = 2 * (t % 4);
+            const __m512i lo2 = _mm512_srlv_epi32(zdup(load256(b->w5[s / 2][t / 4])),
+                                                  _mm512_set1_epi64((int64_t)(sh + 2) << 32 | sh));
+            w = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 3),
+                                                           _mm512_set1_epi8(0x1C)),
+                                          lo2, _mm512_set1_epi8(3), 0xF8); /* a | b&c */
+        }
         for (int j = 0; j < nx; j++) c[j] = zdot(c[j], w, x + j * xs + 4 * t);
     }
     const __m512i sc = zdup_u8(sc8);
