@@ -196,7 +196,7 @@ def group_rows(w: QuantizedWeight,
     Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (144 bytes
     per 256), Q5_K as Q5_Kx8 (180 bytes per 256), Q6_K as Q6_Kx8 (210 bytes per 256, Q6_K's
     own size), Q2_K as Q2_Kx8 (its own size), Q3_K as Q3_Kx8 (114 bytes per 256), IQ4_XS as
-    IQ4_XSx8 (138 bytes per 256), IQ4_NL as IQ4_NLx8 (its own size). Their products serve 8
+    IQ4_XSx8 (its own size), IQ4_NL as IQ4_NLx8 (its own size). Their products serve 8
     rows per register: batched decode and prefill run 1.3-2x faster (csrc/qk_x8.c,
     qk_x8k.c, qk_x8k5.c, qk_x8k23.c, qk_x8q5.c, qk_iq4x8.c). `read(start, end)` is told each
     span of w's bytes once it has been grouped (a loader drops those file pages then)."""
