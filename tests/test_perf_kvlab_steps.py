@@ -139,8 +139,9 @@ def test_matrices_are_counted_as_the_loader_holds_them() -> None:
         MatrixSpec("Q5_0x8", 64, 64, 22_000)  # the file's size
     assert loaded_matrix(MatrixSpec("Q6_K", 8, 256, 210)).nbytes == 210  # the file's size
     assert loaded_matrix(MatrixSpec("Q4_K", 8, 256, 144, "ffn_down")).qtype == "Q4_Kx8"
-    assert loaded_matrix(MatrixSpec("Q5_K", 8, 256, 176)) == \
-        MatrixSpec("Q5_Kx8", 8, 256, 180)  # unpacked scales
+    for qtype, size in (("Q5_K", 176), ("Q3_K", 110), ("IQ4_XS", 136)):  # the file's size
+        assert loaded_matrix(MatrixSpec(qtype, 8, 256, size)) == \
+            MatrixSpec(f"{qtype}x8", 8, 256, size)
     for kept in (MatrixSpec("Q5_0", 12, 64, 1), MatrixSpec("F32", 8, 8, 256),
                  MatrixSpec("Q5_1", 8, 256, 192)):  # 12 rows; no grouped kernel for these
         assert loaded_matrix(kept) == kept

@@ -193,10 +193,8 @@ GROUP_CHUNK_ROWS = 8192  # rows grouped per call: the source's pages can go as t
 def group_rows(w: QuantizedWeight,
                read: Callable[[int, int], None] | None = None) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
-    Q4_0 as Q8_0x8 (Q8_0's size), Q5_0 as Q5_0x8 (its own size), Q4_K as Q4_Kx8 (144 bytes
-    per 256), Q5_K as Q5_Kx8 (180 bytes per 256), Q6_K as Q6_Kx8 (210 bytes per 256, Q6_K's
-    own size), Q2_K as Q2_Kx8 (its own size), Q3_K as Q3_Kx8 (114 bytes per 256), IQ4_XS as
-    IQ4_XSx8 (138 bytes per 256), IQ4_NL as IQ4_NLx8 (its own size). Their products serve 8
+    Q4_0 as Q8_0x8 (Q8_0's size), and Q5_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS and IQ4_NL
+    as Q5_0x8, Q4_Kx8, ... (each its own type's size). Their products serve 8
     rows per register: batched decode and prefill run 1.3-2x faster (csrc/qk_x8.c,
     qk_x8k.c, qk_x8k5.c, qk_x8k23.c, qk_x8q5.c, qk_iq4x8.c). `read(start, end)` is told each
     span of w's bytes once it has been grouped (a loader drops those file pages then)."""

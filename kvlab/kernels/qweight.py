@@ -17,8 +17,7 @@ from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
 # Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
-# KV_Q4_KX8, ... in csrc/qk.h) and its bytes per block (IQ4_XSx8 keeps its
-# scales unpacked; the others are their file type's size)
+# KV_Q4_KX8, ... in csrc/qk.h) and its bytes per block (each its file type's size)
 GROUPED_KERNEL_TYPES = {
     T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33,
     T.Q2_K: 34,
@@ -32,7 +31,7 @@ GROUPED_BLOCK_BYTES = {
     T.Q8_0: 34, T.Q4_K: 144, T.Q6_K: 210,
     T.Q2_K: 84,
     T.Q3_K: 110,
-    T.IQ4_XS: 138,
+    T.IQ4_XS: 136,
     T.IQ4_NL: 18,
     T.Q5_0: 22,
     T.Q5_K: 176,

@@ -195,7 +195,7 @@ def product_calls(matrices: tuple[MatrixSpec, ...]) -> int:
 def loaded_matrix(m: MatrixSpec) -> MatrixSpec:
     """`m` as kvlab's loader holds it on the CPU: GGUF types with 8-row group kernels, in a
     multiple of 8 rows, become Q8_0x8 / Q4_Kx8 / Q5_Kx8 / Q6_Kx8 / IQ4_XSx8 / ... with their
-    bytes (Q4_0 widens to 8 bits, Q4_K, Q5_K and IQ4_XS carry unpacked scales)."""
+    bytes (Q4_0 widens to 8 bits; the others keep their file type's size)."""
     qtype = GGMLQuantizationType.__members__.get(m.qtype)
     if qtype not in GROUPS_AS or m.rows % 8:
         return m

@@ -185,7 +185,7 @@ void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out);
 void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out);
 KV_GEMV_DECL(kv_gemv_iq4_nl_generic);
 KV_GEMV_DECL(kv_gemv_iq4_xs_generic);
-/* IQ4_XSx8 (138 B per row and super-block: scales unpacked) and IQ4_NLx8 (IQ4_NL's 18 B),
+/* IQ4_XSx8 (IQ4_XS's 136 B per row and super-block) and IQ4_NLx8 (IQ4_NL's 18 B),
  * qk_iq4x8.c; kv_iq4_values: the 16 values a 4-bit index selects */
 extern const int8_t kv_iq4_values[16];
 int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);

@@ -91,7 +91,7 @@ int kv_type_size(int qtype) {
         case KV_Q3_KX8: return 110;
         case KV_IQ4_NL: case KV_IQ4_NLX8: return 18;
         case KV_IQ4_XS: return 136;
-        case KV_IQ4_XSX8: return 138;
+        case KV_IQ4_XSX8: return 136;
         default: return 0;
     }
 }

@@ -3,12 +3,16 @@
  * x's 4 bytes broadcast gives 8 rows' partial dots at once, and the sub-block scales and the
  * float steps each serve 8 rows per instruction.
  *
- *   IQ4_XSx8 super-block i of rows 8g..8g+7 (1104 B = 8 x 138, IQ4_XS's 136 + scales
- *   unpacked to one byte each):
+ *   IQ4_XSx8 super-block i of rows 8g..8g+7 (1088 B = 8 x 136, IQ4_XS's own size: a batch-1
+ *   decode reads no more bytes than the file's blocks; d and the scales fill the first 64 B):
  *     d[8]           fp16, row 8g+k in slot k
- *     sc[8][8]       6-bit scale of sub-block s minus 32, [s][row k]
+ *     scales_h[2][8] byte j of row k's scales_h (low byte first), [j][k]
+ *     scales_l[4][8] byte j of row k's scales_l, [j][k]
  *     qs[8][4][32]   qs[s][t][4k + e] = byte 16s + 4t + e of row k's IQ4_XS qs: its low
  *                    nibble indexes element 4t+e of sub-block s, its high one 16+4t+e
+ *   Sub-block s's scale is (nibble s % 2 of scales_l[s / 2] | bits 2s, 2s+1 of scales_h << 4)
+ *   - 32. The SIMD tiles unpack a super-block's 64 scales at once (25 vector operations,
+ *   xs8_scales_avx2) into kv_xs8_scales, the madd operands they read.
  *   IQ4_NLx8 block i (144 B = 8 x 18, IQ4_NL's own size):
  *     d[8] fp16; qs[4][32]: qs[t][4k + e] = byte 4t + e of row k's block
  *
@@ -27,9 +31,22 @@
 
 typedef struct {
     kv_half d[8];
-    int8_t sc[8][8];
+    uint8_t scales_h[2][8], scales_l[4][8];
     uint8_t qs[8][4][32];
-} kv_blk_iq4_xsx8;  /* 1104 B */
+} kv_blk_iq4_xsx8;
+_Static_assert(sizeof(kv_blk_iq4_xsx8) == 8 * sizeof(kv_blk_iq4_xs), "IQ4_XSx8 is IQ4_XS's size");
+
+/* a super-block's scales for its 8 rows as the SIMD tiles read them: sc[s][k] is row k's
+ * scale of sub-block s (6-bit scale - 32) in both int16 halves, the operand of a madd against
+ * int16 pair sums (and, shifted right by 16, the scale as int32) */
+typedef struct { int16_t sc[8][8][2]; } kv_xs8_scales;
+
+/* row k's 8 scales (portable) */
+static void xs8_row_scales(const kv_blk_iq4_xsx8 *b, int k, int sc[8]) {
+    const int h = b->scales_h[0][k] | b->scales_h[1][k] << 8;
+    for (int s = 0; s < 8; s++)
+        sc[s] = ((b->scales_l[s / 2][k] >> 4 * (s % 2) & 0xF) | (h >> 2 * s & 3) << 4) - 32;
+}
 
 typedef struct {
     kv_half d[8];
@@ -47,12 +64,11 @@ int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst)
             for (int k = 0; k < 8; k++) {
                 const kv_blk_iq4_xs *b = (const kv_blk_iq4_xs *)(src + (8 * g + k) * row_bytes) + i;
                 out->d[k] = b->d;
-                for (int s = 0; s < 8; s++) {
-                    const int lo = (b->scales_l[s / 2] >> (4 * (s % 2))) & 0xF;
-                    const int hi = (b->scales_h >> (2 * s)) & 3;
-                    out->sc[s][k] = (int8_t)((lo | hi << 4) - 32);
+                out->scales_h[0][k] = (uint8_t)(b->scales_h & 0xFF);
+                out->scales_h[1][k] = (uint8_t)(b->scales_h >> 8);
+                for (int j = 0; j < 4; j++) out->scales_l[j][k] = b->scales_l[j];
+                for (int s = 0; s < 8; s++)
                     for (int t = 0; t < 4; t++) memcpy(&out->qs[s][t][4 * k], b->qs + 16 * s + 4 * t, 4);
-                }
             }
         }
     }
@@ -83,8 +99,10 @@ void kv_deq_iq4_xsx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t
     const int k = (int)(r % 8);
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = kv_h2f_table[b[i].d[k]];
+        int sc[8];
+        xs8_row_scales(b + i, k, sc);
         for (int s = 0; s < 8; s++, out += 32) {
-            const float dl = d * (float)b[i].sc[s][k];
+            const float dl = d * (float)sc[s];
             for (int l = 0; l < 16; l++) {
                 const uint8_t q = b[i].qs[s][l / 4][4 * k + l % 4];
                 out[l] = dl * (float)kv_iq4_values[q & 0xF];
@@ -130,9 +148,11 @@ void kv_gemv_iq4_xsx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, i
             for (int k = 0; k < 8; k++) {
                 float acc = 0.0f;
                 for (int64_t i = 0; i < cols / 256; i++) {
+                    int sc[8];
+                    xs8_row_scales(b + i, k, sc);
                     int32_t isum = 0;
                     for (int s = 0; s < 8; s++)
-                        isum += b[i].sc[s][k] * nibble_dot(b[i].qs[s], k, a[i].qs + 32 * s);
+                        isum += sc[s] * nibble_dot(b[i].qs[s], k, a[i].qs + 32 * s);
                     acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
                 }
                 y[j * ystride + r + k] = acc;
@@ -189,11 +209,47 @@ KV_INL __m256i iq4_table(void) {
     return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
 }
 
+/* super-block b's scales for its 8 rows (kv_xs8_scales). Each 32-bit lane holds 4 rows of
+ * one byte: scales_l as [j][rows 0-3] in the low 128 bits and [j][rows 4-7] in the high,
+ * whose low nibbles are sub-block 2j and high ones 2j + 1, and beside it the nibble n of
+ * scales_h with those sub-blocks' high bits (bits 0-1 for 2j, 2-3 for 2j + 1), which a byte
+ * shuffle takes to 16 * bits - 32 for the low nibble to complete by an or. The int8 scales
+ * are then sign-extended to int16 and each int16 doubled, within 128-bit lanes. */
+KV_INL void xs8_scales_avx2(const kv_blk_iq4_xsx8 *b, kv_xs8_scales *u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16));
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        -32, -32, -32, -32, -16, -16, -16, -16, 0, 0, 0, 0, 16, 16, 16, 16));
+    const __m256i l = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)b->scales_l),
+                                                  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    const __m256i h = _mm256_permutevar8x32_epi32(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b->scales_h)),
+        _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3));
+    const __m256i n = _mm256_and_si256(
+        _mm256_srlv_epi32(h, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)), m4);
+    const __m256i sc8[2] = {  /* lane j of a half: sub-block 2j (even) or 2j + 1 (odd) */
+        _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_shuffle_epi8(even, n)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4), _mm256_shuffle_epi8(odd, n))};
+    for (int o = 0; o < 2; o++) {
+        const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), sc8[o]);
+        for (int q = 0; q < 2; q++) {  /* int16 of sub-blocks 4q + o, 4q + 2 + o */
+            const __m256i w = q ? _mm256_unpackhi_epi8(sc8[o], sign) : _mm256_unpacklo_epi8(sc8[o], sign);
+            _mm256_storeu_si256((__m256i *)u->sc[4 * q + o], _mm256_unpacklo_epi16(w, w));
+            _mm256_storeu_si256((__m256i *)u->sc[4 * q + 2 + o], _mm256_unpackhi_epi16(w, w));
+        }
+    }
+}
+
+KV_INL __m256i xs8_pairs(const kv_xs8_scales *u, int s) {
+    return _mm256_loadu_si256((const __m256i *)u->sc[s]);
+}
+
 /* IQ4_XSx8, sub-block s of super-block i: per chunk t both nibbles into nx sums, weighted
  * by the sub-block's scales (int16 in both halves of a lane, so madd applies them) */
-KV_INL void xs_sub_avx2(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const char *xq,
-                        int64_t xs, int64_t i, const int nx, __m256i *isum) {
-    const __m256i sc = pairs_i8(b->sc[s]);
+KV_INL void xs_sub_avx2(const kv_blk_iq4_xsx8 *b, const kv_xs8_scales *u, int s, __m256i table,
+                        const char *xq, int64_t xs, int64_t i, const int nx, __m256i *isum) {
+    const __m256i sc = xs8_pairs(u, s);
     for (int t = 0; t < 4; t++) {
         const kv_nib v = nib_values(b->qs[s][t], table);
         for (int j = 0; j < nx; j++) {
@@ -243,8 +299,9 @@ KV_INL_V __m256i iq4_table_u8(void) {
     return _mm256_xor_si256(iq4_table(), _mm256_set1_epi8((char)0x80));
 }
 
-KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const char *xq,
-                          int64_t xs, int64_t i, const int nx, __m256i *isum) {
+KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, const kv_xs8_scales *u, int s,
+                          __m256i table, const char *xq, int64_t xs, int64_t i, const int nx,
+                          __m256i *isum) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i p[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) p[j] = _mm256_setzero_si256();
@@ -258,8 +315,7 @@ KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const 
             p[j] = _mm256_dpbusd_epi32(p[j], hi, bcast4(x + 16));
         }
     }
-    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b->sc[s]));
-    const __m256i sc2 = pairs_i8(b->sc[s]);
+    const __m256i sc2 = xs8_pairs(u, s), sc = _mm256_srai_epi32(sc2, 16);
     for (int j = 0; j < nx; j++) {
         const __m256i bias = _mm256_slli_epi32(
             _mm256_madd_epi16(sc2, bcast4(ACT(kv_act256, j, i)->bsums + 2 * s)), 7);
@@ -268,7 +324,7 @@ KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const 
 }
 
 /* IQ4_XSx8: one group against nx x rows, sub() adding a sub-block's integer sums. Super-block
- * i + 2 is prefetched: without it decode from DRAM waits on every super-block. */
+ * i + 2 (17 lines) is prefetched: without it decode from DRAM waits on every super-block. */
 #define KV_XS_TILE(name, tgt, table_of, sub)                                                  \
     static inline __attribute__((always_inline)) tgt void name(                              \
         const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs, const int nx,      \
@@ -279,13 +335,14 @@ KV_INL_V void xs_sub_vnni(const kv_blk_iq4_xsx8 *b, int s, __m256i table, const 
         for (int64_t i = 0; i < nb; i++) {                                                    \
             const char *ahead = (const char *)(b + i + 2);                                    \
             _mm_prefetch(ahead + 1024, _MM_HINT_T0);                                          \
-            _mm_prefetch(ahead + 1088, _MM_HINT_T0);                                          \
             __m256i isum[KV_GROUP_NX];                                                        \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                    \
+            kv_xs8_scales u;                                                                  \
+            xs8_scales_avx2(b + i, &u);                                                       \
             for (int s = 0; s < 8; s++) {                                                     \
                 _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);                                   \
                 _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);                              \
-                sub(b + i, s, table, xq, xs, i, nx, isum);                                    \
+                sub(b + i, &u, s, table, xq, xs, i, nx, isum);                                \
             }                                                                                 \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));      \
             for (int j = 0; j < nx; j++)                                                      \
@@ -307,8 +364,9 @@ KV_XS_TILE(tile_xs_vnni, KV_TGT_V, iq4_table_u8, xs_sub_vnni)
  * kernel's integer, so the same bits. */
 #include "qk_zmm.h"
 
-KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, int s, __m512i table, const char *xq,
-                         int64_t xs, int64_t i, const int nx, __m512i *isum) {
+KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, const kv_xs8_scales *u, int s,
+                         __m512i table, const char *xq, int64_t xs, int64_t i, const int nx,
+                         __m512i *isum) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512i p[KV_GROUP_NX];
     for (int j = 0; j < nx; j++) p[j] = _mm512_setzero_si512();
@@ -321,7 +379,8 @@ KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, int s, __m512i table, const c
             p[j] = zdot(zdot(p[j], lo, x), hi, x + 16);
         }
     }
-    const __m512i sc = zdup_i8(b->sc[s]);
+    const __m256i sc8 = _mm256_srai_epi32(xs8_pairs(u, s), 16);
+    const __m512i sc = zpair(sc8, sc8);
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
 }
 
@@ -329,6 +388,11 @@ KV_INL_Z void xs_sub_zmm(const kv_blk_iq4_xsx8 *b, int s, __m512i table, const c
 KV_INL_Z __m512i iq4_table_u8_zmm(void) {
     return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)kv_iq4_values)),
                             _mm512_set1_epi8((char)0x80));
+}
+
+/* zsub32's weights (qk_zmm.h) from the unpacked scales, which are its int16 pairs already */
+KV_INL_Z void xs8_sub32(const kv_xs8_scales *u, __m512i w[4]) {
+    for (int q = 0; q < 4; q++) w[q] = zpair(xs8_pairs(u, 2 * q), xs8_pairs(u, 2 * q + 1));
 }
 
 KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, int64_t xs,
@@ -339,15 +403,16 @@ KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, 
     for (int64_t i = 0; i < nb; i++) {
         const char *ahead = (const char *)(b + i + 2);
         _mm_prefetch(ahead + 1024, _MM_HINT_T0);
-        _mm_prefetch(ahead + 1088, _MM_HINT_T0);
         __m512i isum[KV_GROUP_NX], scw[4];
         for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        kv_xs8_scales u;
+        xs8_scales_avx2(b + i, &u);
         for (int s = 0; s < 8; s++) {
             _mm_prefetch(ahead + 128 * s, _MM_HINT_T0);
             _mm_prefetch(ahead + 128 * s + 64, _MM_HINT_T0);
-            xs_sub_zmm(b + i, s, table, xq, xs, i, nx, isum);
+            xs_sub_zmm(b + i, &u, s, table, xq, xs, i, nx, isum);
         }
-        zsub32(b[i].sc, 1, scw);
+        xs8_sub32(&u, scw);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
         for (int j = 0; j < nx; j++) {
             const kv_act256 *a = ACT(kv_act256, j, i);
@@ -365,7 +430,8 @@ KV_INL_Z void tile_xs_zmm(const kv_blk_iq4_xsx8 *b, int64_t nb, const char *xq, 
  * and no lanes are folded. Each x row's sub-block chain starts from -128 * (x's two 16-sums)
  * (one vpdpwssd), so after the 8 products p is the signed dot itself and sc * p the same
  * integer as above: the same bits. */
-KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, int s,
+KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B,
+                           const kv_xs8_scales *ua, const kv_xs8_scales *ub, int s,
                            __m512i table, const char *xq, int64_t xs, int64_t i, const int nx,
                            __m512i *isum) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m128 = _mm512_set1_epi32((int)0xFF80FF80);
@@ -389,19 +455,23 @@ KV_INL_Z void xs16_sub_zmm(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, i
             p[j] = _mm512_dpbusd_epi32(p[j], hi, _mm512_set1_epi32(x1));
         }
     }
-    const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(
-        _mm_loadl_epi64((const __m128i *)A->sc[s]), _mm_loadl_epi64((const __m128i *)B->sc[s])));
+    const __m512i sc = _mm512_srai_epi32(z16_load(ua->sc[s], ub->sc[s]), 16);
     for (int j = 0; j < nx; j++) isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p[j], sc));
 }
 
 KV_INL_Z void xs16_sums(const kv_blk_iq4_xsx8 *A, const kv_blk_iq4_xsx8 *B, int64_t i,
                         const char *xq, int64_t xs, const int nx, __m512i *isum) {
     const __m512i table = iq4_table_u8_zmm();
+    kv_xs8_scales ua, ub;
+    xs8_scales_avx2(A, &ua);
+    xs8_scales_avx2(B, &ub);
     for (int s = 0; s < 8; s++) {
         z16_prefetch(A + 2, B + 2, 128 * s);
-        xs16_sub_zmm(A, B, s, table, xq, xs, i, nx, isum);
+        xs16_sub_zmm(A, B, &ua, &ub, s, table, xq, xs, i, nx, isum);
     }
-    z16_prefetch(A + 2, B + 2, 1024);
+    const char *a2 = (const char *)(A + 2), *b2 = (const char *)(B + 2);
+    _mm_prefetch(a2 + 1024, _MM_HINT_T0);
+    _mm_prefetch(b2 + 1024, _MM_HINT_T0);
 }
 KV_ZMM_TILE2(tile2_xs_zmm, kv_blk_iq4_xsx8, xs16_sums)
 

@@ -343,7 +343,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* to_x8(qtype, src, rows, cols, src_row_bytes, dst): GGUF rows -> 8-row groups: Q8_0 / Q4_0
  * -> Q8_0x8 (34 B per 32), Q5_0 -> Q5_0x8 (22 B per 32), Q4_K -> Q4_Kx8 (144 B per 256),
  * Q5_K -> Q5_Kx8 (176 B), Q6_K -> Q6_Kx8 (210 B),
- * Q2_K -> Q2_Kx8 (84 B), Q3_K -> Q3_Kx8 (110 B), IQ4_XS -> IQ4_XSx8 (138 B per 256),
+ * Q2_K -> Q2_Kx8 (84 B), Q3_K -> Q3_Kx8 (110 B), IQ4_XS -> IQ4_XSx8 (136 B per 256),
  * IQ4_NL -> IQ4_NLx8 (18 B per 32); rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
