@@ -398,7 +398,7 @@ KV_INL_Z void k8_pair_zmm(const kv_blk_q4_kx8 *b, const kv_k8_scales *u, const i
     for (int j = 0; j < nx; j++) isum[j] = zscale2(isum[j], c0[j], c1[j], sc);
 }
 
-KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_scales_avx2, k8_pair_zmm)
+KV_ZMM_KMIN_TILE(tile_k8_zmm, kv_blk_q4_kx8, k8_pair_zmm)
 
 /* Two groups (16 weight rows) at once for prefill: each broadcast of x's 4 bytes feeds two
  * maddubs, one per group, which halves the broadcasts per product. Sub-block s of both

@@ -264,11 +264,7 @@ KV_INL_Z void k5_pair_zmm(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const i
     k5_sub_zmm(b, u->sc[2 * p + 1], 2 * p + 1, xq, xs, nx, isum);
 }
 
-KV_INL_Z const kv_k8_scales *k5_scales(const kv_blk_q5_kx8 *b, kv_k8_scales *u) {
-    return k8_unpack_scales(b->scales, u);
-}
-
-KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_scales, k5_pair_zmm)
+KV_ZMM_KMIN_TILE(tile_k5_zmm, kv_blk_q5_kx8, k5_pair_zmm)
 
 KV_GROUP_GEMV(gemv_k5_avx2, KV_TGT, tile_k5_avx2, kv_blk_q5_kx8, 256)
 KV_GROUP_GEMV(gemv_k5_vnni, KV_TGT_V, tile_k5_vnni, kv_blk_q5_kx8, 256)

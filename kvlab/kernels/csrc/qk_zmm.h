@@ -42,10 +42,6 @@ KV_INL_Z __m512i zdup_u8(const uint8_t *p) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     return zpair(v, v);
 }
-KV_INL_Z __m512i zdup_i8(const int8_t *p) {
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    return zpair(v, v);
-}
 
 /* Two groups at once (16 rows, lane r = row r): 32 bytes of group a's block, then b's */
 KV_INL_Z __m512i z16_load(const void *a, const void *b) {
@@ -130,27 +126,25 @@ KV_INL_Z __m512i zpair_sums(const __m512i w[4], const int16_t *bsums) {
     return s;
 }
 
-/* w for 32-element sub-blocks (v[s][r], s = 0..7, each against both its 16-sums); the bytes
- * signed (int8) or not (uint8) */
-KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
+/* w for 32-element sub-blocks (v[s][r] unsigned, s = 0..7, each against both its 16-sums) */
+KV_INL_Z void zsub32(const uint8_t (*v)[8], __m512i w[4]) {
     for (int q = 0; q < 4; q++) {
         __m256i h[2];
         for (int k = 0; k < 2; k++) {
-            const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)v + 8 * (2 * q + k)));
-            const __m256i x = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)v[2 * q + k]));
             h[k] = pack16(x, x);
         }
         w[q] = zpair(h[0], h[1]);
     }
 }
 
-/* The tile of a K-quant group with scales and mins (Q4_Kx8, Q5_Kx8) against nx x rows:
- * scales_of(b, &tmp) gives a super-block's scales and mins (kv_k8_scales; tmp is room to
- * unpack them into), sub(b, u, p, x, xs, nx, isum) adds sub-blocks 2p and 2p + 1's scaled
- * products (lane pairs); per
- * super-block acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) as the
- * 256-bit kernels do, msum from the mins as int16 pairs. */
-#define KV_ZMM_KMIN_TILE(name, blk_t, scales_of, sub)                                       \
+/* The tile of a K-quant group with scales and mins (Q4_Kx8, Q5_Kx8: both keep the 12 packed
+ * bytes as scales[12][8]) against nx x rows: a super-block's scales and mins are unpacked
+ * into kv_k8_scales u, sub(b, u, p, x, xs, nx, isum) adds sub-blocks 2p and 2p + 1's scaled
+ * products (lane pairs); per super-block acc = fma(d * d_x, isum, acc),
+ * acc = fma(-(dmin * d_x), msum, acc) as the 256-bit kernels do, msum from the mins as int16
+ * pairs. */
+#define KV_ZMM_KMIN_TILE(name, blk_t, sub)                                                  \
     KV_INL_Z void name(const blk_t *b, int64_t nb, const char *xq, int64_t xs, const int nx,  \
                        float *y, int64_t ys) {                                              \
         __m256 acc[KV_GROUP_NX];                                                            \
@@ -159,10 +153,10 @@ KV_INL_Z void zsub32(const void *v, const int is_signed, __m512i w[4]) {
             __m512i isum[KV_GROUP_NX], mw[4];                                               \
             for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();                  \
             const char *xi = xq + i * (int64_t)sizeof(kv_act256);                           \
-            kv_k8_scales tmp;                                                               \
-            const kv_k8_scales *u = scales_of(b + i, &tmp);                                 \
+            kv_k8_scales uk;                                                                \
+            const kv_k8_scales *u = k8_unpack_scales(b[i].scales, &uk);                     \
             for (int p = 0; p < 4; p++) sub(b + i, u, p, xi, xs, nx, isum);                \
-            zsub32(u->m, 0, mw);                                                            \
+            zsub32(u->m, mw);                                                               \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));    \
             const __m256 mwf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].dmin)); \
             for (int j = 0; j < nx; j++) {                                                  \
