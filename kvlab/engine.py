@@ -166,6 +166,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
+        self.runner.page_ahead(self.kv.high_water())  # a first request's pages, in the background
 
     @staticmethod
     def _pool_sizes(model: ModelConfig, config: EngineConfig) -> PoolSizes:
@@ -336,6 +337,7 @@ class Engine:
                 wait_futures(list(self._compiling.values()), timeout=0.005,
                              return_when="FIRST_COMPLETED")
             return outputs + self._stall_outputs()
+        self.runner.page_ahead(self.kv.high_water())
         start = time.perf_counter()
         logits = self.runner.execute(sched, self.config.record_experts)
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)

@@ -76,6 +76,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # prefix key -> block id
         self._content_ids = itertools.count()
+        self.high_water = 0  # 1 + the highest block id ever handed out: fresh ids start here
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,6 +104,7 @@ class BlockPool:
             self._evict(block)
             block.ref_count = 1
             ids.append(block_id)
+            self.high_water = max(self.high_water, block_id + 1)
         return ids
 
     def touch(self, block_ids: list[int]) -> None:

@@ -76,6 +76,12 @@ class KVCacheManager:
         """Fraction of blocks referenced by some sequence (evictable cached ones count as free)."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    def high_water(self) -> list[int]:
+        """Each pool's high-water mark (BlockPool.high_water): the main pool's, then the
+        sliding-window pool's where there is one."""
+        window = [self.window.pool.high_water] if self.window is not None else []
+        return [self.pool.high_water, *window]
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -44,6 +44,9 @@ class FloatKV:
         self.k = _empty((slots, heads, head_dim), dtype, device)
         self.v = _empty((slots, heads, head_dim), dtype, device)
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
+
     @staticmethod
     def bytes_per_element(dtype: torch.dtype) -> float:
         return torch.empty(0, dtype=dtype).element_size()
@@ -91,6 +94,9 @@ class Q8KV:
         self.v_scale = _empty((slots, heads, blocks, 1), torch.float16, device)
 
     bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v, self.k_scale, self.v_scale
 
     def reserve(self, first: int | None = None, last: int = 0) -> None:
         for t in (self.k, self.v, self.k_scale, self.v_scale):

@@ -16,6 +16,7 @@ from kvlab.config import ModelConfig
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
 from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
+from kvlab.runner.kv_pager import KVPager
 from kvlab.scheduler import SchedulerOutput
 
 WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attention)
@@ -49,6 +50,24 @@ class ModelRunner:
         if self.kernel_decode:
             torch.set_num_threads(1)
         self.graphs = self._decode_graphs(graphs, max_batch)
+        self.pager = self._pager() if self.device.type == "cpu" else None
+
+    def _pager(self) -> KVPager:
+        """The KV pager over this runner's stores, grouped by pool as high_water lists them:
+        the main pool's layers, then the sliding-window pool's, if any."""
+        own = [self.num_window_blocks is not None and self.config.is_sliding(i)
+               for i in range(self.config.num_layers)]
+        pools = [[t for c, w in zip(self.kv_caches, own) if w == win for t in c.tensors()]
+                 for win in ((False, True) if any(own) else (False,))]
+        slots = [self.num_blocks * self.block_size]
+        if any(own):
+            slots.append(self.num_window_blocks * self.block_size)
+        return KVPager(pools, slots, self.block_size)
+
+    def page_ahead(self, high_water: list[int]) -> None:
+        """Have the pager fault in KV pages past each pool's high-water mark (kv_pager)."""
+        if self.pager is not None:
+            self.pager.follow(high_water)
 
     def _num_slots(self, layer: int) -> int:
         """Slots of one layer's store: its pool's blocks plus a scratch block (the last) for
@@ -100,7 +119,9 @@ class ModelRunner:
             torch.set_num_threads(1)
 
     def close(self) -> None:
-        """Release what the runner holds beyond memory (a tensor-parallel group); none here."""
+        """Stop the KV pager; a tensor-parallel runner also stops its group."""
+        if self.pager is not None:
+            self.pager.close()
 
     def _execute(self, out: SchedulerOutput, record_experts: bool,
                  want_logits: bool = True) -> StepLogits:

@@ -267,4 +267,5 @@ class LeaderRunner(ModelRunner):
             super().reserve_kv(tokens)
 
     def close(self) -> None:
+        super().close()
         self.ranks.close()

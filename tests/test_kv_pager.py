@@ -1,0 +1,80 @@
+"""The KV pager: KV pages made resident ahead of the writes that need them, bytes unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.kernels import hugepages
+from kvlab.runner.kv_pager import KVPager
+
+pytestmark = pytest.mark.skipif(not hugepages.populate(torch.zeros(1)),
+                                reason="no MADV_POPULATE_WRITE here (Linux 5.14 on)")
+
+
+def anon_resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_populate_makes_pages_resident_and_keeps_their_bytes():
+    b = hugepages.empty((16 << 20,), torch.uint8)
+    b[:100] = 5  # resident already: must keep its bytes
+    before = anon_resident_bytes()
+    assert hugepages.populate(b[1 << 20:])
+    assert anon_resident_bytes() - before >= 14 << 20
+    assert (b[:100] == 5).all() and (b[100:] == 0).all()
+
+
+def stores(slots: int) -> list[torch.Tensor]:
+    """Two layer tensors of 32 KiB per slot (64 slots to a 2 MiB page)."""
+    return [hugepages.empty((slots, 64, 128), torch.float32) for _ in range(2)]
+
+
+def test_pager_keeps_a_page_of_slots_past_the_high_water_mark():
+    bs, blocks = 16, 36
+    main, window = stores((blocks + 1) * bs), stores(9 * bs)
+    for t in main + window:
+        t[:3] = 1.5
+    pager = KVPager([main, window], [blocks * bs, 8 * bs], bs)
+    assert pager.margin == 32  # half a page
+    pager.follow([0, 0])
+    assert pager.wait(30)
+    assert pager.done == [32, 32]
+    pager.follow([5, 100])  # the window pool has 8 blocks: its target stops there
+    assert pager.wait(30)
+    assert pager.done == [5 * bs + 32, 8 * bs]
+    pager.follow([2, 0])  # a lower mark asks for nothing
+    assert pager.wait(30) and pager.done == [5 * bs + 32, 8 * bs]
+    pager.follow([blocks, 8])
+    assert pager.wait(30) and pager.done == [blocks * bs, 8 * bs]
+    assert all((t[:3] == 1.5).all() and (t[3:] == 0).all() for t in main + window)
+    pager.close()
+    pager._thread.join(5)
+    assert not pager._thread.is_alive()
+
+
+def test_engine_pages_ahead_of_its_sequences(tmp_path):
+    from kvlab.engine import Engine, EngineConfig
+    from kvlab.request import SamplingParams
+
+    from tiny_models import build
+
+    build("llama", tmp_path)
+    engine = Engine.from_model(str(tmp_path / "model.gguf"),
+                               EngineConfig(block_size=4, kv_dtype="f32", kv_cache_gib=0.01))
+    pager = engine.runner.pager
+    slots = engine.kv.num_blocks * 4
+    assert pager.wait(30) and pager.done == [min(pager.margin, slots)]  # before any request
+    engine.add_request("r", list(range(1, 30)), SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    high = engine.kv.high_water()
+    assert high == [8]  # 32 tokens in blocks of 4, from the front
+    assert pager.wait(30) and pager.done == [min(8 * 4 + pager.margin, slots)]
+    engine.close()
+    pager._thread.join(5)
+    assert not pager._thread.is_alive()
