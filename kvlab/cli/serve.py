@@ -33,9 +33,10 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-reserve-kv", action="store_true",
-                   help="let KV pool pages become resident as they are first written (by "
-                        "default the whole pool is touched at start, as llama-server does, so "
-                        "memory is claimed up front and stays flat under load)")
+                   help="let KV pool pages become resident as sequences reach them (a pager "
+                        "thread faults them in half a page ahead); by default the whole pool "
+                        "is touched at start, as llama-server does, so memory is claimed up "
+                        "front and stays flat under load")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may finish after SIGINT/SIGTERM")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
