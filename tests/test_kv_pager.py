@@ -78,3 +78,22 @@ def test_engine_pages_ahead_of_its_sequences(tmp_path):
     engine.close()
     pager._thread.join(5)
     assert not pager._thread.is_alive()
+
+
+def test_a_dropped_engine_stops_its_pager_and_frees_the_kv_pool(tmp_path):
+    import gc
+    import weakref
+
+    from kvlab.engine import Engine, EngineConfig
+
+    from tiny_models import build
+
+    build("llama", tmp_path)
+    engine = Engine.from_model(str(tmp_path / "model.gguf"),
+                               EngineConfig(block_size=4, kv_cache_gib=0.01))
+    thread = engine.runner.pager._thread
+    store = weakref.ref(engine.runner.kv_caches[0].k)
+    del engine
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive() and store() is None

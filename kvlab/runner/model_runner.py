@@ -8,6 +8,7 @@ stores have that many blocks instead, addressed through each sequence's window t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,8 @@ class ModelRunner:
             torch.set_num_threads(1)
         self.graphs = self._decode_graphs(graphs, max_batch)
         self.pager = self._pager() if self.device.type == "cpu" else None
+        if self.pager is not None:  # its thread holds the KV tensors until it stops
+            weakref.finalize(self, self.pager.close)
 
     def _pager(self) -> KVPager:
         """The KV pager over this runner's stores, grouped by pool as high_water lists them:
