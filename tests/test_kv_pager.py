@@ -57,15 +57,21 @@ def test_pager_keeps_a_page_of_slots_past_the_high_water_mark():
     assert not pager._thread.is_alive()
 
 
-def test_engine_pages_ahead_of_its_sequences(tmp_path):
+def tiny_engine(tmp_path):
+    """A tiny Llama's engine: a 0.01 GiB KV pool in blocks of 4."""
     from kvlab.engine import Engine, EngineConfig
-    from kvlab.request import SamplingParams
 
     from tiny_models import build
 
     build("llama", tmp_path)
-    engine = Engine.from_model(str(tmp_path / "model.gguf"),
-                               EngineConfig(block_size=4, kv_dtype="f32", kv_cache_gib=0.01))
+    return Engine.from_model(str(tmp_path / "model.gguf"),
+                             EngineConfig(block_size=4, kv_dtype="f32", kv_cache_gib=0.01))
+
+
+def test_engine_pages_ahead_of_its_sequences(tmp_path):
+    from kvlab.request import SamplingParams
+
+    engine = tiny_engine(tmp_path)
     pager = engine.runner.pager
     slots = engine.kv.num_blocks * 4
     assert pager.wait(30) and pager.done == [min(pager.margin, slots)]  # before any request
@@ -84,13 +90,7 @@ def test_a_dropped_engine_stops_its_pager_and_frees_the_kv_pool(tmp_path):
     import gc
     import weakref
 
-    from kvlab.engine import Engine, EngineConfig
-
-    from tiny_models import build
-
-    build("llama", tmp_path)
-    engine = Engine.from_model(str(tmp_path / "model.gguf"),
-                               EngineConfig(block_size=4, kv_cache_gib=0.01))
+    engine = tiny_engine(tmp_path)
     thread = engine.runner.pager._thread
     store = weakref.ref(engine.runner.kv_caches[0].k)
     del engine
