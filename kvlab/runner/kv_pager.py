@@ -2,9 +2,9 @@
 
 The KV stores are mapped at start but a page becomes resident only when first written
 (kvlab.models.kv_store), so a step whose K/V rows are the first in a page waits for the page
-fault: on this project's KVM hosts a fresh 2 MiB page measured 8-20 ms, and a step writes one
-row per layer tensor, so a first request, and every sequence crossing into fresh pages, paid
-that many faults inside a step (a Gemma 3 270M first token: 36 of them, 0.7 s).
+fault: on the KVM guests kvlab is measured on, a fresh 2 MiB page took 8-20 ms, and a step
+writes one row per layer tensor, so a first request, and every sequence crossing into fresh
+pages, paid that many faults inside a step (a Gemma 3 270M first token: 36 of them, 0.7 s).
 
 The pager is one thread that keeps every store tensor resident up to a margin past the
 highest block its pool has handed out (pools hand out never-used blocks in id order, so that
