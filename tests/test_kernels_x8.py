@@ -98,7 +98,7 @@ def test_grouped_product_bits_do_not_depend_on_batch_or_kernel_path(isa, qtype):
         ops._qk.set_isa("auto")
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.IQ4_XS], ids=lambda t: t.name)
 def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
     """More than 2 MiB of quantized x goes in chunks of about 256 KiB against every group: at
     8192 columns 250 rows (2.3 MB) are ten chunks of 24 and one of 10, each row as alone."""
@@ -106,6 +106,17 @@ def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
     x = torch.randn(250, 8192, generator=torch.Generator().manual_seed(9))
     alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
     assert torch.equal(qmatmul(x, g), alone)
+
+
+def test_iq4_xs_prefill_panels_keep_each_rows_bits():
+    """AVX2 without VNNI takes IQ4_XSx8 from 12 x rows through int16 panels: x rows in
+    blocks of 64 (here 70: a block, then tiles of 4 and 2), columns in chunks of 4
+    super-blocks (here 5: a chunk, then one); each row as alone, through tile_xs."""
+    g = group_rows(weight(T.IQ4_XS, rows=24, cols=1280, seed=12))
+    x = torch.randn(70, 1280, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([qmatmul(x[j:j + 1], g) for j in range(len(x))])
+    for n in (11, 12, 13, 64, 70):
+        assert torch.equal(qmatmul(x[:n], g), alone[:n]), n
 
 
 def test_threads_split_between_groups():

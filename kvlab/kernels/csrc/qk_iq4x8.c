@@ -25,6 +25,7 @@
  * number of x rows: a row's output does not depend on the batch or the kernel path.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qk.h"
@@ -480,8 +481,145 @@ KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV2(gemv_xsx8_zmm, KV_TGT_Z, tile_xs_zmm, tile2_xs_zmm, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
 
+/* ---- IQ4_XSx8 prefill on AVX2 without VNNI: int16 panels ----
+ * tile_xs spends, per 32 products and x row, a sign, a maddubs, a scale madd and an add, the
+ * first three on the two multiply pipes. With many x rows a group's values are worth
+ * decoding once into int16 already times their sub-block's scale (|v * sc| <= 127 * 32) and
+ * x once into int16: a madd of the two is then the whole product of 16 values, 2 madds and
+ * 2 adds per 32 products. The integers are tile_xs's (exact; |isum| < 256 * 127 * 32 * 128
+ * < 2^31) and the float steps the same in the same order, so the bits are too.
+ *
+ * A super-block's panel (4 KB): per sub-block s, chunk t and nibble half h two vectors of
+ * int16, part 0 rows 0, 1 | 4, 5 and part 1 rows 2, 3 | 6, 7, each row's 4 values of
+ * elements 32s + 16h + 4t ... + 3 side by side, as unpacking the byte values leaves them;
+ * x's 4 int16 broadcast to every 64-bit lane meet them, and one hadd joins each row's two
+ * halves at the end. Columns go in chunks of XW_SB super-blocks, x rows in blocks of XW_XB:
+ * a block's int16 chunk (132 KB) stays in L2 and a group's panels (16 KB) in L1 while the
+ * tiles of XW_R x rows pass over them. */
+#define XW_SB 4
+#define XW_XB 64
+#define XW_R 4
+#define XW_XS (XW_SB * 256 + 32)  /* int16 per x row of a block; the pad avoids 4 KB aliasing */
+#define KV_XW_MIN_N 12            /* fewer x rows go through tile_xs (as fast at 8) */
+
+typedef struct { __m256i v[8][4][2][2]; } xw_panel;  /* [s][t][h][part] */
+
+KV_INL void xw_decode(const kv_blk_iq4_xsx8 *b, __m256i table, xw_panel *p) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    kv_xs8_scales u;
+    xs8_scales_avx2(b, &u);
+    for (int s = 0; s < 8; s++) {
+        const __m256i sc = xs8_pairs(&u, s);  /* lane k: row k's scale twice */
+        const __m256i part_sc[2] = {_mm256_unpacklo_epi32(sc, sc), _mm256_unpackhi_epi32(sc, sc)};
+        for (int t = 0; t < 4; t++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)b->qs[s][t]);
+            const __m256i v[2] = {
+                _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4)),
+                _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4))};
+            for (int h = 0; h < 2; h++) {
+                const __m256i sign = _mm256_cmpgt_epi8(zero, v[h]);
+                p->v[s][t][h][0] = _mm256_mullo_epi16(_mm256_unpacklo_epi8(v[h], sign), part_sc[0]);
+                p->v[s][t][h][1] = _mm256_mullo_epi16(_mm256_unpackhi_epi8(v[h], sign), part_sc[1]);
+            }
+        }
+    }
+}
+
+/* m x rows' super-blocks [i0, i0 + ns) as int16, row j at x16 + j * XW_XS */
+KV_INL void xw_widen(const char *xq, int64_t xs, int64_t m, int64_t i0, int64_t ns,
+                     int16_t *x16) {
+    for (int64_t j = 0; j < m; j++)
+        for (int64_t i = 0; i < ns; i++) {
+            const int8_t *q = ACT(kv_act256, j, i0 + i)->qs;
+            int16_t *o = x16 + j * XW_XS + i * 256;
+            for (int e = 0; e < 256; e += 16)
+                _mm256_storeu_si256((__m256i *)(o + e),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + e))));
+        }
+}
+
+/* nx x rows (int16 at x16) against one panel: tile_xs's isum per x row */
+KV_INL void xw_sums(const xw_panel *p, const int16_t *x16, const int nx, __m256i *isum) {
+    __m256i a[XW_R], c[XW_R];
+    for (int j = 0; j < nx; j++) a[j] = c[j] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++)
+        for (int t = 0; t < 4; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i w0 = p->v[s][t][h][0], w1 = p->v[s][t][h][1];
+                for (int j = 0; j < nx; j++) {
+                    int64_t x4;
+                    memcpy(&x4, x16 + j * XW_XS + 32 * s + 16 * h + 4 * t, 8);
+                    const __m256i xb = _mm256_set1_epi64x(x4);
+                    a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(w0, xb));
+                    c[j] = _mm256_add_epi32(c[j], _mm256_madd_epi16(w1, xb));
+                    __asm__("" : "+x"(a[j]), "+x"(c[j]));  /* keeps gcc from spilling them */
+                }
+            }
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_hadd_epi32(a[j], c[j]);
+}
+
+/* nx x rows against a group's ns panels from super-block i0: y's accumulators carried on
+ * (or started at 0 where i0 = 0) by tile_xs's fma per super-block */
+KV_INL void xw_tile(const xw_panel *p, const kv_blk_iq4_xsx8 *b, int64_t i0, int64_t ns,
+                    const int16_t *x16, const char *xq, int64_t xs, const int nx, float *y,
+                    int64_t ys) {
+    __m256 acc[XW_R];
+    for (int j = 0; j < nx; j++) acc[j] = i0 ? _mm256_loadu_ps(y + j * ys) : _mm256_setzero_ps();
+    for (int64_t i = 0; i < ns; i++) {
+        __m256i isum[XW_R];
+        xw_sums(p + i, x16 + i * 256, nx, isum);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i0 + i].d));
+        for (int j = 0; j < nx; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act256, j, i0 + i)->d)),
+                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
+    }
+    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+}
+
+/* this thread's scratch, kept between calls: a group's panels and a block's int16 x */
+static _Thread_local void *xw_mem;
+
+static KV_TGT void gemv_xsx8_i16(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                                 int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                                 float *y, int64_t ystride) {
+    const size_t panel_bytes = XW_SB * sizeof(xw_panel);
+    if (!xw_mem && posix_memalign(&xw_mem, 64, panel_bytes + XW_XB * XW_XS * sizeof(int16_t))) {
+        xw_mem = NULL;
+        gemv_xsx8(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+        return;
+    }
+    xw_panel *panel = xw_mem;
+    int16_t *x16 = (int16_t *)((char *)xw_mem + panel_bytes);
+    const __m256i table = iq4_table();
+    const int64_t nb = cols / 256;
+    for (int64_t c = 0; c < n; c += XW_XB) {
+        const int64_t m = n - c < XW_XB ? n - c : XW_XB;
+        const char *xc = (const char *)xq + c * xstride;
+        for (int64_t i0 = 0; i0 < nb; i0 += XW_SB) {
+            const int64_t ns = nb - i0 < XW_SB ? nb - i0 : XW_SB;
+            xw_widen(xc, xstride, m, i0, ns, x16);
+            for (int64_t r = r0; r < r1; r += 8) {
+                const kv_blk_iq4_xsx8 *b = (const kv_blk_iq4_xsx8 *)(w + r * row_bytes);
+                for (int64_t i = 0; i < ns; i++) xw_decode(b + i0 + i, table, panel + i);
+                for (int64_t j = 0; j < m; j += XW_R) {
+                    const char *xj = xc + j * xstride;
+                    const int16_t *xj16 = x16 + j * XW_XS;
+                    float *yj = y + (c + j) * ystride + r;
+                    switch (m - j >= XW_R ? XW_R : m - j) {
+                        case 4: xw_tile(panel, b, i0, ns, xj16, xj, xstride, 4, yj, ystride); break;
+                        case 3: xw_tile(panel, b, i0, ns, xj16, xj, xstride, 3, yj, ystride); break;
+                        case 2: xw_tile(panel, b, i0, ns, xj16, xj, xstride, 2, yj, ystride); break;
+                        default: xw_tile(panel, b, i0, ns, xj16, xj, xstride, 1, yj, ystride); break;
+                    }
+                }
+            }
+        }
+    }
+}
+
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
-    (!kv_use_vnni() ? gemv_xsx8 : n >= KV_ZMM_MIN_N ? gemv_xsx8_zmm : gemv_xsx8_vnni)(
+    (kv_use_vnni() ? (n >= KV_ZMM_MIN_N ? gemv_xsx8_zmm : gemv_xsx8_vnni)
+                   : n >= KV_XW_MIN_N ? gemv_xsx8_i16 : gemv_xsx8)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 

@@ -56,15 +56,16 @@ void *kv_scratch(size_t bytes) {
  * hardware prefetchers see one long stream per thread (interleaving small chunks between
  * threads halved the bandwidth on the model's 0.1-1 MB matrices). A thread done with its
  * part takes chunks from the next parts, so a worker that is late, or never scheduled on a
- * busy machine, costs nothing but its own speed-up. The chunks are units of ~16 KiB, except
- * in a product with one x row (decode): there a unit is little work, and a batch-1 sweep of
- * a model's products streamed 3-22 % faster in units of 64 KiB-1 MiB, so its part is taken
- * in chunks that halve: half of what is left, then half of the rest, down to the unit at
- * the tail.
+ * busy machine, costs nothing but its own speed-up. A product's part is taken in chunks
+ * that halve: half of what is left, then half of the rest, down to a unit of ~16 KiB at the
+ * tail, so the threads finish together and most rows go in a few long calls. With one x row
+ * (decode) a unit is little work, and a batch-1 sweep of a model's products streamed 3-22 %
+ * faster in chunks of 64 KiB-1 MiB than in units; with many (prefill) a call's set-up per x
+ * row is spread over its rows (IQ4_XSx8's int16 copy of x on AVX2 took 15 % of a 512-row
+ * product in 16 KiB units). Other jobs (dequantize, quantize) go in units.
  *
  *     rows: |---- part 0 (caller) ---->|---- part 1 (worker 1) ---->|
- *            u u u u u u ...             u u u ...  <- thieves take chunks from here too
- *     n = 1: 1/2      1/4   1/8 .. u u   1/2 ...
+ *            1/2      1/4   1/8 .. u u   1/2 ...  <- thieves take chunks from here too
  */
 
 #define KV_MAX_PARTS 64
@@ -139,7 +140,7 @@ static void run_rows(rows_job *job, int64_t bytes_per_row) {
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
     job->align = align;
-    job->halving = job->fn == gemv_rows && job->n == 1;
+    job->halving = job->fn == gemv_rows;
     for (int k = 0; k < job->nparts; k++) {
         atomic_store(&job->parts[k].next, 0);
         job->parts[k].start = groups * k / job->nparts * align;
