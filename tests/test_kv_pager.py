@@ -97,3 +97,14 @@ def test_a_dropped_engine_stops_its_pager_and_frees_the_kv_pool(tmp_path):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive() and store() is None
+
+
+def test_pagers_stop_before_the_interpreter_exits():
+    """The exit hook stops and joins every live pager's thread, so none is still running
+    when the interpreter finalizes."""
+    from kvlab.runner import kv_pager
+
+    pager = KVPager([stores(4 * 16)], [4 * 16], 16)
+    pager.follow([4])
+    kv_pager._stop_all()
+    assert not pager._thread.is_alive()

@@ -21,11 +21,27 @@ at its first try and pages fault in as written.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 
 import torch
 
 from kvlab.kernels import hugepages
+
+# pagers whose thread may still run, stopped and joined before the interpreter finalizes: a
+# daemon thread that takes the GIL back during finalization is ended by unwinding its stack,
+# and where that stack holds C++ frames the process aborts ("terminate called without an
+# active exception", seen once at the exit of `kvlab kv-quality`, whose engines' pagers were
+# still at work)
+_LIVE: weakref.WeakSet[KVPager] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for pager in list(_LIVE):
+        pager.close()
+        pager._thread.join(timeout=5)
 
 
 class KVPager:
@@ -44,6 +60,7 @@ class KVPager:
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="kvlab-kv-pager", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
 
     def follow(self, blocks: list[int]) -> None:
