@@ -640,7 +640,8 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
     """The maddubs path (CPUs without AVX512-VNNI) gives the same bits as the VNNI path (this
     CPU's, or emulated where it has none and `make emu512` built it),
     for Q8_0 and for the 8-row groups of Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, IQ4_XS, Q2_K and Q3_K;
-    40 x rows take the byte-row paths of Q2_K and Q3_K with VNNI."""
+    40 x rows take the byte-row paths of Q2_K and Q3_K with VNNI, and from 13 x rows IQ4_XS
+    takes its int16 panels without."""
     import os
     import pickle
     import subprocess

@@ -109,7 +109,8 @@ def test_many_x_rows_go_in_chunks_with_the_same_bits(qtype):
 
 
 def test_iq4_xs_prefill_panels_keep_each_rows_bits():
-    """AVX2 without VNNI takes IQ4_XSx8 from 12 x rows through int16 panels: x rows in
+    """AVX2 without VNNI (this CPU's path there, or KVLAB_NO_VNNI in the path test of
+    test_kernels.py) takes IQ4_XSx8 from 12 x rows through int16 panels: x rows in
     blocks of 64 (here 70: a block, then tiles of 4 and 2), columns in chunks of 4
     super-blocks (here 5: a chunk, then one); each row as alone, through tile_xs."""
     g = group_rows(weight(T.IQ4_XS, rows=24, cols=1280, seed=12))
