@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from kvlab.bench.llama_bench import bench_pp, bench_tg
 from kvlab.engine import Engine, EngineConfig
+from kvlab.harness.llama_bench import bench_pp, bench_tg
 from kvlab.models.loader import LoadOptions, load_model
+from kvlab.probe import this_machine
 from kvlab.weights import default_model_path, open_checkpoint
 
 
@@ -141,9 +142,8 @@ def report(engine: Engine, stored: int, runs: dict[str, list[float]], hf: dict[s
 
 def _bandwidth() -> float | None:
     try:
-        from kvlab.perf import HardwareSpec
 
-        return HardwareSpec.this_machine().bandwidth / 1e9
+        return this_machine().bandwidth / 1e9
     except Exception:  # noqa: BLE001 - run `kvlab probe` first for the ceiling line
         return None
 

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 
 from kvlab.kernels import QuantizedWeight, kernel_backend, qmatmul, set_num_threads
 from kvlab.kernels.ops import can_group, group_rows
-from kvlab.perf.probe import measure_bandwidth
+from kvlab.probe.machine import measure_bandwidth
 from kvlab.weights.gguf_file import GGUFFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab.bench.loadtest import is_valid_json, schema_validator
 from kvlab.engine import Engine, EngineConfig
+from kvlab.harness.loadtest import is_valid_json, schema_validator
 from kvlab.request import RequestOutput, SamplingParams, Structure
 
 PROMPT = ("Write the order record as JSON: Maria Lopez, account 482913, ships to 12 Harbour "

@@ -18,8 +18,8 @@ import torch
 from llama_cpp import Llama
 from transformers import AutoModelForCausalLM
 
-from kvlab.bench.kv_quality import TEXT
 from kvlab.engine import Engine, EngineConfig
+from kvlab.harness.kv_quality import TEXT
 from kvlab.weights import default_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",

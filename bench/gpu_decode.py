@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from kvlab.bench.llama_bench import bench_tg
 from kvlab.engine import Engine, EngineConfig
+from kvlab.harness.llama_bench import bench_tg
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer

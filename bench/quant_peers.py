@@ -364,7 +364,7 @@ def decode_bytes_as_stored(model: Path, context: int) -> tuple[float, float]:
 _BANDWIDTH_SNIPPET = """
 import sys, torch
 from kvlab.kernels import set_num_threads
-from kvlab.perf.probe import measure_bandwidth
+from kvlab.probe.machine import measure_bandwidth
 threads, budget, both = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
 torch.set_num_threads(threads)
 set_num_threads(threads)
@@ -390,7 +390,7 @@ def measure_bandwidth(threads: int, quiet: bool = False) -> float | None:
     if quiet:
         return float(gb_s)
     print(f"# read bandwidth at {threads} threads: {float(gb_s):.2f} GB/s in 2 MiB pages, "
-          f"{float(small):.2f} in 4 KiB pages (kvlab.perf.probe.measure_bandwidth, 512 MiB, "
+          f"{float(small):.2f} in 4 KiB pages (kvlab.probe.machine.measure_bandwidth, 512 MiB, "
           f"best of {runs})")
     return float(gb_s)
 

@@ -1,46 +1,161 @@
-"""Imports only point down the house (STYLE.md): a lower room never imports a higher one."""
+"""The house's shape, held by its imports (STYLE.md): a lower room never imports a higher
+one, no package has an import circle, prediction never imports measurement or anything
+that runs, and kvlab's own modules are imported at the top of a module, where the graph
+can see them."""
 
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent / "kvlab"
 # room -> rank; a module may import rooms of lower or equal rank only
 RANKS = {
-    "errors": 0, "config": 0, "request": 0, "stop": 0, "metrics": 1,
+    "errors": 0, "config": 0, "request": 0, "stop": 0, "metrics": 1, "cost": 1,
     "tokenizer": 1, "weights": 1, "cache": 1, "scheduler": 2, "kernels": 2,
     "models": 3, "runner": 4, "sampler": 4, "structured": 4, "engine": 5, "llm": 6,
-    "perf": 6, "server": 7, "bench": 7, "cli": 8, "deploy": 8,
+    "estimate": 6, "probe": 7, "server": 8, "harness": 8, "cli": 9, "deploy": 9,
 }
-NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop"}
+NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop", "cost"}
+# prediction is arithmetic over specs: nothing that loads or runs a model, and no probe
+NOT_FROM = {
+    "estimate": {"models", "runner", "sampler", "structured", "engine", "llm", "probe"},
+}
+# sub-rooms that must stay apart from rooms of the same or lower rank
+PACKAGE_NOT_FROM = {
+    "kvlab.server.openai": ("kvlab.server.viz", "kvlab.estimate", "kvlab.probe"),
+}
+# `import kvlab` stays light: LLM (and torch behind it) loads on first use (PEP 562)
+LAZY_ALLOWED = {"kvlab/__init__.py"}
 
 
 def room(module: str) -> str:
     return module.split(".")[1] if module.startswith("kvlab.") else ""
 
 
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts
+    return ".".join(parts)
+
+
 def imports(path: Path) -> list[str]:
+    """Every module an import statement needs: `from package import submodule` needs the
+    submodule (its package's own names are not read), `from module import name` the module."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            found.append(node.module)
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            if all(s in MODULES or s in EXTENSIONS for s in subs):
+                found.extend(subs)
+            else:
+                found.append(node.module)
         elif isinstance(node, ast.Import):
             found.extend(a.name for a in node.names)
     return found
 
 
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+EXTENSIONS = {"kvlab.kernels._qk", "kvlab.kernels._qk_emu512", "kvlab.tokenizer._tok"}  # C
+
+
 def test_imports_point_down():
     bad = []
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT.parent).with_suffix("")
-        here = rel.parts[1] if len(rel.parts) > 1 else ""
+    for name, path in MODULES.items():
+        here = room(name)
         if here not in RANKS:
             continue
         for mod in imports(path):
             there = room(mod)
             if there in RANKS and RANKS[there] > RANKS[here]:
-                bad.append(f"{rel} imports {mod}")
+                bad.append(f"{name} imports {mod}")
+            if there in NOT_FROM.get(here, ()):
+                bad.append(f"{name} imports {mod}: {here} must not import {there}")
             if here in NO_TORCH and mod.split(".")[0] == "torch":
-                bad.append(f"{rel} imports torch")
+                bad.append(f"{name} imports torch")
+    assert not bad, "\n".join(bad)
+
+
+def test_sub_rooms_stay_apart():
+    bad = [f"{name} imports {mod}"
+           for package, banned in PACKAGE_NOT_FROM.items()
+           for name, path in MODULES.items() if name.startswith(package)
+           for mod in imports(path) if mod.startswith(banned)]
+    assert not bad, "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    """kvlab module -> the kvlab modules it imports (a package stands for its __init__)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in MODULES.items():
+        for mod in imports(path):
+            if mod in EXTENSIONS:
+                continue
+            while mod and mod not in MODULES:  # `from kvlab.x import name`: kvlab.x
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name and mod != "kvlab":
+                graph[name].add(mod)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert not circles(_graph()), circles(_graph())
+
+
+def test_circle_finder_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_kvlab_imports_at_module_top():
+    """An import inside a function hides an edge from the graph above; kvlab's own modules
+    are imported at the top (optional third-party dependencies may load late)."""
+    bad = []
+    for name, path in MODULES.items():
+        if str(path.relative_to(ROOT.parent)) in LAZY_ALLOWED:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                mod = (node.module if isinstance(node, ast.ImportFrom) else
+                       next((a.name for a in node.names), "")
+                       if isinstance(node, ast.Import) else "")
+                if (mod or "").split(".")[0] == "kvlab":
+                    bad.append(f"{name}.{fn.name} imports {mod} (line {node.lineno})")
     assert not bad, "\n".join(bad)

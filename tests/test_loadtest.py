@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from kvlab.bench import loadtest as lt
 from kvlab.cli.main import main
 from kvlab.errors import KvlabError
+from kvlab.harness import loadtest as lt
 
 # ---- statistics ----------------------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as T
 from test_decode_c import quantized_engine
 from test_models import reference_logits, runner_for, step
 
-from kvlab.bench.llama_bench import bench_tg, weight_check
 from kvlab.engine import Engine, EngineConfig
+from kvlab.harness.llama_bench import bench_tg, weight_check
 from kvlab.kernels import QuantizedWeight, fused, group_rows, quantize
 from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
@@ -25,7 +25,7 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import RequestOutput, RequestTimings, SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
-from kvlab.server.viz_events import LiveRequests, RunSpec, VizRun
+from kvlab.server.viz.events import LiveRequests, RunSpec, VizRun
 from kvlab.weights import TensorCheckpoint, open_checkpoint
 
 from tiny_models import MOE_ARCHS, build, write_gguf
@@ -296,9 +296,9 @@ def test_a_transformers_model_in_memory_loads_its_fused_experts(tiny):
 def test_viz_token_events_carry_the_experts():
     """The visualiser's prefill/decode events of a sampled token carry its experts per layer;
     an output without them (dense models, recording off) adds no field."""
+    served = SimpleNamespace(block_size=4, kv_bytes_per_token=8)
     engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, **kw: "x"),
-                             engine=SimpleNamespace(config=SimpleNamespace(block_size=4),
-                                                    cost=SimpleNamespace(kv_bytes_per_token=8)))
+                             snapshot=lambda: served)
     run = VizRun(engine, LiveRequests(), RunSpec([1, 2, 3], [SamplingParams()]))
     state = run.states[0]
     timings = RequestTimings(arrival=0.0, token_times=[0.5, 0.7])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvlab.bench.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
+from kvlab.cli.bench_estimate import print_check
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
+from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.metrics import ModelCost
+from kvlab.probe import this_machine
 from kvlab.weights import default_model_path
 
 
@@ -58,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
                 for d in args.depth for n in args.n_gen if n]
     _print(results, args.output, engine)
     if args.estimate:
-        from kvlab.cli.bench_estimate import print_check
-
         print_check(str(args.model or default_model_path()), results, args.threads,
                     quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype)
     return 0
@@ -75,9 +75,8 @@ def _run_one_warmup(engine: Engine, n_prompt: int) -> None:
 
 def _machine_bandwidth() -> float | None:
     try:
-        from kvlab.perf import HardwareSpec
 
-        return HardwareSpec.this_machine().bandwidth / 1e9
+        return this_machine().bandwidth / 1e9
     except Exception:  # noqa: BLE001 - no probe cache yet: the share column stays empty
         return None
 

@@ -1,7 +1,7 @@
 """`kvlab bench --estimate`: the estimator's prediction for this machine beside each figure
 `kvlab bench` measured, with the error in percent.
 
-The prediction is kvlab's step model (kvlab.perf.kvlab_steps): the model's counted matrices,
+The prediction is kvlab's step model (kvlab.estimate.kernel_steps): the model's counted matrices,
 heads and KV bytes over the rates `kvlab probe` measured for kvlab's own kernels and engine,
 never anything from the run it is compared with. The roofline's generic prediction (60-85 %
 of the stream bandwidth) is shown beside it. Below the table: which term dominates each
@@ -14,12 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab.bench.llama_bench import BenchResult
 from kvlab.errors import KvlabError
-from kvlab.perf import Estimate, HardwareSpec, ModelSpec, Workload, estimate
-from kvlab.perf.hardware import GB
-from kvlab.perf.kvlab_steps import KvlabPrediction, predict, shares_text, unsupported_reason
-from kvlab.perf.step_model import describe_factors
+from kvlab.estimate import Estimate, HardwareSpec, ModelSpec, Workload, estimate
+from kvlab.estimate.hardware import GB
+from kvlab.estimate.kernel_steps import KvlabPrediction, shares_text, unsupported_reason
+from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
+from kvlab.estimate.step_model import describe_factors, predict
+from kvlab.harness.llama_bench import BenchResult
+from kvlab.probe.cache import PROBE_VERSION, cache_path, read_probe, save_probe
+from kvlab.probe.machine import probe
 
 KV_DTYPE = "f32"  # the KV cache predicted where the run's is not given
 TOLERANCE = 0.25  # the aim: every prediction within 25 % of the measurement
@@ -44,8 +47,6 @@ def _hardware(threads: int | None, model_path: str | None = None) -> HardwareSpe
     """This machine as `kvlab probe` measured it with kvlab's kernel figures and whole
     steps at `threads`; probes now (about a minute, the steps on a replica of
     `model_path`) when the cache lacks them or is for another thread count."""
-    from kvlab.perf.probe import PROBE_VERSION, cache_path, probe, read_probe, save_probe
-
     try:
         cached = read_probe()
         current = cached.kernels is not None and cached.version == PROBE_VERSION
@@ -64,7 +65,7 @@ def _hardware(threads: int | None, model_path: str | None = None) -> HardwareSpe
 
 def _model(path: str) -> ModelSpec:
     p = Path(path)
-    return ModelSpec.from_hf_config(p / "config.json") if p.is_dir() else ModelSpec.from_gguf(p)
+    return spec_from_hf_config(p / "config.json") if p.is_dir() else spec_from_gguf(p)
 
 
 def _workload(prompt: int, output: int, compute_dtype: str | None = None,

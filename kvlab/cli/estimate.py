@@ -22,13 +22,27 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, format_estimate, known_parts
-from kvlab.perf.hardware import GB
-from kvlab.perf.report import format_hardware_table
-from kvlab.perf.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
+from kvlab.estimate import HardwareSpec, ModelSpec, Workload, estimate, format_estimate, known_parts
+from kvlab.estimate.hardware import GB, Interconnect
+from kvlab.estimate.parallel import format_parallel, predict_parallel
+from kvlab.estimate.plot import plot_estimate
+from kvlab.estimate.report import format_hardware_table
+from kvlab.estimate.serving_replay import (
+    RequestSpec,
+    format_serving,
+    predict_serving,
+    serving_figures,
+)
+from kvlab.estimate.specs import load_model_spec, spec_from_description, spec_from_gguf
+from kvlab.estimate.step_model import predict
+from kvlab.estimate.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
+from kvlab.models.kv_store import KV_DTYPES
+from kvlab.probe import resolve_hardware
+from kvlab.scheduler import SchedulerConfig
+from kvlab.weights import default_model_path
 
 if TYPE_CHECKING:
-    from kvlab.perf.kvlab_steps import KvlabPrediction
+    from kvlab.estimate.kernel_steps import KvlabPrediction
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _DESCRIPTION_FLAGS = ("params", "size_gb", "layers", "hidden", "heads", "kv_heads", "head_dim",
@@ -130,8 +144,6 @@ def _parallel(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec,
     """The tensor-parallel / replica prediction, when any of its flags asks for one."""
     if args.tensor_parallel_size == 1 and args.replicas == 1 and args.target_rps is None:
         return None
-    from kvlab.perf.hardware import Interconnect
-    from kvlab.perf.parallel import predict_parallel
 
     link = (None if args.link_bandwidth is None
             else Interconnect.custom(args.link_bandwidth, args.link_latency))
@@ -172,13 +184,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = "" if own is None or served is None else own.format() + _serving_text(served)
         if parallel is not None:
-            from kvlab.perf.parallel import format_parallel
-
             text += format_parallel(parallel)
         print(format_estimate(result) + text, end="")
     if args.plot:
-        from kvlab.perf.plot import plot_estimate
-
         path = plot_estimate(result, args.plot)
         if not args.json:
             print(f"plot written to {path}")
@@ -187,15 +195,11 @@ def run(args: argparse.Namespace) -> int:
 
 def predict_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
     """kvlab's own engine for one sequence of `workload`."""
-    from kvlab.perf.kvlab_steps import predict
-
     _check_kvlab_kv(workload.kv_dtype, hw)
     return predict(model, hw, workload)
 
 
 def _check_kvlab_kv(kv_dtype: str, hw: HardwareSpec) -> None:
-    from kvlab.models.kv_store import KV_DTYPES
-
     if kv_dtype not in KV_DTYPES:
         raise KvlabError(f"kvlab's engine has no {kv_dtype} KV cache (valid: "
                          f"{', '.join(KV_DTYPES)})")
@@ -207,10 +211,7 @@ def _check_kvlab_kv(kv_dtype: str, hw: HardwareSpec) -> None:
 def serve_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload,
                 args: argparse.Namespace) -> dict[str, Any]:
     """kvlab serving `--requests` requests of `workload` to `--concurrency` closed-loop
-    clients: the figures of `kvlab.perf.serving.serving_figures`, and the load."""
-    from kvlab.perf.serving import RequestSpec, predict_serving, serving_figures
-    from kvlab.scheduler import SchedulerConfig
-
+    clients: the figures of `kvlab.estimate.serving_replay.serving_figures`, and the load."""
     n = args.requests or 4 * args.concurrency
     spec = RequestSpec(workload.prompt_tokens, max(workload.output_tokens, 1))
     config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
@@ -221,8 +222,6 @@ def serve_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload,
 
 
 def _serving_text(s: dict[str, Any]) -> str:
-    from kvlab.perf.serving import format_serving
-
     table = format_serving([(s["concurrency"], s, None)])
     head = (f"serving   kvlab's scheduler (max {s['max_num_seqs']} sequences, "
             f"{s['max_num_batched_tokens']} tokens a step) over the step model"
@@ -248,19 +247,16 @@ def _check_model_args(args: argparse.Namespace) -> None:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     if _described(args):
-        return ModelSpec.from_description(
+        return spec_from_description(
             params=args.params, bits=args.bits,
             size_bytes=None if args.size_gb is None else args.size_gb * GB, layers=args.layers,
             hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
             head_dim=args.head_dim, vocab=args.vocab, intermediate=args.intermediate,
             tied=args.tied, max_context=args.max_context)
     if args.model:
-        from kvlab.perf.loaders import load_model_spec
-
         return load_model_spec(args.model, args.bits)
-    from kvlab.weights import default_model_path
 
-    return ModelSpec.from_gguf(default_model_path())
+    return spec_from_gguf(default_model_path())
 
 
 def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
@@ -269,7 +265,7 @@ def hardware_from_args(args: argparse.Namespace) -> HardwareSpec:
             raise KvlabError("--bandwidth needs --tflops too (sustained dense TFLOPS), or "
                              "--hardware NAME to take the other figures from a known part")
         return HardwareSpec.custom(args.bandwidth, args.tflops, args.memory)
-    spec = HardwareSpec.from_name(args.hardware or "this")
+    spec = resolve_hardware(args.hardware or "this")
     return spec.with_overrides(args.bandwidth, args.tflops, args.memory)
 
 

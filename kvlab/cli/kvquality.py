@@ -7,10 +7,10 @@ import argparse
 
 import torch
 
-from kvlab.bench.kv_quality import compare_kv_dtypes, format_quality, kv_quality
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
+from kvlab.harness.kv_quality import compare_kv_dtypes, format_quality, kv_quality
 from kvlab.models.kv_store import KV_DTYPES
 
 

@@ -13,7 +13,10 @@ import json
 import os
 import sys
 
+from kvlab.cli.loadtest_estimate import as_dict, format_check, predictor
 from kvlab.errors import KvlabError
+from kvlab.harness import loadtest as lt
+from kvlab.harness.loadtest import LoadConfig, load_schema
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -76,8 +79,6 @@ def _levels(spec: str) -> list[int]:
 
 
 def _config(args: argparse.Namespace):
-    from kvlab.bench.loadtest import LoadConfig, load_schema
-
     if args.num_requests < 1 or args.max_tokens < 1:
         raise KvlabError("--num-requests and --max-tokens must be >= 1")
     if args.concurrency is not None and args.concurrency < 1:
@@ -97,14 +98,11 @@ def _predictor(args: argparse.Namespace):
     """The prediction's inputs with --estimate (checked before any load is sent), else None."""
     if not args.estimate:
         return None
-    from kvlab.cli.loadtest_estimate import predictor
 
     return predictor(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlab.bench import loadtest as lt
-
     if args.plot and not args.sweep:
         raise KvlabError("--plot needs --sweep")
     cfg = _config(args)
@@ -124,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep and not args.json:
         print("\n" + lt.format_sweep(runs))
     if predictor is not None and checks and not args.json:
-        from kvlab.cli.loadtest_estimate import format_check
-
         print("\n" + format_check(predictor, checks))
     if args.plot:
         lt.plot_sweep(runs, args.plot)
@@ -133,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         records = [s.as_dict() for s in runs]
         if predictor is not None:
-            from kvlab.cli.loadtest_estimate import as_dict
-
             predicted = {level: as_dict(pred) for level, pred, _ in checks}
             for record in records:
                 record["predicted"] = predicted.get(record["concurrency"] or 0)

@@ -4,7 +4,7 @@ load test measured, with the error in percent.
 The prediction replays the very requests the run sent (the prompt tokens the server computed,
 less those its prefix cache served, and the output tokens, as it reported them, in the order and with the concurrency or arrival
 times the load test used) through kvlab's scheduler over the step model
-(kvlab.perf.serving), with the server's token budget and max sequences as given here, on
+(kvlab.estimate.serving_replay), with the server's token budget and max sequences as given here, on
 the rates and whole-step timings `kvlab probe` cached. Nothing from the run's timings
 enters the prediction.
 """
@@ -16,10 +16,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.bench.loadtest import LoadConfig, RequestResult, Summary
+from kvlab.engine import EngineConfig
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, ModelSpec
-from kvlab.perf.serving import (
+from kvlab.estimate import HardwareSpec, ModelSpec
+from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.serving_replay import (
     RequestSpec,
     ServingPrediction,
     describe_stream,
@@ -27,8 +28,13 @@ from kvlab.perf.serving import (
     predict_serving,
     serving_figures,
 )
-from kvlab.perf.step_model import describe_factors
+from kvlab.estimate.specs import spec_from_gguf
+from kvlab.estimate.step_model import describe_factors
+from kvlab.harness.loadtest import LoadConfig, RequestResult, Summary
+from kvlab.models.kv_store import KV_DTYPES
+from kvlab.probe import resolve_hardware
 from kvlab.scheduler import SchedulerConfig
+from kvlab.weights import default_model_path
 
 TTFT_TOLERANCE, THROUGHPUT_TOLERANCE = 0.30, 0.20  # the aims, per figure
 
@@ -55,19 +61,14 @@ class Predictor:
 
 def predictor(args: argparse.Namespace) -> Predictor:
     """The model, this machine's probe and the server's scheduler settings, checked."""
-    from kvlab.perf.kvlab_steps import unsupported_reason
-    from kvlab.weights import default_model_path
-
     if args.server_max_num_seqs < 1 or args.server_max_num_batched_tokens < 1:
         raise KvlabError("--server-max-num-seqs and --server-max-num-batched-tokens must be "
                          ">= 1")
-    hw = HardwareSpec.from_name("this")
-    model = ModelSpec.from_gguf(args.estimate_model or default_model_path())
+    hw = resolve_hardware("this")
+    model = spec_from_gguf(args.estimate_model or default_model_path())
     reason = unsupported_reason(model, hw)
     if reason:
         raise KvlabError(f"--estimate: kvlab's step model does not apply: {reason}")
-    from kvlab.engine import EngineConfig
-    from kvlab.models.kv_store import KV_DTYPES
 
     kv_dtype = args.server_kv_dtype
     if kv_dtype == "auto":

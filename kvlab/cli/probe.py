@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import KernelRates, StepFactors, StreamCosts
-from kvlab.perf.probe import probe, save_probe
+from kvlab.estimate.hardware import KernelRates, StepFactors, StreamCosts
+from kvlab.probe.cache import save_probe
+from kvlab.probe.machine import probe
 
 
 def register(subparsers: Any) -> None:

@@ -32,6 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.engine import Engine, EngineConfig
+from kvlab.kernels import ops
+from kvlab.probe.timing import spread_median, torch_threads
+from kvlab.request import SamplingParams
+
 ARCHITECTURES = ("llama", "gemma3")
 
 
@@ -61,8 +66,6 @@ class EngineOverhead:
 def measure_engine_overhead(architecture: str, threads: int, budget_s: float = 2.0,
                             shape: SyntheticShape = SHAPE) -> EngineOverhead:
     """Time kvlab's engine on synthetic `architecture` models, in one round."""
-    from kvlab.perf.probe_kernels import spread_median
-
     with engine_timers(threads, shape, (architecture,)) as timers:
         return overhead_from(spread_median(timers, budget_s, rounds=1)[0], architecture)
 
@@ -79,10 +82,9 @@ def engine_timers(threads: int, shape: SyntheticShape = SHAPE,
                   architectures: tuple[str, ...] = ARCHITECTURES
                   ) -> Iterator[dict[str, Callable[[float], tuple[float]]]]:
     """Timers of kvlab's engine on synthetic models (built once, on entry), for
-    `kvlab.perf.probe_kernels.spread_median`; `overhead_from` reads their times."""
+    `kvlab.probe.timing.spread_median`; `overhead_from` reads their times."""
     import torch
 
-    from kvlab.perf.probe_kernels import torch_threads
 
     with tempfile.TemporaryDirectory(prefix="kvlab-probe-") as tmp, \
             torch_threads(torch.get_num_threads()):  # the engine's runner changes it
@@ -110,8 +112,6 @@ class _EngineRun:
     a call times a few steps and returns the best mean step less the C kernels' time."""
 
     def __init__(self, path: Path, threads: int, depth: int) -> None:
-        from kvlab.engine import Engine, EngineConfig
-
         self.engine = Engine.from_model(str(path), EngineConfig(
             threads=threads, enable_prefix_caching=False, max_model_len=4 * _DEEP,
             max_num_batched_tokens=_DEEP))
@@ -119,8 +119,6 @@ class _EngineRun:
 
     def _start(self) -> None:
         """A fresh sequence, prefilled and warmed up (a run never crosses its end)."""
-        from kvlab.request import SamplingParams
-
         rng = np.random.default_rng(self.depth)
         prompt = [int(t) for t in rng.integers(0, len(_VOCAB), self.depth)]
         self.engine.add_request("probe", prompt, SamplingParams(
@@ -170,8 +168,6 @@ _PREDICTED = ("qmatmul", "attend_decode", "decode_layers")
 @contextmanager
 def _timed_kernels(names: tuple[str, ...] = _PREDICTED) -> Iterator[list[float]]:
     """Seconds spent inside the C calls `names` while the block runs."""
-    from kvlab.kernels import ops
-
     module, inside = ops._qk, [0.0]
     originals = {name: getattr(module, name) for name in names}
 

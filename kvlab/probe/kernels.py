@@ -17,27 +17,46 @@ run:
     sampling        kvlab's greedy sampler at two vocabulary sizes: seconds per entry
     row ops         prefill's element-wise passes (norm, norm + RoPE, GeGLU in C; SiLU x up
                     in torch) over 512 rows: seconds per element
-    engine          kvlab's engine on synthetic models (kvlab.perf.probe_engine)
+    engine          kvlab's engine on synthetic models (kvlab.probe.engine_overhead)
 
 Each figure comes from a timer that returns the best of a few runs within its share of the
 time budget. The timers run in several rounds, one after another (`spread_median`), and each
 keeps the median of its rounds, with their spread (IQR / median): a burst of other work on
 a shared machine then moves every figure a little rather than one figure a lot, and the
 spread says how steady the machine was. Whole engine steps, which these kernels leave out
-(shared caches, thread wake-ups, activation rounding), are timed by kvlab.perf.probe_steps.
+(shared caches, thread wake-ups, activation rounding), are timed by kvlab.probe.steps.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
 
-from kvlab.perf.hardware import KernelRates
+from kvlab.estimate.hardware import KernelRates
+from kvlab.kernels import (
+    QuantizedWeight,
+    fused,
+    get_num_threads,
+    group_rows,
+    kernel_backend,
+    qmatmul,
+    quantize,
+)
+from kvlab.kernels.qweight import row_bytes
+from kvlab.probe.engine_overhead import ARCHITECTURES, engine_timers, overhead_from
+from kvlab.probe.timing import (
+    ROUNDS,
+    Timer,
+    best_seconds,
+    per_call_seconds,
+    spread_median,
+    torch_threads,
+)
+from kvlab.request import SamplingParams
+from kvlab.sampler import SamplingBatch, sample
 
 T = GGMLQuantizationType
 # GGML type names, and kvlab's 8-row groups Q8_0x8, Q4_Kx8 and Q6_Kx8 (what the loader makes
@@ -49,54 +68,7 @@ LONG_COLS, SHORT_COLS = 4096, 512  # two row lengths over the same blocks
 PREFILL_ROWS = 512  # kvlab's default prefill chunk
 PREFILL_SHAPE = (1024, 2048)  # out, in features of the prefill product
 ATTENTION_HEAD_DIM = 128
-ROUNDS = 3
 _SMALL_VOCAB, _LARGE_VOCAB = 4096, 262144
-
-Timer = Callable[[float], tuple[float, ...]]  # budget seconds -> best seconds of each piece
-
-
-def best_seconds(fn: Callable[[], object], budget_s: float, max_runs: int,
-                 min_runs: int = 3) -> tuple[float, int]:
-    """Shortest of repeated runs of `fn` (at least `min_runs`) within the time budget."""
-    best, runs, end = float("inf"), 0, time.perf_counter() + budget_s
-    while runs < min_runs or (runs < max_runs and time.perf_counter() < end):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-        runs += 1
-    return best, runs
-
-
-def per_call_seconds(fn: Callable[[], object], calls: int, budget_s: float) -> float:
-    """Best mean seconds of one call of a cheap `fn`, timed over `calls` calls in a row."""
-    def batch() -> None:
-        for _ in range(calls):
-            fn()
-
-    batch()  # warm-up
-    return best_seconds(batch, budget_s, max_runs=10)[0] / calls
-
-
-def spread_median(timers: dict[str, Timer], budget_s: float, rounds: int = ROUNDS
-                  ) -> tuple[dict[str, tuple[float, ...]], dict[str, float]]:
-    """Each timer's median times over `rounds` passes through all the timers in turn, and
-    the spread of its first piece (interquartile range / median over the rounds)."""
-    import numpy as np
-
-    runs: dict[str, list[tuple[float, ...]]] = {}
-    share = budget_s / rounds / max(len(timers), 1)
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            runs.setdefault(name, []).append(timer(share))
-    medians = {name: tuple(float(np.median(piece)) for piece in zip(*times))
-               for name, times in runs.items()}
-    spreads = {}
-    for name, times in runs.items():
-        first = np.array([t[0] for t in times])
-        q1, q3 = np.percentile(first, [25, 75])
-        spreads[name] = float((q3 - q1) / np.median(first)) if np.median(first) > 0 else 0.0
-    return medians, spreads
-
 
 def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
                     attention_positions: int = 65536, engine: bool = True,
@@ -104,9 +76,6 @@ def measure_kernels(budget_s: float = 8.0, weight_mib: int = 128,
     """All the figures of `KernelRates` at the current kernel thread count, in about
     `budget_s` seconds plus buffer set-up; None when kvlab's C kernels are not built.
     `engine=False` leaves the engine figures empty (fast tests)."""
-    from kvlab.kernels import get_num_threads, kernel_backend
-    from kvlab.perf.probe_engine import ARCHITECTURES, engine_timers, overhead_from
-
     if kernel_backend() == "torch":
         return None
     threads = get_num_threads()
@@ -153,15 +122,11 @@ def _grouped(name: str) -> bool:
 
 
 def _row_bytes(name: str, cols: int) -> int:
-    from kvlab.kernels.qweight import row_bytes
-
     return row_bytes(_qtype(name), cols, _grouped(name))
 
 
 def _weight(name: str, shape: tuple[int, int], data: torch.Tensor):
     """A QuantizedWeight of the probe type `name` over `data` (uint8 [rows, row bytes])."""
-    from kvlab.kernels import QuantizedWeight
-
     return QuantizedWeight(_qtype(name), shape, data.view(shape[0], -1), grouped=_grouped(name))
 
 
@@ -170,8 +135,6 @@ def _fill(name: str, rows: int, cols: int, out: torch.Tensor | None = None,
     """uint8 [rows, row bytes] of valid blocks of the probe type `name`, in `out` when given:
     a small random tile, repeated (the quantizers are slow; a product's speed does not
     depend on values). Tiles are whole 8-row groups, so Q8_0x8 repeats validly too."""
-    from kvlab.kernels import group_rows, quantize
-
     gen = torch.Generator().manual_seed(0)
     tile = quantize(torch.randn(tile_rows, cols, generator=gen), _qtype(name))
     tile = (group_rows(tile) if _grouped(name) else tile).data
@@ -191,8 +154,6 @@ def _long_rows(name: str, buffer_mib: int) -> int:
 def _read_times(name: str, scratch: torch.Tensor, budget_s: float) -> tuple[float, float]:
     """Best seconds of a batch-1 product over the blocks in `scratch` as long rows, then
     as short rows (the same bytes: for Q8_0x8 then not valid groups, timed all the same)."""
-    from kvlab.kernels import qmatmul
-
     long_rows = _long_rows(name, scratch.numel() >> 20)
     data = _fill(name, long_rows, LONG_COLS, scratch)
     ratio = LONG_COLS // SHORT_COLS
@@ -229,8 +190,6 @@ def _call_times(scratch: torch.Tensor, budget_s: float, cols: int = 1024,
                 part_rows: int = 512) -> tuple[float, float]:
     """Best seconds of one product over all the Q8_0 blocks in `scratch`, and of products
     over its small matrices one by one, in shuffled order."""
-    from kvlab.kernels import qmatmul
-
     n_parts = _call_parts(scratch.numel() >> 20, cols, part_rows)
     data = _fill(GROUPED, n_parts * part_rows, cols, scratch)  # most model matrices' type
     x = torch.randn(1, cols)
@@ -250,8 +209,6 @@ def _call_times(scratch: torch.Tensor, budget_s: float, cols: int = 1024,
 
 
 def _call_parts(buffer_mib: int, cols: int = 1024, part_rows: int = 512) -> int:
-    from kvlab.kernels.qweight import row_bytes
-
     return max(2, (buffer_mib << 20) // (row_bytes(T.Q8_0, cols) * part_rows))
 
 
@@ -273,8 +230,6 @@ def measure_call(buffer_mib: int = 128, budget_s: float = 0.5) -> float:
 def _prefill_times(name: str, budget_s: float, shape: tuple[int, int] = PREFILL_SHAPE
                    ) -> tuple[float, float]:
     """(best seconds, OP) of a PREFILL_ROWS-row product through a matrix of type `name`."""
-    from kvlab.kernels import qmatmul
-
     out_features, in_features = shape
     w = _weight(name, shape, _fill(name, out_features, in_features))
     run = partial(qmatmul, torch.randn(PREFILL_ROWS, in_features), w)
@@ -301,8 +256,6 @@ def _attention_times(kv_heads: int, positions: int, budget_s: float,
                      heads_per_kv: int = 4) -> tuple[float]:
     """Best seconds of kvlab's decode attention: one query of `heads_per_kv` x `kv_heads`
     heads against `positions` cached f32 positions."""
-    from kvlab.kernels import fused
-
     d = ATTENTION_HEAD_DIM
     k, v = torch.randn(positions, kv_heads, d), torch.randn(positions, kv_heads, d)
     q = torch.randn(1, kv_heads * heads_per_kv, d)
@@ -325,9 +278,6 @@ def measure_attention(kv_heads: int, positions: int, budget_s: float = 0.5) -> f
 def _sampling_times(budget_s: float) -> tuple[float, float]:
     """Best seconds of one greedy pick by kvlab's sampler over a small and a large
     vocabulary, on one torch thread as kvlab's runner leaves torch during decode."""
-    from kvlab.request import SamplingParams
-    from kvlab.sampler import SamplingBatch, sample
-
     params = SamplingParams(temperature=0)
 
     def pick(logits: torch.Tensor) -> None:
@@ -360,7 +310,6 @@ def _row_op_times(budget_s: float, rows: int = PREFILL_ROWS, hidden: int = 1024,
     Gemma's GeGLU in C ("gelu"), Llama's SiLU(gate) x up in torch ("silu")."""
     import torch.nn.functional as F
 
-    from kvlab.kernels import fused
 
     x, w = torch.randn(rows, hidden), torch.randn(hidden)
     q, norm = torch.randn(rows, heads, head_dim), torch.randn(head_dim)
@@ -381,14 +330,3 @@ def _row_op_costs(*seconds: float) -> dict[str, float]:
 
 def measure_row_ops(budget_s: float = 0.3, **shape: int) -> dict[str, float]:
     return _row_op_costs(*_row_op_times(budget_s, **shape))
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to `n` inside the block, restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -2,100 +2,41 @@
 for predicting kvlab itself: how fast kvlab's own kernels and engine run here.
 
 Bandwidth: a C stream read of a buffer far larger than any cache on kvlab's kernel
-threads (torch.sum without the C extension), best of several runs. FLOP/s: square torch matmuls (fp32, bf16 on request), best of several. kvlab's
-kernels and engine overhead: `kvlab.perf.probe_kernels`. Each figure has a time budget,
-so a probe ends in well under 30 s. Results are cached as JSON at
-$KVLAB_CACHE_DIR/probe.json (default ~/.cache/kvlab/probe.json) for
-`kvlab estimate --hardware this`. Caches of versions 1 (before the kernel figures) and 2
-(before the Q8_0x8 kernels) and 3 (before the whole-step timings) still load; `kvlab bench
---estimate` probes again for them.
+threads (torch.sum without the C extension), best of several runs. FLOP/s: square torch
+matmuls (fp32, bf16 on request), best of several. kvlab's kernels and engine overhead:
+`kvlab.probe.kernels`. Each figure has a time budget, so a probe ends in well under 30 s.
+The result is a `ProbeResult`, which `kvlab.probe.cache` saves for `kvlab estimate
+--hardware this`.
 
 Whole steps: kvlab's engine on a replica of the model to be predicted (the default model
-unless named), each step shape repeated and its median kept (kvlab.perf.probe_steps); the
+unless named), each step shape repeated and its median kept (kvlab.probe.steps); the
 factors fitted to them scale the kernel-rate terms of every kvlab prediction.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import (
-    GB,
-    GIB,
-    TERA,
-    HardwareSpec,
-    KernelRates,
-    StepFactors,
-    StreamCosts,
-)
-from kvlab.perf.probe_kernels import best_seconds, measure_kernels
-
-CACHE_ENV = "KVLAB_CACHE_DIR"
-PROBE_VERSION = 5  # 2: kvlab's kernel and engine figures (`kernels`); 3: with Q8_0x8;
-# 4: kernel figures as medians, whole engine steps (`steps`); 5: steps at the engine's KV
-# dtype, three depths and four batch sizes, serving's costs besides the steps (`stream`)
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    bandwidth_gbs: float
-    tflops: dict[str, float]  # sustained, by dtype
-    memory_gib: float
-    threads: int
-    cpu: str
-    measured_at: str  # ISO 8601, UTC
-    details: dict[str, str] = field(default_factory=dict)  # figure ("bandwidth", "fp32") -> how
-    version: int = PROBE_VERSION
-    kernels: dict[str, Any] | None = None  # KernelRates as a dict; None: not measured
-    steps: dict[str, Any] | None = None  # StepFactors as a dict; None: not timed
-    stream: dict[str, Any] | None = None  # StreamCosts as a dict; None: not timed
-
-    def to_hardware(self) -> HardwareSpec:
-        day = self.measured_at[:10]
-        return HardwareSpec(
-            name=f"this machine ({self.cpu}, {self.threads} threads, probed {day})",
-            bandwidth=self.bandwidth_gbs * GB,
-            flops={dtype: tf * TERA for dtype, tf in self.tflops.items()},
-            memory_bytes=int(self.memory_gib * GIB) if self.memory_gib > 0 else None,
-            kind="cpu", default_dtype="fp32",
-            sources=self._sources(), key="this", kernels=self.kernel_rates(),
-            steps=self.step_factors(), stream=self.stream_costs())
-
-    def kernel_rates(self) -> KernelRates | None:
-        return None if self.kernels is None else KernelRates(**self.kernels)
-
-    def step_factors(self) -> StepFactors | None:
-        from kvlab.perf.step_model import factors_from_dict
-
-        return None if self.steps is None else factors_from_dict(self.steps)
-
-    def stream_costs(self) -> StreamCosts | None:
-        if self.stream is None:
-            return None
-        return StreamCosts(**{**self.stream, "levels": tuple(self.stream.get("levels", ()))})
-
-    def _sources(self) -> dict[str, str]:
-        day = f"kvlab probe {self.measured_at[:10]}"
-        flops = "; ".join(f"{d} {self.details.get(d, '')}" for d in self.tflops)
-        return {"bandwidth": f"{day}: {self.details.get('bandwidth', '')}",
-                "memory": f"{day}: {self.details.get('memory', '')}", "flops": f"{day}: {flops}"}
-
-
-def cache_path() -> Path:
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvlab"
-    return Path(root) / "probe.json"
+from kvlab.estimate.hardware import GB, GIB, TERA
+from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.specs import spec_from_gguf
+from kvlab.kernels import kernel_backend, qmatmul, quantize, set_num_threads, stream_read
+from kvlab.kernels.hugepages import weight_buffer
+from kvlab.probe.cache import ProbeResult
+from kvlab.probe.kernels import measure_kernels
+from kvlab.probe.steps import default_kv_dtype, measure_steps
+from kvlab.probe.stream_costs import LEVELS, measure_stream_costs
+from kvlab.probe.timing import best_seconds
+from kvlab.weights import default_model_path
 
 
 def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
@@ -113,7 +54,6 @@ def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,
         torch.set_num_threads(threads)
         _set_kernel_threads(threads)
     bandwidth, bw_runs = measure_bandwidth(buffer_mib, budget_s)
-    from kvlab.kernels import kernel_backend
 
     how = "C stream read" if kernel_backend() != "torch" else "torch.sum"
     details = {"bandwidth": f"{how} over {buffer_mib} MiB in the weights' pages, best of "
@@ -150,13 +90,8 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
     """`result` with whole engine steps timed on a replica of `model` (default: the default
     model), then (with `serving`) serving's costs besides them, the model itself served;
     unchanged, with the reason in its details, where kvlab's step model does not cover it."""
-    from kvlab.perf.kvlab_steps import unsupported_reason
-    from kvlab.perf.model import ModelSpec
-    from kvlab.perf.probe_steps import default_kv_dtype, measure_steps
-    from kvlab.weights import default_model_path
-
     path = Path(model) if model is not None else default_model_path()
-    spec = ModelSpec.from_gguf(path)
+    spec = spec_from_gguf(path)
     hw = result.to_hardware()
     reason = unsupported_reason(spec, hw)
     if reason:
@@ -169,7 +104,6 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
     result = replace(result, steps=asdict(factors), details=details)
     if not serving:
         return result
-    from kvlab.perf.probe_serving import LEVELS, measure_stream_costs
 
     stream = measure_stream_costs(path, spec, result.to_hardware(), result.threads,
                                   default_kv_dtype())
@@ -180,8 +114,6 @@ def with_steps(result: ProbeResult, model: str | Path | None = None,
 
 def _set_kernel_threads(threads: int) -> None:
     """The C kernels' thread count too: the kernel figures are measured at it."""
-    from kvlab.kernels import set_num_threads
-
     set_num_threads(threads)
 
 
@@ -192,9 +124,6 @@ def measure_bandwidth(buffer_mib: int = 512, budget_s: float = 6.0,
     C extension is not built. The buffer is in the pages kvlab's weights are in (2 MiB where
     the system gives them, kernels/hugepages.py), so this is what a decode step could stream;
     `huge_pages=False` reads 4 KiB pages, as torch's own buffers and a file's map are."""
-    from kvlab.kernels import stream_read
-    from kvlab.kernels.hugepages import weight_buffer
-
     nbytes = buffer_mib * 2**20
     raw = weight_buffer(nbytes) if huge_pages else torch.empty(nbytes, dtype=torch.uint8)
     x = raw.view(torch.float32)
@@ -223,8 +152,6 @@ def measure_matmul(dtype: str = "fp32", size: int = 2048, budget_s: float = 6.0
 def measure_int8_kernels(budget_s: float = 6.0) -> tuple[float | None, int]:
     """Best OP/s of kvlab's own quantized product (activations in 8 bits, as its prefill
     runs them) on a random Q4_K matrix; None when the C kernels are not built."""
-    from kvlab.kernels import kernel_backend, qmatmul, quantize
-
     if kernel_backend() == "torch":
         return None, 0
     gen = torch.Generator().manual_seed(0)
@@ -233,37 +160,6 @@ def measure_int8_kernels(budget_s: float = 6.0) -> tuple[float | None, int]:
     qmatmul(x, w)  # warm-up
     seconds, runs = best_seconds(lambda: qmatmul(x, w), budget_s, max_runs=20)
     return 2 * 512 * 2048 * 2048 / seconds, runs
-
-
-def save_probe(result: ProbeResult, path: Path | None = None) -> Path:
-    path = path or cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(result), indent=2) + "\n")
-    return path
-
-
-def load_probe(path: Path | None = None) -> HardwareSpec:
-    """The cached probe as a HardwareSpec; a clear error when there is none."""
-    return read_probe(path).to_hardware()
-
-
-def read_probe(path: Path | None = None) -> ProbeResult:
-    """The cached probe as measured; a clear error when there is none or it is unreadable."""
-    path = path or cache_path()
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
-            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}"
-                             f"; readable: {', '.join(map(str, READABLE_VERSIONS))}")
-        result = ProbeResult(**data)
-        result.kernel_rates()  # a damaged kernels entry fails here, not in a later estimate
-        return result
-    except FileNotFoundError:
-        raise KvlabError(f"no probe results at {path}: run `kvlab probe` first, or name the "
-                         "hardware (`kvlab estimate --list-hardware`)") from None
-    except (ValueError, TypeError) as e:
-        raise KvlabError(f"{path} is not a kvlab probe cache ({e}); run `kvlab probe` again"
-                         ) from None
 
 
 def _physical_memory() -> int:

@@ -9,10 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlab.cost import causal_span_sum
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, LayerSpec, ModelSpec, Workload, estimate
-from kvlab.perf.loaders import layer_windows, load_model_spec
-from kvlab.perf.model import causal_span_sum
+from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload, estimate
+from kvlab.estimate.specs import (
+    layer_windows,
+    load_model_spec,
+    spec_from_description,
+    spec_from_gguf,
+    spec_from_hf_config,
+)
 
 GEMMA3_270M_CONFIG = {  # the text model of google/gemma-3-270m as HF describes it
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
@@ -36,7 +42,7 @@ def gemma() -> ModelSpec:
         path = default_model_path()
     except Exception as e:  # noqa: BLE001 - any failure to get the file means: skip
         pytest.skip(f"default model unavailable: {e}")
-    return ModelSpec.from_gguf(path)
+    return spec_from_gguf(path)
 
 
 def _write_config(tmp_path: Path, cfg: dict) -> Path:
@@ -83,7 +89,7 @@ def test_default_gguf_prefill_flop(gemma: ModelSpec) -> None:
 
 def test_hf_config_of_the_same_model_agrees_with_the_gguf(gemma: ModelSpec,
                                                           tmp_path: Path) -> None:
-    hf = ModelSpec.from_hf_config(_write_config(tmp_path, GEMMA3_270M_CONFIG))
+    hf = spec_from_hf_config(_write_config(tmp_path, GEMMA3_270M_CONFIG))
     assert hf.n_params == pytest.approx(gemma.n_params, rel=1e-3)
     assert [lyr.window for lyr in hf.layers] == [lyr.window for lyr in gemma.layers]
     assert hf.kv_bytes(4096, 2.0) == gemma.kv_bytes(4096, 2.0)
@@ -107,19 +113,19 @@ def test_hf_llama_3_1_8b(tmp_path: Path) -> None:
 def test_hf_layer_types_and_nested_text_config(tmp_path: Path) -> None:
     text = dict(GEMMA3_270M_CONFIG, num_hidden_layers=4,
                 layer_types=["sliding_attention", "full_attention"] * 2)
-    spec = ModelSpec.from_hf_config(_write_config(tmp_path, {"text_config": text}))
+    spec = spec_from_hf_config(_write_config(tmp_path, {"text_config": text}))
     assert [lyr.window for lyr in spec.layers] == [512, None, 512, None]
 
 
 def test_hf_config_without_dtype_asks_for_bits(tmp_path: Path) -> None:
     cfg = {k: v for k, v in LLAMA_3_1_8B_CONFIG.items() if k != "torch_dtype"}
     with pytest.raises(KvlabError, match="--bits"):
-        ModelSpec.from_hf_config(_write_config(tmp_path, cfg))
+        spec_from_hf_config(_write_config(tmp_path, cfg))
 
 
 def test_hf_moe_reads_only_routed_experts_at_batch_1(tmp_path: Path) -> None:
     cfg = dict(LLAMA_3_1_8B_CONFIG, num_local_experts=8, num_experts_per_tok=2)
-    spec = ModelSpec.from_hf_config(_write_config(tmp_path, cfg))
+    spec = spec_from_hf_config(_write_config(tmp_path, cfg))
     assert spec.expert_fraction(1) == pytest.approx(2 / 8)
     assert spec.expert_fraction(64) == pytest.approx(1.0, abs=1e-6)
     assert spec.decode_weight_bytes(1) < spec.decode_weight_bytes(16) < spec.weight_bytes + 1
@@ -130,17 +136,17 @@ def test_hf_moe_reads_only_routed_experts_at_batch_1(tmp_path: Path) -> None:
 
 def test_description_needs_bits_or_size() -> None:
     with pytest.raises(KvlabError, match="--bits"):
-        ModelSpec.from_description(params=8e9)
+        spec_from_description(params=8e9)
     with pytest.raises(KvlabError, match="between 1 and 32"):
-        ModelSpec.from_description(params=8e9, bits=-4)
+        spec_from_description(params=8e9, bits=-4)
     with pytest.raises(KvlabError, match="--layers must be a positive integer"):
-        ModelSpec.from_description(params=8e9, bits=4, layers=0)
+        spec_from_description(params=8e9, bits=4, layers=0)
     with pytest.raises(KvlabError, match="--params"):
-        ModelSpec.from_description(bits=4)
+        spec_from_description(bits=4)
 
 
 def test_description_from_architecture_alone_matches_hf() -> None:
-    spec = ModelSpec.from_description(layers=32, hidden=4096, heads=32, kv_heads=8,
+    spec = spec_from_description(layers=32, hidden=4096, heads=32, kv_heads=8,
                                       intermediate=14336, vocab=128256, bits=16)
     assert spec.n_params == pytest.approx(8.03e9, rel=1e-3)
     assert spec.kv_bytes_per_token(2.0) == 128 * 1024
@@ -148,7 +154,7 @@ def test_description_from_architecture_alone_matches_hf() -> None:
 
 
 def test_description_with_vocab_separates_tables() -> None:
-    spec = ModelSpec.from_description(params=8e9, bits=8, vocab=100_000, hidden=4000)
+    spec = spec_from_description(params=8e9, bits=8, vocab=100_000, hidden=4000)
     assert spec.lookup_params == spec.output_params == 400_000_000
     assert spec.matmul_flop_per_token() == pytest.approx(2 * (8e9 - 2 * 400e6), rel=1e-6)
     # untied: the input table is read one row at a time, the output table in full
@@ -229,7 +235,7 @@ def test_synthetic_moe_gguf_untied_hybrid(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
 
-    spec = ModelSpec.from_gguf(path)
+    spec = spec_from_gguf(path)
     assert spec.n_params == sum(int(np.prod(s)) for s in shapes.values())
     assert not spec.tied_output and spec.output_bytes == 32 * 16 * 4
     assert spec.lookup_row_bytes == 16 * 4

@@ -2,10 +2,10 @@
 
 A `HardwareSpec` comes from the built-in table (`hardware.json` beside this file, every
 number with its source), from figures the user types (`custom`), or from the cache that
-`kvlab probe` writes (`this_machine`). Units inside: bytes, bytes/s, FLOP/s, seconds.
+`kvlab probe` writes (read by `kvlab.probe`, which resolves the name `this`). Units inside: bytes, bytes/s, FLOP/s, seconds.
 
 A probed machine also carries `KernelRates`: how fast kvlab's own C kernels and per-layer
-Python run there, so that kvlab itself can be predicted (kvlab.perf.kvlab_steps) and not
+Python run there, so that kvlab itself can be predicted (kvlab.estimate.kernel_steps) and not
 only an engine at the machine's ceilings.
 """
 
@@ -34,7 +34,7 @@ _VENDOR_PREFIXES = ("nvidia", "geforce", "amd", "instinct", "apple", "intel")
 
 @dataclass(frozen=True)
 class Interconnect:
-    """The link between the devices of a tensor-parallel group (kvlab.perf.parallel)."""
+    """The link between the devices of a tensor-parallel group (kvlab.estimate.parallel)."""
 
     name: str
     bandwidth: float  # bytes/s one device sends, one direction
@@ -102,7 +102,7 @@ class KernelRates:
 @dataclass(frozen=True)
 class StepFactors:
     """What whole engine steps cost here against the kernel-rate terms of kvlab's step model
-    (kvlab.perf.step_model), as `kvlab probe` timed them on a replica of one model: shared
+    (kvlab.estimate.step_model), as `kvlab probe` timed them on a replica of one model: shared
     caches, thread wake-ups and activation rounding make a real step slower than the sum of
     its kernels' isolated best runs. Each factor scales one group of terms."""
 
@@ -211,9 +211,11 @@ class HardwareSpec:
 
     @classmethod
     def from_name(cls, name: str) -> HardwareSpec:
-        """A part from the built-in table; `this` reads the `kvlab probe` cache."""
+        """A part from the built-in table (`this`, the probed machine, is
+        `kvlab.probe.resolve_hardware`'s to read)."""
         if name.strip().lower() == "this":
-            return cls.this_machine()
+            raise KvlabError("hardware 'this' is the machine `kvlab probe` measured: read it "
+                             "with kvlab.probe.resolve_hardware, or name a part from the table")
         table = _parts()
         key = _lookup_key(name)
         if key is None:
@@ -231,13 +233,6 @@ class HardwareSpec:
         return cls(name=name, bandwidth=bandwidth_gbs * GB, flops=_any_dtype(tflops * TERA),
                    memory_bytes=None if memory_gib is None else int(memory_gib * GIB),
                    sources={"bandwidth": "user", "flops": "user", "memory": "user"})
-
-    @classmethod
-    def this_machine(cls, path: Path | None = None) -> HardwareSpec:
-        """The figures `kvlab probe` measured on this machine."""
-        from kvlab.perf.probe import load_probe
-
-        return load_probe(path)
 
     def with_overrides(self, bandwidth_gbs: float | None = None, tflops: float | None = None,
                        memory_gib: float | None = None) -> HardwareSpec:

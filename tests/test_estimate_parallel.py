@@ -1,4 +1,4 @@
-"""The tensor-parallel and replica arithmetic of kvlab.perf.parallel, by hand on round numbers."""
+"""The tensor-parallel and replica arithmetic of kvlab.estimate.parallel, by hand on round numbers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from kvlab.cli.main import main
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, LayerSpec, ModelSpec, Workload, estimate
-from kvlab.perf.hardware import Interconnect
-from kvlab.perf.parallel import allreduce_seconds, predict_parallel
+from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload, estimate
+from kvlab.estimate.hardware import Interconnect
+from kvlab.estimate.parallel import allreduce_seconds, predict_parallel
 
 LINK = Interconnect("test link", bandwidth=100e9, latency=5e-6)
 

@@ -1,4 +1,4 @@
-"""Batching, memory fit, offload and input checks of kvlab.perf.estimate."""
+"""Batching, memory fit, offload and input checks of kvlab.estimate.estimate."""
 
 from __future__ import annotations
 
@@ -7,19 +7,20 @@ import json
 import pytest
 
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, Measurement, ModelSpec, Workload, compare, estimate
-from kvlab.perf.hardware import GIB
-from kvlab.perf.report import format_estimate
+from kvlab.estimate import HardwareSpec, Measurement, ModelSpec, Workload, compare, estimate
+from kvlab.estimate.hardware import GIB
+from kvlab.estimate.report import format_estimate
+from kvlab.estimate.specs import spec_from_description
 
 
 def _llama_8b(**extra: object) -> ModelSpec:
-    return ModelSpec.from_description(params=8e9, size_bytes=4.9e9, layers=32, kv_heads=8,
+    return spec_from_description(params=8e9, size_bytes=4.9e9, layers=32, kv_heads=8,
                                       head_dim=128, **extra)
 
 
 def test_batching_is_linear_until_compute_bound() -> None:
     # 14B, 8.5 GB, 273 GB/s, 20 TFLOPS: memory-bound at 32 tok/s, compute caps at 714 tok/s
-    e = estimate(ModelSpec.from_description(params=14e9, size_bytes=8.5e9),
+    e = estimate(spec_from_description(params=14e9, size_bytes=8.5e9),
                  HardwareSpec.custom(273, 20), Workload(prompt_tokens=3000, output_tokens=200))
     sweep = {p.batch: p for p in e.batch_sweep}
     one = sweep[1].aggregate_tok_s
@@ -72,7 +73,7 @@ def test_unknown_memory_skips_fit_checks() -> None:
 
 
 def test_offloading_layers_to_slower_memory() -> None:
-    model = ModelSpec.from_description(params=8e9, size_bytes=4.9e9, layers=32)
+    model = spec_from_description(params=8e9, size_bytes=4.9e9, layers=32)
     hw = HardwareSpec.custom(1000, 100, memory_gib=24)
     e = estimate(model, hw, Workload(offload_layers=8, offload_bandwidth=80e9))
     fast, slow = 4.9e9 * 24 / 32, 4.9e9 * 8 / 32
@@ -103,7 +104,7 @@ def test_offload_beyond_the_layer_count() -> None:
         estimate(_llama_8b(), HardwareSpec.custom(100, 1),
                  Workload(offload_layers=40, offload_bandwidth=50e9))
     with pytest.raises(KvlabError, match="--layers"):
-        estimate(ModelSpec.from_description(params=8e9, bits=4), HardwareSpec.custom(100, 1),
+        estimate(spec_from_description(params=8e9, bits=4), HardwareSpec.custom(100, 1),
                  Workload(offload_layers=1, offload_bandwidth=50e9))
 
 
@@ -131,7 +132,7 @@ def test_estimate_serializes_and_formats() -> None:
 
 
 def test_compare_puts_prediction_beside_measurement() -> None:
-    e = estimate(ModelSpec.from_description(params=14e9, size_bytes=8.5e9),
+    e = estimate(spec_from_description(params=14e9, size_bytes=8.5e9),
                  HardwareSpec.custom(273, 20), Workload(prompt_tokens=3000, output_tokens=200))
     table = compare(e, Measurement(ttft=5.0, decode_tok_s=24.0, total_seconds=13.3))
     lines = table.splitlines()

@@ -1,5 +1,5 @@
-"""The batched step model (kvlab.perf.step_model), its factors fitted to timed steps, and the
-scheduler simulation over it (kvlab.perf.serving): hand-made models and step times, no
+"""The batched step model (kvlab.estimate.step_model), its factors fitted to timed steps, and the
+scheduler simulation over it (kvlab.estimate.serving_replay): hand-made models and step times, no
 timing."""
 
 from __future__ import annotations
@@ -9,20 +9,23 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from test_perf_kvlab_steps import NS, US, machine, model
+from test_estimate_kernel_steps import NS, US, machine, model
 
-from kvlab.perf import Workload
-from kvlab.perf.hardware import StepFactors
-from kvlab.perf.kvlab_steps import StepCosts, predict
-from kvlab.perf.serving import RequestSpec, percentile, predict_serving, simulate
-from kvlab.perf.step_model import (
+from kvlab.estimate import Workload
+from kvlab.estimate.hardware import StepFactors
+from kvlab.estimate.kernel_steps import StepCosts
+from kvlab.estimate.serving_replay import RequestSpec, percentile, predict_serving, simulate
+from kvlab.estimate.specs import spec_from_gguf
+from kvlab.estimate.step_model import (
     SeqWork,
     StepModel,
     TimedStep,
     factors_from_dict,
     fit_factors,
     median_spread,
+    predict,
 )
+from kvlab.probe import resolve_hardware
 from kvlab.scheduler import SchedulerConfig
 
 FACTORS = StepFactors(fixed=1.5, kv={"f32": 2.0, "f16": 3.0}, batch=0.5, prefill=1.25,
@@ -67,7 +70,7 @@ def test_prefill_chunk_and_mixed_step() -> None:
 
 
 def test_chunk_attention_keys_start_at_the_first_visible() -> None:
-    from test_perf_kvlab_steps import layer
+    from test_estimate_kernel_steps import layer
 
     sm = StepModel(model(layers=(layer(window=4),)), machine())
     # start 5, tokens 3, window 4: keys 2..7, six of them, for each of the three queries
@@ -272,8 +275,8 @@ def test_intake_takes_requests_one_at_a_time() -> None:
 
 
 def test_stream_costs_fitted_and_added() -> None:
-    from kvlab.perf.hardware import StreamCosts
-    from kvlab.perf.probe_serving import fit_stream_costs
+    from kvlab.estimate.hardware import StreamCosts
+    from kvlab.probe.stream_costs import fit_stream_costs
 
     hw = replace(machine(), steps=FACTORS)
     specs = {c: [RequestSpec(20, 16)] * 2 * c for c in (1, 8)}
@@ -314,10 +317,10 @@ def test_more_users_more_throughput_slower_streams() -> None:
 
 
 def _probe_with_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from test_perf_kvlab_steps import rates
+    from test_estimate_kernel_steps import rates
 
-    from kvlab.perf.probe import ProbeResult, save_probe
-    from kvlab.perf.probe_engine import SyntheticShape, write_synthetic_gguf
+    from kvlab.probe.cache import ProbeResult, save_probe
+    from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
 
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     save_probe(ProbeResult(bandwidth_gbs=20.0, tflops={"fp32": 0.5}, memory_gib=16.0,
@@ -330,7 +333,7 @@ def _probe_with_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_estimate_engine_kvlab_concurrency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from test_perf_cli import run_cli
+    from test_estimate_cli import run_cli
 
     from kvlab.errors import KvlabError
 
@@ -354,8 +357,8 @@ def test_loadtest_estimate_replays_the_run(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from kvlab.bench.loadtest import LoadConfig, RequestResult, summarize
     from kvlab.cli import loadtest_estimate as le
+    from kvlab.harness.loadtest import LoadConfig, RequestResult, summarize
 
     gguf = _probe_with_steps(tmp_path, monkeypatch)
     args = argparse.Namespace(estimate_model=str(gguf), server_max_num_seqs=16,
@@ -378,11 +381,11 @@ def test_loadtest_estimate_replays_the_run(tmp_path: Path,
 
 def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvlab.perf import HardwareSpec, ModelSpec
-    from kvlab.server.viz_predict import predict as viz_predict
+    from kvlab.estimate import HardwareSpec
+    from kvlab.server.viz.predict import predict as viz_predict
 
     gguf = _probe_with_steps(tmp_path, monkeypatch)
-    spec, hw = ModelSpec.from_gguf(gguf), HardwareSpec.from_name("this")
+    spec, hw = spec_from_gguf(gguf), resolve_hardware("this")
     one = viz_predict(spec, hw, 40, 16, concurrency=1, kv_dtype="f32")
     four = viz_predict(spec, hw, 40, 16, concurrency=4, kv_dtype="f32")
     assert one["engine"] == four["engine"] == "kvlab"
@@ -395,12 +398,11 @@ def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
 
 
 def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path) -> None:
-    from test_perf_probe import TINY
+    from test_probe import TINY
 
     from kvlab.kernels import kernel_backend
-    from kvlab.perf import ModelSpec
-    from kvlab.perf.probe_engine import write_synthetic_gguf
-    from kvlab.perf.probe_steps import measure_steps, write_replica
+    from kvlab.probe.engine_overhead import write_synthetic_gguf
+    from kvlab.probe.steps import measure_steps, write_replica
     from kvlab.weights.gguf_file import GGUFFile
 
     if kernel_backend() == "torch":
@@ -411,8 +413,8 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
     a, b = GGUFFile(source), GGUFFile(replica)
     assert a.metadata == b.metadata and a.tensors == b.tensors
     assert (b.raw("output_norm.weight") == a.raw("output_norm.weight")).all()  # copied
-    spec = ModelSpec.from_gguf(replica)
-    assert spec == replace(ModelSpec.from_gguf(source), name=spec.name)
+    spec = spec_from_gguf(replica)
+    assert spec == replace(spec_from_gguf(source), name=spec.name)
     f = measure_steps(source, spec, machine(), threads=1, rounds=1, other_kv=("q8_0",),
                       window_s=0.0)
     names = {p["name"] for p in f.points}
@@ -424,7 +426,7 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
 
 
 def test_decodes_paired_with_their_rounds_reference() -> None:
-    from kvlab.perf.probe_steps import _paired
+    from kvlab.probe.steps import _paired
 
     samples = {"decode 1 at 32": [10.0, 20.0, 10.0], "decode 1 at 4096": [14.0, 27.0, 14.0],
                "prefill 32": [50.0, 90.0, 50.0]}

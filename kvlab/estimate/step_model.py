@@ -15,8 +15,8 @@ samples), as kvlab's scheduler hands it to the runner. Its seconds, by group of 
     attention  each chunk's prefill attention over its key range (kvlab computes every
                (query, key) pair from the chunk's first visible key on, then masks)
 
-Every term comes from the kernel rates `kvlab probe` measured (kvlab.perf.kvlab_steps);
-`StepFactors`, fitted here to whole steps the probe timed (kvlab.perf.probe_steps), scale
+Every term comes from the kernel rates `kvlab probe` measured (kvlab.estimate.kernel_steps);
+`StepFactors`, fitted here to whole steps the probe timed (kvlab.probe.steps), scale
 each group to what a real step costs. Without factors the terms are the kernels' best.
 """
 
@@ -28,16 +28,18 @@ from itertools import pairwise
 
 import numpy as np
 
-from kvlab.perf.hardware import HardwareSpec, StepFactors
-from kvlab.perf.kvlab_steps import (
+from kvlab.cost import ModelSpec
+from kvlab.errors import KvlabError
+from kvlab.estimate.hardware import HardwareSpec, StepFactors
+from kvlab.estimate.kernel_steps import (
     DecodeTerms,
     KvlabPrediction,
     PrefillTerms,
     StepCosts,
     reply_contexts,
+    unsupported_reason,
 )
-from kvlab.perf.model import ModelSpec
-from kvlab.perf.workload import KV_BYTES_PER_ELEMENT, Workload
+from kvlab.estimate.workload import KV_BYTES_PER_ELEMENT, Workload
 
 _F32_BYTES = KV_BYTES_PER_ELEMENT["f32"]
 CHUNK = 512  # kvlab's default token budget a step: how a long prompt is chunked
@@ -185,6 +187,26 @@ def describe_factors(f: StepFactors | None) -> str:
     return (f"the kernel terms are scaled to whole steps the probe timed on a replica of "
             f"{f.model or 'a model'} (fixed x{f.fixed:.2f}, batch x{f.batch:.2f}, prefill "
             f"x{f.prefill:.2f}, KV {kv}); the probe's repeats spread up to {f.noise:.0%}")
+
+
+def predict(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
+    """kvlab's prefill and decode times for one sequence of `workload` on the probed `hw`."""
+    reason = unsupported_reason(model, hw)
+    if reason:
+        raise KvlabError(f"cannot predict kvlab's own engine: {reason}")
+    if workload.concurrency != 1:
+        raise KvlabError(f"kvlab's step model covers one sequence at a time, got concurrency "
+                         f"{workload.concurrency}; use the roofline for batches")
+    assert hw.kernels is not None
+    if hw.steps is not None:  # whole steps were timed: their factors scale the terms
+        return predict_one(model, hw, workload)
+    steps = StepCosts(model, hw.kernels)
+    contexts = reply_contexts(workload)
+    terms = [steps.decode(c) for c in contexts]
+    mean = DecodeTerms(*(float(np.mean([getattr(t, f) for t in terms]))
+                         for f in ("weights", "kv", "overhead")))
+    return KvlabPrediction(workload, steps.prefill(workload.prompt_tokens, hw.flop_rate("fp32")),
+                           mean, terms[0], terms[-1])
 
 
 def predict_one(model: ModelSpec, hw: HardwareSpec, workload: Workload, chunk: int = CHUNK

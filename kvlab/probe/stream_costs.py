@@ -15,7 +15,7 @@ over every token gap and first token of each load. Since the costs change the st
 prediction replays, the fit is repeated with the costs found so far in the prediction,
 until what is left is small. Last, the busiest load's first tokens say how much of the
 request cost is the server's intake, spent on one request at a time (requests sent together
-then reach the engine's steps apart: kvlab.perf.serving).
+then reach the engine's steps apart: kvlab.estimate.serving_replay).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import HardwareSpec, StreamCosts
-from kvlab.perf.model import ModelSpec
+from kvlab.estimate.hardware import HardwareSpec, StreamCosts
+from kvlab.estimate.serving_replay import RequestSpec, predict_serving
 
 LEVELS = (1, 8)  # streams at once, in two loads
 # requests per stream in each load: the 1-stream load sends the load test's first 16 prompts
@@ -98,8 +99,6 @@ def _fit(model: ModelSpec, hw: HardwareSpec, kv_dtype: str,
 def _level(model: ModelSpec, hw: HardwareSpec, kv_dtype: str, c: int,
            run: Mapping[str, Any]) -> dict[str, Any]:
     """One load's measured figures beside the step model's for the same requests."""
-    from kvlab.perf.serving import RequestSpec, predict_serving
-
     done = max(int(run["completed"]), 1)
     computed = int(run["total_input_tokens"]) - int(run.get("total_cached_tokens", 0))
     specs = [RequestSpec(max(computed // done, 1),

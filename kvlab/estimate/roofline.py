@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import HardwareSpec
-from kvlab.perf.model import ModelSpec
-from kvlab.perf.workload import Workload
+from kvlab.estimate.hardware import HardwareSpec
+from kvlab.estimate.workload import Workload
 
 MAX_SWEEP_BATCH = 1024
 _REPLY_SAMPLES = 2048  # decode steps sampled across the reply: step time is piecewise linear

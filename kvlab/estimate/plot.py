@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.errors import KvlabError
-from kvlab.perf.roofline import Estimate
+from kvlab.estimate.roofline import Estimate
 
 
 def plot_estimate(e: Estimate, path: str | Path) -> Path:

@@ -4,7 +4,7 @@ A discrete-event simulation. Requests arrive as a load test issues them (closed 
 `concurrency` clients, each sending its next request when its last reply ends; or at
 given arrival times); kvlab's own `Scheduler` (running sequences first, then waiting
 ones, under the token budget and max sequences, as configured) picks each step's work;
-the step model (kvlab.perf.step_model) says how long the step takes; the clock moves on
+the step model (kvlab.estimate.step_model) says how long the step takes; the clock moves on
 by that much. A sequence that samples at the end of a step emits a token then: its first
 token is its TTFT, the gaps between later ones its ITLs, as a client measures them.
 
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlab.cache import KVCacheManager
+from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import HardwareSpec, StreamCosts
-from kvlab.perf.kvlab_steps import unsupported_reason
-from kvlab.perf.model import ModelSpec
-from kvlab.perf.step_model import SeqWork, StepModel
+from kvlab.estimate.hardware import HardwareSpec, StreamCosts
+from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.step_model import SeqWork, StepModel
 from kvlab.request import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlab.scheduler import Sequence as Seq

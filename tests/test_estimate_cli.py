@@ -11,7 +11,7 @@ import pytest
 from kvlab.cli import estimate as estimate_cli
 from kvlab.cli import probe as probe_cli
 from kvlab.errors import KvlabError
-from kvlab.perf.probe import ProbeResult
+from kvlab.probe.cache import ProbeResult
 
 
 def run_cli(argv: list[str]) -> int:

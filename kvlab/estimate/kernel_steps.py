@@ -14,7 +14,7 @@ machine's stream bandwidth.
                   + element-wise passes over every prompt row (norms, RoPE, activation)
                   + the first token's output product and overhead
 
-Every rate is measured with no real model (kvlab.perf.probe_kernels, probe_engine); the
+Every rate is measured with no real model (kvlab.probe.kernels, probe_engine); the
 model contributes only its counted matrices, heads, layers and KV bytes, each matrix as
 kvlab's loader holds it (Q8_0, Q5_0, Q4_0, the K-quants and IQ4 in 8-row groups,
 `loaded_matrix`).
@@ -31,12 +31,11 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvlab.errors import KvlabError
+from kvlab.cost import MatrixSpec, ModelSpec
+from kvlab.estimate.hardware import HardwareSpec, KernelRates, engine_family
+from kvlab.estimate.workload import KV_BYTES_PER_ELEMENT, Workload
 from kvlab.kernels.ops import GROUPS_AS
 from kvlab.kernels.qweight import GROUPED_BLOCK_BYTES
-from kvlab.perf.hardware import HardwareSpec, KernelRates, engine_family
-from kvlab.perf.model import MatrixSpec, ModelSpec
-from kvlab.perf.workload import KV_BYTES_PER_ELEMENT, Workload
 
 # query heads kvlab's decode attention serves per pass over a KV head's keys
 # (kvlab/kernels/csrc/qk_attn.c: scores and mix take heads four at a time)
@@ -158,28 +157,6 @@ def unsupported_reason(model: ModelSpec, hw: HardwareSpec) -> str | None:
     if not model.hidden_size:
         return "the model's hidden size is unknown"
     return None
-
-
-def predict(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
-    """kvlab's prefill and decode times for one sequence of `workload` on the probed `hw`."""
-    reason = unsupported_reason(model, hw)
-    if reason:
-        raise KvlabError(f"cannot predict kvlab's own engine: {reason}")
-    if workload.concurrency != 1:
-        raise KvlabError(f"kvlab's step model covers one sequence at a time, got concurrency "
-                         f"{workload.concurrency}; use the roofline for batches")
-    assert hw.kernels is not None
-    if hw.steps is not None:  # whole steps were timed: their factors scale the terms
-        from kvlab.perf.step_model import predict_one
-
-        return predict_one(model, hw, workload)
-    steps = StepCosts(model, hw.kernels)
-    contexts = reply_contexts(workload)
-    terms = [steps.decode(c) for c in contexts]
-    mean = DecodeTerms(*(float(np.mean([getattr(t, f) for t in terms]))
-                         for f in ("weights", "kv", "overhead")))
-    return KvlabPrediction(workload, steps.prefill(workload.prompt_tokens, hw.flop_rate("fp32")),
-                           mean, terms[0], terms[-1])
 
 
 def product_calls(matrices: tuple[MatrixSpec, ...]) -> int:

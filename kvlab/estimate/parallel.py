@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError
-from kvlab.perf.hardware import HardwareSpec, Interconnect
-from kvlab.perf.model import ModelSpec
-from kvlab.perf.roofline import Estimate
-from kvlab.perf.workload import Workload
+from kvlab.estimate.hardware import HardwareSpec, Interconnect
+from kvlab.estimate.roofline import Estimate
+from kvlab.estimate.workload import Workload
 
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # per all-reduced value, by compute dtype
 

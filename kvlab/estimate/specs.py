@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.cost import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.errors import KvlabError, ModelLoadError
-from kvlab.perf.model import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.weights.gguf_file import GGUFFile, TensorInfo
 
 # Every `global_every`-th layer attends globally, the others within the sliding window

@@ -7,8 +7,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvlab.perf.hardware import GB, GIB, TERA, HardwareSpec
-from kvlab.perf.roofline import Estimate
+from kvlab.estimate.hardware import GB, GIB, TERA, HardwareSpec
+from kvlab.estimate.roofline import Estimate
 
 _BATCH_ROWS_PAST_FIT = 1  # rows of the batch table shown after the first that does not fit
 

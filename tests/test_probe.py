@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, ModelSpec
-from kvlab.perf.kvlab_steps import product_calls
-from kvlab.perf.probe import PROBE_VERSION, ProbeResult, load_probe, read_probe, save_probe
-from kvlab.perf.probe_engine import SyntheticShape, measure_engine_overhead, write_synthetic_gguf
+from kvlab.estimate.kernel_steps import product_calls
+from kvlab.estimate.specs import spec_from_gguf
+from kvlab.probe import kernels as pk
+from kvlab.probe import this_machine
+from kvlab.probe.cache import PROBE_VERSION, ProbeResult, load_probe, read_probe, save_probe
+from kvlab.probe.engine_overhead import (
+    SyntheticShape,
+    measure_engine_overhead,
+    write_synthetic_gguf,
+)
 
 TINY = SyntheticShape(hidden=64, inter=128, heads=4, kv_heads=1, head_dim=32, window=4096)
 
@@ -32,8 +38,6 @@ def _positive(x: float) -> bool:
 
 
 def test_kernel_figures_on_small_buffers(c_kernels: None) -> None:
-    from kvlab.perf import probe_kernels as pk
-
     for name in ("Q8_0", "Q8_0x8", "Q4_K", "Q4_Kx8", "Q5_0"):
         rate, row = pk.measure_weight_read(name, buffer_mib=1, budget_s=0.02)
         assert _positive(rate) and row >= 0
@@ -49,7 +53,7 @@ def test_kernel_figures_on_small_buffers(c_kernels: None) -> None:
 def test_measure_kernels_covers_every_weight_type(c_kernels: None) -> None:
     import torch
 
-    from kvlab.perf.probe_kernels import WEIGHT_TYPES, measure_kernels
+    from kvlab.probe.kernels import WEIGHT_TYPES, measure_kernels
 
     threads = torch.get_num_threads()
     k = measure_kernels(budget_s=0.1, weight_mib=1, attention_positions=256, engine=False,
@@ -74,7 +78,7 @@ def test_engine_overhead_on_tiny_models(c_kernels: None) -> None:
 def test_synthetic_gguf_reads_as_its_architecture(tmp_path: Path, arch: str) -> None:
     path = tmp_path / "m.gguf"
     write_synthetic_gguf(path, arch, 3, TINY)
-    m = ModelSpec.from_gguf(path)
+    m = spec_from_gguf(path)
     assert m.architecture == arch and m.n_layers == 3 and m.hidden_size == 64
     lyr = m.layers[0]
     assert (lyr.heads, lyr.kv_heads, lyr.ffn_width) == (4, 1, 128)
@@ -94,7 +98,7 @@ def test_default_model_matrices() -> None:
         path = default_model_path()
     except Exception as e:  # noqa: BLE001 - any failure to get the file means: skip
         pytest.skip(f"default model unavailable: {e}")
-    m = ModelSpec.from_gguf(path)
+    m = spec_from_gguf(path)
     assert m.architecture == "gemma3"
     assert m.output_matrix is not None and m.output_matrix.qtype == "Q8_0"
     assert (m.output_matrix.rows, m.output_matrix.cols) == (262144, 640)
@@ -114,7 +118,7 @@ def _v1_cache() -> dict:
 
 
 def _kernels() -> dict:
-    from test_perf_kvlab_steps import rates
+    from test_estimate_kernel_steps import rates
 
     return asdict(rates())
 
@@ -132,7 +136,7 @@ def test_kernel_figures_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     result = ProbeResult(**{**_v1_cache(), "version": PROBE_VERSION, "kernels": _kernels()})
     save_probe(result)
     assert json.loads((tmp_path / "probe.json").read_text())["version"] == PROBE_VERSION == 5
-    hw = HardwareSpec.this_machine()
+    hw = this_machine()
     assert hw.kernels is not None and hw.kernels.weight_read["Q4_Kx8"] == 20e9
     assert hw.kernels.engine("gemma3")[1] == pytest.approx(20e-6)
     assert hw.to_dict()["kernels"]["threads"] == 2

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, known_parts
-from kvlab.perf.hardware import GB, GIB, TERA
-from kvlab.perf.probe import ProbeResult, load_probe, measure_bandwidth, measure_matmul, save_probe
+from kvlab.estimate import HardwareSpec, known_parts
+from kvlab.estimate.hardware import GB, GIB, TERA
+from kvlab.probe import resolve_hardware, this_machine
+from kvlab.probe.cache import ProbeResult, load_probe, save_probe
+from kvlab.probe.machine import measure_bandwidth, measure_matmul
 
 REQUIRED_PARTS = ["cpu-ddr4-laptop", "cpu-ddr5-laptop", "cpu-ddr4-desktop", "cpu-ddr5-desktop",
                   "m1", "m2-pro", "m3-max", "m2-ultra", "m4-pro", "rtx-3060", "rtx-3090",
@@ -66,10 +68,10 @@ def test_overrides_replace_single_figures() -> None:
 def test_this_machine_without_a_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     with pytest.raises(KvlabError, match="run `kvlab probe` first"):
-        HardwareSpec.from_name("this")
+        resolve_hardware("this")
     (tmp_path / "probe.json").write_text("{not json")
     with pytest.raises(KvlabError, match="not a kvlab probe cache"):
-        HardwareSpec.this_machine()
+        this_machine()
 
 
 def test_probe_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,7 +81,7 @@ def test_probe_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
                          details={"bandwidth": "b", "memory": "m", "fp32": "f"})
     path = save_probe(result)
     assert path == tmp_path / "cache" / "probe.json"
-    hw = HardwareSpec.from_name("this")
+    hw = resolve_hardware("this")
     assert hw.bandwidth == 20 * GB and hw.flop_rate() == 0.5 * TERA
     assert hw.memory_bytes == 16 * GIB and hw.key == "this"
     assert "Test CPU" in hw.name and "kvlab probe 2025-01-02" in hw.sources["bandwidth"]

@@ -3,14 +3,15 @@
 A `ModelSpec` is the model as the roofline sees it: per-layer weight bytes and matmul
 parameters, per-layer KV width and attention window, and the tables outside the layers
 (embedding lookups read one row per token, the output projection is read in full every
-decode step and multiplied only at positions whose logits are needed). Builders for GGUF
-files, HF config.json and bare descriptions live in `kvlab.perf.loaders`.
+decode step and multiplied only at positions whose logits are needed). It is the one
+vocabulary of cost in kvlab: the estimator predicts from it, and the engine's metrics read
+the GB/s and FLOP/s a run reached from it. Builders for GGUF files, HF config.json and bare
+descriptions live in `kvlab.estimate.specs`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,8 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model as bytes and FLOP. Build it with from_gguf / from_hf_config / from_description."""
+    """A model as bytes and FLOP. `kvlab.estimate.specs` builds one from a GGUF file, an HF
+    config.json or a bare description; `LoadedModel.spec` from a model kvlab has loaded."""
 
     name: str
     source: str  # "gguf", "hf-config" or "description"
@@ -73,27 +75,6 @@ class ModelSpec:
     tied_output: bool = False
     output_matrix: MatrixSpec | None = None  # as stored, where the file says (GGUF)
     architecture: str = ""  # "llama", "gemma3", ... where the file says
-
-    # -- builders -------------------------------------------------------------------------
-
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> ModelSpec:
-        from kvlab.perf.loaders import spec_from_gguf
-
-        return spec_from_gguf(path)
-
-    @classmethod
-    def from_hf_config(cls, path: str | Path, bits: float | None = None) -> ModelSpec:
-        from kvlab.perf.loaders import spec_from_hf_config
-
-        return spec_from_hf_config(path, bits)
-
-    @classmethod
-    def from_description(cls, **kwargs: Any) -> ModelSpec:
-        """See `kvlab.perf.loaders.spec_from_description` for the keywords."""
-        from kvlab.perf.loaders import spec_from_description
-
-        return spec_from_description(**kwargs)
 
     # -- what one token costs ---------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""kvlab's step model (kvlab.perf.kvlab_steps) checked by hand on round numbers, and
+"""kvlab's step model (kvlab.estimate.kernel_steps) checked by hand on round numbers, and
 `kvlab bench --estimate` / `kvlab estimate --engine kvlab` built on it."""
 
 from __future__ import annotations
@@ -9,20 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.bench.llama_bench import BenchResult
 from kvlab.cli import bench_estimate
+from kvlab.cost import MatrixSpec
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, LayerSpec, ModelSpec, Workload
-from kvlab.perf.hardware import KernelRates
-from kvlab.perf.kvlab_steps import (
+from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload
+from kvlab.estimate.hardware import KernelRates
+from kvlab.estimate.kernel_steps import (
     DecodeTerms,
     loaded_matrix,
-    predict,
     product_calls,
     reply_contexts,
     unsupported_reason,
 )
-from kvlab.perf.model import MatrixSpec
+from kvlab.estimate.specs import spec_from_description
+from kvlab.estimate.step_model import predict
+from kvlab.harness.llama_bench import BenchResult
+from kvlab.probe.cache import PROBE_VERSION, ProbeResult
 
 US, NS = 1e-6, 1e-9
 
@@ -151,7 +153,7 @@ def test_what_the_model_needs() -> None:
     assert unsupported_reason(model(), machine()) is None
     part = HardwareSpec.from_name("rtx-4090")
     assert "kvlab probe" in str(unsupported_reason(model(), part))
-    described = ModelSpec.from_description(params=8e9, bits=4.5)
+    described = spec_from_description(params=8e9, bits=4.5)
     assert "GGUF" in str(unsupported_reason(described, machine()))
     with pytest.raises(KvlabError, match="one sequence at a time"):
         predict(model(), machine(), Workload(concurrency=2))
@@ -214,17 +216,15 @@ def test_print_check(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixt
 def test_bench_reprobes_a_cache_without_kernel_figures(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kvlab.perf import probe as probe_mod
-
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     old = {"bandwidth_gbs": 20.0, "tflops": {"fp32": 0.5}, "memory_gib": 16.0, "threads": 2,
            "cpu": "Old CPU", "measured_at": "2025-01-02T03:04:05+00:00", "details": {},
            "version": 1}
     (tmp_path / "probe.json").write_text(json.dumps(old))
-    fresh = probe_mod.ProbeResult(**{**old, "version": probe_mod.PROBE_VERSION,
-                                     "cpu": "New CPU", "kernels": asdict(rates())})
+    fresh = ProbeResult(**{**old, "version": PROBE_VERSION,
+                           "cpu": "New CPU", "kernels": asdict(rates())})
     calls = []
-    monkeypatch.setattr(probe_mod, "probe",
+    monkeypatch.setattr(bench_estimate, "probe",
                         lambda threads, **_: calls.append(threads) or fresh)
     hw = bench_estimate._hardware(2)
     assert calls == [2] and hw.kernels == rates() and "New CPU" in hw.name
@@ -243,10 +243,10 @@ def test_bench_reprobes_a_cache_without_kernel_figures(
 
 def test_estimate_engine_kvlab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture[str]) -> None:
-    from test_perf_cli import run_cli
+    from test_estimate_cli import run_cli
 
-    from kvlab.perf.probe import ProbeResult, save_probe
-    from kvlab.perf.probe_engine import SyntheticShape, write_synthetic_gguf
+    from kvlab.probe.cache import ProbeResult, save_probe
+    from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
 
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     save_probe(ProbeResult(bandwidth_gbs=20.0, tflops={"fp32": 0.5}, memory_gib=16.0,

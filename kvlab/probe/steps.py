@@ -22,7 +22,7 @@ stretch would hold that stretch for the machine. The decodes at three depths giv
 a factor per stretch of depth, as the C attention's cost per position grows once the cache
 outgrows the caches; the four batch sizes a batch factor per size; the two chunk lengths a
 prefill factor per length (32 rows use a product's weight reads worse).
-`kvlab.perf.step_model.fit_factors` turns them into the factors that scale the step model's
+`kvlab.estimate.step_model.fit_factors` turns them into the factors that scale the step model's
 kernel-rate terms.
 """
 
@@ -38,9 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.perf.hardware import HardwareSpec, StepFactors
-from kvlab.perf.model import ModelSpec
-from kvlab.perf.step_model import SeqWork, TimedStep, fit_factors, median_spread
+from kvlab.cost import ModelSpec
+from kvlab.engine import Engine, EngineConfig
+from kvlab.estimate.hardware import HardwareSpec, StepFactors
+from kvlab.estimate.step_model import SeqWork, TimedStep, fit_factors, median_spread
+from kvlab.kernels import quantize
+from kvlab.probe.timing import torch_threads
+from kvlab.request import SamplingParams
+from kvlab.weights.gguf_file import GGUFFile
 
 ROUNDS = 5  # repeats of every shape at least
 WINDOW_S = 60.0  # and more, up to MAX_ROUNDS, until the repeats span this many seconds
@@ -74,8 +79,6 @@ def measure_steps(model_path: str | Path, model: ModelSpec, hw: HardwareSpec, th
 
 def default_kv_dtype() -> str:
     """The KV dtype kvlab's engine stores on this machine unless told otherwise."""
-    from kvlab.engine import EngineConfig
-
     return EngineConfig().kv_dtype
 
 
@@ -83,8 +86,6 @@ def write_replica(source: str | Path, path: Path) -> None:
     """`source` byte for byte up to its tensor data (header, metadata, tensor directory),
     then random blocks of each tensor's type at each tensor's offset; small float tensors
     (norms) are copied as they are."""
-    from kvlab.weights.gguf_file import GGUFFile
-
     src = GGUFFile(source)
     infos = sorted(src.tensors.values(), key=lambda t: t.offset)
     with open(path, "wb") as out:
@@ -103,7 +104,6 @@ def _random_blocks(qtype: Any, shape: tuple[int, ...]) -> np.ndarray:
     values)."""
     import torch
 
-    from kvlab.kernels import quantize
 
     cols = shape[-1]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
@@ -118,8 +118,6 @@ def _random_blocks(qtype: Any, shape: tuple[int, ...]) -> np.ndarray:
 def _engine(path: Path, threads: int, kv_dtype: str) -> Iterator[Any]:
     import torch
 
-    from kvlab.engine import Engine, EngineConfig
-    from kvlab.perf.probe_kernels import torch_threads
 
     with torch_threads(torch.get_num_threads()):  # the engine's runner changes it
         # the prefix cache serves only the deepest prompt again (the others are random)
@@ -142,8 +140,6 @@ class _Requests:
 
     def add(self, prompt: int, max_tokens: int = 64, again: bool = False) -> str:
         """A request of a random `prompt`-token prompt; `again`: the same one each time."""
-        from kvlab.request import SamplingParams
-
         self.n += 1
         ids = [int(t) for t in self.rng.integers(self.low, self.high, prompt)]
         if again:

@@ -1,1 +1,0 @@
-"""Benchmarks: commands that print figures (load tests of a server, KV cache quality, ...)."""
