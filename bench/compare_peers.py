@@ -113,8 +113,8 @@ def main() -> None:
 def stored_weight_bytes(path: Path) -> int:
     """Weight bytes a decode step reads as the file stores them: the yardstick common to all
     engines (kvlab's Q8_0x8 widens Q5_0 and Q4_0 to 8 bits in memory, and reads more)."""
-    return load_model(open_checkpoint(path), LoadOptions(group_rows=False)).cost(4.0) \
-        .decode_weight_bytes
+    loaded = load_model(open_checkpoint(path), LoadOptions(group_rows=False))
+    return round(loaded.model_spec().decode_weight_bytes(1))
 
 
 def report(engine: Engine, stored: int, runs: dict[str, list[float]], hf: dict[str, float],

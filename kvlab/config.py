@@ -89,3 +89,23 @@ class ModelConfig:
                   self.num_sliding_layers if sliding else
                   self.num_layers - self.num_sliding_layers)
         return 2 * layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+# families that interleave sliding-window and global layers: every n-th layer is global
+GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+
+
+def interleaved_layer_types(num_layers: int, global_every: int | None) -> tuple[str, ...]:
+    """Which layers slide, the one rule kvlab uses for a family that interleaves them: layer i
+    attends globally when (i + 1) % global_every == 0 and slides otherwise (Gemma 2: every
+    2nd global, Gemma 3: every 6th); global_every None: every layer slides (Mistral)."""
+    if global_every is None:
+        return ("sliding",) * num_layers
+    return tuple("full" if (i + 1) % global_every == 0 else "sliding"
+                 for i in range(num_layers))
+
+
+def hf_layer_types(types: list[str]) -> tuple[str, ...]:
+    """An HF config's `layer_types` ("sliding_attention" / "full_attention") as kvlab's."""
+    return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+

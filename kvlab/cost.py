@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.metrics import expert_share
+# bytes of one cached K or V value, by KV cache dtype: the stores' layouts (q8_0: 32 int8
+# values and one f16 scale per block), read by the engine's pool sizing and the estimator
+KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,12 @@ class ModelSpec:
         """Attention FLOP for one new token that attends to `context` positions."""
         return sum(layer.attn_flop_per_key * layer.attended(context) for layer in self.layers)
 
+    def chunk_attention_flop(self, tokens: int, start: int = 0) -> float:
+        """Causal attention FLOP of positions [start, start + tokens) over the cache."""
+        return float(sum(layer.attn_flop_per_key * (causal_span_sum(start + tokens, layer.window)
+                                                    - causal_span_sum(start, layer.window))
+                         for layer in self.layers))
+
     def prefill_attention_flop(self, prompt_tokens: int) -> float:
         """Causal attention FLOP over a prompt: position i attends min(i, window) keys."""
         return float(sum(layer.attn_flop_per_key * causal_span_sum(prompt_tokens, layer.window)
@@ -155,6 +163,14 @@ class ModelSpec:
                 "max_context": self.max_context,
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "tied_output": self.tied_output}
+
+
+def expert_share(used: int, experts: int, tokens: int) -> float:
+    """Expected share of distinct experts `tokens` tokens route to, each picking `used` of
+    `experts` uniformly: 1 - (1 - used / experts) ** tokens (batch 1: used / experts)."""
+    if not experts:
+        return 1.0
+    return 1.0 - (1.0 - used / experts) ** max(tokens, 1)
 
 
 def causal_span_sum(tokens: int, window: int | None) -> int:

@@ -8,7 +8,6 @@ RequestOutputs. Not thread-safe: one thread drives it (the server runs it in a w
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from concurrent.futures import Future
@@ -22,8 +21,8 @@ from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
 from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError, RequestError
-from kvlab.kernels import weight_bytes_read
-from kvlab.metrics import GenerationMetrics, ModelCost
+from kvlab.kernels import set_num_threads, weight_bytes_read
+from kvlab.metrics import GenerationMetrics, RunCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
 from kvlab.models.tensor_parallel import SINGLE, check_split
@@ -127,6 +126,23 @@ class KVView:
     bytes_per_token: int
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an engine serves and how its KV cache is laid out; fixed once it is built."""
+
+    model_name: str
+    model: ModelConfig  # the served architecture (rank 0's shard under tensor parallel)
+    weight_bytes: int  # the loaded weights as held in memory
+    max_model_len: int
+    kv_dtype: str
+    block_size: int
+    num_kv_blocks: int  # the paged pool's blocks
+    kv_bytes_per_token: int  # stored per token, all layers
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+
+
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
@@ -160,9 +176,8 @@ class Engine:
         capacity = num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings, capacity)
-        self.cost: ModelCost = dataclasses.replace(
-            loaded.cost(kv_bytes_per_element(config.kv_dtype)),
-            window_released=pools.window is not None)
+        self.cost: RunCost = loaded.run_cost(kv_bytes_per_element(config.kv_dtype),
+                                             window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
@@ -186,7 +201,6 @@ class Engine:
         config = config or EngineConfig()
         if config.threads:
             torch.set_num_threads(config.threads)
-            from kvlab.kernels import set_num_threads
             set_num_threads(config.threads)
         path = model_path or default_model_path()
         ckpt = open_checkpoint(path)
@@ -296,6 +310,18 @@ class Engine:
                       num_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                       block_size=self.config.block_size,
                       bytes_per_token=self.cost.kv_bytes_per_token)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The served model and the KV layout, for front ends that describe the engine; it
+        reads only what is fixed at construction, so any thread may call it."""
+        c = self.config
+        return EngineSnapshot(
+            model_name=self.model_name, model=self.loaded.config,
+            weight_bytes=self.loaded.weight_bytes, max_model_len=self.max_model_len,
+            kv_dtype=c.kv_dtype, block_size=c.block_size, num_kv_blocks=self.kv.num_blocks,
+            kv_bytes_per_token=self.cost.kv_bytes_per_token, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            enable_prefix_caching=c.enable_prefix_caching)
 
     def teacher_forced_logprobs(self, ids: list[int], prefill: int) -> torch.Tensor:
         """Next-token log-probs [len(ids) - prefill + 1, vocab] along a fixed sequence.

@@ -1,7 +1,8 @@
 """Where the milliseconds went: per-generation metrics and the work each phase did.
 
-`ModelCost` says what one token costs (weight bytes read by a decode step, FLOP of a
-prefill token, KV bytes); `GenerationMetrics.from_timings` turns a request's measured
+`RunCost` says what one token costs (weight bytes read by a decode step, FLOP of a
+prefill token, KV bytes), read off the model's `kvlab.cost.ModelSpec`;
+`GenerationMetrics.from_timings` turns a request's measured
 timings into TTFT, tok/s, inter-token latency and the GB/s and FLOP/s each phase reached.
 """
 
@@ -9,68 +10,63 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvlab.cost import ModelSpec
 from kvlab.request import RequestTimings
 
 
 @dataclass(frozen=True)
-class ModelCost:
-    decode_weight_bytes: int  # weight bytes one decode step reads (embedding: one row)
-    decode_stored_bytes: int  # the same weights as the checkpoint stores them
-    matmul_params: int  # weights multiplied per token, output projection excluded
-    head_params: int  # output projection (vocab x hidden), run once per sampled position
-    kv_bytes_per_token: int  # stored per token, all layers
-    attn_flops_per_key: int  # 4 * layers * heads * head_dim: QK^T and PV per (query, key)
-    sliding_layer_share: float = 0.0  # layers that only read their last `window` keys
-    window: int | None = None
-    # mixture of experts: the routed experts' weights, all of them (decode_weight_bytes and
-    # matmul_params hold the share one token reads: experts_used / experts)
-    routed_bytes: int = 0
-    experts: int = 0  # routed experts per MoE layer; 0: a dense model
-    experts_used: int = 0  # chosen per token
-    # the sliding layers keep only their window (a pool of their own); False: every position
-    window_released: bool = False
+class RunCost:
+    """What one token of a running engine costs, read off its `ModelSpec` (the estimator's
+    vocabulary) at the engine's KV dtype: the figures a run's GB/s and FLOP/s divide."""
 
-    def decode_weight_bytes_at(self, batch: int) -> float:
-        """Weight bytes a decode step over `batch` sequences reads: the routed experts at the
-        expected share of distinct ones the batch picks, everything else once."""
-        if not self.experts:
-            return float(self.decode_weight_bytes)
-        extra = expert_share(self.experts_used, self.experts, batch) - \
-            self.experts_used / self.experts
-        return self.decode_weight_bytes + self.routed_bytes * extra
+    spec: ModelSpec  # the weights as held in memory
+    kv_bytes_per_element: float
+    window_released: bool = False  # sliding layers keep only their window (a pool apart)
+    decode_stored_bytes: int = 0  # decode_weight_bytes as the checkpoint stores the weights
 
-    def keys_read(self, context: int) -> float:
-        """Keys a decode step reads, averaged over layers (sliding layers cap at the window)."""
-        capped = min(context, self.window) if self.window else context
-        return (1 - self.sliding_layer_share) * context + self.sliding_layer_share * capped
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes a batch-1 decode step reads (of the embedding: one row)."""
+        return round(self.spec.decode_weight_bytes(1))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token adds, all layers (full attention everywhere)."""
+        return int(self.spec.kv_bytes_per_token(self.kv_bytes_per_element))
+
+    @property
+    def experts(self) -> int:
+        return self.spec.experts
+
+    @property
+    def experts_used(self) -> int:
+        return self.spec.experts_used
 
     def kv_bytes_held(self, tokens: int) -> float:
         """KV bytes one sequence of `tokens` holds: every position in full-attention layers;
         in sliding layers the last `window` when their blocks behind it are released."""
         if not self.window_released:
             return float(self.kv_bytes_per_token * tokens)
-        return self.kv_bytes_per_token * self.keys_read(tokens)
+        return float(self.spec.kv_bytes(tokens, self.kv_bytes_per_element))
 
     def prefill_flops(self, num_tokens: int, start: int = 0) -> float:
         """FLOP to compute tokens [start, start + n): matmuls, causal attention, one head."""
-        keys = sum(start + i + 1 for i in range(num_tokens))
-        return 2.0 * self.matmul_params * num_tokens + self.attn_flops_per_key * keys \
-            + 2.0 * self.head_params
+        return (self.spec.matmul_flop_per_token() * num_tokens + self.spec.output_flop
+                + self.spec.chunk_attention_flop(num_tokens, start))
+
+    def prefill_bytes(self, num_tokens: int) -> float:
+        """Bytes a prefill of `num_tokens` reads and writes: the weights once (the routed
+        experts the tokens pick, one embedding row each) and the KV cache it stores."""
+        return (self.spec.decode_weight_bytes(num_tokens)
+                + self.kv_bytes_per_token * num_tokens)
 
     def decode_flops(self, context: int) -> float:
-        return 2.0 * (self.matmul_params + self.head_params) + \
-            self.attn_flops_per_key * self.keys_read(context)
+        return (self.spec.matmul_flop_per_token() + self.spec.output_flop
+                + float(self.spec.attention_flop(context)))
 
     def decode_bytes(self, context: int) -> float:
-        return self.decode_weight_bytes + self.kv_bytes_per_token * self.keys_read(context)
-
-
-def expert_share(used: int, experts: int, tokens: int) -> float:
-    """Expected share of distinct experts `tokens` tokens route to, each picking `used` of
-    `experts` uniformly: 1 - (1 - used / experts) ** tokens (batch 1: used / experts)."""
-    if not experts:
-        return 1.0
-    return 1.0 - (1.0 - used / experts) ** max(tokens, 1)
+        return self.spec.decode_weight_bytes(1) + float(
+            self.spec.kv_bytes(context, self.kv_bytes_per_element))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -104,7 +100,7 @@ class GenerationMetrics:
     decode_gflop_s: float
 
     @classmethod
-    def from_timings(cls, t: RequestTimings, cost: ModelCost, prompt_tokens: int,
+    def from_timings(cls, t: RequestTimings, cost: RunCost, prompt_tokens: int,
                      cached_tokens: int, output_tokens: int) -> GenerationMetrics:
         itl = t.inter_token_latencies
         end = t.finished or (t.token_times[-1] if t.token_times else t.arrival)
@@ -123,9 +119,7 @@ class GenerationMetrics:
             itl_p50_ms=1e3 * _percentile(itl, 0.5), itl_p99_ms=1e3 * _percentile(itl, 0.99),
             total_s=end - t.arrival, kv_tokens=kv_tokens,
             kv_bytes=round(cost.kv_bytes_held(kv_tokens)),
-            prefill_gb_s=_rate(cost.decode_weight_bytes_at(computed)
-                               + cost.kv_bytes_per_token * computed,
-                               prefill_s) / 1e9,
+            prefill_gb_s=_rate(cost.prefill_bytes(computed), prefill_s) / 1e9,
             prefill_gflop_s=_rate(cost.prefill_flops(computed, cached_tokens), prefill_s) / 1e9,
             decode_gb_s=_rate(steps * cost.decode_bytes(int(mid_context)), decode_s) / 1e9,
             decode_gflop_s=_rate(steps * cost.decode_flops(int(mid_context)), decode_s) / 1e9)

@@ -9,7 +9,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kvlab.models.kv_store import Q8KV, dequantize_q8, kv_bytes_per_element, make_kv, quantize_q8
+from kvlab.models.kv_store import (
+    KV_DTYPES,
+    Q8KV,
+    dequantize_q8,
+    kv_bytes_per_element,
+    make_kv,
+    quantize_q8,
+)
 
 
 def test_q8_matches_gguf_reference_dequantization():
@@ -118,3 +125,12 @@ def test_engine_reserve_covers_the_first_sequence(tmp_path):
         engine.step()  # its 6 written positions are in the reserved slots, at the front
     for cache in engine.runner.kv_caches:
         assert not cache.k[:6].isnan().any() and cache.k[8:-4].isnan().all()
+
+
+@pytest.mark.parametrize("kind", KV_DTYPES)
+def test_kv_bytes_table_is_what_a_store_holds(kind):
+    """kvlab.cost's table (read by pool sizing and the estimator) against the store's
+    own tensors: bytes held per cached value."""
+    store = make_kv(kind, 4, 2, 64, torch.device("cpu"))
+    held = sum(t.numel() * t.element_size() for t in store.tensors())
+    assert held / 2 / (4 * 2 * 64) == kv_bytes_per_element(kind)

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType as T
 from test_decode_c import quantized_engine
 from test_models import reference_logits, runner_for, step
 
+from kvlab.cost import expert_share
 from kvlab.engine import Engine, EngineConfig
 from kvlab.harness.llama_bench import bench_tg, weight_check
 from kvlab.kernels import QuantizedWeight, fused, group_rows, quantize
-from kvlab.metrics import expert_share
 from kvlab.models import find_arch, moe
 from kvlab.models.layers import Stacked
 from kvlab.models.loader import LoadOptions, load_model
@@ -208,19 +208,24 @@ def test_cost_counts_the_chosen_experts(tiny):
     k, e = m.experts_per_token, m.num_experts
     routed_params = c.num_layers * e * 3 * m.expert_intermediate_size * c.hidden_size
     routed = 4 * routed_params  # fp32
-    cost = loaded.cost(2)
+    cost = loaded.run_cost(2)
+    spec = cost.spec
     embed = 4 * c.vocab_size * c.hidden_size  # untied: one row read per token
-    assert cost.routed_bytes == routed and (cost.experts, cost.experts_used) == (e, k)
-    assert cost.decode_weight_bytes == (loaded.weight_bytes - embed + embed // c.vocab_size
+    row = embed // c.vocab_size
+    assert sum(lyr.expert_bytes for lyr in spec.layers) == routed
+    assert (cost.experts, cost.experts_used) == (e, k)
+    assert cost.decode_weight_bytes == (loaded.weight_bytes - embed + row
                                         - routed * (e - k) // e)
     assert loaded.active_params == loaded.num_params - routed_params * (e - k) // e
-    for batch in (1, 3, 16):
+    assert spec.active_params == loaded.active_params
+    for batch in (1, 3, 16):  # the distinct experts a batch picks, and one row per token
         distinct = e * (1 - (1 - k / e) ** batch)
-        assert cost.decode_weight_bytes_at(batch) == pytest.approx(
-            cost.decode_weight_bytes + routed * (distinct - k) / e)
+        assert spec.decode_weight_bytes(batch) == pytest.approx(
+            cost.decode_weight_bytes + routed * (distinct - k) / e + (batch - 1) * row)
     dense_params = sum(math.prod(t.shape) for t in loaded.tensors
                        if t.name.startswith("layers.") and len(t.shape) == 2 and not t.routed)
-    assert cost.matmul_params == dense_params + routed_params * k // e
+    assert spec.matmul_flop_per_token() == pytest.approx(
+        2 * (dense_params + routed_params * k / e))
 
 
 def test_info_reports_experts_and_active_parameters(tiny):

@@ -10,7 +10,7 @@ from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
 from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
-from kvlab.metrics import ModelCost
+from kvlab.metrics import RunCost
 from kvlab.probe import this_machine
 from kvlab.weights import default_model_path
 
@@ -81,7 +81,7 @@ def _machine_bandwidth() -> float | None:
         return None
 
 
-def _routed_note(cost: ModelCost) -> str:
+def _routed_note(cost: RunCost) -> str:
     if not cost.experts:
         return ""
     return f"; {cost.experts_used} of {cost.experts} experts per layer and token"

@@ -25,7 +25,7 @@ def describe(loaded: LoadedModel, path: str) -> dict:
     for t in loaded.tensors:
         by_type[t.qtype][0] += math.prod(t.shape)
         by_type[t.qtype][1] += t.nbytes
-    cost = loaded.cost(2)
+    cost = loaded.run_cost(2)
     return {
         "path": path, "architecture": c.architecture, "name": c.name,
         "parameters": loaded.num_params, "weight_bytes": loaded.weight_bytes,
@@ -60,11 +60,11 @@ def _moe_fields(loaded: LoadedModel) -> dict:
     moe = loaded.config.moe
     if moe is None:
         return {}
-    cost = loaded.cost(2)
+    cost = loaded.run_cost(2)
     return {"experts": moe.num_experts, "experts_used": moe.experts_per_token,
             "shared_expert": bool(moe.shared_intermediate_size),
             "active_parameters": loaded.active_params,
-            "decode_bytes_per_step": {b: round(cost.decode_weight_bytes_at(b))
+            "decode_bytes_per_step": {b: round(cost.spec.decode_weight_bytes(b))
                                       for b in (1, 4, 16, 64)}}
 
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from kvlab.config import GLOBAL_EVERY, hf_layer_types, interleaved_layer_types
 from kvlab.cost import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.errors import KvlabError, ModelLoadError
 from kvlab.weights.gguf_file import GGUFFile, TensorInfo
 
 # Every `global_every`-th layer attends globally, the others within the sliding window
 # (layer i is global when (i + 1) % global_every == 0), as llama.cpp and HF lay them out.
-GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
 HF_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "float8_e4m3fn": 8}
 
 
@@ -136,17 +136,19 @@ def _gguf_windows(arch: str, meta: Any, n_layers: int) -> list[int | None]:
     pattern = meta("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # per layer: True = sliding
         return [window if bool(s) else None for s in _per_layer(pattern, n_layers)]
-    every = int(pattern) if pattern else GLOBAL_EVERY.get(arch)
+    every = int(pattern) if pattern else GLOBAL_EVERY.get(arch.removesuffix("_text"))
     if every is None:  # unknown layout: full attention is the safe (larger) KV figure
         return [None] * n_layers
     return layer_windows(n_layers, window, every)
 
 
 def layer_windows(n_layers: int, window: int, global_every: int | None) -> list[int | None]:
-    """Layer i is global when (i + 1) % global_every == 0; None: every layer slides."""
-    if global_every is None:
-        return [window] * n_layers
-    return [None if (i + 1) % global_every == 0 else window for i in range(n_layers)]
+    """Each layer's window by kvlab's one interleave rule (config.interleaved_layer_types)."""
+    return _windows(interleaved_layer_types(n_layers, global_every), window)
+
+
+def _windows(layer_types: tuple[str, ...], window: int) -> list[int | None]:
+    return [window if t == "sliding" else None for t in layer_types]
 
 
 # -- HF config.json -------------------------------------------------------------------------
@@ -237,14 +239,14 @@ def _hf_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
     window = _int_or_none(cfg.get("sliding_window"))
     types = cfg.get("layer_types")
     if window and isinstance(types, list) and len(types) == n_layers:
-        return [window if t == "sliding_attention" else None for t in types]
+        return _windows(hf_layer_types(types), window)
     if not window:
         return [None] * n_layers
     if cfg.get("sliding_window_pattern"):
         return layer_windows(n_layers, window, int(cfg["sliding_window_pattern"]))
     model_type = str(cfg.get("model_type", ""))
-    if model_type in GLOBAL_EVERY:
-        return layer_windows(n_layers, window, GLOBAL_EVERY[model_type])
+    if model_type.removesuffix("_text") in GLOBAL_EVERY:
+        return layer_windows(n_layers, window, GLOBAL_EVERY[model_type.removesuffix("_text")])
     if model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window"):
         return layer_windows(n_layers, window, None)
     return [None] * n_layers

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvlab.cost import KV_BYTES_PER_ELEMENT
 from kvlab.errors import KvlabError
 
 # Bytes per stored K or V value; q8_0 keeps one fp16 scale per 32 int8 values.
-KV_BYTES_PER_ELEMENT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 DEFAULT_EFFICIENCY = (0.6, 0.85)  # share of the decode ceiling real engines reach
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlab.config import ModelConfig, RopeConfig
+from kvlab.config import (
+    GLOBAL_EVERY,
+    ModelConfig,
+    RopeConfig,
+    hf_layer_types,
+    interleaved_layer_types,
+)
 from kvlab.models import gemma3
 from kvlab.models.spec import ArchSpec, gguf_get, hf_rope
-
-
-def _layer_types(num_layers: int) -> tuple[str, ...]:
-    return tuple("sliding" if i % 2 == 0 else "full" for i in range(num_layers))
 
 
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
@@ -33,7 +35,8 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(g("context_length")),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         rope=RopeConfig(theta=float(g("rope.freq_base", 10000.0))),
-        sliding_window=int(g("attention.sliding_window")), layer_types=_layer_types(layers),
+        sliding_window=int(g("attention.sliding_window")),
+        layer_types=interleaved_layer_types(layers, GLOBAL_EVERY["gemma2"]),
         tie_word_embeddings=True, attn_scale=scalar ** -0.5,
         attn_logit_softcapping=g("attn_logit_softcapping", None),
         final_logit_softcapping=g("final_logit_softcapping", None),
@@ -43,8 +46,8 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    layer_types = (tuple("sliding" if t == "sliding_attention" else "full" for t in types)
-                   if types else _layer_types(layers))
+    layer_types = (hf_layer_types(types) if types else
+                   interleaved_layer_types(layers, GLOBAL_EVERY["gemma2"]))
     return ModelConfig(
         architecture="gemma2", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         num_layers=layers, num_heads=cfg["num_attention_heads"],

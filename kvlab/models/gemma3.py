@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig, RopeConfig
+from kvlab.config import (
+    GLOBAL_EVERY,
+    ModelConfig,
+    RopeConfig,
+    hf_layer_types,
+    interleaved_layer_types,
+)
 from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
@@ -57,11 +63,6 @@ NORMS = {"norm", "attn_norm", "q_norm", "k_norm", "post_attn_norm", "mlp_norm", 
 LOCAL_ROPE_THETA = 10000.0  # GGUF does not store it; Gemma 3 uses 10k on local layers
 
 
-def _layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
-    """Every `pattern`-th layer is global, the rest slide (Gemma 3's 5:1 layout)."""
-    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
-
-
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     g = gguf_get(meta, "gemma3")
     heads, layers = int(g("attention.head_count")), int(g("block_count"))
@@ -76,7 +77,8 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(g("context_length")),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope=scaling,
         local_rope=RopeConfig(theta=LOCAL_ROPE_THETA),
-        sliding_window=int(g("attention.sliding_window")), layer_types=_layer_types(layers),
+        sliding_window=int(g("attention.sliding_window")),
+        layer_types=interleaved_layer_types(layers, GLOBAL_EVERY["gemma3"]),
         tie_word_embeddings=True, qk_norm=True, attn_scale=head_dim ** -0.5,
         final_logit_softcapping=g("final_logit_softcapping", None),
         name=str(meta.get("general.name", "gemma3")))
@@ -95,8 +97,8 @@ def _hf_ropes(cfg: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    layer_types = (tuple("sliding" if t == "sliding_attention" else "full" for t in types)
-                   if types else _layer_types(layers, cfg.get("sliding_window_pattern", 6)))
+    every = cfg.get("sliding_window_pattern", GLOBAL_EVERY["gemma3"])
+    layer_types = hf_layer_types(types) if types else interleaved_layer_types(layers, every)
     rope, local = _hf_ropes(cfg)
     return ModelConfig(
         architecture="gemma3", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.cost import KV_BYTES_PER_ELEMENT
 from kvlab.errors import KvlabError
 from kvlab.kernels import fused, hugepages
 
@@ -46,10 +47,6 @@ class FloatKV:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.k, self.v
-
-    @staticmethod
-    def bytes_per_element(dtype: torch.dtype) -> float:
-        return torch.empty(0, dtype=dtype).element_size()
 
     def reserve(self, first: int | None = None, last: int = 0) -> None:
         """Make pages resident now: every slot's (a server's memory then stays flat under
@@ -92,8 +89,6 @@ class Q8KV:
         self.v = _empty((slots, heads, head_dim), torch.int8, device)
         self.k_scale = _empty((slots, heads, blocks, 1), torch.float16, device)
         self.v_scale = _empty((slots, heads, blocks, 1), torch.float16, device)
-
-    bytes_per_element = (Q8_BLOCK + 2) / Q8_BLOCK
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.k, self.v, self.k_scale, self.v_scale
@@ -158,4 +153,5 @@ def make_kv(kind: str, slots: int, heads: int, head_dim: int,
 
 
 def kv_bytes_per_element(kind: str) -> float:
-    return Q8KV.bytes_per_element if kind == "q8_0" else FloatKV.bytes_per_element(FLOAT_KV[kind])
+    """Bytes one cached K or V value takes in a store of `kind` (kvlab.cost's one table)."""
+    return KV_BYTES_PER_ELEMENT[kind]

@@ -15,6 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.config import ModelConfig
+from kvlab.cost import LayerSpec, ModelSpec
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import (
     SUPPORTED_TYPES,
@@ -24,7 +25,7 @@ from kvlab.kernels import (
     group_rows,
     quantize,
 )
-from kvlab.metrics import ModelCost
+from kvlab.metrics import RunCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
 from kvlab.models.moe import Experts
@@ -104,35 +105,50 @@ class LoadedModel:
         moe = self.config.moe
         return moe.experts_per_token / moe.num_experts if moe else 1.0
 
-    def cost(self, kv_bytes_per_element: float) -> ModelCost:
-        c = self.config
-        embed = next(t for t in self.tensors if t.name == "embed")
-        tied = not any(t.name == "lm_head" for t in self.tensors)
-        share = self._routed_share
-        matmul = sum(math.prod(t.shape) * (share if t.routed else 1) for t in self.tensors
-                     if t.name.startswith("layers.") and len(t.shape) == 2)
-        return ModelCost(
-            decode_weight_bytes=self._decode_bytes(embed, tied, stored=False),
-            decode_stored_bytes=self._decode_bytes(embed, tied, stored=True),
-            matmul_params=round(matmul),
-            head_params=c.vocab_size * c.hidden_size,
-            kv_bytes_per_token=int(c.kv_bytes_per_token(kv_bytes_per_element)),
-            attn_flops_per_key=4 * c.num_layers * c.num_heads * c.head_dim,
-            sliding_layer_share=sum(map(c.is_sliding, range(c.num_layers))) / c.num_layers,
-            window=c.sliding_window,
-            routed_bytes=sum(t.nbytes for t in self.tensors if t.routed),
-            experts=c.moe.num_experts if c.moe else 0,
-            experts_used=c.moe.experts_per_token if c.moe else 0)
+    def run_cost(self, kv_bytes_per_element: float, window_released: bool = False) -> RunCost:
+        """What a token costs an engine running this model with that KV dtype."""
+        stored = self.model_spec(stored=True).decode_weight_bytes(1)
+        return RunCost(self.model_spec(), kv_bytes_per_element, window_released, round(stored))
 
-    def _decode_bytes(self, embed: TensorStat, tied: bool, stored: bool) -> int:
-        """Weight bytes a batch-1 decode step reads: every matrix once (of the routed experts
-        the k chosen per layer), one embedding row, the embedding again as the output head
-        when tied; in memory or as stored."""
-        total, emb = ((self.stored_weight_bytes, embed.stored_nbytes) if stored
-                      else (self.weight_bytes, embed.nbytes))
-        routed = sum(t.stored_nbytes if stored else t.nbytes for t in self.tensors if t.routed)
-        unread = round(routed * (1 - self._routed_share))
-        return total - unread - emb + emb // embed.shape[0] + (emb if tied else 0)
+    def model_spec(self, stored: bool = False) -> ModelSpec:
+        """This model in the estimator's cost vocabulary, from the tensors as loaded (in
+        memory; `stored`: as the checkpoint stores them): per-layer bytes and matmul
+        parameters, KV width and window, the embedding and output tables."""
+        c = self.config
+        size = (lambda t: t.stored_nbytes) if stored else (lambda t: t.nbytes)
+        by_layer: dict[int, list[TensorStat]] = {i: [] for i in range(c.num_layers)}
+        outside = []
+        for t in self.tensors:
+            parts = t.name.split(".")
+            (by_layer[int(parts[1])] if parts[0] == "layers" else outside).append(t)
+        embed = next(t for t in outside if t.name == "embed")
+        head = next((t for t in outside if t.name == "lm_head"), None)
+        output = head or embed
+        return ModelSpec(
+            name=c.name or c.architecture, source="loaded", n_params=self.num_params,
+            weight_bytes=sum(map(size, self.tensors)),
+            layers=tuple(self._layer_spec(i, by_layer[i], size) for i in range(c.num_layers)),
+            lookup_params=math.prod(embed.shape), lookup_row_bytes=size(embed) // embed.shape[0],
+            output_params=c.vocab_size * c.hidden_size, output_bytes=size(output),
+            other_bytes=sum(size(t) for t in outside if t not in (embed, head)),
+            experts=c.moe.num_experts if c.moe else 0,
+            experts_used=c.moe.experts_per_token if c.moe else 0,
+            max_context=c.max_position_embeddings, vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size, tied_output=head is None, architecture=c.architecture)
+
+    def _layer_spec(self, layer: int, tensors: list[TensorStat],
+                    size: Callable[[TensorStat], int]) -> LayerSpec:
+        c = self.config
+        matmul = [t for t in tensors if len(t.shape) == 2]
+        return LayerSpec(
+            dense_bytes=sum(size(t) for t in tensors if not t.routed),
+            dense_params=sum(math.prod(t.shape) for t in matmul if not t.routed),
+            kv_elements=2 * c.num_kv_heads * c.head_dim,
+            attn_flop_per_key=4 * c.num_heads * c.head_dim,
+            window=c.sliding_window if c.is_sliding(layer) else None,
+            expert_bytes=sum(size(t) for t in tensors if t.routed),
+            expert_params=sum(math.prod(t.shape) for t in matmul if t.routed),
+            heads=c.num_heads, kv_heads=c.num_kv_heads, ffn_width=c.intermediate_size)
 
 
 def read_config(ckpt: Checkpoint) -> tuple[ArchSpec, ModelConfig]:
