@@ -12,7 +12,7 @@ import pytest
 from kvlab.cli import bench_estimate
 from kvlab.cost import MatrixSpec
 from kvlab.errors import KvlabError
-from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload
+from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload, bench_check
 from kvlab.estimate.hardware import KernelRates
 from kvlab.estimate.kernel_steps import (
     DecodeTerms,
@@ -187,7 +187,7 @@ def test_bench_rows_compare_kvlab_and_roofline() -> None:
     decode = predict(m, hw, Workload(prompt_tokens=1, output_tokens=8))
     results = [_result("pp16", 16, 0, 0, truth.prefill_tok_s),
                _result("tg8", 0, 8, 0, decode.decode_tok_s / 2)]
-    rows = bench_estimate.kvlab_rows(m, hw, results)
+    rows = bench_check.kvlab_rows(m, hw, results)
     names = [r.figure for r in rows]
     assert names == ["pp16 prefill tok/s", "TTFT, 16-token prompt (s)", "tg8 decode tok/s",
                      "response, 16 in + 8 out (s)"]
@@ -201,7 +201,7 @@ def test_print_check(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixt
                      ) -> None:
     m, hw = model(), machine()
     monkeypatch.setattr(bench_estimate, "_hardware", lambda threads, *_: hw)
-    monkeypatch.setattr(bench_estimate, "_model", lambda path: m)
+    monkeypatch.setattr(bench_estimate, "bench_model", lambda path: m)
     tok_s = predict(m, hw, Workload(prompt_tokens=1, output_tokens=8)).decode_tok_s
     results = [_result("tg8", 0, 8, 0, tok_s, samples=(tok_s * 0.7, tok_s * 1.3))]
     bench_estimate.print_check("model.gguf", results, 2, quantized=True)
@@ -266,12 +266,12 @@ def test_estimate_engine_kvlab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_notes_name_a_bias_shared_by_every_decode_figure() -> None:
-    def row(figure: str, measured: float) -> bench_estimate.CheckRow:
-        return bench_estimate.CheckRow(figure, 100.0, measured, 150.0, "", "")
+    def row(figure: str, measured: float) -> bench_check.CheckRow:
+        return bench_check.CheckRow(figure, 100.0, measured, 150.0, "", "")
 
     slower = [row("tg64 decode tok/s", 94), row("tg64@d1024 decode tok/s", 91),
               row("pp512 prefill tok/s", 120)]
-    notes = bench_estimate._notes([], slower)
+    notes = bench_check.notes([], slower)
     assert any("all 2 figures below the prediction (-9 to -6 %)" in n for n in notes)
     mixed = [row("tg64 decode tok/s", 94), row("tg64@d1024 decode tok/s", 104)]
-    assert not any("all 2 figures" in n for n in bench_estimate._notes([], mixed))
+    assert not any("all 2 figures" in n for n in bench_check.notes([], mixed))
