@@ -12,6 +12,7 @@ from kvlab.cli import estimate as estimate_cli
 from kvlab.cli import probe as probe_cli
 from kvlab.errors import KvlabError
 from kvlab.probe.cache import ProbeResult
+from kvlab.weights import default_model_path
 
 
 def run_cli(argv: list[str]) -> int:
@@ -35,8 +36,6 @@ def test_textbook_description_as_json(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_default_model_on_a_known_part(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        from kvlab.weights import default_model_path
-
         default_model_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"default model unavailable: {e}")

@@ -24,7 +24,8 @@ from kvlab.estimate.kernel_steps import (
 from kvlab.estimate.specs import spec_from_description
 from kvlab.estimate.step_model import predict
 from kvlab.harness.llama_bench import BenchResult
-from kvlab.probe.cache import PROBE_VERSION, ProbeResult
+from kvlab.probe.cache import PROBE_VERSION, ProbeResult, save_probe
+from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
 
 US, NS = 1e-6, 1e-9
 
@@ -245,8 +246,6 @@ def test_estimate_engine_kvlab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture[str]) -> None:
     from test_estimate_cli import run_cli
 
-    from kvlab.probe.cache import ProbeResult, save_probe
-    from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
 
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     save_probe(ProbeResult(bandwidth_gbs=20.0, tflops={"fp32": 0.5}, memory_gib=16.0,

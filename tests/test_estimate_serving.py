@@ -4,6 +4,7 @@ timing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -11,8 +12,12 @@ from pathlib import Path
 import pytest
 from test_estimate_kernel_steps import NS, US, machine, model
 
-from kvlab.estimate import Workload
-from kvlab.estimate.hardware import StepFactors
+from kvlab.cli import loadtest_estimate as le
+from kvlab.cli.estimate import _check_kvlab_kv
+from kvlab.errors import KvlabError
+from kvlab.estimate import HardwareSpec, Workload
+from kvlab.estimate import serving_check as sc
+from kvlab.estimate.hardware import StepFactors, StreamCosts
 from kvlab.estimate.kernel_steps import StepCosts
 from kvlab.estimate.serving_replay import RequestSpec, percentile, predict_serving, simulate
 from kvlab.estimate.specs import spec_from_gguf
@@ -25,8 +30,16 @@ from kvlab.estimate.step_model import (
     median_spread,
     predict,
 )
+from kvlab.harness.loadtest import LoadConfig, RequestResult, summarize
+from kvlab.kernels import kernel_backend
 from kvlab.probe import resolve_hardware
+from kvlab.probe.cache import ProbeResult, save_probe
+from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
+from kvlab.probe.steps import _paired, measure_steps, write_replica
+from kvlab.probe.stream_costs import fit_stream_costs
 from kvlab.scheduler import SchedulerConfig
+from kvlab.server.viz.predict import predict as viz_predict
+from kvlab.weights.gguf_file import GGUFFile
 
 FACTORS = StepFactors(fixed=1.5, kv={"f32": 2.0, "f16": 3.0}, batch=0.5, prefill=1.25,
                       prefill_attention=2.5, model="hand")
@@ -275,9 +288,6 @@ def test_intake_takes_requests_one_at_a_time() -> None:
 
 
 def test_stream_costs_fitted_and_added() -> None:
-    from kvlab.estimate.hardware import StreamCosts
-    from kvlab.probe.stream_costs import fit_stream_costs
-
     hw = replace(machine(), steps=FACTORS)
     specs = {c: [RequestSpec(20, 16)] * 2 * c for c in (1, 8)}
     bare = {c: predict_serving(model(), hw, specs[c], c) for c in specs}
@@ -319,8 +329,6 @@ def test_more_users_more_throughput_slower_streams() -> None:
 def _probe_with_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     from test_estimate_kernel_steps import rates
 
-    from kvlab.probe.cache import ProbeResult, save_probe
-    from kvlab.probe.engine_overhead import SyntheticShape, write_synthetic_gguf
 
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
     save_probe(ProbeResult(bandwidth_gbs=20.0, tflops={"fp32": 0.5}, memory_gib=16.0,
@@ -335,7 +343,6 @@ def test_estimate_engine_kvlab_concurrency(tmp_path: Path, monkeypatch: pytest.M
                                            capsys: pytest.CaptureFixture[str]) -> None:
     from test_estimate_cli import run_cli
 
-    from kvlab.errors import KvlabError
 
     gguf = _probe_with_steps(tmp_path, monkeypatch)
     assert run_cli(["estimate", str(gguf), "--engine", "kvlab", "--concurrency", "4",
@@ -348,18 +355,11 @@ def test_estimate_engine_kvlab_concurrency(tmp_path: Path, monkeypatch: pytest.M
     serving = json.loads(capsys.readouterr().out)["kvlab"]["serving"]
     assert serving["concurrency"] == 2 and serving["output_tok_s"] > 0
     with pytest.raises(KvlabError, match="no bf8"):
-        from kvlab.cli.estimate import _check_kvlab_kv
-
         _check_kvlab_kv("bf8", replace(machine(), steps=FACTORS))
 
 
 def test_loadtest_estimate_replays_the_run(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
-    from kvlab.cli import loadtest_estimate as le
-    from kvlab.harness.loadtest import LoadConfig, RequestResult, summarize
-
     gguf = _probe_with_steps(tmp_path, monkeypatch)
     args = argparse.Namespace(estimate_model=str(gguf), server_max_num_seqs=16,
                               server_max_num_batched_tokens=512, server_kv_dtype="f32")
@@ -370,10 +370,10 @@ def test_loadtest_estimate_replays_the_run(tmp_path: Path,
     results.append(RequestResult(ok=False, error="boom"))
     pred = p.level(cfg, results)
     assert len(pred.traces) == 3 and pred.concurrency == 2
-    text = le.format_check(p, [(2, pred, summarize(cfg, "m", results, 1.0, {}))])
+    text = sc.format_check(p, [(2, pred, summarize(cfg, "m", results, 1.0, {}))])
     assert "output tok/s" in text and "replica of hand" in text and "%" in text
-    assert le._arrivals(LoadConfig(url="x", rate=2.0, seed=0), 3)[0] == 0.0
-    (gap,) = le._gap_notes([(1, {"itl_p50_ms": 12.0}, {"itl_p50_ms": 19.5})])
+    assert sc._arrivals(LoadConfig(url="x", rate=2.0, seed=0), 3)[0] == 0.0
+    (gap,) = sc._gap_notes([(1, {"itl_p50_ms": 12.0}, {"itl_p50_ms": 19.5})])
     assert "each token took +7.5 ms beside the predicted engine step" in gap
     with pytest.raises(Exception, match="server-kv-dtype"):
         le.predictor(argparse.Namespace(**{**vars(args), "server_kv_dtype": "f8"}))
@@ -381,9 +381,6 @@ def test_loadtest_estimate_replays_the_run(tmp_path: Path,
 
 def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvlab.estimate import HardwareSpec
-    from kvlab.server.viz.predict import predict as viz_predict
-
     gguf = _probe_with_steps(tmp_path, monkeypatch)
     spec, hw = spec_from_gguf(gguf), resolve_hardware("this")
     one = viz_predict(spec, hw, 40, 16, concurrency=1, kv_dtype="f32")
@@ -400,10 +397,6 @@ def test_visualiser_predicts_kvlab_for_several_users(tmp_path: Path,
 def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path) -> None:
     from test_probe import TINY
 
-    from kvlab.kernels import kernel_backend
-    from kvlab.probe.engine_overhead import write_synthetic_gguf
-    from kvlab.probe.steps import measure_steps, write_replica
-    from kvlab.weights.gguf_file import GGUFFile
 
     if kernel_backend() == "torch":
         pytest.skip("kvlab's C kernels are not built")
@@ -426,8 +419,6 @@ def test_replica_keeps_the_layout_and_the_probe_times_every_shape(tmp_path: Path
 
 
 def test_decodes_paired_with_their_rounds_reference() -> None:
-    from kvlab.probe.steps import _paired
-
     samples = {"decode 1 at 32": [10.0, 20.0, 10.0], "decode 1 at 4096": [14.0, 27.0, 14.0],
                "prefill 32": [50.0, 90.0, 50.0]}
     paired = _paired(samples, "decode 1 at 32")

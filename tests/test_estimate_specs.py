@@ -19,6 +19,7 @@ from kvlab.estimate.specs import (
     spec_from_gguf,
     spec_from_hf_config,
 )
+from kvlab.weights import default_model_path
 
 GEMMA3_270M_CONFIG = {  # the text model of google/gemma-3-270m as HF describes it
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
@@ -37,8 +38,6 @@ LLAMA_3_1_8B_CONFIG = {
 @pytest.fixture(scope="module")
 def gemma() -> ModelSpec:
     try:
-        from kvlab.weights import default_model_path
-
         path = default_model_path()
     except Exception as e:  # noqa: BLE001 - any failure to get the file means: skip
         pytest.skip(f"default model unavailable: {e}")

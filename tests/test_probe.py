@@ -13,6 +13,7 @@ import pytest
 from kvlab.errors import KvlabError
 from kvlab.estimate.kernel_steps import product_calls
 from kvlab.estimate.specs import spec_from_gguf
+from kvlab.kernels import kernel_backend
 from kvlab.probe import kernels as pk
 from kvlab.probe import this_machine
 from kvlab.probe.cache import PROBE_VERSION, ProbeResult, load_probe, read_probe, save_probe
@@ -21,14 +22,14 @@ from kvlab.probe.engine_overhead import (
     measure_engine_overhead,
     write_synthetic_gguf,
 )
+from kvlab.probe.kernels import WEIGHT_TYPES, measure_kernels
+from kvlab.weights import default_model_path
 
 TINY = SyntheticShape(hidden=64, inter=128, heads=4, kv_heads=1, head_dim=32, window=4096)
 
 
 @pytest.fixture(scope="module")
 def c_kernels() -> None:
-    from kvlab.kernels import kernel_backend
-
     if kernel_backend() == "torch":
         pytest.skip("kvlab's C kernels are not built")
 
@@ -53,7 +54,6 @@ def test_kernel_figures_on_small_buffers(c_kernels: None) -> None:
 def test_measure_kernels_covers_every_weight_type(c_kernels: None) -> None:
     import torch
 
-    from kvlab.probe.kernels import WEIGHT_TYPES, measure_kernels
 
     threads = torch.get_num_threads()
     k = measure_kernels(budget_s=0.1, weight_mib=1, attention_positions=256, engine=False,
@@ -93,8 +93,6 @@ def test_synthetic_gguf_reads_as_its_architecture(tmp_path: Path, arch: str) -> 
 
 def test_default_model_matrices() -> None:
     try:
-        from kvlab.weights import default_model_path
-
         path = default_model_path()
     except Exception as e:  # noqa: BLE001 - any failure to get the file means: skip
         pytest.skip(f"default model unavailable: {e}")

@@ -2,7 +2,7 @@
 E2E latency, throughput and goodput; `--sweep` repeats it over concurrencies and plots;
 `--json-schema` constrains every reply and counts the valid ones and the forced tokens;
 `--estimate` predicts every level for kvlab serving the model on this machine and prints the
-prediction beside the measurement (kvlab.cli.loadtest_estimate)."""
+prediction beside the measurement (kvlab.estimate.serving_check)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import json
 import os
 import sys
 
-from kvlab.cli.loadtest_estimate import as_dict, format_check, predictor
+from kvlab.cli.loadtest_estimate import predictor
 from kvlab.errors import KvlabError
+from kvlab.estimate.serving_check import as_dict, format_check
 from kvlab.harness import loadtest as lt
 from kvlab.harness.loadtest import LoadConfig, load_schema
 
