@@ -24,11 +24,12 @@ COMPILE_ARGS = [] if sys.platform == "win32" else [
 ]
 
 QK_SOURCES = [f"{CSRC}/{name}.c" for name in (
-    "qk_module", "qk_pool", "qk_generic", "qk_avx2", "qk_quant", "qk_fused", "qk_attn", "qk_x8",
-    "qk_x8k", "qk_k23", "qk_iq4", "qk_x8k23", "qk_iq4x8", "qk_flash", "qk_x8q5", "qk_x8k5",
-    "qk_moe")]
-QK_DEPENDS = [f"{CSRC}/{name}" for name in ("qk.h", "qk_avx2.h", "qk_zmm.h", "qk_dequant.inc",
-                                            "qk_emu512.h")]
+    "qk_bindings", "qk_decode", "qk_moe", "qk_runtime", "qk_pool", "qk_generic", "qk_avx2",
+    "qk_quant", "qk_fused", "qk_attn", "qk_flash", "qk_x8", "qk_x8k", "qk_k23", "qk_iq4",
+    "qk_x8k23", "qk_iq4x8", "qk_x8q5", "qk_x8k5")]
+QK_DEPENDS = [f"{CSRC}/{name}" for name in (
+    "qk.h", "qk_pool.h", "qk_runtime.h", "qk_moe.h", "qk_decode.h", "qk_avx2.h", "qk_zmm.h",
+    "qk_dequant.inc", "qk_emu512.h")]
 qk = Extension(
     "kvlab.kernels._qk",
     sources=QK_SOURCES,

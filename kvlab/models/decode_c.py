@@ -34,7 +34,7 @@ from kvlab.kernels.ops import _qk
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 
 _EMPTY = [0, 0, 0, 0, 0]
-GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_module.c
+GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
 _OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 

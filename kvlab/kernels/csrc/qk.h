@@ -136,18 +136,6 @@ typedef struct {
     int64_t qt, ptr, rows, cols, row_bytes;
 } kv_wdesc;
 
-/* A layer's routed experts on T tokens (qk_moe.c): experts [E][3] = gate|up in one or two
- * parts (the second rows 0 when one), down; ids, weights [T, k]; out [T, hidden] =
- * sum over each token's k slots of weight * down(silu(gate) * up). 0, -1 out of memory. */
-/* One token's routing from its router scores [E]: softmax in fp32, the k largest (the first
- * of equals first), in descending order, renormalized over the k when norm. */
-void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
-                  float *weights);
-int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
-                   int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
-                   int64_t k, float *out);
-
-
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(KV_NO_AVX2)  /* -DKV_NO_AVX2: portable only */
 #define KV_HAVE_AVX2_BUILD 1
 extern const kv_isa kv_isa_avx2;
@@ -383,22 +371,5 @@ int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
                       int64_t KVH, int64_t D, int64_t window, float scale, float softcap,
                       float *out, int use_avx2);
-
-/* bytes of weights the products (and embedding-row lookups) have read since the module
- * loaded: what a decode step costs, counted where it is spent (qk_module.c) */
-void kv_count_weight_bytes(int64_t bytes);
-
-/* grow-only working memory of the jobs (qk_module.c); the module lock holds it for one job */
-void *kv_scratch(size_t bytes);
-
-/* ---- thread pool: the caller is thread 0 and takes part in the work ---- */
-typedef void (*kv_task_fn)(void *ctx, int tid, int nthreads);
-int kv_pool_set_threads(int n);  /* 0 on success */
-int kv_pool_threads(void);
-void kv_pool_set_spin_us(int us);
-void kv_pool_run(kv_task_fn fn, void *ctx, int nthreads);
-void kv_pool_after_fork_child(void);
-/* xor of the buffer's 64-bit words, read by every kernel thread (a bandwidth probe) */
-uint64_t kv_stream_read(const void *p, int64_t bytes);
 
 #endif

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "qk.h"
+#include "qk_pool.h"
 
 typedef struct {
     /* s[h * C + c] = scale * dot(q[h], k row c) for the rep heads of q; v: the value rows

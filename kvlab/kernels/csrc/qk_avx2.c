@@ -11,7 +11,7 @@
  * here too.
  *
  * Compiled with the target attribute, not with -mavx2 for the whole file, so one build
- * runs everywhere; qk_module.c picks this table only when the CPU has AVX2, FMA and F16C.
+ * runs everywhere; qk_runtime.c picks this table only when the CPU has AVX2, FMA and F16C.
  */
 #include "qk.h"
 

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "qk.h"
+#include "qk_pool.h"
 
 #define FA_BK 16    /* keys per tile */
 #define FA_ROWS 64  /* query rows (token, head) per work item */

@@ -14,6 +14,7 @@
 #endif
 
 #include "qk.h"
+#include "qk_pool.h"
 #ifdef KV_HAVE_AVX2_BUILD
 #include <immintrin.h>
 #endif

@@ -19,6 +19,9 @@
 #include <string.h>
 
 #include "qk.h"
+#include "qk_moe.h"
+#include "qk_pool.h"
+#include "qk_runtime.h"
 
 #define MOE_MAX_PARTS 64
 #define MOE_UNIT_BYTES 16384  /* weight bytes per unit of work, as the dense products */

@@ -27,7 +27,7 @@
 #define KV_PAUSE() ((void)0)
 #endif
 
-#include "qk.h"
+#include "qk_pool.h"
 
 #define KV_MAX_THREADS 256
 
@@ -146,7 +146,7 @@ void kv_pool_set_spin_us(int us) { atomic_store(&pool.spin_us, us < 0 ? 0 : us);
 /* Runs fn(ctx, tid, nthreads) on the caller and on the workers that arrive in time, and
  * returns when every thread that joined has left. fn must share its work dynamically
  * (the caller's fn returns only when all work is taken). Not reentrant: the caller
- * serializes jobs (qk_module.c holds a lock). */
+ * serializes jobs (qk_runtime.h: the job lock). */
 void kv_pool_run(kv_task_fn fn, void *ctx, int nthreads) {
     if (nthreads > pool.nworkers + 1) nthreads = pool.nworkers + 1;
     if (nthreads <= 1) {

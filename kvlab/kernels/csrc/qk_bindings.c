@@ -1,188 +1,22 @@
-/* CPython entry points of kvlab.kernels._qk.
+/* CPython entry points of kvlab.kernels._qk: argument checking and calls into the kernels
+ * (qk.h), the run-time jobs (qk_runtime.h), the routed experts (qk_moe.h) and the decode
+ * forward (qk_decode.h); nothing below this file calls back into it.
  *
  * Tensors cross the boundary as raw addresses (torch's data_ptr()) plus sizes; the Python
  * side (kvlab/kernels/ops.py) checks dtypes, shapes and contiguity before calling. Every
- * entry point releases the GIL while it computes; one lock serializes the jobs because
+ * entry point releases the GIL while it computes; the job lock serializes the jobs because
  * they share the thread pool and the activation scratch buffer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "qk.h"
-
-static const kv_isa *g_isa = &kv_isa_generic;
-static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static void *g_scratch;
-static size_t g_scratch_bytes;
-static atomic_llong g_weight_bytes;
-
-void kv_count_weight_bytes(int64_t bytes) { atomic_fetch_add(&g_weight_bytes, bytes); }
-
-static int cpu_has_avx2(void) {
-#ifdef KV_HAVE_AVX2_BUILD
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-#else
-    return 0;
-#endif
-}
-
-static const kv_isa *best_isa(void) {
-#ifdef KV_HAVE_AVX2_BUILD
-    if (cpu_has_avx2()) return &kv_isa_avx2;
-#endif
-    return &kv_isa_generic;
-}
-
-void *kv_scratch(size_t bytes) {
-    if (bytes > g_scratch_bytes) {
-        free(g_scratch);
-        g_scratch_bytes = 0;
-        if (posix_memalign(&g_scratch, 64, bytes)) return g_scratch = NULL;
-        g_scratch_bytes = bytes;
-    }
-    return g_scratch;
-}
-
-/* ---------------- parallel jobs over row ranges ----------------
- *
- * Each thread owns one contiguous part of the rows and walks it front to back, so the
- * hardware prefetchers see one long stream per thread (interleaving small chunks between
- * threads halved the bandwidth on the model's 0.1-1 MB matrices). A thread done with its
- * part takes chunks from the next parts, so a worker that is late, or never scheduled on a
- * busy machine, costs nothing but its own speed-up. A product's part is taken in chunks
- * that halve: half of what is left, then half of the rest, down to a unit of ~16 KiB at the
- * tail, so the threads finish together and most rows go in a few long calls. With one x row
- * (decode) a unit is little work, and a batch-1 sweep of a model's products streamed 3-22 %
- * faster in chunks of 64 KiB-1 MiB than in units; with many (prefill) a call's set-up per x
- * row is spread over its rows (IQ4_XSx8's int16 copy of x on AVX2 took 15 % of a 512-row
- * product in 16 KiB units). Other jobs (dequantize, quantize) go in units.
- *
- *     rows: |---- part 0 (caller) ---->|---- part 1 (worker 1) ---->|
- *            1/2      1/4   1/8 .. u u   1/2 ...  <- thieves take chunks from here too
- */
-
-#define KV_MAX_PARTS 64
-
-typedef struct {
-    _Alignas(64) atomic_llong next;  /* the next chunk to take; own cache line */
-    int64_t start, end;
-} kv_part;
-
-typedef struct rows_job rows_job;
-typedef void (*rows_fn)(const rows_job *job, int64_t r0, int64_t r1);
-struct rows_job {
-    rows_fn fn;
-    int64_t rows, unit, align;
-    int qtype, nparts, halving;
-    const uint8_t *w;
-    int64_t row_bytes, cols;
-    const void *xq;   /* gemv: activations; quantize: fp32 input */
-    int64_t xstride, n;
-    int64_t ystride;  /* gemv: floats between output rows (0: rows) */
-    void *out;
-    kv_part parts[KV_MAX_PARTS];
-};
-
-/* chunk c of a part: its c-th unit, or (halving) half of the rows left, a multiple of
- * `align` and at least a unit; the last chunk is what is left; 0 rows past the part's end */
-static int64_t chunk_rows(const kv_part *part, int64_t c, const rows_job *job, int64_t *r0) {
-    const int64_t unit = job->unit;
-    if (!job->halving) {
-        if (c >= (part->end - part->start + unit - 1) / unit) return 0;
-        *r0 = part->start + c * unit;
-        return part->end - *r0 < unit ? part->end - *r0 : unit;
-    }
-    int64_t r = part->start, size = 0;
-    for (int64_t i = 0; i <= c && r < part->end; i++) {
-        r += size;
-        const int64_t left = part->end - r, half = left / 2 / job->align * job->align;
-        size = half > unit ? half : unit < left ? unit : left;
-    }
-    *r0 = r;
-    return r < part->end ? size : 0;
-}
-
-static void rows_task(void *p, int tid, int nthreads) {
-    rows_job *job = p;
-    (void)nthreads;
-    for (int k = 0; k < job->nparts; k++) {
-        kv_part *part = &job->parts[(tid + k) % job->nparts];
-        for (;;) {
-            int64_t r0;
-            const int64_t n = chunk_rows(part, atomic_fetch_add(&part->next, 1), job, &r0);
-            if (n <= 0) break;
-            job->fn(job, r0, r0 + n);
-        }
-    }
-}
-
-static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
-    g_isa->gemv[job->qtype](job->w, job->row_bytes, r0, r1, job->cols, job->xq, job->xstride,
-                            job->n, (float *)job->out,
-                            job->ystride ? job->ystride : job->rows);
-}
-
-/* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
- * The 8-row group types split only between groups, and between pairs of groups for a
- * product with several x rows, whose tiles take two groups at once (a lone group, as at
- * 8192 Q3_K columns where 16 KiB is one group, would take the one-group tile). */
-static void run_rows(rows_job *job, int64_t bytes_per_row) {
-    const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = job->qtype < KV_Q8_0X8 ? 1 : job->fn == gemv_rows && job->n > 1 ? 16 : 8;
-    const int64_t groups = job->rows / align;
-    job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
-    job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
-    job->align = align;
-    job->halving = job->fn == gemv_rows;
-    for (int k = 0; k < job->nparts; k++) {
-        atomic_store(&job->parts[k].next, 0);
-        job->parts[k].start = groups * k / job->nparts * align;
-        job->parts[k].end =
-            k + 1 < job->nparts ? groups * (k + 1) / job->nparts * align : job->rows;
-    }
-    kv_pool_run(rows_task, job, nt);
-}
-
-/* row r of a matrix -> fp32 (grouped rows are spread over their group's blocks) */
-static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
-                    float *out) {
-    if (qtype == KV_Q8_0X8) kv_deq_q8_0x8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q4_KX8) kv_deq_q4_kx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q6_KX8) kv_deq_q6_kx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q2_KX8) kv_deq_q2_kx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q3_KX8) kv_deq_q3_kx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_IQ4_XSX8) kv_deq_iq4_xsx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_IQ4_NLX8) kv_deq_iq4_nlx8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q5_0X8) kv_deq_q5_0x8_row(w, row_bytes, r, cols, out);
-    else if (qtype == KV_Q5_KX8) kv_deq_q5_kx8_row(w, row_bytes, r, cols, out);
-    else g_isa->deq[qtype](w + r * row_bytes, cols, out);
-}
-
-static void deq_rows(const rows_job *job, int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r++)
-        deq_row(job->qtype, job->w, job->row_bytes, r, job->cols,
-                (float *)job->out + r * job->cols);
-}
-
-static void quant_rows(const rows_job *job, int64_t r0, int64_t r1) {
-    const float *x = (const float *)job->xq + r0 * job->cols;
-    uint8_t *out = (uint8_t *)job->out + r0 * job->row_bytes;
-    const int64_t n = (r1 - r0) * job->cols;
-    switch (job->qtype) {
-        case KV_Q8_0: kv_quantize_q8_0(x, n, out); break;
-        case KV_Q4_K: kv_quantize_q4_k(x, n, out); break;
-        case KV_Q5_K: kv_quantize_q5_k(x, n, out); break;
-        case KV_Q6_K: kv_quantize_q6_k(x, n, out); break;
-        default: break;
-    }
-}
+#include "qk_decode.h"
+#include "qk_moe.h"
+#include "qk_pool.h"
+#include "qk_runtime.h"
 
 /* ---------------- argument checking ---------------- */
 
@@ -223,23 +57,7 @@ static int check_layout(int64_t qtype, int64_t cols, int64_t row_bytes) {
         return NULL;                                                                   \
     }
 
-/* ---------------- entry points ---------------- */
-
-/* x rows -> the activation blocks the active kernel for qtype takes (fp32 x as is) */
-static int quantize_activations(int qtype, const float *x, int64_t n, int64_t cols,
-                                const void **xq, int64_t *xstride) {
-    const int kind = g_isa->act_kind[qtype];
-    *xstride = kv_act_row_bytes(kind, cols);
-    if (kind == KV_ACT_FLOAT) {
-        *xq = x;
-        return 0;
-    }
-    char *buf = kv_scratch((size_t)(*xstride * n));
-    if (!buf) return -1;
-    for (int64_t j = 0; j < n; j++) kv_act_row(g_isa, kind, x + j * cols, cols, buf + j * *xstride);
-    *xq = buf;
-    return 0;
-}
+/* ---------------- row jobs: products, dequantization, quantization ---------------- */
 
 /* qmatmul(qtype, w, rows, cols, row_bytes, x, n, y): y[n, rows] = x[n, cols] . W^T */
 static PyObject *py_qmatmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -252,17 +70,13 @@ static PyObject *py_qmatmul(PyObject *self, PyObject *const *args, Py_ssize_t na
         !get_i64(args[6], &n) || !get_ptr(args[7], &y))
         return NULL;
     if (!check_layout(qtype, cols, row_bytes)) return NULL;
-    int rc = 0;
+    const kv_wdesc wd = {.qt = qtype, .ptr = (int64_t)(intptr_t)w, .rows = rows, .cols = cols,
+                         .row_bytes = row_bytes};
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
-    rows_job job = {.fn = gemv_rows, .rows = rows, .qtype = (int)qtype, .w = w,
-                    .row_bytes = row_bytes, .cols = cols, .n = n, .out = y};
-    rc = quantize_activations((int)qtype, x, n, cols, &job.xq, &job.xstride);
-    if (rc == 0 && rows > 0 && n > 0) {
-        run_rows(&job, row_bytes);
-        kv_count_weight_bytes(rows * row_bytes);
-    }
-    pthread_mutex_unlock(&g_lock);
+    kv_job_lock();
+    rc = kv_product(&wd, x, n, y, rows);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -282,12 +96,9 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     if (!check_layout(qtype, cols, row_bytes)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
-    rows_job job = {.fn = deq_rows, .rows = rows, .qtype = (int)qtype, .w = w,
-                    .row_bytes = row_bytes, .cols = cols, .out = out};
-    if (rows > 0 && parallel) run_rows(&job, row_bytes + cols * 4);
-    else if (rows > 0) deq_rows(&job, 0, rows);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_lock();
+    kv_dequantize((int)qtype, w, rows, cols, row_bytes, out, parallel != 0);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -310,8 +121,8 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *args, Py_ss
                                 (long long)ids[j], (long long)rows);
     }
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t j = 0; j < n; j++) deq_row((int)qtype, w, row_bytes, ids[j], cols,
-                                            (float *)out + j * cols);
+    for (int64_t j = 0; j < n; j++) kv_dequantize_row((int)qtype, w, row_bytes, ids[j],
+                                                      cols, (float *)out + j * cols);
     Py_END_ALLOW_THREADS
     kv_count_weight_bytes(n * row_bytes);
     Py_RETURN_NONE;
@@ -332,11 +143,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     const int bs = kv_block_size((int)qtype);
     if (!check_layout(qtype, cols, cols / bs * kv_type_size((int)qtype))) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
-    rows_job job = {.fn = quant_rows, .rows = rows, .qtype = (int)qtype, .xq = x, .cols = cols,
-                    .row_bytes = cols / bs * kv_type_size((int)qtype), .out = out};
-    if (rows > 0) run_rows(&job, 64 * cols);  /* the K-quant searches are compute-bound */
-    pthread_mutex_unlock(&g_lock);
+    kv_job_lock();
+    kv_quantize_rows((int)qtype, x, rows, cols, out);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -441,9 +250,9 @@ static PyObject *gated(void (*fn)(const float *, float *, int64_t, int64_t),
         !get_i64(args[3], &inter))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);  /* a prefill's rows run on the kernel threads */
+    kv_job_lock();  /* a prefill's rows run on the kernel threads */
     fn(x, out, tokens, inter);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -468,14 +277,6 @@ static int slots_in_range(const int64_t *slots, int64_t n, int64_t num_slots) {
         }
     }
     return 1;
-}
-
-static int avx2_chosen(void) {
-#ifdef KV_HAVE_AVX2_BUILD
-    return g_isa == &kv_isa_avx2;
-#else
-    return 0;
-#endif
 }
 
 /* scatter_rows(dst, num_slots, src, src_stride, slots, n, row, f16): dst[slots[j]] = src[j],
@@ -572,13 +373,13 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
                                 (long long)r, (long long)n, (long long)c);
         if (!slots_in_range(slots + r * c, n, num_slots)) return NULL;
     }
-    const int use_avx2 = avx2_chosen();
+    const int use_avx2 = kv_avx2_active();
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);  /* the kernel threads serve one call at a time */
+    kv_job_lock();  /* the kernel threads serve one call at a time */
     rc = kv_attend_decode(q, q_stride, &kv, slots, lengths, b, c, h, kvh, d, scale, softcap,
                           out, use_avx2);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -611,239 +412,19 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
                             "keys from %lld", (long long)n, (long long)start, (long long)first);
     const int64_t *slots = slots_p;
     if (!slots_in_range(slots, start + n - first, num_slots)) return NULL;
-    const int use_avx2 = avx2_chosen();
+    const int use_avx2 = kv_avx2_active();
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
+    kv_job_lock();
     rc = kv_attend_prefill(q, q_stride, &kv, slots, first, start, n, h, kvh, d, window, scale,
                            softcap, out, use_avx2);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* ---------------- a decode step's layers in one call ----------------
- *
- * The same C functions, in the same order, on the same layouts as the decode path of the
- * dense models (kvlab/models/gemma3.py, llama.py and the files built on it) when every
- * product has a C kernel, so the results are bit-identical; what goes away is the Python
- * between them (a dozen calls a layer). What differs between the families is data in the
- * plan: norms that are absent (0), a QKV bias, the gated activation, a router and experts
- * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
- * the same choices as the per-op path's torch ops up to fp32 rounding); a shared expert
- * (Qwen2-MoE) beside the routed ones is then the layer's gate_up and down, its output
- * scaled by sigmoid(shexp_gate . h) and added to theirs. The plan is int64
- * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py). */
-
-enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
-
-typedef struct {
-    int64_t attn_norm, n_qkv;
-    kv_wdesc qkv[3];
-    int64_t qkv_bias;                  /* fp32 [q | k | v] added after the product, or 0 */
-    int64_t q_norm, k_norm;            /* per-head RMSNorm before RoPE, or 0 (RoPE only) */
-    kv_wdesc o;
-    int64_t post_attn_norm, mlp_norm;  /* post norms: x += norm(h); 0: x += h */
-    int64_t n_gate_up;
-    kv_wdesc gate_up[2];
-    int64_t gate;                      /* KV_GATE_*: act(gate) * up */
-    kv_wdesc down;
-    int64_t post_mlp_norm, sliding;
-    int64_t qk_norm_whole;             /* q_norm, k_norm over all heads at once (OLMoE) */
-    int64_t router;                    /* mixture of experts: fp32 [E, hidden]; 0: dense */
-    int64_t n_experts, top_k, norm_topk;
-    int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
-    int64_t shexp_gate;                /* fp32 [hidden]: the shared expert's gate; 0: none */
-} kv_layer_plan;
-
-#define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
-
-typedef struct {
-    int64_t B, hidden, H, KVH, D;
-    float eps, scale, softcap;              /* softcap: on the attention scores, 0 none */
-    const float *cos[2], *sin[2];           /* [B, D]: global (0) and local (1) RoPE */
-    const int64_t *slot_mapping[2];         /* [B]: full (0) and sliding (1) layers' pools */
-    const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
-    int64_t C[2];
-    const int64_t *caches;                  /* [layers, 4]: K, V stores, K, V scales */
-    int kv_kind;                            /* KV_CACHE_*: fp32, fp16 or q8_0 (scaled) */
-} kv_step;
-
-/* y[:, 0:w->rows] (rows ystride floats apart) = x @ W^T, as py_qmatmul computes it */
-static int product(const kv_wdesc *w, const float *x, int64_t n, float *y, int64_t ystride) {
-    rows_job job = {.fn = gemv_rows, .rows = w->rows, .qtype = (int)w->qt,
-                    .w = (const uint8_t *)(intptr_t)w->ptr, .row_bytes = w->row_bytes,
-                    .cols = w->cols, .n = n, .out = y, .ystride = ystride};
-    if (quantize_activations((int)w->qt, x, n, w->cols, &job.xq, &job.xstride)) return -1;
-    if (w->rows > 0 && n > 0) {
-        run_rows(&job, w->row_bytes);
-        kv_count_weight_bytes(w->rows * w->row_bytes);
-    }
-    return 0;
-}
-
-/* several weights sharing x, their outputs side by side in rows of `width` floats */
-static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n, float *y,
-                    int64_t width) {
-    for (int64_t p = 0, off = 0; p < count; off += ws[p].rows, p++)
-        if (product(&ws[p], x, n, y + off, width)) return -1;
-    return 0;
-}
-
-typedef struct {
-    float *h, *qkv, *att, *o, *gu, *g;
-    float *shared;            /* [B, hidden]: the shared expert's output */
-    float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
-    int64_t *route_ids;       /* [B, k] */
-} kv_bufs;
-
-/* the residual add after attention or the MLP: with the block's output norm or without */
-static void residual(float *x, const float *h, int64_t norm, const kv_step *s) {
-    if (norm) {
-        kv_add_rms_norm(x, h, (const float *)(intptr_t)norm, s->B, s->hidden, s->eps);
-        return;
-    }
-    for (int64_t i = 0; i < s->B * s->hidden; i++) x[i] += h[i];
-}
-
-static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
-}
-
-/* OLMoE: one RMSNorm over each row's whole q (H * D) and whole k, before RoPE */
-static void norm_whole_qk(const kv_layer_plan *L, const kv_step *s, float *qkv, int64_t width) {
-    const int64_t q = s->H * s->D, k = s->KVH * s->D;
-    for (int64_t r = 0; r < s->B; r++) {
-        float *row = qkv + r * width;
-        kv_rms_norm(row, (const float *)(intptr_t)L->q_norm, row, 1, q, s->eps);
-        kv_rms_norm(row + q, (const float *)(intptr_t)L->k_norm, row + q, 1, k, s->eps);
-    }
-}
-
-static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
-                          float *x, kv_bufs *b, int use_avx2) {
-    const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
-    const int w = L->sliding != 0;
-    kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
-    if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
-    if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
-    if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
-    const int64_t q_norm = L->qk_norm_whole ? 0 : L->q_norm;
-    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
-    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)q_norm, s->cos[w],
-                 s->sin[w], s->eps);
-    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)k_norm,
-                 s->cos[w], s->sin[w], s->eps);
-    void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
-    kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
-    const float *knew = b->qkv + H * D, *vnew = b->qkv + (H + KVH) * D;
-    if (s->kv_kind == KV_CACHE_Q8_0) {
-        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping[w], B, KVH * D);
-        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping[w], B, KVH * D);
-    } else {
-        const int f16 = s->kv_kind == KV_CACHE_F16;
-        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping[w], B, KVH * D);
-        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping[w], B, KVH * D);
-    }
-    const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
-                              .v_scale = vs};
-    if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
-                         s->C[w], H, KVH, D, s->scale, s->softcap, b->att, use_avx2))
-        return -1;
-    if (product(&L->o, b->att, B, b->o, s->hidden)) return -1;
-    residual(x, b->o, L->post_attn_norm, s);
-    return 0;
-}
-
-/* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
- * shared expert of an MoE layer */
-static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
-    int64_t gu_rows = 0;
-    for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
-    if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
-    if (L->gate == KV_GATE_SILU)
-        kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
-    else
-        kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
-    return product(&L->down, b->g, s->B, y, s->hidden);
-}
-
-/* o += sigmoid(shexp_gate . h) * shared expert(h), row by row: the product, then the add,
- * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp) */
-static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
-    const kv_wdesc gate = {.qt = KV_F32, .ptr = L->shexp_gate, .rows = 1, .cols = s->hidden,
-                           .row_bytes = s->hidden * (int64_t)sizeof(float)};
-    if (gated_mlp(L, s, b, b->shared)) return -1;
-    if (product(&gate, b->h, s->B, b->logits, 1)) return -1;  /* the router's are used */
-    for (int64_t r = 0; r < s->B; r++) {
-        const float g = 1.0f / (1.0f + expf(-b->logits[r]));
-        float *o = b->o + r * s->hidden;
-        const float *sh = b->shared + r * s->hidden;
-        for (int64_t i = 0; i < s->hidden; i++) o[i] += g * sh[i];
-    }
-    return 0;
-}
-
-/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
- * expert where the layer has one */
-static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
-    const int64_t E = L->n_experts, k = L->top_k;
-    const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
-                             .row_bytes = s->hidden * (int64_t)sizeof(float)};
-    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
-    if (product(&router, b->h, s->B, b->logits, E)) return -1;
-    for (int64_t r = 0; r < s->B; r++)
-        kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
-                     b->route_w + r * k);
-    if (kv_moe_experts(g_isa, (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
-                       s->hidden, b->route_ids, b->route_w, k, b->o))
-        return -1;
-    if (L->shexp_gate && shared_expert(L, s, b)) return -1;
-    residual(x, b->o, L->post_mlp_norm, s);
-    return 0;
-}
-
-static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
-    if (L->router) return moe_half(L, s, x, b);
-    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
-    if (gated_mlp(L, s, b, b->o)) return -1;
-    residual(x, b->o, L->post_mlp_norm, s);
-    return 0;
-}
-
-static int decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
-                         int use_avx2) {
-    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, E = 0, k = 0;
-    for (int64_t l = 0; l < layers; l++) {
-        int64_t rows = 0;
-        for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
-        gu = rows > gu ? rows : gu;
-        E = plan[l].n_experts > E ? plan[l].n_experts : E;
-        k = plan[l].top_k > k ? plan[l].top_k : k;
-    }
-    const int64_t B = s->B;
-    float *mem = malloc((size_t)(B * (3 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
-                                      3 * k)) * sizeof(float));
-    if (!mem) return -1;
-    kv_bufs b = {.h = mem};
-    b.qkv = b.h + B * s->hidden;
-    b.att = b.qkv + B * qkv;
-    b.o = b.att + B * s->H * s->D;
-    b.gu = b.o + B * s->hidden;
-    b.g = b.gu + B * gu;
-    b.shared = b.g + B * (gu / 2);
-    b.logits = b.shared + B * s->hidden;
-    b.route_w = b.logits + B * E;
-    b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
-    int rc = 0;
-    for (int64_t l = 0; l < layers && !rc; l++)
-        rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||
-             mlp_half(&plan[l], s, x, &b);
-    free(mem);
-    return rc ? -1 : 0;
-}
+/* ---------------- a decode step's layers (qk_decode.h), routed experts (qk_moe.h) -------- */
 
 /* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
  *               cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f,
@@ -885,12 +466,12 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                           .sin = {ptr[1], ptr[3]}, .slot_mapping = {ptr[4], ptr[10]},
                           .slots = {ptr[5], ptr[7]}, .lengths = {ptr[6], ptr[8]},
                           .C = {Cf, Cl}, .caches = ptr[9], .kv_kind = (int)kv_kind};
-    const int use_avx2 = avx2_chosen();
+    const int use_avx2 = kv_avx2_active();
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
-    rc = decode_layers(plan, layers, x, &step, use_avx2);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_lock();
+    rc = kv_decode_layers(plan, layers, x, &step, use_avx2);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -919,9 +500,9 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_
     if (T == 0) Py_RETURN_NONE;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
-    rc = kv_moe_experts(g_isa, table, E, x, T, hidden, ids, weights, k, out);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_lock();
+    rc = kv_moe_experts(kv_active_isa(), table, E, x, T, hidden, ids, weights, k, out);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -972,9 +553,9 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
     if (!get_ptr(args[0], &p) || !get_i64(args[1], &nbytes)) return NULL;
     uint64_t x;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
+    kv_job_lock();
     x = kv_stream_read(p, nbytes);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLongLong(x);
 }
@@ -982,7 +563,7 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
 static PyObject *py_weight_bytes_read(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyLong_FromLongLong(atomic_load(&g_weight_bytes));
+    return PyLong_FromLongLong(kv_weight_bytes_read());
 }
 
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
@@ -992,9 +573,9 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     if (n < 1) return PyErr_Format(PyExc_ValueError, "thread count must be >= 1, got %ld", n);
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&g_lock);
+    kv_job_lock();
     rc = kv_pool_set_threads((int)n);
-    pthread_mutex_unlock(&g_lock);
+    kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_Format(PyExc_OSError, "could not start %ld kernel threads", n);
     Py_RETURN_NONE;
@@ -1017,7 +598,7 @@ static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
-    return PyUnicode_FromString(g_isa->name);
+    return PyUnicode_FromString(kv_active_isa()->name);
 }
 
 /* set_isa("auto" | "generic" | "avx2"): tests pin the portable path with this */
@@ -1026,17 +607,17 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
     const kv_isa *isa = NULL;
-    if (!strcmp(name, "auto")) isa = best_isa();
+    if (!strcmp(name, "auto")) isa = kv_best_isa();
     else if (!strcmp(name, "generic")) isa = &kv_isa_generic;
 #ifdef KV_HAVE_AVX2_BUILD
-    else if (!strcmp(name, "avx2") && cpu_has_avx2()) isa = &kv_isa_avx2;
+    else if (!strcmp(name, "avx2") && kv_cpu_has_avx2()) isa = &kv_isa_avx2;
 #endif
     if (!isa) return PyErr_Format(PyExc_ValueError, "instruction set %R is not available "
                                   "here (valid: 'auto', 'generic'%s)", arg,
-                                  cpu_has_avx2() ? ", 'avx2'" : "");
-    pthread_mutex_lock(&g_lock);
-    g_isa = isa;
-    pthread_mutex_unlock(&g_lock);
+                                  kv_cpu_has_avx2() ? ", 'avx2'" : "");
+    kv_job_lock();
+    kv_set_active_isa(isa);
+    kv_job_unlock();
     Py_RETURN_NONE;
 }
 
@@ -1109,14 +690,7 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-static void after_fork_child(void) {
-    pthread_mutex_init(&g_lock, NULL);
-    kv_pool_after_fork_child();
-}
-
 PyMODINIT_FUNC KV_MODULE_INIT(void) {
-    kv_init_tables();
-    g_isa = best_isa();
-    pthread_atfork(NULL, NULL, after_fork_child);
+    kv_runtime_init();
     return PyModule_Create(&module);
 }

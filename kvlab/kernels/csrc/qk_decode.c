@@ -1,0 +1,183 @@
+/* A decode step's layers in one call (declared in qk_decode.h).
+ *
+ * The same C functions, in the same order, on the same layouts as the decode path of the
+ * dense models (kvlab/models/gemma3.py, llama.py and the files built on it) when every
+ * product has a C kernel, so the results are bit-identical; what goes away is the Python
+ * between them (a dozen calls a layer). What differs between the families is data in the
+ * plan: norms that are absent (0), a QKV bias, the gated activation, a router and experts
+ * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
+ * the same choices as the per-op path's torch ops up to fp32 rounding); a shared expert
+ * (Qwen2-MoE) beside the routed ones is then the layer's gate_up and down, its output
+ * scaled by sigmoid(shexp_gate . h) and added to theirs. The plan is int64
+ * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "qk.h"
+#include "qk_decode.h"
+#include "qk_moe.h"
+#include "qk_runtime.h"
+
+/* several weights sharing x, their outputs side by side in rows of `width` floats */
+static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n, float *y,
+                    int64_t width) {
+    for (int64_t p = 0, off = 0; p < count; off += ws[p].rows, p++)
+        if (kv_product(&ws[p], x, n, y + off, width)) return -1;
+    return 0;
+}
+
+typedef struct {
+    float *h, *qkv, *att, *o, *gu, *g;
+    float *shared;            /* [B, hidden]: the shared expert's output */
+    float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
+    int64_t *route_ids;       /* [B, k] */
+} kv_bufs;
+
+/* the residual add after attention or the MLP: with the block's output norm or without */
+static void residual(float *x, const float *h, int64_t norm, const kv_step *s) {
+    if (norm) {
+        kv_add_rms_norm(x, h, (const float *)(intptr_t)norm, s->B, s->hidden, s->eps);
+        return;
+    }
+    for (int64_t i = 0; i < s->B * s->hidden; i++) x[i] += h[i];
+}
+
+static void add_bias(float *y, const float *bias, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[i];
+}
+
+/* OLMoE: one RMSNorm over each row's whole q (H * D) and whole k, before RoPE */
+static void norm_whole_qk(const kv_layer_plan *L, const kv_step *s, float *qkv, int64_t width) {
+    const int64_t q = s->H * s->D, k = s->KVH * s->D;
+    for (int64_t r = 0; r < s->B; r++) {
+        float *row = qkv + r * width;
+        kv_rms_norm(row, (const float *)(intptr_t)L->q_norm, row, 1, q, s->eps);
+        kv_rms_norm(row + q, (const float *)(intptr_t)L->k_norm, row + q, 1, k, s->eps);
+    }
+}
+
+static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
+                          float *x, kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
+    const int w = L->sliding != 0;
+    kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
+    if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
+    if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
+    if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
+    const int64_t q_norm = L->qk_norm_whole ? 0 : L->q_norm;
+    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
+    kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)q_norm, s->cos[w],
+                 s->sin[w], s->eps);
+    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)k_norm,
+                 s->cos[w], s->sin[w], s->eps);
+    void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
+    kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
+    const float *knew = b->qkv + H * D, *vnew = b->qkv + (H + KVH) * D;
+    if (s->kv_kind == KV_CACHE_Q8_0) {
+        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping[w], B, KVH * D);
+        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping[w], B, KVH * D);
+    } else {
+        const int f16 = s->kv_kind == KV_CACHE_F16;
+        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping[w], B, KVH * D);
+        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping[w], B, KVH * D);
+    }
+    const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
+                              .v_scale = vs};
+    if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
+                         s->C[w], H, KVH, D, s->scale, s->softcap, b->att, use_avx2))
+        return -1;
+    if (kv_product(&L->o, b->att, B, b->o, s->hidden)) return -1;
+    residual(x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
+/* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
+ * shared expert of an MoE layer */
+static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
+    int64_t gu_rows = 0;
+    for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
+    if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
+    if (L->gate == KV_GATE_SILU)
+        kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    else
+        kv_gelu_mul(b->gu, b->g, s->B, gu_rows / 2);
+    return kv_product(&L->down, b->g, s->B, y, s->hidden);
+}
+
+/* o += sigmoid(shexp_gate . h) * shared expert(h), row by row: the product, then the add,
+ * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp) */
+static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
+    const kv_wdesc gate = {.qt = KV_F32, .ptr = L->shexp_gate, .rows = 1, .cols = s->hidden,
+                           .row_bytes = s->hidden * (int64_t)sizeof(float)};
+    if (gated_mlp(L, s, b, b->shared)) return -1;
+    if (kv_product(&gate, b->h, s->B, b->logits, 1)) return -1;  /* the router's are used */
+    for (int64_t r = 0; r < s->B; r++) {
+        const float g = 1.0f / (1.0f + expf(-b->logits[r]));
+        float *o = b->o + r * s->hidden;
+        const float *sh = b->shared + r * s->hidden;
+        for (int64_t i = 0; i < s->hidden; i++) o[i] += g * sh[i];
+    }
+    return 0;
+}
+
+/* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
+ * expert where the layer has one */
+static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    const int64_t E = L->n_experts, k = L->top_k;
+    const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
+                             .row_bytes = s->hidden * (int64_t)sizeof(float)};
+    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    if (kv_product(&router, b->h, s->B, b->logits, E)) return -1;
+    for (int64_t r = 0; r < s->B; r++)
+        kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
+                     b->route_w + r * k);
+    if (kv_moe_experts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
+                       s->hidden, b->route_ids, b->route_w, k, b->o))
+        return -1;
+    if (L->shexp_gate && shared_expert(L, s, b)) return -1;
+    residual(x, b->o, L->post_mlp_norm, s);
+    return 0;
+}
+
+static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    if (L->router) return moe_half(L, s, x, b);
+    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    if (gated_mlp(L, s, b, b->o)) return -1;
+    residual(x, b->o, L->post_mlp_norm, s);
+    return 0;
+}
+
+int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
+                     int use_avx2) {
+    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, E = 0, k = 0;
+    for (int64_t l = 0; l < layers; l++) {
+        int64_t rows = 0;
+        for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
+        gu = rows > gu ? rows : gu;
+        E = plan[l].n_experts > E ? plan[l].n_experts : E;
+        k = plan[l].top_k > k ? plan[l].top_k : k;
+    }
+    const int64_t B = s->B;
+    float *mem = malloc((size_t)(B * (3 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
+                                      3 * k)) * sizeof(float));
+    if (!mem) return -1;
+    kv_bufs b = {.h = mem};
+    b.qkv = b.h + B * s->hidden;
+    b.att = b.qkv + B * qkv;
+    b.o = b.att + B * s->H * s->D;
+    b.gu = b.o + B * s->hidden;
+    b.g = b.gu + B * gu;
+    b.shared = b.g + B * (gu / 2);
+    b.logits = b.shared + B * s->hidden;
+    b.route_w = b.logits + B * E;
+    b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
+    int rc = 0;
+    for (int64_t l = 0; l < layers && !rc; l++)
+        rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||
+             mlp_half(&plan[l], s, x, &b);
+    free(mem);
+    return rc ? -1 : 0;
+}

@@ -1,0 +1,50 @@
+/* A decode step's layers in one call (qk_decode.c): the layer plan the models build
+ * (kvlab/models/decode_c.py), one step's shapes and cache addresses, and the forward. */
+#ifndef KVLAB_QK_DECODE_H
+#define KVLAB_QK_DECODE_H
+
+#include <stdint.h>
+
+#include "qk.h"
+
+enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
+
+typedef struct {
+    int64_t attn_norm, n_qkv;
+    kv_wdesc qkv[3];
+    int64_t qkv_bias;                  /* fp32 [q | k | v] added after the product, or 0 */
+    int64_t q_norm, k_norm;            /* per-head RMSNorm before RoPE, or 0 (RoPE only) */
+    kv_wdesc o;
+    int64_t post_attn_norm, mlp_norm;  /* post norms: x += norm(h); 0: x += h */
+    int64_t n_gate_up;
+    kv_wdesc gate_up[2];
+    int64_t gate;                      /* KV_GATE_*: act(gate) * up */
+    kv_wdesc down;
+    int64_t post_mlp_norm, sliding;
+    int64_t qk_norm_whole;             /* q_norm, k_norm over all heads at once (OLMoE) */
+    int64_t router;                    /* mixture of experts: fp32 [E, hidden]; 0: dense */
+    int64_t n_experts, top_k, norm_topk;
+    int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
+    int64_t shexp_gate;                /* fp32 [hidden]: the shared expert's gate; 0: none */
+} kv_layer_plan;
+
+#define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
+
+typedef struct {
+    int64_t B, hidden, H, KVH, D;
+    float eps, scale, softcap;              /* softcap: on the attention scores, 0 none */
+    const float *cos[2], *sin[2];           /* [B, D]: global (0) and local (1) RoPE */
+    const int64_t *slot_mapping[2];         /* [B]: full (0) and sliding (1) layers' pools */
+    const int64_t *slots[2], *lengths[2];   /* [B, C]: full (0) and sliding (1) keys */
+    int64_t C[2];
+    const int64_t *caches;                  /* [layers, 4]: K, V stores, K, V scales */
+    int kv_kind;                            /* KV_CACHE_*: fp32, fp16 or q8_0 (scaled) */
+} kv_step;
+
+/* Runs every layer of the plan on x [B, hidden] (the residual stream, updated in place),
+ * writing each layer's new K/V into its caches; 0, -1 out of memory. Callers hold the job
+ * lock (qk_runtime.h). */
+int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
+                     int use_avx2);
+
+#endif

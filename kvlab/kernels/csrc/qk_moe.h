@@ -1,0 +1,22 @@
+/* A layer's routed experts (qk_moe.c): the router's top k per token, and the chosen
+ * experts' MLPs on every token in one call. */
+#ifndef KVLAB_QK_MOE_H
+#define KVLAB_QK_MOE_H
+
+#include <stdint.h>
+
+#include "qk.h"
+
+/* One token's routing from its router scores [E]: softmax in fp32, the k largest (the first
+ * of equals first), in descending order, renormalized over the k when norm. */
+void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
+                  float *weights);
+/* A layer's routed experts on T tokens: experts [E][3] = gate|up in one or two parts (the
+ * second rows 0 when one), down; ids, weights [T, k]; out [T, hidden] = sum over each
+ * token's k slots of weight * down(silu(gate) * up). 0, -1 out of memory. Callers hold the
+ * job lock (qk_runtime.h). */
+int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
+                   int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
+                   int64_t k, float *out);
+
+#endif
