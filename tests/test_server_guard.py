@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from kvlab.server.app import create_app
-from kvlab.server.async_engine import AsyncEngine
-from kvlab.server.guard import MAX_JSON_DEPTH, ServerLimits, json_depth
+from kvlab.server.openai.app import create_app
+from kvlab.server.openai.async_engine import AsyncEngine
+from kvlab.server.openai.guard import MAX_JSON_DEPTH, ServerLimits, json_depth
 
 from fake_engine import FakeEngine, FakeTokenizer
 

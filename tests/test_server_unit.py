@@ -12,10 +12,15 @@ import pytest
 from kvlab.engine import EngineStats
 from kvlab.errors import RequestError
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams
-from kvlab.server.app import create_app
-from kvlab.server.async_engine import AsyncEngine, EngineOverloaded, EngineRequest, EngineStepError
-from kvlab.server.prom import ServerMetrics
-from kvlab.server.protocol import (
+from kvlab.server.openai.app import create_app
+from kvlab.server.openai.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineRequest,
+    EngineStepError,
+)
+from kvlab.server.openai.prom import ServerMetrics
+from kvlab.server.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

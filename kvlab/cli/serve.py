@@ -15,7 +15,7 @@ from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.errors import KvlabError
 
 if TYPE_CHECKING:
-    from kvlab.server.guard import ServerLimits
+    from kvlab.server.openai.guard import ServerLimits
     from kvlab.server.replicas.settings import AppSettings
 
 
@@ -75,7 +75,7 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlab.engine import Engine
-    from kvlab.server import serve
+    from kvlab.server import serve, viz
 
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
@@ -105,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
               "can reach this port can use the model (set --api-key or KVLAB_API_KEY)",
               file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, args.max_waiting, args.shutdown_timeout,
-          args.log_level, limits=limits)
+          args.log_level, routers=[viz.router], limits=limits)
     return 0
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The front-door settings from the flags; a bad value is a one-line error."""
-    from kvlab.server.guard import ServerLimits
+    from kvlab.server.openai.guard import ServerLimits
 
     if args.api_key is not None and not args.api_key.strip():
         raise KvlabError("--api-key / KVLAB_API_KEY is empty; give a key or unset it")

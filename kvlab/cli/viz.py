@@ -28,7 +28,7 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvlab.engine import Engine
-    from kvlab.server import serve
+    from kvlab.server import serve, viz
 
     config = engine_config(args, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                            enable_prefix_caching=not args.no_prefix_caching,
@@ -37,6 +37,6 @@ def run(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"kvlab viz: {engine.model_name} — open http://{host}:{args.port}/viz "
           "(Ctrl-C to stop)", flush=True)
-    serve(engine, args.host, args.port, log_level=args.log_level)
+    serve(engine, args.host, args.port, log_level=args.log_level, routers=[viz.router])
     return 0
 

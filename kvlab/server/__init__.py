@@ -1,18 +1,14 @@
-"""The OpenAI-compatible HTTP server: `kvlab serve`.
+"""kvlab's HTTP front ends over the public engine API.
 
-    async_engine   one thread drives Engine.step(); requests are asyncio queues
-    protocol       request bodies (strictly typed), errors, sampling settings
-    formats        completions vs chat shapes: choices, deltas, logprobs, usage
-    serving        an API call -> engine requests -> JSON or server-sent events
-    prom           Prometheus /metrics, written by hand
-    app            FastAPI routes, error mapping, disconnects, uvicorn
-    replicas/      the same API over N engine replicas under Ray Serve (`--replicas`)
+    openai/     the OpenAI-compatible server (`kvlab serve`): the asyncio engine, the API's
+                routes, /health and /metrics; knows nothing of the visualiser or the estimator
+    viz/        the live visualiser (`kvlab viz`, and /viz under `kvlab serve`): a router the
+                server mounts through `create_app(engine, routers=[viz.router])`
+    replicas/   the same server over N engine replicas under Ray Serve (`--replicas`)
 
-Other front ends reuse `create_app(AsyncEngine(engine))` and add their own routes;
-`AsyncEngine.call(fn)` runs fn(engine) on the engine thread (e.g. `engine.kv_view(id)`).
+`create_app`, `serve` and `AsyncEngine` are the OpenAI server's (kvlab.server.openai).
 """
 
-from kvlab.server.app import create_app, serve
-from kvlab.server.async_engine import AsyncEngine
+from kvlab.server.openai import AsyncEngine, create_app, serve
 
 __all__ = ["AsyncEngine", "create_app", "serve"]

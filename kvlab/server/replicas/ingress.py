@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from kvlab.server.guard import RequestGuard
-from kvlab.server.prom import CONTENT_TYPE
-from kvlab.server.protocol import ApiError
+from kvlab.server.openai.guard import RequestGuard
+from kvlab.server.openai.prom import CONTENT_TYPE
+from kvlab.server.openai.protocol import ApiError
 from kvlab.server.replicas.board import ReplicaBoard, ReplicaReport
 from kvlab.server.replicas.merge import merge_metrics
 from kvlab.server.replicas.replica import Forwarded, ResponseStart

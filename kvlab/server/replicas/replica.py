@@ -5,7 +5,7 @@ plays it through the same FastAPI app a lone `kvlab serve` runs, in process, and
 ASGI response back as it is produced:
 
     Forwarded -> scope + receive (the body, then a disconnect when the caller goes away)
-              -> create_app(AsyncEngine(engine)) -> send -> queue
+              -> create_app(AsyncEngine(engine), routers=[viz.router]) -> send -> queue
               -> yields ResponseStart, then body chunks (each what the app has sent so far:
                  one server-sent event, or several that queued up meanwhile)
 
@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from kvlab.server.app import create_app
-from kvlab.server.async_engine import AsyncEngine
+from kvlab.server import viz
+from kvlab.server.openai.app import create_app
+from kvlab.server.openai.async_engine import AsyncEngine
 from kvlab.server.replicas.board import REPORT_PERIOD_S, ReplicaReport
 from kvlab.server.replicas.settings import AppSettings
 
@@ -69,7 +70,7 @@ class EngineReplica:
         # the ingress already checked the key; the body size and timeout are checked again
         limits = type(settings.limits)(max_request_bytes=settings.limits.max_request_bytes,
                                        request_timeout=settings.limits.request_timeout)
-        self.app = create_app(self.engine, limits=limits)
+        self.app = create_app(self.engine, routers=[viz.router], limits=limits)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.lifespan = contextlib.AsyncExitStack()

@@ -32,12 +32,16 @@ from starlette.types import Receive, Scope, Send
 
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
-from kvlab.server import viz
-from kvlab.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, Generation
-from kvlab.server.guard import RequestGuard, ServerLimits
-from kvlab.server.prom import CONTENT_TYPE
-from kvlab.server.protocol import ApiError
-from kvlab.server.serving import Call, Serving
+from kvlab.server.openai.async_engine import (
+    AsyncEngine,
+    EngineOverloaded,
+    EngineUnavailable,
+    Generation,
+)
+from kvlab.server.openai.guard import RequestGuard, ServerLimits
+from kvlab.server.openai.prom import CONTENT_TYPE
+from kvlab.server.openai.protocol import ApiError
+from kvlab.server.openai.serving import Call, Serving
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
@@ -140,7 +144,6 @@ def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
         app.add_exception_handler(kind, on_error)
     add_info_routes(app, engine)
     add_generation_routes(app, engine, serving, prep, limits.request_timeout)
-    app.include_router(viz.router)
     for router in routers:
         app.include_router(router)
     app.add_middleware(RequestGuard, limits=limits)

@@ -23,7 +23,7 @@ import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvlab.errors import KvlabError
-from kvlab.server.protocol import ApiError
+from kvlab.server.openai.protocol import ApiError
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other; OpenAI bodies need about 6
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs, not chars: fast

@@ -1,7 +1,7 @@
 """The visualiser's predictions: which hardware "this machine" is, the what-if model presets,
-and an estimate (kvlab.perf) turned into the few figures the page shows: for the served
+and an estimate (kvlab.estimate) turned into the few figures the page shows: for the served
 file on a probed machine, kvlab's own engine serving that many users at once (its step
-model under its scheduler, kvlab.perf.serving); otherwise the roofline.
+model under its scheduler, kvlab.estimate.serving_replay); otherwise the roofline.
 
 "This machine" is, in order of preference: the `kvlab probe` cache; a quick measurement made
 once when first asked (about a second of bandwidth and matmul timing); a named part from the
@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvlab.errors import KvlabError
-from kvlab.perf import HardwareSpec, ModelSpec, Workload, estimate, known_parts
-from kvlab.perf.hardware import GB, GIB, TERA
+from kvlab.estimate import HardwareSpec, ModelSpec, Workload, estimate, known_parts
+from kvlab.estimate.hardware import GB, GIB, TERA
+from kvlab.estimate.specs import spec_from_description
+from kvlab.probe import load_probe
 
 log = logging.getLogger("kvlab.server")
 
@@ -71,7 +73,7 @@ class MachineSource:
 def this_machine(quick: bool = True) -> MachineSource:
     """The probe cache, else a quick measurement (if allowed), else a named part."""
     try:
-        hw = HardwareSpec.this_machine()
+        hw = load_probe()
         return MachineSource(hw, "probe", f"{hw.name} (from the `kvlab probe` cache)")
     except KvlabError:
         pass
@@ -86,7 +88,7 @@ def this_machine(quick: bool = True) -> MachineSource:
 
 
 def _quick_measurement() -> MachineSource:
-    from kvlab.perf.probe import measure_bandwidth, measure_matmul
+    from kvlab.probe.machine import measure_bandwidth, measure_matmul
 
     bandwidth, _ = measure_bandwidth(buffer_mib=128, budget_s=0.4)
     flops, size, _ = measure_matmul("fp32", size=512, budget_s=0.4)
@@ -128,7 +130,7 @@ def model_for(key: str, quant: str, served: ModelSpec, served_arch: Preset) -> M
 
 
 def _describe(p: Preset, bits: float, name: str) -> ModelSpec:
-    return ModelSpec.from_description(
+    return spec_from_description(
         bits=bits, layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
         head_dim=p.head_dim, vocab=p.vocab, intermediate=p.intermediate, tied=p.tied, name=name)
 
@@ -171,9 +173,9 @@ def kvlab_figures(model: ModelSpec, hw: HardwareSpec, wl: Workload, scheduler: A
     """kvlab's own engine serving `wl.concurrency` users who each send one request at once:
     TTFT, per-stream decode, ITL and response time, medians over the users; {} where kvlab's
     step model does not cover the model, the machine or the KV dtype."""
+    from kvlab.estimate.kernel_steps import unsupported_reason
+    from kvlab.estimate.serving_replay import RequestSpec, predict_serving
     from kvlab.models.kv_store import KV_DTYPES
-    from kvlab.perf.kvlab_steps import unsupported_reason
-    from kvlab.perf.serving import RequestSpec, predict_serving
 
     if (unsupported_reason(model, hw) or wl.kv_dtype not in KV_DTYPES
             or (wl.kv_dtype != "f32" and hw.steps is None)):

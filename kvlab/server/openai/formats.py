@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.request import RequestOutput, TokenLogprob
-from kvlab.server.tools import ToolPlan, ToolStream, parse_reply
+from kvlab.server.openai.tools import ToolPlan, ToolStream, parse_reply
 from kvlab.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way

@@ -21,16 +21,23 @@ from typing import Any
 
 from kvlab.errors import RequestError
 from kvlab.request import Structure
-from kvlab.server.async_engine import (
+from kvlab.server.openai.async_engine import (
     AsyncEngine,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
     Generation,
 )
-from kvlab.server.formats import ChatFormat, Choice, CompletionFormat, Format, ToolFormat, usage
-from kvlab.server.guard import parse_json_body
-from kvlab.server.protocol import (
+from kvlab.server.openai.formats import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    Format,
+    ToolFormat,
+    usage,
+)
+from kvlab.server.openai.guard import parse_json_body
+from kvlab.server.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +47,7 @@ from kvlab.server.protocol import (
     sampling_params,
     structure_of,
 )
-from kvlab.server.tools import ToolPlan, template_messages, tool_plan
+from kvlab.server.openai.tools import ToolPlan, template_messages, tool_plan
 from kvlab.tokenizer.chat import template_variables
 
 # A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this

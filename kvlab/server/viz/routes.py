@@ -4,10 +4,11 @@
     POST /viz/api/run           a run as NDJSON events (or SSE with ?format=sse): docs/viz.md
     GET  /viz/api/pool          the paged KV pool now: totals and the visualiser's block tables
     GET  /viz/api/options       model, KV layout, hardware table, presets, this machine's source
-    GET  /viz/api/estimate      the what-if prediction (kvlab.perf roofline) as JSON
+    GET  /viz/api/estimate      the what-if prediction (kvlab.estimate roofline) as JSON
 
-Everything goes through the AsyncEngine's public methods: `add` for requests, `call` for the
-KV snapshots, which run on the engine thread between two steps.
+Everything goes through the AsyncEngine's public methods: `snapshot` for what is served and
+the KV layout, `add` for requests, `call` for the KV views, which run on the engine thread
+between two steps.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import Receive, Scope, Send
 
 from kvlab.errors import RequestError
-from kvlab.perf import ModelSpec
+from kvlab.estimate import ModelSpec
+from kvlab.estimate.specs import spec_from_description, spec_from_gguf
 from kvlab.request import Structure
 from kvlab.scheduler import SchedulerConfig
-from kvlab.server.async_engine import AsyncEngine
-from kvlab.server.guard import parse_json_body
-from kvlab.server.protocol import ApiError
-from kvlab.server.viz_events import LiveRequests, RunSpec, VizRun, pool_now, user_params
-from kvlab.server.viz_predict import (
+from kvlab.server.openai.async_engine import AsyncEngine
+from kvlab.server.openai.guard import parse_json_body
+from kvlab.server.openai.protocol import ApiError
+from kvlab.server.viz.events import LiveRequests, RunSpec, VizRun, pool_now, user_params
+from kvlab.server.viz.predict import (
     PRESETS,
     QUANT_BITS,
     QUANT_LABELS,
@@ -107,8 +109,8 @@ def _served_model(engine: AsyncEngine) -> tuple[ModelSpec, Preset]:
     from kvlab.errors import KvlabError
     from kvlab.weights import default_model_path
 
-    loaded = engine.engine.loaded
-    c = loaded.config
+    served = engine.snapshot()
+    c = served.model
     arch = Preset(engine.model_name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
                   c.head_dim, c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
     try:
@@ -116,9 +118,9 @@ def _served_model(engine: AsyncEngine) -> tuple[ModelSpec, Preset]:
     except (KvlabError, OSError):  # no default model installed: describe the loaded one
         path = None
     if path is not None and path.name == engine.model_name:
-        return ModelSpec.from_gguf(path), arch
-    spec = ModelSpec.from_description(
-        size_bytes=loaded.weight_bytes, layers=arch.layers, hidden=arch.hidden,
+        return spec_from_gguf(path), arch
+    spec = spec_from_description(
+        size_bytes=served.weight_bytes, layers=arch.layers, hidden=arch.hidden,
         heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim, vocab=arch.vocab,
         intermediate=arch.intermediate, tied=arch.tied, name=engine.model_name)
     return spec, arch
@@ -148,13 +150,13 @@ async def static(name: str) -> FileResponse:
 async def options(request: Request) -> dict[str, Any]:
     engine, state = _engine(request), await _state(request.app)
     machine = await state.this_machine()
-    config = engine.engine.config
+    served = engine.snapshot()
     return {
         "model": engine.model_name, "max_model_len": engine.max_model_len,
-        "block_size": config.block_size, "kv_dtype": config.kv_dtype,
-        "kv_bytes_per_token": engine.engine.cost.kv_bytes_per_token,
-        "prefix_caching": config.enable_prefix_caching,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "block_size": served.block_size, "kv_dtype": served.kv_dtype,
+        "kv_bytes_per_token": served.kv_bytes_per_token,
+        "prefix_caching": served.enable_prefix_caching,
+        "max_num_batched_tokens": served.max_num_batched_tokens,
         "max_users": min(MAX_USERS, engine.capacity),
         "this_machine": {"kind": machine.kind, "label": machine.label},
         "hardware": hardware_choices(machine),
@@ -185,11 +187,11 @@ async def what_if(request: Request, hardware: str = THIS, model: str = SERVED,
     machine = await state.this_machine()
     hw = hardware_for(hardware, machine)
     spec = model_for(model, quant, state.served, state.served_arch)
+    served = engine.snapshot()
     if kv_dtype is None:  # the served engine's own layout on this machine, else a GPU's f16
         native = hardware == THIS and model == SERVED
-        kv_dtype = engine.engine.config.kv_dtype if native else "f16"
-    config = engine.engine.config
-    scheduler = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        kv_dtype = served.kv_dtype if native else "f16"
+    scheduler = SchedulerConfig(served.max_num_seqs, served.max_num_batched_tokens)
     result = await asyncio.to_thread(predict, spec, hw, prompt_tokens, output_tokens,
                                      concurrency, kv_dtype, scheduler)
     result["hardware"]["source"] = machine.label if hardware == THIS else "built-in table"
@@ -274,7 +276,7 @@ async def _prediction(engine: AsyncEngine, state: VizState, machine: MachineSour
                       prompt_tokens: int, output_tokens: int, users: int) -> dict[str, Any]:
     """This machine's prediction for the served model, with the engine's KV dtype."""
     result = await asyncio.to_thread(predict, state.served, machine.hardware, prompt_tokens,
-                                     output_tokens, users, engine.engine.config.kv_dtype)
+                                     output_tokens, users, engine.snapshot().kv_dtype)
     result["hardware"]["source"] = machine.label
     return result
 

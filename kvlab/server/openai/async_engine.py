@@ -28,10 +28,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvlab.engine import Engine, EngineStats
+from kvlab.engine import Engine, EngineSnapshot, EngineStats
 from kvlab.errors import RequestError
+from kvlab.metrics import GenerationMetrics
 from kvlab.request import FinishReason, RequestOutput, SamplingParams, Structure
-from kvlab.server.prom import ServerMetrics
+from kvlab.server.openai.prom import ServerMetrics
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
@@ -202,6 +203,15 @@ class AsyncEngine:
 
     def _live_generations(self) -> list[Generation]:
         return list({id(g): g for g in self._owner.values()}.values())
+
+    def snapshot(self) -> EngineSnapshot:
+        """What the engine serves and its KV layout (fixed: read from any thread)."""
+        return self.engine.snapshot()
+
+    def generation_metrics(self, out: RequestOutput) -> GenerationMetrics:
+        """TTFT, tok/s, ITL, GB/s and FLOP/s of a finished output (from the engine's fixed
+        cost, so no trip to the engine thread)."""
+        return self.engine.metrics(out)
 
     def prepare_structure(self, structure: Structure) -> None:
         """Compile a structure (any thread; cached); raises RequestError if unusable."""

@@ -26,9 +26,8 @@ from typing import Any
 
 from kvlab.engine import Engine, EngineStats, KVView
 from kvlab.errors import KvlabError
-from kvlab.metrics import GenerationMetrics
 from kvlab.request import RequestOutput, SamplingParams
-from kvlab.server.async_engine import (
+from kvlab.server.openai.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineRequest,
@@ -102,13 +101,13 @@ def pool_record(stats: EngineStats, live: LiveRequests,
             "requests": requests}
 
 
-def snapshot(engine: Engine, ids: list[str]) -> tuple[EngineStats, dict[str, KVView | None]]:
+def pool_views(engine: Engine, ids: list[str]) -> tuple[EngineStats, dict[str, KVView | None]]:
     """Runs on the engine thread: pool totals and each live request's KV view."""
     return engine.stats(), {rid: engine.kv_view(rid) for rid in ids}
 
 
 async def pool_now(engine: AsyncEngine, live: LiveRequests) -> dict[str, Any]:
-    stats, views = await engine.call(partial(snapshot, ids=live.ids()))
+    stats, views = await engine.call(partial(pool_views, ids=live.ids()))
     return pool_record(stats, live, views)
 
 
@@ -119,9 +118,9 @@ class VizRun:
         self.engine, self.live, self.spec = engine, live, spec
         self.run_id = f"viz-{uuid.uuid4().hex[:12]}"
         self.tokenizer = engine.tokenizer
-        config = engine.engine.config
-        self.block_size = config.block_size
-        self.bytes_per_token = engine.engine.cost.kv_bytes_per_token
+        served = engine.snapshot()
+        self.block_size = served.block_size
+        self.bytes_per_token = served.kv_bytes_per_token
         self.states = [UserState(i, f"{self.run_id}-u{i}", len(spec.prompt_ids))
                        for i in range(spec.users)]
         self.inbox: asyncio.Queue[tuple[UserState, RequestOutput | BaseException]] = \
@@ -183,7 +182,7 @@ class VizRun:
                 batch = [await self.inbox.get()]
                 while not self.inbox.empty():
                     batch.append(self.inbox.get_nowait())
-                stats, views = await self._snapshot()
+                stats, views = await self._pool_views()
                 for state, item in batch:
                     if isinstance(item, BaseException):
                         yield {"event": "error", "message": str(item)}
@@ -203,10 +202,10 @@ class VizRun:
         yield {"event": "end", "run_id": self.run_id,
                "elapsed_s": time.perf_counter() - self.started}
 
-    async def _snapshot(self) -> tuple[EngineStats, dict[str, KVView | None]]:
+    async def _pool_views(self) -> tuple[EngineStats, dict[str, KVView | None]]:
         if not self.engine.alive:  # shutting down: no engine thread to ask any more
             return self.engine.stats, {}
-        return await self.engine.call(partial(snapshot, ids=self.live.ids()))
+        return await self.engine.call(partial(pool_views, ids=self.live.ids()))
 
     async def _admit_next(self, batch: list[tuple[UserState, Any]]) -> None:
         """Staggered arrival: the next user comes once the newest one has its first token."""
@@ -260,9 +259,7 @@ class VizRun:
     def _done_event(self, state: UserState, out: RequestOutput) -> dict[str, Any]:
         metrics = None
         if out.timings is not None and out.output_tokens:
-            metrics = GenerationMetrics.from_timings(
-                out.timings, self.engine.engine.cost, out.prompt_tokens, out.cached_tokens,
-                out.output_tokens).as_dict()
+            metrics = self.engine.generation_metrics(out).as_dict()
         kv_tokens = out.prompt_tokens + max(0, out.output_tokens - 1)
         return {"event": "done", "request_id": state.request_id, "user": state.user,
                 "finish_reason": out.finish_reason.value if out.finish_reason else None,
