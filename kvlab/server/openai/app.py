@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 import uvicorn
@@ -32,12 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
-from kvlab.server.openai.async_engine import (
-    AsyncEngine,
-    EngineOverloaded,
-    EngineUnavailable,
-    Generation,
-)
+from kvlab.server.openai.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from kvlab.server.openai.guard import RequestGuard, ServerLimits
 from kvlab.server.openai.prom import CONTENT_TYPE
 from kvlab.server.openai.protocol import ApiError
@@ -54,18 +50,18 @@ class ClientGone(Exception):
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events that abort their Generation however the response ends."""
+    """A call's server-sent events; the call is closed however the response ends."""
 
-    def __init__(self, content: AsyncIterator[str], gen: Generation) -> None:
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, call: Call) -> None:
+        super().__init__(call.events(), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.gen = gen
+        self.call = call
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.gen.close()
+            self.call.close()
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -143,7 +139,7 @@ def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
                  RequestValidationError, Exception):
         app.add_exception_handler(kind, on_error)
     add_info_routes(app, engine)
-    add_generation_routes(app, engine, serving, prep, limits.request_timeout)
+    add_generation_routes(app, serving, prep, limits.request_timeout)
     for router in routers:
         app.include_router(router)
     app.add_middleware(RequestGuard, limits=limits)
@@ -177,30 +173,32 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
         return PlainTextResponse(engine.metrics.render(engine.stats), media_type=CONTENT_TYPE)
 
 
-def add_generation_routes(app: FastAPI, engine: AsyncEngine, serving: Serving,
-                          prep: ThreadPoolExecutor, timeout: float | None) -> None:
-    async def answer(request: Request, build: Callable[[bytes], Call]) -> Response:
+def add_generation_routes(app: FastAPI, serving: Serving, prep: ThreadPoolExecutor,
+                          timeout: float | None) -> None:
+    async def answer(request: Request, build: Callable[[Serving, bytes], Call]) -> Response:
+        """The HTTP side of a call: its body built in a worker thread, its deadline, and its
+        abort when the client hangs up; the call itself submits and renders."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         body = await request.body()
-        call = await loop.run_in_executor(prep, build, body)
-        gen = await engine.add(call.requests, deadline)
+        call = await loop.run_in_executor(prep, partial(build, serving), body)
+        await call.submit(deadline)
         if call.stream:
-            return EventStream(serving.stream(call, gen), gen)
+            return EventStream(call)
         try:
-            return JSONResponse(await unless_disconnected(request, serving.respond(call, gen)))
+            return JSONResponse(await unless_disconnected(request, call.respond()))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            gen.close()
+            call.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await answer(request, serving.completion_call)
+        return await answer(request, Call.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await answer(request, serving.chat_call)
+        return await answer(request, Call.chat)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
