@@ -159,3 +159,27 @@ def test_kvlab_imports_at_module_top():
                 if (mod or "").split(".")[0] == "kvlab":
                     bad.append(f"{name}.{fn.name} imports {mod} (line {node.lineno})")
     assert not bad, "\n".join(bad)
+
+
+def test_openai_server_imports_neither_the_visualiser_nor_the_estimator():
+    """kvlab.server.openai serves the API alone: the visualiser mounts itself on it, and
+    prediction and measurement stay out of it. Each imported name counts on its own, so
+    `from kvlab.server import serve, viz` is caught too."""
+    banned = ("kvlab.server.viz", "kvlab.perf", "kvlab.estimate", "kvlab.probe")
+    bad = []
+    for path in (ROOT / "server" / "openai").rglob("*.py"):
+        package = ".".join(path.relative_to(ROOT.parent).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package `level - 1` levels up
+                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{parent}.{base}" if base else parent
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{path.name} imports {n}" for n in names
+                    if any(n == b or n.startswith(b + ".") for b in banned)]
+    assert not bad, "\n".join(bad)
