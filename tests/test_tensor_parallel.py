@@ -5,9 +5,10 @@ ranks, and one quantized at load to Q8_0 and Q4_K, whose column splits fall on b
 boundaries) runs in one spawned group: prefill into scattered blocks, paged decode steps, a
 batch of unequal prompts; rank 0's logits must equal the single-rank logits to fp32
 tolerance. The engine's own launch (spawned workers that follow
-rank 0's step plans, and stop; a rank that dies) on tiny models; the default model's greedy
-text and ranks started by torchrun in the slow tests. Splits that cannot work are refused
-with the sizes, before any rank starts.
+rank 0's step plans, and stop; a rank that dies) on tiny models; in the slow tests the
+default model within the noise of the split sums (logprobs along one text, and the greedy
+text up to its first near-tie) and ranks started by torchrun. Splits that cannot work are
+refused with the sizes, before any rank starts.
 """
 
 from __future__ import annotations
@@ -160,35 +161,50 @@ def test_a_shard_holds_its_heads_and_columns(tiny_models):
     assert torch.equal(part.model.weights["embed"], full.model.weights["embed"])
 
 
+# Split-sum noise on the default model: 2 ranks against one along 33 teacher-forced steps,
+# max |d logprob| over one rank's top 5. Dequantized weights and an f32 KV cache: 2e-5, the
+# fp32 order of the sum. Rounding after the sum spreads a last-bit difference: the f16 KV
+# cache alone took it to 1.2e-3; the quantized kernels, which round each product's input
+# to 8 bits, to 0.37, as far as a one-ulp nudge of the embedding moves one rank alone
+# (0.29). A real defect is far above: one rank's partial sums of a single layer dropped
+# moved them by up to 5.7 (median 3.1); its partial sums 0.1 % too large, by 1e-3 to 1e-2
+# with dequantized weights and an f32 KV cache.
+SETTINGS = [  # (engine settings, bound on the split-sum noise)
+    ({"keep_quantized": False, "kv_dtype": "f32"}, 1e-3),
+    ({}, 1.0),  # the defaults: quantized kernels, f16 KV cache
+]
+
+
 @pytest.mark.slow
-def test_default_model_greedy_text_equals_one_rank(default_model_path):
-    """Dequantized weights: the same greedy text. Quantized kernels round each activation
-    block to 8 bits, so the fp32 order of the all-reduce's sum can flip a rounding and the
-    logits drift (max |d logprob| over the top 5 was 0.37 along 32 steps). So both sizes
-    score rank 1's greedy text: the drift stays under 0.5 nats at every step, and both pick
-    the same token wherever the top two are more than that apart."""
+def test_default_model_matches_one_rank_within_split_sum_noise(default_model_path):
+    """Both sizes score rank 1's greedy text (teacher forced). At every step the top-5
+    logprobs agree within the bound; wherever one rank's top two are more than twice the
+    bound apart (which no noise within it can swap) both pick the same token; and 2 ranks'
+    own greedy text equals one rank's up to the first step whose top two are closer (a
+    near-tie: ' largest' vs ' capital' after "... It is the" are 0.014 nats apart in fp64)."""
     prompt = "The capital of France is"
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    for keep_quantized in (False, True):
+    for settings, drift in SETTINGS:
         texts, scores = {}, {}
         for size in (1, 2):
             llm = LLM(str(default_model_path), EngineConfig(
-                threads=1, tensor_parallel_size=size, keep_quantized=keep_quantized))
+                threads=1, tensor_parallel_size=size, **settings))
             ids = llm.engine.tokenizer.encode(prompt)
             texts[size] = llm.generate([ids], params)[0].token_ids
             scores[size] = llm.engine.teacher_forced_logprobs(ids + texts[1], len(ids))
             llm.engine.close()
-        if not keep_quantized:
-            assert texts[1] == texts[2]
-            continue
-        one, two = scores[1], scores[2]
+        one, two = scores[1], scores[2]  # row i: the logprobs of text token i
         top5 = one.topk(5, dim=-1).indices
-        drift = (one.gather(1, top5) - two.gather(1, top5)).abs().amax(dim=-1)
-        assert drift.max() < 0.5, f"logprobs of 1 and 2 ranks drift by {drift.max():.3f}"
+        err = (one.gather(1, top5) - two.gather(1, top5)).abs().amax(dim=-1)
+        over = {i: round(e, 4) for i, e in enumerate(err.tolist()) if e >= drift}
+        assert not over, f"{settings}: |d logprob| >= {drift} at steps {over}"
         top2 = one.topk(2, dim=-1).values
-        sure = top2[:, 0] - top2[:, 1] > 0.5
-        assert sure.sum() >= len(sure) // 2
+        sure = top2[:, 0] - top2[:, 1] > 2 * drift
+        assert sure.sum() >= len(sure) // 4  # the comparison below is not empty
         assert torch.equal(one.argmax(-1)[sure], two.argmax(-1)[sure])
+        near_ties = (~sure).nonzero().flatten().tolist()
+        agree = near_ties[0] if near_ties else len(texts[1])
+        assert texts[2][:agree] == texts[1][:agree], f"texts part before step {agree}"
 
 
 def kvlab(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
