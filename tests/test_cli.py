@@ -101,6 +101,23 @@ def test_info_and_json_run_on_tiny_model(tiny_gguf):
     record = json.loads(proc.stdout)
     assert record["metrics"]["output_tokens"] == 5
     assert record["finish_reason"] == "length"
+    assert record["logprobs"] is None  # not asked for
+
+
+def test_json_run_reports_the_logprobs_asked_for(tiny_gguf):
+    proc = kvlab("run", "--model", str(tiny_gguf), "-n", "4", "--ignore-eos", "--json",
+                 "--logprobs", "3", "ab")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    lp = record["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert "".join(lp["tokens"]) == record["text"]
+    assert lp["text_offset"][0] == 0
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert logprob <= 0 and 1 <= len(top) <= 4  # the top 3 and the chosen token
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen one is first
 
 
 @pytest.mark.slow

@@ -52,7 +52,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each generated token's logprob and its N most likely alternatives "
+                        "(reported in kvlab run's --json record)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE",
                        help="the output must be JSON valid against this schema file")
