@@ -25,7 +25,7 @@ from kvlab.kernels import set_num_threads, weight_bytes_read
 from kvlab.metrics import GenerationMetrics, RunCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
-from kvlab.models.tensor_parallel import SINGLE, check_split
+from kvlab.models.sharding import SINGLE, check_split
 from kvlab.request import (
     FinishReason,
     RequestOutput,
@@ -36,7 +36,7 @@ from kvlab.request import (
 )
 from kvlab.runner import ModelRunner
 from kvlab.runner.decode_graph import GRAPH_MODES
-from kvlab.runner.tensor_parallel import LeaderRunner, Ranks, start_ranks
+from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
 from kvlab.sampler import SampleResult, SamplingBatch, sample
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.stop import StopStringFilter
@@ -72,7 +72,7 @@ class EngineConfig:
     # MoE models: each output carries the experts its sampled token's row was routed to
     # (RequestOutput.experts, for the visualiser); off, a step records nothing
     record_experts: bool = False
-    # ranks the model is split over (kvlab.models.tensor_parallel); threads are per rank
+    # ranks the model is split over (kvlab.models.sharding); threads are per rank
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

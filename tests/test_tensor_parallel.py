@@ -29,7 +29,7 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels import set_num_threads
 from kvlab.llm import LLM
 from kvlab.models.loader import LoadOptions, load_model, read_config
-from kvlab.models.tensor_parallel import SINGLE, TensorParallel, check_split, valid_sizes
+from kvlab.models.sharding import SINGLE, TensorParallel, check_split, valid_sizes
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
@@ -92,7 +92,7 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, str | None]]:
 
 
 def test_every_architecture_matches_one_rank(tiny_models, tmp_path):
-    from kvlab.runner.tensor_parallel import _free_port
+    from kvlab.runner.ranks import _free_port
 
     jobs = [(name, str(path), quant) for name, (path, quant) in tiny_models.items()]
     mp.start_processes(_rank, args=(_free_port(), jobs, str(tmp_path)), nprocs=2, join=True)

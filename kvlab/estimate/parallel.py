@@ -1,7 +1,7 @@
 """Tensor-parallel and replica configurations, predicted from the roofline (nothing here is
 measured: `docs/parallel.md` says what is).
 
-Tensor parallel over N devices splits the model as kvlab.models.tensor_parallel does: each
+Tensor parallel over N devices splits the model as kvlab.models.sharding does: each
 rank reads 1/N of every block's weights and holds 1/N of the KV cache (with fewer KV heads
 than ranks, one head each: 1/kv_heads), while the embedding row, the norms and the output
 head are read whole (kvlab keeps the head on rank 0, and a step waits for its slowest

@@ -33,8 +33,8 @@ from kvlab.models.layers import (
     rope_inv_freq,
     split,
 )
+from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
-from kvlab.models.tensor_parallel import SINGLE, TensorParallel
 
 GGUF_NAMES = NameTable(
     globals={"token_embd.weight": "embed", "output_norm.weight": "norm"},

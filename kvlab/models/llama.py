@@ -25,8 +25,8 @@ from kvlab.models.layers import (
     split,
     swiglu,
 )
+from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
-from kvlab.models.tensor_parallel import SINGLE, TensorParallel
 
 # checkpoint name -> kvlab name; "{i}" is the layer index
 GGUF_NAMES = NameTable(

@@ -29,8 +29,7 @@ from kvlab.metrics import RunCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
 from kvlab.models.moe import Experts
-from kvlab.models.spec import ArchSpec, NameTable
-from kvlab.models.tensor_parallel import (
+from kvlab.models.sharding import (
     SINGLE,
     TensorParallel,
     check_columns,
@@ -38,6 +37,7 @@ from kvlab.models.tensor_parallel import (
     shard_ranges,
     take,
 )
+from kvlab.models.spec import ArchSpec, NameTable
 from kvlab.weights import Checkpoint, RawTensor
 
 QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C)
@@ -160,7 +160,7 @@ def read_config(ckpt: Checkpoint) -> tuple[ArchSpec, ModelConfig]:
 
 def load_model(ckpt: Checkpoint, options: LoadOptions,
                tp: TensorParallel = SINGLE) -> LoadedModel:
-    """The model, or with tp.size > 1 rank tp.rank's shard of it (kvlab.models.tensor_parallel):
+    """The model, or with tp.size > 1 rank tp.rank's shard of it (kvlab.models.sharding):
     its config then has this rank's heads and MLP columns, its tensors this rank's slices."""
     gguf = ckpt.format == "gguf"
     spec, full = read_config(ckpt)

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from kvlab.errors import KvlabError
 from kvlab.kernels import set_num_threads
 from kvlab.models.loader import LoadOptions, load_model
-from kvlab.models.tensor_parallel import TensorParallel
+from kvlab.models.sharding import TensorParallel
 from kvlab.runner.model_runner import ModelRunner, StepLogits
 from kvlab.scheduler import SchedulerOutput
 from kvlab.weights import open_checkpoint
