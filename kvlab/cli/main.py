@@ -1,4 +1,8 @@
-"""Entry point: parse the subcommand, run it, turn user errors into one line and exit 2."""
+"""Entry point: parse the subcommand, run it, turn user errors into one line and exit 2.
+
+Only the named subcommand's module is imported (all of them for `kvlab --help` or a
+mistyped name), so each command loads what it uses and no more: `kvlab estimate` never
+loads the server, `kvlab run` never the estimator."""
 
 from __future__ import annotations
 
@@ -13,10 +17,10 @@ SUBCOMMANDS = ("run", "chat", "info", "bench", "kvquality", "serve", "loadtest",
                "probe", "viz")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__.split("\n")[0])
     subs = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
+    for name in _needed(sys.argv[1:] if argv is None else argv):
         try:
             module = importlib.import_module(f"kvlab.cli.{name}")
         except ModuleNotFoundError as e:
@@ -27,8 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _needed(argv: list[str]) -> tuple[str, ...]:
+    """The subcommand the arguments name, or every one (help, or no or an unknown name)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return (first,) if first in SUBCOMMANDS else SUBCOMMANDS
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KvlabError as e:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.engine import Engine
 from kvlab.errors import KvlabError
-
-if TYPE_CHECKING:
-    from kvlab.server.openai.guard import ServerLimits
-    from kvlab.server.replicas.settings import AppSettings
+from kvlab.server import serve, viz
+from kvlab.server.openai.guard import ServerLimits
+from kvlab.server.replicas.settings import AppSettings
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -74,16 +73,13 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlab.engine import Engine
-    from kvlab.server import serve, viz
-
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
     if replicated(args) and args.tensor_parallel_size > 1:
         raise KvlabError("--replicas with --tensor-parallel-size > 1 is not supported: run "
                          "replicas of a whole model, or one server over the ranks")
     if replicated(args):
-        try:
+        try:  # Ray Serve is an optional extra: imported only when replicas are asked for
             from kvlab.server.replicas.application import launch
         except ImportError as e:
             raise KvlabError(f"--replicas needs Ray Serve ({e}): pip install 'kvlab[replicas]'"
@@ -111,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     """The front-door settings from the flags; a bad value is a one-line error."""
-    from kvlab.server.openai.guard import ServerLimits
-
     if args.api_key is not None and not args.api_key.strip():
         raise KvlabError("--api-key / KVLAB_API_KEY is empty; give a key or unset it")
     return ServerLimits(max_request_bytes=args.max_request_bytes, api_key=args.api_key,
@@ -127,8 +121,6 @@ def replicated(args: argparse.Namespace) -> bool:
 
 def app_settings(args: argparse.Namespace) -> AppSettings:
     """The replicated application from the flags; --threads defaults to a share of the CPUs."""
-    from kvlab.server.replicas.settings import AppSettings
-
     most = args.max_replicas or args.replicas or 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, most))
     config = engine_config(args, threads=threads, max_num_seqs=args.max_num_seqs,

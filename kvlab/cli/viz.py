@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.engine import Engine
+from kvlab.server import serve, viz
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -27,9 +29,6 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlab.engine import Engine
-    from kvlab.server import serve, viz
-
     config = engine_config(args, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                            enable_prefix_caching=not args.no_prefix_caching,
                            record_experts=True)  # MoE models: which experts each token ran

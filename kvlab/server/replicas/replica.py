@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
+from kvlab.engine import Engine
 from kvlab.server import viz
 from kvlab.server.openai.app import create_app
 from kvlab.server.openai.async_engine import AsyncEngine
@@ -58,8 +59,6 @@ class EngineReplica:
     """A Serve deployment class; `ingress` is the name of the deployment it reports to."""
 
     async def __init__(self, settings: AppSettings, ingress: str) -> None:
-        from kvlab.engine import Engine
-
         def load() -> Engine:
             engine = Engine.from_model(settings.model, settings.engine)
             if settings.reserve_kv:

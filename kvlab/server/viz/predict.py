@@ -20,8 +20,12 @@ import numpy as np
 from kvlab.errors import KvlabError
 from kvlab.estimate import HardwareSpec, ModelSpec, Workload, estimate, known_parts
 from kvlab.estimate.hardware import GB, GIB, TERA
+from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.serving_replay import RequestSpec, predict_serving
 from kvlab.estimate.specs import spec_from_description
+from kvlab.models.kv_store import KV_DTYPES
 from kvlab.probe import load_probe
+from kvlab.probe.machine import measure_bandwidth, measure_matmul
 
 log = logging.getLogger("kvlab.server")
 
@@ -88,8 +92,6 @@ def this_machine(quick: bool = True) -> MachineSource:
 
 
 def _quick_measurement() -> MachineSource:
-    from kvlab.probe.machine import measure_bandwidth, measure_matmul
-
     bandwidth, _ = measure_bandwidth(buffer_mib=128, budget_s=0.4)
     flops, size, _ = measure_matmul("fp32", size=512, budget_s=0.4)
     hw = HardwareSpec(name=f"this machine ({os.cpu_count()} CPUs, quick measurement)",
@@ -173,10 +175,6 @@ def kvlab_figures(model: ModelSpec, hw: HardwareSpec, wl: Workload, scheduler: A
     """kvlab's own engine serving `wl.concurrency` users who each send one request at once:
     TTFT, per-stream decode, ITL and response time, medians over the users; {} where kvlab's
     step model does not cover the model, the machine or the KV dtype."""
-    from kvlab.estimate.kernel_steps import unsupported_reason
-    from kvlab.estimate.serving_replay import RequestSpec, predict_serving
-    from kvlab.models.kv_store import KV_DTYPES
-
     if (unsupported_reason(model, hw) or wl.kv_dtype not in KV_DTYPES
             or (wl.kv_dtype != "f32" and hw.steps is None)):
         return {}

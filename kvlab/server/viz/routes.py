@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from kvlab.errors import RequestError
+from kvlab.errors import KvlabError, RequestError
 from kvlab.estimate import ModelSpec
 from kvlab.estimate.specs import spec_from_description, spec_from_gguf
 from kvlab.request import Structure
@@ -48,6 +48,7 @@ from kvlab.server.viz.predict import (
     predict,
     this_machine,
 )
+from kvlab.weights import default_model_path
 
 router = APIRouter()
 STATIC = Path(__file__).with_name("static")
@@ -106,9 +107,6 @@ async def _state(app: FastAPI) -> VizState:
 def _served_model(engine: AsyncEngine) -> tuple[ModelSpec, Preset]:
     """The served model for the estimator: its GGUF file when that is the default model,
     else a description from its loaded config and weight bytes."""
-    from kvlab.errors import KvlabError
-    from kvlab.weights import default_model_path
-
     served = engine.snapshot()
     c = served.model
     arch = Preset(engine.model_name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
