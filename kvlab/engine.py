@@ -20,6 +20,7 @@ from kvlab import heap
 from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
 from kvlab.config import ModelConfig
+from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError, RequestError
 from kvlab.kernels import set_num_threads, weight_bytes_read
 from kvlab.metrics import GenerationMetrics, RunCost
@@ -132,6 +133,7 @@ class EngineSnapshot:
 
     model_name: str
     model: ModelConfig  # the served architecture (rank 0's shard under tensor parallel)
+    spec: ModelSpec  # what a token costs, as loaded (kvlab.cost's vocabulary)
     weight_bytes: int  # the loaded weights as held in memory
     max_model_len: int
     kv_dtype: str
@@ -316,7 +318,7 @@ class Engine:
         reads only what is fixed at construction, so any thread may call it."""
         c = self.config
         return EngineSnapshot(
-            model_name=self.model_name, model=self.loaded.config,
+            model_name=self.model_name, model=self.loaded.config, spec=self.cost.spec,
             weight_bytes=self.loaded.weight_bytes, max_model_len=self.max_model_len,
             kv_dtype=c.kv_dtype, block_size=c.block_size, num_kv_blocks=self.kv.num_blocks,
             kv_bytes_per_token=self.cost.kv_bytes_per_token, max_num_seqs=c.max_num_seqs,

@@ -13,13 +13,15 @@ from kvlab.cost import causal_span_sum
 from kvlab.errors import KvlabError
 from kvlab.estimate import HardwareSpec, LayerSpec, ModelSpec, Workload, estimate
 from kvlab.estimate.specs import (
+    architecture_from_config,
     layer_windows,
     load_model_spec,
     spec_from_description,
     spec_from_gguf,
     spec_from_hf_config,
 )
-from kvlab.weights import default_model_path
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.weights import default_model_path, open_checkpoint
 
 GEMMA3_270M_CONFIG = {  # the text model of google/gemma-3-270m as HF describes it
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
@@ -249,3 +251,31 @@ def test_synthetic_moe_gguf_untied_hybrid(tmp_path: Path) -> None:
     expected = (spec.weight_bytes - 32 * 16 * 4 + 16 * 4  # input table: one row
                 - 2 * experts * 4 / 2)  # half of the routed experts at batch 1
     assert spec.decode_weight_bytes(1) == pytest.approx(expected)
+
+
+def test_a_loaded_model_costs_what_its_file_says() -> None:
+    """One cost vocabulary: the spec the engine builds from the model it loaded (its bytes as
+    stored) and the spec the estimator reads from the file's header agree in every figure a
+    prediction or a run's GB/s and FLOP/s uses."""
+    try:
+        path = default_model_path()
+    except Exception as e:  # noqa: BLE001 - any failure to get the file means: skip
+        pytest.skip(f"default model unavailable: {e}")
+    model = load_model(open_checkpoint(path), LoadOptions())
+    loaded, header = model.model_spec(stored=True), spec_from_gguf(path)
+    for field in ("n_params", "weight_bytes", "lookup_params", "lookup_row_bytes",
+                  "output_params", "output_bytes", "other_bytes", "tied_output", "vocab_size",
+                  "hidden_size", "max_context", "architecture"):
+        assert getattr(loaded, field) == getattr(header, field), field
+    for batch in (1, 8):
+        assert loaded.decode_weight_bytes(batch) == header.decode_weight_bytes(batch)
+    assert loaded.matmul_flop_per_token() == header.matmul_flop_per_token()
+    for context in (100, 700, 5000):
+        assert loaded.kv_bytes(context, 2) == header.kv_bytes(context, 2)
+        assert loaded.attention_flop(context) == header.attention_flop(context)
+    assert [(lyr.dense_bytes, lyr.dense_params, lyr.window, lyr.kv_elements, lyr.heads)
+            for lyr in loaded.layers] == \
+        [(lyr.dense_bytes, lyr.dense_params, lyr.window, lyr.kv_elements, lyr.heads)
+         for lyr in header.layers]
+    windows = tuple(lyr.window for lyr in header.layers)
+    assert architecture_from_config(model.config).windows == windows

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.config import GLOBAL_EVERY, hf_layer_types, interleaved_layer_types
+from kvlab.config import GLOBAL_EVERY, ModelConfig, hf_layer_types, interleaved_layer_types
 from kvlab.cost import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.errors import KvlabError, ModelLoadError
 from kvlab.weights.gguf_file import GGUFFile, TensorInfo
@@ -188,6 +188,36 @@ class Architecture:
         per_layer = self.attention_params() + self.dense_ffn_params() + self.expert_params()
         tables = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * (per_layer + 2 * self.hidden) + tables + self.hidden
+
+
+def architecture_from_config(c: ModelConfig) -> Architecture:
+    """A loaded model's config in the same terms as an HF config.json gives them."""
+    moe = c.moe
+    return Architecture(
+        layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, intermediate=c.intermediate_size, vocab=c.vocab_size,
+        tied=c.tie_word_embeddings,
+        windows=tuple(c.sliding_window if c.is_sliding(i) else None
+                      for i in range(c.num_layers)),
+        experts=moe.num_experts if moe else 0, experts_used=moe.experts_per_token if moe else 0,
+        expert_intermediate=moe.expert_intermediate_size if moe else 0,
+        shared_intermediate=moe.shared_intermediate_size if moe else 0)
+
+
+def dense_architecture(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                       intermediate: int, vocab: int, tied: bool = False) -> Architecture:
+    """A dense decoder with full attention in every layer (a public model's shape)."""
+    return Architecture(layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, tied,
+                        windows=(None,) * layers)
+
+
+def spec_from_architecture(arch: Architecture, bits: float, name: str) -> ModelSpec:
+    """`arch` stored at `bits` per weight, as a description: its weights' bytes from the
+    bits, its attention and MLP shapes as they are."""
+    return spec_from_description(
+        bits=bits, layers=arch.layers, hidden=arch.hidden, heads=arch.heads,
+        kv_heads=arch.kv_heads, head_dim=arch.head_dim, vocab=arch.vocab,
+        intermediate=arch.intermediate, tied=arch.tied, name=name)
 
 
 def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpec:

@@ -22,7 +22,7 @@ from kvlab.estimate import HardwareSpec, ModelSpec, Workload, estimate, known_pa
 from kvlab.estimate.hardware import GB, GIB, TERA
 from kvlab.estimate.kernel_steps import unsupported_reason
 from kvlab.estimate.serving_replay import RequestSpec, predict_serving
-from kvlab.estimate.specs import spec_from_description
+from kvlab.estimate.specs import Architecture, dense_architecture, spec_from_architecture
 from kvlab.models.kv_store import KV_DTYPES
 from kvlab.probe import load_probe
 from kvlab.probe.machine import measure_bandwidth, measure_matmul
@@ -42,28 +42,16 @@ QUANT_LABELS = {"file": "as stored in the served file", "q4_0": "Q4_0 (4.5 bits)
                 "f16": "F16 / BF16 (16 bits)", "f32": "F32 (32 bits)"}
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A public model architecture, as its config.json gives it."""
-
-    label: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool = False
-
-
-PRESETS: dict[str, Preset] = {
-    "1b": Preset("1B (Llama 3.2 1B shape)", 16, 2048, 32, 8, 64, 8192, 128256, tied=True),
-    "3b": Preset("3B (Llama 3.2 3B shape)", 28, 3072, 24, 8, 128, 8192, 128256, tied=True),
-    "8b": Preset("8B (Llama 3.1 8B shape)", 32, 4096, 32, 8, 128, 14336, 128256),
-    "14b": Preset("14B (Qwen2.5 14B shape)", 48, 5120, 40, 8, 128, 13824, 152064),
-    "32b": Preset("32B (Qwen2.5 32B shape)", 64, 5120, 40, 8, 128, 27648, 152064),
-    "70b": Preset("70B (Llama 3.1 70B shape)", 80, 8192, 64, 8, 128, 28672, 128256),
+# public architectures the page offers beside the served model: (label, shape)
+PRESETS: dict[str, tuple[str, Architecture]] = {
+    "1b": ("1B (Llama 3.2 1B shape)",
+           dense_architecture(16, 2048, 32, 8, 64, 8192, 128256, tied=True)),
+    "3b": ("3B (Llama 3.2 3B shape)",
+           dense_architecture(28, 3072, 24, 8, 128, 8192, 128256, tied=True)),
+    "8b": ("8B (Llama 3.1 8B shape)", dense_architecture(32, 4096, 32, 8, 128, 14336, 128256)),
+    "14b": ("14B (Qwen2.5 14B shape)", dense_architecture(48, 5120, 40, 8, 128, 13824, 152064)),
+    "32b": ("32B (Qwen2.5 32B shape)", dense_architecture(64, 5120, 40, 8, 128, 27648, 152064)),
+    "70b": ("70B (Llama 3.1 70B shape)", dense_architecture(80, 8192, 64, 8, 128, 28672, 128256)),
 }
 
 
@@ -114,27 +102,21 @@ def hardware_for(key: str, machine: MachineSource) -> HardwareSpec:
     return machine.hardware if key == THIS else HardwareSpec.from_name(key)
 
 
-def model_for(key: str, quant: str, served: ModelSpec, served_arch: Preset) -> ModelSpec:
+def model_for(key: str, quant: str, served: ModelSpec, served_arch: Architecture) -> ModelSpec:
     """A preset or the served model, at a quantization ("file": the served file as stored)."""
     if quant != "file" and quant not in QUANT_BITS:
         raise KvlabError(f"unknown quantization {quant!r}; valid: file, {', '.join(QUANT_BITS)}")
     if key == SERVED:
         if quant == "file":
             return served
-        return _describe(served_arch, QUANT_BITS[quant], f"{served.name} at {quant}")
-    preset = PRESETS.get(key)
-    if preset is None:
+        return spec_from_architecture(served_arch, QUANT_BITS[quant], f"{served.name} at {quant}")
+    if key not in PRESETS:
         raise KvlabError(f"unknown model {key!r}; valid: {SERVED}, {', '.join(PRESETS)}")
     if quant == "file":
         raise KvlabError(f"quantization 'file' only applies to the served model; pick one of "
                          f"{', '.join(QUANT_BITS)} for {key}")
-    return _describe(preset, QUANT_BITS[quant], f"{preset.label}, {quant}")
-
-
-def _describe(p: Preset, bits: float, name: str) -> ModelSpec:
-    return spec_from_description(
-        bits=bits, layers=p.layers, hidden=p.hidden, heads=p.heads, kv_heads=p.kv_heads,
-        head_dim=p.head_dim, vocab=p.vocab, intermediate=p.intermediate, tied=p.tied, name=name)
+    label, arch = PRESETS[key]
+    return spec_from_architecture(arch, QUANT_BITS[quant], f"{label}, {quant}")
 
 
 def predict(model: ModelSpec, hw: HardwareSpec, prompt_tokens: int, output_tokens: int,

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvlab.errors import KvlabError, RequestError
 from kvlab.estimate import ModelSpec
-from kvlab.estimate.specs import spec_from_description, spec_from_gguf
+from kvlab.estimate.specs import Architecture, architecture_from_config, spec_from_gguf
 from kvlab.request import Structure
 from kvlab.scheduler import SchedulerConfig
 from kvlab.server.openai.async_engine import AsyncEngine
@@ -41,7 +41,6 @@ from kvlab.server.viz.predict import (
     SERVED,
     THIS,
     MachineSource,
-    Preset,
     hardware_choices,
     hardware_for,
     model_for,
@@ -77,7 +76,7 @@ class VizState:
 
     live: LiveRequests
     served: ModelSpec
-    served_arch: Preset
+    served_arch: Architecture
     machine: MachineSource | None = None
     machine_lock: asyncio.Lock | None = None
 
@@ -104,24 +103,18 @@ async def _state(app: FastAPI) -> VizState:
     return state
 
 
-def _served_model(engine: AsyncEngine) -> tuple[ModelSpec, Preset]:
-    """The served model for the estimator: its GGUF file when that is the default model,
-    else a description from its loaded config and weight bytes."""
+def _served_model(engine: AsyncEngine) -> tuple[ModelSpec, Architecture]:
+    """The served model for the estimator: its GGUF file when that is the default model (the
+    file names every matrix, which kvlab's own step model needs), else the engine's own spec
+    of the model it loaded; and its shape, for the what-if quantizations."""
     served = engine.snapshot()
-    c = served.model
-    arch = Preset(engine.model_name, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads,
-                  c.head_dim, c.intermediate_size, c.vocab_size, c.tie_word_embeddings)
     try:
         path = default_model_path()
-    except (KvlabError, OSError):  # no default model installed: describe the loaded one
+    except (KvlabError, OSError):  # no default model installed: the loaded one's spec
         path = None
-    if path is not None and path.name == engine.model_name:
-        return spec_from_gguf(path), arch
-    spec = spec_from_description(
-        size_bytes=served.weight_bytes, layers=arch.layers, hidden=arch.hidden,
-        heads=arch.heads, kv_heads=arch.kv_heads, head_dim=arch.head_dim, vocab=arch.vocab,
-        intermediate=arch.intermediate, tied=arch.tied, name=engine.model_name)
-    return spec, arch
+    spec = (spec_from_gguf(path) if path is not None and path.name == engine.model_name
+            else served.spec)
+    return spec, architecture_from_config(served.model)
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -159,7 +152,7 @@ async def options(request: Request) -> dict[str, Any]:
         "this_machine": {"kind": machine.kind, "label": machine.label},
         "hardware": hardware_choices(machine),
         "models": [{"key": SERVED, "name": f"{engine.model_name} (served)"}]
-        + [{"key": k, "name": p.label} for k, p in PRESETS.items()],
+        + [{"key": k, "name": label} for k, (label, _) in PRESETS.items()],
         "quants": [{"key": k, "name": QUANT_LABELS[k]} for k in ("file", *QUANT_BITS)],
     }
 
