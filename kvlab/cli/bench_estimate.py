@@ -22,6 +22,7 @@ from kvlab.estimate.bench_check import (
 )
 from kvlab.estimate.hardware import GB, HardwareSpec
 from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.verdict import error_percent
 from kvlab.probe.cache import PROBE_VERSION, cache_path, read_probe, save_probe
 from kvlab.probe.machine import probe
 
@@ -93,5 +94,5 @@ def _print_roofline(model: ModelSpec, hw: HardwareSpec, results: list[BenchFigur
     width = max(len(r[0]) for r in rows)
     print(f"{'figure':<{width}}  {'predicted':>10}  {'measured':>10}  {'error':>7}")
     for name, pred, meas in rows:
-        err = (meas - pred) / pred * 100 if pred else float("nan")
+        err = error_percent(pred, meas)
         print(f"{name:<{width}}  {pred:>10.3f}  {meas:>10.3f}  {err:>+6.1f}%")

@@ -18,6 +18,7 @@ from kvlab.estimate.kernel_steps import KvlabPrediction, shares_text
 from kvlab.estimate.roofline import Estimate, estimate
 from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
 from kvlab.estimate.step_model import describe_factors, predict
+from kvlab.estimate.verdict import error_percent, misses
 from kvlab.estimate.workload import Workload
 
 KV_DTYPE = "f32"  # the KV cache predicted where the run's is not given
@@ -48,7 +49,7 @@ class CheckRow:
     @property
     def error(self) -> float:
         """Measured against predicted, in percent."""
-        return (self.measured - self.predicted) / self.predicted * 100 if self.predicted else 0.0
+        return error_percent(self.predicted, self.measured) if self.predicted else 0.0
 
 
 def bench_model(path: str) -> ModelSpec:
@@ -83,12 +84,8 @@ def kvlab_rows(model: ModelSpec, hw: HardwareSpec, results: Sequence[BenchFigure
         e = estimate(model, hw, _workload(prompt, output, compute_dtype))
         value = pick.kvlab(p)
         rows.append(CheckRow(figure, value, measured, pick.roofline(e), pick.terms(p),
-                             pick.miss(p, measured) if _off(value, measured) else ""))
+                             pick.miss(p, measured) if misses(value, measured, TOLERANCE) else ""))
     return rows
-
-
-def _off(predicted: float, measured: float) -> bool:
-    return abs(measured - predicted) > TOLERANCE * predicted
 
 
 _ROOFLINE_FIELDS = {"prefill": "prefill_tok_s", "ttft": "ttft", "decode": "decode_tok_s_mid",
@@ -194,10 +191,10 @@ def notes(results: Sequence[BenchFigure], rows: list[CheckRow],
 
 
 def verdict(rows: list[CheckRow]) -> str:
-    misses = [r for r in rows if r.miss]
-    if not misses:
+    missed = [r for r in rows if r.miss]
+    if not missed:
         return f"\nevery figure within {TOLERANCE:.0%} of the prediction"
-    return f"\n{len(misses)} of {len(rows)} figures more than {TOLERANCE:.0%} off:"
+    return f"\n{len(missed)} of {len(rows)} figures more than {TOLERANCE:.0%} off:"
 
 
 def header(hw: HardwareSpec, model: ModelSpec) -> str:

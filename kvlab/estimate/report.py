@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvlab.estimate.hardware import GB, GIB, TERA, HardwareSpec
 from kvlab.estimate.roofline import Estimate
+from kvlab.estimate.verdict import error_percent
 
 _BATCH_ROWS_PAST_FIT = 1  # rows of the batch table shown after the first that does not fit
 
@@ -179,7 +180,7 @@ def compare(predicted: Estimate, measured: Measurement | Mapping[str, float]) ->
 
 def _compare_row(label: str, pred: float | None, meas: float,
                  span: tuple[float, float] | None) -> str:
-    error = (meas - pred) / pred * 100 if pred else math.nan
+    error = error_percent(pred, meas)
     span_text = f"{_num(span[0])}-{_num(span[1])}" if span else ""
     verdict = ""
     if span:

@@ -24,6 +24,7 @@ from kvlab.estimate.serving_replay import (
     serving_figures,
 )
 from kvlab.estimate.step_model import describe_factors
+from kvlab.estimate.verdict import misses
 from kvlab.scheduler import SchedulerConfig
 
 
@@ -137,15 +138,14 @@ _NOT_MODELLED = ("not modelled: other work sharing the cores while the load runs
 
 
 def _verdict(rows: list[tuple[int, dict[str, float], dict[str, float]]]) -> str:
-    misses = []
-    for level, pred, meas in rows:
-        for key, tol in (("output_tok_s", THROUGHPUT_TOLERANCE), ("ttft_p50_ms", TTFT_TOLERANCE)):
-            if pred[key] and abs(meas[key] - pred[key]) > tol * pred[key]:
-                misses.append(f"{key} at {level}")
-    if not misses:
+    missed = [f"{key} at {level}" for level, pred, meas in rows
+              for key, tol in (("output_tok_s", THROUGHPUT_TOLERANCE),
+                               ("ttft_p50_ms", TTFT_TOLERANCE))
+              if misses(pred[key], meas[key], tol)]
+    if not missed:
         return (f"output tok/s within {THROUGHPUT_TOLERANCE:.0%} and TTFT p50 within "
                 f"{TTFT_TOLERANCE:.0%} at every level")
-    return f"off by more than the aim: {', '.join(misses)}"
+    return f"off by more than the aim: {', '.join(missed)}"
 
 
 def as_dict(pred: ServingPrediction) -> dict[str, Any]:
