@@ -120,6 +120,12 @@ def test_json_run_reports_the_logprobs_asked_for(tiny_gguf):
         assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen one is first
 
 
+def test_logprobs_without_a_record_for_them_are_refused(tiny_gguf):
+    for command in (("run", "--logprobs", "2", "ab"), ("chat", "--logprobs", "2")):
+        proc = kvlab(*command[:1], "--model", str(tiny_gguf), *command[1:])
+        assert proc.returncode == 2 and "--logprobs" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_run_default_model_streams_text_and_metrics():
     proc = kvlab("run", "-n", "16", "--threads", "2", "The capital of France is")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvlab.cli.common import add_model_flags, add_sampling_flags, engine_config, sampling_params
+from kvlab.errors import KvlabError
 from kvlab.llm import LLM
 
 
@@ -19,6 +20,9 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.logprobs is not None:
+        raise KvlabError("kvlab chat prints text only: --logprobs N is for "
+                         "`kvlab run --json --logprobs N`")
     llm = LLM(args.model, engine_config(args))
     params = sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from kvlab.cli.common import add_model_flags, add_sampling_flags, engine_config, sampling_params
+from kvlab.errors import KvlabError
 from kvlab.llm import LLM
 from kvlab.request import TokenLogprob
 from kvlab.tokenizer import Tokenizer
@@ -26,6 +27,9 @@ def register(subs: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.logprobs is not None and not args.json:
+        raise KvlabError("--logprobs N goes into the --json record; add --json (the text "
+                         "stream has no place for them)")
     params = sampling_params(args)
     llm = LLM(args.model, engine_config(args))
     if args.chat:
