@@ -195,9 +195,9 @@ def group_rows(w: QuantizedWeight,
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
     Q4_0 as Q8_0x8 (Q8_0's size), and Q5_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS and IQ4_NL
     as Q5_0x8, Q4_Kx8, ... (each its own type's size). Their products serve 8
-    rows per register: batched decode and prefill run 1.3-2x faster (csrc/qk_x8.c,
-    qk_x8k.c, qk_x8k5.c, qk_x8k23.c, qk_x8q5.c, qk_iq4x8.c). `read(start, end)` is told each
-    span of w's bytes once it has been grouped (a loader drops those file pages then)."""
+    rows per register: batched decode and prefill run 1.3-2x faster (csrc/qk_group8_*.c).
+    `read(start, end)` is told each span of w's bytes once it has been grouped (a loader
+    drops those file pages then)."""
     if not can_group(w):
         names = ", ".join(t.name for t in GROUPS_AS)
         raise ValueError(f"{w!r} cannot be grouped: that takes the C kernels and {names} "

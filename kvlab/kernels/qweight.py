@@ -66,7 +66,8 @@ class QuantizedWeight:
     shape: tuple[int, int]  # (out_features, in_features), PyTorch order
     data: torch.Tensor  # uint8 [out_features, row_bytes]: the GGUF blocks, unchanged
     # rows interleaved in groups of 8 (kvlab's Q8_0x8, Q4_Kx8 etc. for the types in
-    # GROUPED_KERNEL_TYPES, kernels/csrc/qk_x8*.c), for products that serve 8 rows per register
+    # GROUPED_KERNEL_TYPES, kernels/csrc/qk_group8_*.c), for products that serve 8 rows per
+    # register
     grouped: bool = False
     # (type id, address, rows, cols, row_bytes): what every C call takes, computed once
     kernel_args: tuple[int, int, int, int, int] = field(init=False, repr=False)

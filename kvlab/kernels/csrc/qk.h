@@ -3,6 +3,32 @@
  * Weights stay in their GGUF block format. A product y = x W^T first quantizes each row
  * of x to 8-bit blocks (kv_act32 for the 32-wide "legacy" types, kv_act256 for K-quants),
  * then every weight row is read once and dotted against all rows of x with integer math.
+ *
+ * The C files, named by what they hold, in layers that call only into the layers below:
+ *
+ *   qk_bindings.c             the Python module kvlab.kernels._qk: argument checks
+ *   qk_decode.c/.h            a decode step's layers in one call, from a layer plan
+ *   qk_moe.c/.h               a layer's routed experts
+ *   qk_runtime.c/.h           active kernel set, job lock, scratch, products as row jobs
+ *   the kernels, declared in this header:
+ *     qk_generic.c, qk_avx2.c the kernel tables (kv_isa): portable and AVX2 kernels on the
+ *                             GGUF row layout of the legacy types and Q4_K, Q5_K, Q6_K
+ *     qk_<types>.c            GGUF row layout of types with their own file: qk_q2k_q3k.c
+ *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS)
+ *     qk_group8_<types>.c     kvlab's 8-row group layouts (<TYPE>x8: 8 weight rows
+ *                             interleaved, one register lane per row): conversion from GGUF
+ *                             rows, row dequantizers, portable, AVX2 and AVX-512 kernels.
+ *                             qk_group8_q8_0.c (Q8_0x8), qk_group8_q5_0.c (Q5_0x8),
+ *                             qk_group8_q4k_q6k.c (Q4_Kx8, Q6_Kx8), qk_group8_q5k.c (Q5_Kx8),
+ *                             qk_group8_q2k_q3k.c (Q2_Kx8, Q3_Kx8), qk_group8_iq4.c
+ *                             (IQ4_XSx8, IQ4_NLx8)
+ *     qk_quant.c              fp32 -> GGUF blocks, fp32 -> activation blocks
+ *     qk_fused.c              fp32 decode ops (norms, RoPE, gated activations, KV writes)
+ *     qk_attn.c, qk_flash.c   decode and prefill attention over the paged KV cache
+ *   qk_pool.c/.h              the thread pool
+ *
+ * Helpers included by the kernel files: qk_dequant.inc (plain-C row dequantizers),
+ * qk_avx2.h, qk_zmm.h (AVX2 and 512-bit helpers), qk_emu512.h (the SIMDe test build).
  */
 #ifndef KVLAB_QK_H
 #define KVLAB_QK_H
@@ -30,15 +56,16 @@ enum {
     KV_Q3_K = 11,
     KV_IQ4_NL = 20,
     KV_IQ4_XS = 23,
-    KV_Q8_0X8 = 31,  /* kvlab's own: Q8_0 rows interleaved in groups of 8 (qk_x8.c) */
-    KV_Q4_KX8 = 32,  /* kvlab's own: Q4_K rows interleaved in groups of 8 (qk_x8k.c) */
-    KV_Q6_KX8 = 33,  /* kvlab's own: Q6_K rows interleaved in groups of 8 (qk_x8k.c) */
-    KV_Q2_KX8 = 34,  /* kvlab's own: Q2_K rows interleaved in groups of 8 (qk_x8k23.c) */
-    KV_Q3_KX8 = 35,  /* kvlab's own: Q3_K rows interleaved in groups of 8 (qk_x8k23.c) */
-    KV_IQ4_XSX8 = 36,  /* kvlab's own: IQ4_XS rows in groups of 8 (qk_iq4x8.c) */
-    KV_IQ4_NLX8 = 37,  /* kvlab's own: IQ4_NL rows in groups of 8 (qk_iq4x8.c) */
-    KV_Q5_0X8 = 38,  /* kvlab's own: Q5_0 rows in groups of 8, Q5_0's size (qk_x8q5.c) */
-    KV_Q5_KX8 = 39,  /* kvlab's own: Q5_K rows in groups of 8 (qk_x8k5.c) */
+    /* kvlab's own: rows interleaved in groups of 8 (qk_group8_<types>.c) */
+    KV_Q8_0X8 = 31,    /* Q8_0 (and Q4_0) rows, Q8_0's size (qk_group8_q8_0.c) */
+    KV_Q4_KX8 = 32,    /* Q4_K rows (qk_group8_q4k_q6k.c) */
+    KV_Q6_KX8 = 33,    /* Q6_K rows (qk_group8_q4k_q6k.c) */
+    KV_Q2_KX8 = 34,    /* Q2_K rows (qk_group8_q2k_q3k.c) */
+    KV_Q3_KX8 = 35,    /* Q3_K rows (qk_group8_q2k_q3k.c) */
+    KV_IQ4_XSX8 = 36,  /* IQ4_XS rows (qk_group8_iq4.c) */
+    KV_IQ4_NLX8 = 37,  /* IQ4_NL rows (qk_group8_iq4.c) */
+    KV_Q5_0X8 = 38,    /* Q5_0 rows, Q5_0's size (qk_group8_q5_0.c) */
+    KV_Q5_KX8 = 39,    /* Q5_K rows (qk_group8_q5k.c) */
     KV_NTYPES = 40
 };
 
@@ -64,7 +91,7 @@ typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; kv_half d; 
 /* IQ4_NL / IQ4_XS: 4-bit indices into kv_iq4_values (qk_iq4.c), nibbles as in Q4_0 (low:
  * elements 0..15 of a 32, high: 16..31). IQ4_XS: 8 sub-blocks of 32, sub-block s scaled by
  * d * (6-bit scale - 32), its low 4 bits nibble s of scales_l, its high 2 bits 2s of scales_h. */
-/* Q2_K / Q3_K: 16 sub-blocks of 16 (qk_k23.c). Q2_K: scale (low nibble) and min (high) per
+/* Q2_K / Q3_K: 16 sub-blocks of 16 (qk_q2k_q3k.c). Q2_K: scale (low nibble) and min (high) per
  * sub-block, value = d*sc*q - dmin*m; Q3_K: 6-bit scales packed in 12 bytes (kv_q3_k_scales),
  * a third bit per value in hmask. */
 typedef struct { uint8_t scales[16]; uint8_t qs[64]; kv_half d, dmin; } kv_blk_q2_k;    /* 84 */
@@ -141,10 +168,10 @@ typedef struct {
 extern const kv_isa kv_isa_avx2;
 #endif
 
-/* ---- 8-row groups, one register lane per row: Q8_0x8 (qk_x8.c; from Q8_0, Q5_0, Q4_0,
- * Q8_0's size), Q4_Kx8 (qk_x8k.c; Q4_K's 144 B per row and super-block), Q6_Kx8
- * (qk_x8k.c; Q6_K's 210 B, the 6-bit values regrouped). Conversions return -1 if rows % 8 (or,
- * for Q8_0x8, the source type) does not fit. ---- */
+/* ---- 8-row groups, one register lane per row: Q8_0x8 (qk_group8_q8_0.c; from Q8_0, Q5_0,
+ * Q4_0, Q8_0's size), Q4_Kx8 (qk_group8_q4k_q6k.c; Q4_K's 144 B per row and super-block),
+ * Q6_Kx8 (qk_group8_q4k_q6k.c; Q6_K's 210 B, the 6-bit values regrouped). Conversions return
+ * -1 if rows % 8 (or, for Q8_0x8, the source type) does not fit. ---- */
 int kv_to_q8_0x8(int qtype, const uint8_t *src, int64_t rows, int64_t cols,
                  int64_t src_row_bytes, uint8_t *dst);
 int kv_to_q4_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
@@ -174,7 +201,7 @@ void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out);
 KV_GEMV_DECL(kv_gemv_iq4_nl_generic);
 KV_GEMV_DECL(kv_gemv_iq4_xs_generic);
 /* IQ4_XSx8 (IQ4_XS's 136 B per row and super-block) and IQ4_NLx8 (IQ4_NL's 18 B),
- * qk_iq4x8.c; kv_iq4_values: the 16 values a 4-bit index selects */
+ * qk_group8_iq4.c; kv_iq4_values: the 16 values a 4-bit index selects */
 extern const int8_t kv_iq4_values[16];
 int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 int kv_to_iq4_nlx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
@@ -182,11 +209,12 @@ KV_DEQ_ROW_DECL(kv_deq_iq4_xsx8_row);
 KV_DEQ_ROW_DECL(kv_deq_iq4_nlx8_row);
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_generic);
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_generic);
-/* Q5_0x8 (qk_x8q5.c): Q5_0's 22 B per 32, outputs bit-identical to Q8_0x8's */
+/* Q5_0x8 (qk_group8_q5_0.c): Q5_0's 22 B per 32, outputs bit-identical to Q8_0x8's */
 int kv_to_q5_0x8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 KV_DEQ_ROW_DECL(kv_deq_q5_0x8_row);
 KV_GEMV_DECL(kv_gemv_q5_0x8_generic);
-/* Q5_Kx8 (qk_x8k5.c): Q4_Kx8's fields and Q5_K's fifth bits, 180 B per row and super-block */
+/* Q5_Kx8 (qk_group8_q5k.c): Q4_Kx8's fields and Q5_K's fifth bits, Q5_K's 176 B per row and
+ * super-block */
 int kv_to_q5_kx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 KV_DEQ_ROW_DECL(kv_deq_q5_kx8_row);
 KV_GEMV_DECL(kv_gemv_q5_kx8_generic);
@@ -295,7 +323,7 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
         }                                                                                  \
     }
 
-/* ---- Q2_K and Q3_K in their file layout (qk_k23.c) ---- */
+/* ---- Q2_K and Q3_K in their file layout (qk_q2k_q3k.c) ---- */
 KV_GEMV_DECL(kv_gemv_q2_k_generic);
 KV_GEMV_DECL(kv_gemv_q3_k_generic);
 void kv_deq_q2_k_generic(const uint8_t *w, int64_t cols, float *out);

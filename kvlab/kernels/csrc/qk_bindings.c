@@ -631,7 +631,7 @@ static PyMethodDef methods[] = {
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "quantize(qtype, x, rows, cols, out)"},
     {"to_x8", (PyCFunction)(void (*)(void))py_to_x8, METH_FASTCALL,
-     "to_x8(qtype, src, rows, cols, src_row_bytes, dst): rows in groups of 8 (qk_x8*.c)"},
+     "to_x8(qtype, src, rows, cols, src_row_bytes, dst): rows in groups of 8 (qk_group8_*.c)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL,
      "rms_norm(x, w, out, rows, dim, eps)"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))py_add_rms_norm, METH_FASTCALL,

@@ -1,7 +1,7 @@
 /* IQ4_XS and IQ4_NL in groups of 8 rows ("IQ4_XSx8", "IQ4_NLx8", kvlab's own in-memory
- * layouts; see qk_x8.c for the idea): one register lane per weight row, so maddubs against
- * x's 4 bytes broadcast gives 8 rows' partial dots at once, and the sub-block scales and the
- * float steps each serve 8 rows per instruction.
+ * layouts; see qk_group8_q8_0.c for the idea): one register lane per weight row, so maddubs
+ * against x's 4 bytes broadcast gives 8 rows' partial dots at once, and the sub-block scales
+ * and the float steps each serve 8 rows per instruction.
  *
  *   IQ4_XSx8 super-block i of rows 8g..8g+7 (1088 B = 8 x 136, IQ4_XS's own size: a batch-1
  *   decode reads no more bytes than the file's blocks; d and the scales fill the first 64 B):

@@ -8,11 +8,11 @@
  *     qs[128]  qs[32u + b]: low nibble chunk 2u's byte b, high nibble chunk 2u+1's byte b
  *   where chunk t's byte b = 4k + e is q(row 8g+k, element 4t+e) + 16, in 0..31
  *
- * The chunks are Q8_0x8's (qk_x8.c): one register lane per row, x's 4 bytes broadcast.
- * The weights are unsigned already, so maddubs takes them as they unpack, x keeps its sign,
- * and the 16 the values were offset by comes back as kv_act32.bias / 8 (-16 * sum of x's
- * block, exact). The integer dot of each block is the same as Q8_0x8's of the same values,
- * and so are the float steps after it: the outputs are bit-identical to Q8_0x8's.
+ * The chunks are Q8_0x8's (qk_group8_q8_0.c): one register lane per row, x's 4 bytes
+ * broadcast. The weights are unsigned already, so maddubs takes them as they unpack, x keeps
+ * its sign, and the 16 the values were offset by comes back as kv_act32.bias / 8 (-16 * sum of
+ * x's block, exact). The integer dot of each block is the same as Q8_0x8's of the same
+ * values, and so are the float steps after it: the outputs are bit-identical to Q8_0x8's.
  */
 #include <math.h>
 #include <string.h>

@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) KV_TGT_A __m256i bcast4(const int8_
 
 /* VNNI: unsigned weights straight into vpdpbusd, chunk by chunk across the x rows so that
  * neighbouring products are independent: one chain per x row from its bias, two (even and
- * odd chunks) for one or two rows (as Q5_0x8's, qk_x8q5.c) */
+ * odd chunks) for one or two rows (as Q5_0x8's, qk_group8_q5_0.c) */
 #define KV_X8_SETUP_V \
     for (int t = 0; t < 8; t++) w[t] = _mm256_loadu_si256((const __m256i *)(b[i].qs + 32 * t));
 #define KV_X8_DOTS_V                                                                       \

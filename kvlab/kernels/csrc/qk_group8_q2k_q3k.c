@@ -1,8 +1,8 @@
 /* Q2_K and Q3_K in groups of 8 rows ("Q2_Kx8", "Q3_Kx8", kvlab's own in-memory layouts; see
- * qk_x8k.c for the idea): one register lane per weight row, so one maddubs against 4 bytes of
- * x broadcast serves 8 rows, and the sub-block scales arrive in the lanes ready for vpmaddwd
- * with one in-lane shuffle per sub-block for all 8 rows (the file layout needs one per 32
- * weights of a row).
+ * qk_group8_q4k_q6k.c for the idea): one register lane per weight row, so one maddubs against
+ * 4 bytes of x broadcast serves 8 rows, and the sub-block scales arrive in the lanes ready for
+ * vpmaddwd with one in-lane shuffle per sub-block for all 8 rows (the file layout needs one
+ * per 32 weights of a row).
  *
  *   Q2_Kx8 super-block of rows 8g..8g+7 (672 B = 8 x 84, Q2_K's own size):
  *     d[8], dmin[8]   fp16, row 8g+k in slot k

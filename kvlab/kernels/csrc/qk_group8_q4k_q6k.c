@@ -1,7 +1,7 @@
 /* K-quants in groups of 8 rows ("Q4_Kx8", "Q6_Kx8", kvlab's own in-memory layouts; see
- * qk_x8.c for the idea): one register lane per weight row, so vpdpbusd against x's 4 bytes
- * broadcast gives 8 rows' partial dots at once, and the integer sub-block scales and the
- * float steps each serve 8 rows per instruction.
+ * qk_group8_q8_0.c for the idea): one register lane per weight row, so vpdpbusd against x's
+ * 4 bytes broadcast gives 8 rows' partial dots at once, and the integer sub-block scales and
+ * the float steps each serve 8 rows per instruction.
  *
  *   Q4_Kx8 super-block i of rows 8g..8g+7 (1152 B = 8 x 144, Q4_K's own size: a batch-1
  *   decode reads no more bytes than the file's blocks):
@@ -33,7 +33,7 @@
 
 #include "qk.h"
 
-#define KV_FN(name) name##_x8k
+#define KV_FN(name) name##_group8
 #define KV_TGT
 #define KV_H2F(h) (kv_h2f_table[h])
 #include "qk_dequant.inc"

@@ -1,6 +1,7 @@
-/* Q5_K in groups of 8 rows ("Q5_Kx8", kvlab's own in-memory layout; see qk_x8.c for the
- * idea and qk_x8k.c for Q4_Kx8, whose fields it keeps): one register lane per weight row,
- * x's 4 bytes broadcast, the sub-block scales and the float steps serving 8 rows at once.
+/* Q5_K in groups of 8 rows ("Q5_Kx8", kvlab's own in-memory layout; see qk_group8_q8_0.c for
+ * the idea and qk_group8_q4k_q6k.c for Q4_Kx8, whose fields it keeps): one register lane per
+ * weight row, x's 4 bytes broadcast, the sub-block scales and the float steps serving 8 rows
+ * at once.
  *
  *   super-block i of rows 8g..8g+7 (1408 B = 8 x 176, Q5_K's own size: a batch-1 decode
  *   reads no more bytes than the file's blocks):
@@ -27,7 +28,7 @@
 
 #include "qk.h"
 
-#define KV_FN(name) name##_x8k5
+#define KV_FN(name) name##_group8
 #define KV_TGT
 #define KV_H2F(h) (kv_h2f_table[h])
 #include "qk_dequant.inc"
