@@ -261,10 +261,10 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
  * groups stream past, where without chunks every group would read all of x again from L3
  * (at 2048 columns, 512 rows of x are 1.2 MB, more than a Zen 4 core's 1 MiB L2). Chunks
  * make a tall matrix's weights stream in once per chunk, which costs less: on an AMD EPYC
- * (Zen 4), 2 threads, 512 x rows at 16384 x 2048, chunks from 512 KiB of x on in place of
- * 2 MiB ran Q4_K 492 -> 518, IQ4_XS 502 -> 517, Q2_K 467 -> 489, Q3_K 388 -> 419 GFLOP/s
- * (medians of 20 interleaved calls), and 2048- to 3072-row matrices no slower. A smaller x
- * is read whole. */
+ * (Zen 4), 2 threads, 512 x rows at 16384 x 2048, chunking x from 512 KiB on gives Q4_K 518,
+ * IQ4_XS 517, Q2_K 489 and Q3_K 419 GFLOP/s where chunking it only from 2 MiB on gives 492,
+ * 502, 467 and 388 (medians of 20 interleaved calls), and 2048- to 3072-row matrices are no
+ * slower. A smaller x is read whole. */
 #define KV_GROUP_XBYTES (256 * 1024)
 #define KV_GROUP_XWHOLE (512 * 1024)
 #define KV_GROUP_CHUNK(xstride, n)                                                         \

@@ -832,7 +832,7 @@ KV_INL int64_t usuper_per_row(int64_t cols) { return cols / 256; }
 
 /* each type twice, and a dispatcher that picks one per call: the VNNI build takes two tile
  * rows per pass (AVX512VL's 32 ymm registers hold the 2 x 4 accumulators); the maddubs build
- * takes one, since with 16 registers the 2 x 4 tile spills and measured slower */
+ * takes one, since with 16 registers the 2 x 4 tile spills and runs slower */
 #define KV_TILED_BOTH(name, small, utype, per_row, UNPACK, CALL, DOT)                      \
     KV_TILED_AVX2(name##_avx2, KV_TGT, 1, small, utype, per_row, UNPACK, CALL, DOT(/**/))  \
     KV_TILED_AVX2(name##_vnni, KV_TGT_VNNI, 2, small, utype, per_row, UNPACK, CALL, DOT(_vnni)) \

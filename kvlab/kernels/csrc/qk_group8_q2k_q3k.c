@@ -19,7 +19,7 @@
  *                     q3[t][1] = v2 | v3 << 3 | (v7 & 3) << 6,
  *                     q3[t][2] = v4 | v5 << 3 | (v6 >> 2) << 6 | (v7 >> 2) << 7,
  *                     so the 8 chunks come out in 19 operations (the file's split into 2 + 1
- *                     bits took 37)
+ *                     bits needs 37)
  *   per row and x row (x in kv_act256 blocks), as exact integers:
  *     isum = sum_s sc_s * (sum over sub-block s of q * x)
  *     Q2_Kx8: msum = sum_s m_s * bsum_s; acc = fma(d * d_x, isum, acc),
@@ -621,8 +621,8 @@ KV_ZMM_TILE2(tile2_q3x8_zmm, kv_blk_q3_kx8, q3x16_sums)
  * one chain of 64 vpdpbusd per x row, nothing scaled per sub-block. The sums are the integers
  * of the tiles above (Q3_K: sum(v s x) = 128 sum(x) - sum(byte x)), so the bits are the same.
  * The driver is qk_zmm.h's KV_BYTES_GEMV. On an AMD EPYC (Zen 4), 2 threads, 512 x rows,
- * Q3_K 2048 x 8192 ran 434 -> 658 GFLOP/s and 16384 x 2048 501 -> 701 (medians of
- * interleaved calls). */
+ * Q3_K runs at 658 GFLOP/s at 2048 x 8192 and 701 at 16384 x 2048 this way, where the tiles
+ * above give 434 and 501 (medians of interleaved calls). */
 
 /* per byte c - q * s (q a byte, s and c per int16 half, every result 0..255) */
 KV_INL_Z __m512i bytes_msub(__m512i q, __m512i s16, __m512i c16) {

@@ -1,6 +1,6 @@
 /* Q5_0 in groups of 8 rows ("Q5_0x8", kvlab's own in-memory layout), Q5_0's 22 bytes per
- * 32 values: the same size as the file, where Q8_0x8 (what Q5_0 was widened to before) takes
- * 34. A decode step reads every weight byte once, so the smaller layout is time saved.
+ * 32 values: the same size as the file, where widening Q5_0 to Q8_0x8 would take 34. A
+ * decode step reads every weight byte once, so the smaller layout is time saved.
  *
  *   block i of rows 8g..8g+7 (176 B):
  *     d[8]     fp16 scale of row 8g+k
@@ -156,9 +156,9 @@ KV_INL void q5x8_dots_avx2(const __m256i w[8], const char *xq, int64_t xs, int64
 
 /* AVX512-VNNI: the 8 chunks into vpdpbusd chunk by chunk across the x rows, so neighbouring
  * products are independent: one int32 chain per x row from the offset, two (even and odd
- * chunks) for one or two rows, which would otherwise wait on vpdpbusd's latency (row by row
- * with two chains each, 4096 x 640 at 512 x rows: 216 -> 258 GFLOP/s). The maddubs path's
- * integer, so its bits. */
+ * chunks) for one or two rows, which would otherwise wait on vpdpbusd's latency (4096 x 640
+ * at 512 x rows: 258 GFLOP/s, where row by row with two chains each gives 216). The maddubs
+ * path's integer, so its bits. */
 #define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
 static inline __attribute__((always_inline)) KV_TGT_V void q5x8_dots_vnni(
     const __m256i w[8], const char *xq, int64_t xs, int64_t i, const int nx, __m256i *c) {

@@ -14,7 +14,7 @@
  *     w5[4][2][32]      bits 2(t % 4), 2(t % 4) + 1 of byte 4k + e of w5[p][t / 4]: bits 0-1 of
  *                       element 4t + e of sub-block 2p + 1
  *   so chunk t of an even sub-block is one and, of an odd one two shifts (one when t % 4 is
- *   0), two ands and an or (the file's nibbles and bit planes took a shift more for each).
+ *   0), two ands and an or (the file's nibbles and bit planes take a shift more for each).
  *   Per row and x row (x in kv_act256 blocks), as exact integers:
  *     isum = sum_s sc_s * (sum over sub-block s of q * x),  msum = sum_s m_s * (x's sum over s)
  *   then acc = fma(d * d_x, isum, acc), acc = fma(-(dmin * d_x), msum, acc) per super-block.
@@ -206,8 +206,8 @@ KV_INL_V void k5_block_vnni(const kv_blk_q5_kx8 *b, const kv_k8_scales *u, const
  * groups of 4 rows (at 512 x rows, 2048 x 8192: about 110 against 90 GFLOP/s in one thread):
  * the fifth bit's shift, and, or cost more than the broadcasts a pair would share. No
  * software prefetch: a group's super-blocks are one sequential stream, and prefetching
- * super-block i + 2 or i + 6 made a batch-1 decode from DRAM slower (13.0 -> 10.5 and 11.2
- * GB/s at 8192 x 8192 on an AMD EPYC), the hardware prefetcher being ahead already.
+ * super-block i + 2 or i + 6 slows a batch-1 decode from DRAM (10.5 and 11.2 GB/s against
+ * 13.0 without, at 8192 x 8192 on an AMD EPYC), the hardware prefetcher being ahead already.
  * block() adds one super-block's integer sums. */
 #define KV_K5_TILE(name, tgt, block)                                                          \
     static inline __attribute__((always_inline)) tgt void name(                              \

@@ -76,15 +76,15 @@ void *kv_scratch(size_t bytes) {
  *
  * Each thread owns one contiguous part of the rows and walks it front to back, so the
  * hardware prefetchers see one long stream per thread (interleaving small chunks between
- * threads halved the bandwidth on the model's 0.1-1 MB matrices). A thread done with its
+ * threads halves the bandwidth on a model's 0.1-1 MB matrices). A thread done with its
  * part takes chunks from the next parts, so a worker that is late, or never scheduled on a
  * busy machine, costs nothing but its own speed-up. A product's part is taken in chunks
  * that halve: half of what is left, then half of the rest, down to a unit of ~16 KiB at the
  * tail, so the threads finish together and most rows go in a few long calls. With one x row
- * (decode) a unit is little work, and a batch-1 sweep of a model's products streamed 3-22 %
+ * (decode) a unit is little work, and a batch-1 sweep of a model's products streams 3-22 %
  * faster in chunks of 64 KiB-1 MiB than in units; with many (prefill) a call's set-up per x
- * row is spread over its rows (IQ4_XSx8's int16 copy of x on AVX2 took 15 % of a 512-row
- * product in 16 KiB units). Other jobs (dequantize, quantize) go in units.
+ * row is spread over its rows (IQ4_XSx8's int16 copy of x on AVX2 takes 15 % of a 512-row
+ * product done in 16 KiB units). Other jobs (dequantize, quantize) go in units.
  *
  *     rows: |---- part 0 (caller) ---->|---- part 1 (worker 1) ---->|
  *            1/2      1/4   1/8 .. u u   1/2 ...  <- thieves take chunks from here too

@@ -3,19 +3,19 @@
  *
  * A group keeps one 32-bit lane per weight row, 8 rows to a 256-bit register. At 512 bits
  * lanes 2r and 2r + 1 hold row r's chunks t and t + 1 (4 bytes each), so one vpdpbusd
- * against x's 8 bytes 4t..4t+7 broadcast as a qword does what two 256-bit ones did: half the
+ * against x's 8 bytes 4t..4t+7 broadcast as a qword does what two 256-bit ones do: half the
  * multiplies, broadcasts and scale steps per product. The two lanes of a row are summed once
  * per super-block (zfold). Every sum is the same exact integer as the 256-bit kernels', so the
- * bits are the same. Measured on an AMD EPYC (Zen 4), one thread, Q4_Kx8 at 256 x rows:
- * 227 -> 266 GFLOP/s. */
+ * bits are the same. On an AMD EPYC (Zen 4), one thread, Q4_Kx8 at 256 x rows, the 512-bit
+ * tiles give 266 GFLOP/s where the 256-bit ones give 227. */
 #ifndef KVLAB_QK_ZMM_H
 #define KVLAB_QK_ZMM_H
 
 #define KV_TGT_Z __attribute__((target(KV_ISA_ZMM)))
 #define KV_INL_Z static inline __attribute__((always_inline)) KV_TGT_Z
 /* x rows from which the 512-bit tiles are used: at batch 1 a chunk pair's permute is not
- * shared by other x rows, and the 256-bit VNNI tiles were faster (Q4_Kx8 143 against 125
- * GFLOP/s, Q2_Kx8 135 against 119; at 4 rows 158 against 207 and 223 against 230) */
+ * shared by other x rows, and the 256-bit VNNI tiles are faster (Q4_Kx8 143 against 125
+ * GFLOP/s, Q2_Kx8 135 against 119), at 4 rows slower (158 against 207, 223 against 230) */
 #define KV_ZMM_MIN_N 2
 
 /* two chunks of 8 rows -> lanes 2r, 2r + 1 = row r's lane of a, of b */
