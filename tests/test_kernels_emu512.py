@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kernel_paths import EMULATED_512, emulated_512_built
 
-FILES = ("test_kernels.py", "test_kernels_x8.py", "test_kernels_k23.py", "test_kernels_iq4.py",
+FILES = ("test_kernels.py", "test_kernels_group8.py", "test_kernels_q2k_q3k.py", "test_kernels_iq4.py",
          "test_attention_prefill.py")
 
 
