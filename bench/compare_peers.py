@@ -23,7 +23,8 @@ from kvlab.engine import Engine, EngineConfig
 from kvlab.harness.llama_bench import bench_pp, bench_tg
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.probe import this_machine
-from kvlab.weights import default_model_path, open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.weights.default_model import default_model_path
 
 
 def llama_cpp_runner(path: Path, threads: int, n_ctx: int, n_batch: int):

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.harness.kv_quality import TEXT
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village"]

@@ -22,7 +22,7 @@ from kvlab.harness.llama_bench import bench_tg
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer
-from kvlab.weights import TensorCheckpoint
+from kvlab.weights.checkpoint import TensorCheckpoint
 
 
 def parse() -> argparse.Namespace:

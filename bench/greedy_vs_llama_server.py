@@ -23,7 +23,7 @@ from pathlib import Path
 from kvlab.engine import EngineConfig
 from kvlab.llm import LLM
 from kvlab.request import SamplingParams
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village"]

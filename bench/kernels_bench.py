@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = ap.parse_args()
     if args.model is None:
-        from kvlab.weights import default_model_path
+        from kvlab.weights.default_model import default_model_path
 
         args.model = str(default_model_path())
     reps = 3 if args.quick else 7

@@ -13,7 +13,7 @@ SWEEP=${1:-1,4,8,16}
 REQUESTS=${2:-32}
 TOKENS=${3:-64}
 KVLAB=.venv/bin/kvlab
-MODEL=$(.venv/bin/python -c "from kvlab.weights import default_model_path; print(default_model_path())")
+MODEL=$(.venv/bin/python -c "from kvlab.weights.default_model import default_model_path; print(default_model_path())")
 OUT=${OUT:-artifacts}
 mkdir -p "$OUT"
 

@@ -539,7 +539,7 @@ def model_files(args: argparse.Namespace) -> Iterator[Path]:
     """Gemma first (small: a broken setup shows in seconds), then each quant type, then
     --models. A type llama-quantize refuses is reported and left out."""
     if not args.skip_gemma:
-        from kvlab.weights import default_model_path
+        from kvlab.weights.default_model import default_model_path
 
         yield Path(default_model_path())
     types = [t.strip() for t in args.types.split(",") if t.strip()]

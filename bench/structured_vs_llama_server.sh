@@ -18,7 +18,7 @@ REQUESTS=${2:-16}
 TOKENS=128
 SCHEMA=bench/schemas/order.json
 KVLAB=.venv/bin/kvlab
-MODEL=$(.venv/bin/python -c "from kvlab.weights import default_model_path; print(default_model_path())")
+MODEL=$(.venv/bin/python -c "from kvlab.weights.default_model import default_model_path; print(default_model_path())")
 OUT=${OUT:-artifacts}
 mkdir -p "$OUT"
 

@@ -48,7 +48,8 @@ from kvlab.tokenizer import (
     load_gguf_tokenizer,
     load_hf_tokenizer,
 )
-from kvlab.weights import default_model_path, open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.weights.default_model import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

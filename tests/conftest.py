@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helper
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
-    from kvlab.weights import default_model_path as path
+    from kvlab.weights.default_model import default_model_path as path
 
     return path()
 

@@ -15,7 +15,7 @@ from kvlab.models import decode_c
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import ARCHS, MOE_ARCHS, build
 

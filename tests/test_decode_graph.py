@@ -12,7 +12,7 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.runner.decode_graph import _round_up_pow2
 from kvlab.tokenizer import load_gguf_tokenizer
-from kvlab.weights import TensorCheckpoint, open_checkpoint
+from kvlab.weights.checkpoint import TensorCheckpoint, open_checkpoint
 
 from tiny_models import build
 

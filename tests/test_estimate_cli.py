@@ -12,7 +12,7 @@ from kvlab.cli import estimate as estimate_cli
 from kvlab.cli import probe as probe_cli
 from kvlab.errors import KvlabError
 from kvlab.probe.cache import ProbeResult
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 
 def run_cli(argv: list[str]) -> int:

@@ -21,7 +21,8 @@ from kvlab.estimate.specs import (
     spec_from_hf_config,
 )
 from kvlab.models.loader import LoadOptions, load_model
-from kvlab.weights import default_model_path, open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.weights.default_model import default_model_path
 
 GEMMA3_270M_CONFIG = {  # the text model of google/gemma-3-270m as HF describes it
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,

@@ -344,7 +344,7 @@ def test_quantize_q4_k_roundtrip_on_real_weights(gguf_file):
 @pytest.fixture(scope="module")
 def gguf_file():
     from kvlab.errors import ModelLoadError
-    from kvlab.weights import default_model_path
+    from kvlab.weights.default_model import default_model_path
     from kvlab.weights.gguf_file import GGUFFile
 
     try:

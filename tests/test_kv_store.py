@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from kvlab.cost import KV_BYTES_PER_ELEMENT
 from kvlab.models.kv_store import (
     KV_DTYPES,
     Q8KV,
@@ -134,3 +135,7 @@ def test_kv_bytes_table_is_what_a_store_holds(kind):
     store = make_kv(kind, 4, 2, 64, torch.device("cpu"))
     held = sum(t.numel() * t.element_size() for t in store.tensors())
     assert held / 2 / (4 * 2 * 64) == kv_bytes_per_element(kind)
+
+
+def test_the_kv_table_names_every_store():
+    assert set(KV_BYTES_PER_ELEMENT) == set(KV_DTYPES)

@@ -6,6 +6,8 @@ can see them."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +22,8 @@ RANKS = {
 NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop", "cost"}
 # prediction is arithmetic over specs: nothing that loads or runs a model, and no probe
 NOT_FROM = {
-    "estimate": {"models", "runner", "sampler", "structured", "engine", "llm", "probe"},
+    "estimate": {"kernels", "models", "runner", "sampler", "structured", "engine", "llm",
+                 "probe"},
 }
 # `import kvlab` stays light: LLM (and torch behind it) loads on first use (PEP 562)
 LAZY_ALLOWED = {"kvlab/__init__.py"}
@@ -188,3 +191,17 @@ def test_openai_server_imports_neither_the_visualiser_nor_the_estimator():
             bad += [f"{path.name} imports {n}" for n in names
                     if any(n == b or n.startswith(b + ".") for b in banned)]
     assert not bad, "\n".join(bad)
+
+
+def test_prediction_loads_no_torch():
+    """The estimator and the probe's cache are arithmetic and a JSON file: importing every
+    module of estimate/ (and what `--hardware this` reads) loads neither torch nor the C
+    kernels, so `kvlab estimate` starts in a moment."""
+    modules = [name for name in MODULES if name.startswith("kvlab.estimate")]
+    code = (f"import sys\nfor m in {modules + ['kvlab.probe']!r}: __import__(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+            " or m.startswith('kvlab.kernels')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]", out
+

@@ -10,7 +10,7 @@ import torch
 from kvlab.models.loader import QUANTIZE_CHOICES, LoadOptions, load_model
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import ARCHS, MOE_ARCHS, build
 

@@ -26,7 +26,7 @@ from kvlab.request import RequestOutput, RequestTimings, SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
 from kvlab.server.viz.events import LiveRequests, RunSpec, VizRun
-from kvlab.weights import TensorCheckpoint, open_checkpoint
+from kvlab.weights.checkpoint import TensorCheckpoint, open_checkpoint
 
 from tiny_models import MOE_ARCHS, build, write_gguf
 

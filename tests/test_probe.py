@@ -23,7 +23,7 @@ from kvlab.probe.engine_overhead import (
     write_synthetic_gguf,
 )
 from kvlab.probe.kernels import WEIGHT_TYPES, measure_kernels
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 TINY = SyntheticShape(hidden=64, inter=128, heads=4, kv_heads=1, head_dim=32, window=4096)
 

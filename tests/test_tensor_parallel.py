@@ -33,7 +33,7 @@ from kvlab.models.sharding import SINGLE, TensorParallel, check_split, valid_siz
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import ARCHS, MOE_ARCHS, build
 

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build
 
@@ -61,7 +61,7 @@ def test_releasing_part_of_a_tensor_keeps_its_bytes(default_model_path):
 
 
 def test_dropping_the_vocabulary_keeps_the_rest_of_the_metadata(default_model_path):
-    from kvlab.weights import GGUFCheckpoint
+    from kvlab.weights.checkpoint import GGUFCheckpoint
 
     ckpt = open_checkpoint(default_model_path)
     assert isinstance(ckpt, GGUFCheckpoint) and "tokenizer.ggml.tokens" in ckpt.metadata

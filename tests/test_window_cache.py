@@ -15,7 +15,7 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build
 

@@ -12,7 +12,7 @@ from kvlab.errors import KvlabError
 from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.metrics import RunCost
 from kvlab.probe import this_machine
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 
 def _ints(text: str) -> list[int]:

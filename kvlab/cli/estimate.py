@@ -36,10 +36,9 @@ from kvlab.estimate.serving_replay import (
 from kvlab.estimate.specs import load_model_spec, spec_from_description, spec_from_gguf
 from kvlab.estimate.step_model import predict
 from kvlab.estimate.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
-from kvlab.models.kv_store import KV_DTYPES
 from kvlab.probe import resolve_hardware
 from kvlab.scheduler import SchedulerConfig
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 if TYPE_CHECKING:
     from kvlab.estimate.kernel_steps import KvlabPrediction
@@ -200,9 +199,9 @@ def predict_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Kvl
 
 
 def _check_kvlab_kv(kv_dtype: str, hw: HardwareSpec) -> None:
-    if kv_dtype not in KV_DTYPES:
+    if kv_dtype not in KV_BYTES_PER_ELEMENT:  # the engine's stores, one table (kvlab.cost)
         raise KvlabError(f"kvlab's engine has no {kv_dtype} KV cache (valid: "
-                         f"{', '.join(KV_DTYPES)})")
+                         f"{', '.join(KV_BYTES_PER_ELEMENT)})")
     if kv_dtype != "f32" and hw.steps is None:
         raise KvlabError(f"a {kv_dtype} KV cache needs the whole-step timings of `kvlab probe` "
                          "(the kernel rates alone cover f32)")

@@ -9,7 +9,8 @@ from collections import defaultdict
 
 from kvlab.config import ModelConfig
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model
-from kvlab.weights import default_model_path, open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.weights.default_model import default_model_path
 
 
 def register(subs: argparse._SubParsersAction) -> None:

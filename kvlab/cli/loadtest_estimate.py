@@ -13,7 +13,7 @@ from kvlab.estimate.specs import spec_from_gguf
 from kvlab.models.kv_store import KV_DTYPES
 from kvlab.probe import resolve_hardware
 from kvlab.scheduler import SchedulerConfig
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 
 def predictor(args: argparse.Namespace) -> Predictor:

@@ -34,8 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kvlab.cost import MatrixSpec, ModelSpec
 from kvlab.estimate.hardware import HardwareSpec, KernelRates, engine_family
 from kvlab.estimate.workload import KV_BYTES_PER_ELEMENT, Workload
-from kvlab.kernels.ops import GROUPS_AS
-from kvlab.kernels.qweight import GROUPED_BLOCK_BYTES
+from kvlab.layouts import GROUPED_BLOCK_BYTES, GROUPS_AS
 
 # query heads kvlab's decode attention serves per pass over a KV head's keys
 # (kvlab/kernels/csrc/qk_attn.c: scores and mix take heads four at a time)

@@ -19,6 +19,7 @@ from gguf import quants as gguf_quants
 
 from kvlab.kernels.hugepages import weight_buffer
 from kvlab.kernels.qweight import QuantizedWeight, row_bytes
+from kvlab.layouts import GROUPS_AS
 
 if os.environ.get("KVLAB_EMULATE_512"):  # tests only: AVX-512 kernels emulated on AVX2
     from kvlab.kernels import _qk_emu512 as _qk  # built by `make emu512`
@@ -170,14 +171,6 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
 
 
 # GGUF type -> the type of its 8-row groups (Q4_0 widens to Q8_0 exactly)
-GROUPS_AS = {
-    T.Q8_0: T.Q8_0, T.Q5_0: T.Q5_0, T.Q4_0: T.Q8_0, T.Q4_K: T.Q4_K, T.Q6_K: T.Q6_K,
-    T.Q2_K: T.Q2_K,
-    T.Q3_K: T.Q3_K,
-    T.IQ4_XS: T.IQ4_XS,
-    T.IQ4_NL: T.IQ4_NL,
-    T.Q5_K: T.Q5_K,
-}
 
 
 def can_group(w: QuantizedWeight) -> bool:

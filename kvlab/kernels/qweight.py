@@ -13,29 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvlab.layouts import GROUPED_BLOCK_BYTES, GROUPED_KERNEL_TYPES
 from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
-# Types that can be held in 8-row groups: the C kernels' id for the grouped layout (KV_Q8_0X8,
-# KV_Q4_KX8, ... in csrc/qk.h) and its bytes per block (each its file type's size)
-GROUPED_KERNEL_TYPES = {
-    T.Q8_0: 31, T.Q4_K: 32, T.Q6_K: 33,
-    T.Q2_K: 34,
-    T.Q3_K: 35,
-    T.IQ4_XS: 36,
-    T.IQ4_NL: 37,
-    T.Q5_0: 38,
-    T.Q5_K: 39,
-}
-GROUPED_BLOCK_BYTES = {
-    T.Q8_0: 34, T.Q4_K: 144, T.Q6_K: 210,
-    T.Q2_K: 84,
-    T.Q3_K: 110,
-    T.IQ4_XS: 136,
-    T.IQ4_NL: 18,
-    T.Q5_0: 22,
-    T.Q5_K: 176,
-}
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
     T.Q2_K,

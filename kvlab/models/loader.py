@@ -38,7 +38,7 @@ from kvlab.models.sharding import (
     take,
 )
 from kvlab.models.spec import ArchSpec, NameTable
-from kvlab.weights import Checkpoint, RawTensor
+from kvlab.weights.checkpoint import Checkpoint, RawTensor
 
 QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C)
 _SUPPORTED = {t.name for t in SUPPORTED_TYPES}
@@ -54,7 +54,7 @@ class LoadOptions:
     keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
     device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: QUANTIZE_CHOICES
-    # CPU: matrices of 8k rows of the types in kernels.ops.GROUPS_AS in 8-row groups (Q8_0x8,
+    # CPU: matrices of 8k rows of the types in kvlab.layouts.GROUPS_AS in 8-row groups (Q8_0x8,
     # Q4_Kx8, ...: exact values; batched decode and prefill 1.3-2x faster, batch-1 no slower)
     group_rows: bool = True
 

@@ -36,7 +36,7 @@ from kvlab.probe.kernels import measure_kernels
 from kvlab.probe.steps import default_kv_dtype, measure_steps
 from kvlab.probe.stream_costs import LEVELS, measure_stream_costs
 from kvlab.probe.timing import best_seconds
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 
 def probe(threads: int | None = None, bf16: bool = False, buffer_mib: int = 512,

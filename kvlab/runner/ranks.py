@@ -39,7 +39,7 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.models.sharding import TensorParallel
 from kvlab.runner.model_runner import ModelRunner, StepLogits
 from kvlab.scheduler import SchedulerOutput
-from kvlab.weights import open_checkpoint
+from kvlab.weights.checkpoint import open_checkpoint
 
 RENDEZVOUS = timedelta(minutes=5)  # for every rank to join, and for one step's all-reduces
 IDLE = timedelta(days=365)  # a follower's wait for the next plan

@@ -47,7 +47,7 @@ from kvlab.server.viz.predict import (
     predict,
     this_machine,
 )
-from kvlab.weights import default_model_path
+from kvlab.weights.default_model import default_model_path
 
 router = APIRouter()
 STATIC = Path(__file__).with_name("static")
