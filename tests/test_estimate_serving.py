@@ -48,7 +48,7 @@ FACTORS = StepFactors(fixed=1.5, kv={"f32": 2.0, "f16": 3.0}, batch=0.5, prefill
 # -- the batched step ------------------------------------------------------------------------
 
 
-def test_one_decode_is_kvlab_steps_decode() -> None:
+def test_one_decode_is_kernel_steps_decode() -> None:
     sm, costs = StepModel(model(), machine()), StepCosts(model(), machine().kernels)
     assert sm.decode_seconds([99]) == pytest.approx(costs.decode(100).total, rel=1e-12)
 

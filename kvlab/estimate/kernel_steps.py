@@ -14,7 +14,7 @@ machine's stream bandwidth.
                   + element-wise passes over every prompt row (norms, RoPE, activation)
                   + the first token's output product and overhead
 
-Every rate is measured with no real model (kvlab.probe.kernels, probe_engine); the
+Every rate is measured with no real model (kvlab.probe.kernels and engine_overhead); the
 model contributes only its counted matrices, heads, layers and KV bytes, each matrix as
 kvlab's loader holds it (Q8_0, Q5_0, Q4_0, the K-quants and IQ4 in 8-row groups,
 `loaded_matrix`).

@@ -211,7 +211,7 @@ def predict(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPred
 
 def predict_one(model: ModelSpec, hw: HardwareSpec, workload: Workload, chunk: int = CHUNK
                 ) -> KvlabPrediction:
-    """One sequence of `workload` alone, as kvlab_steps.predict reports it, from the step
+    """One sequence of `workload` alone, as kernel_steps would report it, from the step
     model with the probe's factors: the prompt in chunks of `chunk`, then each decode step."""
     sm = StepModel(model, hw, workload.kv_dtype)
     f, prompt = sm.factors, workload.prompt_tokens
