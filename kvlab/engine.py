@@ -273,6 +273,10 @@ class Engine:
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary: "
+                               f"ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "

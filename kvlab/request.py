@@ -52,12 +52,17 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to report per token
     include_stop_str_in_output: bool = False
     structured: Structure | None = None  # JSON schema, regex, choice or grammar to follow
+    # added to the logits of these token ids before sampling (OpenAI: -100 bans, 100 forces);
+    # a mapping is accepted and kept as sorted (token id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self.validate()
 
     def validate(self) -> None:
@@ -80,6 +85,9 @@ class SamplingParams:
              "stop must be a list of non-empty strings"),
             (self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
              f"seed must be a 64-bit integer, got {self.seed}"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100]"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

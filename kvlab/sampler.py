@@ -8,7 +8,8 @@ which rows are seeded) was decided when the batch was built.
 Order, as in HF transformers and vLLM:
 
     raw logits --log_softmax--> reported logprobs (the model's own distribution)
-    raw logits -> structure mask (tokens a row's grammar forbids -> -inf) -> repetition penalty -> presence / frequency penalties
+    raw logits -> structure mask (tokens a row's grammar forbids -> -inf) -> logit bias
+               -> repetition penalty -> presence / frequency penalties
                -> greedy rows: argmax
                -> sampled rows: temperature -> top-k -> top-p -> min-p -> softmax
                   -> argmax(probs / q), q ~ Exponential(1) drawn with the row's generator
@@ -54,6 +55,29 @@ class TokenIds:
 
 
 @dataclass
+class LogitBias:
+    """Sparse per-row logit biases: entry i adds values[i] to logits[rows[i], ids[i]]."""
+
+    rows: Tensor  # [N] int64
+    ids: Tensor  # [N] int64
+    values: Tensor  # [N] float32
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str
+              ) -> LogitBias | None:
+        entries = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+        if not entries:
+            return None
+        rows, ids, values = zip(*entries)
+        return cls(_column(rows, device, torch.int64), _column(ids, device, torch.int64),
+                   _column(values, device))
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """A new [B, V] tensor with the biases added (the raw logits stay as they were)."""
+        return logits.index_put((self.rows, self.ids), self.values, accumulate=True)
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling settings of one step as tensors. A field is None when no row uses it."""
 
@@ -74,6 +98,7 @@ class SamplingBatch:
     num_logprobs: int  # K: the most top alternatives any row asked for
     want_logprobs: bool  # some row asked for logprobs (else they are not computed)
     allowed: Tensor | None = None  # [B, ceil(V / 32)] int32 token bitmask of constrained rows
+    logit_bias: LogitBias | None = None  # the (row, token, bias) entries of biased rows
 
     @classmethod
     def build(
@@ -117,6 +142,7 @@ class SamplingBatch:
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             want_logprobs=any(p.logprobs is not None for p in params),
             allowed=allowed,
+            logit_bias=LogitBias.build(params, device),
         )
 
 
@@ -240,7 +266,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
         allowed = fused.mask_logits_(masked, batch.allowed)
     else:
         allowed = logits
-    penalized = apply_penalties(allowed, batch)
+    biased = batch.logit_bias.apply(allowed) if batch.logit_bias is not None else allowed
+    penalized = apply_penalties(biased, batch)
     token_ids = fused.argmax(penalized)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)

@@ -218,3 +218,32 @@ def test_sampling_frequencies_match_softmax(seeded):
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
     assert chi2 < 16.27, (observed.tolist(), chi2)  # 3 dof, p = 0.001
     assert math.isclose(observed.sum().item(), n)
+
+
+def test_logit_bias_forces_bans_and_leaves_the_raw_logprobs():
+    logits = random_logits(3, 50, seed=3)
+    top = int(logits[1].argmax())
+    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=1),
+              SamplingParams(temperature=0, logit_bias={top: -100.0}, logprobs=1),
+              SamplingParams(temperature=0, logprobs=1)]
+    out = sample(logits, make_batch(params))
+    assert out.token_ids[0] == 7 and out.token_ids[1] != top
+    assert out.token_ids[2] == int(logits[2].argmax())  # an unbiased row is untouched
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[0] == pytest.approx(float(raw[0, 7]), abs=1e-5)  # the model's own
+
+
+def test_logit_bias_bans_a_token_from_sampled_rows():
+    logits = torch.zeros(1, 4)
+    logits[0, 2] = 3.0  # the likeliest by far
+    params = [SamplingParams(temperature=1.0, logit_bias={2: -100.0})]
+    drawn = {int(sample(logits, make_batch(params, seeds=[s])).token_ids[0]) for s in range(200)}
+    assert 2 not in drawn and drawn == {0, 1, 3}
+
+
+def test_logit_bias_values_are_checked():
+    with pytest.raises(Exception, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(Exception, match=">= 0"):
+        SamplingParams(logit_bias={-1: 1.0})
+    assert SamplingParams(logit_bias={5: 1, 2: -3}).logit_bias == ((2, -3.0), (5, 1.0))

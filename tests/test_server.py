@@ -343,3 +343,18 @@ def test_sigterm_aborts_what_cannot_finish_in_the_shutdown_timeout(tmp_path) -> 
     data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert 1 < len(data) < 20000 and [x for x in lines if x][-1] == "data: [DONE]"
     assert data[-1]["choices"][0]["finish_reason"] == "abort"  # ended, not cut
+
+
+def test_logit_bias_acts_and_bad_biases_are_refused(client) -> None:
+    prompt, forced = "The capital of France is", 1000
+    text = client.completions.create(prompt=[forced], echo=True, **{**GREEDY, "max_tokens": 1}
+                                     ).choices[0].text  # the token's own text, then one more
+    plain = client.completions.create(prompt=prompt, **{**GREEDY, "max_tokens": 1})
+    biased = client.completions.create(prompt=prompt, logit_bias={str(forced): 100},
+                                       **{**GREEDY, "max_tokens": 1})
+    assert text.startswith(biased.choices[0].text) and biased.choices[0].text
+    assert biased.choices[0].text != plain.choices[0].text
+    for bias, match in (({"not-a-token": 1}, "token ids"), ({"5": "x"}, "logit_bias"),
+                        ({"99999999": 5}, "outside the vocabulary"), ({"5": 101}, "-100, 100")):
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.completions.create(prompt=prompt, logit_bias=bias, **GREEDY)

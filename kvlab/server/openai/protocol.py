@@ -69,6 +69,7 @@ class _Sampling(_Strict):
     structured_outputs: Any = None  # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
     json_schema: Any = None  # llama.cpp's server
     grammar: Any = None  # llama.cpp's server (GBNF)
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias
 
     @property
     def include_usage(self) -> bool:
@@ -262,4 +263,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         seed=None if req.seed is None else req.seed + seed_offset, stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
         logprobs=requested_logprobs(req),
-        include_stop_str_in_output=req.include_stop_str_in_output, structured=structured)
+        include_stop_str_in_output=req.include_stop_str_in_output, structured=structured,
+        logit_bias=_logit_bias(req.logit_bias))
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} with its keys as ids; a key that is no id is an error."""
+    bad = [k for k in bias or {} if not k.strip().lstrip("-").isdigit()]
+    if bad:
+        raise ApiError(400, f"logit_bias keys must be token ids (integers, as strings), "
+                            f"got {bad[0]!r}", param="logit_bias")
+    return {int(k): v for k, v in (bias or {}).items()}
