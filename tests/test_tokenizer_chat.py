@@ -88,6 +88,22 @@ def test_rendering_equals_transformers(hf_pair, conversation, add_generation_pro
         assert tok.apply_chat_template(conversation, add_generation_prompt, **extra) == expected
 
 
+@pytest.mark.parametrize("final", ["Sure, here", " padded answer \n", ""])
+def test_continue_final_message_equals_transformers(hf_pair, final):
+    tok, ref = hf_pair
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+    expected = ref.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True)
+    assert tok.apply_chat_template(conversation, False, continue_final_message=True) == expected
+
+
+def test_continue_final_message_needs_its_text_in_the_prompt():
+    template = "{% for m in messages %}{{ m.role }}{% endfor %}"  # writes no content
+    with pytest.raises(RequestError, match="continue_final_message"):
+        render_chat_template(template, [{"role": "user", "content": "gone"}],
+                             add_generation_prompt=False, continue_final_message=True)
+
+
 GEMMA_CHAT = [{"role": "system", "content": "You are terse."},
               {"role": "user", "content": "  Hi  "},
               {"role": "assistant", "content": "Hello!"},

@@ -44,8 +44,8 @@ def register(subs: argparse._SubParsersAction) -> None:
                    help="seconds a request may take; at the deadline its choices end where "
                         "they are (finish_reason 'length') and free their KV blocks")
     p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$KVLAB_API_KEY; none: open)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                        "/detokenize (default: $KVLAB_API_KEY; none: open)")
     p.add_argument("--protect-metrics", action="store_true",
                    help="require the API key on /health and /metrics too")
     p.add_argument("--log-level", default="info",

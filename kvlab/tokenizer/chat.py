@@ -121,17 +121,48 @@ def template_variables(template: str) -> frozenset[str]:
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         **variables: Any) -> str:
+                         continue_final_message: bool = False, **variables: Any) -> str:
     """Render `messages` (dicts with role/content) to prompt text.
 
     `variables` are extra template names: bos_token, eos_token, tools, enable_thinking, ...
     A template error (bad syntax, a `raise_exception` such as roles not alternating) becomes
-    a `RequestError` carrying the template's message.
+    a `RequestError` carrying the template's message. `continue_final_message` ends the text
+    where the last message's content ends (no end-of-turn), so the model continues it.
     """
     # As transformers does: keys whose value is None are dropped, templates test for presence.
     clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    if continue_final_message:
+        clean = [*clean[:-1], _tagged(clean[-1] if clean else {})]
     try:
-        return compile_chat_template(template).render(
+        text = compile_chat_template(template).render(
             messages=clean, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise RequestError(f"chat template failed: {e}") from None
+    return _cut_at_tag(text) if continue_final_message else text
+
+
+# As transformers continues a final message: its text gets this tag, the rendering is cut
+# where the tag begins (and right-stripped if the template trimmed the text's end).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged(message: dict) -> dict:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    if isinstance(content, list):
+        for k in reversed(range(len(content))):
+            block = content[k]
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                blocks = [*content[:k], {**block, "text": block["text"] + _CONTINUE_TAG},
+                          *content[k + 1:]]
+                return {**message, "content": blocks}
+    raise RequestError("continue_final_message: the final message has no text to continue")
+
+
+def _cut_at_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not write the final "
+                           "message's content, so there is no text to continue")
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

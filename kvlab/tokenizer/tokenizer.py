@@ -69,7 +69,7 @@ class Tokenizer:
         return 0 <= token_id < self.vocab_size and bool(self._special[token_id])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_vars: Any) -> str:
+                            continue_final_message: bool = False, **template_vars: Any) -> str:
         """The prompt text for a conversation, rendered as transformers renders it.
 
         The text may begin with the BOS token (most templates write it); encode it with
@@ -79,16 +79,18 @@ class Tokenizer:
             raise RequestError("this model has no chat template; send a plain text prompt")
         variables = {**self._template_tokens, **template_vars}
         return render_chat_template(self.chat_template, messages,
-                                    add_generation_prompt=add_generation_prompt, **variables)
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    **template_vars: Any) -> list[int]:
+                    continue_final_message: bool = False, **template_vars: Any) -> list[int]:
         """Token ids of the chat prompt with one BOS when the model wants one.
 
         As llama.cpp does: a BOS the template writes is dropped from the text and `encode`
         adds it back when `add_bos`, so the prompt never starts with two.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_vars)
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                        **template_vars)
         bos_text = self._template_tokens.get("bos_token")
         if self.add_bos and bos_text and text.startswith(bos_text):
             text = text[len(bos_text):]

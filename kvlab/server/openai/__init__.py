@@ -5,6 +5,7 @@
     formats        completions vs chat shapes: choices, deltas, logprobs, usage
     tools          tool calls: the plan a request's tools make, parsing them from the reply
     serving        one API call: its engine requests, their submission, its JSON or SSE answer
+    tokenize       /tokenize and /detokenize in vLLM's and llama.cpp's shapes
     guard          the API key and the body size, checked before any handler
     prom           Prometheus /metrics, written by hand
     app            FastAPI routes, error mapping, disconnects, uvicorn

@@ -1,5 +1,6 @@
-"""The HTTP server: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health
-and Prometheus /metrics, on FastAPI under uvicorn.
+"""The HTTP server: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's and
+llama.cpp's /tokenize and /detokenize, plus /health and Prometheus /metrics, on FastAPI under
+uvicorn.
 
 Every error is OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`), so the
 official client raises BadRequestError / NotFoundError / ... unchanged. A client that hangs
@@ -38,6 +39,7 @@ from kvlab.server.openai.guard import RequestGuard, ServerLimits
 from kvlab.server.openai.prom import CONTENT_TYPE
 from kvlab.server.openai.protocol import ApiError
 from kvlab.server.openai.serving import Call, Serving
+from kvlab.server.openai.tokenize import detokenize, tokenize
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
@@ -140,6 +142,7 @@ def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
         app.add_exception_handler(kind, on_error)
     add_info_routes(app, engine)
     add_generation_routes(app, serving, prep, limits.request_timeout)
+    add_tokenize_routes(app, serving, prep)
     for router in routers:
         app.include_router(router)
     app.add_middleware(RequestGuard, limits=limits)
@@ -199,6 +202,23 @@ def add_generation_routes(app: FastAPI, serving: Serving, prep: ThreadPoolExecut
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await answer(request, Call.chat)
+
+
+def add_tokenize_routes(app: FastAPI, serving: Serving, prep: ThreadPoolExecutor) -> None:
+    async def answer(request: Request,
+                     handle: Callable[[Serving, bytes], dict[str, Any]]) -> JSONResponse:
+        """The body parsed and (de)tokenized in a worker thread, as a call is built."""
+        body = await request.body()
+        loop = asyncio.get_running_loop()
+        return JSONResponse(await loop.run_in_executor(prep, partial(handle, serving), body))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await answer(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await answer(request, detokenize)
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,

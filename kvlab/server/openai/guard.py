@@ -6,8 +6,9 @@ costs no parsing at all:
     request -> key check (401) -> Content-Length above the limit (413, body never read)
             -> body counted as it streams in (413 once past the limit) -> the app
 
-Keys are checked as `Authorization: Bearer KEY` on /v1/* and the visualiser's API, as vLLM
-and llama-server check them; /health and /metrics stay open unless `protect_metrics`.
+Keys are checked as `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and the
+visualiser's API, as vLLM and llama-server check them; /health and /metrics stay open unless
+`protect_metrics`.
 `parse_json_body` bounds the nesting depth before `json.loads` recurses into it.
 """
 
@@ -27,7 +28,7 @@ from kvlab.server.openai.protocol import ApiError
 
 MAX_JSON_DEPTH = 64  # objects and arrays inside each other; OpenAI bodies need about 6
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs, not chars: fast
-_PROTECTED = ("/v1/", "/viz/api/")
+_PROTECTED = ("/v1/", "/viz/api/", "/tokenize", "/detokenize")
 DRAIN_LIMIT = 64 << 20  # a refused body up to this size is read and dropped before the 413
 
 
