@@ -165,11 +165,23 @@ def test_wrong_types_name_the_field(body: dict, param: str) -> None:
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_a_field_the_server_does_not_act_on_is_refused_by_name() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, where, listed in (({"cache_prompt": True}, "'cache_prompt'", "temperature"),
+                                 ({"stream": True, "stream_options": {"x": 1}},
+                                  "'stream_options.x'", "include_usage")):
+        with pytest.raises(ApiError) as e:
+            parse(ChatCompletionRequest, {**chat, **extra})
+        assert e.value.status == 400 and where in e.value.message and listed in e.value.message
+    with pytest.raises(ApiError, match="'n_predict' is not supported"):
+        parse(CompletionRequest, {"prompt": "hi", "n_predict": 4})
+
+
 def test_chat_fields_map_to_sampling_params() -> None:
     req = parse(ChatCompletionRequest, {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         "max_completion_tokens": 7, "temperature": 0, "top_k": 5, "seed": 3, "stop": "x",
-        "logprobs": True, "top_logprobs": 2, "unknown_field": 1})
+        "logprobs": True, "top_logprobs": 2})
     p = sampling_params(req, 7, seed_offset=1)
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.logprobs) == (
         7, 0.0, 5, 4, ("x",), 2)

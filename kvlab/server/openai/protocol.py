@@ -1,8 +1,9 @@
 """The OpenAI wire format: request bodies (strictly typed), errors, and their sampling settings.
 
 Bodies are validated in pydantic's strict mode, so `"max_tokens": "5"` is a 400 as on
-api.openai.com rather than a silent cast. Unknown fields are accepted and ignored, as vLLM
-does; vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are
+api.openai.com rather than a silent cast. A field the server does not act on is a 400 that
+names it and lists the fields it does (a client learns its setting was not applied, instead of
+getting an answer made without it); vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ignore_eos, ...) are
 understood, so `extra_body=` from the official client reaches the sampler.
 """
 
@@ -38,7 +39,8 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a field kvlab does not act on is refused by name, never silently dropped
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -123,9 +125,26 @@ def parse(model: type[_Sampling], body: Any) -> Any:
         err = e.errors()[0]
         loc = [str(part) for part in err["loc"]]
         param = ".".join(loc[:2] if loc and loc[0] == "messages" else loc[:1]) or None
+        if err["type"] == "extra_forbidden":
+            raise ApiError(400, f"'{'.'.join(loc)}' is not supported by this server; the "
+                                f"fields it acts on: {', '.join(_fields(model, loc))}",
+                           param=param) from None
         got = err.get("input")
         raise ApiError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} "
                             f"(got {got!r})", param=param) from None
+
+
+def _fields(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The fields of the object at `loc` (the body, or a nested object such as a part)."""
+    for part in loc[:-1]:
+        annotation = model.model_fields.get(part)
+        inner = getattr(annotation, "annotation", None) if annotation else None
+        candidates = [a for a in getattr(inner, "__args__", (inner,))
+                      if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            break
+        model = candidates[0]
+    return sorted(model.model_fields)
 
 
 def check_common(req: _Sampling) -> None:
