@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
-from typing import Any
 
 from kvlab.cli.common import add_model_flags, add_sampling_flags, engine_config, sampling_params
 from kvlab.errors import KvlabError
 from kvlab.llm import LLM
-from kvlab.request import TokenLogprob
-from kvlab.tokenizer import Tokenizer
+from kvlab.logprobs import completion_logprobs
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -52,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         record = {"model": llm.engine.model_name, "text": "".join(text),
                   "finish_reason": last.finish_reason.value if last.finish_reason else None,
                   "logprobs": (None if args.logprobs is None
-                               else completion_logprobs(llm.tokenizer, logprobs)),
+                               else completion_logprobs(llm.tokenizer, logprobs, args.logprobs)),
                   "metrics": metrics.as_dict()}
         print(json.dumps(record))
     else:
@@ -62,16 +59,3 @@ def run(args: argparse.Namespace) -> int:
         print(metrics.summary(), file=sys.stderr)
     return 0
 
-
-def completion_logprobs(tokenizer: Tokenizer, items: list[TokenLogprob]) -> dict[str, Any]:
-    """The generated tokens' logprobs as OpenAI's completions spell them: parallel lists of
-    each token's text, its logprob, a map of the top alternatives (and itself) to theirs,
-    and where the token starts in the text."""
-    def text(token_id: int) -> str:
-        return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-
-    tokens = [text(i.token_id) for i in items]
-    return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{text(t): lp for t, lp in [*i.top, (i.token_id, i.logprob)]}
-                             for i in items],
-            "text_offset": list(itertools.accumulate(map(len, tokens), initial=0))[:-1]}

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.logprobs import clamped, completion_logprobs, token_text
 from kvlab.request import RequestOutput, TokenLogprob
 from kvlab.server.openai.tools import ToolPlan, ToolStream, parse_reply
 from kvlab.tokenizer import Tokenizer
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 @dataclass
@@ -51,10 +50,6 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
             "completion_tokens_details": {"forced_tokens": forced}}
 
 
-def _lp(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
 class Format:
     object = ""
     chunk_object = ""
@@ -63,7 +58,7 @@ class Format:
         self.tokenizer = tokenizer
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        return token_text(self.tokenizer, token_id)
 
     def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
         raise NotImplementedError
@@ -104,15 +99,7 @@ class CompletionFormat(Format):
 
     def logprobs(self, items: list[TokenLogprob], k: int, offset: int) -> dict[str, Any]:
         """Legacy shape: parallel lists; top_logprobs maps token text -> logprob."""
-        tokens, offsets = [], []
-        for item in items:
-            tokens.append(self.token_text(item.token_id))
-            offsets.append(offset)
-            offset += len(tokens[-1])
-        top = [{self.token_text(i): _lp(lp) for i, lp in
-                [*item.top[:k], (item.token_id, item.logprob)]} for item in items]
-        return {"tokens": tokens, "token_logprobs": [_lp(i.logprob) for i in items],
-                "top_logprobs": top, "text_offset": offsets}
+        return completion_logprobs(self.tokenizer, items, k, offset)
 
 
 class ChatFormat(Format):
@@ -142,7 +129,7 @@ class ChatFormat(Format):
                 "finish_reason": out.finish_reason.value if out.finish_reason else None}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.token_text(token_id), "logprob": _lp(logprob),
+        return {"token": self.token_text(token_id), "logprob": clamped(logprob),
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def logprobs(self, items: list[TokenLogprob], k: int) -> list[dict[str, Any]]:
