@@ -56,10 +56,10 @@ class LayerSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     """A model as bytes and FLOP. `kvlab.estimate.specs` builds one from a GGUF file, an HF
-    config.json or a bare description; `LoadedModel.spec` from a model kvlab has loaded."""
+    config.json or a bare description; `LoadedModel.model_spec` from a model kvlab has loaded."""
 
     name: str
-    source: str  # "gguf", "hf-config" or "description"
+    source: str  # "gguf", "hf-config", "description" or "loaded"
     n_params: int
     weight_bytes: int  # every stored weight: what must sit in memory
     layers: tuple[LayerSpec, ...]

@@ -34,14 +34,6 @@ class RunCost:
         """KV bytes one token adds, all layers (full attention everywhere)."""
         return int(self.spec.kv_bytes_per_token(self.kv_bytes_per_element))
 
-    @property
-    def experts(self) -> int:
-        return self.spec.experts
-
-    @property
-    def experts_used(self) -> int:
-        return self.spec.experts_used
-
     def kv_bytes_held(self, tokens: int) -> float:
         """KV bytes one sequence of `tokens` holds: every position in full-attention layers;
         in sliding layers the last `window` when their blocks behind it are released."""

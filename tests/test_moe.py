@@ -213,7 +213,7 @@ def test_cost_counts_the_chosen_experts(tiny):
     embed = 4 * c.vocab_size * c.hidden_size  # untied: one row read per token
     row = embed // c.vocab_size
     assert sum(lyr.expert_bytes for lyr in spec.layers) == routed
-    assert (cost.experts, cost.experts_used) == (e, k)
+    assert (spec.experts, spec.experts_used) == (e, k)
     assert cost.decode_weight_bytes == (loaded.weight_bytes - embed + row
                                         - routed * (e - k) // e)
     assert loaded.active_params == loaded.num_params - routed_params * (e - k) // e

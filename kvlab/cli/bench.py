@@ -82,9 +82,9 @@ def _machine_bandwidth() -> float | None:
 
 
 def _routed_note(cost: RunCost) -> str:
-    if not cost.experts:
+    if not cost.spec.experts:
         return ""
-    return f"; {cost.experts_used} of {cost.experts} experts per layer and token"
+    return f"; {cost.spec.experts_used} of {cost.spec.experts} experts per layer and token"
 
 
 def _parallel_note(size: int) -> str:
