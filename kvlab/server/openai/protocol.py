@@ -38,16 +38,16 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # a field kvlab does not act on is refused by name, never silently dropped
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -86,7 +86,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
@@ -115,7 +115,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
-def parse(model: type[_Sampling], body: Any) -> Any:
+def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -126,8 +126,9 @@ def parse(model: type[_Sampling], body: Any) -> Any:
         loc = [str(part) for part in err["loc"]]
         param = ".".join(loc[:2] if loc and loc[0] == "messages" else loc[:1]) or None
         if err["type"] == "extra_forbidden":
-            raise ApiError(400, f"'{'.'.join(loc)}' is not supported by this server; the "
-                                f"fields it acts on: {', '.join(_fields(model, loc))}",
+            raise ApiError(400, f"unknown field '{'.'.join(loc)}' is not supported by this "
+                                f"server; the fields it acts on: "
+                                f"{', '.join(_fields(model, loc))}",
                            param=param) from None
         got = err.get("input")
         raise ApiError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} "

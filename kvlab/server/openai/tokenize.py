@@ -19,19 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvlab.server.openai.guard import parse_json_body
-from kvlab.server.openai.protocol import ApiError, ChatMessage, parse
+from kvlab.server.openai.protocol import ApiError, ChatMessage, Strict, parse
 from kvlab.server.openai.serving import Serving
 from kvlab.server.openai.tools import template_messages
 
 
-class _Exact(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class TokenizePrompt(_Exact):
+class TokenizePrompt(Strict):
     """vLLM's completion form."""
 
     model: str | None = None
@@ -40,7 +36,7 @@ class TokenizePrompt(_Exact):
     return_token_strs: bool = False
 
 
-class TokenizeMessages(_Exact):
+class TokenizeMessages(Strict):
     """vLLM's chat form; add_special_tokens adds the tokenizer's specials on top of what the
     template writes, as vLLM does (false: exactly the chat route's prompt)."""
 
@@ -52,7 +48,7 @@ class TokenizeMessages(_Exact):
     return_token_strs: bool = False
 
 
-class TokenizeContent(_Exact):
+class TokenizeContent(Strict):
     """llama.cpp's form (it always parses special tokens written in the text, as kvlab does)."""
 
     content: str
@@ -60,7 +56,7 @@ class TokenizeContent(_Exact):
     with_pieces: bool = False
 
 
-class Detokenize(_Exact):
+class Detokenize(Strict):
     model: str | None = None
     tokens: list[int]
 
@@ -69,7 +65,7 @@ def tokenize(serving: Serving, body: bytes) -> dict[str, Any]:
     """The /tokenize answer for a body of either shape."""
     data = parse_json_body(body)
     kind = _tokenize_shape(data)
-    req = _parse_exact(kind, data, "/tokenize")
+    req = parse(kind, data)
     if isinstance(req, TokenizeContent):
         ids = serving.tokenizer.encode(req.content, add_special_tokens=req.add_special)
         if req.with_pieces:
@@ -86,7 +82,7 @@ def tokenize(serving: Serving, body: bytes) -> dict[str, Any]:
 def detokenize(serving: Serving, body: bytes) -> dict[str, Any]:
     """The /detokenize answer: the text of the ids, special tokens written out (as vLLM and
     llama.cpp decode them)."""
-    req = _parse_exact(Detokenize, parse_json_body(body), "/detokenize")
+    req = parse(Detokenize, parse_json_body(body))
     serving.check_model(req.model)
     vocab = serving.tokenizer.vocab_size
     bad = [(k, i) for k, i in enumerate(req.tokens) if not 0 <= i < vocab]
@@ -98,7 +94,7 @@ def detokenize(serving: Serving, body: bytes) -> dict[str, Any]:
     return {"prompt": text, "content": text}
 
 
-def _tokenize_shape(data: Any) -> type[_Exact]:
+def _tokenize_shape(data: Any) -> type[Strict]:
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     given = [k for k in ("content", "prompt", "messages") if k in data]
@@ -108,22 +104,6 @@ def _tokenize_shape(data: Any) -> type[_Exact]:
                             f"(vLLM); got {got}", param=given[1] if len(given) > 1 else None)
     return {"content": TokenizeContent, "prompt": TokenizePrompt,
             "messages": TokenizeMessages}[given[0]]
-
-
-def _parse_exact(model: type[_Exact], data: Any, route: str) -> Any:
-    """`parse`, with unknown fields named with what the shape accepts."""
-    if isinstance(data, dict):
-        unknown = [k for k in data if k not in model.model_fields]
-        if unknown:
-            raise ApiError(400, f"unknown field '{unknown[0]}' in a {route} body with "
-                                f"{_shape_name(model)}; accepted fields: "
-                                f"{', '.join(model.model_fields)}", param=unknown[0])
-    return parse(model, data)  # type: ignore[arg-type]
-
-
-def _shape_name(model: type[_Exact]) -> str:
-    return {TokenizeContent: "content (llama.cpp)", TokenizePrompt: "prompt (vLLM)",
-            TokenizeMessages: "messages (vLLM)"}.get(model, "tokens")
 
 
 def _message_ids(serving: Serving, req: TokenizeMessages) -> list[int]:
