@@ -30,10 +30,12 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return chr(token_id).encode()
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **variables: object) -> str:
         return "".join(m["content"] for m in messages)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **variables: object) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
 

@@ -169,27 +169,44 @@ def test_kvlab_imports_at_module_top():
     assert not bad, "\n".join(bad)
 
 
-def test_openai_server_imports_neither_the_visualiser_nor_the_estimator():
-    """kvlab.server.openai serves the API alone: the visualiser mounts itself on it, and
-    prediction and measurement stay out of it. Each imported name counts on its own, so
-    `from kvlab.server import serve, viz` is caught too."""
-    banned = ("kvlab.server.viz", "kvlab.estimate", "kvlab.probe")
+def _imported_names(path: Path) -> list[str]:
+    """Every module and module.name an import in `path` names (relative ones resolved)."""
+    package = ".".join(path.relative_to(ROOT.parent).parent.parts)
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package `level - 1` levels up
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+# what each server package may import from kvlab.server: its own modules and these
+SERVER_ALLOWED = {"core": set(), "replicas": {"core", "apis"}}
+API_ALLOWED = {"core"}
+
+
+def test_each_api_is_a_translation_layer_over_core():
+    """kvlab.server.core knows no API; each API package (OpenAI, Anthropic, Ollama, the
+    visualiser, ...) imports core and never another API; only the visualiser reaches the
+    estimator and the probe. Each imported name counts on its own, so `from kvlab.server
+    import viz` is caught too."""
     bad = []
-    for path in (ROOT / "server" / "openai").rglob("*.py"):
-        package = ".".join(path.relative_to(ROOT.parent).parent.parts)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package `level - 1` levels up
-                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    base = f"{parent}.{base}" if base else parent
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            bad += [f"{path.name} imports {n}" for n in names
-                    if any(n == b or n.startswith(b + ".") for b in banned)]
+    for package in sorted(p for p in (ROOT / "server").iterdir()
+                          if p.is_dir() and (p / "__init__.py").exists()):
+        allowed = SERVER_ALLOWED.get(package.name, API_ALLOWED) | {package.name}
+        banned = () if package.name == "viz" else ("kvlab.estimate", "kvlab.probe")
+        for path in package.rglob("*.py"):
+            for n in _imported_names(path):
+                parts = n.split(".")
+                other_api = parts[:2] == ["kvlab", "server"] and len(parts) > 2 \
+                    and parts[2] not in allowed
+                if other_api or any(n == b or n.startswith(b + ".") for b in banned):
+                    bad.append(f"{package.name}/{path.name} imports {n}")
     assert not bad, "\n".join(bad)
 
 

@@ -145,14 +145,14 @@ class Driver:
 
     def __init__(self, model_path) -> None:
         from kvlab.engine import Engine, EngineConfig
-        from kvlab.server import viz
-        from kvlab.server.openai.app import create_app
-        from kvlab.server.openai.async_engine import AsyncEngine
-        from kvlab.server.openai.guard import ServerLimits
+        from kvlab.server.apis import front_ends
+        from kvlab.server.core.app import create_app
+        from kvlab.server.core.async_engine import AsyncEngine
+        from kvlab.server.core.guard import ServerLimits
 
         engine = Engine.from_model(str(model_path), EngineConfig(max_model_len=2048))
         self.engine = AsyncEngine(engine, max_waiting=8)
-        app = create_app(self.engine, routers=[viz.router],
+        app = create_app(self.engine, front_ends(),
                          limits=ServerLimits(request_timeout=20))
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.engine.start())

@@ -11,9 +11,11 @@ import time
 import httpx
 import pytest
 
-from kvlab.server.openai.app import create_app
-from kvlab.server.openai.async_engine import AsyncEngine
-from kvlab.server.openai.guard import MAX_JSON_DEPTH, ServerLimits, json_depth
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.bodies import MAX_JSON_DEPTH, json_depth
+from kvlab.server.core.guard import ServerLimits
 
 from fake_engine import FakeEngine, FakeTokenizer
 
@@ -25,7 +27,7 @@ def run(coro):
 async def with_client(engine: FakeEngine, limits: ServerLimits, body) -> None:
     """Run `body(client, async_engine)` against the app on `engine`."""
     ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-    app = create_app(ae, limits=limits)
+    app = create_app(ae, front_ends(), limits=limits)
     await ae.start()
     transport = httpx.ASGITransport(app=app)
     try:

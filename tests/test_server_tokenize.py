@@ -11,10 +11,11 @@ import httpx
 import pytest
 from test_tokenizer_gemma import default_tokenizer
 
-from kvlab.server.openai.app import create_app
-from kvlab.server.openai.async_engine import AsyncEngine
-from kvlab.server.openai.guard import ServerLimits
-from kvlab.server.openai.serving import Call
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.guard import ServerLimits
+from kvlab.server.openai.chat import Call
 
 from fake_engine import FakeEngine
 
@@ -33,7 +34,7 @@ def run_app(tok, body, limits: ServerLimits | None = None) -> None:
     async def main() -> None:
         engine = FakeEngine(model_name=MODEL, tokenizer=tok)
         ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-        app = create_app(ae, limits=limits or ServerLimits())
+        app = create_app(ae, front_ends(), limits=limits or ServerLimits())
         await ae.start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

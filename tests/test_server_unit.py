@@ -12,19 +12,20 @@ import pytest
 from kvlab.engine import EngineStats
 from kvlab.errors import RequestError
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams
-from kvlab.server.openai.app import create_app
-from kvlab.server.openai.async_engine import (
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineRequest,
     EngineStepError,
 )
-from kvlab.server.openai.prom import ServerMetrics
+from kvlab.server.core.bodies import parse
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.prom import ServerMetrics
 from kvlab.server.openai.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    parse,
     sampling_params,
 )
 
@@ -124,7 +125,7 @@ def test_stop_ends_streams_with_abort() -> None:
 def test_app_error_shapes_and_queue_full() -> None:
     async def main() -> None:
         ae = AsyncEngine(FakeEngine(), max_waiting=0)  # type: ignore[arg-type]
-        app = create_app(ae)
+        app = create_app(ae, front_ends())
         await ae.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -184,7 +184,7 @@ def test_bad_structures_are_request_errors(llm: LLM) -> None:
 
 
 def test_auto_tool_replies_are_text_or_valid_calls(llm: LLM) -> None:
-    from kvlab.server.openai.tools import tool_plan
+    from kvlab.server.core.tools import tool_plan
 
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},

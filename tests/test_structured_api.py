@@ -8,9 +8,11 @@ import json
 import pytest
 
 from kvlab.request import Structure
-from kvlab.server.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from kvlab.server.core.bodies import parse
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.tools import ToolStream, parse_reply, template_messages, tool_plan
+from kvlab.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvlab.server.openai.protocol import structure_of as structure_of_request
-from kvlab.server.openai.tools import ToolStream, parse_reply, template_messages, tool_plan
 from kvlab.structured.compiler import closed_schema
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -21,7 +21,9 @@ import pytest
 import uvicorn
 
 from kvlab.engine import Engine, EngineConfig, KVView
-from kvlab.server import AsyncEngine, create_app, viz
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.viz.events import kv_record
 from kvlab.server.viz.predict import this_machine
 
@@ -35,7 +37,7 @@ LONG = ("The paged KV cache keeps the keys and values of every token in fixed-si
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     engine = Engine.from_model(None, EngineConfig(kv_cache_gib=0.25))
-    app = create_app(AsyncEngine(engine), routers=[viz.router])
+    app = create_app(AsyncEngine(engine), front_ends())
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -13,8 +13,9 @@ import sys
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
-from kvlab.server import serve, viz
-from kvlab.server.openai.guard import ServerLimits
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import serve
+from kvlab.server.core.guard import ServerLimits
 from kvlab.server.replicas.settings import AppSettings
 
 
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
               "can reach this port can use the model (set --api-key or KVLAB_API_KEY)",
               file=sys.stderr, flush=True)
     serve(engine, args.host, args.port, args.max_waiting, args.shutdown_timeout,
-          args.log_level, routers=[viz.router], limits=limits)
+          args.log_level, front_ends=front_ends(), limits=limits)
     return 0
 
 

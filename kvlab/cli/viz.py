@@ -10,7 +10,8 @@ import argparse
 
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
-from kvlab.server import serve, viz
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import serve
 
 
 def register(subs: argparse._SubParsersAction) -> None:
@@ -36,6 +37,6 @@ def run(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"kvlab viz: {engine.model_name} — open http://{host}:{args.port}/viz "
           "(Ctrl-C to stop)", flush=True)
-    serve(engine, args.host, args.port, log_level=args.log_level, routers=[viz.router])
+    serve(engine, args.host, args.port, log_level=args.log_level, front_ends=front_ends())
     return 0
 

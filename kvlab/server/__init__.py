@@ -1,14 +1,13 @@
 """kvlab's HTTP front ends over the public engine API.
 
-    openai/     the OpenAI-compatible server (`kvlab serve`): the asyncio engine, the API's
-                routes, /health and /metrics; knows nothing of the visualiser or the estimator
-    viz/        the live visualiser (`kvlab viz`, and /viz under `kvlab serve`): a router the
-                server mounts through `create_app(engine, routers=[viz.router])`
+    core/       what every API shares: the asyncio engine, the app (CORS, key and size guard,
+                errors in each API's shape, /health, /metrics), bodies, `Serving` (a
+                conversation -> prompt ids), tool calls
+    openai/     OpenAI's completions, chat completions and models; /tokenize, /detokenize
+    viz/        the live visualiser (`kvlab viz`, and /viz under `kvlab serve`)
     replicas/   the same server over N engine replicas under Ray Serve (`--replicas`)
+    apis        which front ends `kvlab serve` mounts
 
-`create_app`, `serve` and `AsyncEngine` are the OpenAI server's (kvlab.server.openai).
+Each API is a translation layer onto the one engine request: it imports core, never another
+API.
 """
-
-from kvlab.server.openai import AsyncEngine, create_app, serve
-
-__all__ = ["AsyncEngine", "create_app", "serve"]

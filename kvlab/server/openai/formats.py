@@ -11,7 +11,7 @@ from typing import Any
 
 from kvlab.logprobs import clamped, completion_logprobs, token_text
 from kvlab.request import RequestOutput, TokenLogprob
-from kvlab.server.openai.tools import ToolPlan, ToolStream, parse_reply
+from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply
 from kvlab.tokenizer import Tokenizer
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, field_validator
 
 from kvlab.request import SamplingParams, Structure
+from kvlab.server.core.bodies import Strict
+from kvlab.server.core.errors import ApiError
 
 MAX_N = 16  # choices per request (OpenAI allows 128; each is a sequence in the batch)
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions' `logprobs`, as OpenAI bounds it
@@ -22,25 +24,6 @@ MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs`, as OpenAI bounds it
 MAX_STOP = 4  # stop sequences, as OpenAI bounds them
 MAX_STOP_CHARS = 1024  # per stop string: the engine scans this much text tail every step
 MAX_STOP_TOKEN_IDS = 256
-
-
-class ApiError(Exception):
-    """An error the client caused or must be told about, sent as OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-class Strict(BaseModel):
-    # a field kvlab does not act on is refused by name, never silently dropped
-    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(Strict):
@@ -91,7 +74,7 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ... pass through
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -113,39 +96,24 @@ class ChatCompletionRequest(_Sampling):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: continue the final assistant message / open a new turn after it; unset, a
+    # trailing assistant message is continued (a prefill of the reply)
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. enable_thinking
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & _TEMPLATE_OWN)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
+        return value
 
 
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(part) for part in err["loc"]]
-        param = ".".join(loc[:2] if loc and loc[0] == "messages" else loc[:1]) or None
-        if err["type"] == "extra_forbidden":
-            raise ApiError(400, f"unknown field '{'.'.join(loc)}' is not supported by this "
-                                f"server; the fields it acts on: "
-                                f"{', '.join(_fields(model, loc))}",
-                           param=param) from None
-        got = err.get("input")
-        raise ApiError(400, f"invalid value for '{'.'.join(loc)}': {err['msg']} "
-                            f"(got {got!r})", param=param) from None
-
-
-def _fields(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """The fields of the object at `loc` (the body, or a nested object such as a part)."""
-    for part in loc[:-1]:
-        annotation = model.model_fields.get(part)
-        inner = getattr(annotation, "annotation", None) if annotation else None
-        candidates = [a for a in getattr(inner, "__args__", (inner,))
-                      if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not candidates:
-            break
-        model = candidates[0]
-    return sorted(model.model_fields)
+# template variables the server itself sets from the request
+_TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "continue_final_message",
+                 "bos_token", "eos_token"}
 
 
 def check_common(req: _Sampling) -> None:
@@ -209,7 +177,9 @@ def _response_format(value: Any) -> Structure | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None
-    if kind == "json_object":
+    if kind == "json_object":  # llama-server also takes a schema here
+        if value.get("schema") is not None:
+            return _schema(value["schema"], "response_format.schema")
         return Structure("json_object")
     if kind == "json_schema" and isinstance(value.get("json_schema"), dict):
         return _schema(value["json_schema"].get("schema"), "response_format.json_schema.schema")

@@ -21,10 +21,11 @@ from typing import Any
 
 from pydantic import Field
 
-from kvlab.server.openai.guard import parse_json_body
-from kvlab.server.openai.protocol import ApiError, ChatMessage, Strict, parse
-from kvlab.server.openai.serving import Serving
-from kvlab.server.openai.tools import template_messages
+from kvlab.server.core.bodies import Strict, parse, parse_json_body
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.serving import Serving
+from kvlab.server.core.tools import template_messages
+from kvlab.server.openai.protocol import ChatMessage
 
 
 class TokenizePrompt(Strict):

@@ -8,6 +8,6 @@
     merge      the replicas' metrics as one Prometheus text, each sample labelled by replica
 
 The engine never learns it is replicated: a replica wraps `create_app(AsyncEngine(engine),
-routers=[viz.router])`, the same app a single `kvlab serve` runs, and the ingress relays bytes.
+front_ends())`, the same app a single `kvlab serve` runs, and the ingress relays bytes.
 Ray is imported only by these modules, and only when a replicated app is built.
 """

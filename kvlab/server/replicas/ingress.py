@@ -28,10 +28,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.middleware.cors import CORSMiddleware
 
-from kvlab.server.openai.guard import RequestGuard
-from kvlab.server.openai.prom import CONTENT_TYPE
-from kvlab.server.openai.protocol import ApiError
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import shapes_of
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.guard import RequestGuard
+from kvlab.server.core.prom import CONTENT_TYPE
 from kvlab.server.replicas.board import ReplicaBoard, ReplicaReport
 from kvlab.server.replicas.merge import merge_metrics
 from kvlab.server.replicas.replica import Forwarded, ResponseStart
@@ -65,7 +68,12 @@ class Ingress:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/{path:path}", self.forward,
                           methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-        app.add_middleware(RequestGuard, limits=self.settings.limits)
+        limits = self.settings.limits
+        app.add_middleware(RequestGuard, limits=limits, shapes=shapes_of(front_ends()))
+        if limits.allowed_origins:
+            app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                               allow_methods=["*"], allow_headers=["*"],
+                               expose_headers=["*"], max_age=600)
         return app
 
     def report(self, report: ReplicaReport) -> None:

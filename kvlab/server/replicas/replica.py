@@ -5,7 +5,7 @@ plays it through the same FastAPI app a lone `kvlab serve` runs, in process, and
 ASGI response back as it is produced:
 
     Forwarded -> scope + receive (the body, then a disconnect when the caller goes away)
-              -> create_app(AsyncEngine(engine), routers=[viz.router]) -> send -> queue
+              -> create_app(AsyncEngine(engine), front_ends()) -> send -> queue
               -> yields ResponseStart, then body chunks (each what the app has sent so far:
                  one server-sent event, or several that queued up meanwhile)
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 from ray import serve
 
 from kvlab.engine import Engine
-from kvlab.server import viz
-from kvlab.server.openai.app import create_app
-from kvlab.server.openai.async_engine import AsyncEngine
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.replicas.board import REPORT_PERIOD_S, ReplicaReport
 from kvlab.server.replicas.settings import AppSettings
 
@@ -66,10 +67,10 @@ class EngineReplica:
             return engine
 
         self.engine = AsyncEngine(await asyncio.to_thread(load), settings.max_waiting)
-        # the ingress already checked the key; the body size and timeout are checked again
-        limits = type(settings.limits)(max_request_bytes=settings.limits.max_request_bytes,
-                                       request_timeout=settings.limits.request_timeout)
-        self.app = create_app(self.engine, routers=[viz.router], limits=limits)
+        # the ingress already checked the key and the origin; the body size and timeout are
+        # checked again
+        limits = dataclasses.replace(settings.limits, api_key=None, allowed_origins=())
+        self.app = create_app(self.engine, front_ends(), limits=limits)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.lifespan = contextlib.AsyncExitStack()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine import EngineConfig
 from kvlab.errors import KvlabError
-from kvlab.server.openai.guard import ServerLimits
+from kvlab.server.core.guard import ServerLimits
 
 ROUTINGS = ("prefix", "round-robin", "pow2")
 

@@ -5,11 +5,14 @@
     predict   "this machine", the what-if presets, kvlab.estimate's figures for the page
     static/   viz.html, viz.css, viz.js (no build step)
 
-`router` is mounted on the OpenAI server: `create_app(engine, routers=[router])`. It reads
+`front_end` mounts `router` on the server: `create_app(engine, [front_end, ...])`. It reads
 the engine through `AsyncEngine.snapshot()` (what is served, the KV layout) and the
 AsyncEngine's request API, never the engine's parts.
 """
 
+from kvlab.server.core.app import FrontEnd
 from kvlab.server.viz.routes import router
 
-__all__ = ["router"]
+front_end = FrontEnd(router)
+
+__all__ = ["front_end", "router"]

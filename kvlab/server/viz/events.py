@@ -27,7 +27,7 @@ from typing import Any
 from kvlab.engine import Engine, EngineStats, KVView
 from kvlab.errors import KvlabError
 from kvlab.request import RequestOutput, SamplingParams
-from kvlab.server.openai.async_engine import (
+from kvlab.server.core.async_engine import (
     AsyncEngine,
     EngineOverloaded,
     EngineRequest,

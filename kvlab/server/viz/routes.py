@@ -30,9 +30,9 @@ from kvlab.estimate import ModelSpec
 from kvlab.estimate.specs import Architecture, architecture_from_config, spec_from_gguf
 from kvlab.request import Structure
 from kvlab.scheduler import SchedulerConfig
-from kvlab.server.openai.async_engine import AsyncEngine
-from kvlab.server.openai.guard import parse_json_body
-from kvlab.server.openai.protocol import ApiError
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.bodies import parse_json_body
+from kvlab.server.core.errors import ApiError
 from kvlab.server.viz.events import LiveRequests, RunSpec, VizRun, pool_now, user_params
 from kvlab.server.viz.predict import (
     PRESETS,

@@ -1,45 +1,49 @@
-"""The HTTP server: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, vLLM's and
-llama.cpp's /tokenize and /detokenize, plus /health and Prometheus /metrics, on FastAPI under
-uvicorn.
+"""The HTTP server every API shares: FastAPI under uvicorn, one engine thread, front ends
+mounted as routers.
 
-Every error is OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`), so the
-official client raises BadRequestError / NotFoundError / ... unchanged. A client that hangs
-up, mid-stream or while waiting for a whole answer, has its requests aborted at once, which
-frees their KV blocks. On shutdown uvicorn lets requests in flight finish for
+    create_app(engine, front_ends, limits)
+        CORS (browsers, from --allowed-origins) -> RequestGuard (key, body size)
+        -> /health, /metrics, and each front end's routes (OpenAI, Responses, Anthropic,
+           Ollama, the visualiser), which find `Calls` at `request.app.state.calls`
+
+An API call is built from its body in a worker thread (decoding, validation, template,
+tokenizing; the native tokenizer releases the GIL), so a huge prompt never delays /health,
+other clients' streams or the engine's steps; it is then submitted on the event loop and
+answered as one JSON object or as a stream (server-sent events, or NDJSON for Ollama). A
+client that hangs up, mid-stream or while waiting for a whole answer, has its requests aborted
+at once, which frees their KV blocks. On shutdown uvicorn lets requests in flight finish for
 `shutdown_timeout` seconds, then cancels them; the engine then aborts whatever is left.
 
-The event loop only moves bytes: `RequestGuard` checks the key and the body size first,
-then a small pool of worker threads decodes, validates, renders and tokenizes each body
-(the native tokenizer releases the GIL), so a huge prompt never delays /health, other
-clients' streams or the engine's steps.
+Errors are written in the shape of the API whose path was called (`ErrorShapes`), so each
+official client raises its own exception types unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
-from kvlab.server.openai.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
-from kvlab.server.openai.guard import RequestGuard, ServerLimits
-from kvlab.server.openai.prom import CONTENT_TYPE
-from kvlab.server.openai.protocol import ApiError
-from kvlab.server.openai.serving import Call, Serving
-from kvlab.server.openai.tokenize import detokenize, tokenize
+from kvlab.server.core.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from kvlab.server.core.errors import ApiError, ErrorShape, ErrorShapes
+from kvlab.server.core.guard import RequestGuard, ServerLimits
+from kvlab.server.core.prom import CONTENT_TYPE
+from kvlab.server.core.serving import Serving
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")
@@ -47,15 +51,35 @@ CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"
 PREP_THREADS = 4  # bodies decoded and tokenized at once, off the event loop
 
 
+@dataclass(frozen=True)
+class FrontEnd:
+    """One API mounted on the server: its routes and the error shape of its paths."""
+
+    router: APIRouter
+    error_shapes: dict[str, ErrorShape] = field(default_factory=dict)  # path prefix -> shape
+
+
+class ApiCall(Protocol):
+    """One API call, built from its body (worker thread), then submitted and answered."""
+
+    stream: bool
+    media_type: str  # of the stream: text/event-stream, application/x-ndjson
+
+    async def submit(self, deadline: float | None = None) -> None: ...
+    async def respond(self) -> dict[str, Any]: ...
+    def events(self) -> AsyncIterator[str]: ...
+    def close(self) -> None: ...
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-class EventStream(StreamingResponse):
-    """A call's server-sent events; the call is closed however the response ends."""
+class CallStream(StreamingResponse):
+    """A call's streamed answer; the call is closed however the response ends."""
 
-    def __init__(self, call: Call) -> None:
-        super().__init__(call.events(), media_type="text/event-stream",
+    def __init__(self, call: ApiCall) -> None:
+        super().__init__(call.events(), media_type=call.media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.call = call
 
@@ -66,8 +90,37 @@ class EventStream(StreamingResponse):
             self.call.close()
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+class Calls:
+    """How a route answers: build off the loop, submit with the deadline, stream or wait."""
+
+    def __init__(self, serving: Serving, prep: ThreadPoolExecutor,
+                 timeout: float | None) -> None:
+        self.serving = serving
+        self.prep = prep
+        self.timeout = timeout
+
+    async def answer(self, request: Request,
+                     build: Callable[[Serving, bytes], ApiCall]) -> Response:
+        """The HTTP side of a call: its body built in a worker thread, its deadline, and its
+        abort when the client hangs up; the call itself submits and renders."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else loop.time() + self.timeout
+        call = await self.blocking(request, build)
+        await call.submit(deadline)
+        if call.stream:
+            return CallStream(call)
+        try:
+            return JSONResponse(await unless_disconnected(request, call.respond()))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            call.close()
+
+    async def blocking(self, request: Request, handle: Callable[[Serving, bytes], T]) -> T:
+        """handle(serving, body) in a worker thread (parsing, templates, tokenizing)."""
+        body = await request.body()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.prep, partial(handle, self.serving), body)
 
 
 def as_api_error(exc: Exception) -> ApiError:
@@ -84,7 +137,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(400, f"invalid value for '{where}': {err['msg']} "
                              f"(got {err.get('input')!r})", param=where)
     if isinstance(exc, HTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        kind = ("not_found_error" if exc.status_code == 404 else "invalid_request_error"
+                if exc.status_code < 500 else "internal_server_error")
         return ApiError(exc.status_code, str(exc.detail), type_=kind)
     log.exception("unhandled error", exc_info=exc)
     return ApiError(500, f"internal error: {exc}", type_="internal_server_error")
@@ -110,12 +164,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
+def create_app(engine: AsyncEngine, front_ends: Sequence[FrontEnd] = (),
                limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app; starting it starts the engine thread, stopping it stops that thread.
 
-    `routers` add front ends of their own (e.g. the visualiser); their handlers find the
-    AsyncEngine at `request.app.state.engine`, and may raise ApiError like these do.
+    Handlers find the AsyncEngine at `request.app.state.engine`, the shared `Serving` at
+    `.serving` and `Calls` at `.calls`, and may raise ApiError.
     """
     limits = limits or ServerLimits()
     prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="kvlab-prep")
@@ -128,30 +182,40 @@ def create_app(engine: AsyncEngine, routers: Sequence[APIRouter] = (),
         prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
-    app.state.engine = engine
-    serving = Serving(engine)
-    app.state.serving = serving
-    app.state.limits = limits
+    serving = Serving(engine, limits.served_model_names, limits.any_model_name)
+    app.state.engine, app.state.serving, app.state.limits = engine, serving, limits
+    app.state.calls = Calls(serving, prep, limits.request_timeout)
+    shapes = shapes_of(front_ends)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(as_api_error(exc))
+        err = as_api_error(exc)
+        return JSONResponse(shapes.body(request.url.path, err), status_code=err.status)
 
     # the specific ones are answered quietly; a bare Exception is also logged by starlette
     for kind in (ApiError, KvlabError, EngineOverloaded, EngineUnavailable, HTTPException,
                  RequestValidationError, Exception):
         app.add_exception_handler(kind, on_error)
     add_info_routes(app, engine)
-    add_generation_routes(app, serving, prep, limits.request_timeout)
-    add_tokenize_routes(app, serving, prep)
-    for router in routers:
-        app.include_router(router)
-    app.add_middleware(RequestGuard, limits=limits)
+    for front in front_ends:
+        app.include_router(front.router)
+    app.add_middleware(RequestGuard, limits=limits, shapes=shapes)
+    if limits.allowed_origins:  # outermost: preflights and refusals carry CORS headers too
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["*"], max_age=600)
     return app
 
 
-def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    started = int(time.time())
+def shapes_of(front_ends: Sequence[FrontEnd]) -> ErrorShapes:
+    """The error shape of every path the front ends registered."""
+    shapes = ErrorShapes()
+    for front in front_ends:
+        for prefix, shape in front.error_shapes.items():
+            shapes.add(prefix, shape)
+    return shapes
 
+
+def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         s = engine.stats
@@ -164,69 +228,17 @@ def add_info_routes(app: FastAPI, engine: AsyncEngine) -> None:
              "prefix_queries": s.prefix_queries, "prefix_hits": s.prefix_hits},
             status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": started,
-            "owned_by": "kvlab", "root": engine.model_name,
-            "max_model_len": engine.max_model_len}]}
-
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(engine.metrics.render(engine.stats), media_type=CONTENT_TYPE)
 
 
-def add_generation_routes(app: FastAPI, serving: Serving, prep: ThreadPoolExecutor,
-                          timeout: float | None) -> None:
-    async def answer(request: Request, build: Callable[[Serving, bytes], Call]) -> Response:
-        """The HTTP side of a call: its body built in a worker thread, its deadline, and its
-        abort when the client hangs up; the call itself submits and renders."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        body = await request.body()
-        call = await loop.run_in_executor(prep, partial(build, serving), body)
-        await call.submit(deadline)
-        if call.stream:
-            return EventStream(call)
-        try:
-            return JSONResponse(await unless_disconnected(request, call.respond()))
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        finally:
-            call.close()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await answer(request, Call.completion)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await answer(request, Call.chat)
-
-
-def add_tokenize_routes(app: FastAPI, serving: Serving, prep: ThreadPoolExecutor) -> None:
-    async def answer(request: Request,
-                     handle: Callable[[Serving, bytes], dict[str, Any]]) -> JSONResponse:
-        """The body parsed and (de)tokenized in a worker thread, as a call is built."""
-        body = await request.body()
-        loop = asyncio.get_running_loop()
-        return JSONResponse(await loop.run_in_executor(prep, partial(handle, serving), body))
-
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
-        return await answer(request, tokenize)
-
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
-        return await answer(request, detokenize)
-
-
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 128,
           shutdown_timeout: float = 30.0, log_level: str = "info",
-          routers: Sequence[APIRouter] = (), limits: ServerLimits | None = None) -> None:
+          front_ends: Sequence[FrontEnd] = (), limits: ServerLimits | None = None) -> None:
     """Run the server until SIGINT / SIGTERM."""
     async_engine = AsyncEngine(engine, max_waiting)
-    app = create_app(async_engine, routers, limits)
+    app = create_app(async_engine, front_ends, limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=int(shutdown_timeout))
     GracefulServer(config, async_engine).run()
@@ -236,8 +248,8 @@ class GracefulServer(uvicorn.Server):
     """uvicorn's server; a second before its grace period ends, unfinished requests end.
 
     Without this, uvicorn cancels what is still running when the grace period is over and
-    a stream is cut mid-chunk; this way every stream ends with a final chunk (finish reason
-    "abort") and [DONE], and every whole answer with what it had.
+    a stream is cut mid-chunk; this way every stream ends with its final event (finish
+    reason "abort") and every whole answer with what it had.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.request import Structure
-from kvlab.server.openai.protocol import ApiError
+from kvlab.server.core.errors import ApiError
 from kvlab.structured.compiler import closed_schema
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

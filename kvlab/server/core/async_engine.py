@@ -32,7 +32,7 @@ from kvlab.engine import Engine, EngineSnapshot, EngineStats
 from kvlab.errors import RequestError
 from kvlab.metrics import GenerationMetrics
 from kvlab.request import FinishReason, RequestOutput, SamplingParams, Structure
-from kvlab.server.openai.prom import ServerMetrics
+from kvlab.server.core.prom import ServerMetrics
 
 log = logging.getLogger("kvlab.server")
 T = TypeVar("T")

@@ -11,10 +11,8 @@ A `Call` owns one API call from end to end:
 
 Building a call (JSON decoding, validation, chat template, tokenization) is plain blocking
 work: the app runs `Call.completion` / `Call.chat` in a worker thread, never on the event
-loop. `Serving` holds what every call shares: the model's names, its tokenizer, its tool-call
-form and the limits its context sets. A prompt whose UTF-8 length alone proves it cannot fit
-the context (more bytes than the context holds tokens times the longest token) is refused
-before it is tokenized.
+loop. `Serving` (kvlab.server.core) holds what every call shares: the model's names, its
+tokenizer, its tool-call form and the limits its context sets.
 """
 
 from __future__ import annotations
@@ -24,17 +22,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from kvlab.errors import RequestError
 from kvlab.request import Structure
-from kvlab.server.openai.async_engine import (
+from kvlab.server.core.async_engine import (
     AsyncEngine,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
     Generation,
 )
+from kvlab.server.core.bodies import parse, parse_json_body
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.serving import Serving
+from kvlab.server.core.tools import ToolPlan, tool_plan
 from kvlab.server.openai.formats import (
     ChatFormat,
     Choice,
@@ -43,92 +44,14 @@ from kvlab.server.openai.formats import (
     ToolFormat,
     usage,
 )
-from kvlab.server.openai.guard import parse_json_body
 from kvlab.server.openai.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     check_common,
     max_tokens_of,
-    parse,
     sampling_params,
     structure_of,
 )
-from kvlab.server.openai.tools import ToolPlan, template_messages, tool_plan
-from kvlab.tokenizer.chat import template_variables
-
-# A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this
-# times the longest token's bytes.
-_NORMALIZER_SLACK = 4
-
-
-class Serving:
-    """What every call on this server is built against (read-only once made)."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        name = engine.model_name
-        self.model_names = {name, name.removesuffix(".gguf")}
-        longest = max((len(self.tokenizer.token_bytes(i))
-                       for i in range(self.tokenizer.vocab_size)), default=16)
-        self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
-        template = self.tokenizer.chat_template
-        self.native_tools = template is not None and "tools" in template_variables(template)
-        # which tool-call format decoding can enforce in auto mode (ToolPlan.structure)
-        self.tool_form = ("generic" if not self.native_tools else
-                          "qwen" if "<tool_call>" in (template or "") else
-                          "llama" if "<|python_tag|>" in (template or "") else "other")
-
-    def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.model_names:
-            raise ApiError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
-        return self.engine.model_name
-
-    def check_fits(self, text: str, param: str) -> None:
-        """Refuse, before tokenizing, text too long in bytes for any tokenization to fit."""
-        if len(text) * 4 <= self.max_prompt_bytes:  # UTF-8 is at most 4 bytes a character
-            return
-        size = len(text.encode("utf-8", errors="surrogatepass"))
-        if size > self.max_prompt_bytes:
-            raise ApiError(400, f"the prompt is {size} bytes; no tokenization of that fits the "
-                                f"context of {self.engine.max_model_len} tokens (at most "
-                                f"{self.max_prompt_bytes} bytes could)", param=param,
-                           code="context_length_exceeded")
-
-    def prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        self.check_fits(prompt, "prompt")
-        return self.tokenizer.encode(prompt)
-
-    def chat_structure(self, req: ChatCompletionRequest,
-                       plan: ToolPlan | None) -> tuple[Structure, str] | None:
-        """The request's own structure, or the one its tool calls must follow."""
-        structure = structure_of(req)
-        if plan is not None and plan.mode == "required" and structure is not None:
-            raise ApiError(400, "a required tool call already fixes the reply's form; drop "
-                                "the structure or use tool_choice \"auto\"",
-                           param="tool_choice")
-        calls = None if plan is None else plan.structure(self.tool_form)
-        if structure is None and calls is not None:  # in auto mode the user's structure wins
-            return calls, "tools"
-        return structure
-
-    def prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
-        """Compile the structure here (worker thread), so the engine finds it ready."""
-        if found is None:
-            return None
-        structure, param = found
-        try:
-            self.engine.prepare_structure(structure)
-        except RequestError as e:
-            raise ApiError(400, str(e), param=param) from None
-        return structure
 
 
 @dataclass
@@ -144,6 +67,7 @@ class Call:
     include_usage: bool
     echo_texts: list[str]  # per prompt; empty strings without echo
     stream: bool = False
+    media_type: ClassVar[str] = "text/event-stream"
     created: int = field(default_factory=lambda: int(time.time()))
     gen: Generation | None = field(default=None, init=False)  # once submitted
 
@@ -166,7 +90,7 @@ class Call:
         structure = serving.prepared(structure_of(req))
         return cls(serving.engine, f"cmpl-{uuid.uuid4().hex}", model,
                    CompletionFormat(serving.tokenizer),
-                   _engine_requests(serving.engine, req, ids, structure), req.n,
+                   _engine_requests(serving, req, ids, structure), req.n,
                    req.include_usage, echo, req.stream)
 
     @classmethod
@@ -176,15 +100,13 @@ class Call:
         model = serving.check_model(req.model)
         check_common(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        structure = serving.chat_structure(req, plan)
-        messages, extra = template_messages([m.as_template_dict() for m in req.messages],
-                                            plan, serving.native_tools)
+        structure = chat_structure(req, plan, serving.tool_form)
+        ids = serving.chat_prompt([m.as_template_dict() for m in req.messages], plan,
+                                  prefill=_prefill(req), **req.chat_template_kwargs)
         tokenizer = serving.tokenizer
-        serving.check_fits(tokenizer.apply_chat_template(messages, **extra), "messages")
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True, **extra)
         chat = ChatFormat(tokenizer) if plan is None else ToolFormat(tokenizer, plan)
         return cls(serving.engine, f"chatcmpl-{uuid.uuid4().hex}", model, chat,
-                   _engine_requests(serving.engine, req, [ids], serving.prepared(structure)),
+                   _engine_requests(serving, req, [ids], serving.prepared(structure)),
                    req.n, req.include_usage, [""], req.stream)
 
     # ---- submitting and answering (event loop) ----------------------------------------------
@@ -266,23 +188,43 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _engine_requests(engine: AsyncEngine, req: CompletionRequest | ChatCompletionRequest,
+def _engine_requests(serving: Serving, req: CompletionRequest | ChatCompletionRequest,
                      prompts: list[list[int]],
                      structure: Structure | None) -> list[EngineRequest]:
-    """prompts x n engine requests; a prompt the context cannot hold is refused here, not on
-    the engine thread."""
-    call_id = uuid.uuid4().hex
-    out = []
-    for p, ids in enumerate(prompts):
-        if len(ids) >= engine.max_model_len:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; the context holds "
-                                f"{engine.max_model_len} (prompt + max_tokens)",
-                           param="messages" if isinstance(req, ChatCompletionRequest)
-                           else "prompt", code="context_length_exceeded")
+    """prompts x n engine requests (choice index = prompt index * n + i)."""
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    ids, params = [], []
+    for p in prompts:
+        serving.check_length(p, param)
         max_tokens = max_tokens_of(req)
-        if max_tokens is None:  # as vLLM: whatever the context leaves
-            max_tokens = max(1, engine.max_model_len - len(ids))
+        if max_tokens is None:
+            max_tokens = serving.default_max_tokens(p)
         for i in range(req.n):
-            out.append(EngineRequest(f"{call_id}-{p}-{i}", ids,
-                                     sampling_params(req, max_tokens, i, structure)))
-    return out
+            ids.append(p)
+            params.append(sampling_params(req, max_tokens, i, structure))
+    return serving.engine_requests(ids, params, param)
+
+
+def chat_structure(req: ChatCompletionRequest, plan: ToolPlan | None,
+                   tool_form: str) -> tuple[Structure, str] | None:
+    """The request's own structure, or the one its tool calls must follow."""
+    structure = structure_of(req)
+    if plan is not None and plan.mode == "required" and structure is not None:
+        raise ApiError(400, "a required tool call already fixes the reply's form; drop "
+                            "the structure or use tool_choice \"auto\"",
+                       param="tool_choice")
+    calls = None if plan is None else plan.structure(tool_form)
+    if structure is None and calls is not None:  # in auto mode the user's structure wins
+        return calls, "tools"
+    return structure
+
+
+def _prefill(req: ChatCompletionRequest) -> bool | None:
+    """vLLM's two flags; unset, a trailing assistant message is continued (llama-server)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt false: the "
+                            "reply cannot both continue the last message and open a new one",
+                       param="continue_final_message")
+    if req.continue_final_message:
+        return True
+    return False if req.add_generation_prompt else None

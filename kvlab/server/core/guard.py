@@ -6,29 +6,27 @@ costs no parsing at all:
     request -> key check (401) -> Content-Length above the limit (413, body never read)
             -> body counted as it streams in (413 once past the limit) -> the app
 
-Keys are checked as `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and the
-visualiser's API, as vLLM and llama-server check them; /health and /metrics stay open unless
-`protect_metrics`.
-`parse_json_body` bounds the nesting depth before `json.loads` recurses into it.
+Keys are checked on every API route (/v1/*, /api/*, /tokenize, /detokenize, /infill and the
+visualiser's API), sent as `Authorization: Bearer KEY` (OpenAI's clients, vLLM, llama-server)
+or `x-api-key: KEY` (Anthropic's clients); /health and /metrics stay open unless
+`protect_metrics`. Refusals are written in the shape of the API whose path was called.
+
+Browsers (CORS) are let in only from `allowed_origins`; a wildcard is refused unless a key is
+set, since it would let any web page a user visits drive the model on their machine.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import re
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvlab.errors import KvlabError
-from kvlab.server.openai.protocol import ApiError
+from kvlab.server.core.errors import ApiError, ErrorShapes
 
-MAX_JSON_DEPTH = 64  # objects and arrays inside each other; OpenAI bodies need about 6
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # runs, not chars: fast
-_PROTECTED = ("/v1/", "/viz/api/", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1/", "/api/", "/viz/api/", "/tokenize", "/detokenize", "/infill")
 DRAIN_LIMIT = 64 << 20  # a refused body up to this size is read and dropped before the 413
 
 
@@ -40,8 +38,18 @@ class ServerLimits:
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
     protect_metrics: bool = False  # also require the key on /health and /metrics
     request_timeout: float | None = None  # seconds from arrival; then choices end ("length")
+    allowed_origins: tuple[str, ...] = ()  # browser origins (CORS); none by default
+    served_model_names: tuple[str, ...] = ()  # names the model answers to; the first is shown
+    any_model_name: bool = False  # answer whatever model name a client sends
 
     def __post_init__(self) -> None:
+        if "*" in self.allowed_origins and self.api_key is None:
+            raise KvlabError("--allowed-origins '*' lets any web page use the model; it needs "
+                             "--api-key (or list the origins, e.g. http://localhost:3000)")
+        bad = [o for o in self.allowed_origins if o != "*" and "://" not in o]
+        if bad:
+            raise KvlabError(f"--allowed-origins takes origins such as https://app.example.com "
+                             f"or '*', got {bad[0]!r}")
         if self.max_request_bytes < 1024:
             raise KvlabError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if self.request_timeout is not None and not self.request_timeout > 0:
@@ -51,9 +59,10 @@ class ServerLimits:
 class RequestGuard:
     """ASGI middleware: API key (401) and body size (413) before the app runs."""
 
-    def __init__(self, app: ASGIApp, limits: ServerLimits) -> None:
+    def __init__(self, app: ASGIApp, limits: ServerLimits, shapes: ErrorShapes) -> None:
         self.app = app
         self.limits = limits
+        self.shapes = shapes
         self._key = limits.api_key.encode() if limits.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -61,17 +70,19 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self._needs_key(scope["path"]) and not self._authorized(headers):
-            await _send_error(send, ApiError(
-                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                type_="authentication_error", code="invalid_api_key"))
+        path = scope["path"]
+        if self._needs_key(path) and not self._authorized(headers):
+            await self._send_error(send, path, ApiError(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                     "or 'x-api-key: <key>'", type_="authentication_error",
+                code="invalid_api_key"))
             return
         limit = self.limits.max_request_bytes
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             if declared.isdigit() and int(declared) <= DRAIN_LIMIT:
                 await _drain(receive)  # so the client reads the 413 instead of a reset
-            await _send_error(send, _too_large(limit, declared.decode("latin-1")))
+            await self._send_error(send, path, _too_large(limit, declared.decode("latin-1")))
             return
         await self.app(scope, _counting(receive, limit), send)
 
@@ -83,9 +94,21 @@ class RequestGuard:
         return path.startswith(_PROTECTED)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if self._key is None:
+            return False
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return (scheme.lower() == b"bearer" and self._key is not None
-                and hmac.compare_digest(token.strip(), self._key))
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return True
+        return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
+
+    async def _send_error(self, send: Send, path: str, err: ApiError) -> None:
+        body = json.dumps(self.shapes.body(path, err)).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        if err.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def _drain(receive: Receive) -> None:
@@ -114,59 +137,3 @@ def _counting(receive: Receive, limit: int) -> Receive:
 def _too_large(limit: int, got: str) -> ApiError:
     return ApiError(413, f"the request body is too large: {got} bytes; the limit is {limit} "
                          "bytes (kvlab serve --max-request-bytes)", code="request_too_large")
-
-
-async def _send_error(send: Send, err: ApiError) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
-    if err.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def json_depth(body: bytes) -> int:
-    """The deepest nesting of objects and arrays in a JSON text (strings skipped)."""
-    skeleton = np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)
-    step = (np.isin(skeleton, (ord("["), ord("{"))).astype(np.int32)
-            - np.isin(skeleton, (ord("]"), ord("}"))))
-    return int(np.cumsum(step).max(initial=0))
-
-
-def parse_json_body(body: bytes) -> Any:
-    """The decoded body; a 400 naming the problem for bad JSON or nesting past the bound."""
-    depth = json_depth(body)
-    if depth > MAX_JSON_DEPTH:
-        raise ApiError(400, f"the JSON body nests {depth} levels deep; at most {MAX_JSON_DEPTH} "
-                            "are accepted")
-    try:
-        value = json.loads(body, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"could not parse the JSON body: {e}") from None
-    _check_unicode(value)
-    return value
-
-
-def _check_unicode(value: Any) -> None:
-    """Refuse lone UTF-16 surrogates ("\\ud800" escapes): JSON allows them, text cannot hold them."""
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ApiError(400, f"the body holds a lone UTF-16 surrogate "
-                                    f"({value[e.start]!a}), which is not a Unicode character; "
-                                    "send valid text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key)
-            _check_unicode(item)
-    elif isinstance(value, list):
-        for item in value:
-            _check_unicode(item)
-
-
-def _no_constant(name: str) -> Any:
-    """NaN and Infinity are not JSON (Python's decoder accepts them by default)."""
-    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)

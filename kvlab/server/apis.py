@@ -1,0 +1,13 @@
+"""The front ends `kvlab serve` mounts on one port, in one list (the single server, its
+replicas and their ingress all read it)."""
+
+from __future__ import annotations
+
+from kvlab.server import viz
+from kvlab.server.core.app import FrontEnd
+from kvlab.server.openai import routes as openai
+
+
+def front_ends(with_viz: bool = True) -> list[FrontEnd]:
+    apis = [openai.front_end]
+    return [*apis, viz.front_end] if with_viz else apis

@@ -1,0 +1,164 @@
+"""What every API's calls are built against: the served model's names, its tokenizer, its
+tool-call form, the limits its context sets, and the one way a conversation becomes a prompt.
+
+Each API (OpenAI chat and completions, Responses, Anthropic Messages, Ollama) is a
+translation layer: it turns its body into template messages, a `ToolPlan` and sampling
+settings, and asks `Serving` for the prompt ids and the compiled structure; the engine request
+underneath is the same for all of them. Building is blocking work (templates, tokenizing,
+grammar compiling) and runs in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvlab.errors import RequestError
+from kvlab.request import SamplingParams, Structure
+from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.reasoning import ReasoningFormat, reasoning_format
+from kvlab.server.core.tools import ToolPlan, template_messages
+from kvlab.tokenizer.chat import template_variables
+
+# A normalizer (NFC, ...) may shorten text before tokenizing; bytes / token is bounded by this
+# times the longest token's bytes.
+_NORMALIZER_SLACK = 4
+
+
+class Serving:
+    """What every call on this server is built against (read-only once made).
+
+    `aliases` are further names the served model answers to (`--served-model-name`);
+    `any_model_name` answers every name (`--any-model-name`), for tools that hard-code one.
+    """
+
+    def __init__(self, engine: AsyncEngine, aliases: tuple[str, ...] = (),
+                 any_model_name: bool = False) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        name = engine.model_name
+        self.model_names = {name, name.removesuffix(".gguf"), *aliases}
+        self.aliases = aliases
+        self.public_name = aliases[0] if aliases else name
+        self.any_model_name = any_model_name
+        longest = max((len(self.tokenizer.token_bytes(i))
+                       for i in range(self.tokenizer.vocab_size)), default=16)
+        self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
+        template = self.tokenizer.chat_template
+        self.native_tools = template is not None and "tools" in template_variables(template)
+        # which tool-call format decoding can enforce in auto mode (ToolPlan.structure)
+        self.tool_form = ("generic" if not self.native_tools else
+                          "qwen" if "<tool_call>" in (template or "") else
+                          "llama" if "<|python_tag|>" in (template or "") else "other")
+        self.reasoning: ReasoningFormat | None = reasoning_format(template)
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with: the one asked for when the server answers to it."""
+        if model is None or model in self.model_names:
+            return self.public_name
+        if self.any_model_name:
+            return model
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                            f"{', '.join(sorted(self.model_names))} (kvlab serve "
+                            "--served-model-name adds aliases, --any-model-name answers any "
+                            "name)", param="model", code="model_not_found", type_="not_found_error")
+
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing, text too long in bytes for any tokenization to fit."""
+        if len(text) * 4 <= self.max_prompt_bytes:  # UTF-8 is at most 4 bytes a character
+            return
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"the prompt is {size} bytes; no tokenization of that fits the "
+                                f"context of {self.engine.max_model_len} tokens (at most "
+                                f"{self.max_prompt_bytes} bytes could)", param=param,
+                           code="context_length_exceeded")
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def encode(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.check_fits(prompt, param)
+        return self.tokenizer.encode(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], plan: ToolPlan | None,
+                    param: str = "messages", prefill: bool | None = None,
+                    **template_vars: Any) -> list[int]:
+        """The prompt ids of a conversation (OpenAI-style template messages), with the tools
+        shown as the template wants them.
+
+        `prefill`: the final assistant message is the start of the reply, continued rather
+        than closed (vLLM's `continue_final_message`, Anthropic's trailing assistant turn,
+        llama-server's assistant prefill); None: so when the conversation ends with one."""
+        messages, extra = template_messages(messages, plan, self.native_tools)
+        last_role = messages[-1].get("role") if messages else None
+        if prefill is None:
+            prefill = last_role == "assistant"
+        elif prefill and last_role != "assistant":
+            raise ApiError(400, f"continuing the final message needs the conversation to end "
+                                f"with an assistant message, not {last_role!r}", param=param)
+        tok = self.tokenizer
+        try:
+            flags = {"add_generation_prompt": not prefill, "continue_final_message": prefill}
+            text = tok.apply_chat_template(messages, **flags, **extra, **template_vars)
+            self.check_fits(text, param)
+            return tok.encode_chat(messages, **flags, **extra, **template_vars)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=param) from None
+
+    def thinking_vars(self, think: bool | None, param: str) -> dict[str, Any]:
+        """Template variables for a request's thinking switch (None: the model's default).
+        Asking a model that does not think to think is refused, as Ollama refuses it."""
+        if think is None:
+            return {}
+        if think and self.reasoning is None:
+            raise ApiError(400, f"{self.public_name} does not support thinking: its chat "
+                                "template writes no reasoning block", param=param)
+        if self.reasoning is None or self.reasoning.switch is None:
+            if not think and self.reasoning is not None:
+                raise ApiError(400, f"{self.public_name} always thinks: its chat template has "
+                                    "no switch to turn thinking off", param=param)
+            return {}
+        return {self.reasoning.switch: think}
+
+    def reasoning_opens(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt leaves the reply inside an open reasoning block."""
+        if self.reasoning is None:
+            return False
+        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+        return self.reasoning.opens(tail)
+
+    def prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
+        """Compile the structure here (worker thread), so the engine finds it ready."""
+        if found is None:
+            return None
+        structure, param = found
+        try:
+            self.engine.prepare_structure(structure)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=param) from None
+        return structure
+
+    def engine_requests(self, prompts: list[list[int]], params: list[SamplingParams],
+                        param: str = "messages") -> list[EngineRequest]:
+        """One engine request per (prompt, params) pair; a prompt the context cannot hold is
+        refused here, not on the engine thread."""
+        call_id = uuid.uuid4().hex
+        out = []
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            self.check_length(ids, param)
+            out.append(EngineRequest(f"{call_id}-{i}", ids, p))
+        return out
+
+    def check_length(self, ids: list[int], param: str) -> None:
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the context holds {limit} "
+                                "(prompt + reply)", param=param, code="context_length_exceeded")
+
+    def default_max_tokens(self, ids: list[int]) -> int:
+        """As vLLM: whatever the context leaves after the prompt."""
+        return max(1, self.engine.max_model_len - len(ids))
