@@ -45,10 +45,20 @@ def register(subs: argparse._SubParsersAction) -> None:
                    help="seconds a request may take; at the deadline its choices end where "
                         "they are (finish_reason 'length') and free their KV blocks")
     p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
-                        "/detokenize (default: $KVLAB_API_KEY; none: open)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every API "
+                        "route (default: $KVLAB_API_KEY; none: open)")
     p.add_argument("--protect-metrics", action="store_true",
                    help="require the API key on /health and /metrics too")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may ask for; the first is the one /v1/models shows "
+                        "and answers carry (default: the model file's name)")
+    p.add_argument("--any-model-name", action="store_true",
+                   help="answer whatever model name a client sends (for tools that hard-code "
+                        "one); by default an unknown name is a 404")
+    p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="web pages (origins such as http://localhost:3000) whose browsers may "
+                        "call the API (CORS, preflights answered); none by default; '*' "
+                        "needs --api-key")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     add_replica_flags(p)
@@ -112,7 +122,10 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         raise KvlabError("--api-key / KVLAB_API_KEY is empty; give a key or unset it")
     return ServerLimits(max_request_bytes=args.max_request_bytes, api_key=args.api_key,
                         protect_metrics=args.protect_metrics,
-                        request_timeout=args.request_timeout)
+                        request_timeout=args.request_timeout,
+                        allowed_origins=tuple(args.allowed_origins),
+                        served_model_names=tuple(args.served_model_name or ()),
+                        any_model_name=args.any_model_name)
 
 
 def replicated(args: argparse.Namespace) -> bool:
