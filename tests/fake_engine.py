@@ -53,6 +53,7 @@ class FakeEngine:
     live: dict[str, tuple[int, SamplingParams, int]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     fail_next_step: bool = False
+    reply: str = ""  # when set: each request writes this text, a character a step, then stops
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if len(prompt) + params.max_tokens > self.max_model_len:
@@ -74,11 +75,14 @@ class FakeEngine:
         outs = []
         for rid, (n_prompt, params, n_out) in list(self.live.items()):
             n_out += 1
-            done = n_out >= params.max_tokens
+            char = self.reply[n_out - 1] if self.reply else "a"
+            ended = bool(self.reply) and n_out >= len(self.reply)
+            done = ended or n_out >= params.max_tokens
             self.live[rid] = (n_prompt, params, n_out)
             if done:
                 del self.live[rid]
-            outs.append(RequestOutput(rid, [97], "a", done, FinishReason.LENGTH if done else None,
+            reason = None if not done else FinishReason.STOP if ended else FinishReason.LENGTH
+            outs.append(RequestOutput(rid, [ord(char)], char, done, reason,
                                       n_prompt, 0, n_out, timings=RequestTimings()))
         return outs
 
