@@ -103,8 +103,9 @@ class Call:
         structure = chat_structure(req, plan, serving.tool_form)
         ids = serving.chat_prompt([m.as_template_dict() for m in req.messages], plan,
                                   prefill=_prefill(req), **req.chat_template_kwargs)
-        tokenizer = serving.tokenizer
-        chat = ChatFormat(tokenizer) if plan is None else ToolFormat(tokenizer, plan)
+        tokenizer, thinking = serving.tokenizer, serving.reasoning_opens(ids)
+        chat = (ChatFormat(tokenizer, serving.reasoning, thinking) if plan is None else
+                ToolFormat(tokenizer, plan, serving.reasoning, thinking))
         return cls(serving.engine, f"chatcmpl-{uuid.uuid4().hex}", model, chat,
                    _engine_requests(serving, req, [ids], serving.prepared(structure)),
                    req.n, req.include_usage, [""], req.stream)

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvlab.logprobs import clamped, completion_logprobs, token_text
 from kvlab.request import RequestOutput, TokenLogprob
+from kvlab.server.core.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply
 from kvlab.tokenizer import Tokenizer
 
@@ -103,15 +104,30 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """Chat replies; where the model thinks (`reasoning`), what it writes between its think
+    markers is `reasoning_content` (as vLLM and llama-server name it), not content."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, tokenizer: Tokenizer, reasoning: ReasoningFormat | None = None,
+                 thinking: bool = False) -> None:
+        super().__init__(tokenizer)
+        self.reasoning = reasoning
+        self.thinking = thinking  # the prompt leaves the reply inside a think block
+        self._reasoning: dict[int, ReasoningStream] = {}
 
     def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
         logprobs = (None if num_logprobs is None
                     else {"content": self.logprobs(c.logprobs, num_logprobs), "refusal": None})
+        text = "".join(c.text)
+        reasoning, content = (split_reasoning(text, self.reasoning, self.thinking)
+                              if self.reasoning else (None, text))
+        message = {"role": "assistant", "content": content, "refusal": None, "tool_calls": []}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {"index": c.index, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "message": {"role": "assistant", "content": "".join(c.text),
-                            "refusal": None, "tool_calls": []}}
+                "message": message}
 
     def first_delta(self, c: Choice) -> dict[str, Any] | None:
         return {"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -119,12 +135,33 @@ class ChatFormat(Format):
 
     def delta(self, c: Choice, out: RequestOutput,
               num_logprobs: int | None) -> dict[str, Any] | None:
-        if not (out.text_delta or out.finished or out.logprobs):
+        reasoning, text = "", out.text_delta
+        if self.reasoning is not None:
+            stream = self._reasoning.setdefault(
+                c.index, ReasoningStream(self.reasoning, self.thinking))
+            reasoning, text = stream.feed(text)
+            if out.finished:
+                more_r, more_c = stream.finish()
+                reasoning, text = reasoning + more_r, text + more_c
+        body = self.content_delta(c, out, text, num_logprobs)
+        if reasoning:
+            body = body or self._delta_body(c, out, "", num_logprobs)
+            body["delta"]["reasoning_content"] = reasoning
+        return body
+
+    def content_delta(self, c: Choice, out: RequestOutput, text: str,
+                      num_logprobs: int | None) -> dict[str, Any] | None:
+        """The chunk for `text`, the content part of this output (None: nothing to send)."""
+        if not (text or out.finished or out.logprobs):
             return None
+        return self._delta_body(c, out, text, num_logprobs)
+
+    def _delta_body(self, c: Choice, out: RequestOutput, text: str,
+                    num_logprobs: int | None) -> dict[str, Any]:
         logprobs = (None if num_logprobs is None
                     else {"content": self.logprobs(out.logprobs, num_logprobs),
                           "refusal": None})
-        delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+        delta = {"content": text} if text or not out.finished else {}
         return {"index": c.index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": out.finish_reason.value if out.finish_reason else None}
 
@@ -138,11 +175,12 @@ class ChatFormat(Format):
 
 
 class ToolFormat(ChatFormat):
-    """Chat replies that may carry tool calls: parsed out of the text, streamed as
+    """Chat replies that may carry tool calls: parsed out of the content, streamed as
     `tool_calls` deltas once the reply ends (text that cannot be a call streams as usual)."""
 
-    def __init__(self, tokenizer: Tokenizer, plan: ToolPlan) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, plan: ToolPlan,
+                 reasoning: ReasoningFormat | None = None, thinking: bool = False) -> None:
+        super().__init__(tokenizer, reasoning, thinking)
         self.plan = plan
         self._streams: dict[int, ToolStream] = {}
 
@@ -154,25 +192,16 @@ class ToolFormat(ChatFormat):
             body["finish_reason"] = "tool_calls"
         return body
 
-    def delta(self, c: Choice, out: RequestOutput,
-              num_logprobs: int | None) -> dict[str, Any] | None:
+    def content_delta(self, c: Choice, out: RequestOutput, text: str,
+                      num_logprobs: int | None) -> dict[str, Any] | None:
         stream = self._streams.setdefault(c.index, ToolStream(self.plan))
-        text = stream.feed(out.text_delta)
+        text = stream.feed(text)
         calls: list[dict[str, Any]] = []
         if out.finished:
             rest, calls = stream.finish()
             text += rest
-        if not (text or out.finished or out.logprobs):
-            return None
-        body = super().delta(c, _with_text(out, text), num_logprobs)
-        assert body is not None
-        if calls:
+        body = super().content_delta(c, out, text, num_logprobs)
+        if body is not None and calls:
             body["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             body["finish_reason"] = "tool_calls"
         return body
-
-
-def _with_text(out: RequestOutput, text: str) -> RequestOutput:
-    return RequestOutput(out.request_id, out.new_token_ids, text, out.finished,
-                         out.finish_reason, out.prompt_tokens, out.cached_tokens,
-                         out.output_tokens, out.logprobs, out.timings, out.forced_tokens)
