@@ -102,6 +102,13 @@ class ToolPlan:
         return None
 
 
+def tool_structure(plan: ToolPlan | None, form: str) -> tuple[Structure, str] | None:
+    """(what decoding enforces for the plan's calls, the field it comes from), as
+    `Serving.prepared` takes it; None when nothing is enforced."""
+    structure = None if plan is None else plan.structure(form)
+    return None if structure is None else (structure, "tools")
+
+
 def _json_or_text(schema: dict[str, Any], opener: str) -> Structure:
     """A reply that is JSON valid against `schema`, or text that does not open with `opener`."""
     return Structure("grammar", f"start: calls | TEXT\ncalls: %json {json.dumps(schema)}\n"

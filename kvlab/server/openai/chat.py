@@ -35,7 +35,7 @@ from kvlab.server.core.async_engine import (
 from kvlab.server.core.bodies import parse, parse_json_body
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.serving import Serving
-from kvlab.server.core.tools import ToolPlan, tool_plan
+from kvlab.server.core.tools import ToolPlan, tool_plan, tool_structure
 from kvlab.server.openai.formats import (
     ChatFormat,
     Choice,
@@ -214,10 +214,8 @@ def chat_structure(req: ChatCompletionRequest, plan: ToolPlan | None,
         raise ApiError(400, "a required tool call already fixes the reply's form; drop "
                             "the structure or use tool_choice \"auto\"",
                        param="tool_choice")
-    calls = None if plan is None else plan.structure(tool_form)
-    if structure is None and calls is not None:  # in auto mode the user's structure wins
-        return calls, "tools"
-    return structure
+    # in auto mode the user's structure wins
+    return structure if structure is not None else tool_structure(plan, tool_form)
 
 
 def _prefill(req: ChatCompletionRequest) -> bool | None:
