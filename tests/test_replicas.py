@@ -54,6 +54,25 @@ def test_routing_key_covers_the_first_full_blocks():
     assert chat is not None and chat == routing_key(CHAT, body(messages=parts), 64, 1)
 
 
+def test_every_api_keys_a_shared_system_prompt_alike():
+    """A long system prompt sent through any API's body keys its continuations together."""
+    system, turn = "s" * 80, [{"role": "user", "content": "hi"}]
+    keys = {api: routing_key(path, body(**fields), 64, 1) for api, (path, fields) in {
+        "anthropic": ("/v1/messages", {"system": system, "messages": turn}),
+        "anthropic blocks": ("/v1/messages", {"system": [{"type": "text", "text": system}],
+                                              "messages": turn}),
+        "responses": ("/v1/responses", {"instructions": system, "input": "hi"}),
+        "ollama generate": ("/api/generate", {"system": system, "prompt": "hi"}),
+    }.items()}
+    assert None not in keys.values() and len(set(keys.values())) == 1, keys
+    again = routing_key("/v1/messages", body(system=system, messages=[*turn, *turn]), 64, 1)
+    assert again == keys["anthropic"]
+    ollama = routing_key("/api/chat", body(messages=[{"role": "system", "content": system}]),
+                         64, 1)
+    assert ollama == routing_key(CHAT, body(messages=[{"role": "system", "content": system}]),
+                                 64, 1)
+
+
 def test_rendezvous_order_is_stable_and_spreads():
     ids = ["r1", "r2", "r3"]
     firsts = {rendezvous_order(f"k{i}", ids)[0] for i in range(64)}

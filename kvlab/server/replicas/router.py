@@ -32,23 +32,29 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                "/api/chat", "/api/generate")
 
 
 def leading_text(body: Any) -> str:
-    """The text a request's prompt starts with: the first prompt, or the chat messages."""
+    """The text a request's prompt starts with, in any API's body: the system text (Anthropic's
+    `system`, Ollama's `system`, Responses' `instructions`), then the chat messages (or
+    Responses' `input`), or the first prompt."""
     if not isinstance(body, dict):
         return ""
-    if "messages" in body:
-        messages = body["messages"] if isinstance(body["messages"], list) else []
-        return "".join(f"{m.get('role')}\n{_content_text(m.get('content'))}\n"
-                       for m in messages if isinstance(m, dict))
+    system = _content_text(body.get("system")) + _content_text(body.get("instructions"))
+    turns = body.get("messages", body.get("input"))
+    if isinstance(turns, list):
+        return system + "".join(f"{m.get('role')}\n{_content_text(m.get('content'))}\n"
+                                for m in turns if isinstance(m, dict))
+    if isinstance(turns, str):  # Responses' input as one string
+        return system + turns
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
     if isinstance(prompt, list):  # token ids
-        return " ".join(str(t) for t in prompt)
-    return prompt if isinstance(prompt, str) else ""
+        return system + " ".join(str(t) for t in prompt)
+    return system + (prompt if isinstance(prompt, str) else "")
 
 
 def _content_text(content: Any) -> str:
