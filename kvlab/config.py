@@ -66,6 +66,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     moe: MoeConfig | None = None  # None: a dense MLP in every layer
     name: str = ""
+    # False: bidirectional attention over the whole input, an encoder (BERT) that only embeds
+    causal: bool = True
 
     def __post_init__(self) -> None:
         if not self.layer_types:

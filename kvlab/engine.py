@@ -26,6 +26,7 @@ from kvlab.kernels import set_num_threads, weight_bytes_read
 from kvlab.metrics import GenerationMetrics, RunCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
+from kvlab.models.pooling import check_dimensions, finish, pool
 from kvlab.models.sharding import SINGLE, check_split
 from kvlab.request import (
     FinishReason,
@@ -52,6 +53,7 @@ from kvlab.weights.checkpoint import open_checkpoint
 from kvlab.weights.default_model import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EMBED_BATCH_TOKENS = 8192  # tokens of one embedding forward: bounds its activations
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class EngineSnapshot:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
+    can_generate: bool = True  # False: an encoder that only embeds (kvlab.models.bert)
+    pooling: str = "last"  # how embed() pools hidden states (kvlab.models.pooling)
+    hidden_size: int = 0  # an embedding's width before any truncation
 
 
 @dataclass(eq=False)
@@ -176,9 +181,11 @@ class Engine:
                 "num_window_blocks": pools.window.num_blocks if pools.window else None}
         self.runner = (ModelRunner(loaded.model, loaded.config, **args) if ranks is None
                        else LeaderRunner(ranks, loaded.model, loaded.config, **args))
-        capacity = num_blocks * config.block_size
+        # an encoder keeps no KV: its context is the model's, not the pool's
+        self.can_generate = loaded.config.causal
+        capacity = num_blocks * config.block_size if self.can_generate else None
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings, capacity)
+                                 loaded.config.max_position_embeddings, capacity or 1 << 62)
         self.cost: RunCost = loaded.run_cost(kv_bytes_per_element(config.kv_dtype),
                                              window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
@@ -193,6 +200,8 @@ class Engine:
         budget = CacheBudget(kv_bytes_per_element(config.kv_dtype), config.block_size,
                              config.kv_cache_gib * 2**30, config.max_num_seqs,
                              config.max_num_batched_tokens)
+        if not model.causal:  # an encoder only embeds: one block stands for the pool
+            return PoolSizes(1, None)
         graphs = config.decode_graphs == "eager" or (config.decode_graphs == "auto"
                                                      and config.device.startswith("cuda"))
         windowed = not graphs
@@ -242,6 +251,9 @@ class Engine:
         """Queue a request; returns its prompt token ids."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if not self.can_generate:
+            raise RequestError(f"{self.model_name} is an embedding model: it generates no "
+                               "text; ask it for embeddings")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, params)
         grammar = None if params.structured is None else self.structured.prepare(
@@ -328,7 +340,37 @@ class Engine:
             kv_dtype=c.kv_dtype, block_size=c.block_size, num_kv_blocks=self.kv.num_blocks,
             kv_bytes_per_token=self.cost.kv_bytes_per_token, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
-            enable_prefix_caching=c.enable_prefix_caching)
+            enable_prefix_caching=c.enable_prefix_caching, can_generate=self.can_generate,
+            pooling=self.loaded.pooling, hidden_size=self.loaded.config.hidden_size)
+
+    def embed(self, prompts: list[list[int]], normalize: bool = True,
+              dimensions: int | None = None) -> torch.Tensor:
+        """One vector per prompt [n, dimensions or hidden] fp32 on the CPU: the final hidden
+        states pooled as the model asks (kvlab.models.pooling), truncated to `dimensions`,
+        L2-normalized. Prompts run whole, a batch of up to EMBED_BATCH_TOKENS per forward,
+        with no KV kept; on the engine's thread, between steps, as any engine call."""
+        if self.config.tensor_parallel_size > 1:
+            raise RequestError("embeddings run on one rank; start without tensor parallel")
+        self._check_embed_prompts(prompts)
+        check_dimensions(dimensions, self.loaded.config.hidden_size)
+        vectors = []
+        for batch in _token_batches(prompts, EMBED_BATCH_TOKENS):
+            hidden = self.runner.final_hidden(batch)
+            vectors.append(pool(hidden, [len(p) for p in batch], self.loaded.pooling).cpu())
+        return finish(torch.cat(vectors), dimensions, normalize)
+
+    def _check_embed_prompts(self, prompts: list[list[int]]) -> None:
+        if not prompts:
+            raise RequestError("no input to embed; send at least one")
+        vocab = self.loaded.config.vocab_size
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError(f"input {i} is empty; send at least one token")
+            if len(ids) > self.max_model_len:
+                raise RequestError(f"input {i} has {len(ids)} tokens; the context holds "
+                                   f"{self.max_model_len}")
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestError(f"input {i}: token ids must be in [0, {vocab})")
 
     def teacher_forced_logprobs(self, ids: list[int], prefill: int) -> torch.Tensor:
         """Next-token log-probs [len(ids) - prefill + 1, vocab] along a fixed sequence.
@@ -507,6 +549,20 @@ class Engine:
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
             output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
             timings=req.timings, forced_tokens=req.forced_tokens)
+
+
+def _token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:
+    """Consecutive prompts grouped so that each group holds at most `limit` tokens (a
+    longer prompt goes alone)."""
+    batches: list[list[list[int]]] = [[]]
+    size = 0
+    for p in prompts:
+        if batches[-1] and size + len(p) > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(p)
+        size += len(p)
+    return batches
 
 
 def _penalty_ids(seq: Sequence, prompt: bool) -> list[int]:

@@ -53,6 +53,7 @@ class FakeEngine:
     live: dict[str, tuple[int, SamplingParams, int]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     fail_next_step: bool = False
+    can_generate: bool = True
     reply: str = ""  # when set: each request writes this text, a character a step, then stops
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:

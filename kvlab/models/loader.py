@@ -29,6 +29,7 @@ from kvlab.metrics import RunCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight
 from kvlab.models.moe import Experts
+from kvlab.models.pooling import gguf_pooling, hf_pooling
 from kvlab.models.sharding import (
     SINGLE,
     TensorParallel,
@@ -79,6 +80,7 @@ class LoadedModel:
     config: ModelConfig
     model: Any  # the architecture's model class
     tensors: tuple[TensorStat, ...]
+    pooling: str = "last"  # how embeddings pool its hidden states (kvlab.models.pooling)
 
     @property
     def weight_bytes(self) -> int:
@@ -203,10 +205,19 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
 
     weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}
     layers = [get_layer(i) for i in range(config.num_layers)]
-    _check_present(weights, layers, ckpt)
+    _check_present(weights, layers, ckpt, spec.gated_mlp)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
     model = spec.model_cls(config, weights, _stack_all(layers, fused), tp)
-    return LoadedModel(spec, config, model, tuple(stats))
+    return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec))
+
+
+def _pooling(ckpt: Checkpoint, spec: ArchSpec) -> str:
+    """The checkpoint's own pooling for embeddings, else the architecture's default."""
+    if ckpt.format == "gguf":
+        found = gguf_pooling(ckpt.metadata, str(ckpt.metadata.get("general.architecture")))
+    else:
+        found = hf_pooling(ckpt.path) if ckpt.path.is_dir() else None
+    return found or spec.pooling
 
 
 def _stack_all(layers: list[dict], fused_sizes: dict[str, tuple[int, ...]]) -> list[dict]:
@@ -275,12 +286,12 @@ def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, s
 
 
 def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
-                   ckpt: Checkpoint) -> None:
+                   ckpt: Checkpoint, gated_mlp: bool = True) -> None:
     missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
         required = {"o"}  # and q/k/v, gate/up, each set alone or fused
         required |= {"qkv"} if "qkv" in layer else {"q", "k", "v"}
-        required |= _mlp_names(layer)
+        required |= _mlp_names(layer) if gated_mlp else {"up", "down"}
         missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:
         raise ModelLoadError(f"{ckpt.path} lacks tensors the {ckpt.architecture} "

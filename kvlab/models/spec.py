@@ -49,6 +49,11 @@ class ArchSpec:
     # (GGUF architecture, test of its metadata): files another family's converter writes
     # under that name which belong here (Mixtral: `llama` with experts)
     gguf_variant_of: tuple[str, Callable[[dict[str, Any]], bool]] | None = None
+    # the MLP's products: gate, up and down (SwiGLU / GeGLU), or up and down alone (BERT)
+    gated_mlp: bool = True
+    # how embeddings pool the final hidden states when the checkpoint does not say
+    # (kvlab.models.pooling): decoders take the last token
+    pooling: str = "last"
 
 
 def gguf_get(meta: dict[str, Any], arch: str) -> Callable[..., Any]:

@@ -9,6 +9,8 @@ stores have that many blocks instead, addressed through each sequence's window t
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from kvlab.config import ModelConfig
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
+from kvlab.models.layers import rms_norm
 from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
 from kvlab.runner.kv_pager import KVPager
 from kvlab.scheduler import SchedulerOutput
@@ -113,13 +116,41 @@ class ModelRunner:
         threads for their attention products. logits=False stops at the hidden states (a
         tensor-parallel rank other than 0): the result then has no rows."""
         record = record_experts and self.config.moe is not None
-        if not self.kernel_decode or out.num_tokens < WIDE_STEP_TOKENS:
+        with self._torch_threads(out.num_tokens):
             return self._execute(out, record, logits)
+
+    @contextmanager
+    def _torch_threads(self, num_tokens: int) -> Iterator[None]:
+        """All threads for torch while a wide step runs (see execute), one otherwise."""
+        if not self.kernel_decode or num_tokens < WIDE_STEP_TOKENS:
+            yield
+            return
         torch.set_num_threads(self.threads)
         try:
-            return self._execute(out, record, logits)
+            yield
         finally:
             torch.set_num_threads(1)
+
+    def final_hidden(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Whole prompts in one pass -> final hidden states [sum(len), hidden] fp32 (after
+        the final norm), for embeddings. A decoder attends causally over K/V stores of its
+        own, fp32 and sized to these tokens, dropped on return: the paged pool and its
+        blocks are untouched. An encoder (config.causal False) attends bidirectionally."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        with self._torch_threads(len(ids)), torch.inference_mode():
+            if not self.config.causal:
+                return self.model.forward(ids, positions, lengths)
+            c, offset, spans = self.config, 0, []
+            for n in lengths:  # each sequence's slots: the next n of the store
+                spans.append(SeqSpan(0, n, torch.arange(offset, offset + n)))
+                offset += n
+            stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device)
+                      for _ in range(c.num_layers)]
+            meta = build_metadata(spans, c.sliding_window, self.device)
+            hidden = self.model.forward(ids, positions, stores, meta)
+            return rms_norm(hidden, self.model.weights["norm"], c.rms_norm_eps).float()
 
     def close(self) -> None:
         """Stop the KV pager; a tensor-parallel runner also stops its group."""

@@ -116,6 +116,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.can_generate = engine.can_generate  # False: an encoder, embeddings only
         self.capacity = engine.config.max_num_seqs + max_waiting
         self.metrics = ServerMetrics(engine.model_name)
         self.stats: EngineStats = engine.stats()  # snapshot, refreshed by the engine thread

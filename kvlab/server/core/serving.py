@@ -93,6 +93,7 @@ class Serving:
         `prefill`: the final assistant message is the start of the reply, continued rather
         than closed (vLLM's `continue_final_message`, Anthropic's trailing assistant turn,
         llama-server's assistant prefill); None: so when the conversation ends with one."""
+        self.check_generates(param)
         messages, extra = template_messages(messages, plan, self.native_tools)
         last_role = messages[-1].get("role") if messages else None
         if prefill is None:
@@ -146,12 +147,20 @@ class Serving:
                         param: str = "messages") -> list[EngineRequest]:
         """One engine request per (prompt, params) pair; a prompt the context cannot hold is
         refused here, not on the engine thread."""
+        self.check_generates(param)
         call_id = uuid.uuid4().hex
         out = []
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             self.check_length(ids, param)
             out.append(EngineRequest(f"{call_id}-{i}", ids, p))
         return out
+
+    def check_generates(self, param: str) -> None:
+        """Refuse generation on an encoder the engine serves for embeddings only."""
+        if not self.engine.can_generate:
+            raise ApiError(400, f"{self.public_name} is an embedding model: it generates no "
+                                "text; use /v1/embeddings (or Ollama's /api/embed)", param=param,
+                           code="model_not_generative")
 
     def check_length(self, ids: list[int], param: str) -> None:
         limit = self.engine.max_model_len

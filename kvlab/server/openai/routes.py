@@ -1,5 +1,6 @@
-"""The OpenAI API's routes: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's and
-llama.cpp's /tokenize and /detokenize. Errors keep the server's default (OpenAI's) shape."""
+"""The OpenAI API's routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+and vLLM's and llama.cpp's /tokenize and /detokenize. Errors keep the server's default
+(OpenAI's) shape."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvlab.server.core.app import FrontEnd
+from kvlab.server.openai import embeddings
 from kvlab.server.openai.chat import Call
 from kvlab.server.openai.tokenize import detokenize, tokenize
 
@@ -25,6 +27,13 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await request.app.state.calls.answer(request, Call.chat)
+
+
+@router.post("/v1/embeddings")
+async def embeddings_route(request: Request) -> Response:
+    calls = request.app.state.calls
+    body, model = await calls.blocking(request, embeddings.read_body)
+    return JSONResponse(await embeddings.create(calls.serving, body, model))
 
 
 @router.get("/v1/models")
