@@ -5,6 +5,7 @@ through `kvlab serve` on the default model with the official `ollama` client."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
@@ -13,9 +14,11 @@ import httpx
 import pytest
 from test_server import start_server
 
+from kvlab.cli.serve import listen_address, ollama_address
 from kvlab.config import ModelConfig
 from kvlab.cost import LayerSpec, MatrixSpec, ModelSpec
 from kvlab.engine import EngineSnapshot
+from kvlab.errors import KvlabError
 from kvlab.request import SamplingParams
 from kvlab.server.apis import front_ends
 from kvlab.server.core.app import create_app
@@ -340,13 +343,36 @@ def test_tags_show_ps_version_and_the_probe() -> None:
     run_app(body)
 
 
+# ---- kvlab serve --ollama -------------------------------------------------------------------
+
+
+def test_ollama_listens_where_its_clients_look(monkeypatch) -> None:
+    def address(*, ollama: bool, host: str | None = None, port: int | None = None):
+        return listen_address(argparse.Namespace(ollama=ollama, host=host, port=port))
+    monkeypatch.delenv("OLLAMA_HOST", raising=False)
+    assert address(ollama=False) == ("127.0.0.1", 8000)
+    assert address(ollama=True) == ("127.0.0.1", 11434)
+    assert address(ollama=True, port=9000) == ("127.0.0.1", 9000)
+    monkeypatch.setenv("OLLAMA_HOST", "0.0.0.0:11500")
+    assert address(ollama=True) == ("0.0.0.0", 11500)
+    assert address(ollama=True, host="::1") == ("::1", 11500)
+    assert address(ollama=False) == ("127.0.0.1", 8000)  # the variable is Ollama's alone
+    assert ollama_address("") == ("127.0.0.1", 11434)
+    assert ollama_address("example.com") == ("example.com", 11434)
+    assert ollama_address("http://example.com/") == ("example.com", 80)
+    assert ollama_address("https://[::1]:5000") == ("::1", 5000)
+    assert ollama_address(":7000") == ("127.0.0.1", 7000)
+    with pytest.raises(KvlabError, match="OLLAMA_HOST"):
+        ollama_address("host:port")
+
+
 # ---- end to end with the official client -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with start_server(log, "--max-num-seqs", "4") as s:
+    with start_server(log, "--ollama", "--max-num-seqs", "4") as s:  # --port given wins
         yield s
 
 
@@ -396,6 +422,12 @@ def test_client_json_format_and_tools(client, name) -> None:
         assert call.function.name == "get_weather"
         assert isinstance(call.function.arguments, dict)
     assert tools.message.tool_calls or tools.message.content
+
+
+@pytest.mark.slow
+def test_a_client_finds_the_server_through_ollama_host(server, name, monkeypatch) -> None:
+    monkeypatch.setenv("OLLAMA_HOST", server.url.removeprefix("http://"))
+    assert [m.model for m in ollama.Client().list().models] == [name]
 
 
 @pytest.mark.slow

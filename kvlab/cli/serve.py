@@ -1,4 +1,5 @@
-"""`kvlab serve`: an OpenAI-compatible HTTP server (completions, chat, models, metrics).
+"""`kvlab serve`: an HTTP server speaking the OpenAI and Ollama APIs on one port (completions,
+chat, models, metrics); `--ollama` listens where Ollama's clients look (port 11434).
 
 With `--replicas N` (or `--min-replicas/--max-replicas`) the same API is served by N engine
 replicas under Ray Serve (kvlab.server.replicas); `--threads` is then per replica.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from urllib.parse import urlsplit
 
 from kvlab.cli.common import add_model_flags, engine_config
 from kvlab.engine import Engine
@@ -22,8 +24,14 @@ from kvlab.server.replicas.settings import AppSettings
 def register(subs: argparse._SubParsersAction) -> None:
     p = subs.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     add_model_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=None,
+                   help="address to listen on (default 127.0.0.1, or $OLLAMA_HOST's with "
+                        "--ollama)")
+    p.add_argument("--port", type=int, default=None,
+                   help="default 8000; with --ollama, Ollama's 11434 (or $OLLAMA_HOST's)")
+    p.add_argument("--ollama", action="store_true",
+                   help="listen where Ollama's clients look: $OLLAMA_HOST when set, else "
+                        "127.0.0.1:11434 (every API is served on the one port either way)")
     p.add_argument("--max-num-seqs", type=int, default=16,
                    help="most requests in the running batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -84,6 +92,7 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.host, args.port = listen_address(args)
     if args.max_waiting < 0 or args.max_num_batched_tokens < 1:
         raise KvlabError("--max-waiting must be >= 0 and --max-num-batched-tokens >= 1")
     if replicated(args) and args.tensor_parallel_size > 1:
@@ -106,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_reserve_kv:
         engine.reserve_kv_memory()
     print(f"kvlab serve: {engine.model_name} (context {engine.max_model_len}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port} (OpenAI /v1, Ollama /api)", file=sys.stderr, flush=True)
     if limits.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"kvlab serve: WARNING: listening on {args.host} without an API key: anyone who "
               "can reach this port can use the model (set --api-key or KVLAB_API_KEY)",
@@ -114,6 +123,27 @@ def run(args: argparse.Namespace) -> int:
     serve(engine, args.host, args.port, args.max_waiting, args.shutdown_timeout,
           args.log_level, front_ends=front_ends(), limits=limits)
     return 0
+
+
+def listen_address(args: argparse.Namespace) -> tuple[str, int]:
+    """--host / --port, else Ollama's address with --ollama, else 127.0.0.1:8000."""
+    host, port = ollama_address(os.environ.get("OLLAMA_HOST", "")) if args.ollama \
+        else ("127.0.0.1", 8000)
+    return args.host or host, port if args.port is None else args.port
+
+
+def ollama_address(value: str) -> tuple[str, int]:
+    """OLLAMA_HOST as Ollama reads it: [http[s]://]host[:port]; 127.0.0.1:11434 by default
+    (port 80 / 443 when only a scheme is given), so `ollama` clients reading the same
+    variable find the server."""
+    scheme, _, rest = value.strip().rpartition("://")
+    try:
+        url = urlsplit("//" + rest.rstrip("/"))
+        port = url.port
+    except ValueError:
+        raise KvlabError(f"OLLAMA_HOST must be [http://]host[:port], got {value!r}") from None
+    default = {"http": 80, "https": 443}.get(scheme.lower(), 11434)
+    return url.hostname or "127.0.0.1", default if port is None else port
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
