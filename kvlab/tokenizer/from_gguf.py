@@ -20,6 +20,7 @@ from kvlab.errors import ModelLoadError
 from kvlab.tokenizer import native
 from kvlab.tokenizer.bpe import ByteLevelBPE, pre_tokenizer_for, unicode_to_byte
 from kvlab.tokenizer.chat import FALLBACK_TEMPLATES
+from kvlab.tokenizer.fim import find_fim_tokens
 from kvlab.tokenizer.specials import SpecialSplitter
 from kvlab.tokenizer.spm import SPACE_MARK, SentencePieceBPE
 from kvlab.tokenizer.tokenizer import Tokenizer
@@ -73,16 +74,18 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
     arch = metadata.get("general.architecture", "")
     template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(arch)
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    fim = find_fim_tokens(token_to_id, len(tokens), metadata)
     return Tokenizer(
         encode_text=encode_text,
         pieces=pieces,
         special=[ty in _SPECIAL_TYPES for ty in types],
         bos_id=bos_id,
-        eos_ids=_eos_ids(metadata, token_to_id),
+        eos_ids=_eos_ids(metadata, token_to_id) + list(fim.end_ids if fim else ()),
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", is_spm)) and bos_id is not None,
         chat_template=template,
         strip_leading_space=space_prefix,
         template_tokens=_template_tokens(metadata, tokens),
+        fim=fim,
     )
 
 

@@ -17,6 +17,7 @@ import tokenizers
 
 from kvlab.errors import ModelLoadError
 from kvlab.tokenizer.bpe import unicode_to_byte
+from kvlab.tokenizer.fim import find_fim_tokens
 from kvlab.tokenizer.from_gguf import END_OF_TURN_TOKENS
 from kvlab.tokenizer.spm import SPACE_MARK
 from kvlab.tokenizer.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ def load_hf_tokenizer(model_dir: Path | str) -> Tokenizer:
     template_tokens = {k: v for k, v in token_strings.items() if v is not None}
     bos_id = _id_of(hf, token_strings["bos_token"])
     pieces, special = _pieces(hf, decoder)
+    fim = find_fim_tokens(hf.get_vocab(with_added_tokens=True), len(pieces))
 
     def encode_text(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids
@@ -51,11 +53,13 @@ def load_hf_tokenizer(model_dir: Path | str) -> Tokenizer:
         pieces=pieces,
         special=special,
         bos_id=bos_id,
-        eos_ids=_eos_ids(model_dir, hf, token_strings["eos_token"]),
+        eos_ids=(_eos_ids(model_dir, hf, token_strings["eos_token"])
+                 + list(fim.end_ids if fim else ())),
         add_bos=_add_bos(hf, config, bos_id),
         chat_template=_chat_template(model_dir, config),
         strip_leading_space=_strips_leading_space(decoder),
         template_tokens=template_tokens,
+        fim=fim,
     )
 
 

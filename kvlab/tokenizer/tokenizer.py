@@ -13,6 +13,7 @@ from typing import Any
 
 from kvlab.errors import RequestError
 from kvlab.tokenizer.chat import render_chat_template
+from kvlab.tokenizer.fim import FimTokens
 
 
 class Tokenizer:
@@ -20,13 +21,15 @@ class Tokenizer:
 
     `eos_ids` holds every id that ends generation (eos, end-of-turn, ...). When `add_bos`,
     `encode(..., add_special_tokens=True)` puts `bos_id` first. Special tokens written in the
-    text (`<start_of_turn>`) always encode to their ids.
+    text (`<start_of_turn>`) always encode to their ids. `fim`: the fill-in-the-middle
+    markers of a code model (None when the model has none).
     """
 
     def __init__(self, *, encode_text: Callable[[str], list[int]], pieces: Sequence[bytes],
                  special: Sequence[bool], bos_id: int | None, eos_ids: Sequence[int],
                  add_bos: bool, chat_template: str | None, strip_leading_space: bool = False,
-                 template_tokens: dict[str, str] | None = None) -> None:
+                 template_tokens: dict[str, str] | None = None,
+                 fim: FimTokens | None = None) -> None:
         self._encode_text = encode_text
         self._pieces = tuple(pieces)
         self._special = bytes(bool(s) for s in special)  # compact: one byte per token
@@ -38,6 +41,7 @@ class Tokenizer:
         # SentencePiece vocabularies with a space prefix drop the first decoded token's space.
         self.strip_leading_space = strip_leading_space
         self._template_tokens = dict(template_tokens or {})
+        self.fim = fim
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """The same tokenizer with another chat template (a Jinja text)."""

@@ -4,5 +4,6 @@
     formats    completions vs chat shapes: choices, deltas, logprobs, usage
     chat       one completions / chat call: its engine requests, its JSON or SSE answer
     tokenize   /tokenize and /detokenize in vLLM's and llama.cpp's shapes
+    infill     llama.cpp's /infill and /v1/completions' suffix: code completion (FIM)
     routes     the routes, and `front_end` that mounts them
 """

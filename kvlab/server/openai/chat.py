@@ -44,6 +44,7 @@ from kvlab.server.openai.formats import (
     ToolFormat,
     usage,
 )
+from kvlab.server.openai.infill import completion_ids
 from kvlab.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,14 +80,12 @@ class Call:
         req = parse(CompletionRequest, parse_json_body(body))
         model = serving.check_model(req.model)
         check_common(req)
-        if req.suffix is not None:
-            raise ApiError(400, "suffix is not supported", param="suffix")
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            param="echo")
         prompts = _completion_prompts(req.prompt)
         echo = [serving.prompt_text(p) if req.echo else "" for p in prompts]
-        ids = [serving.encode(p) for p in prompts]
+        ids = [completion_ids(serving, req, p) for p in prompts]  # with suffix: FIM
         structure = serving.prepared(structure_of(req))
         return cls(serving.engine, f"cmpl-{uuid.uuid4().hex}", model,
                    CompletionFormat(serving.tokenizer),

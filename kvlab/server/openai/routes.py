@@ -1,6 +1,6 @@
 """The OpenAI API's routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
-and vLLM's and llama.cpp's /tokenize and /detokenize. Errors keep the server's default
-(OpenAI's) shape."""
+vLLM's and llama.cpp's /tokenize and /detokenize, and llama.cpp's /infill. Errors keep the
+server's default (OpenAI's) shape."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from kvlab.server.core.app import FrontEnd
 from kvlab.server.openai import embeddings
 from kvlab.server.openai.chat import Call
+from kvlab.server.openai.infill import InfillCall
 from kvlab.server.openai.tokenize import detokenize, tokenize
 
 router = APIRouter()
@@ -44,6 +45,11 @@ async def models(request: Request) -> dict[str, Any]:
         "id": name, "object": "model", "created": _STARTED, "owned_by": "kvlab",
         "root": serving.engine.model_name, "max_model_len": serving.engine.max_model_len}
         for name in names]}
+
+
+@router.post("/infill")
+async def infill(request: Request) -> Response:
+    return await request.app.state.calls.answer(request, InfillCall.build)
 
 
 @router.post("/tokenize")
