@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
+import torch
 from test_server import start_server
 
 from kvlab.cli.serve import listen_address, ollama_address
@@ -52,13 +53,22 @@ class RecordingEngine(FakeEngine):
     def prepare_structure(self, structure) -> None:
         pass
 
+    def embed(self, prompts: list[list[int]], normalize: bool = True,
+              dimensions: int | None = None) -> torch.Tensor:
+        """[len(prompt), 1, 0, ...] per prompt, so tests can tell the inputs apart."""
+        vectors = torch.zeros(len(prompts), 64)
+        vectors[:, 0] = torch.tensor([float(len(p)) for p in prompts])
+        vectors[:, 1] = 1.0
+        vectors = vectors[:, :dimensions] if dimensions else vectors
+        return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
+
     def snapshot(self) -> EngineSnapshot:
         config = ModelConfig("gemma3", 256, 64, 2, 4, 1, 16, 128, 8192, name=MODEL)
         matrix = MatrixSpec("Q4_K", 64, 64, 2304, "attn_q")
         spec = ModelSpec(MODEL, "loaded", 268_098_176, 5000, (LayerSpec(2304, 4096,
                                                                         matrices=(matrix,)),))
         return EngineSnapshot(MODEL, config, spec, 5000, self.max_model_len, "f16", 16, 64,
-                              128, 2, 512, True)
+                              128, 2, 512, True, hidden_size=64)
 
 
 Body = Callable[[httpx.AsyncClient, RecordingEngine], Awaitable[None]]
@@ -316,6 +326,36 @@ def test_a_client_that_leaves_mid_stream_frees_its_request() -> None:
     run_app(body)
 
 
+# ---- embeddings -------------------------------------------------------------------------------
+
+
+def test_embed_and_the_legacy_embeddings() -> None:
+    async def body(client: httpx.AsyncClient, engine: RecordingEngine) -> None:
+        one = (await client.post("/api/embed", json={"model": MODEL, "input": "hello"})).json()
+        (vector,) = one["embeddings"]
+        assert len(vector) == 64 and abs(sum(v * v for v in vector) - 1) < 1e-6
+        assert one["model"] == MODEL and one["prompt_eval_count"] == 5
+        assert one["total_duration"] > 0 and one["load_duration"] == 0
+        two = (await client.post("/api/embed", json={
+            "model": MODEL, "input": ["ab", "abcd"], "dimensions": 8})).json()
+        assert [len(v) for v in two["embeddings"]] == [8, 8]
+        assert two["embeddings"][0] != two["embeddings"][1]
+        empty = (await client.post("/api/embed", json={"model": MODEL, "input": []})).json()
+        assert empty == {"model": MODEL, "embeddings": []}
+        legacy = (await client.post("/api/embeddings", json={"model": MODEL,
+                                                             "prompt": "abc"})).json()
+        assert legacy["embedding"][:3] == [3.0, 1.0, 0.0]  # not normalized, as Ollama's
+        r = await client.post("/api/embed", json={"model": MODEL, "input": "x",
+                                                  "options": {"temperature": 0}})
+        assert "temperature" in error_of(r, 400)
+        r = await client.post("/api/embed", json={"model": MODEL, "input": "x",
+                                                  "dimensions": 65})
+        assert "dimensions" in error_of(r, 400)
+        r = await client.post("/api/embed", json={"model": "other", "input": "x"})
+        assert error_of(r, 404) == "model 'other' not found"
+    run_app(body)
+
+
 # ---- model routes ----------------------------------------------------------------------------
 
 
@@ -328,7 +368,7 @@ def test_tags_show_ps_version_and_the_probe() -> None:
                                     "families": ["gemma3"], "parameter_size": "268.10M",
                                     "quantization_level": "Q4_K"}
         show = (await client.post("/api/show", json={"model": MODEL})).json()
-        assert show["capabilities"] == ["completion", "tools"]
+        assert show["capabilities"] == ["completion", "tools", "embedding"]
         info = show["model_info"]
         assert info["general.architecture"] == "gemma3"
         assert info["gemma3.context_length"] == 4096 and info["gemma3.embedding_length"] == 64
@@ -422,6 +462,16 @@ def test_client_json_format_and_tools(client, name) -> None:
         assert call.function.name == "get_weather"
         assert isinstance(call.function.arguments, dict)
     assert tools.message.tool_calls or tools.message.content
+
+
+@pytest.mark.slow
+def test_client_embed(client, name) -> None:
+    r = client.embed(model=name, input=["The sky is blue.", "Grass is green."])
+    a, b = r.embeddings
+    assert len(a) == len(b) > 0 and a != b and r.prompt_eval_count > 4
+    assert abs(sum(v * v for v in a) - 1) < 1e-3
+    legacy = client.embeddings(model=name, prompt="The sky is blue.")
+    assert len(legacy.embedding) == len(a)
 
 
 @pytest.mark.slow

@@ -4,9 +4,9 @@ Everything is read from the engine's snapshot (fixed once the engine is built): 
 size in memory, the architecture, the parameter count and the quantization (the GGML type
 holding most of the weight matrices' bytes). The digest is a sha256 of the name and size, so
 it is stable for a server's life and changes when another model is served. `capabilities`
-says what this server acts on for the model: completion always, tools (through the model's
-own tool format or kvlab's generic one), thinking where the template writes reasoning,
-embedding where the server computes embeddings.
+says what this server acts on for the model: for a model that generates, completion, tools
+(through the model's own tool format or kvlab's generic one) and thinking where the template
+writes reasoning; embedding for every model (/api/embed).
 """
 
 from __future__ import annotations
@@ -97,13 +97,14 @@ def model_info(serving: Serving) -> dict[str, Any]:
     return info
 
 
-def capabilities(serving: Serving, embeds: bool) -> list[str]:
+def capabilities(serving: Serving) -> list[str]:
+    """Every model embeds (/api/embed pools its hidden states); an encoder does only that."""
+    if not serving.engine.snapshot().can_generate:
+        return ["embedding"]
     caps = ["completion", "tools"]
     if serving.reasoning is not None:
         caps.append("thinking")
-    if embeds:
-        caps.append("embedding")
-    return caps
+    return [*caps, "embedding"]
 
 
 def parameters(serving: Serving) -> str:
@@ -112,7 +113,7 @@ def parameters(serving: Serving) -> str:
     return "\n".join(f"{k:<30} {v}" for k, v in rows)
 
 
-def show(serving: Serving, body: bytes, embeds: bool = False) -> dict[str, Any]:
+def show(serving: Serving, body: bytes) -> dict[str, Any]:
     """POST /api/show: details, model_info, the chat template (Jinja, as the model file
     holds it), the defaults applied, and what the server can do with the model."""
     req = parse(ShowRequest, parse_json_body(body))
@@ -124,5 +125,5 @@ def show(serving: Serving, body: bytes, embeds: bool = False) -> dict[str, Any]:
                            *(f"PARAMETER {line}" for line in params.splitlines())])
     return {"modelfile": modelfile, "parameters": params,
             "template": serving.tokenizer.chat_template or "", "details": details(snap),
-            "model_info": model_info(serving), "capabilities": capabilities(serving, embeds),
+            "model_info": model_info(serving), "capabilities": capabilities(serving),
             "modified_at": _stamp(STARTED)}

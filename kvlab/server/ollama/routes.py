@@ -1,6 +1,7 @@
-"""Ollama's routes: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version,
-and `GET /` / `HEAD /`, which clients probe for "Ollama is running". Errors under /api/ are
-Ollama's `{"error": "..."}`, which its clients raise as ResponseError with the status.
+"""Ollama's routes: /api/chat, /api/generate, /api/embed, /api/embeddings, /api/tags,
+/api/show, /api/ps, /api/version, and `GET /` / `HEAD /`, which clients probe for "Ollama is
+running". Errors under /api/ are Ollama's `{"error": "..."}`, which its clients raise as
+ResponseError with the status.
 
 Model management (pull, push, create, copy, delete, blobs) has nothing to act on: kvlab serves
 the one model it was started with, so those routes answer a 501 that says so.
@@ -20,6 +21,12 @@ from kvlab.server.core.errors import ApiError
 from kvlab.server.core.serving import Serving
 from kvlab.server.ollama import models
 from kvlab.server.ollama.calls import Call
+from kvlab.server.ollama.embed import (
+    embed_answer,
+    embeddings_answer,
+    read_embed,
+    read_embeddings,
+)
 from kvlab.server.ollama.protocol import error_body
 
 router = APIRouter()
@@ -62,6 +69,19 @@ async def ps(request: Request) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(request: Request) -> Response:
     return JSONResponse(await request.app.state.calls.blocking(request, models.show))
+
+
+@router.post("/api/embed")
+async def embed(request: Request) -> dict[str, Any]:
+    serving = request.app.state.serving
+    req, model = await request.app.state.calls.blocking(request, read_embed)
+    return await embed_answer(serving, req, model)
+
+
+@router.post("/api/embeddings")
+async def embeddings(request: Request) -> dict[str, Any]:
+    req, _ = await request.app.state.calls.blocking(request, read_embeddings)
+    return await embeddings_answer(request.app.state.serving, req)
 
 
 @router.get("/api/version")
