@@ -6,6 +6,7 @@ from typing import Any
 
 from kvlab.errors import ModelLoadError
 from kvlab.models import (
+    bert,
     gemma2,
     gemma3,
     llama,
@@ -23,7 +24,7 @@ from kvlab.models.spec import ArchSpec
 ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
-                                       qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC)}
+                                       qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

@@ -2,9 +2,10 @@
 
 `tokenizer.ggml.model` picks the subword model: "llama" is SentencePiece-style BPE (scores,
 byte fallback, U+2581 spaces), "gpt2" is byte-level BPE (ranked merges, a pre-tokenizer regex
-chosen by `tokenizer.ggml.pre`). Token types decide the rest: control, unknown and user-defined
-tokens written in the text are matched literally first; control, unknown and unused tokens are
-"special" (hidden when decoding skips specials).
+chosen by `tokenizer.ggml.pre`), "bert" is WordPiece (built in wordpiece.py). Token types
+decide the rest: control, unknown and user-defined tokens written in the text are matched
+literally first; control, unknown and unused tokens are "special" (hidden when decoding skips
+specials).
 
 Encoding runs in C (kvlab/tokenizer/native.py) when the extension is built, else in the
 pure-Python reference (spm.py, bpe.py, specials.py); both give the same ids.
@@ -24,11 +25,13 @@ from kvlab.tokenizer.fim import find_fim_tokens
 from kvlab.tokenizer.specials import SpecialSplitter
 from kvlab.tokenizer.spm import SPACE_MARK, SentencePieceBPE
 from kvlab.tokenizer.tokenizer import Tokenizer
+from kvlab.tokenizer.wordpiece import wordpiece_from_gguf
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type
 _LITERAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)  # matched in raw text before subword merging
 _SPECIAL_TYPES = (UNKNOWN, CONTROL, UNUSED)
-SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE"}
+SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE",
+                    "bert": "WordPiece (kvlab.tokenizer.wordpiece)"}
 
 # Tokens that end a turn in common chat formats; each one in the vocabulary also stops generation.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>")
@@ -54,6 +57,8 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
     with the pure-Python reference; the ids are the same.
     """
     model = metadata.get("tokenizer.ggml.model")
+    if model == "bert":
+        return wordpiece_from_gguf(metadata)
     if model not in SUPPORTED_MODELS:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
         raise ModelLoadError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "

@@ -21,6 +21,7 @@ from kvlab.tokenizer.fim import find_fim_tokens
 from kvlab.tokenizer.from_gguf import END_OF_TURN_TOKENS
 from kvlab.tokenizer.spm import SPACE_MARK
 from kvlab.tokenizer.tokenizer import Tokenizer
+from kvlab.tokenizer.wordpiece import wordpiece_from_hf
 
 _SPM_DECODERS = {"Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -37,6 +38,8 @@ def load_hf_tokenizer(model_dir: Path | str) -> Tokenizer:
         hf = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception
         raise ModelLoadError(f"{path} cannot be read by the tokenizers library: {e}") from None
+    if isinstance(hf.model, tokenizers.models.WordPiece):
+        return wordpiece_from_hf(hf)
     decoder = json.loads(hf.decoder.__getstate__()) if hf.decoder is not None else None
     config = _read_json(model_dir / "tokenizer_config.json")
     token_strings = {k: _token_text(config.get(k)) for k in _TEMPLATE_TOKENS}

@@ -1,0 +1,275 @@
+"""Embeddings: a tiny random BERT (HF safetensors and llama.cpp's GGUF) and a tiny random
+decoder against transformers, pooling and truncation, /v1/embeddings on an app over a real
+tiny engine (shapes, base64, 400s, an encoder refusing generation), and once through the
+official `openai` client against `kvlab serve` on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_server import start_server
+
+from kvlab.engine import Engine, EngineConfig
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+
+from tiny_models import build
+
+WORDS = ["the", "cat", "sat", "on", "mat", "dog", "runs", "a", "hello", "world", "play",
+         "emb", "##ed", "##ding", "##s", "##ing", ".", ",", "!", "?"]
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+TEXTS = ["Hello world!", "the cat sat on the mat.", "Dogs playing, embedding?", "a zebra"]
+CONFIG = EngineConfig(kv_cache_gib=0.01)
+
+
+def build_bert(out: Path, pooling: str | None = None, seed: int = 0):
+    """A random BertModel saved as HF safetensors with a WordPiece tokenizer.json (and
+    sentence-transformers' 1_Pooling config when `pooling` is given)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                        type_vocab_size=2)
+    model = tf.BertModel(cfg, add_pooling_layer=False).eval()
+    with torch.no_grad():  # norms away from 1 / 0 so a wrong convention shows
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+    model.save_pretrained(out, safe_serialization=True)
+    tf.BertTokenizerFast(vocab={t: i for i, t in enumerate(VOCAB)}).save_pretrained(out)
+    if pooling is not None:
+        (out / "1_Pooling").mkdir()
+        (out / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_lasttoken": False}))
+    return model
+
+
+def write_bert_gguf(model, path: Path, pooling_type: int) -> None:
+    """The model as llama.cpp's converter writes a `bert` GGUF (phantom-space vocabulary)."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "bert")
+    for key, value in (("block_count", cfg.num_hidden_layers),
+                       ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("pooling_type", pooling_type)):
+        w.add_uint32(f"bert.{key}", value)
+    w.add_float32("bert.attention.layer_norm_epsilon", cfg.layer_norm_eps)
+    w.add_bool("bert.attention.causal", False)
+    special = [t.startswith("[") for t in VOCAB]
+    w.add_string("tokenizer.ggml.model", "bert")
+    w.add_array("tokenizer.ggml.tokens", [t if s else t[2:] if t.startswith("##") else "\u2581" + t
+                                          for t, s in zip(VOCAB, special)])
+    w.add_array("tokenizer.ggml.token_type", [3 if s else 1 for s in special])
+    w.add_uint32("tokenizer.ggml.token_type_count", cfg.type_vocab_size)
+    for name, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("seperator", "[SEP]"),
+                        ("unknown", "[UNK]"), ("padding", "[PAD]")):
+        w.add_uint32(f"tokenizer.ggml.{name}_token_id", VOCAB.index(token))
+    for name, t in _gguf_names(model):
+        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_names(model):
+    glob = {"embeddings.word_embeddings": "token_embd",
+            "embeddings.position_embeddings": "position_embd",
+            "embeddings.token_type_embeddings": "token_types",
+            "embeddings.LayerNorm": "token_embd_norm"}
+    layer = {"attention.self.query": "attn_q", "attention.self.key": "attn_k",
+             "attention.self.value": "attn_v", "attention.output.dense": "attn_output",
+             "attention.output.LayerNorm": "attn_output_norm", "intermediate.dense": "ffn_up",
+             "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    for name, t in model.state_dict().items():
+        stem, kind = name.rsplit(".", 1)
+        if stem in glob:
+            yield f"{glob[stem]}.{kind}", t
+        elif stem.startswith("encoder.layer."):
+            i, rest = stem.removeprefix("encoder.layer.").split(".", 1)
+            yield f"blk.{i}.{layer[rest]}.{kind}", t
+
+
+def reference(model, ids: list[int], pooling: str) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+    return F.normalize(hidden.mean(0) if pooling == "mean" else hidden[0], dim=-1)
+
+
+def hf_ids(model_dir: Path, text: str) -> list[int]:
+    import transformers as tf
+
+    return tf.AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """(model, HF dir without a pooling config, HF dir with mean pooling, GGUF with mean)."""
+    root = tmp_path_factory.mktemp("bert")
+    model = build_bert(root / "cls")
+    build_bert(root / "mean", pooling="mean")
+    write_bert_gguf(model, root / "bert.gguf", pooling_type=1)
+    return model, root
+
+
+@pytest.mark.parametrize("source,pooling", [("cls", "cls"), ("mean", "mean"),
+                                            ("bert.gguf", "mean")])
+def test_bert_matches_transformers(bert, source, pooling):
+    model, root = bert
+    engine = Engine.from_model(str(root / source), CONFIG)
+    assert engine.snapshot().pooling == pooling and not engine.can_generate
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    assert ids == [hf_ids(root / "cls", t) for t in TEXTS]  # [CLS] ... [SEP], lowercased
+    got = engine.embed(ids)
+    want = torch.stack([reference(model, i, pooling) for i in ids])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([engine.embed([i]) for i in ids]), got,
+                               atol=1e-6, rtol=0)  # batch == one at a time
+
+
+def test_bert_engine_refuses_generation_and_keeps_no_pool(bert):
+    from kvlab.errors import RequestError
+    from kvlab.request import SamplingParams
+
+    engine = Engine.from_model(str(bert[1] / "cls"), CONFIG)
+    assert engine.kv.num_blocks == 1 and engine.max_model_len == 64
+    with pytest.raises(RequestError, match="embedding model"):
+        engine.add_request("r", [2, 5, 3], SamplingParams(max_tokens=2))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    model = build("qwen3", root)
+    return model, Engine.from_model(str(root / "model.gguf"), CONFIG)
+
+
+def test_decoder_last_token_matches_transformers(qwen3):
+    model, engine = qwen3
+    prompts = [[5, 9, 11, 40, 2], [7], [60, 61, 62]]
+    got = engine.embed(prompts, normalize=False)
+    with torch.no_grad():  # the base model's output is after the final norm
+        want = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0, -1]
+                            for p in prompts])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(engine.embed(prompts), F.normalize(want, dim=-1), atol=1e-5,
+                               rtol=0)
+    alone = torch.cat([engine.embed([p], normalize=False) for p in prompts])
+    torch.testing.assert_close(alone, got, atol=1e-6, rtol=0)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # no block was taken
+
+
+def test_dimensions_truncate_then_normalize(qwen3):
+    _, engine = qwen3
+    full = engine.embed([[3, 4, 5]], normalize=False)
+    cut = engine.embed([[3, 4, 5]], dimensions=8)
+    torch.testing.assert_close(cut, F.normalize(full[:, :8], dim=-1))
+    assert cut.shape == (1, 8)
+
+
+def run_app(engine: Engine, body) -> None:
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        app = create_app(ae, front_ends())
+        await ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t") as client:
+                await body(client)
+        finally:
+            await ae.stop()
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_openai_route_shapes_and_base64(qwen3):
+    _, engine = qwen3
+    want = engine.embed([engine.tokenizer.encode("ab c"), [4, 5, 6]])
+
+    async def body(client):
+        r = await client.post("/v1/embeddings", json={"input": ["ab c", "de"], "user": "u1"})
+        data = r.json()
+        assert r.status_code == 200 and data["object"] == "list"
+        assert [d["index"] for d in data["data"]] == [0, 1]
+        assert data["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+        np.testing.assert_allclose(data["data"][0]["embedding"], want[0].numpy(), atol=1e-6)
+        r = await client.post("/v1/embeddings", json={"input": [[4, 5, 6]], "dimensions": 4,
+                                                      "encoding_format": "base64"})
+        vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+        np.testing.assert_allclose(vec, F.normalize(want[1:, :4] / want[1:, :4].norm())[0],
+                                   atol=1e-6)
+        r = await client.post("/v1/embeddings", json={"input": [4, 5, 6]})  # one id list
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], want[1].numpy(), atol=1e-6)
+    run_app(engine, body)
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"input": []}, "input", "is empty"),
+    ({"input": ""}, "input", "empty string"),
+    ({"input": [[]]}, "input", "no tokens"),
+    ({"input": [1, 500]}, "input", "token id 500"),
+    ({"input": "x" * 300}, "input", "context holds 256"),
+    ({"input": ["x"] * 2049}, "input", "at most 2048"),
+    ({"input": "x", "dimensions": 0}, "dimensions", "[1, 64]"),
+    ({"input": "x", "dimensions": 65}, "dimensions", "[1, 64]"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
+    ({"input": "x", "truncate": True}, "truncate", "unknown field"),
+    ({"input": 5}, "input", ""),
+    ({"input": "x", "model": "other"}, "model", "does not exist"),
+])
+def test_openai_route_refuses_bad_input(qwen3, fields, param, says):
+    async def body(client):
+        r = await client.post("/v1/embeddings", json=fields)
+        assert r.status_code in (400, 404), r.text
+        err = r.json()["error"]
+        assert err["param"] == param and says in err["message"], err
+    run_app(qwen3[1], body)
+
+
+def test_encoder_server_embeds_and_refuses_generation(bert):
+    engine = Engine.from_model(str(bert[1] / "mean"), CONFIG)
+
+    async def body(client):
+        r = await client.post("/v1/embeddings", json={"input": TEXTS})
+        assert r.status_code == 200 and len(r.json()["data"]) == len(TEXTS)
+        for path, fields in (("/v1/completions", {"prompt": "hi"}),
+                             ("/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hi"}]})):
+            r = await client.post(path, json={"model": "mean", **fields})
+            assert r.status_code == 400, r.text
+            assert "is an embedding model" in r.json()["error"]["message"]
+    run_app(engine, body)
+
+
+@pytest.mark.slow
+def test_openai_client_against_kvlab_serve(tmp_path):
+    import openai
+
+    with start_server(tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+        texts = ["The cat sat on the mat.", "A dog runs.", "The cat sat on the mat."]
+        out = client.embeddings.create(model="gemma-3-270m-q4_k_m.gguf", input=texts)
+        vecs = np.array([d.embedding for d in out.data])  # the client asked for base64
+        assert vecs.shape == (3, 640) and out.usage.prompt_tokens > 0
+        np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(vecs[0], vecs[2], atol=1e-6)
+        floats = client.embeddings.create(model="gemma-3-270m-q4_k_m.gguf", input=texts[:1],
+                                          encoding_format="float", dimensions=64)
+        assert len(floats.data[0].embedding) == 64
+        with pytest.raises(openai.BadRequestError, match="dimensions"):
+            client.embeddings.create(model="gemma-3-270m-q4_k_m.gguf", input="x",
+                                     dimensions=100000)
