@@ -27,7 +27,7 @@ from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.ollama.protocol import Options, sampling_params
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, FakeTokenizer
 
 ollama = pytest.importorskip("ollama")
 
@@ -260,6 +260,26 @@ def test_logprobs_come_with_each_piece() -> None:
     run_app(body)
 
 
+class ThinkingTokenizer(FakeTokenizer):
+    """A template that writes reasoning and has a switch for it (as Qwen3's)."""
+
+    chat_template = "{% if enable_thinking %}think{% endif %}{{ messages }}</think>"
+
+
+def test_thinking_comes_apart_from_the_answer() -> None:
+    async def body(client: httpx.AsyncClient, engine: RecordingEngine) -> None:
+        whole = (await client.post("/api/chat", json={
+            "model": MODEL, "messages": CHAT, "think": True, "stream": False})).json()
+        assert whole["message"] == {"role": "assistant", "content": "Hi", "thinking": "hmm"}
+        objs = lines(await client.post("/api/generate", json={
+            "model": MODEL, "prompt": "x", "think": True}))
+        assert "".join(o.get("thinking", "") for o in objs) == "hmm"
+        assert "".join(o["response"] for o in objs) == "Hi"
+        show = (await client.post("/api/show", json={"model": MODEL})).json()
+        assert show["capabilities"] == ["completion", "tools", "thinking", "embedding"]
+    run_app(body, reply="<think>hmm</think>Hi", tokenizer=ThinkingTokenizer())
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 
@@ -485,6 +505,7 @@ def test_client_model_routes_and_errors(client, name) -> None:
     assert name.endswith(":latest")
     shown = client.show(name)
     assert "completion" in shown.capabilities and shown.template
+    assert shown.details.quantization_level == "Q4_K_M"
     assert shown.modelinfo["general.architecture"]
     (running,) = client.ps().models
     assert running.model == name and running.size > 0

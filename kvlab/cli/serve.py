@@ -22,7 +22,7 @@ from kvlab.server.replicas.settings import AppSettings
 
 
 def register(subs: argparse._SubParsersAction) -> None:
-    p = subs.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p = subs.add_parser("serve", help="serve the model over the OpenAI and Ollama HTTP APIs")
     add_model_flags(p)
     p.add_argument("--host", default=None,
                    help="address to listen on (default 127.0.0.1, or $OLLAMA_HOST's with "

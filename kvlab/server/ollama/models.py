@@ -1,8 +1,8 @@
 """The served model as Ollama's model routes describe it: /api/tags, /api/show, /api/ps.
 
 Everything is read from the engine's snapshot (fixed once the engine is built): the weights'
-size in memory, the architecture, the parameter count and the quantization (the GGML type
-holding most of the weight matrices' bytes). The digest is a sha256 of the name and size, so
+size in memory, the architecture, the parameter count and the quantization (the file type
+the GGUF name ends with, else the GGML type holding most of the weight matrices' bytes). The digest is a sha256 of the name and size, so
 it is stable for a server's life and changes when another model is served. `capabilities`
 says what this server acts on for the model: for a model that generates, completion, tools
 (through the model's own tool format or kvlab's generic one) and thinking where the template
@@ -12,6 +12,7 @@ writes reasoning; embedding for every model (/api/embed).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -22,6 +23,8 @@ from kvlab.server.core.serving import Serving
 from kvlab.server.ollama.protocol import DEFAULTS, ShowRequest, check_model, ollama_name
 
 STARTED = datetime.now(timezone.utc)
+# a GGUF file's name ends with its type: gemma-3-270m-q4_k_m.gguf, llama-3-8b.Q8_0.gguf
+_FILE_TYPE = re.compile(r"(?i)[-_.]((?:I?Q\d_[A-Z0-9_]*?)|BF16|F16|F32)(?:\.gguf)?$")
 KEEP_LOADED = timedelta(days=365 * 100)  # /api/ps: the model never expires while served
 
 
@@ -35,7 +38,11 @@ def parameter_size(n: int) -> str:
 
 
 def quantization_level(snap: EngineSnapshot) -> str:
-    """The GGML type holding most of the weight matrices' bytes (Q4_K, Q8_0, F16, ...)."""
+    """The file type the GGUF name ends with, as Ollama shows it (Q4_K_M, Q8_0, F16), else
+    the GGML type holding most of the weight matrices' bytes, where the spec lists them."""
+    named = _FILE_TYPE.search(snap.model_name)
+    if named:
+        return named.group(1).upper()
     bytes_by_type: Counter[str] = Counter()
     for layer in snap.spec.layers:
         for m in layer.matrices:
