@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -253,6 +255,28 @@ def test_encoder_server_embeds_and_refuses_generation(bert):
             assert r.status_code == 400, r.text
             assert "is an embedding model" in r.json()["error"]["message"]
     run_app(engine, body)
+
+
+def kvlab(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_prints_the_engines_vectors(bert):
+    path = str(bert[1] / "bert.gguf")
+    engine = Engine.from_model(path, CONFIG)
+    want = engine.embed([engine.tokenizer.encode(t) for t in TEXTS[:2]], dimensions=8)
+    out = kvlab("embed", "-m", path, *TEXTS[:2], "--dimensions", "8")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert record["pooling"] == "mean" and len(record["data"]) == 2
+    np.testing.assert_allclose([d["embedding"] for d in record["data"]], want, atol=1e-6)
+    lines = kvlab("embed", "-m", path, "--format", "jsonl", "--no-normalize",
+                  stdin="\n".join(TEXTS[:2]) + "\n").stdout.splitlines()
+    raw = engine.embed([engine.tokenizer.encode(TEXTS[1])], normalize=False)[0]
+    np.testing.assert_allclose(json.loads(lines[1])["embedding"], raw, atol=1e-6)
+    too_long = kvlab("embed", "-m", path, "cat " * 100)
+    assert too_long.returncode == 2 and "context holds 64" in too_long.stderr
 
 
 @pytest.mark.slow

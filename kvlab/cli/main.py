@@ -13,8 +13,8 @@ import sys
 
 from kvlab.errors import KvlabError
 
-SUBCOMMANDS = ("run", "chat", "info", "bench", "kvquality", "serve", "loadtest", "estimate",
-               "probe", "viz")
+SUBCOMMANDS = ("run", "chat", "embed", "info", "bench", "kvquality", "serve", "loadtest",
+               "estimate", "probe", "viz")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
