@@ -157,12 +157,12 @@ def test_layout_order_and_cut() -> None:
     fim = FimTokens(prefix=-1, suffix=-2, middle=-3)
     prefix, suffix, prompt, repo = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14], [21], [31, 32]
     whole = fim_layout(fim, [0], prefix, suffix, prompt, repo, budget=100)
-    assert whole.ids == [0, 31, 32, -1, *prefix, -2, *suffix, -3, 21] and not whole.truncated
+    assert whole.ids == [0, 31, 32, -1, *prefix, 21, -2, *suffix, -3] and not whole.truncated
     # 12 ids: BOS, 3 markers, the prompt, leaving 7 for prefix and suffix (6:1, the suffix's
     # quarter rounded down), none for the repo context; the prefix keeps its end, the suffix
     # its start
     cut = fim_layout(fim, [0], prefix, suffix, prompt, repo, budget=12)
-    assert cut.ids == [0, -1, 3, 4, 5, 6, 7, 8, -2, 11, -3, 21] and cut.truncated
+    assert cut.ids == [0, -1, 3, 4, 5, 6, 7, 8, 21, -2, 11, -3] and cut.truncated
     # the repo context fills what prefix and suffix leave, its end kept
     some = fim_layout(fim, [], [1], [2], [], [31, 32, 33], budget=7)
     assert some.ids == [32, 33, -1, 1, -2, 2, -3] and some.truncated
@@ -178,8 +178,8 @@ def serving_on(tok, max_model_len: int = 4096) -> Serving:
 def test_prompt_ids_with_repo_context(qwen_tok) -> None:
     serving = serving_on(qwen_tok)
     plain = infill_prompt(serving, "def f(", "\n    return x", prompt="x", reply=16)
-    assert plain.ids == [PRE, *byte_ids("def f("), SUF, *byte_ids("\n    return x"), MID,
-                         *byte_ids("x")]
+    assert plain.ids == [PRE, *byte_ids("def f("), *byte_ids("x"), SUF,
+                         *byte_ids("\n    return x"), MID]
     extra = [FimChunk(filename="a.py", text="A = 1\n"), FimChunk(text="B")]
     ids = infill_prompt(serving, "p", "s", extra=extra, reply=16).ids
     assert ids == [REPO, *byte_ids("myproject\n"), SEP, *byte_ids("a.py\n"),
@@ -200,7 +200,7 @@ def test_prompt_cut_to_the_context(qwen_tok) -> None:
     # 40 - 8 for the reply - 3 markers - 1 prompt = 28: 21 of the prefix, 7 of the suffix
     cut = infill_prompt(serving, "a" * 50, "b" * 50, prompt="c", reply=8)
     assert cut.truncated and len(cut.ids) == 32
-    assert cut.ids == [PRE, *byte_ids("a" * 21), SUF, *byte_ids("b" * 7), MID, *byte_ids("c")]
+    assert cut.ids == [PRE, *byte_ids("a" * 21), *byte_ids("c"), SUF, *byte_ids("b" * 7), MID]
 
 
 # ---- end to end on a tiny Qwen2 coder ----------------------------------------------------
@@ -251,7 +251,7 @@ def events(text: str) -> list[dict]:
 
 
 def test_infill_answers_in_llama_cpp_shape(coder_engine) -> None:
-    expected = [PRE, *byte_ids(PREFIX), SUF, *byte_ids(SUFFIX), MID, *byte_ids("re")]
+    expected = [PRE, *byte_ids(PREFIX), *byte_ids("re"), SUF, *byte_ids(SUFFIX), MID]
 
     async def body(client: httpx.AsyncClient) -> None:
         r = await client.post("/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX,

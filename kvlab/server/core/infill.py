@@ -4,9 +4,10 @@ prefix and a suffix, laid out as llama.cpp's server lays them out for /infill.
     [BOS]                                          when the model adds one
     [REPO]myproject\\n [SEP]a.py\\n <a.py> ...       repository-level context (input_extra)
     [SEP]filename\\n                                the file being edited
-    [PRE] prefix [SUF] suffix [MID] prompt         the model writes on from here
+    [PRE] prefix prompt [SUF] suffix [MID]         the model writes on from here
 
-(prefix-suffix-middle order). The repository block appears only when context files are
+(prefix-suffix-middle order). `prompt` is the text typed before the cursor on the current
+line: it ends the prefix, as llama-server puts it, so the middle begins at the cursor. The repository block appears only when context files are
 given, so a plain request is exactly the single-file prompt the models are trained on; its
 names are llama.cpp's fixed placeholders ("myproject", "filename", a file without a name is
 "tmp"), and a model without the repo / file-separator tokens gets each file after a
@@ -109,8 +110,9 @@ def repo_context(tok: Tokenizer, fim: FimTokens, extra: Sequence[FimChunk]) -> l
 
 def fim_layout(fim: FimTokens, head: list[int], prefix: list[int], suffix: list[int],
                prompt: list[int], repo: list[int], budget: int) -> InfillPrompt:
-    """head repo PRE prefix SUF suffix MID prompt, cut to at most `budget` ids."""
-    fixed = len(head) + 3 + len(prompt)  # BOS, the three markers, the text after MID
+    """head repo PRE prefix prompt SUF suffix MID, cut to at most `budget` ids (the prompt,
+    next to the cursor, is never cut)."""
+    fixed = len(head) + 3 + len(prompt)  # BOS, the three markers, the text at the cursor
     window = budget - fixed
     if window < 0:
         raise ApiError(400, f"the infill prompt needs at least {fixed} tokens (its markers and "
@@ -120,7 +122,7 @@ def fim_layout(fim: FimTokens, head: list[int], prefix: list[int], suffix: list[
     n_prefix, n_suffix = split_window(window, len(prefix), len(suffix))
     n_repo = min(len(repo), window - n_prefix - n_suffix)
     ids = [*head, *repo[len(repo) - n_repo:], fim.prefix, *prefix[len(prefix) - n_prefix:],
-           fim.suffix, *suffix[:n_suffix], fim.middle, *prompt]
+           *prompt, fim.suffix, *suffix[:n_suffix], fim.middle]
     cut = (n_prefix, n_suffix, n_repo) != (len(prefix), len(suffix), len(repo))
     return InfillPrompt(ids, cut)
 

@@ -10,8 +10,8 @@
     stream    `data: {...}` events: content deltas with "stop": false, then that final object
               with empty content (llama-server's /infill sends no [DONE])
 
-`prompt` is what the user has typed on the current line: it follows the middle marker, so the
-model writes on from it. Sampling defaults are llama-server's (temperature 0.8, top_k 40,
+`prompt` is what the user has typed on the current line before the cursor: it ends the prefix
+(where llama-server puts it), so the middle the model writes begins at the cursor. Sampling defaults are llama-server's (temperature 0.8, top_k 40,
 top_p 0.95, min_p 0.05; n_predict -1: until the model ends the middle or the context is
 full; seed -1: random). `stop_type` is "eos" (the model ended), "word" (a stop string, named
 in `stopping_word` and left out of the content), "limit" (n_predict or the context) or
