@@ -18,9 +18,6 @@ from test_server import start_server
 from test_tokenizer_gemma import default_tokenizer
 
 from kvlab.request import (
-    FinishReason,
-    RequestOutput,
-    RequestTimings,
     SamplingParams,
     Structure,
 )
@@ -39,7 +36,7 @@ from kvlab.server.openai.responses_store import (
 )
 from kvlab.structured.compiler import GrammarCompiler
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, FakeTokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -52,10 +49,9 @@ CALL_TEXT = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 @dataclass
 class ScriptedEngine(FakeEngine):
-    """The fake engine writing `script` a character a step (then "stop"), or "a"s without
-    one; it keeps every prompt it was given."""
+    """The fake engine (writing its `reply`, a character a step), keeping every prompt and
+    sampling setting it was given and compiling structures as the engine does."""
 
-    script: str = ""
     prompts: dict[str, list[int]] = field(default_factory=dict)
     params: dict[str, SamplingParams] = field(default_factory=dict)
     compiler: GrammarCompiler | None = None
@@ -70,25 +66,6 @@ class ScriptedEngine(FakeEngine):
             self.compiler = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size)
         self.compiler.compile(structure)
 
-    def step(self) -> list:
-        if not self.script:
-            return super().step()
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise ValueError("boom")
-        outs = []
-        for rid, (n_prompt, params, n_out) in list(self.live.items()):
-            n_out += 1
-            done = n_out >= min(len(self.script), params.max_tokens)
-            reason = (FinishReason.STOP if n_out >= len(self.script) else FinishReason.LENGTH)
-            self.live[rid] = (n_prompt, params, n_out)
-            if done:
-                del self.live[rid]
-            outs.append(RequestOutput(rid, [97], self.script[n_out - 1], done,
-                                      reason if done else None, n_prompt, 0, n_out,
-                                      timings=RequestTimings()))
-        return outs
-
 
 @pytest.fixture(scope="module")
 def tok():
@@ -98,7 +75,7 @@ def tok():
 def run_app(tok, body, script: str = "", limits: ServerLimits | None = None) -> None:
     """Run `body(client, app, engine)` on the app; afterwards no request may be held."""
     async def main() -> None:
-        engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, script=script)
+        engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, reply=script)
         ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
         app = create_app(ae, front_ends(), limits=limits or ServerLimits())
         await ae.start()
@@ -335,6 +312,46 @@ def test_reasoning_comes_back_as_a_reasoning_item() -> None:
     assert [e["output_index"] for e in events if e["type"].endswith("item.done")] == [0, 1]
 
 
+class ThinkingTokenizer(FakeTokenizer):
+    """A character tokenizer whose template thinks: `<think>` opens the reply unless
+    enable_thinking is false."""
+
+    chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                     "{% if enable_thinking %}<think>{% endif %}</think>")
+
+    def __init__(self) -> None:
+        self.variables: list[dict] = []
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **variables: object) -> list[int]:
+        self.variables.append(variables)
+        opens = variables.get("enable_thinking", True)
+        return self.encode(self.apply_chat_template(messages) + ("<think>\n" if opens else ""))
+
+
+def test_a_thinking_models_reasoning_is_an_item_and_effort_switches_it() -> None:
+    tok = ThinkingTokenizer()
+
+    async def body(client: httpx.AsyncClient, app, engine) -> None:
+        r = (await client.post("/v1/responses", json={
+            "input": "2+2?", "reasoning": {"effort": "high"}})).json()
+        reasoning, message = r["output"]
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+        assert message["content"][0]["text"] == "It is 4."
+        assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Let me see.")
+        assert r["reasoning"] == {"effort": "high", "summary": None}
+        events = events_of((await client.post("/v1/responses", json={
+            "input": "2+2?", "stream": True})).text)
+        kinds = [e["type"] for e in events]
+        assert kinds.index("response.reasoning_text.done") < kinds.index(
+            "response.output_text.delta")
+        off = (await client.post("/v1/responses", json={
+            "input": "2+2?", "reasoning": {"effort": "none"}})).json()
+        assert [i["type"] for i in off["output"]] == ["message"]  # the prompt opens no block
+        assert tok.variables == [{"enable_thinking": True}, {}, {"enable_thinking": False}]
+    run_app(tok, body, script="Let me see.</think>\n\nIt is 4.")
+
+
 def test_json_schema_format_constrains_the_reply(tok) -> None:
     async def body(client: httpx.AsyncClient, app, engine) -> None:
         schema = {"type": "object", "properties": {"a": {"type": "integer"}},
@@ -480,7 +497,7 @@ def test_e2e_required_tool_call_then_its_result(client) -> None:
                                    max_output_tokens=20, input=[{
                                        "type": "function_call_output",
                                        "call_id": call.call_id, "output": "Sunny, 22 C"}])
-    assert back.output_text and back.usage.input_tokens_details.cached_tokens > 0
+    assert back.output_text and back.previous_response_id == r.id
 
 
 @pytest.mark.slow
