@@ -248,6 +248,19 @@ def test_tool_calls_come_back_in_ollamas_shape() -> None:
     run_app(body, reply=reply)
 
 
+def test_a_call_whose_arguments_are_no_object_stays_text() -> None:
+    reply = '[{"name": "get_weather", "arguments": "Paris"}]'
+
+    async def body(client: httpx.AsyncClient, engine: RecordingEngine) -> None:
+        for stream in (False, True):
+            r = await client.post("/api/chat", json={
+                "model": MODEL, "messages": CHAT, "tools": [WEATHER], "stream": stream})
+            objs = lines(r) if stream else [r.json()]
+            assert "".join(o["message"]["content"] for o in objs) == reply
+            assert not any("tool_calls" in o["message"] for o in objs)
+    run_app(body, reply=reply)
+
+
 def test_logprobs_come_with_each_piece() -> None:
     async def body(client: httpx.AsyncClient, engine: RecordingEngine) -> None:
         r = await client.post("/api/generate", json={

@@ -40,18 +40,25 @@ class Split:
             return thinking, content, []
         content = self.tools.feed(content)
         rest, calls = self.tools.finish()
-        return thinking, content + rest, ollama_calls(calls)
+        converted = ollama_calls(calls)
+        if converted is None:  # arguments that are no object: no call Ollama can carry
+            return thinking, content + self.tools.held, []
+        return thinking, content + rest, converted
 
 
-def ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ollama writes a call's arguments as an object, not as JSON text."""
+def ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Ollama writes a call's arguments as an object, not as JSON text; None when one
+    call's arguments are not a JSON object."""
     out = []
     for i, call in enumerate(calls):
         fn = call["function"]
-        args = fn["arguments"]
-        out.append({"function": {"index": i, "name": fn["name"],
-                                 "arguments": json.loads(args) if isinstance(args, str)
-                                 else args}})
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        out.append({"function": {"index": i, "name": fn["name"], "arguments": args}})
     return out
 
 
