@@ -74,12 +74,12 @@ class RecordingEngine(FakeEngine):
 Body = Callable[[httpx.AsyncClient, RecordingEngine], Awaitable[None]]
 
 
-def run_app(body: Body, **engine_args) -> None:
+def run_app(body: Body, limits: ServerLimits | None = None, **engine_args) -> None:
     """Run `body(client, engine)` on the app; afterwards nothing may be held."""
     async def main() -> None:
         engine = RecordingEngine(model_name=MODEL, **engine_args)
         ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-        app = create_app(ae, front_ends(), ServerLimits())
+        app = create_app(ae, front_ends(), limits or ServerLimits())
         await ae.start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
@@ -338,6 +338,15 @@ def test_model_names_and_other_errors() -> None:
         assert "kvlab serves" in error_of(await client.post("/api/pull", json={"model": "x"}), 501)
         error_of(await client.get("/api/nothing"), 404)
     run_app(body)
+
+
+def test_the_api_key_guards_api_routes_in_ollamas_shape() -> None:
+    async def body(client: httpx.AsyncClient, engine: RecordingEngine) -> None:
+        assert error_of(await client.get("/api/tags"), 401)
+        r = await client.get("/api/tags", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert (await client.get("/")).text == "Ollama is running"  # the probe stays open
+    run_app(body, ServerLimits(api_key="k"))
 
 
 def test_a_failure_mid_stream_ends_with_an_error_line() -> None:

@@ -6,7 +6,8 @@
 `mirostat` or `num_gpu` was not applied instead of getting an answer made without it. When a
 request leaves them unset, Ollama's runner defaults apply (temperature 0.8, top_k 40,
 top_p 0.9), except the repeat penalty: kvlab's spans the whole sequence rather than the last
-64 tokens, so it is off unless asked for.
+64 tokens, so it is off unless asked for. `num_ctx` bounds prompt + reply; a prompt that does
+not fit is a 400, where Ollama would silently drop the start of the conversation.
 """
 
 from __future__ import annotations
