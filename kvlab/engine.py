@@ -354,7 +354,7 @@ class Engine:
         self._check_embed_prompts(prompts)
         check_dimensions(dimensions, self.loaded.config.hidden_size)
         vectors = []
-        for batch in _token_batches(prompts, EMBED_BATCH_TOKENS):
+        for batch in token_batches(prompts, EMBED_BATCH_TOKENS):
             hidden = self.runner.final_hidden(batch)
             vectors.append(pool(hidden, [len(p) for p in batch], self.loaded.pooling).cpu())
         return finish(torch.cat(vectors), dimensions, normalize)
@@ -551,7 +551,7 @@ class Engine:
             timings=req.timings, forced_tokens=req.forced_tokens)
 
 
-def _token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:
+def token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:
     """Consecutive prompts grouped so that each group holds at most `limit` tokens (a
     longer prompt goes alone)."""
     batches: list[list[list[int]]] = [[]]

@@ -3,9 +3,10 @@ inputs -> token ids -> one vector each, with the checks they share.
 
     embed(serving, inputs, truncate=, dimensions=, normalize=) -> Embeddings
         inputs: texts (tokenized with the model's special tokens, in a worker thread) or
-        token id lists (taken as given); the forward pass runs on the engine thread between
-        two steps (`AsyncEngine.call`), so embeddings and generation share one engine and the
-        event loop never waits on either.
+        token id lists (taken as given); the forward passes run on the engine thread between
+        two steps (`AsyncEngine.call`), one batch of at most EMBED_BATCH_TOKENS tokens per
+        call, so embeddings and generation share one engine, generation steps go on between
+        the batches of a large call, and the event loop never waits on either.
 
 A bad call is an ApiError 400 naming the field: no input, more than MAX_INPUTS, an empty
 input, ids outside the vocabulary, an input longer than the context when `truncate` is off
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.engine import EMBED_BATCH_TOKENS, token_batches
 from kvlab.errors import RequestError
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.serving import Serving
@@ -39,12 +41,15 @@ async def embed(serving: Serving, inputs: list[str | list[int]], *, truncate: bo
     """One vector per input, in input order; `param` names the inputs' field in errors."""
     check_inputs(serving, inputs, dimensions, param)
     prompts = await asyncio.to_thread(token_ids, serving, inputs, truncate, param)
-    try:
-        vectors = await serving.engine.call(
-            lambda engine: engine.embed(prompts, normalize=normalize, dimensions=dimensions))
-    except RequestError as e:
-        raise ApiError(400, str(e), param=param) from None
-    rows = await asyncio.to_thread(_as_lists, vectors)
+    rows: list[list[float]] = []
+    for batch in token_batches(prompts, EMBED_BATCH_TOKENS):  # engine steps run between
+        try:
+            vectors = await serving.engine.call(
+                lambda engine, b=batch: engine.embed(b, normalize=normalize,
+                                                     dimensions=dimensions))
+        except RequestError as e:
+            raise ApiError(400, str(e), param=param) from None
+        rows += await asyncio.to_thread(_as_lists, vectors)
     return Embeddings(rows, sum(map(len, prompts)))
 
 
