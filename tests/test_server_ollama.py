@@ -335,6 +335,8 @@ def test_model_names_and_other_errors() -> None:
         error_of(await client.post("/api/chat", content=b"{not json"), 400)
         assert "model" in error_of(await client.post("/api/chat", json={"messages": CHAT}), 400)
         assert error_of(await client.post("/api/show", json={"model": "x"}), 404)
+        r = await client.post("/api/show", json={"model": MODEL, "verbose": True})
+        assert "verbose" in error_of(r, 400)
         assert "kvlab serves" in error_of(await client.post("/api/pull", json={"model": "x"}), 501)
         error_of(await client.get("/api/nothing"), 404)
     run_app(body)

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvlab.engine import EngineSnapshot
 from kvlab.server.core.bodies import parse, parse_json_body
+from kvlab.server.core.errors import ApiError
 from kvlab.server.core.serving import Serving
 from kvlab.server.ollama.protocol import DEFAULTS, ShowRequest, check_model, ollama_name
 
@@ -125,6 +126,10 @@ def show(serving: Serving, body: bytes) -> dict[str, Any]:
     holds it), the defaults applied, and what the server can do with the model."""
     req = parse(ShowRequest, parse_json_body(body))
     check_model(serving, req.model)
+    if req.verbose:
+        raise ApiError(400, "verbose is not supported: model_info holds no vocabulary lists "
+                            "(tokenizer.ggml.tokens, merges); /tokenize and /detokenize map "
+                            "text and ids", param="verbose")
     snap = serving.engine.snapshot()
     name = ollama_name(serving)
     params = parameters(serving)

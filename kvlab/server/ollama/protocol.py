@@ -114,7 +114,7 @@ class GenerateRequest(_Generating):
 
 class ShowRequest(Strict):
     model: str = Field(min_length=1)
-    verbose: bool | None = None  # model_info never holds the long vocabulary lists anyway
+    verbose: bool | None = None  # true (the vocabulary lists in model_info) is refused
 
 
 class EmbedRequest(Strict):
