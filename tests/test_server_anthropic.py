@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from test_server import start_server
+from test_server import Server, start_server
 
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams, Structure
 from kvlab.server.anthropic.protocol import Conversation, template_messages
@@ -25,6 +27,7 @@ from kvlab.stop import StopStringFilter
 from fake_engine import FakeEngine, FakeTokenizer
 
 anthropic = pytest.importorskip("anthropic")
+httpx2 = pytest.importorskip("httpx2")
 
 MODEL = "fake.gguf"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -89,16 +92,23 @@ class ScriptedEngine(FakeEngine):
         return outs
 
 
-def run_app(engine: FakeEngine, body, limits: ServerLimits | None = None) -> None:
-    """Run `body(client)` against the app on `engine`; afterwards nothing may be held."""
+def run_app(engine: FakeEngine, body, limits: ServerLimits | None = None,
+            sdk: bool = False) -> None:
+    """Run `body(client)` against the app on `engine`, the client an httpx one or (`sdk`)
+    the official AsyncAnthropic; afterwards nothing may be held."""
     async def main() -> None:
         ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
         app = create_app(ae, front_ends(), limits=limits or ServerLimits())
         await ae.start()
         try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                await body(client)
+            if sdk:  # the client speaks through httpx2, its own fork of httpx
+                async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)) as http:
+                    await body(anthropic.AsyncAnthropic(base_url="http://t", api_key="x",
+                                                        http_client=http))
+            else:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                             base_url="http://t") as client:
+                    await body(client)
             for _ in range(200):  # aborts reach the engine thread between its steps
                 if not engine.live:
                     break
@@ -429,15 +439,44 @@ def test_count_tokens_counts_the_prompt_messages_would_run() -> None:
              "invalid_request_error")  # count_tokens takes no sampling fields
 
 
+def test_the_official_client_reads_thinking_and_tool_use_streams() -> None:
+    """The client's own stream accumulator over the app: blocks, inputs and stop reasons."""
+    script = "<think>Add them.</think>\n\nIt is 4."
+    think = {"type": "enabled", "budget_tokens": 1024}
+
+    async def thinking(sdk: anthropic.AsyncAnthropic) -> None:
+        async with sdk.messages.stream(model=MODEL, max_tokens=2000, messages=[
+                {"role": "user", "content": "2 + 2?"}], thinking=think) as stream:
+            final = await stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[0].thinking == "Add them." and final.content[1].text == "It is 4."
+        assert final.stop_reason == "end_turn" and final.usage.output_tokens == len(script)
+    run_app(ScriptedEngine(script=script, tokenizer=ThinkingTokenizer()), thinking, sdk=True)
+
+    async def tool_use(sdk: anthropic.AsyncAnthropic) -> None:
+        async with sdk.messages.stream(model=MODEL, max_tokens=64, tools=[WEATHER],
+                                       tool_choice={"type": "any"}, messages=[
+                                           {"role": "user", "content": "Paris?"}]) as stream:
+            final = await stream.get_final_message()
+        [use] = final.content
+        assert use.type == "tool_use" and use.input == {"city": "Paris"}
+        assert final.stop_reason == "tool_use"
+    run_app(ScriptedEngine(script=CALL), tool_use, sdk=True)
+
+
 # ---- the official client against kvlab serve --------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory) -> Iterator[anthropic.Anthropic]:
+def server(tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with start_server(log, "--max-num-seqs", "4") as server:
-        yield anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-        assert server.health()["num_requests"] == 0  # nothing held
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
 
 
 USER = [{"role": "user", "content": "Name three colors."}]
@@ -514,3 +553,19 @@ def test_client_errors_raise_the_clients_exceptions(client) -> None:
         client.messages.create(model="gemma-3-270m-q4_k_m.gguf", max_tokens=2048,
                                messages=USER,
                                thinking={"type": "enabled", "budget_tokens": 1024})
+
+
+@pytest.mark.slow
+def test_a_stream_the_client_leaves_frees_its_request(server, client) -> None:
+    with client.messages.stream(model="gemma-3-270m-q4_k_m.gguf", max_tokens=400,
+                                messages=USER) as stream:
+        next(iter(stream.text_stream))  # leave after the first text
+    for _ in range(100):  # the abort reaches the engine between two of its steps
+        if server.health()["num_requests"] == 0:
+            break
+        time.sleep(0.1)
+    assert server.health()["num_requests"] == 0
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    aborted = re.search(r'request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)',
+                        metrics)
+    assert aborted and float(aborted.group(1)) >= 1, metrics  # ended by the abort, not by EOS
