@@ -57,8 +57,9 @@ def build_bert(out: Path, pooling: str | None = None, seed: int = 0):
     return model
 
 
-def write_bert_gguf(model, path: Path, pooling_type: int) -> None:
-    """The model as llama.cpp's converter writes a `bert` GGUF (phantom-space vocabulary)."""
+def write_bert_gguf(model, path: Path, pooling_type: int, quantize: bool = False) -> None:
+    """The model as llama.cpp's converter writes a `bert` GGUF (phantom-space vocabulary);
+    `quantize`: the layers' matrices as Q8_0 where their rows are whole blocks."""
     import gguf
 
     cfg = model.config
@@ -82,7 +83,12 @@ def write_bert_gguf(model, path: Path, pooling_type: int) -> None:
                         ("unknown", "[UNK]"), ("padding", "[PAD]")):
         w.add_uint32(f"tokenizer.ggml.{name}_token_id", VOCAB.index(token))
     for name, t in _gguf_names(model):
-        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+        data = t.detach().float().numpy().astype(np.float32)
+        if quantize and name.startswith("blk.") and data.ndim == 2 and data.shape[1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -126,6 +132,7 @@ def bert(tmp_path_factory):
     model = build_bert(root / "cls")
     build_bert(root / "mean", pooling="mean")
     write_bert_gguf(model, root / "bert.gguf", pooling_type=1)
+    write_bert_gguf(model, root / "bert-q8_0.gguf", pooling_type=2, quantize=True)
     return model, root
 
 
@@ -142,6 +149,17 @@ def test_bert_matches_transformers(bert, source, pooling):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.cat([engine.embed([i]) for i in ids]), got,
                                atol=1e-6, rtol=0)  # batch == one at a time
+
+
+def test_quantized_bert_runs_the_q8_0_kernels_close_to_transformers(bert):
+    model, root = bert
+    engine = Engine.from_model(str(root / "bert-q8_0.gguf"), CONFIG)
+    kinds = {t.name.split(".")[-1]: t.qtype for t in engine.loaded.tensors}
+    assert kinds["q"].startswith("Q8_0") and kinds["up"].startswith("Q8_0"), kinds
+    assert kinds["down"] == "F32"
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    want = torch.stack([reference(model, i, "cls") for i in ids])
+    torch.testing.assert_close(engine.embed(ids), want, atol=2e-2, rtol=0)
 
 
 def test_bert_engine_refuses_generation_and_keeps_no_pool(bert):
