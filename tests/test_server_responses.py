@@ -72,10 +72,12 @@ def tok():
     return default_tokenizer()
 
 
-def run_app(tok, body, script: str = "", limits: ServerLimits | None = None) -> None:
+def run_app(tok, body, script: str = "", limits: ServerLimits | None = None,
+            max_model_len: int = 4096) -> None:
     """Run `body(client, app, engine)` on the app; afterwards no request may be held."""
     async def main() -> None:
-        engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, reply=script)
+        engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, reply=script,
+                                max_model_len=max_model_len)
         ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
         app = create_app(ae, front_ends(), limits=limits or ServerLimits())
         await ae.start()
@@ -381,6 +383,33 @@ def test_engine_failure_mid_stream_is_a_failed_event(tok) -> None:
     run_app(tok, body, script="Hello")
 
 
+def test_truncation_auto_drops_the_oldest_turns_to_fit(tok) -> None:
+    async def body(client: httpx.AsyncClient, app, engine: ScriptedEngine) -> None:
+        previous = None
+        for word in ("alpha", "beta"):
+            r = await client.post("/v1/responses", json={
+                "input": f"{word} " * 30, "previous_response_id": previous})
+            previous = r.json()["id"]
+        third = {"input": "gamma " * 30, "previous_response_id": previous,
+                 "max_output_tokens": 8}
+        err = error_of(await client.post("/v1/responses", json=third), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == "input"
+        cut = (await client.post("/v1/responses", json={**third, "truncation": "auto"})).json()
+        assert cut["status"] == "completed" and cut["truncation"] == "auto"
+        prompt = tok.decode(list(engine.prompts.values())[-1])
+        assert "alpha" not in prompt and "beta" in prompt and "gamma" in prompt
+        assert cut["usage"]["input_tokens"] + 8 <= 115
+        # the kept conversation is what a continuation builds on
+        more = (await client.post("/v1/responses", json={
+            "input": "delta", "previous_response_id": cut["id"], "truncation": "auto"}))
+        assert "alpha" not in tok.decode(list(engine.prompts.values())[-1])
+        assert more.status_code == 200
+        long = {"input": "omega " * 200, "truncation": "auto"}
+        assert error_of(await client.post("/v1/responses", json=long), 400)["code"] == \
+            "context_length_exceeded"
+    run_app(tok, body, script="ok", max_model_len=115)
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
@@ -414,7 +443,7 @@ BAD = [
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "metadata": {"k": "v" * 600}}, "metadata"),

@@ -11,8 +11,8 @@ and the stored responses it continues.
     close                 abort whatever is unfinished
 
 Every field the body may carry either acts or is refused with a 400 naming it: built-in tools,
-images and files, `include`, `truncation: "auto"` and reasoning summaries have nothing behind
-them here. Responses are kept (unless `store` is false) in the process's `ResponseStore`, so a
+images and files, `include` and reasoning summaries have nothing behind them here.
+`truncation: "auto"` drops the oldest items (from a user message on) until the prompt fits. Responses are kept (unless `store` is false) in the process's `ResponseStore`, so a
 continuation renders the same prefix as the turn before and the engine's prefix cache serves it.
 """
 
@@ -112,15 +112,13 @@ class ResponseCall:
         _check_settings(req)
         prior = _prior(store, req.previous_response_id)
         own = items_of(req.input)
-        messages = template_messages([*prior, *own], len(prior))
-        if req.instructions:
-            messages.insert(0, {"role": "system", "content": req.instructions})
         specs, strict = tool_specs(req.tools)
         plan = tool_plan(specs, tool_choice_of(req.tool_choice), req.parallel_tool_calls)
         structure = serving.prepared(_structure(req, plan, serving.tool_form, strict))
-        ids = serving.chat_prompt(messages, plan, param="input", prefill=False,
-                                  **_thinking_vars(serving, req.reasoning))
+        prompt = Prompt(serving, req, [*prior, *own], len(prior), plan)
+        ids, start = prompt.fitted() if req.truncation == "auto" else (prompt.ids(0), 0)
         serving.check_length(ids, "input")
+        prior, own = prior[start:], own[max(0, start - len(prior)):]  # what was kept
         params = SamplingParams(
             max_tokens=req.max_output_tokens or serving.default_max_tokens(ids),
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -220,6 +218,47 @@ def _frame(event: Event, number: int) -> str:
     return f"event: {event['type']}\ndata: {data}\n\n"
 
 
+class Prompt:
+    """The prompt of a conversation's items from `start` on, behind the instructions."""
+
+    def __init__(self, serving: Serving, req: ResponsesRequest, items: list[dict[str, Any]],
+                 first_new: int, plan: ToolPlan | None) -> None:
+        self.serving, self.items, self.first_new, self.plan = serving, items, first_new, plan
+        self.instructions = req.instructions
+        self.think = _thinking_vars(serving, req.reasoning)
+        self.room = req.max_output_tokens or 1  # the reply needs this much of the context
+
+    def ids(self, start: int) -> list[int]:
+        messages = template_messages(self.items[start:], self.first_new - start)
+        if self.instructions:
+            messages.insert(0, {"role": "system", "content": self.instructions})
+        return self.serving.chat_prompt(messages, self.plan, param="input", prefill=False,
+                                        **self.think)
+
+    def fits(self, start: int) -> bool:
+        try:
+            ids = self.ids(start)
+        except ApiError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            return False
+        return len(ids) + self.room <= self.serving.engine.max_model_len
+
+    def fitted(self) -> tuple[list[int], int]:
+        """truncation "auto": (ids, start) dropping the fewest oldest items that makes the
+        prompt fit; the kept part opens on a user message, as templates want. A prompt only
+        gets shorter as its start moves on, so the start is found by bisection."""
+        starts = [0, *(i for i, item in enumerate(self.items) if i and item["type"] ==
+                       "message" and item["role"] == "user")]
+        lo, hi = 0, len(starts) - 1
+        if not self.fits(starts[hi]):
+            return self.ids(starts[hi]), starts[hi]  # too long even so: refused by its length
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.fits(starts[mid]) else (mid + 1, hi)
+        return self.ids(starts[lo]), starts[lo]
+
+
 # ---- the request's settings ---------------------------------------------------------------------
 
 
@@ -229,10 +268,6 @@ def _check_settings(req: ResponsesRequest) -> None:
         raise ApiError(400, f"include {req.include[0]!r} is not supported: this server has no "
                             "logprobs, encrypted reasoning or tool results to add; leave "
                             "include out", param="include")
-    if req.truncation == "auto":
-        raise ApiError(400, "truncation \"auto\" is not supported: a conversation longer than "
-                            "the context is refused (context_length_exceeded); use "
-                            "\"disabled\"", param="truncation")
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}",
                        param="max_output_tokens")
@@ -264,7 +299,7 @@ def _settings(req: ResponsesRequest) -> dict[str, Any]:
         "reasoning": {"effort": effort, "summary": None},
         "store": req.store is not False,
         "text": {"format": (req.text.format if req.text else None) or {"type": "text"}},
-        "truncation": "disabled", "user": req.user, "background": False}
+        "truncation": req.truncation or "disabled", "user": req.user, "background": False}
 
 
 def _thinking_vars(serving: Serving, reasoning: ReasoningConfig | None) -> dict[str, Any]:

@@ -154,7 +154,7 @@ class Reply:
                 {"type": "response.function_call_arguments.delta", "item_id": item["id"],
                  "output_index": index, "delta": fn["arguments"]},
                 {"type": "response.function_call_arguments.done", "item_id": item["id"],
-                 "output_index": index, "name": fn["name"], "arguments": fn["arguments"]},
+                 "output_index": index, "arguments": fn["arguments"]},
                 {"type": "response.output_item.done", "output_index": index,
                  "item": _copy(item)}]
 
