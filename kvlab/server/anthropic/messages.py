@@ -112,8 +112,7 @@ class MessagesCall:
         text, stop = self.form.cut_stop("".join(texts), last)
         blocks = content_blocks(text, self.form)
         tool_use = any(b["type"] == "tool_use" for b in blocks)
-        return {**self._message(blocks, usage(last)), "stop_reason": stop_reason(last, stop, tool_use),
-                "stop_sequence": stop}
+        return self._message(blocks, usage(last), stop_reason(last, stop, tool_use), stop)
 
     async def events(self) -> AsyncIterator[str]:
         """Anthropic's event stream; the call is closed however the stream ends."""
@@ -134,9 +133,7 @@ class MessagesCall:
         if not self.started:
             self.started = True
             start = self._message([], {**usage(out), "output_tokens": 0})
-            events += [event("message_start", {"message": {**start, "stop_reason": None,
-                                                            "stop_sequence": None}}),
-                       event("ping", {})]
+            events += [event("message_start", {"message": start}), event("ping", {})]
         delta, stop = out.text_delta, None
         if out.finished:
             delta, stop = self.form.cut_stop(delta, out)
@@ -151,9 +148,11 @@ class MessagesCall:
             events.append(event("message_stop", {}))
         return events
 
-    def _message(self, content: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+    def _message(self, content: list[dict[str, Any]], use: dict[str, int],
+                 reason: str | None = None, stop: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "usage": {**use, "service_tier": "standard"}}
+                "content": content, "stop_reason": reason, "stop_sequence": stop,
+                "usage": {**use, "service_tier": "standard"}}
 
     def _submitted(self) -> Generation:
         if self.gen is None:
