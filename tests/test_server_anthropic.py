@@ -357,6 +357,8 @@ def test_thinking_comes_back_as_a_thinking_block_before_the_text() -> None:
     assert thought.strip() == "Let me add." and text == "It is 4."
     post(ScriptedEngine(script="Hi", tokenizer=tok), ask(thinking={"type": "disabled"}))
     assert tok.variables[-1] == {"enable_thinking": False}
+    post(ScriptedEngine(script="Hi", tokenizer=tok), ask(thinking={"type": "adaptive"}))
+    assert tok.variables[-1] == {}  # the template's own default
 
 
 def test_thinking_on_a_model_that_does_not_think_is_refused() -> None:
