@@ -41,6 +41,8 @@ from kvlab.server.replicas.replica import Forwarded, ResponseStart
 from kvlab.server.replicas.router import routing_key
 from kvlab.server.replicas.settings import AppSettings
 
+# answers relayed chunk by chunk: server-sent events, and Ollama's NDJSON
+STREAMED_TYPES = ("text/event-stream", "application/x-ndjson")
 log = logging.getLogger("kvlab.server")
 REPLICA_HEADER = "x-kvlab-replica"
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
@@ -111,7 +113,7 @@ class Ingress:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
                        if k.decode("latin-1").lower() not in _HOP_HEADERS}
             headers[REPLICA_HEADER] = start.replica
-            if headers.get("content-type", "").startswith("text/event-stream"):
+            if headers.get("content-type", "").startswith(STREAMED_TYPES):
                 return StreamingResponse(_relay(stream, lambda: self._open(fwd, key)),
                                          start.status, headers)
             try:
