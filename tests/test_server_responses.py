@@ -200,7 +200,9 @@ def test_retrieve_delete_input_items_and_store_false(tok) -> None:
     async def body(client: httpx.AsyncClient, app, engine) -> None:
         made = (await client.post("/v1/responses", json={
             "input": [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}],
-            "metadata": {"k": "v"}})).json()
+            "metadata": {"k": "v"}, "tools": []})).json()
+        assert made["metadata"] == {"k": "v"} and made["tools"] == []
+        assert made["completed_at"] >= made["created_at"]
         got = await client.get(f"/v1/responses/{made['id']}")
         assert got.status_code == 200 and got.json() == made
         page = (await client.get(f"/v1/responses/{made['id']}/input_items",
@@ -258,7 +260,7 @@ def test_max_output_tokens_makes_it_incomplete(tok) -> None:
     async def body(client: httpx.AsyncClient, app, engine) -> None:
         r = (await client.post("/v1/responses", json={"input": "Hi",
                                                        "max_output_tokens": 4})).json()
-        assert r["status"] == "incomplete"
+        assert r["status"] == "incomplete" and r["completed_at"] is None
         assert r["incomplete_details"] == {"reason": "max_output_tokens"}
         assert r["output"][0]["status"] == "incomplete" and r["usage"]["output_tokens"] == 4
         s = await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4,

@@ -188,8 +188,9 @@ class ResponseCall:
                   last: RequestOutput | None = None, incomplete: dict[str, Any] | None = None,
                   error: dict[str, Any] | None = None) -> dict[str, Any]:
         done = status in ("completed", "incomplete")
+        completed = int(time.time()) if status == "completed" else None
         return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": status, "completed_at": int(time.time()) if done else None,
+                "status": status, "completed_at": completed,
                 "error": error, "incomplete_details": incomplete, "model": self.model,
                 "output": list(output), "usage": self._usage(last) if done else None,
                 **self.settings}

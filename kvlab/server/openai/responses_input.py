@@ -177,8 +177,9 @@ def _text(parts: str | list[dict[str, Any]]) -> str:
 
 
 def tool_specs(tools: list[Any] | None) -> tuple[list[dict[str, Any]] | None, bool]:
-    """(the tools in chat's shape, whether any asks for strict arguments)."""
-    if tools is None:
+    """(the tools in chat's shape, whether any asks for strict arguments); an empty list is
+    no tools, as OpenAI takes it."""
+    if not tools:
         return None, False
     specs, strict = [], False
     for i, raw in enumerate(tools):
