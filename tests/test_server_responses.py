@@ -157,7 +157,7 @@ def test_prompt_is_instructions_then_previous_turn_then_input(tok) -> None:
             "input": "And again?", "previous_response_id": first["id"],
             "instructions": "Be terse."})).json()
         assert second["previous_response_id"] == first["id"]
-        p1, p2 = engine.prompts.values()
+        p1, p2 = list(engine.prompts.values())[:2]
         system = {"role": "system", "content": "Be terse."}
         turn = [system, {"role": "user", "content": "Hi there"}]
         assert p1 == tok.encode_chat(turn, add_generation_prompt=True)
@@ -165,6 +165,13 @@ def test_prompt_is_instructions_then_previous_turn_then_input(tok) -> None:
                                       {"role": "user", "content": "And again?"}],
                                      add_generation_prompt=True)
         assert p2[:len(p1)] == p1  # the same prefix: the prefix cache serves it
+        both = await client.post("/v1/responses", json={
+            "instructions": "Be terse.", "input": [{"role": "developer", "content": "Be kind."},
+                                                   {"role": "user", "content": "Hi"}]})
+        assert both.status_code == 200, both.text  # one system message, as templates want
+        assert list(engine.prompts.values())[-1] == tok.encode_chat([
+            {"role": "system", "content": "Be terse.\n\nBe kind."},
+            {"role": "user", "content": "Hi"}], add_generation_prompt=True)
         u = second["usage"]
         assert u["input_tokens"] == len(p2) and u["output_tokens"] == len("Hello.")
         assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]

@@ -231,8 +231,10 @@ class Prompt:
 
     def ids(self, start: int) -> list[int]:
         messages = template_messages(self.items[start:], self.first_new - start)
-        if self.instructions:
-            messages.insert(0, {"role": "system", "content": self.instructions})
+        if self.instructions:  # one system message, as templates take it
+            first = messages[0] if messages and messages[0]["role"] == "system" else None
+            text = self.instructions + (f"\n\n{first['content']}" if first else "")
+            messages[:1 if first else 0] = [{"role": "system", "content": text}]
         return self.serving.chat_prompt(messages, self.plan, param="input", prefill=False,
                                         **self.think)
 
