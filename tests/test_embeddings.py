@@ -176,11 +176,11 @@ def test_bert_engine_refuses_generation_and_keeps_no_pool(bert):
 def qwen3(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3")
     model = build("qwen3", root)
-    return model, Engine.from_model(str(root / "model.gguf"), CONFIG)
+    return model, Engine.from_model(str(root / "model.gguf"), CONFIG), root / "model.gguf"
 
 
 def test_decoder_last_token_matches_transformers(qwen3):
-    model, engine = qwen3
+    model, engine, _ = qwen3
     prompts = [[5, 9, 11, 40, 2], [7], [60, 61, 62]]
     got = engine.embed(prompts, normalize=False)
     with torch.no_grad():  # the base model's output is after the final norm
@@ -194,8 +194,34 @@ def test_decoder_last_token_matches_transformers(qwen3):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # no block was taken
 
 
+def test_an_embedding_models_eos_ends_its_texts_but_not_chat_prompts(qwen3, tmp_path):
+    """GGUF's add_eos_token and a tokenizer.json post-processor's trailing token (as
+    Qwen3-Embedding's) end every encoded text, as llama.cpp and transformers encode it."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    from kvlab.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+    from kvlab.weights.checkpoint import open_checkpoint
+
+    meta = open_checkpoint(qwen3[2]).metadata
+    tok = load_gguf_tokenizer({**meta, "tokenizer.ggml.add_eos_token": True})
+    assert tok.encode("ab") == [*tok.encode("ab", add_special_tokens=False), 95]
+    assert load_gguf_tokenizer(meta).encode("ab")[-1] != 95
+    hf = tokenizers.Tokenizer(models.BPE({"a": 0, "b": 1, "</s>": 2}, []))
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    hf.add_special_tokens(["</s>"])
+    hf.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                      special_tokens=[("</s>", 2)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    tok = load_hf_tokenizer(tmp_path)
+    assert tok.encode("ab") == hf.encode("ab").ids == [0, 1, 2]
+    assert tok.encode_chat([{"role": "user", "content": "ab"}]) == [0, 1]
+
+
 def test_dimensions_truncate_then_normalize(qwen3):
-    _, engine = qwen3
+    _, engine, _ = qwen3
     full = engine.embed([[3, 4, 5]], normalize=False)
     cut = engine.embed([[3, 4, 5]], dimensions=8)
     torch.testing.assert_close(cut, F.normalize(full[:, :8], dim=-1))
@@ -217,7 +243,7 @@ def run_app(engine: Engine, body) -> None:
 
 
 def test_openai_route_shapes_and_base64(qwen3):
-    _, engine = qwen3
+    _, engine, _ = qwen3
     want = engine.embed([engine.tokenizer.encode("ab c"), [4, 5, 6]])
 
     async def body(client):

@@ -91,6 +91,9 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         strip_leading_space=space_prefix,
         template_tokens=_template_tokens(metadata, tokens),
         fim=fim,
+        # an embedding model's EOS, appended as llama.cpp appends it (add_eos_token)
+        suffix_id=(metadata.get("tokenizer.ggml.eos_token_id")
+                   if metadata.get("tokenizer.ggml.add_eos_token") else None),
     )
 
 

@@ -63,6 +63,7 @@ def load_hf_tokenizer(model_dir: Path | str) -> Tokenizer:
         strip_leading_space=_strips_leading_space(decoder),
         template_tokens=template_tokens,
         fim=fim,
+        suffix_id=_suffix_id(hf, config),
     )
 
 
@@ -144,6 +145,20 @@ def _add_bos(hf: tokenizers.Tokenizer, config: dict[str, Any], bos_id: int | Non
     if isinstance(config.get("add_bos_token"), bool):
         return config["add_bos_token"]
     return hf.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+
+
+def _suffix_id(hf: tokenizers.Tokenizer, config: dict[str, Any]) -> int | None:
+    """The token the post-processor appends after a text (Qwen3-Embedding's
+    <|endoftext|>), unless tokenizer_config's add_eos_token says False."""
+    if config.get("add_eos_token") is False:
+        return None
+    plain = hf.encode("a", add_special_tokens=False).ids
+    full = hf.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):  # the text's ids, then what follows
+        if full[start:start + len(plain)] == plain:
+            tail = full[start + len(plain):]
+            return tail[-1] if tail else None
+    return None
 
 
 def _eos_ids(model_dir: Path, hf: tokenizers.Tokenizer, eos_text: str | None) -> list[int]:

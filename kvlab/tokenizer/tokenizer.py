@@ -20,7 +20,10 @@ class Tokenizer:
     """Text <-> token ids for one model.
 
     `eos_ids` holds every id that ends generation (eos, end-of-turn, ...). When `add_bos`,
-    `encode(..., add_special_tokens=True)` puts `bos_id` first. Special tokens written in the
+    `encode(..., add_special_tokens=True)` puts `bos_id` first, and `suffix_id` (when set)
+    last: BERT's [SEP], or the EOS an embedding model's tokenizer appends (GGUF's
+    add_eos_token, a tokenizer.json post-processor's trailing token, as Qwen3-Embedding's);
+    chat prompts get no suffix (the reply follows them). Special tokens written in the
     text (`<start_of_turn>`) always encode to their ids. `fim`: the fill-in-the-middle
     markers of a code model (None when the model has none).
     """
@@ -29,7 +32,7 @@ class Tokenizer:
                  special: Sequence[bool], bos_id: int | None, eos_ids: Sequence[int],
                  add_bos: bool, chat_template: str | None, strip_leading_space: bool = False,
                  template_tokens: dict[str, str] | None = None,
-                 fim: FimTokens | None = None) -> None:
+                 fim: FimTokens | None = None, suffix_id: int | None = None) -> None:
         self._encode_text = encode_text
         self._pieces = tuple(pieces)
         self._special = bytes(bool(s) for s in special)  # compact: one byte per token
@@ -42,6 +45,7 @@ class Tokenizer:
         self.strip_leading_space = strip_leading_space
         self._template_tokens = dict(template_tokens or {})
         self.fim = fim
+        self.suffix_id = suffix_id
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """The same tokenizer with another chat template (a Jinja text)."""
@@ -50,8 +54,12 @@ class Tokenizer:
         return other
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._with_bos(text, add_special_tokens)
+        return [*ids, self.suffix_id] if add_special_tokens and self.suffix_id is not None else ids
+
+    def _with_bos(self, text: str, add_bos: bool) -> list[int]:
         ids = self._encode_text(text)
-        if add_special_tokens and self.add_bos and self.bos_id is not None:
+        if add_bos and self.add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
 
@@ -98,4 +106,4 @@ class Tokenizer:
         bos_text = self._template_tokens.get("bos_token")
         if self.add_bos and bos_text and text.startswith(bos_text):
             text = text[len(bos_text):]
-        return self.encode(text, add_special_tokens=True)
+        return self._with_bos(text, add_bos=True)

@@ -1,4 +1,5 @@
-"""WordPiece tokenizers (BERT): `[CLS] text [SEP]`, encoded by the `tokenizers` library.
+"""WordPiece tokenizers (BERT): `[CLS] text [SEP]` (bos_id and suffix_id of the Tokenizer),
+encoded by the `tokenizers` library.
 
 The library's WordPiece model, BERT normalizer and pre-tokenizer are the reference for this
 scheme, so nothing is written by hand: an HF directory's tokenizer.json is used as it is, and
@@ -25,20 +26,7 @@ CONTROL = 3  # tokenizer.ggml.token_type of [CLS], [SEP], [PAD], [MASK]
 _SPECIAL_TYPES = (2, 3, 5)  # unknown, control, unused: hidden when decoding skips specials
 
 
-class WordPieceTokenizer(Tokenizer):
-    """A Tokenizer whose special tokens wrap the text: `bos_id` ([CLS]) first, `sep_id`
-    ([SEP]) last, as BERT's post-processor writes them."""
-
-    def __init__(self, *, sep_id: int | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.sep_id = sep_id
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = super().encode(text, add_special_tokens)
-        return [*ids, self.sep_id] if add_special_tokens and self.sep_id is not None else ids
-
-
-def wordpiece_from_gguf(metadata: dict[str, Any]) -> WordPieceTokenizer:
+def wordpiece_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
     """From llama.cpp's `bert` vocabulary: tokens, token types and the special ids."""
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -65,7 +53,7 @@ def wordpiece_from_gguf(metadata: dict[str, Any]) -> WordPieceTokenizer:
                   bool(metadata.get("tokenizer.ggml.add_bos_token", True)))
 
 
-def wordpiece_from_hf(hf: tokenizers.Tokenizer) -> WordPieceTokenizer:
+def wordpiece_from_hf(hf: tokenizers.Tokenizer) -> Tokenizer:
     """From a tokenizer.json whose model is WordPiece; the special tokens its
     post-processor puts around a text are the ones encode adds."""
     vocab = hf.get_vocab(with_added_tokens=True)
@@ -81,14 +69,14 @@ def wordpiece_from_hf(hf: tokenizers.Tokenizer) -> WordPieceTokenizer:
 
 
 def _build(hf: tokenizers.Tokenizer, pieces: list[bytes], special: list[bool],
-           cls_id: int | None, sep_id: int | None, add_cls: bool) -> WordPieceTokenizer:
+           cls_id: int | None, sep_id: int | None, add_cls: bool) -> Tokenizer:
     def encode_text(text: str) -> list[int]:
         return hf.encode(text, add_special_tokens=False).ids
 
-    return WordPieceTokenizer(
+    return Tokenizer(
         encode_text=encode_text, pieces=pieces, special=special, bos_id=cls_id,
         eos_ids=[sep_id] if sep_id is not None else [], add_bos=add_cls and cls_id is not None,
-        chat_template=None, strip_leading_space=True, sep_id=sep_id)
+        chat_template=None, strip_leading_space=True, suffix_id=sep_id)
 
 
 def _unphantom(token: str, token_type: int) -> str:
