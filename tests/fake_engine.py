@@ -20,6 +20,7 @@ class FakeTokenizer:
     add_bos = False
     vocab_size = 256
     chat_template = None
+    suffix_id = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]

@@ -23,6 +23,9 @@ from kvlab.engine import Engine, EngineConfig
 from kvlab.server.apis import front_ends
 from kvlab.server.core.app import create_app
 from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.embedding import embed
+from kvlab.server.core.errors import ApiError
+from kvlab.server.core.serving import Serving
 
 from tiny_models import build
 
@@ -299,6 +302,29 @@ def test_encoder_server_embeds_and_refuses_generation(bert):
             assert r.status_code == 400, r.text
             assert "is an embedding model" in r.json()["error"]["message"]
     run_app(engine, body)
+
+
+def test_truncation_keeps_the_closing_sep(bert):
+    engine = Engine.from_model(str(bert[1] / "bert.gguf"), CONFIG)
+    long_text = "cat " * 100
+
+    async def main():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            serving = Serving(ae)
+            with pytest.raises(ApiError, match="context holds 64"):
+                await embed(serving, [long_text], truncate=False)
+            return await embed(serving, [long_text, "a cat"], truncate=True)
+        finally:
+            await ae.stop()
+
+    out = asyncio.run(main())
+    cat = VOCAB.index("cat")
+    ids = [VOCAB.index("[CLS]"), *[cat] * 62, VOCAB.index("[SEP]")]
+    assert out.prompt_tokens == 64 + 4
+    want = engine.embed([ids, engine.tokenizer.encode("a cat")])
+    np.testing.assert_allclose(out.vectors, want, atol=1e-6)
 
 
 def kvlab(*args: str, stdin: str = "") -> subprocess.CompletedProcess:

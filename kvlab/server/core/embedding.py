@@ -10,8 +10,9 @@ inputs -> token ids -> one vector each, with the checks they share.
 
 A bad call is an ApiError 400 naming the field: no input, more than MAX_INPUTS, an empty
 input, ids outside the vocabulary, an input longer than the context when `truncate` is off
-(on, it keeps the first tokens that fit), `dimensions` outside [1, hidden size]. The API's
-own module renders the vectors (floats, base64) and names its fields through `param`.
+(on, it keeps the first tokens that fit, and the text's closing [SEP] / EOS),
+`dimensions` outside [1, hidden size]. The API's own module renders the vectors (floats,
+base64) and names its fields through `param`.
 """
 
 from __future__ import annotations
@@ -91,8 +92,18 @@ def token_ids(serving: Serving, inputs: list[str | list[int]], truncate: bool,
             raise ApiError(400, f"'{where}' has {len(ids)} tokens; the context holds {limit} "
                                 "(truncation is off)", param=param,
                            code="context_length_exceeded")
-        out.append(ids[:limit])
+        out.append(_cut(ids, limit, serving.tokenizer.suffix_id))
     return out
+
+
+def _cut(ids: list[int], limit: int, suffix: int | None) -> list[int]:
+    """The first `limit` ids; a text's closing token ([SEP], an embedding model's EOS, which
+    last-token pooling reads) stays last."""
+    if len(ids) <= limit:
+        return ids
+    if suffix is not None and ids[-1] == suffix:
+        return [*ids[:limit - 1], suffix]
+    return ids[:limit]
 
 
 def _as_lists(vectors: torch.Tensor) -> list[list[float]]:
