@@ -17,6 +17,7 @@ import pytest
 from test_server import start_server
 from test_tokenizer_gemma import default_tokenizer
 
+from kvlab.errors import KvlabError
 from kvlab.request import (
     SamplingParams,
     Structure,
@@ -24,16 +25,11 @@ from kvlab.request import (
 from kvlab.server.apis import front_ends
 from kvlab.server.core.app import create_app
 from kvlab.server.core.async_engine import AsyncEngine
-from kvlab.server.core.errors import ApiError
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.core.reasoning import ReasoningFormat
 from kvlab.server.openai.responses_input import items_of, template_messages
 from kvlab.server.openai.responses_output import Reply
-from kvlab.server.openai.responses_store import (
-    MAX_AGE_ENV,
-    ResponseStore,
-    StoredResponse,
-)
+from kvlab.server.openai.responses_store import ResponseStore, StoredResponse
 from kvlab.structured.compiler import GrammarCompiler
 
 from fake_engine import FakeEngine, FakeTokenizer
@@ -185,7 +181,7 @@ def _entry(n: int) -> StoredResponse:
     return StoredResponse({"id": f"resp_{n}"}, (), ({"id": f"msg_{n}"},), ())
 
 
-def test_store_evicts_the_oldest_past_its_size_and_age(monkeypatch) -> None:
+def test_store_evicts_the_oldest_past_its_size_and_age() -> None:
     now = [0.0]
     store = ResponseStore(max_entries=2, max_age_s=10.0, clock=lambda: now[0])
     for n in range(3):
@@ -198,9 +194,8 @@ def test_store_evicts_the_oldest_past_its_size_and_age(monkeypatch) -> None:
     assert store.delete("resp_2") and not store.delete("resp_2") and len(store) == 0
     with pytest.raises(ValueError):
         ResponseStore(max_entries=0)
-    monkeypatch.setenv(MAX_AGE_ENV, "soon")
-    with pytest.raises(ApiError, match=MAX_AGE_ENV):
-        ResponseStore.from_env()
+    with pytest.raises(KvlabError, match="--responses-max-age"):
+        ServerLimits(responses_max_age_s=0)
 
 
 def test_retrieve_delete_input_items_and_store_false(tok) -> None:

@@ -63,6 +63,11 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--any-model-name", action="store_true",
                    help="answer whatever model name a client sends (for tools that hard-code "
                         "one); by default an unknown name is a 404")
+    p.add_argument("--responses-max-stored", type=int, default=512, metavar="N",
+                   help="Responses API: stored responses kept for previous_response_id and "
+                        "GET; the oldest is dropped first")
+    p.add_argument("--responses-max-age", type=float, default=3600.0, metavar="S",
+                   help="Responses API: seconds a stored response is kept")
     p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                    help="web pages (origins such as http://localhost:3000) whose browsers may "
                         "call the API (CORS, preflights answered); none by default; '*' "
@@ -155,7 +160,9 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
                         request_timeout=args.request_timeout,
                         allowed_origins=tuple(args.allowed_origins),
                         served_model_names=tuple(args.served_model_name or ()),
-                        any_model_name=args.any_model_name)
+                        any_model_name=args.any_model_name,
+                        responses_max_stored=args.responses_max_stored,
+                        responses_max_age_s=args.responses_max_age)
 
 
 def replicated(args: argparse.Namespace) -> bool:

@@ -41,11 +41,16 @@ class ServerLimits:
     allowed_origins: tuple[str, ...] = ()  # browser origins (CORS); none by default
     served_model_names: tuple[str, ...] = ()  # names the model answers to; the first is shown
     any_model_name: bool = False  # answer whatever model name a client sends
+    responses_max_stored: int = 512  # Responses API: stored responses kept, oldest dropped
+    responses_max_age_s: float = 3600.0  # ... and for at most this long
 
     def __post_init__(self) -> None:
         if "*" in self.allowed_origins and self.api_key is None:
             raise KvlabError("--allowed-origins '*' lets any web page use the model; it needs "
                              "--api-key (or list the origins, e.g. http://localhost:3000)")
+        if self.responses_max_stored < 1 or not self.responses_max_age_s > 0:
+            raise KvlabError(f"--responses-max-stored must be >= 1 and --responses-max-age > 0, "
+                             f"got {self.responses_max_stored} and {self.responses_max_age_s}")
         bad = [o for o in self.allowed_origins if o != "*" and "://" not in o]
         if bad:
             raise KvlabError(f"--allowed-origins takes origins such as https://app.example.com "

@@ -366,10 +366,13 @@ def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def response_store(app: FastAPI) -> ResponseStore:
-    """The app's store, made on first use (on the event loop, so made once)."""
+    """The app's store, made on first use (on the event loop, so made once) with the bounds
+    of `kvlab serve --responses-max-stored / --responses-max-age`."""
     store = getattr(app.state, "responses", None)
     if store is None:
-        store = app.state.responses = ResponseStore.from_env()
+        limits = app.state.limits
+        store = app.state.responses = ResponseStore(limits.responses_max_stored,
+                                                    limits.responses_max_age_s)
     return store
 
 

@@ -11,7 +11,6 @@ since calls are built in worker threads while routes answer on the event loop.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -23,9 +22,6 @@ from kvlab.server.core.errors import ApiError
 
 DEFAULT_MAX_ENTRIES = 512
 DEFAULT_MAX_AGE_S = 3600.0
-# the settings, from the environment of `kvlab serve`
-MAX_ENTRIES_ENV = "KVLAB_RESPONSES_MAX_STORED"
-MAX_AGE_ENV = "KVLAB_RESPONSES_MAX_AGE_S"
 
 
 @dataclass(frozen=True)
@@ -54,12 +50,6 @@ class ResponseStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[float, StoredResponse]] = OrderedDict()
-
-    @classmethod
-    def from_env(cls) -> ResponseStore:
-        """The store with the bounds set in the environment, else the defaults."""
-        return cls(int(_env_number(MAX_ENTRIES_ENV, DEFAULT_MAX_ENTRIES)),
-                   _env_number(MAX_AGE_ENV, DEFAULT_MAX_AGE_S))
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         with self._lock:
@@ -92,20 +82,6 @@ class ResponseStore:
             if now - stored_at <= self.max_age_s:
                 return
             self._entries.popitem(last=False)
-
-
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ApiError(500, f"{name} must be a positive number, got {raw!r}",
-                       type_="internal_server_error")
-    return value
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
