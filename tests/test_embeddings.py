@@ -76,15 +76,7 @@ def write_bert_gguf(model, path: Path, pooling_type: int, quantize: bool = False
         w.add_uint32(f"bert.{key}", value)
     w.add_float32("bert.attention.layer_norm_epsilon", cfg.layer_norm_eps)
     w.add_bool("bert.attention.causal", False)
-    special = [t.startswith("[") for t in VOCAB]
-    w.add_string("tokenizer.ggml.model", "bert")
-    w.add_array("tokenizer.ggml.tokens", [t if s else t[2:] if t.startswith("##") else "\u2581" + t
-                                          for t, s in zip(VOCAB, special)])
-    w.add_array("tokenizer.ggml.token_type", [3 if s else 1 for s in special])
-    w.add_uint32("tokenizer.ggml.token_type_count", cfg.type_vocab_size)
-    for name, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("seperator", "[SEP]"),
-                        ("unknown", "[UNK]"), ("padding", "[PAD]")):
-        w.add_uint32(f"tokenizer.ggml.{name}_token_id", VOCAB.index(token))
+    _add_wordpiece_vocab(w)
     for name, t in _gguf_names(model):
         data = t.detach().float().numpy().astype(np.float32)
         if quantize and name.startswith("blk.") and data.ndim == 2 and data.shape[1] % 32 == 0:
@@ -96,6 +88,19 @@ def write_bert_gguf(model, path: Path, pooling_type: int, quantize: bool = False
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _add_wordpiece_vocab(w) -> None:
+    """VOCAB as llama.cpp's converter writes a WordPiece vocabulary (phantom spaces)."""
+    special = [t.startswith("[") for t in VOCAB]
+    w.add_string("tokenizer.ggml.model", "bert")
+    w.add_array("tokenizer.ggml.tokens", [t if s else t[2:] if t.startswith("##") else "\u2581" + t
+                                          for t, s in zip(VOCAB, special)])
+    w.add_array("tokenizer.ggml.token_type", [3 if s else 1 for s in special])
+    w.add_uint32("tokenizer.ggml.token_type_count", 2)
+    for name, token in (("bos", "[CLS]"), ("eos", "[SEP]"), ("seperator", "[SEP]"),
+                        ("unknown", "[UNK]"), ("padding", "[PAD]")):
+        w.add_uint32(f"tokenizer.ggml.{name}_token_id", VOCAB.index(token))
 
 
 def _gguf_names(model):
@@ -173,6 +178,112 @@ def test_bert_engine_refuses_generation_and_keeps_no_pool(bert):
     assert engine.kv.num_blocks == 1 and engine.max_model_len == 64
     with pytest.raises(RequestError, match="embedding model"):
         engine.add_request("r", [2, 5, 3], SamplingParams(max_tokens=2))
+
+
+NOMIC = {"vocab_size": len(VOCAB), "n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48,
+         "n_positions": 64, "layer_norm_epsilon": 1e-12, "rotary_emb_base": 1000.0,
+         "type_vocab_size": 2}
+
+
+def nomic_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under nomic-embed-text's HF names."""
+    gen = torch.Generator().manual_seed(seed)
+    d, inner = NOMIC["n_embd"], NOMIC["n_inner"]
+
+    def rand(*shape: int, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * (0.1 if mean else 0.2) + mean
+
+    sd = {"embeddings.word_embeddings.weight": rand(len(VOCAB), d),
+          "embeddings.token_type_embeddings.weight": rand(2, d),
+          "emb_ln.weight": rand(d, mean=1.0), "emb_ln.bias": rand(d)}
+    for i in range(NOMIC["n_layer"]):
+        p = f"encoder.layers.{i}."
+        sd |= {p + "attn.Wqkv.weight": rand(3 * d, d), p + "attn.out_proj.weight": rand(d, d),
+               p + "mlp.fc11.weight": rand(inner, d), p + "mlp.fc12.weight": rand(inner, d),
+               p + "mlp.fc2.weight": rand(d, inner), p + "norm1.weight": rand(d, mean=1.0),
+               p + "norm1.bias": rand(d), p + "norm2.weight": rand(d, mean=1.0),
+               p + "norm2.bias": rand(d)}
+    return sd
+
+
+def nomic_reference(sd: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """nomic-bert's forward written out from its definition (post-norm blocks, rotate-half
+    rotary over whole heads, y = fc11(x) * silu(fc12(x))), then mean pooling, normalized."""
+    d, heads, eps = NOMIC["n_embd"], NOMIC["n_head"], NOMIC["layer_norm_epsilon"]
+    hd = d // heads
+
+    def norm(x, name):
+        return F.layer_norm(x, (d,), sd[name + ".weight"], sd[name + ".bias"], eps)
+
+    inv = 1.0 / NOMIC["rotary_emb_base"] ** (torch.arange(0, hd, 2).float() / hd)
+    angles = torch.arange(len(ids)).float()[:, None] * inv[None]
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1)[:, None] for f in (torch.cos, torch.sin))
+
+    def rotate(t):  # [n, heads, hd]
+        return t * cos + torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], dim=-1) * sin
+
+    x = sd["embeddings.word_embeddings.weight"][ids] + sd[
+        "embeddings.token_type_embeddings.weight"][0]
+    x = norm(x, "emb_ln")
+    for i in range(NOMIC["n_layer"]):
+        p = f"encoder.layers.{i}."
+        q, k, v = (x @ sd[p + "attn.Wqkv.weight"].T).reshape(len(ids), 3, heads, hd).unbind(1)
+        scores = torch.einsum("qhd,khd->hqk", rotate(q), rotate(k)) / hd ** 0.5
+        att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), d)
+        x = norm(x + att @ sd[p + "attn.out_proj.weight"].T, p + "norm1")
+        h = (x @ sd[p + "mlp.fc11.weight"].T) * F.silu(x @ sd[p + "mlp.fc12.weight"].T)
+        x = norm(x + h @ sd[p + "mlp.fc2.weight"].T, p + "norm2")
+    return F.normalize(x.mean(0), dim=-1)
+
+
+def write_nomic(sd: dict[str, torch.Tensor], root: Path) -> None:
+    """HF directory (safetensors, config.json, the BERT tokenizer) and llama.cpp's GGUF."""
+    import gguf
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    hf = root / "hf"
+    hf.mkdir()
+    save_file(sd, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert", **NOMIC,
+        "activation_function": "swiglu", "rotary_emb_fraction": 1.0, "prenorm": False,
+        "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False}))
+    tf.BertTokenizerFast(vocab={t: i for i, t in enumerate(VOCAB)}).save_pretrained(hf)
+    w = gguf.GGUFWriter(str(root / "nomic.gguf"), "nomic-bert")
+    for key, name in (("block_count", "n_layer"), ("context_length", "n_positions"),
+                      ("embedding_length", "n_embd"), ("feed_forward_length", "n_inner"),
+                      ("attention.head_count", "n_head")):
+        w.add_uint32(f"nomic-bert.{key}", NOMIC[name])
+    w.add_float32("nomic-bert.attention.layer_norm_epsilon", NOMIC["layer_norm_epsilon"])
+    w.add_float32("nomic-bert.rope.freq_base", NOMIC["rotary_emb_base"])
+    w.add_uint32("nomic-bert.pooling_type", 1)
+    _add_wordpiece_vocab(w)
+    names = {"embeddings.word_embeddings": "token_embd", "emb_ln": "token_embd_norm",
+             "embeddings.token_type_embeddings": "token_types", "attn.Wqkv": "attn_qkv",
+             "attn.out_proj": "attn_output", "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate",
+             "mlp.fc2": "ffn_down", "norm1": "attn_output_norm", "norm2": "layer_output_norm"}
+    for name, t in sd.items():
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("encoder.layers."):
+            i, rest = stem.removeprefix("encoder.layers.").split(".", 1)
+            stem = f"blk.{i}.{names[rest]}"
+        w.add_tensor(f"{names.get(stem, stem)}.{kind}", t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("source", ["hf", "nomic.gguf"])
+def test_nomic_bert_matches_its_definition(tmp_path, source):
+    sd = nomic_weights()
+    write_nomic(sd, tmp_path)
+    engine = Engine.from_model(str(tmp_path / source), CONFIG)
+    assert engine.snapshot().pooling == "mean" and not engine.can_generate
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    want = torch.stack([nomic_reference(sd, i) for i in ids])
+    torch.testing.assert_close(engine.embed(ids), want, atol=1e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")

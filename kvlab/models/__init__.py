@@ -12,6 +12,7 @@ from kvlab.models import (
     llama,
     mistral,
     mixtral,
+    nomic_bert,
     olmoe,
     phi3,
     qwen2,
@@ -24,7 +25,8 @@ from kvlab.models.spec import ArchSpec
 ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
-                                       qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC)}
+                                       qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC,
+                                       nomic_bert.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

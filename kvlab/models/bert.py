@@ -54,11 +54,12 @@ HF_NAMES = NameTable(globals=_table(1, _GLOBAL_NAMES), layer_prefix="encoder.lay
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     g = gguf_get(meta, "bert")
     heads, hidden = int(g("attention.head_count")), int(g("embedding_length"))
-    return _config(vocab=int(g("vocab_size", None) or len(meta["tokenizer.ggml.tokens"])),
-                   hidden=hidden, layers=int(g("block_count")), heads=heads,
-                   inter=int(g("feed_forward_length")), context=int(g("context_length")),
-                   eps=float(g("attention.layer_norm_epsilon", 1e-12)),
-                   name=str(meta.get("general.name", "bert")))
+    return encoder_config(
+        "bert", vocab=int(g("vocab_size", None) or len(meta["tokenizer.ggml.tokens"])),
+        hidden=hidden, layers=int(g("block_count")), heads=heads,
+        inter=int(g("feed_forward_length")), context=int(g("context_length")),
+        eps=float(g("attention.layer_norm_epsilon", 1e-12)),
+        name=str(meta.get("general.name", "bert")))
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -69,20 +70,27 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError("BERT position_embedding_type "
                              f"{cfg['position_embedding_type']!r} is not supported "
                              "(valid: absolute)")
-    return _config(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"],
-                   layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
-                   inter=cfg["intermediate_size"], context=cfg.get("max_position_embeddings", 512),
-                   eps=cfg.get("layer_norm_eps", 1e-12), name=cfg.get("_name_or_path", "bert"))
+    return encoder_config(
+        "bert", vocab=cfg["vocab_size"], hidden=cfg["hidden_size"],
+        layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
+        inter=cfg["intermediate_size"], context=cfg.get("max_position_embeddings", 512),
+        eps=cfg.get("layer_norm_eps", 1e-12), name=cfg.get("_name_or_path", "bert"))
 
 
-def _config(*, vocab: int, hidden: int, layers: int, heads: int, inter: int, context: int,
-            eps: float, name: str) -> ModelConfig:
+def layer_linear(x: torch.Tensor, layer: dict[str, Any], name: str) -> torch.Tensor:
+    """The product with its bias where the checkpoint has one; fp32 (the norms' dtype)."""
+    return linear(x, layer[name], layer.get(f"{name}_bias")).float()
+
+
+def encoder_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int, inter: int,
+                   context: int, eps: float, name: str, **more: Any) -> ModelConfig:
+    """An encoder's shape: as many KV heads as heads, bidirectional, no LM head."""
     return ModelConfig(
-        architecture="bert", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
         intermediate_size=inter, max_position_embeddings=context,
         rms_norm_eps=eps,  # the LayerNorms' epsilon
-        tie_word_embeddings=True, causal=False, name=name)
+        tie_word_embeddings=True, causal=False, name=name, **more)
 
 
 class BertModel:
@@ -99,26 +107,40 @@ class BertModel:
         """ids, positions: [T] of sequences packed back to back (`lengths` tokens each)
         -> final hidden states [T, hidden]. Every input is token type 0 (one segment)."""
         w = self.weights
-        x = (embed(ids, w["embed"]) + embed(positions, w["pos_embed"])
-             + embed(torch.zeros_like(ids[:1]), w["type_embed"]))
+        x = self.embeddings(ids, positions) + embed(torch.zeros_like(ids[:1]), w["type_embed"])
         x = self._norm(x, "embed_norm", w)
         for layer in self.layers:
-            x = self._norm(x + self.attention(x, layer, lengths), "attn_norm", layer)
-            h = F.gelu(linear(x, layer["up"], layer["up_bias"]))
-            x = self._norm(x + linear(h, layer["down"], layer["down_bias"]), "mlp_norm", layer)
+            x = self._norm(x + self.attention(x, positions, layer, lengths), "attn_norm", layer)
+            x = self._norm(x + self.mlp(x, layer), "mlp_norm", layer)
         return x
 
-    def attention(self, x: torch.Tensor, layer: dict[str, Any],
+    def embeddings(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token plus learned absolute position embeddings [T, hidden]."""
+        return embed(ids, self.weights["embed"]) + embed(positions, self.weights["pos_embed"])
+
+    def mlp(self, x: torch.Tensor, layer: dict[str, Any]) -> torch.Tensor:
+        h = F.gelu(layer_linear(x, layer, "up"))
+        return layer_linear(h, layer, "down")
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, layer: dict[str, Any],
                   lengths: list[int]) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: each sequence attends over all of its own tokens."""
         c = self.config
-        q, k, v = (t.reshape(-1, c.num_heads, c.head_dim).transpose(0, 1)
-                   for t in split(linear(x, layer["qkv"], layer["qkv_bias"]), layer["qkv"]))
-        out = torch.cat([  # [heads, n, head_dim] per sequence, back to [n, hidden]
+        qkv = layer_linear(x, layer, "qkv")
+        q, k, v = (t.reshape(-1, heads, c.head_dim) for t, heads in zip(
+            split(qkv, layer["qkv"]), (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
+        q, k = self.rotate(q, k, positions)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
+        out = torch.cat([  # per sequence, back to [n, hidden]
             F.scaled_dot_product_attention(qs, ks, vs, scale=c.scale).transpose(0, 1)
             .reshape(-1, c.hidden_size)
             for qs, ks, vs in zip(*(t.split(lengths, dim=1) for t in (q, k, v)))])
-        return linear(out, layer["o"], layer["o_bias"])
+        return layer_linear(out, layer, "o")
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position enters through the embeddings here: q and k go on unrotated."""
+        return q, k
 
     def _norm(self, x: torch.Tensor, name: str, weights: dict[str, Any]) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], weights[name], weights[f"{name}_bias"],
