@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,29 @@ def hf_ids(model_dir: Path, text: str) -> list[int]:
     import transformers as tf
 
     return tf.AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+
+
+def _bge_vocab() -> Path | None:
+    folder = os.environ.get("KVLAB_LLAMA_VOCABS")
+    path = Path(folder) / "ggml-vocab-bert-bge.gguf" if folder else None
+    return path if path is not None and path.is_file() else None
+
+
+@pytest.mark.skipif(_bge_vocab() is None,
+                    reason="set KVLAB_LLAMA_VOCABS to a folder of llama.cpp's ggml-vocab-*.gguf")
+def test_wordpiece_gguf_matches_llama_cpps_test_vectors():
+    """llama.cpp's own tokenizer test for its bert-bge vocabulary (ids without [CLS]/[SEP])."""
+    from kvlab.tokenizer import load_gguf_tokenizer
+    from kvlab.weights.gguf_file import GGUFFile
+
+    path = _bge_vocab()
+    tok = load_gguf_tokenizer(GGUFFile(path).metadata)
+    texts = Path(f"{path}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = Path(f"{path}.out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) == len(expected) > 40
+    for text, ids in zip(texts, expected):
+        assert tok.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], text
+    assert tok.encode("Hello world") == [101, 7592, 2088, 102]
 
 
 @pytest.fixture(scope="module")
