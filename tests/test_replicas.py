@@ -27,7 +27,13 @@ openai = pytest.importorskip("openai")
 from kvlab.deploy import parse
 from kvlab.server.replicas.board import ReplicaBoard, ReplicaReport
 from kvlab.server.replicas.merge import merge_metrics
-from kvlab.server.replicas.router import is_busy, rendezvous_order, routing_key
+from kvlab.server.replicas.router import (
+    PIN,
+    is_busy,
+    pinned_key,
+    rendezvous_order,
+    routing_key,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -115,6 +121,21 @@ def test_prefix_router_ranks_the_key_first_and_spills_when_busy():
     queue.update({replicas[int(order[0][1])].replica_id: 4})  # 4 more than the idle ones
     assert ranks("k") == [order[:2], order[2:]]
     assert len(ranks(None)[0]) == 2  # no key: two at random, the less loaded wins
+    assert ranks(PIN + "r2") == [["r2"]]  # a pinned request goes where its state is
+    assert len(ranks(PIN + "gone")[0]) == 2  # its replica gone: by load (it will 404)
+
+
+def test_requests_for_a_stored_response_are_pinned_to_its_replica():
+    rid = "resp_r1_" + "ab" * 16
+    assert pinned_key("/v1/responses", body(previous_response_id=rid, input="hi")) == PIN + "r1"
+    for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
+        assert pinned_key(path, b"") == PIN + "r1"
+        assert routing_key(path, b"", 64, 2) == PIN + "r1"
+    long = {"instructions": "s" * 200, "input": "hi"}
+    assert routing_key("/v1/responses", body(previous_response_id=rid, **long), 64, 2) \
+        == PIN + "r1"  # the pin wins over the prefix
+    assert pinned_key("/v1/responses", body(previous_response_id="resp_" + "ab" * 16)) is None
+    assert pinned_key("/v1/responses", b"{previous_response_id") is None
 
 
 def test_board_ages_replicas_out():
@@ -296,6 +317,22 @@ def test_prefix_routing_keeps_a_prefix_on_one_replica(cluster):
     assert len(spread) == 2
     target = same.pop()  # its prefix cache served the repeats
     wait_for(lambda: per_replica(cluster)[target]["prefix_hits"] > 0, 10)
+
+
+def test_a_stored_response_is_continued_on_the_replica_that_keeps_it(cluster):
+    """Stored responses live on one replica; continuations and reads of them go there,
+    however different their prompts' leading text is."""
+    c = client(cluster)
+    for i in range(4):  # prompts that spread over both replicas
+        first = c.responses.create(model=MODEL, input=f"{i:03d} " * 40, max_output_tokens=2)
+        owner = first.id.split("_")[1]
+        again = c.responses.with_raw_response.create(
+            model=MODEL, input="and then?", previous_response_id=first.id,
+            max_output_tokens=2)
+        assert again.headers["x-kvlab-replica"] == owner
+        assert again.parse().usage.input_tokens > first.usage.input_tokens
+        got = c.responses.with_raw_response.retrieve(first.id)
+        assert got.headers["x-kvlab-replica"] == owner and got.parse().id == first.id
 
 
 def test_metrics_cover_both_replicas(cluster):

@@ -38,6 +38,7 @@ from kvlab.server.anthropic.reply import (
 )
 from kvlab.server.core.async_engine import (
     AsyncEngine,
+    EngineCall,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
@@ -67,7 +68,7 @@ def count_tokens(serving: Serving, body: bytes) -> dict[str, Any]:
 
 
 @dataclass
-class MessagesCall:
+class MessagesCall(EngineCall):
     """One /v1/messages call: built from its body, submitted to the engine, answered."""
 
     engine: AsyncEngine
@@ -91,19 +92,14 @@ class MessagesCall:
         return cls(serving.engine, f"msg_{uuid.uuid4().hex[:24]}", model, request, form,
                    req.stream)
 
-    async def submit(self, deadline: float | None = None) -> None:
-        self.gen = await self.engine.add([self.request], deadline)
-
-    def close(self) -> None:
-        """Abort whatever has not finished (idempotent)."""
-        if self.gen is not None:
-            self.gen.close()
+    def engine_requests(self) -> list[EngineRequest]:
+        return [self.request]
 
     async def respond(self) -> dict[str, Any]:
         """The whole message."""
         texts, last = [], None
         try:
-            async for out in self._submitted():
+            async for out in self.submitted():
                 texts.append(out.text_delta)
                 last = out
         except EngineStepError as e:  # an error the server reports, not a bug of the call
@@ -118,7 +114,7 @@ class MessagesCall:
         """Anthropic's event stream; the call is closed however the stream ends."""
         blocks = BlockStream(self.form)
         try:
-            async for out in self._submitted():
+            async for out in self.submitted():
                 for chunk in self._on_output(out, blocks):
                     yield chunk
         except EngineStepError as e:  # headers are already sent: report it as an event

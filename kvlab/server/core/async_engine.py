@@ -307,6 +307,35 @@ class AsyncEngine:
                 return True
 
 
+class EngineCall:
+    """What every API call does with the engine: its engine requests go in as one
+    Generation at `submit`, `submitted()` reads their outputs, `close` aborts whatever of them
+    is unfinished (idempotent). A call class sets `engine` and `gen` (None until submitted)
+    and says which requests it runs."""
+
+    engine: AsyncEngine
+    gen: Generation | None
+
+    def engine_requests(self) -> list[EngineRequest]:
+        raise NotImplementedError
+
+    async def submit(self, deadline: float | None = None) -> None:
+        """Queue the engine requests (none: nothing to run); raises RequestError,
+        EngineOverloaded, ... `deadline` is on the event loop's clock."""
+        requests = self.engine_requests()
+        if requests:
+            self.gen = await self.engine.add(requests, deadline)
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.close()
+
+    def submitted(self) -> Generation:
+        if self.gen is None:
+            raise RuntimeError(f"{type(self).__name__} was not submitted")
+        return self.gen
+
+
 def _execute(engine: Engine, fn: Callable[[Engine], Any],
              fut: concurrent.futures.Future | None) -> None:
     if fut is not None and not fut.set_running_or_notify_cancel():

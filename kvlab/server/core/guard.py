@@ -43,6 +43,8 @@ class ServerLimits:
     any_model_name: bool = False  # answer whatever model name a client sends
     responses_max_stored: int = 512  # Responses API: stored responses kept, oldest dropped
     responses_max_age_s: float = 3600.0  # ... and for at most this long
+    instance: str = ""  # this server among replicas: ids of state it keeps (stored responses)
+    # carry it, so the ingress routes requests for that state back here
 
     def __post_init__(self) -> None:
         if "*" in self.allowed_origins and self.api_key is None:

@@ -34,7 +34,7 @@ class Serving:
     """
 
     def __init__(self, engine: AsyncEngine, aliases: tuple[str, ...] = (),
-                 any_model_name: bool = False) -> None:
+                 any_model_name: bool = False, instance: str = "") -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         name = engine.model_name
@@ -42,6 +42,7 @@ class Serving:
         self.aliases = aliases
         self.public_name = aliases[0] if aliases else name
         self.any_model_name = any_model_name
+        self.instance = instance
         longest = max((len(self.tokenizer.token_bytes(i))
                        for i in range(self.tokenizer.vocab_size)), default=16)
         self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
@@ -63,6 +64,12 @@ class Serving:
                             f"{', '.join(sorted(self.model_names))} (kvlab serve "
                             "--served-model-name adds aliases, --any-model-name answers any "
                             "name)", param="model", code="model_not_found", type_="not_found_error")
+
+    def state_id(self, prefix: str) -> str:
+        """A new id for state this server keeps (a stored response): `prefix_hex`, or
+        `prefix_<instance>_hex` among replicas, so the ingress can route back to it."""
+        tag = f"{self.instance}_" if self.instance else ""
+        return f"{prefix}_{tag}{uuid.uuid4().hex}"
 
     def check_fits(self, text: str, param: str) -> None:
         """Refuse, before tokenizing, text too long in bytes for any tokenization to fit."""

@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 from kvlab.request import RequestOutput, Structure
 from kvlab.server.core.async_engine import (
+    AsyncEngine,
+    EngineCall,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
@@ -64,7 +66,7 @@ class Piece:
 
 
 @dataclass
-class Call:
+class Call(EngineCall):
     """One /api/chat or /api/generate call: built from its body, submitted, answered."""
 
     serving: Serving
@@ -122,14 +124,12 @@ class Call:
 
     # ---- submitting and answering (event loop) ----------------------------------------------
 
-    async def submit(self, deadline: float | None = None) -> None:
-        if self.request is not None:
-            self.gen = await self.serving.engine.add([self.request], deadline)
+    @property
+    def engine(self) -> AsyncEngine:  # type: ignore[override]
+        return self.serving.engine
 
-    def close(self) -> None:
-        """Abort whatever has not finished (idempotent)."""
-        if self.gen is not None:
-            self.gen.close()
+    def engine_requests(self) -> list[EngineRequest]:
+        return [] if self.request is None else [self.request]
 
     async def respond(self) -> dict[str, Any]:
         """The whole answer as one object."""
@@ -159,12 +159,11 @@ class Call:
             self.close()
 
     async def _pieces(self) -> AsyncIterator[Piece]:
-        if self.gen is None:
-            raise RuntimeError("the call was not submitted")
+        gen = self.submitted()
         split = Split(self.reasoning, self.inside_reasoning, self.plan)
         tokenizer = self.serving.tokenizer
         last = None
-        async for out in self.gen:
+        async for out in gen:
             last = out
             self.reply_ids += out.new_token_ids
             thinking, content = split.feed(out.text_delta)

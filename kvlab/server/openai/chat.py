@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from kvlab.request import Structure
 from kvlab.server.core.async_engine import (
     AsyncEngine,
+    EngineCall,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
@@ -56,7 +57,7 @@ from kvlab.server.openai.protocol import (
 
 
 @dataclass
-class Call:
+class Call(EngineCall):
     """One API call: built from its body, submitted to the engine, answered."""
 
     engine: AsyncEngine
@@ -111,16 +112,8 @@ class Call:
 
     # ---- submitting and answering (event loop) ----------------------------------------------
 
-    async def submit(self, deadline: float | None = None) -> None:
-        """Queue the engine requests; raises RequestError, EngineOverloaded, ...
-
-        `deadline` is on the event loop's clock: the call's choices end there."""
-        self.gen = await self.engine.add(self.requests, deadline)
-
-    def close(self) -> None:
-        """Abort whatever has not finished (idempotent)."""
-        if self.gen is not None:
-            self.gen.close()
+    def engine_requests(self) -> list[EngineRequest]:
+        return self.requests
 
     def choices(self) -> dict[str, Choice]:
         return {r.request_id: Choice(i, len(r.prompt_ids), self.echo_texts[i // self.n])
@@ -128,7 +121,7 @@ class Call:
 
     async def respond(self) -> dict[str, Any]:
         """The whole answer as one JSON object."""
-        gen = self._submitted()
+        gen = self.submitted()
         choices = self.choices()
         async for out in gen:
             choices[out.request_id].add(out)
@@ -140,7 +133,7 @@ class Call:
 
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events; the call is closed however the stream ends."""
-        gen = self._submitted()
+        gen = self.submitted()
         choices = self.choices()
         params = {r.request_id: r.params for r in self.requests}
         try:
@@ -165,11 +158,6 @@ class Call:
         finally:
             self.close()
         yield "data: [DONE]\n\n"
-
-    def _submitted(self) -> Generation:
-        if self.gen is None:
-            raise RuntimeError(f"call {self.id} was not submitted")
-        return self.gen
 
     def _event(self, choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": self.format.chunk_object,

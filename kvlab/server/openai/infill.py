@@ -30,6 +30,7 @@ from pydantic import Field
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams
 from kvlab.server.core.async_engine import (
     AsyncEngine,
+    EngineCall,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
@@ -104,7 +105,7 @@ class Ending:
 
 
 @dataclass
-class InfillCall:
+class InfillCall(EngineCall):
     """One /infill call: built from its body, submitted to the engine, answered."""
 
     engine: AsyncEngine
@@ -129,24 +130,15 @@ class InfillCall:
         stop_ids = frozenset(serving.tokenizer.eos_ids)
         return cls(serving.engine, model, request, stop_ids, prompt.truncated, req.stream)
 
-    async def submit(self, deadline: float | None = None) -> None:
-        self.gen = await self.engine.add([self.request], deadline)
-
-    def close(self) -> None:
-        if self.gen is not None:
-            self.gen.close()
-
-    def _submitted(self) -> Generation:
-        if self.gen is None:
-            raise RuntimeError("the infill call was not submitted")
-        return self.gen
+    def engine_requests(self) -> list[EngineRequest]:
+        return [self.request]
 
     async def respond(self) -> dict[str, Any]:
         """The whole answer as one JSON object."""
         text: list[str] = []
         tokens: list[int] = []
         last, ending = None, Ending()
-        async for out in self._submitted():
+        async for out in self.submitted():
             delta, ending = self._read(out)
             text.append(delta)
             tokens += out.new_token_ids
@@ -157,7 +149,7 @@ class InfillCall:
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events; the call is closed however the stream ends."""
         try:
-            async for out in self._submitted():
+            async for out in self.submitted():
                 delta, ending = self._read(out)
                 if delta or out.new_token_ids:
                     yield _event(self._partial(out, delta))

@@ -30,6 +30,7 @@ from pydantic import Field
 from kvlab.request import FinishReason, RequestOutput, SamplingParams, Structure
 from kvlab.server.core.async_engine import (
     AsyncEngine,
+    EngineCall,
     EngineRequest,
     EngineStepError,
     EngineUnavailable,
@@ -47,7 +48,7 @@ from kvlab.server.openai.responses_input import (
     tool_choice_of,
     tool_specs,
 )
-from kvlab.server.openai.responses_output import Event, Reply, new_id
+from kvlab.server.openai.responses_output import Event, Reply
 from kvlab.server.openai.responses_store import ResponseStore, StoredResponse, not_found
 
 MAX_METADATA = 16  # pairs, as OpenAI bounds them
@@ -84,7 +85,7 @@ class ResponsesRequest(Strict):
 
 
 @dataclass
-class ResponseCall:
+class ResponseCall(EngineCall):
     """One Responses call: built from its body, submitted to the engine, answered."""
 
     engine: AsyncEngine
@@ -98,7 +99,7 @@ class ResponseCall:
     model: str
     stream: bool = False
     media_type: ClassVar[str] = "text/event-stream"
-    id: str = field(default_factory=lambda: new_id("resp"))
+    id: str = ""  # set by create: serving.state_id("resp")
     created: int = field(default_factory=lambda: int(time.time()))
     gen: Generation | None = field(default=None, init=False)
 
@@ -126,17 +127,12 @@ class ResponseCall:
         request = serving.engine_requests([ids], [params], "input")[0]
         reply = Reply(plan, serving.reasoning, serving.reasoning_opens(ids))
         return cls(serving.engine, serving, store, request, reply, _settings(req), prior, own,
-                   model, req.stream)
+                   model, req.stream, id=serving.state_id("resp"))
 
     # ---- submitting and answering (event loop) ----------------------------------------------
 
-    async def submit(self, deadline: float | None = None) -> None:
-        self.gen = await self.engine.add([self.request], deadline)
-
-    def close(self) -> None:
-        """Abort whatever has not finished (idempotent)."""
-        if self.gen is not None:
-            self.gen.close()
+    def engine_requests(self) -> list[EngineRequest]:
+        return [self.request]
 
     async def respond(self) -> dict[str, Any]:
         """The whole Response object (the stream's events, keeping only the last)."""
@@ -161,13 +157,12 @@ class ResponseCall:
 
     async def _run(self) -> AsyncIterator[Event]:
         """Every event of the response, the final Response object last."""
-        if self.gen is None:
-            raise RuntimeError(f"response {self.id} was not submitted")
+        gen = self.submitted()
         start = self._response("in_progress", [])
         yield {"type": "response.created", "response": start}
         yield {"type": "response.in_progress", "response": start}
         last: RequestOutput | None = None
-        async for out in self.gen:
+        async for out in gen:
             last = out
             for event in self.reply.feed(out.text_delta):
                 yield event

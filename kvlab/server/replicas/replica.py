@@ -69,10 +69,11 @@ class EngineReplica:
         self.engine = AsyncEngine(await asyncio.to_thread(load), settings.max_waiting)
         # the ingress already checked the key and the origin; the body size and timeout are
         # checked again
-        limits = dataclasses.replace(settings.limits, api_key=None, allowed_origins=())
-        self.app = create_app(self.engine, front_ends(), limits=limits)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        limits = dataclasses.replace(settings.limits, api_key=None, allowed_origins=(),
+                                     instance=self.replica_id)
+        self.app = create_app(self.engine, front_ends(), limits=limits)
         self.lifespan = contextlib.AsyncExitStack()
         await self.lifespan.enter_async_context(self.app.router.lifespan_context(self.app))
         self.ingress = serve.get_deployment_handle(ingress, app_name=context.app_name)

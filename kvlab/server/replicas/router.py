@@ -16,6 +16,10 @@ taken as `block_size * chars_per_token` characters; a prompt shorter than one bl
 key (nothing of it would be cached) and is routed by load alone. Rendezvous hashing moves
 only the keys of a replica that comes or goes.
 
+State a replica keeps, a stored Responses response, is found only on that replica: its id
+carries the replica's id (`resp_<replica>_<hex>`), and a request that reads it (a
+`previous_response_id`, `GET` / `DELETE /v1/responses/{id}`) is pinned there (`PIN` keys).
+
 "Busy" is read from Serve's cached queue lengths: a replica is busy when it holds
 `imbalance` more requests than the least loaded one, or as many as it accepts.
 `RoundRobinRouter` is the plain baseline to measure the affinity against (Serve's own
@@ -28,10 +32,14 @@ import hashlib
 import itertools
 import json
 import random
+import re
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+PIN = "replica:"  # a routing key naming the one replica that can answer
+_STATE_ID = re.compile(r"resp_(.+)_[0-9a-f]{32}")
+_RESPONSE_PATH = re.compile(r"/v1/responses/([^/]+)(?:/input_items)?")
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                 "/api/chat", "/api/generate")
 
@@ -68,8 +76,9 @@ def routing_key(path: str, body: bytes, block_chars: int, blocks: int) -> str | 
 
     A body that is not valid JSON gets no key: the replica will answer it with the 400.
     """
-    if path not in ROUTED_PATHS:
-        return None
+    pinned = pinned_key(path, body)
+    if pinned is not None or path not in ROUTED_PATHS:
+        return pinned
     try:
         text = leading_text(json.loads(body))
     except (ValueError, UnicodeDecodeError):
@@ -78,6 +87,29 @@ def routing_key(path: str, body: bytes, block_chars: int, blocks: int) -> str | 
     if full == 0:
         return None
     return hashlib.sha1(text[:full * block_chars].encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def pinned_key(path: str, body: bytes) -> str | None:
+    """`PIN + replica id` for a request that reads state one replica keeps, else None."""
+    found = _RESPONSE_PATH.fullmatch(path)
+    state_id = found.group(1) if found else None
+    if path == "/v1/responses" and b"previous_response_id" in body:
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        state_id = data.get("previous_response_id") if isinstance(data, dict) else None
+    owner = _STATE_ID.fullmatch(state_id) if isinstance(state_id, str) else None
+    return PIN + owner.group(1) if owner else None
+
+
+def pinned_replica(key: str | None,
+                   candidates: list[RunningReplica]) -> RunningReplica | None:
+    """The replica a PIN key names, if it is still running."""
+    if key is None or not key.startswith(PIN):
+        return None
+    wanted = key[len(PIN):]
+    return next((r for r in candidates if r.replica_id.unique_id == wanted), None)
 
 
 def rendezvous_order(key: str, replica_ids: list[str]) -> list[str]:
@@ -103,7 +135,10 @@ class PrefixRouter(RequestRouter):
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
         key = pending_request.kwargs.get("prefix_key") if pending_request else None
-        if key is None or len(candidate_replicas) < 2:
+        pinned = pinned_replica(key, candidate_replicas)
+        if pinned is not None:
+            return [[pinned]]
+        if key is None or key.startswith(PIN) or len(candidate_replicas) < 2:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = [by_id[rid] for rid in rendezvous_order(key, list(by_id))]
@@ -127,6 +162,10 @@ class RoundRobinRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        key = pending_request.kwargs.get("prefix_key") if pending_request else None
+        pinned = pinned_replica(key, candidate_replicas)
+        if pinned is not None:
+            return [[pinned]]
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         i = next(self._turn) % len(ordered)
         return [[ordered[i]], ordered[i + 1:] + ordered[:i]]
