@@ -21,6 +21,7 @@ class FakeTokenizer:
     vocab_size = 256
     chat_template = None
     suffix_id = None
+    fim = None  # no fill-in-the-middle tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
