@@ -1,4 +1,5 @@
-"""`LLM(model).generate(prompts, params)` and streaming, on top of the batch-first engine."""
+"""`LLM(model).generate(prompts, params)`, streaming and `embed(texts)`, on top of the
+batch-first engine."""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ class LLM:
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         """Messages rendered with the model's chat template, then tokenized (one BOS)."""
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+    def embed(self, texts: str | list[str], normalize: bool = True,
+              dimensions: int | None = None) -> list[list[float]]:
+        """One vector per text, pooled as the model asks (Engine.embed)."""
+        texts = [texts] if isinstance(texts, str) else texts
+        ids = [self.tokenizer.encode(t) for t in texts]
+        return self.engine.embed(ids, normalize, dimensions).tolist()
 
     def _add(self, prompt: str | list[int], params: SamplingParams) -> tuple[str, list[int]]:
         if params.structured is not None:  # a structure that cannot be used: RequestError now

@@ -358,6 +358,15 @@ def test_an_embedding_models_eos_ends_its_texts_but_not_chat_prompts(qwen3, tmp_
     assert tok.encode_chat([{"role": "user", "content": "ab"}]) == [0, 1]
 
 
+def test_llm_embeds_texts(bert):
+    from kvlab.llm import LLM
+
+    llm = LLM(str(bert[1] / "mean"), CONFIG)
+    want = llm.engine.embed([llm.tokenizer.encode(t) for t in TEXTS[:2]], dimensions=5)
+    np.testing.assert_allclose(llm.embed(TEXTS[:2], dimensions=5), want, atol=1e-7)
+    assert len(llm.embed(TEXTS[0])) == 1
+
+
 def test_dimensions_truncate_then_normalize(qwen3):
     _, engine, _ = qwen3
     full = engine.embed([[3, 4, 5]], normalize=False)
