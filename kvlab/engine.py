@@ -53,7 +53,7 @@ from kvlab.weights.checkpoint import open_checkpoint
 from kvlab.weights.default_model import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-EMBED_BATCH_TOKENS = 8192  # tokens of one embedding forward: bounds its activations
+EMBED_BATCH_TOKENS = 4096  # tokens of one embedding forward: bounds its activations
 
 
 @dataclass(frozen=True)

@@ -332,6 +332,19 @@ def test_decoder_last_token_matches_transformers(qwen3):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # no block was taken
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3moe"])
+def test_sliding_window_and_moe_decoders_match_transformers(tmp_path, arch):
+    """Gemma 3's sliding layers (window 4) over prompts longer than the window, and routed
+    experts: the last token's final hidden state, as transformers computes it."""
+    model = build(arch, tmp_path)
+    engine = Engine.from_model(str(tmp_path / "model.gguf"), CONFIG)
+    prompts = [[5, 9, 11, 40, 2, 7, 8, 30, 31], [7], [60, 61, 62, 63, 64, 65]]
+    with torch.no_grad():
+        want = torch.stack([model.model(torch.tensor([p])).last_hidden_state[0, -1]
+                            for p in prompts])
+    torch.testing.assert_close(engine.embed(prompts, normalize=False), want, atol=1e-4, rtol=0)
+
+
 def test_an_embedding_models_eos_ends_its_texts_but_not_chat_prompts(qwen3, tmp_path):
     """GGUF's add_eos_token and a tokenizer.json post-processor's trailing token (as
     Qwen3-Embedding's) end every encoded text, as llama.cpp and transformers encode it."""

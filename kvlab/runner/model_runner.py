@@ -133,9 +133,11 @@ class ModelRunner:
 
     def final_hidden(self, prompts: list[list[int]]) -> torch.Tensor:
         """Whole prompts in one pass -> final hidden states [sum(len), hidden] fp32 (after
-        the final norm), for embeddings. A decoder attends causally over K/V stores of its
+        the final norm), for embeddings. A decoder attends causally over a K/V store of its
         own, fp32 and sized to these tokens, dropped on return: the paged pool and its
-        blocks are untouched. An encoder (config.causal False) attends bidirectionally."""
+        blocks are untouched. Every layer shares that one store: a layer reads only the K/V
+        it has just written, before the next layer overwrites them. An encoder
+        (config.causal False) attends bidirectionally."""
         lengths = [len(p) for p in prompts]
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
@@ -146,8 +148,8 @@ class ModelRunner:
             for n in lengths:  # each sequence's slots: the next n of the store
                 spans.append(SeqSpan(0, n, torch.arange(offset, offset + n)))
                 offset += n
-            stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device)
-                      for _ in range(c.num_layers)]
+            stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device)]
+            stores *= c.num_layers
             meta = build_metadata(spans, c.sliding_window, self.device)
             hidden = self.model.forward(ids, positions, stores, meta)
             return rms_norm(hidden, self.model.weights["norm"], c.rms_norm_eps).float()
