@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.kvlab-installed
 PROMPT ?= The three most important ideas in computer science are
 
-.PHONY: run test lint bench clean emu512
+.PHONY: run test lint bench clean emu512 llama-files
 
 $(STAMP): pyproject.toml $(wildcard setup.py)
 	command -v chromium >/dev/null || (apt-get update -qq && \
@@ -32,11 +32,28 @@ $(EMU512): $(STAMP) setup.py $(wildcard kvlab/kernels/csrc/*)
 
 emu512: $(EMU512)
 
+# llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf with .inp / .out) and its real
+# models' chat templates (models/templates/*.jinja), from the llama-cpp-python sdist on PyPI
+# that vendors llama.cpp; only those files are kept. The tests that read them skip, saying
+# so, when the download fails.
+LLAMA_SDIST := llama_cpp_python-0.3.36
+LLAMA_FILES := .cache/$(LLAMA_SDIST)
+$(LLAMA_FILES)/.done: | $(STAMP)
+	rm -rf $(LLAMA_FILES) && mkdir -p $(LLAMA_FILES)
+	($(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_FILES) \
+		llama-cpp-python==0.3.36 && \
+	 tar -xzf $(LLAMA_FILES)/$(LLAMA_SDIST).tar.gz -C $(LLAMA_FILES) --strip-components=3 \
+		$(LLAMA_SDIST)/vendor/llama.cpp/models && \
+	 rm $(LLAMA_FILES)/$(LLAMA_SDIST).tar.gz && touch $@) || \
+	echo "WARNING: llama-cpp-python's sdist could not be fetched; llama.cpp's vocabulary and template tests will skip"
+
+llama-files: $(LLAMA_FILES)/.done
+
 run: $(STAMP)
 	$(VENV)/bin/kvlab run "$(PROMPT)" --max-tokens 64
 
-test: $(STAMP) $(EMU512)
-	$(PY) -m pytest -q
+test: $(STAMP) $(EMU512) $(LLAMA_FILES)/.done
+	KVLAB_LLAMA_VOCABS=$(CURDIR)/$(LLAMA_FILES)/models $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvlab tests
