@@ -17,7 +17,10 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
+from kvlab.server.core.app import CLIENT_CLOSED, ClientGone, unless_disconnected
 from kvlab.server.core.bodies import Strict, parse, parse_json_body
 from kvlab.server.core.embedding import embed
 from kvlab.server.core.serving import Serving
@@ -37,6 +40,18 @@ class EmbeddingsBody(Strict):
         if self.input and isinstance(self.input[0], int):
             return [list(self.input)]  # type: ignore[arg-type]
         return list(self.input)  # type: ignore[arg-type]
+
+
+async def answer(request: Request) -> Response:
+    """The route: the body parsed off the loop, then the vectors; a client that hangs up
+    stops the call before its next batch reaches the engine."""
+    calls = request.app.state.calls
+    body, model = await calls.blocking(request, read_body)
+    try:
+        return JSONResponse(await unless_disconnected(request,
+                                                      create(calls.serving, body, model)))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
 
 
 def read_body(serving: Serving, body: bytes) -> tuple[EmbeddingsBody, str]:

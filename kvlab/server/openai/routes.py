@@ -36,9 +36,7 @@ async def chat_completions(request: Request) -> Response:
 
 @router.post("/v1/embeddings")
 async def embeddings_route(request: Request) -> Response:
-    calls = request.app.state.calls
-    body, model = await calls.blocking(request, embeddings.read_body)
-    return JSONResponse(await embeddings.create(calls.serving, body, model))
+    return await embeddings.answer(request)
 
 
 @router.get("/v1/models")
