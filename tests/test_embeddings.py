@@ -423,6 +423,22 @@ def test_openai_route_shapes_and_base64(qwen3):
     run_app(engine, body)
 
 
+def test_embeddings_run_beside_generation_on_one_engine(qwen3):
+    _, engine, _ = qwen3
+    want = engine.embed([[4, 5, 6]])[0]
+
+    async def body(client):
+        gen = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 40,
+                                                   "ignore_eos": True})
+        emb = [client.post("/v1/embeddings", json={"input": [[4, 5, 6]]}) for _ in range(3)]
+        done, *embedded = await asyncio.gather(gen, *emb)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 40
+        for r in embedded:
+            np.testing.assert_allclose(r.json()["data"][0]["embedding"], want, atol=1e-6)
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks  # all released after
+    run_app(engine, body)
+
+
 @pytest.mark.parametrize("fields,param,says", [
     ({"input": []}, "input", "is empty"),
     ({"input": ""}, "input", "empty string"),
