@@ -253,7 +253,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not self.can_generate:
             raise RequestError(f"{self.model_name} is an embedding model: it generates no "
-                               "text; ask it for embeddings")
+                               "text; embed with it instead (Engine.embed, kvlab embed)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, params)
         grammar = None if params.structured is None else self.structured.prepare(
