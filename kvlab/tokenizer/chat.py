@@ -2,7 +2,10 @@
 
 Rendering matches transformers' `apply_chat_template`: a Jinja `ImmutableSandboxedEnvironment`
 with trim_blocks/lstrip_blocks, loop controls, a `{% generation %}` tag, the `tojson` filter that
-does not escape HTML, and the `raise_exception` / `strftime_now` globals. Some GGUFs carry no
+does not escape HTML, the `raise_exception` / `strftime_now` globals, a `namespace` that refuses
+underscore names, and the same context: `messages` (None-valued keys dropped, reasoning under all
+its names), `tools` and `documents` (None when not given), `add_generation_prompt`. Any failure
+of the template becomes a `RequestError` carrying its message. Some GGUFs carry no
 `tokenizer.chat_template` (the default Gemma 3 270M has none); `FALLBACK_TEMPLATES` supplies the
 model family's official format by `general.architecture`.
 """
@@ -100,6 +103,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"a chat template namespace cannot hold the underscore name {name!r}; rename it")
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's `namespace()`, refusing underscore names: the sandbox hides such attributes on
+    every other object, and a namespace must not become a way around that."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # `self` may also be an attribute's name
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -107,6 +132,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
     return env.from_string(template)
 
 
@@ -124,21 +150,41 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
                          continue_final_message: bool = False, **variables: Any) -> str:
     """Render `messages` (dicts with role/content) to prompt text.
 
-    `variables` are extra template names: bos_token, eos_token, tools, enable_thinking, ...
-    A template error (bad syntax, a `raise_exception` such as roles not alternating) becomes
-    a `RequestError` carrying the template's message. `continue_final_message` ends the text
-    where the last message's content ends (no end-of-turn), so the model continues it.
+    `variables` are extra template names: bos_token, eos_token, tools, documents,
+    enable_thinking, ... Any template failure (bad syntax, a `raise_exception` such as roles not
+    alternating, an expression the request's data breaks) becomes a `RequestError` carrying the
+    template's message. `continue_final_message` ends the text where the last message's content
+    ends (no end-of-turn), so the model continues it.
     """
-    # As transformers does: keys whose value is None are dropped, templates test for presence.
-    clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    chat = [_template_message(m) for m in messages]
+    continued = None
     if continue_final_message:
-        clean = [*clean[:-1], _tagged(clean[-1] if clean else {})]
+        continued = _continued_text(chat[-1] if chat else {})
+        chat = [*chat[:-1], _tagged(chat[-1])]
+    context = {"tools": None, "documents": None, **variables}
     try:
         text = compile_chat_template(template).render(
-            messages=clean, add_generation_prompt=add_generation_prompt, **variables)
+            messages=chat, add_generation_prompt=add_generation_prompt, **context)
     except jinja2.exceptions.TemplateError as e:
         raise RequestError(f"chat template failed: {e}") from None
-    return _cut_at_tag(text) if continue_final_message else text
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+        # the template's own expressions failing on this request's data (a dict added to a str)
+        raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
+    return text if continued is None else _cut_at_tag(text, continued)
+
+
+# Names a message's reasoning comes under; templates read the first (gpt-oss reads "thinking").
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: dict) -> dict:
+    """The message as templates see it: keys whose value is None dropped (templates test for
+    presence), and its reasoning, under whichever name it came, under all the names read."""
+    clean = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((clean[k] for k in _REASONING_NAMES if k in clean), None)
+    if reasoning is None:
+        return clean
+    return {"thinking": reasoning, **clean, "reasoning_content": reasoning}
 
 
 # As transformers continues a final message: its text gets this tag, the rendering is cut
@@ -146,23 +192,30 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _tagged(message: dict) -> dict:
+def _continued_text(message: dict) -> str:
+    """The text a continued final message ends with: its content, or its last text block."""
     content = message.get("content")
     if isinstance(content, str):
-        return {**message, "content": content + _CONTINUE_TAG}
-    if isinstance(content, list):
-        for k in reversed(range(len(content))):
-            block = content[k]
-            if isinstance(block, dict) and isinstance(block.get("text"), str):
-                blocks = [*content[:k], {**block, "text": block["text"] + _CONTINUE_TAG},
-                          *content[k + 1:]]
-                return {**message, "content": blocks}
+        return content
+    for block in reversed(content if isinstance(content, list) else []):
+        if isinstance(block, dict) and isinstance(block.get("text"), str):
+            return block["text"]
     raise RequestError("continue_final_message: the final message has no text to continue")
 
 
-def _cut_at_tag(text: str) -> str:
+def _tagged(message: dict) -> dict:
+    content = message["content"]
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    k = max(i for i, b in enumerate(content) if isinstance(b, dict) and isinstance(b.get("text"), str))
+    block = content[k]
+    blocks = [*content[:k], {**block, "text": block["text"] + _CONTINUE_TAG}, *content[k + 1:]]
+    return {**message, "content": blocks}
+
+
+def _cut_at_tag(text: str, continued: str) -> str:
     at = text.rfind(_CONTINUE_TAG.strip())
-    if at < 0:
+    if at < 0 or continued.strip() not in text:
         raise RequestError("continue_final_message: the chat template does not write the final "
-                           "message's content, so there is no text to continue")
+                           "message's content as given, so there is no text to continue")
     return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

@@ -1,0 +1,138 @@
+"""Real models' chat templates (llama.cpp's collection) render as transformers renders them.
+
+Each template in `$KVLAB_LLAMA_VOCABS/templates` renders a few conversations through kvlab's
+`render_chat_template` and through transformers' `apply_chat_template(tokenize=False)` on a
+tokenizer holding that template: the texts are equal, or both fail and kvlab's `RequestError`
+carries the message transformers raised (roles not alternating, a variable the template
+needs, ...). The clock is pinned on both sides, so templates that print today's date agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from kvlab.errors import RequestError
+from kvlab.tokenizer import chat
+
+
+def _templates() -> list[Path]:
+    folder = os.environ.get("KVLAB_LLAMA_VOCABS")
+    found = (Path(folder) / "templates") if folder else None
+    return sorted(found.glob("*.jinja")) if found and found.is_dir() else []
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string", "description": "The city"}}}}}]
+
+# Mistral's templates refuse tool-call ids that are not 9 alphanumeric characters (Mistral's
+# own id format), so the conversation uses one such id, which every other template accepts.
+CALL_ID = "call12345"
+CALL = {"id": CALL_ID, "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+ASK = {"role": "user", "content": "What is the weather in Paris?"}
+FIRST = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+THEN = {"role": "user", "content": "And 3+3?"}
+
+# kind -> (messages, apply_chat_template arguments)
+CONVERSATIONS: dict[str, tuple[list[dict], dict]] = {
+    "system_user": ([{"role": "system", "content": "You are terse."},
+                     {"role": "user", "content": "Hi there!"}],
+                    {"add_generation_prompt": True}),
+    "multi_turn": ([*FIRST, THEN], {"add_generation_prompt": True}),
+    "tools": ([ASK], {"tools": TOOLS, "add_generation_prompt": True}),
+    "tool_call": ([ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather",
+                    "content": "Sunny, 21 C"}],
+                  {"tools": TOOLS, "add_generation_prompt": True}),
+    "continue_final": ([{"role": "user", "content": "Count to three."},
+                        {"role": "assistant", "content": "One, two"}],
+                       {"continue_final_message": True, "add_generation_prompt": False}),
+    # A past turn's reasoning, under the standard name and under an older one.
+    "reasoning": ([FIRST[0], {**FIRST[1], "reasoning_content": "Two and two make four."}, THEN],
+                  {"add_generation_prompt": True}),
+    "reasoning_alias": ([FIRST[0], {**FIRST[1], "reasoning": "Two and two make four."}, THEN],
+                        {"add_generation_prompt": True}),
+    "documents": ([{"role": "user", "content": "When is lunch?"}],
+                  {"documents": [{"title": "Memo", "text": "Lunch is at noon."}],
+                   "add_generation_prompt": True}),
+}
+
+# (a marker the template writes, its BOS, its EOS); a template's bos_token/eos_token as the
+# model's tokenizer would give them; other templates get "<s>" / "</s>".
+FAMILY_TOKENS = [
+    ("<|start_header_id|>", "<|begin_of_text|>", "<|eot_id|>"),
+    ("<｜Assistant｜>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    ("<start_of_turn>", "<bos>", "<eos>"),
+    ("<|turn>", "<bos>", "<eos>"),
+    ("<|im_start|>", None, "<|im_end|>"),
+]
+
+
+def special_tokens(template: str) -> dict[str, str]:
+    bos, eos = next(((b, e) for mark, b, e in FAMILY_TOKENS if mark in template), ("<s>", "</s>"))
+    return {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+
+
+@lru_cache(maxsize=4)
+def reference_tokenizer(template: str):
+    """A transformers tokenizer with this chat template (a one-word vocabulary: only the
+    template and the special tokens matter when nothing is tokenized)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    vocab = Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=vocab, chat_template=template,
+                                   **special_tokens(template))
+
+
+class PinnedClock(datetime.datetime):
+    @classmethod
+    def now(cls, tz: datetime.tzinfo | None = None) -> PinnedClock:
+        return cls(2026, 3, 14, 9, 26, 53, tzinfo=tz)
+
+
+@pytest.fixture
+def pinned_clock(monkeypatch):
+    """`strftime_now` reads this date in both renderers."""
+    from transformers.utils import chat_template_utils
+    monkeypatch.setattr(chat_template_utils, "datetime", PinnedClock)
+    monkeypatch.setattr(chat, "datetime", PinnedClock)
+
+
+def render_both(template: str, kind: str) -> tuple[str | Exception, str | Exception]:
+    messages, arguments = CONVERSATIONS[kind]
+    try:
+        expected = reference_tokenizer(template).apply_chat_template(
+            copy.deepcopy(messages), tokenize=False, **arguments)
+    except Exception as e:  # noqa: BLE001 - any failure is compared with kvlab's
+        expected = e
+    try:
+        got = chat.render_chat_template(template, copy.deepcopy(messages),
+                                        **special_tokens(template), **arguments)
+    except RequestError as e:
+        got = e
+    return expected, got
+
+
+@pytest.mark.skipif(not _templates(), reason="set KVLAB_LLAMA_VOCABS to llama.cpp's models/ "
+                                             "folder (`make test` fetches it): its templates/ "
+                                             "holds the chat templates")
+@pytest.mark.parametrize("kind", CONVERSATIONS)
+@pytest.mark.parametrize("path", _templates(), ids=lambda p: p.stem)
+def test_template_renders_as_transformers(pinned_clock, path, kind):
+    expected, got = render_both(path.read_text(encoding="utf-8"), kind)
+    if isinstance(expected, Exception):
+        assert isinstance(got, RequestError), f"transformers raised {expected!r}; kvlab rendered"
+        assert str(expected) in str(got)
+    else:
+        assert not isinstance(got, Exception), f"transformers rendered; kvlab raised {got!r}"
+        assert got == expected
