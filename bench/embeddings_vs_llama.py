@@ -2,7 +2,7 @@
 vectors sit apart (max |difference|, lowest cosine), then sequences/s for N inputs of about
 128 tokens each at the same thread count.
 
-    .venv/bin/python bench/embeddings_vs_llama.py MODEL.gguf --llama-embedding PATH -n 64 -t 2
+    .venv/bin/python bench/embeddings_vs_llama.py MODEL.gguf --llama-embedding PATH -n 64 -t 2 -r 3
 
 Without --llama-embedding only kvlab's side is printed (as `kvlab embed --bench` does, with
 text instead of random ids). llama-embedding's time is its run on N inputs less its run on
@@ -55,6 +55,20 @@ def llama_vectors(binary: str, model: str, texts: list[str], threads: int
     return np.array([d["embedding"] for d in data], dtype=np.float32), seconds
 
 
+def kvlab_seconds(engine: Engine, ids: list[list[int]], batch: int) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(ids), batch):
+        engine.embed(ids[i:i + batch])
+    return time.perf_counter() - start
+
+
+def llama_seconds(binary: str, model: str, texts: list[str], threads: int) -> float:
+    """llama-embedding on all texts less its run on one (the model load is not counted)."""
+    _, one = llama_vectors(binary, model, texts[:1], threads)
+    _, all_n = llama_vectors(binary, model, texts, threads)
+    return max(all_n - one, 1e-9)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
@@ -63,30 +77,35 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=32, help="kvlab's inputs per forward")
+    p.add_argument("-r", "--rounds", type=int, default=3,
+                   help="rounds, kvlab and llama.cpp alternating within each")
     args = p.parse_args()
     engine = Engine.from_model(args.model, EngineConfig(threads=args.threads))
     texts = texts_of(engine, args.n, args.tokens)
     ids = [engine.tokenizer.encode(t) for t in texts]
     engine.embed(ids[:args.batch])  # warm-up
-    start = time.perf_counter()
-    for i in range(0, len(ids), args.batch):
-        engine.embed(ids[i:i + args.batch])
-    kv_s = time.perf_counter() - start
     tokens = sum(map(len, ids))
-    print(f"kvlab   {args.n} inputs, {tokens} tokens, {args.threads} threads: {kv_s:.2f} s, "
-          f"{args.n / kv_s:.1f} sequences/s, {tokens / kv_s:.0f} tokens/s")
-    if args.llama_embedding is None:
-        return
-    ours = engine.embed([engine.tokenizer.encode(t) for t in CHECK_TEXTS]).numpy()
-    theirs, _ = llama_vectors(args.llama_embedding, args.model, CHECK_TEXTS, args.threads)
-    cosine = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
-    print(f"vectors vs llama.cpp: max |diff| {np.abs(ours - theirs).max():.2e}, "
-          f"lowest cosine {cosine.min():.6f} ({len(CHECK_TEXTS)} texts)")
-    _, one = llama_vectors(args.llama_embedding, args.model, texts[:1], args.threads)
-    _, all_n = llama_vectors(args.llama_embedding, args.model, texts, args.threads)
-    ll_s = max(all_n - one, 1e-9)
-    print(f"llama   {args.n - 1} inputs beyond a one-input run: {ll_s:.2f} s, "
-          f"{(args.n - 1) / ll_s:.1f} sequences/s")
+    if args.llama_embedding is not None:
+        ours = engine.embed([engine.tokenizer.encode(t) for t in CHECK_TEXTS]).numpy()
+        theirs, _ = llama_vectors(args.llama_embedding, args.model, CHECK_TEXTS, args.threads)
+        cosine = ((ours * theirs).sum(1) / np.linalg.norm(ours, axis=1)
+                  / np.linalg.norm(theirs, axis=1))
+        print(f"vectors vs llama.cpp: max |diff| {np.abs(ours - theirs).max():.2e}, "
+              f"lowest cosine {cosine.min():.6f} ({len(CHECK_TEXTS)} texts)")
+    ratios = []
+    for r in range(args.rounds):
+        kv_s = kvlab_seconds(engine, ids, args.batch)
+        line = (f"round {r + 1}: kvlab {args.n} inputs, {tokens} tokens, {args.threads} "
+                f"threads: {args.n / kv_s:.1f} sequences/s ({tokens / kv_s:.0f} tokens/s)")
+        if args.llama_embedding is not None:
+            ll_s = llama_seconds(args.llama_embedding, args.model, texts, args.threads)
+            ll_rate = (args.n - 1) / ll_s
+            ratios.append((args.n / kv_s) / ll_rate)
+            line += f"; llama.cpp {ll_rate:.1f} sequences/s; kvlab / llama.cpp {ratios[-1]:.2f}x"
+        print(line, flush=True)
+    if ratios:
+        print(f"median kvlab / llama.cpp: {float(np.median(ratios)):.2f}x over {len(ratios)} "
+              "alternating rounds")
 
 
 if __name__ == "__main__":
