@@ -188,7 +188,6 @@ RESPONSES = request(
                                           "schema": SCHEMA}}]),
      "previous_response_id": st.one_of(st.just(PREVIOUS), st.just(PREVIOUS), UNKNOWN_IDS),
      "truncation": st.sampled_from(["auto", "disabled"]),
-     "reasoning": st.sampled_from([{"effort": "low"}, {"effort": "none"}]),
      "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3)},
     {"input": st.one_of(TEXT, st.lists(st.one_of(RESPONSE_ITEM, JSON), max_size=3), JSON),
      "tools": st.one_of(st.lists(st.sampled_from([
@@ -196,7 +195,8 @@ RESPONSES = request(
          {"type": "mcp", "server_label": "x"}, {"type": "function"}, FLAT_TOOL]), max_size=2),
          JSON),
      "previous_response_id": st.one_of(TEXT, UNKNOWN_IDS, JSON),
-     "include": JSON, "tool_choice": JSON, "text": JSON},
+     "include": JSON, "tool_choice": JSON, "text": JSON,
+     "reasoning": st.sampled_from([{"effort": "low"}, {"effort": "none"}, {"summary": "auto"}])},
     ("max_output_tokens", SHORT_LIMIT))
 RESPONSE_ID = st.one_of(st.just(PREVIOUS), UNKNOWN_IDS, TEXT.filter(encodable))
 
@@ -244,11 +244,12 @@ USER_TURN = st.one_of(GOOD_TEXT, GOOD_TEXT, st.lists(
     st.one_of(TEXT_BLOCK, TEXT_BLOCK, TOOL_RESULT, IMAGE_BLOCK), min_size=1, max_size=3))
 ASSISTANT_TURN = st.one_of(GOOD_TEXT, st.lists(st.one_of(TEXT_BLOCK, TOOL_USE, THINKING_BLOCK),
                                                min_size=1, max_size=2))
-A_MESSAGES = st.builds(
-    lambda pairs, last: [m for user, assistant in pairs for m in (
-        {"role": "user", "content": user}, {"role": "assistant", "content": assistant})]
-    + [{"role": "user", "content": last}],
-    st.lists(st.tuples(USER_TURN, ASSISTANT_TURN), max_size=2), USER_TURN)
+A_MESSAGES = st.builds(  # tool results only after a first assistant turn, which may call
+    lambda first, pairs: [{"role": "user", "content": first}, *(m for assistant, user in pairs
+                          for m in ({"role": "assistant", "content": assistant},
+                                    {"role": "user", "content": user}))],
+    st.one_of(GOOD_TEXT, st.lists(TEXT_BLOCK, min_size=1, max_size=2)),
+    st.lists(st.tuples(ASSISTANT_TURN, USER_TURN), max_size=2))
 A_TOOL = {"name": "lookup", "description": "Look a word up", "input_schema": SCHEMA}
 CONVERSATION = {
     "system": st.one_of(GOOD_TEXT, st.lists(TEXT_BLOCK, max_size=2)),
@@ -301,8 +302,8 @@ O_TURNS = st.sampled_from([
     [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "lookup", "arguments": {"q": "a"}}}]},
      {"role": "tool", "content": "42", "tool_name": "lookup"}],
-    [{"role": "assistant", "content": "Hm.", "thinking": "Let me see."}],
-    [{"role": "user", "content": "Look.", "images": ["iVBORw0KGgo="]}]])
+    [{"role": "assistant", "content": "Hm.", "thinking": "Let me see."}]])
+IMAGES = st.just(["iVBORw0KGgo="])  # refused: the served model reads text only
 O_MESSAGES = st.builds(lambda conv, extra: [*conv[:-1], *extra, conv[-1]],
                        st.builds(conversation, st.none() | GOOD_TEXT,
                                  st.lists(GOOD_TEXT, min_size=1, max_size=3)), O_TURNS)
@@ -313,14 +314,16 @@ O_WEIRD = {"format": st.one_of(FORMAT, JSON), "think": st.one_of(st.just("high")
            "options": OPTIONS}
 OLLAMA_CHAT = request({"model": O_MODEL, "messages": O_MESSAGES, "options": GOOD_OPTIONS},
                       {**O_GENERATING, "tools": st.just([TOOL])},
-                      {**O_WEIRD, "messages": st.one_of(st.lists(WEIRD_MESSAGE, max_size=2),
-                                                        JSON)}, None)
+                      {**O_WEIRD, "messages": st.one_of(
+                          st.lists(WEIRD_MESSAGE, max_size=2), JSON, st.builds(
+                              lambda m, images: [*m[:-1], {**m[-1], "images": images}],
+                              O_MESSAGES, IMAGES))}, None)
 OLLAMA_GENERATE = request(
     {"model": O_MODEL, "prompt": GOOD_TEXT, "options": GOOD_OPTIONS},
     {**O_GENERATING, "system": GOOD_TEXT, "raw": st.booleans(),
-     "context": st.lists(st.integers(0, 262_143), max_size=6),
-     "images": st.just(["iVBORw0KGgo="]), "suffix": GOOD_TEXT, "template": GOOD_TEXT},
-    {**O_WEIRD, "prompt": TEXT, "context": st.one_of(TOKEN_IDS, JSON)}, None)
+     "context": st.lists(st.integers(0, 262_143), max_size=6)},
+    {**O_WEIRD, "prompt": TEXT, "context": st.one_of(TOKEN_IDS, JSON), "images": IMAGES,
+     "suffix": GOOD_TEXT, "template": GOOD_TEXT}, None)
 OLLAMA_EMBED = request(
     {"model": O_MODEL, "input": st.one_of(GOOD_TEXT, st.lists(GOOD_TEXT, max_size=3))},
     {"truncate": st.booleans(), "dimensions": st.integers(1, 640), "keep_alive": st.just("5m"),
