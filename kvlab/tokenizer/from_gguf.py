@@ -1,8 +1,11 @@
 """Building a `Tokenizer` from GGUF tokenizer metadata, with llama.cpp's semantics.
 
-`tokenizer.ggml.model` picks the subword model: "llama" is SentencePiece-style BPE (scores,
-byte fallback, U+2581 spaces), "gpt2" is byte-level BPE (ranked merges, a pre-tokenizer regex
-chosen by `tokenizer.ggml.pre`), "bert" is WordPiece (built in wordpiece.py). Token types
+`tokenizer.ggml.model` picks the subword model, as llama.cpp dispatches on it: "llama" is
+SentencePiece-style BPE (scores, byte fallback, U+2581 spaces), "gpt2" is byte-level BPE
+(ranked merges, a pre-tokenizer chosen by `tokenizer.ggml.pre`, table in pretokenize.py),
+"gemma4" is BPE with ranked merges over raw UTF-8 with U+2581 spaces (pre-tokenizer "gemma4"),
+"bert" is WordPiece (built in wordpiece.py). T5's Unigram ("t5") and RWKV ("rwkv") are not
+implemented and fail to load with a message saying so. Token types
 decide the rest: control, unknown and user-defined tokens written in the text are matched
 literally first; control, unknown and unused tokens are "special" (hidden when decoding skips
 specials).
@@ -19,9 +22,10 @@ from typing import Any
 
 from kvlab.errors import ModelLoadError
 from kvlab.tokenizer import native
-from kvlab.tokenizer.bpe import ByteLevelBPE, pre_tokenizer_for, unicode_to_byte
+from kvlab.tokenizer.bpe import ByteLevelBPE, unicode_to_byte
 from kvlab.tokenizer.chat import FALLBACK_TEMPLATES
 from kvlab.tokenizer.fim import find_fim_tokens
+from kvlab.tokenizer.pretokenize import PreTokenizer, pre_tokenizer_for
 from kvlab.tokenizer.specials import SpecialSplitter
 from kvlab.tokenizer.spm import SPACE_MARK, SentencePieceBPE
 from kvlab.tokenizer.tokenizer import Tokenizer
@@ -31,7 +35,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # token
 _LITERAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)  # matched in raw text before subword merging
 _SPECIAL_TYPES = (UNKNOWN, CONTROL, UNUSED)
 SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE",
-                    "bert": "WordPiece (kvlab.tokenizer.wordpiece)"}
+                    "gemma4": "BPE over UTF-8", "bert": "WordPiece (kvlab.tokenizer.wordpiece)"}
+_UNSUPPORTED_MODELS = {"t5": "T5's Unigram (UGM)", "rwkv": "RWKV's trie tokenizer",
+                       "plamo2": "PLaMo 2's tokenizer"}
 
 # Tokens that end a turn in common chat formats; each one in the vocabulary also stops generation.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>")
@@ -48,6 +54,7 @@ class _Vocab:
     literal: list[tuple[str, int]]  # (text, id) of tokens matched literally before merging
     space_prefix: bool
     native: bool  # encode with the C extension (else the Python reference)
+    pre: PreTokenizer | None  # BPE: how text is cut into words; SentencePiece: None
 
 
 def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = None) -> Tokenizer:
@@ -61,20 +68,26 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         return wordpiece_from_gguf(metadata)
     if model not in SUPPORTED_MODELS:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
-        raise ModelLoadError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "
-                             f"supported: {supported}")
+        known = (f" ({_UNSUPPORTED_MODELS[model]} is not implemented)"
+                 if model in _UNSUPPORTED_MODELS else "")
+        raise ModelLoadError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}"
+                             f"{known}; supported: {supported}")
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens vocabulary")
     types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     _check_length(metadata, "tokenizer.ggml.token_type", len(tokens))
     _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
+    _check_token_ids(metadata, len(tokens))
     token_to_id = {text: i for i, text in enumerate(tokens)}
     is_spm = model == "llama"
+    # llama.cpp names Gemma 4's pre-tokenizer itself, whatever the file says
+    pre = None if is_spm else pre_tokenizer_for(
+        "gemma4" if model == "gemma4" else metadata.get("tokenizer.ggml.pre", "default"))
     space_prefix = is_spm and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
     vocab = _Vocab(metadata, tokens, types, token_to_id, literal, space_prefix,
-                   _use_native(native_encoder))
+                   _use_native(native_encoder), pre)
     encode_text, pieces = _spm_parts(vocab) if is_spm else _bpe_parts(vocab)
     arch = metadata.get("general.architecture", "")
     template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(arch)
@@ -86,7 +99,8 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         special=[ty in _SPECIAL_TYPES for ty in types],
         bos_id=bos_id,
         eos_ids=_eos_ids(metadata, token_to_id) + list(fim.end_ids if fim else ()),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", is_spm)) and bos_id is not None,
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", _default_add_bos(pre)))
+        and bos_id is not None,
         chat_template=template,
         strip_leading_space=space_prefix,
         template_tokens=_template_tokens(metadata, tokens),
@@ -109,6 +123,19 @@ def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
     if values is not None and len(values) != n_tokens:
         raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent: {key} has {len(values)} "
                              f"entries, tokenizer.ggml.tokens has {n_tokens}")
+
+
+def _check_token_ids(metadata: dict[str, Any], n_tokens: int) -> None:
+    for key, value in metadata.items():
+        if (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
+                and isinstance(value, int) and not 0 <= value < n_tokens):
+            raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent: {key}={value} is "
+                                 f"outside the vocabulary of {n_tokens} tokens")
+
+
+def _default_add_bos(pre: PreTokenizer | None) -> bool:
+    """llama.cpp's default when the GGUF has no add_bos_token: SentencePiece and a few BPEs."""
+    return pre is None or bool(pre.add_bos)
 
 
 def _fragment_encoder(splitter: SpecialSplitter, subword: Callable[[str], list[int]],
@@ -157,10 +184,21 @@ def _spm_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
 
 
 def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
-    pre = pre_tokenizer_for(v.metadata.get("tokenizer.ggml.pre", "default"))
+    pre = v.pre
+    assert pre is not None
     merges = v.metadata.get("tokenizer.ggml.merges")
     if merges is None:
-        raise ModelLoadError("byte-level BPE GGUF vocabulary has no tokenizer.ggml.merges")
+        raise ModelLoadError("BPE GGUF vocabulary has no tokenizer.ggml.merges")
+    pieces = _byte_level_pieces(v) if pre.byte_level else _utf8_pieces(v)
+    unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
+    if v.native and pre.byte_level:  # the C encoder merges bytes; UTF-8 BPE stays in Python
+        literal_ids = [i for _, i in v.literal]
+        return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id), pieces
+    bpe = ByteLevelBPE(v.token_to_id, merges, pre, unk_id)
+    return _fragment_encoder(SpecialSplitter(v.literal), bpe.encode, v.space_prefix), pieces
+
+
+def _byte_level_pieces(v: _Vocab) -> list[bytes]:
     to_byte = unicode_to_byte()
     pieces: list[bytes] = []
     for text, ty in zip(v.tokens, v.types):
@@ -172,12 +210,21 @@ def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
                                    for c in text))
         else:  # control and user-defined tokens are stored as plain text
             pieces.append(text.encode("utf-8"))
-    unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
-    if v.native:
-        literal_ids = [i for _, i in v.literal]
-        return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id), pieces
-    bpe = ByteLevelBPE(v.token_to_id, merges, pre, unk_id)
-    return _fragment_encoder(SpecialSplitter(v.literal), bpe.encode, v.space_prefix), pieces
+    return pieces
+
+
+def _utf8_pieces(v: _Vocab) -> list[bytes]:
+    """Raw UTF-8 tokens with U+2581 for spaces and <0xNN> byte tokens (Gemma 4)."""
+    pieces: list[bytes] = []
+    for text, ty in zip(v.tokens, v.types):
+        byte = _byte_token_value(text) if ty == BYTE else None
+        if byte is not None:
+            pieces.append(bytes([byte]))
+        elif ty in (CONTROL, USER_DEFINED):
+            pieces.append(text.encode("utf-8"))
+        else:
+            pieces.append(text.replace(SPACE_MARK, " ").encode("utf-8"))
+    return pieces
 
 
 def _byte_token_value(text: str) -> int | None:

@@ -18,9 +18,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Sequence
 
-import regex
-
-from kvlab.tokenizer.bpe import PreTokenizer
+from kvlab.tokenizer.pretokenize import PreTokenizer
 
 try:
     from kvlab.tokenizer import _tok
@@ -56,7 +54,7 @@ def bpe_encoder(tokens: Sequence[str], merges: Sequence[str], literal_ids: Seque
     merge_text, merge_lengths = _flat(merges)
     model = _tok.bpe(text, lengths, merge_text, merge_lengths, array("q", literal_ids),
                      -1 if unk_id is None else unk_id, pre.ignore_merges)
-    findall = regex.compile(pre.pattern).findall
+    findall = pre.split
     split, encode_words = model.split, model.encode_words
 
     def encode_text(text: str) -> list[int]:
