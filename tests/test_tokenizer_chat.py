@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jinja2
 import pytest
 from test_tokenizer_bpe import LLAMA3_REGEX, _train
 from test_tokenizer_gemma import default_tokenizer
@@ -180,3 +181,33 @@ def test_sandbox_blocks_unsafe_attribute_access():
     with pytest.raises(RequestError, match="unsafe"):
         render_chat_template("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
                              [{"role": "user", "content": "x"}])
+
+
+# What the context holds and how failures surface, each against transformers' renderer.
+CONTEXT_PROBES = [
+    "{{ tools is none }} {{ documents is none }} {{ tools is defined }}",
+    "{% for m in messages %}{{ m.thinking }}|{{ m.reasoning_content }}|{{ m|length }};{% endfor %}",
+    "{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}",
+    "{% set ns = namespace(_n=1) %}{{ ns._n }}",
+    "{% set ns = namespace(n=1) %}{% set ns._n = 2 %}{{ ns.n }}",
+    "{{ messages[0].content + messages[0] }}",
+    "{{ dict.fromkeys(['a'], 1) | tojson(indent=1, sort_keys=True, separators=(',', ':')) }}",
+]
+REASONING_CHAT = [{"role": "user", "content": "x"},
+                  {"role": "assistant", "content": "y", "reasoning": "because"},
+                  {"role": "assistant", "content": "z", "thinking": "t", "reasoning_content": "r"}]
+
+
+@pytest.mark.parametrize("template", CONTEXT_PROBES)
+def test_context_and_failures_equal_transformers(template):
+    from transformers.utils.chat_template_utils import render_jinja_template
+    try:
+        (expected,), _ = render_jinja_template([REASONING_CHAT], chat_template=template)
+    except Exception as e:  # noqa: BLE001 - the same failure must reach kvlab's caller
+        with pytest.raises(RequestError) as got:
+            render_chat_template(template, REASONING_CHAT)
+        # the template's own message; the sandbox's refusals are worded apart, naming the same
+        refused = isinstance(e, jinja2.exceptions.SecurityError) and "'_n'" in str(got.value)
+        assert refused or str(e) in str(got.value)
+    else:
+        assert render_chat_template(template, REASONING_CHAT, False) == expected
