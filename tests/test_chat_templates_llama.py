@@ -51,6 +51,21 @@ def tool_call(call_id: str = CALL_ID, arguments: dict | str | None = None) -> li
              "content": "Sunny, 21 C"}]
 
 
+def parallel_calls() -> list[dict]:
+    """Two calls in one turn, both results, then the answer and the next question."""
+    ids, cities = ("call12345", "call67890"), ("Paris", "Rome")
+    calls = [{"id": i, "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": c}}}
+             for i, c in zip(ids, cities, strict=True)]
+    results = [{"role": "tool", "tool_call_id": i, "name": "get_weather", "content": w}
+               for i, w in zip(ids, ("Sunny", "Rain"), strict=True)]
+    return [{"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "Checking both.", "tool_calls": calls}, *results,
+            {"role": "assistant", "content": "Paris is sunny, Rome rainy."},
+            {"role": "user", "content": "Thanks!"}]
+
+
 ASK = {"role": "user", "content": "What is the weather in Paris?"}
 FIRST = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
 THEN = {"role": "user", "content": "And 3+3?"}
@@ -72,6 +87,13 @@ CONVERSATIONS: dict[str, tuple[list[dict], dict]] = {
                                  {"tools": TOOLS, "add_generation_prompt": True}),
     "tool_call_other_id": ([ASK, *tool_call(call_id="call_0")],
                            {"tools": TOOLS, "add_generation_prompt": True}),
+    "parallel_tool_calls": (parallel_calls(), {"tools": TOOLS, "add_generation_prompt": True}),
+    # Text and a tool description beyond ASCII: tojson must not escape them, nor HTML.
+    "unicode": ([{"role": "user", "content": "日本語 😀 <b>&</b>"}],
+                {"tools": [{"type": "function", "function": {
+                    "name": "lookup", "description": "Résumé, 中文 & <tags>",
+                    "parameters": {"type": "object", "properties": {}}}}],
+                 "add_generation_prompt": True}),
     "content_blocks": ([{"role": "system", "content": [{"type": "text", "text": "Be terse."}]},
                         {"role": "user", "content": [{"type": "text", "text": "Hi there!"}]}],
                        {"add_generation_prompt": True}),
