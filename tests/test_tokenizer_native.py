@@ -5,8 +5,9 @@ same texts: the other tokenizer tests' corpora, fuzzed text (random code points,
 tokens and pieces of them, space runs, newlines, long runs without spaces), the empty string
 and a text over 1 MB. Vocabularies: the real Gemma 3 one (SentencePiece, 262k tokens), the
 tiny hand-made SentencePiece one (many score ties), the byte-level BPEs trained in-process
-(Llama 3 with ignore_merges, Qwen 2, GPT-2), and llama.cpp's vocabulary GGUFs when the
-environment variable KVLAB_LLAMA_VOCABS names a folder holding them.
+(Llama 3 with ignore_merges, Qwen 2, GPT-2), and llama.cpp's vocabulary GGUFs (every
+pre-tokenizer family it ships, and Gemma 4's BPE over UTF-8) when the environment variable
+KVLAB_LLAMA_VOCABS names a folder holding them.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def test_bpe_long_text(bpe_family):
 
 def _llama_cpp_vocabs() -> list[Path]:
     folder = os.environ.get("KVLAB_LLAMA_VOCABS")
-    names = ["llama-bpe", "qwen2", "gpt-2", "llama-spm", "phi-3"]
+    names = ["llama-bpe", "qwen2", "gpt-2", "llama-spm", "phi-3", "command-r", "deepseek-coder",
+             "deepseek-llm", "falcon", "gemma-4", "mpt", "qwen35", "refact", "starcoder"]
     paths = [Path(folder) / f"ggml-vocab-{n}.gguf" for n in names] if folder else []
     return [p for p in paths if p.is_file()]
 

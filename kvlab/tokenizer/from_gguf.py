@@ -191,7 +191,7 @@ def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
         raise ModelLoadError("BPE GGUF vocabulary has no tokenizer.ggml.merges")
     pieces = _byte_level_pieces(v) if pre.byte_level else _utf8_pieces(v)
     unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
-    if v.native and pre.byte_level:  # the C encoder merges bytes; UTF-8 BPE stays in Python
+    if v.native:
         literal_ids = [i for _, i in v.literal]
         return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id), pieces
     bpe = ByteLevelBPE(v.token_to_id, merges, pre, unk_id)

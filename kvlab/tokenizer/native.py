@@ -28,6 +28,7 @@ except ImportError:  # not compiled: from_gguf falls back to the Python referenc
 AVAILABLE = _tok is not None
 
 Encoder = Callable[[str], list[int]]
+_IGNORE_MERGES, _UTF8, _NEWLINE_WORDS = 1, 2, 4  # _tok.bpe options (TK_IGNORE_MERGES, ... in tok.h)
 
 
 def _flat(texts: Sequence[str]) -> tuple[bytes, array]:
@@ -49,11 +50,14 @@ def spm_encoder(tokens: Sequence[str], scores: Sequence[float], literal_ids: Seq
 
 def bpe_encoder(tokens: Sequence[str], merges: Sequence[str], literal_ids: Sequence[int],
                 pre: PreTokenizer, unk_id: int | None) -> Encoder:
-    """`encode_text` of a byte-level BPE vocabulary (GGUF merges, "left right")."""
+    """`encode_text` of a BPE vocabulary (GGUF merges, "left right"): byte-level, or over
+    UTF-8 code points with <0xNN> byte tokens when the pre-tokenizer is not byte-level."""
     text, lengths = _flat(tokens)
     merge_text, merge_lengths = _flat(merges)
+    options = (_IGNORE_MERGES * pre.ignore_merges | _UTF8 * (not pre.byte_level)
+               | _NEWLINE_WORDS * pre.newline_tokens)
     model = _tok.bpe(text, lengths, merge_text, merge_lengths, array("q", literal_ids),
-                     -1 if unk_id is None else unk_id, pre.ignore_merges)
+                     -1 if unk_id is None else unk_id, options)
     findall = pre.split
     split, encode_words = model.split, model.encode_words
 

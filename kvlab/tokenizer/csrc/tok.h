@@ -14,6 +14,10 @@
 #include <string.h>
 
 enum { TK_SPM = 0, TK_BPE = 1 };
+/* BPE options: Llama 3's whole-word tokens; symbols are UTF-8 code points with <0xNN> byte
+ * fallback instead of GPT-2-spelled bytes (Gemma 4); a word of newlines that is a token is
+ * emitted whole (Gemma 4). */
+enum { TK_IGNORE_MERGES = 1, TK_UTF8 = 2, TK_NEWLINE_WORDS = 4 };
 
 typedef struct {            /* growable list of token ids */
     int32_t *v;
@@ -62,10 +66,11 @@ typedef struct {
     tk_u64map merge;        /* BPE: left << 32 | right entry -> rank << 32 | result entry */
     uint8_t byte_pair[256 * 256 / 8];  /* BPE: byte bigrams found in some merge result */
     int32_t byte_sym[256];  /* BPE: str entry of the byte's GPT-2 character; -1 none */
-    int32_t byte_id[256];   /* SPM: id of <0xNN>; BPE: id of the byte's character, else unk */
+    int32_t byte_id[256];   /* SPM, UTF-8 BPE: id of <0xNN>; BPE: id of the byte's character,
+                               else unk */
     uint8_t spell[256][2], spell_len[256];    /* BPE: GPT-2 character of each byte, UTF-8 */
     int32_t unk;            /* -1: none */
-    int space_prefix, ignore_merges;
+    int space_prefix, ignore_merges, utf8, newline_words;
     tk_trie lit;
     tk_cache cache;
     pthread_mutex_t cache_lock;
@@ -92,7 +97,7 @@ int tk_build_spm(tk_model *m, tk_strings tokens, const double *scores,
                  const int64_t *literal_ids, size_t n_literal, const int64_t *byte_ids,
                  int32_t unk, int space_prefix);
 int tk_build_bpe(tk_model *m, tk_strings tokens, tk_strings merges,
-                 const int64_t *literal_ids, size_t n_literal, int32_t unk, int ignore_merges);
+                 const int64_t *literal_ids, size_t n_literal, int32_t unk, int options);
 void tk_free(tk_model *m);
 void tk_cache_free(tk_cache *c);
 

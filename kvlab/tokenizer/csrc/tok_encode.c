@@ -259,15 +259,23 @@ static int reserve_symbols(tk_work *w, size_t need) {
     return 0;
 }
 
-/* Symbols of p[0:len]: code points (SPM) or bytes (BPE), linked in order. */
+/* Symbols of p[0:len]: code points (SPM, UTF-8 BPE) or bytes (BPE), linked in order. */
 static int symbols(tk_work *w, const uint8_t *p, uint32_t len, uint32_t *count) {
     if (reserve_symbols(w, (size_t)len + 1)) return -1;
-    int spm = w->m->kind == TK_SPM;
+    const tk_model *m = w->m;
+    int spm = m->kind == TK_SPM, cps = spm || m->utf8;
     uint32_t n = 0;
     for (uint32_t i = 0; i < len; i++) {
-        if (spm && (p[i] & 0xC0) == 0x80) continue;  /* inside a code point */
+        if (cps && (p[i] & 0xC0) == 0x80) continue;  /* inside a code point */
         w->start[n] = i;
-        w->sym[n++] = spm ? TK_UNSET : w->m->byte_sym[p[i]];
+        if (spm) {
+            w->sym[n++] = TK_UNSET;
+        } else if (m->utf8) {
+            uint32_t width = tk_utf8_width(p[i]);
+            w->sym[n++] = tk_str_find(&m->str, p + i, width < len - i ? width : len - i);
+        } else {
+            w->sym[n++] = m->byte_sym[p[i]];
+        }
     }
     w->start[n] = len;
     for (uint32_t i = 0; i < n; i++) {
@@ -484,6 +492,11 @@ int tk_encode_spm(tk_model *m, const uint8_t *text, size_t n, tk_ids *out) {
 
 /* Llama 3 (ignore_merges): *id is the whole word's token, or -1 when it is not one. */
 static int whole_word_token(tk_work *w, const uint8_t *p, uint32_t len, int32_t *id) {
+    if (w->m->utf8) {
+        int32_t e = tk_str_find(&w->m->str, p, len);
+        *id = e >= 0 ? w->m->token_of[e] : -1;
+        return 0;
+    }
     if (grow((void **)&w->buf, &w->buf_cap, 2 * (size_t)len, 1)) return -1;
     uint32_t k = 0;
     for (uint32_t i = 0; i < len; i++) {
@@ -495,9 +508,15 @@ static int whole_word_token(tk_work *w, const uint8_t *p, uint32_t len, int32_t 
     return 0;
 }
 
+static int newlines_only(const uint8_t *p, uint32_t len) {
+    for (uint32_t i = 0; i < len; i++)
+        if (p[i] != '\n') return 0;
+    return 1;
+}
+
 static int bpe_word(tk_work *w, const uint8_t *p, uint32_t len, tk_ids *out) {
     const tk_model *m = w->m;
-    if (m->ignore_merges) {
+    if (m->ignore_merges || (m->newline_words && newlines_only(p, len))) {
         int32_t id;
         if (whole_word_token(w, p, len, &id)) return -1;
         if (id >= 0) return ids_push(out, id);
@@ -505,7 +524,8 @@ static int bpe_word(tk_work *w, const uint8_t *p, uint32_t len, tk_ids *out) {
     for (uint32_t pos = 0, end; pos < len; pos = end) {  /* cut where no merge joins bytes */
         for (end = pos + 1; end < len; end++) {
             uint32_t bit = (uint32_t)p[end - 1] << 8 | p[end];
-            if (!(m->byte_pair[bit >> 3] >> (bit & 7) & 1)) break;
+            int inside = m->utf8 && (p[end] & 0xC0) == 0x80;  /* a code point stays whole */
+            if (!inside && !(m->byte_pair[bit >> 3] >> (bit & 7) & 1)) break;
         }
         if (merge_piece(w, p + pos, end - pos, out)) return -1;
     }

@@ -78,7 +78,7 @@ typedef struct {            /* what tk_build_spm / tk_build_bpe take */
     const double *scores;
     const int64_t *literal_ids, *byte_ids;
     size_t n_literal;
-    int unk, flag;          /* flag: SPM space_prefix, BPE ignore_merges */
+    int unk, flag;          /* flag: SPM space_prefix, BPE options (TK_IGNORE_MERGES, ...) */
 } build_args;
 
 /* A Model with the tables built, the GIL released meanwhile. */
@@ -132,7 +132,7 @@ static PyObject *spm(PyObject *mod, PyObject *args) {
 static PyObject *bpe(PyObject *mod, PyObject *args) {
     Py_buffer b[5];  /* token texts, their lengths, merge texts, their lengths, literal ids */
     build_args a = {.kind = TK_BPE};
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*ip", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*ii", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
                           &a.flag))
         return NULL;
     PyObject *out = NULL;
@@ -264,7 +264,8 @@ static PyMethodDef module_methods[] = {
     {"spm", spm, METH_VARARGS,
      "spm(tokens, token_lengths, scores, literal_ids, byte_ids, unk_id, space_prefix)"},
     {"bpe", bpe, METH_VARARGS,
-     "bpe(tokens, token_lengths, merges, merge_lengths, literal_ids, unk_id, ignore_merges)"},
+     "bpe(tokens, token_lengths, merges, merge_lengths, literal_ids, unk_id, options): options "
+     "1 ignore_merges, 2 UTF-8 symbols with <0xNN> fallback, 4 whole newline words"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,7 @@
  * and the bigram sets that tell where no merge can ever cross (see tok_encode.c).
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -348,7 +349,9 @@ static int bpe_byte_pairs(tk_model *m, const uint16_t char_of[256]) {
     for (uint32_t i = 0; i <= m->merge.mask; i++) {
         if (m->merge.key[i] == UINT64_MAX) continue;
         uint32_t e = (uint32_t)m->merge.val[i];
-        int64_t k = unspell(byte_of, m->str.bytes + m->str.off[e], m->str.len[e], raw);
+        const uint8_t *text = m->str.bytes + m->str.off[e];
+        int64_t k = m->utf8 ? (int64_t)m->str.len[e] : unspell(byte_of, text, m->str.len[e], raw);
+        if (m->utf8) memcpy(raw, text, m->str.len[e]);
         for (int64_t j = 1; j < k; j++) {
             uint32_t bit = (uint32_t)raw[j - 1] << 8 | raw[j];
             m->byte_pair[bit >> 3] |= (uint8_t)(1 << (bit & 7));
@@ -360,8 +363,8 @@ static int bpe_byte_pairs(tk_model *m, const uint16_t char_of[256]) {
 
 /* A merge is "left right"; an empty side never matches a symbol, so it is left out. */
 static int add_merge(tk_model *m, const uint8_t *s, uint32_t n, uint32_t rank) {
-    const uint8_t *space = memchr(s, ' ', n);
-    if (!space || space == s || space == s + n - 1) return 0;
+    const uint8_t *space = n > 1 ? memchr(s + 1, ' ', n - 1) : NULL;  /* as llama.cpp cuts */
+    if (!space || space == s + n - 1) return 0;
     uint32_t nl = (uint32_t)(space - s), nr = n - nl - 1;
     int32_t left = strmap_add(&m->str, s, nl);
     int32_t right = strmap_add(&m->str, space + 1, nr);
@@ -387,6 +390,14 @@ static int add_merges(tk_model *m, tk_strings merges) {
 
 static void byte_tables(tk_model *m) {
     for (int b = 0; b < 256; b++) {
+        if (m->utf8) {  /* no byte symbols; a byte falls back to its <0xNN> token, if any */
+            char name[8];
+            snprintf(name, sizeof name, "<0x%02X>", b);
+            int32_t entry = tk_str_find(&m->str, (const uint8_t *)name, 6);
+            m->byte_sym[b] = -1;
+            m->byte_id[b] = entry >= 0 ? m->token_of[entry] : -1;
+            continue;
+        }
         int32_t e = tk_str_find(&m->str, m->spell[b], m->spell_len[b]);
         int32_t id = e >= 0 ? m->token_of[e] : -1;
         m->byte_sym[b] = e;
@@ -395,9 +406,11 @@ static void byte_tables(tk_model *m) {
 }
 
 int tk_build_bpe(tk_model *m, tk_strings tokens, tk_strings merges,
-                 const int64_t *literal_ids, size_t n_literal, int32_t unk, int ignore_merges) {
+                 const int64_t *literal_ids, size_t n_literal, int32_t unk, int options) {
     init_model(m, TK_BPE, unk);
-    m->ignore_merges = ignore_merges;
+    m->ignore_merges = !!(options & TK_IGNORE_MERGES);
+    m->utf8 = !!(options & TK_UTF8);
+    m->newline_words = !!(options & TK_NEWLINE_WORDS);
     uint16_t char_of[256];
     gpt2_alphabet(m, char_of);
     int64_t *first = text_offsets(tokens);
