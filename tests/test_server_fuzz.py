@@ -327,9 +327,9 @@ OLLAMA_GENERATE = request(
      "suffix": GOOD_TEXT, "template": GOOD_TEXT}, None)
 OLLAMA_EMBED = request(
     {"model": O_MODEL, "input": st.one_of(GOOD_TEXT, st.lists(GOOD_TEXT, max_size=3))},
-    {"truncate": st.booleans(), "dimensions": st.integers(1, 640), "keep_alive": st.just("5m"),
-     "options": st.just({"temperature": 0.5})},
-    {"input": WEIRD_PROMPT, "dimensions": st.integers(-2, 100_000), "options": JSON}, None)
+    {"truncate": st.booleans(), "dimensions": st.integers(1, 640), "keep_alive": st.just("5m")},
+    {"input": WEIRD_PROMPT, "dimensions": st.integers(-2, 100_000),
+     "options": st.one_of(st.just({"temperature": 0.5}), JSON)}, None)  # refused: no sampling
 OLLAMA_EMBEDDINGS = request({"model": O_MODEL, "prompt": GOOD_TEXT},
                             {"keep_alive": st.just("5m")},
                             {"prompt": WEIRD_PROMPT, "options": JSON}, None)
@@ -422,12 +422,18 @@ def check_error(path: str, body: dict) -> None:
 
 
 def stream_items(r: httpx.Response) -> list[dict]:
-    """A stream's JSON objects: each NDJSON line, or each server-sent event's data."""
+    """A stream's JSON objects: each NDJSON line, or each server-sent event's data (whose
+    type, where the event is named, is its name: Anthropic's and Responses' events)."""
     if r.headers.get("content-type", "").startswith("application/x-ndjson"):
         return [json.loads(line) for line in r.text.splitlines() if line.strip()]
-    data = [line.removeprefix("data:").strip() for line in r.text.splitlines()
-            if line.startswith("data:")]
-    return [json.loads(d) for d in data if d != "[DONE]"]
+    items = []
+    for event in r.text.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in event.splitlines() if ":" in line)
+        data = fields.get("data", "").strip()
+        if data and data != "[DONE]":
+            items.append(json.loads(data))
+            assert "event" not in fields or fields["event"].strip() == items[-1]["type"], event
+    return items
 
 
 def check_stream(path: str, r: httpx.Response) -> None:
