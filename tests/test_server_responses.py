@@ -452,6 +452,8 @@ BAD = [
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "metadata": {"k": "v" * 600}}, "metadata"),
     ({"input": "x", "temperature": "hot"}, "temperature"),
+    ({"input": "x", "temperature": 1e308}, "temperature"),
+    ({"input": "x", "max_output_tokens": 10 ** 9}, "max_output_tokens"),
 ]
 
 

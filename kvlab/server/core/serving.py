@@ -18,6 +18,7 @@ from kvlab.request import SamplingParams, Structure
 from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.reasoning import ReasoningFormat, reasoning_format
+from kvlab.server.core.tool_formats import detect_format
 from kvlab.server.core.tools import ToolPlan, template_messages
 from kvlab.tokenizer.chat import template_variables
 
@@ -48,10 +49,9 @@ class Serving:
         self.max_prompt_bytes = engine.max_model_len * max(longest, 1) * _NORMALIZER_SLACK
         template = self.tokenizer.chat_template
         self.native_tools = template is not None and "tools" in template_variables(template)
-        # which tool-call format decoding can enforce in auto mode (ToolPlan.structure)
-        self.tool_form = ("generic" if not self.native_tools else
-                          "qwen" if "<tool_call>" in (template or "") else
-                          "llama" if "<|python_tag|>" in (template or "") else "other")
+        # the format the template teaches tool calls in: replies are read in it, and decoding
+        # enforces it in auto mode where it can (ToolPlan.structure)
+        self.tool_form = detect_format(template, self.native_tools)
         self.reasoning: ReasoningFormat | None = reasoning_format(template)
 
     def check_model(self, model: str | None) -> str:
@@ -174,6 +174,16 @@ class Serving:
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the context holds {limit} "
                                 "(prompt + reply)", param=param, code="context_length_exceeded")
+
+    def check_room(self, ids: list[int], max_tokens: int, param: str) -> None:
+        """Refuse a reply length the context cannot hold after the prompt, naming the field
+        the client set it with."""
+        limit = self.engine.max_model_len
+        if len(ids) + max_tokens > limit:
+            raise ApiError(400, f"{param} is {max_tokens}, but the prompt has {len(ids)} tokens "
+                                f"and the context holds {limit}: at most "
+                                f"{max(0, limit - len(ids))} tokens are left for the reply",
+                           param=param, code="context_length_exceeded")
 
     def default_max_tokens(self, ids: list[int]) -> int:
         """As vLLM: whatever the context leaves after the prompt."""

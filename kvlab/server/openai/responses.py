@@ -114,11 +114,14 @@ class ResponseCall(EngineCall):
         prior = _prior(store, req.previous_response_id)
         own = items_of(req.input)
         specs, strict = tool_specs(req.tools)
-        plan = tool_plan(specs, tool_choice_of(req.tool_choice), req.parallel_tool_calls)
+        plan = tool_plan(specs, tool_choice_of(req.tool_choice), req.parallel_tool_calls,
+                         serving.tool_form)
         structure = serving.prepared(_structure(req, plan, serving.tool_form, strict))
         prompt = Prompt(serving, req, [*prior, *own], len(prior), plan)
         ids, start = prompt.fitted() if req.truncation == "auto" else (prompt.ids(0), 0)
         serving.check_length(ids, "input")
+        if req.max_output_tokens is not None:
+            serving.check_room(ids, req.max_output_tokens, "max_output_tokens")
         prior, own = prior[start:], own[max(0, start - len(prior)):]  # what was kept
         params = SamplingParams(
             max_tokens=req.max_output_tokens or serving.default_max_tokens(ids),
@@ -269,6 +272,9 @@ def _check_settings(req: ResponsesRequest) -> None:
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise ApiError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}",
                        param="max_output_tokens")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}",
+                       param="temperature")
     for key, value in (req.metadata or {}).items():
         if len(key) > 64 or len(value) > 512:
             raise ApiError(400, f"metadata keys hold at most 64 characters and values 512; "
