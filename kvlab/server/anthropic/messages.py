@@ -54,7 +54,7 @@ def prompt_of(serving: Serving, conv: Conversation,
               max_tokens: int | None) -> tuple[list[int], ToolPlan | None]:
     """(prompt ids, tool plan) of a conversation."""
     choice, parallel = openai_tool_choice(conv)
-    plan = tool_plan(openai_tools(conv), choice, parallel)
+    plan = tool_plan(openai_tools(conv), choice, parallel, serving.tool_form)
     think = serving.thinking_vars(thinking_switch(conv, max_tokens), "thinking")
     return serving.chat_prompt(template_messages(conv), plan, **think), plan
 

@@ -2,10 +2,10 @@
 
     tools + tool_choice ──> ToolPlan: which tools, in which mode
       "none"      the tools are not shown to the model
-      "auto"      shown; calls the model writes in its family's format are parsed out of
-                  the reply (Qwen / Hermes `<tool_call>{...}</tool_call>`, Llama 3.1's JSON
-                  `{"name": ..., "parameters": ...}`, or the generic JSON below); in the
-                  generic, Qwen and Llama 3.1 forms a call is constrained from its first token
+      "auto"      shown; calls the model writes in its family's format (tool_formats: the
+                  format the chat template teaches, which the plan carries) are parsed out
+                  of the reply; in the generic, Qwen and Llama 3.1 forms a call is
+                  constrained from its first token
       "required"  shown; decoding is constrained to a JSON list of calls (one call when
       named         parallel_tool_calls is false, or the named tool; else at most one per
                   tool), each one's arguments validating against that tool's `parameters`,
@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from kvlab.request import Structure
 from kvlab.server.core.errors import ApiError
+from kvlab.server.core.tool_formats import FORMATS, CallFormat, Found
 from kvlab.structured.compiler import closed_schema
 
-_QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_MARKERS = ("<tool_call>", "<|python_tag|>")  # how a call may start mid-reply (auto mode)
 GENERIC_PROMPT = (
     "You can call these tools (JSON function specs):\n{specs}\n\n{how}")
 _HOW = {
@@ -58,10 +56,20 @@ class ToolPlan:
     tools: list[Tool]
     mode: str  # auto | required (named: required with one tool)
     parallel: bool = True
+    form: str = "other"  # the template's tool-call format (tool_formats.FORMATS)
 
     @property
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
+
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        return {t.name: t.parameters for t in self.tools}
+
+    @property
+    def call_format(self) -> CallFormat:
+        """How replies are read: the template's format, or a JSON list in required mode."""
+        return FORMATS["generic" if self.mode == "required" else self.form]
 
     def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
         """One call: a tool's name and arguments valid against its parameters (Llama 3.1
@@ -115,8 +123,10 @@ def _json_or_text(schema: dict[str, Any], opener: str) -> Structure:
                                 f"TEXT: /\\s*[^\\{opener}\\s](.|\\n)*/\n")
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
-    """The plan for a request's tools; None when no tool may be called."""
+def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None,
+              form: str = "other") -> ToolPlan | None:
+    """The plan for a request's tools; None when no tool may be called. `form`: the served
+    template's tool-call format (`Serving.tool_form`), which replies are read in."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice names a tool call, but the request has no tools",
@@ -132,8 +142,8 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolPlan |
             raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
                                 f"tools ({', '.join(t.name for t in parsed)})",
                            param="tool_choice")
-        return ToolPlan(chosen, "required", parallel=False)
-    return ToolPlan(parsed, mode, parallel=parallel is not False)
+        return ToolPlan(chosen, "required", parallel=False, form=form)
+    return ToolPlan(parsed, mode, parallel=parallel is not False, form=form)
 
 
 def _list_of(tools: Any) -> list[Any]:
@@ -254,44 +264,31 @@ def _merge_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a finished reply."""
-    calls = _qwen_calls(text, plan) if "<tool_call>" in text else []
-    if calls:
-        content = _QWEN_CALL.sub("", text).strip()
-        return content or None, calls
-    calls = _json_calls(text.removeprefix("<|python_tag|>").strip(), plan)
-    if calls:
-        return None, calls
-    return text, []
+    """(content, OpenAI tool_calls) of a finished reply, read in the plan's format (in required
+    mode the reply is the generic JSON list). With calls, the content is the text before the
+    first call (its trailing whitespace dropped) and any text after them; without, the reply
+    (less the format's lead, functionary's "all" recipient)."""
+    fmt = plan.call_format
+    body = _after_lead(text, fmt.lead)
+    start = fmt.call_start(body, plan.schemas)
+    read = None if start is None else fmt.read(body[start:], plan.schemas)
+    if not read:
+        return body, []
+    found, tail = read
+    content, after = body[:start].rstrip(), tail.strip()
+    if after:
+        content = f"{content}\n{after}" if content else after
+    return content or None, [_openai_call(fmt, i, f) for i, f in enumerate(found)]
 
 
-def _qwen_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
-    calls = []
-    for body in _QWEN_CALL.findall(text):
-        calls += _json_calls(body, plan)
-    return calls
+def _after_lead(text: str, lead: str) -> str:
+    return text[len(lead):] if lead and text.startswith(lead) else text
 
 
-def _json_calls(text: str, plan: ToolPlan) -> list[dict[str, Any]]:
-    """Calls from a JSON object / list of objects (Llama 3.1 writes "parameters"); all or none."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in plan.names:
-            return []
-        args = item.get("arguments", item.get("parameters", {}))
-        calls.append(_openai_call(item["name"], args))
-    return calls
-
-
-def _openai_call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": text}}
+def _openai_call(fmt: CallFormat, index: int, found: Found) -> dict[str, Any]:
+    name, arguments, written = found
+    return {"id": fmt.call_id(index, written), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 @dataclass
@@ -299,46 +296,63 @@ class ToolStream:
     """Streams a reply's text until it may be a tool call, then holds the rest to parse.
 
     In required mode everything is held (the reply is the JSON of the calls). In auto mode
-    text streams until a call marker could begin; held text that turns out not to be a call
-    is released when the reply ends.
+    text streams until a call could begin (a marker, or a part of one at the end, or a
+    reply that opens like a call); trailing whitespace waits for what follows, since it is
+    dropped before a call. What was sent is always the start of what `parse_reply` gives
+    for the whole reply, and `finish` sends the remainder, so the streamed text and calls
+    equal the whole reply's parse.
     """
 
     plan: ToolPlan
-    held: str = ""
-    holding: bool = False  # a call has (or may have) begun: hold everything from here
-    sent: bool = False  # some text went out (a reply that opened with JSON would not have)
+    text: str = ""  # the reply so far (its lead, once complete, removed)
+    sent: int = 0  # characters of `text` already sent
+    holding: bool = False  # a call has begun: hold everything from here
+    lead_done: bool = False
+
+    @property
+    def held(self) -> str:
+        """The reply's text not sent yet, as written (calls and all)."""
+        return self.text[self.sent:]
 
     def feed(self, delta: str) -> str:
-        """The part of `delta` that can be sent now."""
-        text = self.held + delta
-        if self.holding or self.plan.mode == "required":
-            self.held = text
+        """The part of the reply that can be sent now."""
+        self.text += delta
+        if self.holding or self.plan.mode == "required" or not self._past_lead():
             return ""
-        start, certain = self._call_start(text)
-        self.held, self.holding = text[start:], certain
-        out = text[:start]
-        self.sent = self.sent or bool(out.strip())
+        fmt, tools = self.plan.call_format, self.plan.schemas
+        start = fmt.call_start(self.text, tools, self.sent)
+        self.holding = start is not None
+        hold = start if start is not None else self._may_start(fmt)
+        hold = max(self.sent, len(self.text[:hold].rstrip()))
+        out, self.sent = self.text[self.sent:hold], hold
         return out
 
-    def _call_start(self, text: str) -> tuple[int, bool]:
-        """Where a call begins (certain) or may begin (a marker's first characters)."""
-        stripped = text.lstrip()
-        if not self.sent:
-            if stripped[:1] in ("{", "["):  # a reply that opens with JSON may be a call
-                return len(text) - len(stripped), True
-            if not stripped:
-                return 0, False
-        for marker in _MARKERS:
-            at = text.find(marker)
-            if at >= 0:
-                return at, True
-        for marker in _MARKERS:
-            for k in range(len(marker) - 1, 0, -1):
-                if text.endswith(marker[:k]):
-                    return len(text) - k, False
-        return len(text), False
+    def _past_lead(self) -> bool:
+        """Drop the format's lead once complete; False while the reply may still be one."""
+        lead = self.plan.call_format.lead
+        if self.lead_done or not lead:
+            return True
+        if lead.startswith(self.text) and lead != self.text:
+            return False
+        self.text, self.lead_done = _after_lead(self.text, lead), True
+        return True
+
+    def _may_start(self, fmt: CallFormat) -> int:
+        """Where a call may still begin: the reply's start while it may open one, or a
+        marker's first characters at the end."""
+        if fmt.opens_call(self.text, self.plan.schemas) is None:
+            return 0
+        at = len(self.text)
+        for marker in fmt.markers:
+            for k in range(min(len(marker) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(marker[:k]):
+                    at = min(at, len(self.text) - k)
+                    break
+        return at
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(text still to send, tool calls) once the reply has ended."""
-        content, calls = parse_reply(self.held, self.plan)
-        return (content or "", calls) if calls else (self.held, [])
+        self._past_lead()
+        lead = self.plan.call_format.lead if self.lead_done else ""
+        content, calls = parse_reply(lead + self.text, self.plan)
+        return (content or "")[self.sent:], calls

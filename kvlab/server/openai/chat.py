@@ -99,7 +99,8 @@ class Call(EngineCall):
         req = parse(ChatCompletionRequest, parse_json_body(body))
         model = serving.check_model(req.model)
         check_common(req)
-        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                         serving.tool_form)
         structure = chat_structure(req, plan, serving.tool_form)
         ids = serving.chat_prompt([m.as_template_dict() for m in req.messages], plan,
                                   prefill=_prefill(req), **req.chat_template_kwargs)

@@ -1,0 +1,260 @@
+"""Tool calls read out of replies in each model family's own format.
+
+Per format, a reply written as its chat template teaches (text before the calls, two parallel
+calls, arguments with nested objects and text beyond ASCII) is parsed whole, and fed to
+`ToolStream` cut at every position and a character at a time: the text it shows plus the
+calls it returns equal the whole reply's parse. Malformed calls stay text. Each real template
+in `$KVLAB_LLAMA_VOCABS/templates` is matched to the format it teaches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlab.server.core.tool_formats import FORMATS, detect_format
+from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply, tool_plan
+from kvlab.tokenizer.chat import template_variables
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "units": {"type": "string"}}}}},
+    {"type": "function", "function": {
+        "name": "book_trip", "description": "Book a trip",
+        "parameters": {"type": "object", "properties": {
+            "trip": {"type": "object"}, "travelers": {"type": "integer"},
+            "note": {"type": "string"}}}}},
+]
+WEATHER = {"city": "Zürich", "units": "celsius"}
+TRIP = {"trip": {"from": "東京", "to": "Paris", "legs": [{"mode": "train 🚄", "days": 2}]},
+        "travelers": 2, "note": "fenêtre, s'il vous plaît"}
+CALLS = [("get_weather", WEATHER), ("book_trip", TRIP)]
+BEFORE = "Let me look that up — un momento."
+
+
+def j(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def named(args_key: str = "arguments") -> list[dict]:
+    return [{"name": n, args_key: a} for n, a in CALLS]
+
+
+def xml_params(open_: str, close: str, value_open: str, value_close: str, args: dict) -> str:
+    return "".join(f"{open_.format(k)}{value_open}{v if isinstance(v, str) else j(v)}"
+                   f"{value_close}{close}" for k, v in args.items())
+
+
+DS_R1 = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{j(a)}\n```"
+                "<｜tool▁call▁end｜>\n" for n, a in CALLS)
+HARMONY = "<|start|>assistant".join(
+    f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{j(a)}<|call|>"
+    for n, a in CALLS)
+CODER = "".join(f"<tool_call>\n<function={n}>\n"
+                f"{xml_params('<parameter={}>', '</parameter>' + chr(10), chr(10), chr(10), a)}"
+                "</function>\n</tool_call>\n" for n, a in CALLS)
+GLM_ARG = ("<arg_key>{}</arg_key>", "\n", "\n<arg_value>", "</arg_value>")
+GLM = "".join(f"<tool_call>{n}\n{xml_params(*GLM_ARG, a)}</tool_call>\n" for n, a in CALLS)
+KIMI = "".join(f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{j(a)}"
+               "<|tool_call_end|>" for i, (n, a) in enumerate(CALLS))
+
+# format -> (reply, content of the whole parse)
+REPLIES = {
+    "qwen": (f"{BEFORE}\n\n" + "\n".join(f"<tool_call>\n{j(c)}\n</tool_call>"
+                                       for c in named()), BEFORE),
+    "qwen3_coder": (f"{BEFORE}\n{CODER}", BEFORE),
+    "llama": ("\n".join(j(c) for c in named("parameters")), None),
+    "llama_python_tag": ("<|python_tag|>" + "; ".join(j(c) for c in named("parameters")),
+                         None),
+    "mistral": (f"{BEFORE}[TOOL_CALLS]{j([{**c, 'id': 'a1B2c3D4e'} for c in named()])}",
+                BEFORE),
+    "mistral_args": (f"{BEFORE}" + "".join(f"[TOOL_CALLS]{n}[ARGS]{j(a)}" for n, a in CALLS),
+                     BEFORE),
+    "deepseek_r1": (f"{BEFORE}\n\n<｜tool▁calls▁begin｜>{DS_R1}<｜tool▁calls▁end｜>", BEFORE),
+    "deepseek_v3_1": (f"{BEFORE}<｜tool▁calls▁begin｜>" + "".join(
+        f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{j(a)}<｜tool▁call▁end｜>" for n, a in CALLS)
+        + "<｜tool▁calls▁end｜>", BEFORE),
+    "gpt_oss": (f"{BEFORE}{HARMONY}", BEFORE),
+    "glm": (f"{BEFORE}\n{GLM}", BEFORE),
+    "kimi_k2": (f"{BEFORE}<|tool_calls_section_begin|>{KIMI}<|tool_calls_section_end|>",
+                BEFORE),
+    "granite": (f"{BEFORE}<|tool_call|>{j(named())}", BEFORE),
+    "functools": (f"{BEFORE} functools{j(named())}", BEFORE),
+    "functionary": (f"all\n{BEFORE}" + "".join(f">>>{n}\n{j(a)}" for n, a in CALLS), BEFORE),
+    "generic": (j(named()), None),
+    "other": (f"{BEFORE}\n" + "".join(f"<tool_call>{j(c)}</tool_call>" for c in named()),
+              BEFORE),
+}
+
+
+def plan_for(case: str, mode: str = "auto") -> ToolPlan:
+    form = next(f for f in sorted(FORMATS, key=len, reverse=True) if case.startswith(f))
+    plan = tool_plan(TOOLS, mode, None, form)
+    assert plan is not None
+    return plan
+
+
+def calls_of(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def streamed(plan: ToolPlan, pieces: list[str]) -> tuple[str, list[dict]]:
+    stream = ToolStream(plan)
+    shown = "".join(stream.feed(p) for p in pieces)
+    rest, calls = stream.finish()
+    return shown + rest, calls
+
+
+def test_every_format_has_a_reply() -> None:
+    assert set(FORMATS) <= {plan_for(case).form for case in REPLIES}
+
+
+@pytest.mark.parametrize("case", sorted(REPLIES))
+def test_a_reply_parses_whole_into_its_calls(case: str) -> None:
+    text, content = REPLIES[case]
+    got_content, calls = parse_reply(text, plan_for(case))
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == CALLS
+    assert all(c["type"] == "function" for c in calls)
+    ids = [c["id"] for c in calls]
+    if case.startswith("mistral"):
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    elif case == "kimi_k2":
+        assert ids == ["functions.get_weather:0", "functions.book_trip:1"]
+    else:
+        assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+    assert len(set(ids)) == 2
+
+
+@pytest.mark.parametrize("case", sorted(REPLIES))
+def test_streamed_equals_whole_at_every_cut(case: str) -> None:
+    text, _ = REPLIES[case]
+    plan = plan_for(case)
+    content, calls = parse_reply(text, plan)
+    whole = (content or "", calls_of(calls))
+    for cut in range(len(text) + 1):
+        shown, got = streamed(plan, [text[:cut], text[cut:]])
+        assert (shown, calls_of(got)) == whole, f"cut at {cut}: {text[:cut]!r}"
+    shown, got = streamed(plan, list(text))
+    assert (shown, calls_of(got)) == whole
+
+
+def test_text_before_a_call_streams_and_the_call_is_held() -> None:
+    text, _ = REPLIES["qwen"]
+    stream = ToolStream(plan_for("qwen"))
+    shown = "".join(stream.feed(c) for c in text)
+    assert shown == BEFORE and "<tool_call>" in stream.held
+
+
+@pytest.mark.parametrize("form, text", [
+    ("qwen", "Use <tool or <tool_call at the end: no call.   "),
+    ("llama", "  The answer is {not json} <|python_ta"),
+    ("generic", "[1, 2, 3] is a list, not a call."),
+    ("mistral", "Plain words [TOOL_CALL] and [TOOL"),
+    ("gpt_oss", "<|start|>assistant<|channel|>final<|message|>Hello, wörld! to=func"),
+    ("functionary", "all\nSure — here is the answer.\n\n"),
+    ("functionary", "al"),
+    ("kimi_k2", "Nothing here <|tool_calls_sec"),
+])
+def test_replies_without_calls_stream_unchanged(form: str, text: str) -> None:
+    plan = plan_for(form)
+    content, calls = parse_reply(text, plan)
+    assert calls == [] and content == text.removeprefix(FORMATS[form].lead)
+    for cut in range(len(text) + 1):
+        assert streamed(plan, [text[:cut], text[cut:]]) == (content, [])
+
+
+def _bad_json(case: str, text: str) -> str:
+    """The reply with its first call's arguments no longer valid JSON."""
+    first = next(a for n, a in CALLS)
+    if case in ("qwen3_coder", "glm"):
+        return text.replace("<function=get_weather>", "<function=get_weathr>", 1) \
+            .replace("<tool_call>get_weather", "<tool_call>get_weathr", 1)
+    return text.replace(j(first)[:-1], j(first)[:-2] + ",", 1) if j(first) in text \
+        else text.replace('"city": "Zürich"', '"city": Zürich', 1)
+
+
+@pytest.mark.parametrize("case", sorted(REPLIES))
+@pytest.mark.parametrize("damage", ["bad json", "unknown tool"])
+def test_malformed_calls_stay_text(case: str, damage: str) -> None:
+    text, _ = REPLIES[case]
+    broken = _bad_json(case, text) if damage == "bad json" \
+        else text.replace("book_trip", "launch_rocket")
+    assert broken != text
+    plan = plan_for(case)
+    content, calls = parse_reply(broken, plan)
+    assert calls == [] and content == broken.removeprefix(FORMATS[plan.form].lead)
+    assert streamed(plan, list(broken)) == (content, [])
+
+
+def test_required_mode_reads_a_json_list_whatever_the_template() -> None:
+    text = j(named())
+    for form in FORMATS:
+        plan = tool_plan(TOOLS, "required", None, form)
+        assert plan is not None
+        assert [json.loads(a) for _, a in calls_of(parse_reply(text, plan)[1])] \
+            == [WEATHER, TRIP]
+        stream = ToolStream(plan)
+        assert stream.feed(text) == "" and len(stream.finish()[1]) == 2
+
+
+def test_xml_parameters_are_typed_by_the_tools_schema() -> None:
+    plan = plan_for("qwen3_coder")
+    reply = ("<tool_call>\n<function=book_trip>\n<parameter=travelers>\n3\n</parameter>\n"
+             "<parameter=note>\n42\n</parameter>\n<parameter=trip>\nnot json\n</parameter>\n"
+             "</function>\n</tool_call>")
+    args = json.loads(parse_reply(reply, plan)[1][0]["function"]["arguments"])
+    assert args == {"travelers": 3, "note": "42", "trip": "not json"}
+
+
+# ---- detection from the real templates ---------------------------------------------------------
+
+# template -> the format it teaches; every other template there gets "generic" (no `tools`)
+# or "other" (tools, but a format none of the families above writes)
+EXPECTED = {
+    "qwen": ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "Qwen-QwQ-32B",
+             "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+             "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "ibm-granite-granite-4.0"],
+    "qwen3_coder": ["Qwen3-Coder", "Qwen3.5-4B", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"],
+    "llama": ["meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+              "meta-llama-Llama-3.3-70B-Instruct"],
+    "mistral": ["mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
+                "mistralai-Ministral-3-14B-Reasoning-2512", "unsloth-mistral-Devstral-Small-2507"],
+    "deepseek_r1": ["llama-cpp-deepseek-r1"],
+    "gpt_oss": ["openai-gpt-oss-120b"],
+    "glm": ["GLM-4.6", "GLM-4.7-Flash"],
+    "kimi_k2": ["moonshotai-Kimi-K2", "Kimi-K2-Instruct", "Kimi-K2-Thinking"],
+    "granite": ["ibm-granite-granite-3.3-2B-Instruct"],
+    "functionary": ["meetkai-functionary-medium-v3.2"],
+    "generic": ["google-gemma-2-2b-it", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+                "microsoft-Phi-3.5-mini-instruct"],
+}
+
+
+def _template_folder() -> Path | None:
+    folder = os.environ.get("KVLAB_LLAMA_VOCABS")
+    found = Path(folder) / "templates" if folder else None
+    return found if found and found.is_dir() else None
+
+
+@pytest.mark.skipif(_template_folder() is None,
+                    reason="set KVLAB_LLAMA_VOCABS to llama.cpp's models/ folder (its templates/ "
+                           "holds real chat templates)")
+def test_each_real_template_is_matched_to_its_format() -> None:
+    folder = _template_folder()
+    assert folder is not None
+    got = {}
+    for path in sorted(folder.glob("*.jinja")):
+        template = path.read_text()
+        got[path.stem] = detect_format(template, "tools" in template_variables(template))
+    for form, names in EXPECTED.items():
+        for name in names:
+            assert got[name] == form, name
+    assert set(got.values()) <= set(FORMATS)
