@@ -68,6 +68,8 @@ KIMI = "".join(f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|
 REPLIES = {
     "qwen": (f"{BEFORE}\n\n" + "\n".join(f"<tool_call>\n{j(c)}\n</tool_call>"
                                        for c in named()), BEFORE),
+    "qwen_text_after": (f"{BEFORE}\n" + "".join(f"<tool_call>{j(c)}</tool_call>" for c in named())
+                        + "\nI will wait for both.  ", f"{BEFORE}\nI will wait for both."),
     "qwen3_coder": (f"{BEFORE}\n{CODER}", BEFORE),
     "llama": ("\n".join(j(c) for c in named("parameters")), None),
     "llama_python_tag": ("<|python_tag|>" + "; ".join(j(c) for c in named("parameters")),
@@ -199,8 +201,12 @@ def test_required_mode_reads_a_json_list_whatever_the_template() -> None:
     for form in FORMATS:
         plan = tool_plan(TOOLS, "required", None, form)
         assert plan is not None
-        assert [json.loads(a) for _, a in calls_of(parse_reply(text, plan)[1])] \
-            == [WEATHER, TRIP]
+        calls = parse_reply(text, plan)[1]
+        assert [json.loads(a) for _, a in calls_of(calls)] == [WEATHER, TRIP]
+        if form == "mistral":  # ids as the template takes them back
+            assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls)
+        if form == "kimi_k2":
+            assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.book_trip:1"]
         stream = ToolStream(plan)
         assert stream.feed(text) == "" and len(stream.finish()[1]) == 2
 

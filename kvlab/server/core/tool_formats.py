@@ -63,7 +63,9 @@ class CallFormat:
     opens: str = ""  # characters that, opening the reply (after whitespace), begin a call
     opening: Callable[[str, Tools], bool | None] | None = None  # overrides `opens`
     lead: str = ""  # written before plain text at the reply's start; not content
-    ids: str = "openai"  # openai: call_<hex> | mistral: 9 alphanumerics | model: as written
+    # call ids as the template expects them back: openai call_<hex> | mistral 9 alphanumerics
+    # | kimi functions.<name>:<index> (as the model wrote it, when it did)
+    ids: str = "openai"
 
     def opens_call(self, text: str, tools: Tools) -> bool | None:
         """Whether the reply's start begins a call (None: cannot tell yet)."""
@@ -72,16 +74,20 @@ class CallFormat:
         rest = text.lstrip()
         return None if not rest else rest[0] in self.opens
 
-    def call_start(self, text: str, tools: Tools, since: int = 0) -> int | None:
-        """Where the first call begins in `text` (markers searched from `since`)."""
-        if self.opens_call(text, tools):
-            return len(text) - len(text.lstrip())
+    def marker_at(self, text: str, since: int = 0) -> int | None:
+        """Where the first call marker in `text` (from `since` on) begins."""
         found = [at for m in self.markers if (at := text.find(m, since)) >= 0]
         return min(found) if found else None
 
-    def call_id(self, index: int, written: str | None) -> str:
-        if self.ids == "model" and written:
-            return written
+    def call_start(self, text: str, tools: Tools) -> int | None:
+        """Where the first call begins in a reply."""
+        if self.opens_call(text, tools):
+            return len(text) - len(text.lstrip())
+        return self.marker_at(text)
+
+    def call_id(self, name: str, index: int, written: str | None) -> str:
+        if self.ids == "kimi":
+            return written or f"functions.{name}:{index}"
         if self.ids == "mistral":
             return "".join(secrets.choice(_ALNUM) for _ in range(9))
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -190,7 +196,7 @@ def _read_other(text: str, tools: Tools) -> tuple[list[Found], str] | None:
 
 
 _CODER = re.compile(r"\s*(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>\s*"
-                    r"(?:</tool_call>|$)", re.DOTALL)
+                    r"(?:</tool_call>)?", re.DOTALL)
 _CODER_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                           re.DOTALL)
 
@@ -344,7 +350,7 @@ FORMATS: dict[str, CallFormat] = {f.name: f for f in (
                                           "<|channel|>commentary to=functions.",
                                           "to=functions.")),
     CallFormat("glm", _read_glm, ("<tool_call>",)),
-    CallFormat("kimi_k2", _read_kimi, (_KIMI_BEGIN, "<|tool_call_begin|>"), ids="model"),
+    CallFormat("kimi_k2", _read_kimi, (_KIMI_BEGIN, "<|tool_call_begin|>"), ids="kimi"),
     CallFormat("granite", _prefixed_list("<|tool_call|>"), ("<|tool_call|>",)),
     CallFormat("functools", _prefixed_list("functools"), ("functools[",)),
     CallFormat("functionary", _read_functionary, (">>>",), opening=_functionary_opening,

@@ -278,7 +278,8 @@ def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     content, after = body[:start].rstrip(), tail.strip()
     if after:
         content = f"{content}\n{after}" if content else after
-    return content or None, [_openai_call(fmt, i, f) for i, f in enumerate(found)]
+    own = FORMATS[plan.form]  # ids as the template takes them back, in required mode too
+    return content or None, [_openai_call(own, i, f) for i, f in enumerate(found)]
 
 
 def _after_lead(text: str, lead: str) -> str:
@@ -287,7 +288,7 @@ def _after_lead(text: str, lead: str) -> str:
 
 def _openai_call(fmt: CallFormat, index: int, found: Found) -> dict[str, Any]:
     name, arguments, written = found
-    return {"id": fmt.call_id(index, written), "type": "function",
+    return {"id": fmt.call_id(name, index, written), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -308,6 +309,7 @@ class ToolStream:
     sent: int = 0  # characters of `text` already sent
     holding: bool = False  # a call has begun: hold everything from here
     lead_done: bool = False
+    opened: bool | None = None  # whether the reply opens with a call (None: not known yet)
 
     @property
     def held(self) -> str:
@@ -319,12 +321,17 @@ class ToolStream:
         self.text += delta
         if self.holding or self.plan.mode == "required" or not self._past_lead():
             return ""
-        fmt, tools = self.plan.call_format, self.plan.schemas
-        start = fmt.call_start(self.text, tools, self.sent)
+        fmt = self.plan.call_format
+        if self.opened is None:
+            self.opened = fmt.opens_call(self.text, self.plan.schemas)
+        if self.opened is None:  # the reply may yet open with a call: hold it all
+            return ""
+        start = len(self.text) - len(self.text.lstrip()) if self.opened \
+            else fmt.marker_at(self.text, self.sent)
         self.holding = start is not None
         hold = start if start is not None else self._may_start(fmt)
-        hold = max(self.sent, len(self.text[:hold].rstrip()))
-        out, self.sent = self.text[self.sent:hold], hold
+        out = self.text[self.sent:hold].rstrip()  # whitespace waits for what follows
+        self.sent += len(out)
         return out
 
     def _past_lead(self) -> bool:
@@ -338,10 +345,7 @@ class ToolStream:
         return True
 
     def _may_start(self, fmt: CallFormat) -> int:
-        """Where a call may still begin: the reply's start while it may open one, or a
-        marker's first characters at the end."""
-        if fmt.opens_call(self.text, self.plan.schemas) is None:
-            return 0
+        """Where a call may still begin: a marker's first characters at the end."""
         at = len(self.text)
         for marker in fmt.markers:
             for k in range(min(len(marker) - 1, len(self.text)), 0, -1):
