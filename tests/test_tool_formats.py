@@ -9,16 +9,24 @@ in `$KVLAB_LLAMA_VOCABS/templates` is matched to the format it teaches.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.guard import ServerLimits
 from kvlab.server.core.tool_formats import FORMATS, detect_format
 from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply, tool_plan
 from kvlab.tokenizer.chat import template_variables
+
+from fake_engine import FakeEngine, FakeTokenizer
 
 TOOLS = [
     {"type": "function", "function": {
@@ -264,3 +272,74 @@ def test_each_real_template_is_matched_to_its_format() -> None:
         for name in names:
             assert got[name] == form, name
     assert set(got.values()) <= set(FORMATS)
+
+
+# ---- through the four APIs ---------------------------------------------------------------------
+
+
+class KimiTokenizer(FakeTokenizer):
+    """The fake engine's tokenizer with a template that takes tools and teaches Kimi K2's
+    calls (the fake engine writes its scripted reply whatever the prompt)."""
+
+    chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                     "{% if tools %}{{ tools | tojson }}{% endif %}"
+                     "<|tool_calls_section_begin|><|tool_call_begin|>")
+
+
+def api_replies(reply: str) -> dict[str, object]:
+    """The tool calls each API returns for `reply`, by API (OpenAI chat also streamed)."""
+    user = [{"role": "user", "content": "Weather in Zürich, and book a trip?"}]
+    answers: dict[str, object] = {}
+
+    async def main() -> None:
+        engine = FakeEngine(model_name="kimi.gguf", tokenizer=KimiTokenizer(), reply=reply)
+        ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
+        app = create_app(ae, front_ends(), limits=ServerLimits())
+        await ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t") as client:
+                await ask_all(client, user, answers)
+        finally:
+            await ae.stop()
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    return answers
+
+
+async def ask_all(client: httpx.AsyncClient, user: list[dict], answers: dict) -> None:
+    r = await client.post("/v1/chat/completions", json={"messages": user, "tools": TOOLS})
+    answers["chat"] = r.json()["choices"][0]["message"]
+    r = await client.post("/v1/chat/completions",
+                          json={"messages": user, "tools": TOOLS, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    answers["chat_stream"] = [d for c in chunks for d in c["choices"][0]["delta"]
+                              .get("tool_calls", [])]
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = await client.post("/v1/responses", json={"input": user[0]["content"], "tools": flat})
+    answers["responses"] = [i for i in r.json()["output"] if i["type"] == "function_call"]
+    anthropic_tools = [{"name": t["function"]["name"], "input_schema": t["function"][
+        "parameters"]} for t in TOOLS]
+    r = await client.post("/v1/messages", json={"messages": user, "tools": anthropic_tools,
+                                                "max_tokens": 2000, "model": "kimi.gguf"})
+    answers["anthropic"] = [b for b in r.json()["content"] if b["type"] == "tool_use"]
+    r = await client.post("/api/chat", json={"model": "kimi.gguf", "messages": user,
+                                             "tools": TOOLS, "stream": False})
+    answers["ollama"] = r.json()["message"].get("tool_calls", [])
+
+
+def test_every_api_reads_calls_in_the_templates_format() -> None:
+    reply, content = REPLIES["kimi_k2"]
+    got = api_replies(reply)
+    chat = got["chat"]
+    assert chat["content"] == content
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in chat["tool_calls"]] == [
+        ("functions.get_weather:0", "get_weather", WEATHER), ("functions.book_trip:1",
+                                                             "book_trip", TRIP)]
+    assert [(c["index"], c["function"]["name"]) for c in got["chat_stream"]] \
+        == [(0, "get_weather"), (1, "book_trip")]
+    assert [(i["name"], json.loads(i["arguments"])) for i in got["responses"]] == CALLS
+    assert [(b["name"], b["input"]) for b in got["anthropic"]] == CALLS
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["ollama"]] \
+        == CALLS
