@@ -162,5 +162,6 @@ def test_categories_are_llama_cpps():
     assert gpt4o.split("HelloWorld") == ["Hello", "World"]
     assert gpt4o.split("éÉ") == ["éÉ"]  # no case outside ASCII
     assert PRE_TOKENIZERS["deepseek-coder"].split("a\u3000b") == ["a", "\u3000b"]
+    assert PRE_TOKENIZERS["deepseek-llm"].split("x   ð") == ["x", "  ", " ð"]  # ð: cased
     assert PRE_TOKENIZERS["superbpe"].split("x1234567") == ["x", "1", "234", "567"]
     assert PRE_TOKENIZERS["afmoe"].split("ab1234c") == ["ab", "1", "234", "c"]

@@ -10,7 +10,8 @@ matches and the unmatched stretches between them (both become pieces; an empty m
 cuts). A regex that names a category (`\\p{L}`) runs on a stand-in text in which every
 non-ASCII character is replaced by one character for its category (whitespace first), so
 `\\p{Lu}` means any letter there, as it does in llama.cpp; other regexes see the text with
-non-ASCII whitespace turned into \\v. `\\s` is ASCII whitespace in both, as in C++ std::regex.
+non-ASCII whitespace turned into \\v, so `\\s` is C++ std::regex's ASCII whitespace in both
+while Unicode properties (`\\p{LC}`) keep their meaning.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class _Step:
     def __init__(self, pattern: str) -> None:
         self.collapsed = bool(_CATEGORY_TOKEN.search(pattern))
         source = _collapse_pattern(pattern) if self.collapsed else pattern
-        self.regex = regex.compile(source, regex.ASCII)
+        # Unicode \s here is C++'s ASCII \s: the text's other whitespace is \v by now.
+        self.regex = regex.compile(source)
 
 
 # ---------------------------------------------------------------- pre-tokenizers
@@ -237,7 +239,7 @@ _SETS: dict[str, PreTokenizer] = {
     "chameleon": PreTokenizer((r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
                                r"([\t\n]|    |  )", r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2),
                               add_bos=True),
-    "superbpe": PreTokenizer((r"\p{N}+", r"(?=(\d{3})+(?!\d))")),
+    "superbpe": PreTokenizer((r"\p{N}+", r"(?=(?:[0-9]{3})+(?![0-9]))")),
     "afmoe": PreTokenizer((_DIGIT_GROUPS, _AFMOE_SCRIPTS,
                            _DEEPSEEK3_TAIL + r"[\r\n]*" + _SPACE_TAIL)),
     "gemma4": PreTokenizer((_NEWLINE_RUNS,), byte_level=False, escape_spaces=True,
