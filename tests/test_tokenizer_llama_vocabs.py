@@ -112,7 +112,7 @@ def test_unknown_pre_tokenizer_lists_the_known_names():
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("tokenizer.ggml.pre", "kimi-k2", "not implemented"),
+    ("tokenizer.ggml.pre", "whitespace", "not implemented"),
     ("tokenizer.ggml.model", "t5", "Unigram.*not implemented"),
     ("tokenizer.ggml.model", "rwkv", "not implemented"),
     ("tokenizer.ggml.model", "no-such-model", "supported: llama"),

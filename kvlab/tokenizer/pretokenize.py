@@ -90,8 +90,8 @@ def _collapse_pattern(pattern: str) -> str:
 class _Step:
     """One regex of the sequence, compiled for the text it runs on."""
 
-    def __init__(self, pattern: str) -> None:
-        self.collapsed = bool(_CATEGORY_TOKEN.search(pattern))
+    def __init__(self, pattern: str, unicode: bool) -> None:
+        self.collapsed = not unicode and bool(_CATEGORY_TOKEN.search(pattern))
         source = _collapse_pattern(pattern) if self.collapsed else pattern
         # Unicode \s here is C++'s ASCII \s: the text's other whitespace is \v by now.
         self.regex = regex.compile(source)
@@ -109,9 +109,13 @@ class PreTokenizer:
     escape_spaces: bool = False  # " " -> U+2581 before splitting (SentencePiece-style BPE)
     newline_tokens: bool = False  # a run of newlines that is a token is emitted whole
     add_bos: bool | None = None  # llama.cpp's default when the GGUF does not say
+    # Categories as Unicode defines them, not collapsed: llama.cpp splits these in hand-written
+    # code over its code point flags (Kimi K2's), not through std::regex.
+    unicode: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_steps", tuple(_Step(p) for p in self.patterns))
+        steps = tuple(_Step(p, self.unicode) for p in self.patterns)
+        object.__setattr__(self, "_steps", steps)
 
     def split(self, text: str) -> list[str]:
         """The words of `text`, in order; they concatenate back to `text`."""
@@ -190,6 +194,13 @@ _AFMOE_SCRIPTS = ("[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\
                   "\uff65-\uff9f\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff"
                   "\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+")
 
+# Kimi K2: Han runs, then words of other letters (no marks, no case) with a contraction.
+_HAN = ("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef"
+        "\U0002f800-\U0002fa1f]")
+_KIMI_K2 = (f"{_HAN}+|[^\\r\\n\\p{{L}}\\p{{N}}]?(?:(?!{_HAN})\\p{{L}})+"
+            r"(?:'[sStTmMdD]|'[rR][eE]|'[vV][eE]|'[lL][lL])?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*" + _SPACE_TAIL)
+
 _LLAMA3 = _llama3_like(r"\p{N}{1,3}")
 _QWEN2 = _llama3_like(r"\p{N}")
 _DEEPSEEK3_TAIL = (f"{_ASCII_PUNCT_WORD}|[^\\r\\n\\p{{L}}\\p{{P}}\\p{{S}}]?[\\p{{L}}\\p{{M}}]+"
@@ -239,6 +250,7 @@ _SETS: dict[str, PreTokenizer] = {
     "chameleon": PreTokenizer((r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
                                r"([\t\n]|    |  )", r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2),
                               add_bos=True),
+    "kimi-k2": PreTokenizer((_KIMI_K2,), unicode=True),
     "superbpe": PreTokenizer((r"\p{N}+", r"(?=(?:[0-9]{3})+(?![0-9]))")),
     "afmoe": PreTokenizer((_DIGIT_GROUPS, _AFMOE_SCRIPTS,
                            _DEEPSEEK3_TAIL + r"[\r\n]*" + _SPACE_TAIL)),
@@ -284,6 +296,7 @@ _NAMES: dict[str, tuple[str, ...]] = {
     "tiny_aya": ("tiny_aya", "cohere2moe"),
     "chameleon": ("chameleon",),
     "superbpe": ("superbpe",),
+    "kimi-k2": ("kimi-k2",),
     "afmoe": ("afmoe",),
     "gemma4": ("gemma4", "granite-embed-multi-311m"),
     "sarvam-moe": ("sarvam-moe",),
@@ -293,8 +306,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     name: _SETS[key] for key, names in _NAMES.items() for name in names}
 
 # Named by llama.cpp but not byte-pair pre-tokenizers kvlab implements.
-_OUT_OF_SCOPE = {"kimi-k2": "Kimi K2's Han-aware splitting",
-                 "whitespace": "the whitespace tokenizer model"}
+_OUT_OF_SCOPE = {"whitespace": "the whitespace tokenizer model"}
 
 
 def pre_tokenizer_for(name: str) -> PreTokenizer:
