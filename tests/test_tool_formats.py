@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -154,6 +155,28 @@ def test_streamed_equals_whole_at_every_cut(case: str) -> None:
         assert (shown, calls_of(got)) == whole, f"cut at {cut}: {text[:cut]!r}"
     shown, got = streamed(plan, list(text))
     assert (shown, calls_of(got)) == whole
+
+
+@pytest.mark.parametrize("case", sorted(REPLIES))
+def test_calls_are_named_and_their_arguments_grow_while_written(case: str) -> None:
+    text, _ = REPLIES[case]
+    plan = plan_for(case)
+    whole = calls_of(parse_reply(text, plan)[1])
+    stream = ToolStream(plan)
+    seen: list[list[tuple[str, str]]] = []
+    for c in text:
+        stream.feed(c)
+        seen.append(stream.partial_calls())
+    for before, after in pairwise(seen):
+        assert len(after) >= len(before)
+        assert all(a[0] == b[0] and a[1].startswith(b[1]) for a, b in zip(after, before,
+                                                                           strict=False))
+    assert all(w[0] == p[0] and w[1].startswith(p[1]) for w, p in zip(whole, seen[-1],
+                                                                       strict=False))
+    if plan.call_format.heads is not None:  # JSON arguments: named, and grown, before the end
+        assert [p[0] for p in seen[-1]] == [w[0] for w in whole]
+        assert len(seen[-1][0][1]) > len(whole[0][1]) // 2
+    assert calls_of(stream.finish()[1]) == whole
 
 
 def test_text_before_a_call_streams_and_the_call_is_held() -> None:
@@ -337,8 +360,19 @@ def test_every_api_reads_calls_in_the_templates_format() -> None:
             for c in chat["tool_calls"]] == [
         ("functions.get_weather:0", "get_weather", WEATHER), ("functions.book_trip:1",
                                                              "book_trip", TRIP)]
-    assert [(c["index"], c["function"]["name"]) for c in got["chat_stream"]] \
-        == [(0, "get_weather"), (1, "book_trip")]
+    # streamed: each call's id and name once, then argument fragments that add up to the
+    # whole reply's arguments
+    streamed_calls: dict[int, dict] = {}
+    for d in got["chat_stream"]:
+        if "id" in d:
+            streamed_calls[d["index"]] = {"id": d["id"], **d["function"], "pieces": 0}
+        else:
+            streamed_calls[d["index"]]["arguments"] += d["function"]["arguments"]
+            streamed_calls[d["index"]]["pieces"] += 1
+    assert [(s["id"], s["name"], s["arguments"]) for s in streamed_calls.values()] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"])
+        for c in chat["tool_calls"]]
+    assert all(s["pieces"] > 5 for s in streamed_calls.values())
     assert [(i["name"], json.loads(i["arguments"])) for i in got["responses"]] == CALLS
     assert [(b["name"], b["input"]) for b in got["anthropic"]] == CALLS
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["ollama"]] \

@@ -63,6 +63,10 @@ class CallFormat:
     opens: str = ""  # characters that, opening the reply (after whitespace), begin a call
     opening: Callable[[str, Tools], bool | None] | None = None  # overrides `opens`
     lead: str = ""  # written before plain text at the reply's start; not content
+    # where each call's name is written, up to its JSON arguments (group 1, or the last group
+    # that matched, the name): lets a stream name a call and grow its arguments before the
+    # reply ends; None where arguments are not JSON text (XML parameters)
+    heads: re.Pattern[str] | None = None
     # call ids as the template expects them back: openai call_<hex> | mistral 9 alphanumerics
     # | kimi functions.<name>:<index> (as the model wrote it, when it did)
     ids: str = "openai"
@@ -336,25 +340,46 @@ def _functionary_opening(text: str, tools: Tools) -> bool | None:
     return None if len(line) <= 64 and re.fullmatch(r"[\w.-]*", line) else False
 
 
+_OBJECT_HEAD = r'\{\s*"name"\s*:\s*"([\w.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+_HEADS = {
+    "json": re.compile(_OBJECT_HEAD),
+    "mistral": re.compile(r"\[TOOL_CALLS\]\s*([\w.-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]|"
+                          + _OBJECT_HEAD),
+    "deepseek_r1": re.compile(r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([\w.-]+)"
+                              r"\s*\n\s*```(?:json)?\s*"),
+    "deepseek_v3_1": re.compile(r"<｜tool▁call▁begin｜>\s*([\w.-]+)\s*<｜tool▁sep｜>\s*"),
+    "gpt_oss": re.compile(r"to=functions\.([\w.-]+)\s*(?:<\|channel\|>commentary\s*)?"
+                          r"(?:<\|constrain\|>\s*)?(?:json\s*)?<\|message\|>"),
+    "kimi_k2": re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+?)(?::\d+)?\s*"
+                          r"<\|tool_call_argument_begin\|>\s*"),
+    "functionary": re.compile(r"(?:^|>>>)([\w.-]+)\n"),
+}
+
 FORMATS: dict[str, CallFormat] = {f.name: f for f in (
-    CallFormat("generic", _read_llama, opens="[{"),
-    CallFormat("other", _read_other, ("<tool_call>", "<|python_tag|>"), opens="[{"),
-    CallFormat("qwen", _read_hermes, ("<tool_call>",)),
+    CallFormat("generic", _read_llama, opens="[{", heads=_HEADS["json"]),
+    CallFormat("other", _read_other, ("<tool_call>", "<|python_tag|>"), opens="[{",
+               heads=_HEADS["json"]),
+    CallFormat("qwen", _read_hermes, ("<tool_call>",), heads=_HEADS["json"]),
     CallFormat("qwen3_coder", _read_qwen3_coder, ("<tool_call>", "<function=")),
-    CallFormat("llama", _read_llama, ("<|python_tag|>",), opens="[{"),
-    CallFormat("mistral", _read_mistral, ("[TOOL_CALLS]",), ids="mistral"),
-    CallFormat("deepseek_r1", _deepseek(_DS_R1), (_DS_BEGIN, "<｜tool▁call▁begin｜>")),
-    CallFormat("deepseek_v3_1", _deepseek(_DS_V31), (_DS_BEGIN, "<｜tool▁call▁begin｜>")),
+    CallFormat("llama", _read_llama, ("<|python_tag|>",), opens="[{", heads=_HEADS["json"]),
+    CallFormat("mistral", _read_mistral, ("[TOOL_CALLS]",), ids="mistral",
+               heads=_HEADS["mistral"]),
+    CallFormat("deepseek_r1", _deepseek(_DS_R1), (_DS_BEGIN, "<｜tool▁call▁begin｜>"),
+               heads=_HEADS["deepseek_r1"]),
+    CallFormat("deepseek_v3_1", _deepseek(_DS_V31), (_DS_BEGIN, "<｜tool▁call▁begin｜>"),
+               heads=_HEADS["deepseek_v3_1"]),
     CallFormat("gpt_oss", _read_gpt_oss, ("<|start|>assistant<|channel|>commentary to=",
                                           "<|start|>assistant to=functions.",
                                           "<|channel|>commentary to=functions.",
-                                          "to=functions.")),
+                                          "to=functions."), heads=_HEADS["gpt_oss"]),
     CallFormat("glm", _read_glm, ("<tool_call>",)),
-    CallFormat("kimi_k2", _read_kimi, (_KIMI_BEGIN, "<|tool_call_begin|>"), ids="kimi"),
-    CallFormat("granite", _prefixed_list("<|tool_call|>"), ("<|tool_call|>",)),
-    CallFormat("functools", _prefixed_list("functools"), ("functools[",)),
+    CallFormat("kimi_k2", _read_kimi, (_KIMI_BEGIN, "<|tool_call_begin|>"), ids="kimi",
+               heads=_HEADS["kimi_k2"]),
+    CallFormat("granite", _prefixed_list("<|tool_call|>"), ("<|tool_call|>",),
+               heads=_HEADS["json"]),
+    CallFormat("functools", _prefixed_list("functools"), ("functools[",), heads=_HEADS["json"]),
     CallFormat("functionary", _read_functionary, (">>>",), opening=_functionary_opening,
-               lead="all\n"),
+               lead="all\n", heads=_HEADS["functionary"]),
 )}
 
 
@@ -381,3 +406,48 @@ def detect_format(template: str | None, takes_tools: bool) -> str:
         ("llama", "<|python_tag|>" in t or ('"parameters"' in t and "<|eot_id|>" in t)),
     )
     return next((name for name, hit in rules if hit), "other")
+
+
+# ---- arguments while they are written ---------------------------------------------------------
+
+_TOKEN = re.compile(r'\s*(?:([{}\[\]:,])|("(?:[^"\\]|\\.)*")|'
+                    r'(-?[0-9][0-9.eE+-]*|true|false|null)(?=[\s,}\]])|("(?:[^"\\]|\\.)*))')
+_SEPARATORS = {":": ": ", ",": ", "}
+
+
+def json_prefix(raw: str) -> str:
+    """The part of a JSON object's canonical text (`json.dumps(..., ensure_ascii=False)`, as
+    calls' arguments are written) that the written prefix `raw` already fixes: tokens as they
+    complete, a string's characters as they come; a number waits for what ends it."""
+    out: list[str] = []
+    depth, pos = 0, 0
+    while pos == 0 or depth:
+        m = _TOKEN.match(raw, pos)
+        if m is None or (pos == 0 and m.group(1) != "{"):
+            break
+        punct, string, scalar, partial = m.groups()
+        try:
+            if punct:
+                out.append(_SEPARATORS.get(punct, punct))
+                depth += 1 if punct in "{[" else -1 if punct in "}]" else 0
+            elif string is not None:
+                out.append(json.dumps(json.loads(string), ensure_ascii=False))
+            elif scalar is not None:
+                out.append(json.dumps(json.loads(scalar)))
+            else:
+                out.append(_open_string(partial))
+                break
+        except ValueError:
+            break
+        pos = m.end()
+    return "".join(out)
+
+
+def _open_string(partial: str) -> str:
+    """A string still being written, as far as its characters are certain (an escape cut
+    short, or the first half of a surrogate pair, waits)."""
+    text = re.sub(r"\\u[0-9a-fA-F]{0,3}$", "", partial)
+    decoded = json.loads(text + '"')
+    if decoded and "\ud800" <= decoded[-1] <= "\udbff":
+        decoded = decoded[:-1]
+    return json.dumps(decoded, ensure_ascii=False)[:-1]

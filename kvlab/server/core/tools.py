@@ -26,7 +26,7 @@ from typing import Any
 
 from kvlab.request import Structure
 from kvlab.server.core.errors import ApiError
-from kvlab.server.core.tool_formats import FORMATS, CallFormat, Found
+from kvlab.server.core.tool_formats import FORMATS, CallFormat, Found, json_prefix
 from kvlab.structured.compiler import closed_schema
 
 GENERIC_PROMPT = (
@@ -70,6 +70,10 @@ class ToolPlan:
     def call_format(self) -> CallFormat:
         """How replies are read: the template's format, or a JSON list in required mode."""
         return FORMATS["generic" if self.mode == "required" else self.form]
+
+    def call_id(self, name: str, index: int, written: str | None = None) -> str:
+        """A call's id as the template takes it back (in required mode too)."""
+        return FORMATS[self.form].call_id(name, index, written)
 
     def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
         """One call: a tool's name and arguments valid against its parameters (Llama 3.1
@@ -278,17 +282,16 @@ def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
     content, after = body[:start].rstrip(), tail.strip()
     if after:
         content = f"{content}\n{after}" if content else after
-    own = FORMATS[plan.form]  # ids as the template takes them back, in required mode too
-    return content or None, [_openai_call(own, i, f) for i, f in enumerate(found)]
+    return content or None, [_openai_call(plan, i, f) for i, f in enumerate(found)]
 
 
 def _after_lead(text: str, lead: str) -> str:
     return text[len(lead):] if lead and text.startswith(lead) else text
 
 
-def _openai_call(fmt: CallFormat, index: int, found: Found) -> dict[str, Any]:
+def _openai_call(plan: ToolPlan, index: int, found: Found) -> dict[str, Any]:
     name, arguments, written = found
-    return {"id": fmt.call_id(name, index, written), "type": "function",
+    return {"id": plan.call_id(name, index, written), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -353,6 +356,23 @@ class ToolStream:
                     at = min(at, len(self.text) - k)
                     break
         return at
+
+    def partial_calls(self) -> list[tuple[str, str]]:
+        """(name, arguments so far) of each call begun in the held text, in formats whose
+        arguments are JSON text: the arguments only grow, towards the canonical JSON that
+        `finish` gives, by what the text written so far fixes."""
+        heads = self.plan.call_format.heads
+        if heads is None or not (self.holding or self.plan.mode == "required"):
+            return []
+        held = self.held
+        found = list(heads.finditer(held))
+        calls = []
+        for m, after in zip(found, [*found[1:], None], strict=False):
+            name = m.group(m.lastindex or 1)
+            if name not in self.plan.names:
+                break
+            calls.append((name, json_prefix(held[m.end():after.start() if after else None])))
+        return calls
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(text still to send, tool calls) once the reply has ended."""

@@ -175,14 +175,17 @@ class ChatFormat(Format):
 
 
 class ToolFormat(ChatFormat):
-    """Chat replies that may carry tool calls: parsed out of the content, streamed as
-    `tool_calls` deltas once the reply ends (text that cannot be a call streams as usual)."""
+    """Chat replies that may carry tool calls: parsed out of the content; streamed as
+    `tool_calls` deltas as they are written (a call's index, id and name once its name is
+    known, then fragments of its arguments whose concatenation is the whole reply's
+    arguments), the rest when the reply ends. Text that cannot be a call streams as usual."""
 
     def __init__(self, tokenizer: Tokenizer, plan: ToolPlan,
                  reasoning: ReasoningFormat | None = None, thinking: bool = False) -> None:
         super().__init__(tokenizer, reasoning, thinking)
         self.plan = plan
         self._streams: dict[int, ToolStream] = {}
+        self._sent: dict[int, list[_SentCall]] = {}  # per choice: the calls streamed so far
 
     def choice(self, c: Choice, num_logprobs: int | None) -> dict[str, Any]:
         body = super().choice(c, num_logprobs)
@@ -195,13 +198,60 @@ class ToolFormat(ChatFormat):
     def content_delta(self, c: Choice, out: RequestOutput, text: str,
                       num_logprobs: int | None) -> dict[str, Any] | None:
         stream = self._streams.setdefault(c.index, ToolStream(self.plan))
+        sent = self._sent.setdefault(c.index, [])
         text = stream.feed(text)
         calls: list[dict[str, Any]] = []
         if out.finished:
             rest, calls = stream.finish()
             text += rest
+            deltas = _final_deltas(sent, calls)
+        else:
+            deltas = _growing_deltas(sent, stream.partial_calls(), self.plan)
         body = super().content_delta(c, out, text, num_logprobs)
+        if deltas:
+            body = body or self._delta_body(c, out, text, num_logprobs)
+            if not text:
+                body["delta"].pop("content", None)
+            body["delta"]["tool_calls"] = deltas
         if body is not None and calls:
-            body["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             body["finish_reason"] = "tool_calls"
         return body
+
+
+@dataclass
+class _SentCall:
+    name: str
+    arguments: str  # the arguments' JSON streamed so far
+
+
+def _growing_deltas(sent: list[_SentCall], partial: list[tuple[str, str]],
+                    plan: ToolPlan) -> list[dict[str, Any]]:
+    """Deltas for calls begun since the last chunk (index, id, name) and for arguments that
+    grew (the new fragment)."""
+    deltas = []
+    for i, (name, arguments) in enumerate(partial):
+        if i == len(sent):
+            sent.append(_SentCall(name, arguments))
+            deltas.append({"index": i, "id": plan.call_id(name, i), "type": "function",
+                           "function": {"name": name, "arguments": arguments}})
+        elif i < len(sent) and sent[i].name == name and len(arguments) > len(
+                sent[i].arguments) and arguments.startswith(sent[i].arguments):
+            deltas.append({"index": i, "function": {
+                "arguments": arguments[len(sent[i].arguments):]}})
+            sent[i].arguments = arguments
+    return deltas
+
+
+def _final_deltas(sent: list[_SentCall], calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Once the reply ends: the rest of each streamed call's arguments, and whole calls for
+    those not streamed yet."""
+    deltas = []
+    for i, call in enumerate(calls):
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        if i >= len(sent) or sent[i].name != name:
+            deltas.append({"index": i, **call})
+        elif len(arguments) > len(sent[i].arguments) and arguments.startswith(
+                sent[i].arguments):
+            deltas.append({"index": i, "function": {
+                "arguments": arguments[len(sent[i].arguments):]}})
+    return deltas
