@@ -263,7 +263,7 @@ class Engine:
         seq = Sequence(request_id, ids, len(ids), params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, shown=frozenset(params.shown_special_ids))
         stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, detok, stops, gen)
         if grammar is None:

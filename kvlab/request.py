@@ -55,12 +55,16 @@ class SamplingParams:
     # added to the logits of these token ids before sampling (OpenAI: -100 bans, 100 forces);
     # a mapping is accepted and kept as sorted (token id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # special tokens written into the text all the same (a chat template's tool-call markers,
+    # which calls are read by); the others are left out of it
+    shown_special_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "shown_special_ids", tuple(self.shown_special_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self.validate()

@@ -18,13 +18,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_tokenizer_gemma import default_tokenizer
 
+from kvlab.request import SamplingParams
 from kvlab.server.apis import front_ends
 from kvlab.server.core.app import create_app
 from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
+from kvlab.server.core.serving import marker_token_ids
 from kvlab.server.core.tool_formats import FORMATS, detect_format
 from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply, tool_plan
+from kvlab.tokenizer import IncrementalDetokenizer
 from kvlab.tokenizer.chat import template_variables
 
 from fake_engine import FakeEngine, FakeTokenizer
@@ -377,3 +381,26 @@ def test_every_api_reads_calls_in_the_templates_format() -> None:
     assert [(b["name"], b["input"]) for b in got["anthropic"]] == CALLS
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["ollama"]] \
         == CALLS
+
+
+# ---- markers that are special tokens ------------------------------------------------------------
+
+
+def test_marker_tokens_are_written_into_the_text_they_are_read_from() -> None:
+    """Vocabularies hold many formats' markers as special tokens, which decoding leaves out;
+    the served format's markers are kept in the generated text (here Gemma's turn markers
+    stand in for them)."""
+    tok = default_tokenizer()
+    shown = marker_token_ids(tok, ("<start_of_turn>", "<end_of_turn>", "not one token"))
+    assert [tok.decode([i], skip_special_tokens=False) for i in shown] \
+        == ["<start_of_turn>", "<end_of_turn>"]
+    ids = tok.encode("<start_of_turn>model\nHi<end_of_turn><eos>", add_special_tokens=False)
+
+    def text(detok: IncrementalDetokenizer) -> str:
+        return "".join(detok.push(i) for i in ids) + detok.flush()
+    assert text(IncrementalDetokenizer(tok)) == "model\nHi"
+    assert text(IncrementalDetokenizer(tok, shown=frozenset(shown))) \
+        == "<start_of_turn>model\nHi<end_of_turn>"
+    assert SamplingParams(shown_special_ids=[105]).shown_special_ids == (105,)
+    assert all(fmt.tokens or fmt.name in ("generic", "functools", "functionary")
+               for fmt in FORMATS.values())

@@ -15,15 +15,18 @@ from kvlab.tokenizer.tokenizer import Tokenizer
 class IncrementalDetokenizer:
     """Turns one request's generated ids into text as they arrive."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 shown: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._shown = shown  # special tokens written even when specials are skipped
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._first = True  # the first emitted token may lose its SentencePiece space prefix
 
     def push(self, token_id: int) -> str:
         """Text that is now final after `token_id` (may be "" while a character is incomplete)."""
-        if self._skip_special and self._tokenizer.is_special(token_id):
+        if self._skip_special and self._tokenizer.is_special(token_id) \
+                and token_id not in self._shown:
             return ""
         piece = self._tokenizer.token_bytes(token_id)
         if not piece:  # e.g. an id beyond the vocabulary; decode() skips these too

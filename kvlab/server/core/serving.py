@@ -11,6 +11,7 @@ grammar compiling) and runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from kvlab.errors import RequestError
@@ -18,7 +19,7 @@ from kvlab.request import SamplingParams, Structure
 from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.reasoning import ReasoningFormat, reasoning_format
-from kvlab.server.core.tool_formats import detect_format
+from kvlab.server.core.tool_formats import FORMATS, detect_format
 from kvlab.server.core.tools import ToolPlan, template_messages
 from kvlab.tokenizer.chat import template_variables
 
@@ -52,6 +53,7 @@ class Serving:
         # the format the template teaches tool calls in: replies are read in it, and decoding
         # enforces it in auto mode where it can (ToolPlan.structure)
         self.tool_form = detect_format(template, self.native_tools)
+        self.shown_special_ids = marker_token_ids(self.tokenizer, FORMATS[self.tool_form].tokens)
         self.reasoning: ReasoningFormat | None = reasoning_format(template)
 
     def check_model(self, model: str | None) -> str:
@@ -159,6 +161,8 @@ class Serving:
         out = []
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             self.check_length(ids, param)
+            if self.shown_special_ids:  # the tool-call markers stay in the text, to be read
+                p = replace(p, shown_special_ids=self.shown_special_ids)
             out.append(EngineRequest(f"{call_id}-{i}", ids, p))
         return out
 
@@ -188,3 +192,14 @@ class Serving:
     def default_max_tokens(self, ids: list[int]) -> int:
         """As vLLM: whatever the context leaves after the prompt."""
         return max(1, self.engine.max_model_len - len(ids))
+
+
+def marker_token_ids(tokenizer: Any, markers: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of the markers that the vocabulary holds as one special token each (decoding
+    leaves those out of the text unless told to write them)."""
+    ids = []
+    for marker in markers:
+        found = tokenizer.encode(marker, add_special_tokens=False)
+        if len(found) == 1 and tokenizer.is_special(found[0]):
+            ids.append(found[0])
+    return tuple(ids)

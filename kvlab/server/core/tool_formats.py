@@ -67,6 +67,9 @@ class CallFormat:
     # that matched, the name): lets a stream name a call and grow its arguments before the
     # reply ends; None where arguments are not JSON text (XML parameters)
     heads: re.Pattern[str] | None = None
+    # the format's markers that vocabularies hold as special tokens, which decoding would
+    # otherwise leave out of the text
+    tokens: tuple[str, ...] = ()
     # call ids as the template expects them back: openai call_<hex> | mistral 9 alphanumerics
     # | kimi functions.<name>:<index> (as the model wrote it, when it did)
     ids: str = "openai"
@@ -340,6 +343,8 @@ def _functionary_opening(text: str, tools: Tools) -> bool | None:
     return None if len(line) <= 64 and re.fullmatch(r"[\w.-]*", line) else False
 
 
+_HERMES_TOKENS = ("<tool_call>", "</tool_call>")
+_DS_TOKENS = (_DS_BEGIN, _DS_END, "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 _OBJECT_HEAD = r'\{\s*"name"\s*:\s*"([\w.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 _HEADS = {
     "json": re.compile(_OBJECT_HEAD),
@@ -358,25 +363,33 @@ _HEADS = {
 FORMATS: dict[str, CallFormat] = {f.name: f for f in (
     CallFormat("generic", _read_llama, opens="[{", heads=_HEADS["json"]),
     CallFormat("other", _read_other, ("<tool_call>", "<|python_tag|>"), opens="[{",
-               heads=_HEADS["json"]),
-    CallFormat("qwen", _read_hermes, ("<tool_call>",), heads=_HEADS["json"]),
-    CallFormat("qwen3_coder", _read_qwen3_coder, ("<tool_call>", "<function=")),
-    CallFormat("llama", _read_llama, ("<|python_tag|>",), opens="[{", heads=_HEADS["json"]),
+               heads=_HEADS["json"], tokens=(*_HERMES_TOKENS, "<|python_tag|>")),
+    CallFormat("qwen", _read_hermes, ("<tool_call>",), heads=_HEADS["json"],
+               tokens=_HERMES_TOKENS),
+    CallFormat("qwen3_coder", _read_qwen3_coder, ("<tool_call>", "<function="),
+               tokens=_HERMES_TOKENS),
+    CallFormat("llama", _read_llama, ("<|python_tag|>",), opens="[{", heads=_HEADS["json"],
+               tokens=("<|python_tag|>",)),
     CallFormat("mistral", _read_mistral, ("[TOOL_CALLS]",), ids="mistral",
-               heads=_HEADS["mistral"]),
+               heads=_HEADS["mistral"], tokens=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")),
     CallFormat("deepseek_r1", _deepseek(_DS_R1), (_DS_BEGIN, "<｜tool▁call▁begin｜>"),
-               heads=_HEADS["deepseek_r1"]),
+               heads=_HEADS["deepseek_r1"], tokens=_DS_TOKENS),
     CallFormat("deepseek_v3_1", _deepseek(_DS_V31), (_DS_BEGIN, "<｜tool▁call▁begin｜>"),
-               heads=_HEADS["deepseek_v3_1"]),
+               heads=_HEADS["deepseek_v3_1"], tokens=_DS_TOKENS),
     CallFormat("gpt_oss", _read_gpt_oss, ("<|start|>assistant<|channel|>commentary to=",
                                           "<|start|>assistant to=functions.",
                                           "<|channel|>commentary to=functions.",
-                                          "to=functions."), heads=_HEADS["gpt_oss"]),
-    CallFormat("glm", _read_glm, ("<tool_call>",)),
+                                          "to=functions."), heads=_HEADS["gpt_oss"],
+               tokens=("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>",
+                       "<|call|>")),
+    CallFormat("glm", _read_glm, ("<tool_call>",), tokens=(
+        *_HERMES_TOKENS, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
     CallFormat("kimi_k2", _read_kimi, (_KIMI_BEGIN, "<|tool_call_begin|>"), ids="kimi",
-               heads=_HEADS["kimi_k2"]),
+               heads=_HEADS["kimi_k2"], tokens=(
+                   _KIMI_BEGIN, _KIMI_END, "<|tool_call_begin|>", "<|tool_call_end|>",
+                   "<|tool_call_argument_begin|>")),
     CallFormat("granite", _prefixed_list("<|tool_call|>"), ("<|tool_call|>",),
-               heads=_HEADS["json"]),
+               heads=_HEADS["json"], tokens=("<|tool_call|>",)),
     CallFormat("functools", _prefixed_list("functools"), ("functools[",), heads=_HEADS["json"]),
     CallFormat("functionary", _read_functionary, (">>>",), opening=_functionary_opening,
                lead="all\n", heads=_HEADS["functionary"]),
