@@ -31,7 +31,10 @@ the model's name. Each `CallFormat` knows
     other         templates with tools, none above  Hermes, Llama or generic JSON
 
 Parsing is all or nothing: a call that is not valid JSON, names a tool the request does not
-have, or has arguments that are not an object leaves the whole reply as text.
+have, or has arguments that are not an object leaves the whole reply as text. While a reply
+is streamed, `heads` finds each call's name and `json_prefix` the part of its arguments'
+canonical JSON that the text so far fixes, so a stream can name calls and grow their
+arguments before the reply ends.
 Hand-written because each family's format is a few regular expressions over the reply text;
 the formats come from the families' chat templates and documentation.
 """
@@ -57,6 +60,9 @@ _ALNUM = string.ascii_letters + string.digits
 
 @dataclass(frozen=True)
 class CallFormat:
+    """One family's way of writing calls: where they begin, how to read them, which of its
+    markers are special tokens, and the call ids its template takes back."""
+
     name: str
     read: Reader
     markers: tuple[str, ...] = ()
