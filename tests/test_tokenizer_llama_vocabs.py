@@ -165,3 +165,34 @@ def test_categories_are_llama_cpps():
     assert PRE_TOKENIZERS["deepseek-llm"].split("x   ð") == ["x", "  ", " ð"]  # ð: cased
     assert PRE_TOKENIZERS["superbpe"].split("x1234567") == ["x", "1", "234", "567"]
     assert PRE_TOKENIZERS["afmoe"].split("ab1234c") == ["ab", "1", "234", "c"]
+
+
+# ---------------------------------------------------------------- whitespace around literals
+
+def _vocab(name: str) -> Path | None:
+    folder = _folder()
+    path = folder / f"ggml-vocab-{name}.gguf" if folder else None
+    return path if path is not None and path.is_file() else None
+
+
+@pytest.mark.skipif(_vocab("phi-3") is None, reason="set KVLAB_LLAMA_VOCABS (phi-3 vocabulary)")
+@pytest.mark.parametrize("native_encoder", ENCODERS, ids=lambda n: "c" if n else "python")
+def test_phi3_literal_tokens_swallow_the_whitespace_after_them(native_encoder):
+    """llama.cpp gives Phi-3's literal tokens (not <s>, <unk>, <|endoftext|>) rstrip."""
+    tok = load_gguf_tokenizer(GGUFFile(_vocab("phi-3")).metadata, native_encoder=native_encoder)
+    assert tok.encode("<|user|>\nHi<|end|>\n<|assistant|>", False) == [32010, 6324, 32007, 32001]
+    assert tok.encode("a [PAD32011]   \n[PAD32030] b", False) == [263, 29871, 32011, 32030, 289]
+    assert tok.encode("  <s>  x </s>  y", False) == [1678, 1, 259, 921, 29871, 2, 343]
+
+
+@pytest.mark.parametrize("native_encoder", ENCODERS, ids=lambda n: "c" if n else "python")
+def test_lstrip_and_rstrip_literals(native_encoder):
+    metadata = _bpe_metadata(**{"general.name": "Phi3 toy",  # its literals rstrip
+                                "tokenizer.ggml.tokens": ["a", "b", "ab", "Ġ", "<|end|>"]})
+    tok = load_gguf_tokenizer(metadata, native_encoder=native_encoder)
+    assert tok.encode("ab<|end|> \t\nab", False) == [2, 4, 2]
+    assert tok.encode("ab<|end|>  ", False) == [2, 4]
+    metadata = _bpe_metadata(**{
+        "tokenizer.ggml.pre": "jina-v2-es", "tokenizer.ggml.tokens": ["a", "b", "ab", "Ġ", "<mask>"]})
+    tok = load_gguf_tokenizer(metadata, native_encoder=native_encoder)
+    assert tok.encode("ab \n<mask> ab", False) == [2, 4, 3, 2]  # <mask> takes the space before

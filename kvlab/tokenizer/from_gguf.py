@@ -52,6 +52,7 @@ class _Vocab:
     types: Sequence[int]
     token_to_id: dict[str, int]
     literal: list[tuple[str, int]]  # (text, id) of tokens matched literally before merging
+    strip: bytes  # b"" or per token LSTRIP | RSTRIP: the whitespace a literal token swallows
     space_prefix: bool
     native: bool  # encode with the C extension (else the Python reference)
     pre: PreTokenizer | None  # BPE: how text is cut into words; SentencePiece: None
@@ -86,7 +87,8 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         "gemma4" if model == "gemma4" else metadata.get("tokenizer.ggml.pre", "default"))
     space_prefix = is_spm and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
-    vocab = _Vocab(metadata, tokens, types, token_to_id, literal, space_prefix,
+    vocab = _Vocab(metadata, tokens, types, token_to_id, literal,
+                   _strip_flags(metadata, tokens, token_to_id, literal), space_prefix,
                    _use_native(native_encoder), pre)
     encode_text, pieces = _spm_parts(vocab) if is_spm else _bpe_parts(vocab)
     arch = metadata.get("general.architecture", "")
@@ -126,16 +128,56 @@ def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
 
 
 def _check_token_ids(metadata: dict[str, Any], n_tokens: int) -> None:
-    for key, value in metadata.items():
-        if (key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
-                and isinstance(value, int) and not 0 <= value < n_tokens):
+    """The ids kvlab adds, emits or stops on must be tokens (an optional marker such as a FIM
+    one outside the vocabulary is only absent, as llama.cpp treats it)."""
+    for name in ("bos", "eos", "eot", "eom", "unknown"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = metadata.get(key)
+        if isinstance(value, int) and not 0 <= value < n_tokens:
             raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent: {key}={value} is "
                                  f"outside the vocabulary of {n_tokens} tokens")
+
+
+def _strip_flags(metadata: dict[str, Any], tokens: list[str], token_to_id: dict[str, int],
+                 literal: list[tuple[str, int]]) -> bytes:
+    """llama.cpp's per-model whitespace stripping around literal tokens.
+
+    GGUF does not store these attributes, so llama.cpp sets them by model name, pre-tokenizer
+    or architecture; the rules are the same here, in this one place.
+    """
+    name = str(metadata.get("general.name", "")).lower()
+    pre = str(metadata.get("tokenizer.ggml.pre", ""))
+    arch = str(metadata.get("general.architecture", ""))
+    flags: dict[int, int] = {}
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+            a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        flags[token_to_id.get("<mask>", -1)] = native.LSTRIP
+    elif "phi-3" in name or "phi3" in name:
+        flags.update({i: native.RSTRIP for _, i in literal})
+        flags[token_to_id.get("</s>", -1)] = native.RSTRIP
+        for text in ("<unk>", "<s>", "<|endoftext|>"):
+            flags.pop(token_to_id.get(text, -1), None)
+    elif "modern-bert" in name:
+        flags[token_to_id.get("[MASK]", -1)] = native.LSTRIP
+    flags.pop(-1, None)
+    if not flags:
+        return b""
+    out = bytearray(len(tokens))
+    for token_id, flag in flags.items():
+        out[token_id] = flag
+    return bytes(out)
 
 
 def _default_add_bos(pre: PreTokenizer | None) -> bool:
     """llama.cpp's default when the GGUF has no add_bos_token: SentencePiece and a few BPEs."""
     return pre is None or bool(pre.add_bos)
+
+
+def _splitter(v: _Vocab) -> SpecialSplitter:
+    """The Python reference's literal-token splitter, with the vocabulary's strip flags."""
+    lstrip = [i for i, f in enumerate(v.strip) if f & native.LSTRIP]
+    rstrip = [i for i, f in enumerate(v.strip) if f & native.RSTRIP]
+    return SpecialSplitter(v.literal, lstrip, rstrip)
 
 
 def _fragment_encoder(splitter: SpecialSplitter, subword: Callable[[str], list[int]],
@@ -178,9 +220,9 @@ def _spm_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
     if v.native:
         literal_ids = [i for _, i in v.literal]
         return native.spm_encoder(v.tokens, scores, literal_ids, byte_ids, unk_id,
-                                  v.space_prefix), pieces
+                                  v.space_prefix, v.strip), pieces
     spm = SentencePieceBPE(v.token_to_id, scores, byte_ids, unk_id)
-    return _fragment_encoder(SpecialSplitter(v.literal), spm.encode, v.space_prefix), pieces
+    return _fragment_encoder(_splitter(v), spm.encode, v.space_prefix), pieces
 
 
 def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
@@ -193,9 +235,9 @@ def _bpe_parts(v: _Vocab) -> tuple[Callable[[str], list[int]], list[bytes]]:
     unk_id = v.metadata.get("tokenizer.ggml.unknown_token_id")
     if v.native:
         literal_ids = [i for _, i in v.literal]
-        return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id), pieces
+        return native.bpe_encoder(v.tokens, merges, literal_ids, pre, unk_id, v.strip), pieces
     bpe = ByteLevelBPE(v.token_to_id, merges, pre, unk_id)
-    return _fragment_encoder(SpecialSplitter(v.literal), bpe.encode, v.space_prefix), pieces
+    return _fragment_encoder(_splitter(v), bpe.encode, v.space_prefix), pieces
 
 
 def _byte_level_pieces(v: _Vocab) -> list[bytes]:

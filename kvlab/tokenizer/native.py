@@ -29,6 +29,7 @@ AVAILABLE = _tok is not None
 
 Encoder = Callable[[str], list[int]]
 _IGNORE_MERGES, _UTF8, _NEWLINE_WORDS = 1, 2, 4  # _tok.bpe options (TK_IGNORE_MERGES, ... in tok.h)
+LSTRIP, RSTRIP = 1, 2  # strip flags (TK_LSTRIP, TK_RSTRIP)
 
 
 def _flat(texts: Sequence[str]) -> tuple[bytes, array]:
@@ -39,17 +40,21 @@ def _flat(texts: Sequence[str]) -> tuple[bytes, array]:
 
 def spm_encoder(tokens: Sequence[str], scores: Sequence[float], literal_ids: Sequence[int],
                 byte_ids: Sequence[int | None], unk_id: int | None,
-                space_prefix: bool) -> Encoder:
-    """`encode_text` of a SentencePiece vocabulary: literal tokens, space prefix and merges."""
+                space_prefix: bool, strip: bytes = b"") -> Encoder:
+    """`encode_text` of a SentencePiece vocabulary: literal tokens, space prefix and merges.
+
+    `strip`: b"" or one byte per token, LSTRIP | RSTRIP for a literal token that swallows the
+    ASCII whitespace before / after it.
+    """
     text, lengths = _flat(tokens)
     model = _tok.spm(text, lengths, array("d", scores), array("q", literal_ids),
                      array("q", (-1 if i is None else i for i in byte_ids)),
-                     -1 if unk_id is None else unk_id, space_prefix)
+                     -1 if unk_id is None else unk_id, space_prefix, strip)
     return model.encode
 
 
 def bpe_encoder(tokens: Sequence[str], merges: Sequence[str], literal_ids: Sequence[int],
-                pre: PreTokenizer, unk_id: int | None) -> Encoder:
+                pre: PreTokenizer, unk_id: int | None, strip: bytes = b"") -> Encoder:
     """`encode_text` of a BPE vocabulary (GGUF merges, "left right"): byte-level, or over
     UTF-8 code points with <0xNN> byte tokens when the pre-tokenizer is not byte-level."""
     text, lengths = _flat(tokens)
@@ -57,7 +62,7 @@ def bpe_encoder(tokens: Sequence[str], merges: Sequence[str], literal_ids: Seque
     options = (_IGNORE_MERGES * pre.ignore_merges | _UTF8 * (not pre.byte_level)
                | _NEWLINE_WORDS * pre.newline_tokens)
     model = _tok.bpe(text, lengths, merge_text, merge_lengths, array("q", literal_ids),
-                     -1 if unk_id is None else unk_id, options)
+                     -1 if unk_id is None else unk_id, options, strip)
     findall = pre.split
     split, encode_words = model.split, model.encode_words
 

@@ -3,7 +3,9 @@
 Control tokens (`<start_of_turn>`, `<|im_start|>`) and user-defined tokens (Gemma's `\\n` and
 space runs, `<think>`) are cut out of the raw text before the subword model sees it, the way
 llama.cpp and Hugging Face `tokenizers` both do. Matching is leftmost-longest over a character
-trie, so a 6k-token special vocabulary costs one dict walk per candidate position.
+trie, so a 6k-token special vocabulary costs one dict walk per candidate position. Some
+models' literal tokens swallow the ASCII whitespace before (lstrip) or after (rstrip) them,
+as llama.cpp strips it (C's isspace).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 from collections.abc import Iterable
 
 _END = ""  # trie key marking "a token ends here"; never a real character
+_C_SPACE = " \t\n\v\f\r"
 
 Piece = str | int  # a run of ordinary text, or the id of a literal token
 
@@ -19,7 +22,9 @@ Piece = str | int  # a run of ordinary text, or the id of a literal token
 class SpecialSplitter:
     """Cuts text into ordinary runs and literal-token ids, leftmost-longest."""
 
-    def __init__(self, tokens: Iterable[tuple[str, int]]) -> None:
+    def __init__(self, tokens: Iterable[tuple[str, int]], lstrip: Iterable[int] = (),
+                 rstrip: Iterable[int] = ()) -> None:
+        self._lstrip, self._rstrip = frozenset(lstrip), frozenset(rstrip)
         self._trie: dict = {}
         for text, token_id in tokens:
             if text:
@@ -60,10 +65,16 @@ class SpecialSplitter:
             if hit is None:
                 pos += 1
                 continue
-            if pos > start:
-                pieces.append(text[start:pos])
+            left = text[start:pos]
+            if hit[1] in self._lstrip:
+                left = left.rstrip(_C_SPACE)
+            if left:
+                pieces.append(left)
             pieces.append(hit[1])
             start = pos = hit[0]
+            if hit[1] in self._rstrip:
+                while start < len(text) and text[start] in _C_SPACE:
+                    start = pos = start + 1
         if start < len(text):
             pieces.append(text[start:])
         return pieces

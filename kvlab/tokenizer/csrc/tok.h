@@ -18,6 +18,8 @@ enum { TK_SPM = 0, TK_BPE = 1 };
  * fallback instead of GPT-2-spelled bytes (Gemma 4); a word of newlines that is a token is
  * emitted whole (Gemma 4). */
 enum { TK_IGNORE_MERGES = 1, TK_UTF8 = 2, TK_NEWLINE_WORDS = 4 };
+/* A literal token that swallows the ASCII whitespace before (LSTRIP) or after (RSTRIP) it. */
+enum { TK_LSTRIP = 1, TK_RSTRIP = 2 };
 
 typedef struct {            /* growable list of token ids */
     int32_t *v;
@@ -72,6 +74,8 @@ typedef struct {
     int32_t unk;            /* -1: none */
     int space_prefix, ignore_merges, utf8, newline_words;
     tk_trie lit;
+    uint8_t *strip;         /* token id -> TK_LSTRIP | TK_RSTRIP; NULL: none strips */
+    size_t n_strip;
     tk_cache cache;
     pthread_mutex_t cache_lock;
 } tk_model;
@@ -98,6 +102,8 @@ int tk_build_spm(tk_model *m, tk_strings tokens, const double *scores,
                  int32_t unk, int space_prefix);
 int tk_build_bpe(tk_model *m, tk_strings tokens, tk_strings merges,
                  const int64_t *literal_ids, size_t n_literal, int32_t unk, int options);
+/* Copies the literal tokens' strip flags (n entries, one per token id); 0 or -1 no memory. */
+int tk_set_strip(tk_model *m, const uint8_t *flags, size_t n);
 void tk_free(tk_model *m);
 void tk_cache_free(tk_cache *c);
 

@@ -155,7 +155,16 @@ static int push_seg(tk_segs *s, size_t start, size_t end, int32_t id) {
     return 0;
 }
 
-/* Ordinary runs and literal tokens in order, leftmost-longest (specials.py on UTF-8 bytes). */
+static inline int c_space(uint8_t c) {  /* C's isspace in the "C" locale */
+    return c == ' ' || (c >= '\t' && c <= '\r');
+}
+
+static inline int strips(const tk_model *m, int32_t id, int flag) {
+    return m->strip && (size_t)id < m->n_strip && (m->strip[id] & flag);
+}
+
+/* Ordinary runs and literal tokens in order, leftmost-longest (specials.py on UTF-8 bytes);
+ * a stripping literal takes the whitespace next to it along. */
 int tk_split(const tk_model *m, const uint8_t *t, size_t n, tk_segs *out) {
     size_t start = 0, pos = 0, end = 0;
     while (pos < n) {
@@ -164,9 +173,14 @@ int tk_split(const tk_model *m, const uint8_t *t, size_t n, tk_segs *out) {
             pos++;
             continue;
         }
-        if ((pos > start && push_seg(out, start, pos, -1)) || push_seg(out, pos, end, id))
+        size_t left_end = pos;
+        if (strips(m, id, TK_LSTRIP))
+            while (left_end > start && c_space(t[left_end - 1])) left_end--;
+        if ((left_end > start && push_seg(out, start, left_end, -1)) || push_seg(out, pos, end, id))
             return -1;
         start = pos = end;
+        if (strips(m, id, TK_RSTRIP))
+            while (start < n && c_space(t[start])) start = ++pos;
     }
     return start < n ? push_seg(out, start, n, -1) : 0;
 }

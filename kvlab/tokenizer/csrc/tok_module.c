@@ -79,6 +79,7 @@ typedef struct {            /* what tk_build_spm / tk_build_bpe take */
     const int64_t *literal_ids, *byte_ids;
     size_t n_literal;
     int unk, flag;          /* flag: SPM space_prefix, BPE options (TK_IGNORE_MERGES, ...) */
+    Py_buffer *strip;       /* one TK_LSTRIP | TK_RSTRIP byte per token, or empty */
 } build_args;
 
 /* A Model with the tables built, the GIL released meanwhile. */
@@ -92,6 +93,7 @@ static PyObject *build(const build_args *a) {
                             a->byte_ids, a->unk, a->flag)
              : tk_build_bpe(&self->m, a->tokens, a->merges, a->literal_ids, a->n_literal, a->unk,
                             a->flag);
+    if (!rc) rc = tk_set_strip(&self->m, a->strip->buf, (size_t)a->strip->len);
     Py_END_ALLOW_THREADS
     if (rc) {
         Py_DECREF(self);
@@ -107,39 +109,43 @@ static int literal_ids(const Py_buffer *b, build_args *a) {
     return n < 0 ? -1 : 0;
 }
 
+static int strip_flags(const Py_buffer *b, const build_args *a) {
+    return b->len && items(b, 1, (Py_ssize_t)a->tokens.n, "strip flags") < 0 ? -1 : 0;
+}
+
 static void release(Py_buffer *b, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&b[i]);
 }
 
 static PyObject *spm(PyObject *mod, PyObject *args) {
-    Py_buffer b[5];  /* token texts, their lengths, scores, literal ids, byte ids */
-    build_args a = {.kind = TK_SPM};
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*ip", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
-                          &a.flag))
+    Py_buffer b[6];  /* token texts, their lengths, scores, literal ids, byte ids, strip */
+    build_args a = {.kind = TK_SPM, .strip = &b[5]};
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*ipy*", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
+                          &a.flag, &b[5]))
         return NULL;
     PyObject *out = NULL;
     if (!strings(&b[0], &b[1], &a.tokens, "tokens")
         && items(&b[2], 8, (Py_ssize_t)a.tokens.n, "scores") >= 0 && !literal_ids(&b[3], &a)
-        && items(&b[4], 8, 256, "byte ids") >= 0) {
+        && items(&b[4], 8, 256, "byte ids") >= 0 && !strip_flags(&b[5], &a)) {
         a.scores = b[2].buf;
         a.byte_ids = b[4].buf;
         out = build(&a);
     }
-    release(b, 5);
+    release(b, 6);
     return out;
 }
 
 static PyObject *bpe(PyObject *mod, PyObject *args) {
-    Py_buffer b[5];  /* token texts, their lengths, merge texts, their lengths, literal ids */
-    build_args a = {.kind = TK_BPE};
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*ii", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
-                          &a.flag))
+    Py_buffer b[6];  /* token texts, their lengths, merge texts, their lengths, literal ids, strip */
+    build_args a = {.kind = TK_BPE, .strip = &b[5]};
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*iiy*", &b[0], &b[1], &b[2], &b[3], &b[4], &a.unk,
+                          &a.flag, &b[5]))
         return NULL;
     PyObject *out = NULL;
     if (!strings(&b[0], &b[1], &a.tokens, "tokens") && !strings(&b[2], &b[3], &a.merges, "merges")
-        && !literal_ids(&b[4], &a))
+        && !literal_ids(&b[4], &a) && !strip_flags(&b[5], &a))
         out = build(&a);
-    release(b, 5);
+    release(b, 6);
     return out;
 }
 
@@ -262,10 +268,11 @@ static PyTypeObject ModelType = {
 
 static PyMethodDef module_methods[] = {
     {"spm", spm, METH_VARARGS,
-     "spm(tokens, token_lengths, scores, literal_ids, byte_ids, unk_id, space_prefix)"},
+     "spm(tokens, token_lengths, scores, literal_ids, byte_ids, unk_id, space_prefix, strip): "
+     "strip is b'' or one byte per token, 1 lstrip | 2 rstrip"},
     {"bpe", bpe, METH_VARARGS,
-     "bpe(tokens, token_lengths, merges, merge_lengths, literal_ids, unk_id, options): options "
-     "1 ignore_merges, 2 UTF-8 symbols with <0xNN> fallback, 4 whole newline words"},
+     "bpe(tokens, token_lengths, merges, merge_lengths, literal_ids, unk_id, options, strip): "
+     "options 1 ignore_merges, 2 UTF-8 symbols with <0xNN> fallback, 4 whole newline words"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -222,7 +222,17 @@ static void init_model(tk_model *m, int kind, int32_t unk) {
     pthread_mutex_init(&m->cache_lock, NULL);
 }
 
+int tk_set_strip(tk_model *m, const uint8_t *flags, size_t n) {
+    if (!n) return 0;
+    m->strip = malloc(n);
+    if (!m->strip) return -1;
+    memcpy(m->strip, flags, n);
+    m->n_strip = n;
+    return 0;
+}
+
 void tk_free(tk_model *m) {
+    free(m->strip);
     strmap_free(&m->str);
     free(m->token_of);
     free(m->rank_of);
