@@ -102,6 +102,8 @@ REPLIES = {
     "granite": (f"{BEFORE}<|tool_call|>{j(named())}", BEFORE),
     "functools": (f"{BEFORE} functools{j(named())}", BEFORE),
     "functionary": (f"all\n{BEFORE}" + "".join(f">>>{n}\n{j(a)}" for n, a in CALLS), BEFORE),
+    "functionary_v3_1": (f"{BEFORE}\n" + "".join(f"<function={n}>{j(a)}</function>"
+                                                 for n, a in CALLS), BEFORE),
     "generic": (j(named()), None),
     "other": (f"{BEFORE}\n" + "".join(f"<tool_call>{j(c)}</tool_call>" for c in named()),
               BEFORE),
@@ -274,6 +276,7 @@ EXPECTED = {
     "kimi_k2": ["moonshotai-Kimi-K2", "Kimi-K2-Instruct", "Kimi-K2-Thinking"],
     "granite": ["ibm-granite-granite-3.3-2B-Instruct"],
     "functionary": ["meetkai-functionary-medium-v3.2"],
+    "functionary_v3_1": ["meetkai-functionary-medium-v3.1"],
     "generic": ["google-gemma-2-2b-it", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
                 "microsoft-Phi-3.5-mini-instruct"],
 }
@@ -402,5 +405,6 @@ def test_marker_tokens_are_written_into_the_text_they_are_read_from() -> None:
     assert text(IncrementalDetokenizer(tok, shown=frozenset(shown))) \
         == "<start_of_turn>model\nHi<end_of_turn>"
     assert SamplingParams(shown_special_ids=[105]).shown_special_ids == (105,)
-    assert all(fmt.tokens or fmt.name in ("generic", "functools", "functionary")
+    assert all(fmt.tokens or fmt.name in ("generic", "functools", "functionary",
+                                          "functionary_v3_1")
                for fmt in FORMATS.values())

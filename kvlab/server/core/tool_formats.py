@@ -27,6 +27,7 @@ the model's name. Each `CallFormat` knows
     granite       Granite 3.x                       <|tool_call|>[{...}]
     functools     Phi-4-mini, FireFunction v2       functools[{...}]
     functionary   functionary v3.2                  >>>f\\n{...} (the prompt ends with ">>>")
+    functionary_v3_1  functionary v3.1              <function=f>{...}</function>
     generic       templates without tools           a JSON list of {"name", "arguments"}
     other         templates with tools, none above  Hermes, Llama or generic JSON
 
@@ -341,6 +342,15 @@ def _read_functionary(text: str, tools: Tools) -> tuple[list[Found], str] | None
     return _named_json(text, _FUNCTIONARY, tools)
 
 
+_FUNCTION_TAG = re.compile(r"(?:\s*</function>)?\s*<function=([\w.-]+)>")
+
+
+def _read_function_tags(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+    """functionary v3.1's `<function=name>{...}</function>`, one after another."""
+    got = _named_json(text, _FUNCTION_TAG, tools)
+    return None if got is None else (got[0], _after(got[1], "</function>"))
+
+
 def _functionary_opening(text: str, tools: Tools) -> bool | None:
     """The reply (after the prompt's ">>>") opens with a recipient line: a tool name is a call."""
     line, newline, _ = text.partition("\n")
@@ -397,6 +407,8 @@ FORMATS: dict[str, CallFormat] = {f.name: f for f in (
     CallFormat("granite", _prefixed_list("<|tool_call|>"), ("<|tool_call|>",),
                heads=_HEADS["json"], tokens=("<|tool_call|>",)),
     CallFormat("functools", _prefixed_list("functools"), ("functools[",), heads=_HEADS["json"]),
+    CallFormat("functionary_v3_1", _read_function_tags, ("<function=",),
+               heads=_FUNCTION_TAG),
     CallFormat("functionary", _read_functionary, (">>>",), opening=_functionary_opening,
                lead="all\n", heads=_HEADS["functionary"]),
 )}
@@ -422,6 +434,8 @@ def detect_format(template: str | None, takes_tools: bool) -> str:
         ("granite", "<|tool_call|>" in t),
         ("functools", "functools[" in t),
         ("functionary", ">>>all" in t),
+        ("functionary_v3_1", "<function=" in t and "</function>" in t
+         and "<parameter=" not in t),
         ("llama", "<|python_tag|>" in t or ('"parameters"' in t and "<|eot_id|>" in t)),
     )
     return next((name for name, hit in rules if hit), "other")
