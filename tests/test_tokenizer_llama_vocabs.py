@@ -196,3 +196,19 @@ def test_lstrip_and_rstrip_literals(native_encoder):
         "tokenizer.ggml.pre": "jina-v2-es", "tokenizer.ggml.tokens": ["a", "b", "ab", "Ġ", "<mask>"]})
     tok = load_gguf_tokenizer(metadata, native_encoder=native_encoder)
     assert tok.encode("ab \n<mask> ab", False) == [2, 4, 3, 2]  # <mask> takes the space before
+
+
+# ---------------------------------------------------------------- BOS defaults
+
+@pytest.mark.parametrize(("pre", "model", "add_bos_token", "expected"), [
+    ("gpt-2", "gpt2", None, False), ("llama-bpe", "gpt2", None, True),  # llama.cpp's defaults
+    ("tekken", "gpt2", None, True), ("llama-bpe", "gpt2", False, False),  # the GGUF decides
+    ("gemma4", "gemma4", False, True),  # llama.cpp always adds Gemma 4's BOS
+])
+def test_add_bos_follows_llama_cpp(pre, model, add_bos_token, expected):
+    metadata = _bpe_metadata(**{"tokenizer.ggml.pre": pre, "tokenizer.ggml.model": model,
+                                "tokenizer.ggml.bos_token_id": 4,
+                                "tokenizer.ggml.add_bos_token": add_bos_token})
+    tok = load_gguf_tokenizer(metadata)
+    assert tok.add_bos is expected
+    assert tok.encode("ab") == ([4, 2] if expected else [2])

@@ -101,8 +101,7 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         special=[ty in _SPECIAL_TYPES for ty in types],
         bos_id=bos_id,
         eos_ids=_eos_ids(metadata, token_to_id) + list(fim.end_ids if fim else ()),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", _default_add_bos(pre)))
-        and bos_id is not None,
+        add_bos=_add_bos(metadata, pre) and bos_id is not None,
         chat_template=template,
         strip_leading_space=space_prefix,
         template_tokens=_template_tokens(metadata, tokens),
@@ -168,9 +167,11 @@ def _strip_flags(metadata: dict[str, Any], tokens: list[str], token_to_id: dict[
     return bytes(out)
 
 
-def _default_add_bos(pre: PreTokenizer | None) -> bool:
-    """llama.cpp's default when the GGUF has no add_bos_token: SentencePiece and a few BPEs."""
-    return pre is None or bool(pre.add_bos)
+def _add_bos(metadata: dict[str, Any], pre: PreTokenizer | None) -> bool:
+    """The GGUF's add_bos_token, else llama.cpp's default (SentencePiece and a few BPEs)."""
+    default = pre is None or bool(pre.add_bos)
+    return bool(metadata.get("tokenizer.ggml.add_bos_token", default)) or bool(
+        pre and pre.always_bos)
 
 
 def _splitter(v: _Vocab) -> SpecialSplitter:

@@ -109,6 +109,7 @@ class PreTokenizer:
     escape_spaces: bool = False  # " " -> U+2581 before splitting (SentencePiece-style BPE)
     newline_tokens: bool = False  # a run of newlines that is a token is emitted whole
     add_bos: bool | None = None  # llama.cpp's default when the GGUF does not say
+    always_bos: bool = False     # BOS even when the GGUF says not to (llama.cpp's Gemma 4 rule)
     # Categories as Unicode defines them, not collapsed: llama.cpp splits these in hand-written
     # code over its code point flags (Kimi K2's), not through std::regex.
     unicode: bool = False
@@ -255,7 +256,7 @@ _SETS: dict[str, PreTokenizer] = {
     "afmoe": PreTokenizer((_DIGIT_GROUPS, _AFMOE_SCRIPTS,
                            _DEEPSEEK3_TAIL + r"[\r\n]*" + _SPACE_TAIL)),
     "gemma4": PreTokenizer((_NEWLINE_RUNS,), byte_level=False, escape_spaces=True,
-                           newline_tokens=True),
+                           newline_tokens=True, always_bos=True),
     "sarvam-moe": PreTokenizer((_NEWLINE_RUNS,), byte_level=False, escape_spaces=True),
 }
 
