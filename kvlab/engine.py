@@ -267,6 +267,7 @@ class Engine:
         stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, detok, stops, gen)
         if grammar is None:
+            self.structured.start(request_id, None, params.reasoning)  # a budget alone
             self.scheduler.add(seq)
         else:  # waits here until its grammar is compiled (off this thread)
             self._compiling[request_id] = grammar
@@ -285,6 +286,9 @@ class Engine:
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        gate = params.reasoning
+        if gate is not None and any(t >= vocab for t in gate.start_ids + gate.end_ids):
+            raise RequestError(f"reasoning marker token ids must be in [0, {vocab})")
         outside = [t for t, _ in params.logit_bias if t >= vocab]
         if outside:
             raise RequestError(f"logit_bias token id {outside[0]} is outside the vocabulary: "
@@ -442,7 +446,7 @@ class Engine:
             if grammar.exception() is not None:  # only if the caller did not prepare it
                 failed.append(self._finish(req, FinishReason.ABORT, ""))
                 continue
-            self.structured.start(seq_id, grammar.result())
+            self.structured.start(seq_id, grammar.result(), req.seq.params.reasoning)
             self.scheduler.add(req.seq)
         return failed
 

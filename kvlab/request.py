@@ -34,6 +34,31 @@ class Structure:
 
 
 @dataclass(frozen=True)
+class ReasoningGate:
+    """Where a thinking model's reasoning block lies in its reply, so that a structure applies
+    from the block's end, not to it, and a budget can end the block (kvlab.structured.gate).
+
+    start_ids / end_ids: the block's markers as the tokenizer encodes them; inside: the prompt
+    already opened the block (else the reply may open it with its first token); budget:
+    reasoning tokens after which the end marker is forced (None: no limit).
+    """
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    inside: bool = False
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "start_ids", tuple(self.start_ids))
+        object.__setattr__(self, "end_ids", tuple(self.end_ids))
+        if not self.end_ids or not (self.inside or self.start_ids):
+            raise RequestError("a reasoning gate needs its end marker's token ids, and its "
+                               "start marker's unless the prompt opens the block")
+        if self.budget is not None and self.budget < 0:
+            raise RequestError(f"the reasoning budget must be >= 0 tokens, got {self.budget}")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop (OpenAI / vLLM semantics)."""
 
@@ -58,6 +83,8 @@ class SamplingParams:
     # special tokens written into the text all the same (a chat template's tool-call markers,
     # which calls are read by); the others are left out of it
     shown_special_ids: tuple[int, ...] = ()
+    # a thinking model's reasoning block: `structured` applies after it; its budget ends it
+    reasoning: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -101,6 +101,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, n_vocab: int) -> None:
         self._tokenizer, self._n_vocab = tokenizer, n_vocab
         self._vocab: llguidance.LLTokenizer | None = None
+        self.whitespace: frozenset[int] = frozenset()  # whitespace-only tokens, with _vocab
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlab-grammar")
         self._cache: OrderedDict[Structure, Future[Template]] = OrderedDict()
         self._lock = threading.Lock()  # submit() is called from the server's threads too
@@ -122,7 +123,7 @@ class GrammarCompiler:
 
     def _compile(self, structure: Structure) -> Template:
         if self._vocab is None:
-            self._vocab = ll_tokenizer(self._tokenizer, self._n_vocab)
+            self._vocab, self.whitespace = ll_tokenizer(self._tokenizer, self._n_vocab)
         try:
             grammar = grammar_text(structure)
         except (ValueError, RuntimeError) as e:  # llguidance's own parse errors

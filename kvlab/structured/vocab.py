@@ -36,7 +36,11 @@ class _Vocab:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
-def ll_tokenizer(tokenizer: Tokenizer, n_vocab: int) -> llguidance.LLTokenizer:
-    """~1 s for a 262k vocabulary; build it once per model."""
-    return llguidance.LLTokenizer(_Vocab(tokenizer, n_vocab), n_vocab=n_vocab,
-                                  eos_token=list(tokenizer.eos_ids))
+def ll_tokenizer(tokenizer: Tokenizer,
+                 n_vocab: int) -> tuple[llguidance.LLTokenizer, frozenset[int]]:
+    """(the vocabulary, its whitespace-only tokens); ~1 s for a 262k vocabulary: build it
+    once per model."""
+    vocab = _Vocab(tokenizer, n_vocab)
+    whitespace = frozenset(i for i, b in enumerate(vocab.tokens) if b and not b.strip())
+    return llguidance.LLTokenizer(vocab, n_vocab=n_vocab,
+                                  eos_token=list(tokenizer.eos_ids)), whitespace
