@@ -5,13 +5,22 @@ route a thinking template's reply split into reasoning_content and JSON content.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import pytest
 
-from kvlab.errors import RequestError
+from kvlab.errors import KvlabError, RequestError
 from kvlab.request import ReasoningGate, SamplingParams, Structure
+from kvlab.server.anthropic.messages import MessagesCall
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.guard import ServerLimits
 from kvlab.structured.gate import MAX_GAP, GateState, Phase
+
+from fake_engine import FakeEngine, FakeTokenizer
 
 START, END = (1,), (2,)  # one token each, as `<think>` / `</think>` often are
 A, B, C = 7, 8, 9  # a three-token end marker
@@ -111,6 +120,46 @@ def test_bad_gates_are_refused() -> None:
         ReasoningGate(start_ids=(1,), end_ids=(2,), budget=-1)
 
 
+class ThinkingTokenizer(FakeTokenizer):
+    chat_template = "{{ messages }}{% if not enable_thinking %}<think></think>{% endif %}"
+
+
+def serving_of(tokenizer: FakeTokenizer, budget: int | None = None):
+    engine = AsyncEngine(FakeEngine(tokenizer=tokenizer), max_waiting=1)  # type: ignore[arg-type]
+    return create_app(engine, front_ends(), ServerLimits(reasoning_budget=budget)).state.serving
+
+
+def test_serving_gates_thinking_prompts_only() -> None:
+    serving = serving_of(ThinkingTokenizer())
+    ids = serving.tokenizer.encode
+    opened = serving.reasoning_gate(ids("Q?<think>\n"), structured=True)
+    assert opened == ReasoningGate(ids("<think>"), ids("</think>"), inside=True)
+    assert not serving.reasoning_gate(ids("Q?"), structured=True).inside  # may open it
+    assert serving.reasoning_gate(ids("Q?<think></think>"), structured=True) is None  # off
+    assert serving.reasoning_gate(ids("Q?"), structured=True, chat=False) is None  # raw
+    assert serving.reasoning_gate(ids("Q?<think>"), structured=False) is None  # no need
+    assert serving_of(FakeTokenizer()).reasoning_gate(ids("Q?<think>"), True, 5) is None
+
+
+def test_the_budget_is_the_smaller_of_the_servers_and_the_requests() -> None:
+    serving = serving_of(ThinkingTokenizer(), budget=100)
+    ids = serving.tokenizer.encode("Q?<think>")
+    assert serving.reasoning_gate(ids, structured=False).budget == 100
+    assert serving.reasoning_gate(ids, structured=False, budget=30).budget == 30
+    [request] = serving.engine_requests([ids], [SamplingParams()], reasoning_budget=300)
+    assert request.params.reasoning.budget == 100
+
+
+
+def test_anthropic_budget_tokens_end_the_reasoning() -> None:
+    serving = serving_of(ThinkingTokenizer(), budget=4096)
+    body = {"model": "fake.gguf", "max_tokens": 2000, "thinking": {
+        "type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "Q?<think>"}]}
+    call = MessagesCall.build(serving, json.dumps(body).encode())
+    assert call.request.params.reasoning.budget == 1024
+
+
 # ---- on the real default model (gemma-3: `<think>` / `</think>` are three tokens each) ------
 
 SCHEMA = {"type": "object", "properties": {
@@ -175,3 +224,48 @@ def test_a_reply_that_opens_the_block_itself_and_a_budget_without_structure(engi
     ids, text, _ = run(engine, "Tell me a story.\n<think>\n", SamplingParams(
         max_tokens=20, temperature=0, reasoning=ReasoningGate(start, end, True, 5)))
     assert ids[5:8] == end and len(ids) == 20  # the block ends by force, then free text
+
+
+# a thinking template on the default model: the generation prompt opens the block
+THINKING = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n"
+            "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n<think>\n"
+            "{% endif %}{# the reply closes its reasoning with </think> #}")
+
+
+def chat(engine, limits: ServerLimits, body: dict) -> dict:
+    result = []
+
+    async def main() -> None:
+        ae = AsyncEngine(engine, max_waiting=4)
+        app = create_app(ae, front_ends(), limits)
+        await ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t", timeout=120) as client:
+                r = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "Describe a person."}],
+                    "temperature": 0, **body})
+                assert r.status_code == 200, r.text
+                result.append(r.json())
+        finally:
+            await ae.stop()
+    asyncio.run(asyncio.wait_for(main(), timeout=300))
+    return result[0]
+
+
+@pytest.mark.slow
+def test_a_thinking_chat_gets_reasoning_content_and_schema_valid_content(
+        default_model_path) -> None:
+    from kvlab.engine import Engine, EngineConfig
+    jsonschema = pytest.importorskip("jsonschema")
+    engine = Engine.from_model(str(default_model_path), EngineConfig(chat_template=THINKING))
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person",
+                                                            "schema": SCHEMA}}
+    body = chat(engine, ServerLimits(reasoning_budget=8),
+                {"max_tokens": 80, "response_format": schema_format})
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"]  # eight free tokens of reasoning
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(KvlabError, match="--reasoning-budget"):
+        ServerLimits(reasoning_budget=-1)

@@ -52,6 +52,9 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take; at the deadline its choices end where "
                         "they are (finish_reason 'length') and free their KV blocks")
+    p.add_argument("--reasoning-budget", type=int, default=None, metavar="N",
+                   help="thinking models: reasoning tokens a reply may write before its end "
+                        "marker (`</think>`) is forced; none by default")
     p.add_argument("--api-key", default=os.environ.get("KVLAB_API_KEY"),
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every API "
                         "route (default: $KVLAB_API_KEY; none: open)")
@@ -162,7 +165,8 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
                         served_model_names=tuple(args.served_model_name or ()),
                         any_model_name=args.any_model_name,
                         responses_max_stored=args.responses_max_stored,
-                        responses_max_age_s=args.responses_max_age)
+                        responses_max_age_s=args.responses_max_age,
+                        reasoning_budget=args.reasoning_budget)
 
 
 def replicated(args: argparse.Namespace) -> bool:

@@ -87,7 +87,8 @@ class MessagesCall(EngineCall):
         model = serving.check_model(req.model)
         ids, plan = prompt_of(serving, req, req.max_tokens)
         params = sampling_params(req, serving.prepared(tool_structure(plan, serving.tool_form)))
-        [request] = serving.engine_requests([ids], [params])
+        budget = req.thinking.budget_tokens if req.thinking is not None else None
+        [request] = serving.engine_requests([ids], [params], reasoning_budget=budget)
         form = ReplyForm(plan, serving.reasoning, serving.reasoning_opens(ids), params.stop)
         return cls(serving.engine, f"msg_{uuid.uuid4().hex[:24]}", model, request, form,
                    req.stream)

@@ -273,7 +273,8 @@ def openai_tool_choice(conv: Conversation) -> tuple[Any, bool | None]:
 
 def thinking_switch(conv: Conversation, max_tokens: int | None) -> bool | None:
     """Whether the request asks the model to think (None: it does not say), with
-    Anthropic's checks on the budget. The budget itself is bounded by max_tokens only."""
+    Anthropic's checks on the budget. The budget ends the reasoning by forcing its end
+    marker (Serving.reasoning_gate)."""
     thinking = conv.thinking
     if thinking is None:
         return None

@@ -183,7 +183,7 @@ def create_app(engine: AsyncEngine, front_ends: Sequence[FrontEnd] = (),
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
     serving = Serving(engine, limits.served_model_names, limits.any_model_name,
-                      limits.instance)
+                      limits.instance, limits.reasoning_budget)
     app.state.engine, app.state.serving, app.state.limits = engine, serving, limits
     app.state.calls = Calls(serving, prep, limits.request_timeout)
     shapes = shapes_of(front_ends)

@@ -45,6 +45,7 @@ class ServerLimits:
     responses_max_age_s: float = 3600.0  # ... and for at most this long
     instance: str = ""  # this server among replicas: ids of state it keeps (stored responses)
     # carry it, so the ingress routes requests for that state back here
+    reasoning_budget: int | None = None  # thinking models: reasoning tokens before `</think>`
 
     def __post_init__(self) -> None:
         if "*" in self.allowed_origins and self.api_key is None:
@@ -59,6 +60,9 @@ class ServerLimits:
                              f"or '*', got {bad[0]!r}")
         if self.max_request_bytes < 1024:
             raise KvlabError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise KvlabError(f"--reasoning-budget must be >= 0 tokens, got "
+                             f"{self.reasoning_budget}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise KvlabError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
 

@@ -11,6 +11,10 @@ item, an Anthropic `thinking` block, Ollama's `thinking`), never mixed into the 
 
 A prompt may already open the block (DeepSeek-R1's and Qwen3's templates end the generation
 prompt with `<think>`), so the stream is told whether it starts inside reasoning.
+
+While decoding, the engine learns where the block lies from a `ReasoningGate` (its markers'
+token ids, `Serving.reasoning_gate` builds it): a structure applies after the block, and a
+reasoning budget forces the end marker.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ class ReasoningFormat:
         """Whether a prompt ends inside an open reasoning block."""
         tail = prompt_text.rstrip()
         return tail.endswith(self.start)
+
+    def closes(self, prompt_text: str) -> bool:
+        """Whether a prompt ends just after a closed block (a template's thinking turned off)."""
+        return prompt_text.rstrip().endswith(self.end)
 
 
 def reasoning_format(template: str | None) -> ReasoningFormat | None:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvlab.errors import RequestError
-from kvlab.request import SamplingParams, Structure
+from kvlab.request import ReasoningGate, SamplingParams, Structure
 from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.reasoning import ReasoningFormat, reasoning_format
@@ -32,11 +32,13 @@ class Serving:
     """What every call on this server is built against (read-only once made).
 
     `aliases` are further names the served model answers to (`--served-model-name`);
-    `any_model_name` answers every name (`--any-model-name`), for tools that hard-code one.
+    `any_model_name` answers every name (`--any-model-name`), for tools that hard-code one;
+    `reasoning_budget` caps every thinking reply's reasoning (`--reasoning-budget`).
     """
 
     def __init__(self, engine: AsyncEngine, aliases: tuple[str, ...] = (),
-                 any_model_name: bool = False, instance: str = "") -> None:
+                 any_model_name: bool = False, instance: str = "",
+                 reasoning_budget: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         name = engine.model_name
@@ -55,6 +57,7 @@ class Serving:
         self.tool_form = detect_format(template, self.native_tools)
         self.shown_special_ids = marker_token_ids(self.tokenizer, FORMATS[self.tool_form].tokens)
         self.reasoning: ReasoningFormat | None = reasoning_format(template)
+        self.reasoning_budget = reasoning_budget
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with: the one asked for when the server answers to it."""
@@ -138,8 +141,32 @@ class Serving:
         """Whether the prompt leaves the reply inside an open reasoning block."""
         if self.reasoning is None:
             return False
-        tail = self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
-        return self.reasoning.opens(tail)
+        return self.reasoning.opens(self._prompt_tail(prompt_ids))
+
+    def _prompt_tail(self, prompt_ids: list[int]) -> str:
+        """The prompt's last tokens as text, markers included."""
+        return self.tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)
+
+    def reasoning_gate(self, ids: list[int], structured: bool, budget: int | None = None,
+                       chat: bool = True) -> ReasoningGate | None:
+        """Where a reply's reasoning block lies, so the engine applies a structure after it
+        and ends it at the budget (the smaller of the server's and the request's `budget`);
+        None where the model does not think here or neither depends on it.
+
+        A chat prompt that neither opens nor closes the block lets the reply open it (Qwen3's
+        with thinking on); a raw prompt (`chat` False) is gated only where it opens it."""
+        fmt = self.reasoning
+        budgets = [b for b in (self.reasoning_budget, budget) if b is not None]
+        if fmt is None or not (structured or budgets):
+            return None
+        tail = self._prompt_tail(ids)
+        inside = fmt.opens(tail)
+        if not inside and (fmt.closes(tail) or not chat):  # e.g. thinking turned off
+            return None
+        encode = self.tokenizer.encode
+        return ReasoningGate(encode(fmt.start, add_special_tokens=False),
+                             encode(fmt.end, add_special_tokens=False), inside,
+                             min(budgets, default=None))
 
     def prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
         """Compile the structure here (worker thread), so the engine finds it ready."""
@@ -153,9 +180,12 @@ class Serving:
         return structure
 
     def engine_requests(self, prompts: list[list[int]], params: list[SamplingParams],
-                        param: str = "messages") -> list[EngineRequest]:
+                        param: str = "messages", reasoning_budget: int | None = None,
+                        chat: bool = True) -> list[EngineRequest]:
         """One engine request per (prompt, params) pair; a prompt the context cannot hold is
-        refused here, not on the engine thread."""
+        refused here, not on the engine thread. On a thinking model each carries its
+        reasoning gate (`reasoning_gate`; `reasoning_budget`: the request's own; `chat`
+        False: raw prompts, not a chat template's)."""
         self.check_generates(param)
         call_id = uuid.uuid4().hex
         out = []
@@ -163,6 +193,9 @@ class Serving:
             self.check_length(ids, param)
             if self.shown_special_ids:  # the tool-call markers stay in the text, to be read
                 p = replace(p, shown_special_ids=self.shown_special_ids)
+            gate = self.reasoning_gate(ids, p.structured is not None, reasoning_budget, chat)
+            if gate is not None:
+                p = replace(p, reasoning=gate)
             out.append(EngineRequest(f"{call_id}-{i}", ids, p))
         return out
 

@@ -116,7 +116,7 @@ class Call(EngineCall):
         ids = _generate_prompt(serving, req, think)
         structure = serving.prepared(structure_of(req.format))
         request = _engine_request(serving, req.options, ids, structure, logprobs_of(req),
-                                  "prompt")
+                                  "prompt", chat=not req.raw)
         if req.raw:  # no template around the prompt: no reasoning to split, no context
             return cls(serving, "generate", model, req.stream, request, started)
         return cls(serving, "generate", model, req.stream, request, started, None,
@@ -219,11 +219,11 @@ def _structure(fmt: Any, plan: ToolPlan | None,
 
 def _engine_request(serving: Serving, options: Options | None, ids: list[int],
                     structure: Structure | None, logprobs: int | None,
-                    param: str) -> EngineRequest:
+                    param: str, chat: bool = True) -> EngineRequest:
     options = options or Options()
     params = sampling_params(options, max_tokens_of(serving, options, ids), structure,
                              logprobs)
-    return serving.engine_requests([ids], [params], param)[0]
+    return serving.engine_requests([ids], [params], param, chat=chat)[0]
 
 
 def _refuse_unsupported(req: GenerateRequest) -> None:

@@ -191,7 +191,8 @@ def _engine_requests(serving: Serving, req: CompletionRequest | ChatCompletionRe
         for i in range(req.n):
             ids.append(p)
             params.append(sampling_params(req, max_tokens, i, structure))
-    return serving.engine_requests(ids, params, param)
+    return serving.engine_requests(ids, params, param,
+                                   chat=isinstance(req, ChatCompletionRequest))
 
 
 def chat_structure(req: ChatCompletionRequest, plan: ToolPlan | None,

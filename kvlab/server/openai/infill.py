@@ -126,7 +126,8 @@ class InfillCall(EngineCall):
         prompt = infill_prompt(serving, req.input_prefix, req.input_suffix, prompt=req.prompt,
                                extra=req.input_extra, reply=reply_room(serving, n_predict))
         max_tokens = n_predict or serving.default_max_tokens(prompt.ids)
-        [request] = serving.engine_requests([prompt.ids], [_sampling(req, max_tokens)], "prompt")
+        [request] = serving.engine_requests([prompt.ids], [_sampling(req, max_tokens)], "prompt",
+                                            chat=False)
         stop_ids = frozenset(serving.tokenizer.eos_ids)
         return cls(serving.engine, model, request, stop_ids, prompt.truncated, req.stream)
 
