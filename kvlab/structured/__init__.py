@@ -6,6 +6,8 @@ decoding.
     vocab      the model's vocabulary as llguidance sees it (built once, on first use)
     outputs    the engine's seam: one matcher per constrained sequence; each step a bitmask
                row per sampled sequence, then the sampled token, then the forced tokens
+    gate       a thinking model's reasoning block: free, its end forced at a budget; the
+               structure starts after it
 
 llguidance (the grammar engine vLLM and llama.cpp also use) does the grammar work: it compiles
 a schema in about a millisecond on a 262k vocabulary, fills a token mask in tens of

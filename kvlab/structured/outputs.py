@@ -45,7 +45,7 @@ class StructuredOutputs:
 
     def start(self, seq_id: str, template: Template | None,
               gate: ReasoningGate | None = None) -> None:
-        """Follow a sequence's structure, its reasoning gate, both or (neither) nothing."""
+        """Follow a sequence's structure, its reasoning gate or both (neither: a no-op)."""
         if template is not None:
             self._matchers[seq_id] = template.deep_copy()
         if gate is not None:
