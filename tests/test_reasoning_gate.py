@@ -269,3 +269,21 @@ def test_a_thinking_chat_gets_reasoning_content_and_schema_valid_content(
     assert body["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(KvlabError, match="--reasoning-budget"):
         ServerLimits(reasoning_budget=-1)
+
+
+@pytest.mark.slow
+def test_markers_that_are_one_special_token_each(engine) -> None:
+    """As `<think>` / `</think>` are in most thinking vocabularies: no grammar allows them,
+    so the gate adds the start marker beside the schema's tokens and forces the end."""
+    jsonschema = pytest.importorskip("jsonschema")
+    encode = engine.tokenizer.encode
+    start, end = encode("<unused0>", add_special_tokens=False), encode(
+        "<unused1>", add_special_tokens=False)
+    assert len(start) == len(end) == 1 and engine.tokenizer.is_special(start[0])
+    gate = ReasoningGate(start_ids=start, end_ids=end, budget=5)
+    ids, text, reason = run(engine, "A person as JSON:\n", SamplingParams(
+        max_tokens=60, temperature=0, structured=PERSON, reasoning=gate,
+        logit_bias={start[0]: 100.0}))
+    assert ids[0] == start[0] and ids[6] == end[0] and reason == "stop"
+    answer = engine.tokenizer.decode(ids[7:])  # the specials are not in the text
+    jsonschema.validate(json.loads(answer), SCHEMA)
