@@ -11,6 +11,8 @@ import json
 import httpx
 import pytest
 
+from kvlab.cli.main import build_parser
+from kvlab.cli.serve import server_limits
 from kvlab.errors import KvlabError, RequestError
 from kvlab.request import ReasoningGate, SamplingParams, Structure
 from kvlab.server.anthropic.messages import MessagesCall
@@ -151,6 +153,15 @@ def test_the_budget_is_the_smaller_of_the_servers_and_the_requests() -> None:
 
 
 
+def test_kvlab_serve_reasoning_budget_flag() -> None:
+    args = build_parser(["serve"]).parse_args(["serve", "--reasoning-budget", "64"])
+    assert server_limits(args).reasoning_budget == 64
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert server_limits(args).reasoning_budget is None
+    with pytest.raises(KvlabError, match="--reasoning-budget must be >= 0 tokens, got -1"):
+        ServerLimits(reasoning_budget=-1)
+
+
 def test_anthropic_budget_tokens_end_the_reasoning() -> None:
     serving = serving_of(ThinkingTokenizer(), budget=4096)
     body = {"model": "fake.gguf", "max_tokens": 2000, "thinking": {
@@ -267,8 +278,6 @@ def test_a_thinking_chat_gets_reasoning_content_and_schema_valid_content(
     assert message["reasoning_content"]  # eight free tokens of reasoning
     jsonschema.validate(json.loads(message["content"]), SCHEMA)
     assert body["choices"][0]["finish_reason"] == "stop"
-    with pytest.raises(KvlabError, match="--reasoning-budget"):
-        ServerLimits(reasoning_budget=-1)
 
 
 @pytest.mark.slow
