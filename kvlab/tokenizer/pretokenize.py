@@ -7,94 +7,33 @@ alphabet or raw UTF-8, spaces escaped to U+2581, the default for adding BOS).
 The splitting reproduces llama.cpp, not a Unicode regex engine, because the ids must be
 llama.cpp's: each regex in the sequence cuts every piece left by the one before into its
 matches and the unmatched stretches between them (both become pieces; an empty match only
-cuts). A regex that names a category (`\\p{L}`) runs on a stand-in text in which every
-non-ASCII character is replaced by one character for its category (whitespace first), so
-`\\p{Lu}` means any letter there, as it does in llama.cpp; other regexes see the text with
-non-ASCII whitespace turned into \\v, so `\\s` is C++ std::regex's ASCII whitespace in both
-while Unicode properties (`\\p{LC}`) keep their meaning.
+cuts). llama.cpp runs a regex that names a category on a copy of the text with one stand-in
+character per category, so there `\\p{Lu}` is any letter (only ASCII has case), and turns
+non-ASCII whitespace into \\v; the patterns here are written so that on the text itself they
+mean the same (see `_Step`).
 """
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass
 
 import regex
 
 from kvlab.errors import ModelLoadError
 
-# ---------------------------------------------------------------- category stand-ins
-
-# One stand-in character per category llama.cpp distinguishes; anything else (controls,
-# format characters, unassigned) becomes OTHER, which no category matches.
-_STAND_IN = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
-_OTHER = "\xd0"
-_CATEGORY_NAMES = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S",
-                   "Lu": "L", "Ll": "L", "Lt": "L", "Lm": "L", "Lo": "L"}
-_CATEGORY_TOKEN = regex.compile(r"\\p\{(" + "|".join(_CATEGORY_NAMES) + r")\}")
-
-
-def _ascii_members(major: str) -> str:
-    """The ASCII characters of a Unicode major category, as a character-class body."""
-    chars = [chr(c) for c in range(128) if unicodedata.category(chr(c))[0] == major]
-    return "".join(regex.escape(c, special_only=False) for c in chars)
-
-
-class _Shadow(dict):
-    """str.translate table, filled on first sight of each non-ASCII code point."""
-
-    def __init__(self, by_category: bool) -> None:
-        super().__init__()
-        self._by_category = by_category
-
-    def __missing__(self, cp: int) -> int:
-        ch = chr(cp)
-        if cp < 128:
-            out = cp
-        elif ch.isspace():  # for non-ASCII, exactly Unicode's White_Space
-            out = 0x0B
-        elif self._by_category:
-            out = ord(_STAND_IN.get(unicodedata.category(ch)[0], _OTHER))
-        else:
-            out = cp
-        self[cp] = out
-        return out
-
-
-_COLLAPSED = _Shadow(by_category=True)
-_SPACES_ONLY = _Shadow(by_category=False)
-
-
-def _collapse_pattern(pattern: str) -> str:
-    """`\\p{X}` -> its stand-in plus its ASCII members (bracketed unless already in a class)."""
-    out, inside, i = [], False, 0
-    while i < len(pattern):
-        ch = pattern[i]
-        escaped = i > 0 and pattern[i - 1] == "\\"
-        if ch == "[" and not escaped:
-            inside = True
-        elif ch == "]" and inside and not escaped:
-            inside = False
-        m = _CATEGORY_TOKEN.match(pattern, i)
-        if m:
-            major = _CATEGORY_NAMES[m.group(1)]
-            body = regex.escape(_STAND_IN[major], special_only=False) + _ascii_members(major)
-            out.append(body if inside else f"[{body}]")
-            i = m.end()
-            continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
+# llama.cpp's std::regex sees one stand-in per category for a non-ASCII character, so
+# \p{Lu} there is any letter; Unicode's \s is already its \s (ASCII's six plus the non-ASCII
+# whitespace it maps to \v), and no whitespace character is a letter, number, mark,
+# punctuation or symbol. So a regex runs on the text itself once the letter subcategories
+# are widened to \p{L}.
+_LETTER_SUBCATEGORY = regex.compile(r"\\p\{L[ultmo]\}")
 
 
 class _Step:
-    """One regex of the sequence, compiled for the text it runs on."""
+    """One regex of the sequence, compiled with llama.cpp's meaning of its categories."""
 
-    def __init__(self, pattern: str, unicode: bool) -> None:
-        self.collapsed = not unicode and bool(_CATEGORY_TOKEN.search(pattern))
-        source = _collapse_pattern(pattern) if self.collapsed else pattern
-        # Unicode \s here is C++'s ASCII \s: the text's other whitespace is \v by now.
-        self.regex = regex.compile(source)
+    def __init__(self, pattern: str) -> None:
+        self.regex = regex.compile(_LETTER_SUBCATEGORY.sub(r"\\p{L}", pattern))
 
 
 # ---------------------------------------------------------------- pre-tokenizers
@@ -110,33 +49,31 @@ class PreTokenizer:
     newline_tokens: bool = False  # a run of newlines that is a token is emitted whole
     add_bos: bool | None = None  # llama.cpp's default when the GGUF does not say
     always_bos: bool = False     # BOS even when the GGUF says not to (llama.cpp's Gemma 4 rule)
-    # Categories as Unicode defines them, not collapsed: llama.cpp splits these in hand-written
-    # code over its code point flags (Kimi K2's), not through std::regex.
-    unicode: bool = False
 
     def __post_init__(self) -> None:
-        steps = tuple(_Step(p, self.unicode) for p in self.patterns)
-        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_steps", tuple(_Step(p) for p in self.patterns))
 
     def split(self, text: str) -> list[str]:
         """The words of `text`, in order; they concatenate back to `text`."""
         if self.escape_spaces:
             text = text.replace(" ", "\u2581")
+        steps = self._steps  # type: ignore[attr-defined]
+        if len(steps) == 1 and not steps[0].regex.groups:  # the common case, fast
+            words = steps[0].regex.findall(text)
+            if sum(map(len, words)) == len(text):  # no unmatched stretches
+                return [w for w in words if w]
         spans = [(0, len(text))]
-        plain = text.isascii()
-        for step in self._steps:  # type: ignore[attr-defined]
-            shadow = text if plain else text.translate(
-                _COLLAPSED if step.collapsed else _SPACES_ONLY)
-            spans = _cut(step.regex, shadow, spans)
+        for step in steps:
+            spans = _cut(step.regex, text, spans)
         return [text[a:b] for a, b in spans]
 
 
-def _cut(rx: regex.Pattern, shadow: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _cut(rx: regex.Pattern, text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Each span cut into the regex's matches and the unmatched stretches between them."""
     out: list[tuple[int, int]] = []
     for start, end in spans:
         pos = 0
-        for m in rx.finditer(shadow[start:end]):
+        for m in rx.finditer(text[start:end]):
             a, b = m.span()
             if a > pos:
                 out.append((start + pos, start + a))
@@ -175,7 +112,10 @@ _UPPER_M = r"(?:(?=[\p{L}\p{M}])[^a-z])"
 _LOWER_M = r"(?:(?=[\p{L}\p{M}])[^A-Z])"
 _CASED_ANY = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"  # every letter or mark, once collapsed
 _CASED_LOW = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_CJK = r"[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # CJK ideographs, U+0800.., Hangul
+# CJK ideographs, U+0800.., Hangul; whitespace in those ranges is \v to llama.cpp, so not in.
+_CJK = r"(?:(?!\s)[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff])+"
+# ASCII and full-width punctuation, quotes, CJK marks (U+3000 is whitespace, \v to llama.cpp)
+_DEEPSEEK_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3001\u3002]+"
 _HAN_KANA = r"[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"
 _ASCII_PUNCT_WORD = r"[!-/:-@\[-`{-~][A-Za-z]+"
 _SENTENCE_MARKS = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
@@ -216,7 +156,7 @@ _SETS: dict[str, PreTokenizer] = {
     "jais2": PreTokenizer((_llama3_like(r"\p{N}{1,3}", tail="|\\s*[\\r\\n]+" + "".join(
         f"|\\s{{{n}}}(?!\\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"|\s{1,2}(?!\S)|\s"),)),
     "deepseek-llm": PreTokenizer((r"[\r\n]", r"\s?[A-Za-z\p{LC}]+",
-                                  "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+                                  _DEEPSEEK_PUNCT,
                                   r"\s+\Z", _CJK, r"\p{N}+")),
     "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
     "deepseek-v3": PreTokenizer((r"\p{N}{1,3}", _HAN_KANA,
@@ -251,7 +191,7 @@ _SETS: dict[str, PreTokenizer] = {
     "chameleon": PreTokenizer((r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
                                r"([\t\n]|    |  )", r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2),
                               add_bos=True),
-    "kimi-k2": PreTokenizer((_KIMI_K2,), unicode=True),
+    "kimi-k2": PreTokenizer((_KIMI_K2,)),
     "superbpe": PreTokenizer((r"\p{N}+", r"(?=(?:[0-9]{3})+(?![0-9]))")),
     "afmoe": PreTokenizer((_DIGIT_GROUPS, _AFMOE_SCRIPTS,
                            _DEEPSEEK3_TAIL + r"[\r\n]*" + _SPACE_TAIL)),
