@@ -126,3 +126,31 @@ def test_thinking_switch() -> None:
         with pytest.raises(ApiError, match="does not support thinking"):
             plain_app.state.serving.thinking_vars(True, "think")
     asyncio.run(main())
+
+
+def test_reasoning_effort_reaches_the_template_or_the_switch() -> None:
+    async def main() -> None:
+        plain = create_app(AsyncEngine(FakeEngine(), max_waiting=1),  # type: ignore[arg-type]
+                           front_ends()).state.serving
+        thinking = create_app(AsyncEngine(FakeEngine(tokenizer=ThinkingTokenizer()),  # type: ignore[arg-type]
+                                          max_waiting=1), front_ends()).state.serving
+        assert thinking.effort_vars("none", "e") == {"enable_thinking": False}
+        assert thinking.effort_vars("high", "e") == {"enable_thinking": True}
+        assert plain.effort_vars("minimal", "e") == {} and plain.effort_vars(None, "e") == {}
+        with pytest.raises(ApiError, match="does not support thinking"):
+            plain.effort_vars("high", "e")
+
+        class HarmonyTokenizer(FakeTokenizer):
+            chat_template = "{{ reasoning_effort }}{% for m in messages %}{{ m.content }}{% endfor %}"
+        harmony = create_app(AsyncEngine(FakeEngine(tokenizer=HarmonyTokenizer()),  # type: ignore[arg-type]
+                                         max_waiting=1), front_ends()).state.serving
+        assert harmony.effort_vars("low", "e") == {"reasoning_effort": "low"}
+    asyncio.run(main())
+
+
+def test_reasoning_effort_and_the_same_kwarg_is_a_400() -> None:
+    r = run_chat({"max_tokens": 5, "reasoning_effort": "none",
+                  "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    r = run_chat({"max_tokens": 100, "reasoning_effort": "high"})
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == "Six times seven."

@@ -137,6 +137,19 @@ class Serving:
             return {}
         return {self.reasoning.switch: think}
 
+    def effort_vars(self, effort: str | None, param: str) -> dict[str, Any]:
+        """Template variables for a reasoning effort (OpenAI's `reasoning_effort`): the
+        template's own `reasoning_effort` where it reads one (gpt-oss), else the thinking
+        switch (off for "none", on otherwise); a model with neither cannot act on it."""
+        if effort is None:
+            return {}
+        template = self.tokenizer.chat_template
+        if template is not None and "reasoning_effort" in template_variables(template):
+            return {"reasoning_effort": effort}
+        if self.reasoning is None and effort in ("none", "minimal"):
+            return {}  # a model that does not think already reasons that little
+        return self.thinking_vars(effort != "none", param)
+
     def reasoning_opens(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt leaves the reply inside an open reasoning block."""
         if self.reasoning is None:

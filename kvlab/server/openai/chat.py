@@ -103,7 +103,7 @@ class Call(EngineCall):
                          serving.tool_form)
         structure = chat_structure(req, plan, serving.tool_form)
         ids = serving.chat_prompt([m.as_template_dict() for m in req.messages], plan,
-                                  prefill=_prefill(req), **req.chat_template_kwargs)
+                                  prefill=_prefill(req), **_template_vars(serving, req))
         tokenizer, thinking = serving.tokenizer, serving.reasoning_opens(ids)
         chat = (ChatFormat(tokenizer, serving.reasoning, thinking) if plan is None else
                 ToolFormat(tokenizer, plan, serving.reasoning, thinking))
@@ -205,6 +205,16 @@ def chat_structure(req: ChatCompletionRequest, plan: ToolPlan | None,
                        param="tool_choice")
     # in auto mode the user's structure wins
     return structure if structure is not None else tool_structure(plan, tool_form)
+
+
+def _template_vars(serving: Serving, req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs and what reasoning_effort sets; one variable set twice is a 400."""
+    effort = serving.effort_vars(req.reasoning_effort, "reasoning_effort")
+    both = sorted(set(effort) & set(req.chat_template_kwargs))
+    if both:
+        raise ApiError(400, f"reasoning_effort sets the template's {both[0]!r}; give it there "
+                            "or in chat_template_kwargs, not both", param="reasoning_effort")
+    return {**req.chat_template_kwargs, **effort}
 
 
 def _prefill(req: ChatCompletionRequest) -> bool | None:

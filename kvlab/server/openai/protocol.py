@@ -101,6 +101,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # e.g. enable_thinking
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
