@@ -6,12 +6,20 @@ character-level tokenizer), so the server's own logic runs unchanged around it.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import httpx
 
 from kvlab.engine import EngineStats
 from kvlab.errors import RequestError
 from kvlab.request import FinishReason, RequestOutput, RequestTimings, SamplingParams
+from kvlab.server.apis import front_ends
+from kvlab.server.core.app import create_app
+from kvlab.server.core.async_engine import AsyncEngine
+from kvlab.server.core.guard import ServerLimits
 
 
 class FakeTokenizer:
@@ -91,3 +99,26 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.live), 0, 10, len(self.live), 16, 64, 0, 0)
+
+
+def run_on_app(engine: object, body: Callable[[httpx.AsyncClient, object], Awaitable[None]],
+               limits: ServerLimits | None = None) -> None:
+    """Run `await body(client, app)` against the server's app (every front end) on `engine`;
+    afterwards no request may be left running, in the AsyncEngine or the engine."""
+    async def main() -> None:
+        ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
+        app = create_app(ae, front_ends(), limits=limits or ServerLimits())
+        await ae.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t") as client:
+                await body(client, app)
+            live = getattr(engine, "live", {})
+            for _ in range(200):  # aborts reach the engine thread between steps
+                if not live and ae.num_live == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert not live and ae.num_live == 0, "requests were left running"
+        finally:
+            await ae.stop()
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

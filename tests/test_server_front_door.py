@@ -5,7 +5,6 @@ holding the default model's real tokenizer."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -13,15 +12,12 @@ import pytest
 from test_tokenizer_gemma import default_tokenizer
 
 from kvlab.errors import KvlabError
-from kvlab.server.apis import front_ends
-from kvlab.server.core.app import create_app
-from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.bodies import parse
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.openai.chat import Call
 from kvlab.server.openai.protocol import ChatCompletionRequest, structure_of
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, run_on_app
 
 MODEL = "gemma-3-270m-q4_k_m.gguf"
 SITE = "http://localhost:3000"
@@ -34,19 +30,7 @@ def tok():
 
 
 def run_app(tok, body, limits: ServerLimits | None = None) -> None:
-    async def main() -> None:
-        engine = FakeEngine(model_name=MODEL, tokenizer=tok)
-        ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-        app = create_app(ae, front_ends(), limits=limits or ServerLimits())
-        await ae.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                await body(client, app)
-            assert ae.num_live == 0  # nothing held once the answers are in
-        finally:
-            await ae.stop()
-    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    run_on_app(FakeEngine(model_name=MODEL, tokenizer=tok), body, limits)
 
 
 def chat_body(**extra) -> dict:

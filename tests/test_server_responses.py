@@ -5,7 +5,6 @@ end to end through `kvlab serve` on the default model with the official `openai`
 
 from __future__ import annotations
 
-import asyncio
 import json
 import typing
 from collections.abc import Iterator
@@ -22,9 +21,6 @@ from kvlab.request import (
     SamplingParams,
     Structure,
 )
-from kvlab.server.apis import front_ends
-from kvlab.server.core.app import create_app
-from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.core.reasoning import ReasoningFormat
 from kvlab.server.openai.responses_input import items_of, template_messages
@@ -32,7 +28,7 @@ from kvlab.server.openai.responses_output import Reply
 from kvlab.server.openai.responses_store import ResponseStore, StoredResponse
 from kvlab.structured.compiler import GrammarCompiler
 
-from fake_engine import FakeEngine, FakeTokenizer
+from fake_engine import FakeEngine, FakeTokenizer, run_on_app
 
 openai = pytest.importorskip("openai")
 
@@ -71,24 +67,9 @@ def tok():
 def run_app(tok, body, script: str = "", limits: ServerLimits | None = None,
             max_model_len: int = 4096) -> None:
     """Run `body(client, app, engine)` on the app; afterwards no request may be held."""
-    async def main() -> None:
-        engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, reply=script,
-                                max_model_len=max_model_len)
-        ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-        app = create_app(ae, front_ends(), limits=limits or ServerLimits())
-        await ae.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                await body(client, app, engine)
-            for _ in range(200):  # aborts reach the engine thread between steps
-                if not engine.live and ae.num_live == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert not engine.live and ae.num_live == 0, "requests were left running"
-        finally:
-            await ae.stop()
-    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    engine = ScriptedEngine(model_name=MODEL, tokenizer=tok, reply=script,
+                            max_model_len=max_model_len)
+    run_on_app(engine, lambda client, app: body(client, app, engine), limits)
 
 
 def events_of(text: str) -> list[dict]:

@@ -4,20 +4,16 @@ the guard), then once through `kvlab serve` on the default model."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import pytest
 from test_tokenizer_gemma import default_tokenizer
 
-from kvlab.server.apis import front_ends
-from kvlab.server.core.app import create_app
-from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.openai.chat import Call
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, run_on_app
 
 MODEL = "gemma-3-270m-q4_k_m.gguf"
 TEXTS = ["Hello world", " leading space", "日本語 😀 café", "a\n\nb\tc", ""]
@@ -31,18 +27,7 @@ def tok():
 
 def run_app(tok, body, limits: ServerLimits | None = None) -> None:
     """Run `body(client, app)` against the app on a fake engine holding the real tokenizer."""
-    async def main() -> None:
-        engine = FakeEngine(model_name=MODEL, tokenizer=tok)
-        ae = AsyncEngine(engine, max_waiting=4)  # type: ignore[arg-type]
-        app = create_app(ae, front_ends(), limits=limits or ServerLimits())
-        await ae.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                         base_url="http://t") as client:
-                await body(client, app)
-        finally:
-            await ae.stop()
-    asyncio.run(asyncio.wait_for(main(), timeout=60))
+    run_on_app(FakeEngine(model_name=MODEL, tokenizer=tok), body, limits)
 
 
 def error_of(r: httpx.Response, status: int) -> dict:
