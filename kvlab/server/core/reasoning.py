@@ -2,12 +2,23 @@
 markers comes back as reasoning (OpenAI chat's `reasoning_content`, a Responses `reasoning`
 item, an Anthropic `thinking` block, Ollama's `thinking`), never mixed into the content.
 
-    reasoning_format(template)   the markers a chat template speaks (`<think>` ... `</think>`,
-                                 as Qwen3, QwQ, DeepSeek-R1 and their descendants write), or
-                                 None for a model that does not think
+    reasoning_format(template)   the markers a chat template speaks, found by the first row
+                                 of `FORMATS` whose text the template holds, or None for a
+                                 model that does not think:
+        <think> ... </think>                       Qwen3, QwQ, DeepSeek-R1, Kimi K2
+                                                   Thinking, MiniMax-M2 and descendants
+        <think>..</think><response>..</response>   Granite 3.x (the response tags dropped)
+        <seed:think> ... </seed:think>             Seed-OSS
+        <mm:think> ... </mm:think>                 MiniMax-M3
+        <|channel|>analysis<|message|> ... <|end|> gpt-oss harmony; the final channel's
+                                                   header is dropped, a commentary tool call
+                                                   stays in the content for the tool format
     ReasoningStream              splits streamed text deltas into (reasoning, content) deltas;
                                  a marker cut across two deltas is held back until it is whole
     split_reasoning              the same for a whole reply
+
+Where the markers are special tokens (harmony's), `ReasoningFormat.markers` lists them so
+decoding writes them into the text (`Serving.shown_special_ids`) and the splitter sees them.
 
 A prompt may already open the block (DeepSeek-R1's and Qwen3's templates end the generation
 prompt with `<think>`), so the stream is told whether it starts inside reasoning.
@@ -19,16 +30,20 @@ reasoning budget forces the end marker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvlab.tokenizer.chat import template_variables
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
+    """The markers of one way of writing reasoning apart from the answer."""
+
     start: str = "<think>"
     end: str = "</think>"
     switch: str | None = None  # the template variable that turns thinking on or off
+    dropped: tuple[str, ...] = ()  # markers around the answer, left out of the content
+    tokens: tuple[str, ...] = ()  # special tokens the markers are written in
 
     def opens(self, prompt_text: str) -> bool:
         """Whether a prompt ends inside an open reasoning block."""
@@ -39,13 +54,52 @@ class ReasoningFormat:
         """Whether a prompt ends just after a closed block (a template's thinking turned off)."""
         return prompt_text.rstrip().endswith(self.end)
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every marker the splitter reads; those that are one special token each must stay
+        in the decoded text for it to see them."""
+        return (self.start, self.end, *self.dropped, *self.tokens)
+
+
+# Harmony (gpt-oss): the reply's analysis channel is the reasoning, its final channel the
+# answer; the commentary channel's tool calls stay in the content for the tool format.
+_HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>",
+                          dropped=("<|start|>assistant" + _HARMONY_FINAL, _HARMONY_FINAL),
+                          tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"))
+
+
+@dataclass(frozen=True)
+class _Row:
+    needles: tuple[str, ...]  # all of them in the template's text: it speaks this format
+    fmt: ReasoningFormat
+    switch: str | None = None  # the thinking switch, where the template reads it
+
+
+# The first row whose needles the template holds wins (Granite's also holds `</think>`).
+FORMATS: tuple[_Row, ...] = (
+    _Row(("<|channel|>analysis<|message|>",), HARMONY),
+    _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>")),  # Seed-OSS
+    _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>")),  # MiniMax-M3
+    # Granite 3.x, whose system prompt (`thinking` on) asks for <think></think> then
+    # <response></response>; MiniMax-M2's <response> wraps tool results, not the answer
+    _Row(("</think>", "<response></response>"), ReasoningFormat(dropped=("<response>", "</response>")),
+         "thinking"),
+    # Qwen3, QwQ, DeepSeek-R1, Kimi K2 Thinking, MiniMax-M2 and their descendants
+    _Row(("</think>",), ReasoningFormat(), "enable_thinking"),
+)
+
 
 def reasoning_format(template: str | None) -> ReasoningFormat | None:
     """The reasoning markers a chat template writes, or None when it has none."""
-    if not template or "</think>" not in template:
+    if not template:
         return None
-    switch = "enable_thinking" if "enable_thinking" in template_variables(template) else None
-    return ReasoningFormat(switch=switch)
+    for row in FORMATS:
+        if all(n in template for n in row.needles):
+            if row.switch is not None and row.switch in template_variables(template):
+                return replace(row.fmt, switch=row.switch)
+            return row.fmt
+    return None
 
 
 class ReasoningStream:
@@ -62,19 +116,35 @@ class ReasoningStream:
         self._held = ""
         reasoning, content = [], []
         while text:
-            marker = self.fmt.end if self.inside else self.fmt.start
-            at = text.find(marker)
-            if at >= 0 and (self.inside or self._may_open(content, text[:at])):
-                (reasoning if self.inside else content).append(text[:at])
-                text = text[at + len(marker):]
+            out = reasoning if self.inside else content
+            markers = self._markers()
+            hit = self._next_marker(text, markers, content)
+            if hit is None:
+                keep = max((_partial_suffix(text, m) for m in markers), default=0)
+                out.append(text[:len(text) - keep])
+                self._held = text[len(text) - keep:]
+                break
+            at, marker = hit
+            out.append(text[:at])
+            text = text[at + len(marker):]
+            if marker in (self.fmt.start, self.fmt.end):
                 self.seen_start |= not self.inside
                 self.inside = not self.inside
-                continue
-            keep = _partial_suffix(text, marker)
-            (reasoning if self.inside else content).append(text[:len(text) - keep])
-            self._held = text[len(text) - keep:]
-            break
         return "".join(reasoning), "".join(content)
+
+    def _markers(self) -> tuple[str, ...]:
+        """The markers that mean something now."""
+        if self.inside:
+            return (self.fmt.end,)
+        return self.fmt.dropped + (() if self.seen_start else (self.fmt.start,))
+
+    def _next_marker(self, text: str, markers: tuple[str, ...],
+                     content: list[str]) -> tuple[int, str] | None:
+        """The first marker in `text` that acts (where it is and which), if any."""
+        hits = [(at, m) for m in markers if (at := text.find(m)) >= 0]
+        hits = [(at, m) for at, m in hits
+                if self.inside or m != self.fmt.start or self._may_open(content, text[:at])]
+        return min(hits, default=None)
 
     def finish(self) -> tuple[str, str]:
         """What was held back (a marker that never completed is plain text)."""

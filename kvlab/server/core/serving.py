@@ -55,8 +55,11 @@ class Serving:
         # the format the template teaches tool calls in: replies are read in it, and decoding
         # enforces it in auto mode where it can (ToolPlan.structure)
         self.tool_form = detect_format(template, self.native_tools)
-        self.shown_special_ids = marker_token_ids(self.tokenizer, FORMATS[self.tool_form].tokens)
         self.reasoning: ReasoningFormat | None = reasoning_format(template)
+        # the tool-call and reasoning markers decoding would hide stay in the text, to be read
+        markers = FORMATS[self.tool_form].tokens + (self.reasoning.markers if self.reasoning
+                                                    else ())
+        self.shown_special_ids = marker_token_ids(self.tokenizer, tuple(dict.fromkeys(markers)))
         self.reasoning_budget = reasoning_budget
 
     def check_model(self, model: str | None) -> str:
@@ -204,7 +207,7 @@ class Serving:
         out = []
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             self.check_length(ids, param)
-            if self.shown_special_ids:  # the tool-call markers stay in the text, to be read
+            if self.shown_special_ids:
                 p = replace(p, shown_special_ids=self.shown_special_ids)
             gate = self.reasoning_gate(ids, p.structured is not None, reasoning_budget, chat)
             if gate is not None:
