@@ -187,3 +187,19 @@ def test_harmony_commentary_tool_call_beside_reasoning() -> None:
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert not message["content"]
+
+
+def test_harmony_gate_ends_the_block_with_the_final_channel_header() -> None:
+    """A structure (or a budget's forced end) follows the final channel's header, where the
+    answer begins, not the bare `<|end|>`."""
+    gates = []
+
+    async def read(client: httpx.AsyncClient, app) -> None:
+        serving = app.state.serving
+        prompt = serving.tokenizer.encode("<|start|>user<|message|>6*7?<|end|><|start|>assistant")
+        gates.append(serving.reasoning_gate(prompt, structured=True))
+    run_on_app(FakeEngine(tokenizer=HarmonyTokenizer()), read)
+    [gate] = gates
+    decode = HarmonyTokenizer().decode
+    assert not gate.inside and decode(gate.start_ids) == "<|channel|>analysis<|message|>"
+    assert decode(gate.end_ids) == "<|end|><|start|>assistant<|channel|>final<|message|>"

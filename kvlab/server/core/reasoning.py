@@ -25,7 +25,8 @@ prompt with `<think>`), so the stream is told whether it starts inside reasoning
 
 While decoding, the engine learns where the block lies from a `ReasoningGate` (its markers'
 token ids, `Serving.reasoning_gate` builds it): a structure applies after the block, and a
-reasoning budget forces the end marker.
+reasoning budget forces the end marker (harmony's followed by the final channel's header,
+`ReasoningFormat.answer_start`, so the answer comes in the channel it belongs to).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class ReasoningFormat:
     switch: str | None = None  # the template variable that turns thinking on or off
     dropped: tuple[str, ...] = ()  # markers around the answer, left out of the content
     tokens: tuple[str, ...] = ()  # special tokens the markers are written in
+    # the header that opens the answer after the block (harmony's final channel): the gate
+    # takes it as part of the end marker, so a budget forces it and a structure follows it
+    answer_start: str = ""
 
     def opens(self, prompt_text: str) -> bool:
         """Whether a prompt ends inside an open reasoning block."""
@@ -66,7 +70,8 @@ class ReasoningFormat:
 _HARMONY_FINAL = "<|channel|>final<|message|>"
 HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>",
                           dropped=("<|start|>assistant" + _HARMONY_FINAL, _HARMONY_FINAL),
-                          tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"))
+                          tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"),
+                          answer_start="<|start|>assistant" + _HARMONY_FINAL)
 
 
 @dataclass(frozen=True)

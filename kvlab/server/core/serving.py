@@ -181,7 +181,8 @@ class Serving:
             return None
         encode = self.tokenizer.encode
         return ReasoningGate(encode(fmt.start, add_special_tokens=False),
-                             encode(fmt.end, add_special_tokens=False), inside,
+                             encode(fmt.end + fmt.answer_start, add_special_tokens=False),
+                             inside,
                              min(budgets, default=None))
 
     def prepared(self, found: tuple[Structure, str] | None) -> Structure | None:
