@@ -1,8 +1,9 @@
 """Each reasoning format of `kvlab.server.core.reasoning.FORMATS`: found from the chat templates
 that speak it (llama.cpp's template folder, where KVLAB_LLAMA_VOCABS names it), replies written
-as each template teaches split the same whole and streamed at every cut, harmony's special-token
-markers kept in the decoded text, and a gpt-oss chat completion on the fake engine giving
-`reasoning_content` beside the content or a commentary-channel tool call."""
+as each template teaches split the same whole and streamed at every cut, each thinking switch
+with its template's values, harmony's special-token markers kept in the decoded text, and a
+gpt-oss chat completion on the fake engine giving `reasoning_content` beside the content or a
+commentary-channel tool call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvlab.server.core.errors import ApiError
 from kvlab.server.core.reasoning import (
     HARMONY,
     ReasoningFormat,
@@ -20,13 +22,14 @@ from kvlab.server.core.reasoning import (
     reasoning_format,
     split_reasoning,
 )
+from kvlab.tokenizer.chat import render_chat_template
 
 from fake_engine import FakeEngine, FakeTokenizer, run_on_app
 
 THINK = ReasoningFormat()
 GRANITE = ReasoningFormat(dropped=("<response>", "</response>"), switch="thinking")
-SEED = ReasoningFormat("<seed:think>", "</seed:think>")
-MINIMAX_M3 = ReasoningFormat("<mm:think>", "</mm:think>")
+SEED = ReasoningFormat("<seed:think>", "</seed:think>", "thinking_budget", (-1, 0))
+MINIMAX_M3 = ReasoningFormat("<mm:think>", "</mm:think>", "thinking_mode", ("enabled", "disabled"))
 
 # template file -> its format; every other template in the folder has none
 EXPECTED = {
@@ -70,6 +73,42 @@ HARMONY_REPLY = ("<|channel|>analysis<|message|>The user asks for 6*7. Six seven
                  "<|start|>assistant<|channel|>final<|message|>It is 42.")
 GRANITE_REPLY = ("<think>The user asks for 6*7. Six sevens are 42.</think>"
                  "<response>It is 42.</response>")
+@pytest.mark.skipif(not _templates(), reason="set KVLAB_LLAMA_VOCABS to llama.cpp's models/ "
+                                             "folder (its templates/ holds the chat templates)")
+@pytest.mark.parametrize("name", ["ByteDance-Seed-OSS.jinja", "MiniMax-M3.jinja",
+                                  "Qwen-Qwen3-0.6B.jinja"])
+def test_the_switch_off_closes_the_block_in_the_prompt(name) -> None:
+    template = (_templates()[0].parent / name).read_text()
+    fmt = reasoning_format(template)
+    on, off = fmt.switch_values
+
+    def prompt(value: object) -> str:
+        return render_chat_template(template, [{"role": "user", "content": "6*7?"}],
+                                    bos_token="<s>", eos_token="</s>", **{fmt.switch: value})
+    assert fmt.closes(prompt(off)) and not fmt.closes(prompt(on))
+
+
+def test_thinking_switch_takes_the_formats_values() -> None:
+    class MiniMaxTokenizer(FakeTokenizer):
+        chat_template = "{{ thinking_mode }}<mm:think></mm:think>"
+    found = []
+
+    async def read(client: httpx.AsyncClient, app) -> None:
+        serving = app.state.serving
+        found.extend([serving.thinking_vars(True, "think"), serving.thinking_vars(False, "think"),
+                      serving.effort_vars("none", "reasoning_effort")])
+    run_on_app(FakeEngine(tokenizer=MiniMaxTokenizer()), read)
+    assert found == [{"thinking_mode": "enabled"}, {"thinking_mode": "disabled"},
+                     {"thinking_mode": "disabled"}]
+
+
+def test_harmony_always_thinks() -> None:
+    async def read(client: httpx.AsyncClient, app) -> None:
+        with pytest.raises(ApiError, match="always thinks"):
+            app.state.serving.thinking_vars(False, "think")
+    run_on_app(FakeEngine(tokenizer=HarmonyTokenizer()), read)
+
+
 CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
         '<|message|>{"city": "Paris"}')
 

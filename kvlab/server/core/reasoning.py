@@ -32,6 +32,7 @@ reasoning budget forces the end marker (harmony's followed by the final channel'
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvlab.tokenizer.chat import template_variables
 
@@ -43,6 +44,7 @@ class ReasoningFormat:
     start: str = "<think>"
     end: str = "</think>"
     switch: str | None = None  # the template variable that turns thinking on or off
+    switch_values: tuple[Any, Any] = (True, False)  # its values for (on, off)
     dropped: tuple[str, ...] = ()  # markers around the answer, left out of the content
     tokens: tuple[str, ...] = ()  # special tokens the markers are written in
     # the header that opens the answer after the block (harmony's final channel): the gate
@@ -79,13 +81,18 @@ class _Row:
     needles: tuple[str, ...]  # all of them in the template's text: it speaks this format
     fmt: ReasoningFormat
     switch: str | None = None  # the thinking switch, where the template reads it
+    switch_values: tuple[Any, Any] = (True, False)  # its values for (on, off)
 
 
 # The first row whose needles the template holds wins (Granite's also holds `</think>`).
 FORMATS: tuple[_Row, ...] = (
     _Row(("<|channel|>analysis<|message|>",), HARMONY),
-    _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>")),  # Seed-OSS
-    _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>")),  # MiniMax-M3
+    # Seed-OSS: a thinking budget of 0 closes the block in the prompt, -1 leaves it open-ended
+    _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>"),
+         "thinking_budget", (-1, 0)),
+    # MiniMax-M3: thinking_mode "enabled" opens the block in the prompt, "disabled" closes it
+    _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>"),
+         "thinking_mode", ("enabled", "disabled")),
     # Granite 3.x, whose system prompt (`thinking` on) asks for <think></think> then
     # <response></response>; MiniMax-M2's <response> wraps tool results, not the answer
     _Row(("</think>", "<response></response>"), ReasoningFormat(dropped=("<response>", "</response>")),
@@ -102,7 +109,7 @@ def reasoning_format(template: str | None) -> ReasoningFormat | None:
     for row in FORMATS:
         if all(n in template for n in row.needles):
             if row.switch is not None and row.switch in template_variables(template):
-                return replace(row.fmt, switch=row.switch)
+                return replace(row.fmt, switch=row.switch, switch_values=row.switch_values)
             return row.fmt
     return None
 

@@ -138,7 +138,8 @@ class Serving:
                 raise ApiError(400, f"{self.public_name} always thinks: its chat template has "
                                     "no switch to turn thinking off", param=param)
             return {}
-        return {self.reasoning.switch: think}
+        on, off = self.reasoning.switch_values
+        return {self.reasoning.switch: on if think else off}
 
     def effort_vars(self, effort: str | None, param: str) -> dict[str, Any]:
         """Template variables for a reasoning effort (OpenAI's `reasoning_effort`): the
