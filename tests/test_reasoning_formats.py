@@ -214,12 +214,14 @@ def test_harmony_stream_gives_reasoning_and_content() -> None:
     assert content == "It is 42."
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_REPLY = "<|channel|>analysis<|message|>Need the weather: call get_weather.<|end|>" + CALL
+
+
 def test_harmony_commentary_tool_call_beside_reasoning() -> None:
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    reply = "<|channel|>analysis<|message|>Need the weather: call get_weather.<|end|>" + CALL
-    r, _ = post_harmony({"tools": tools}, reply + "<|call|>")
+    r, _ = post_harmony({"tools": TOOLS}, TOOL_REPLY + "<|call|>")
     message = r.json()["choices"][0]["message"]
     assert message["reasoning_content"] == "Need the weather: call get_weather."
     [call] = message["tool_calls"]
@@ -242,3 +244,16 @@ def test_harmony_gate_ends_the_block_with_the_final_channel_header() -> None:
     decode = HarmonyTokenizer().decode
     assert not gate.inside and decode(gate.start_ids) == "<|channel|>analysis<|message|>"
     assert decode(gate.end_ids) == "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+def test_harmony_streamed_tool_call_beside_reasoning() -> None:
+    r, _ = post_harmony({"tools": TOOLS, "stream": True}, TOOL_REPLY + "<|call|>")
+    deltas = [c["choices"][0]["delta"] for c in (json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")) if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (
+        "Need the weather: call get_weather.")
+    assert not "".join(d.get("content") or "" for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    arguments = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(arguments) == {"city": "Paris"}
