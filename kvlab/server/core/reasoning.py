@@ -69,36 +69,35 @@ class ReasoningFormat:
 
 # Harmony (gpt-oss): the reply's analysis channel is the reasoning, its final channel the
 # answer; the commentary channel's tool calls stay in the content for the tool format.
-_HARMONY_FINAL = "<|channel|>final<|message|>"
+_HARMONY_FINAL = "<|channel|>final<|message|>"  # as the reply's first message, no header
+_HARMONY_ANSWER = "<|start|>assistant" + _HARMONY_FINAL
 HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>",
-                          dropped=("<|start|>assistant" + _HARMONY_FINAL, _HARMONY_FINAL),
+                          dropped=(_HARMONY_ANSWER, _HARMONY_FINAL),
                           tokens=("<|start|>", "<|channel|>", "<|message|>", "<|end|>"),
-                          answer_start="<|start|>assistant" + _HARMONY_FINAL)
+                          answer_start=_HARMONY_ANSWER)
 
 
 @dataclass(frozen=True)
 class _Row:
     needles: tuple[str, ...]  # all of them in the template's text: it speaks this format
-    fmt: ReasoningFormat
-    switch: str | None = None  # the thinking switch, where the template reads it
-    switch_values: tuple[Any, Any] = (True, False)  # its values for (on, off)
+    fmt: ReasoningFormat  # its switch holds where the template reads that variable
 
 
 # The first row whose needles the template holds wins (Granite's also holds `</think>`).
 FORMATS: tuple[_Row, ...] = (
     _Row(("<|channel|>analysis<|message|>",), HARMONY),
     # Seed-OSS: a thinking budget of 0 closes the block in the prompt, -1 leaves it open-ended
-    _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>"),
-         "thinking_budget", (-1, 0)),
+    _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>",
+                                            "thinking_budget", (-1, 0))),
     # MiniMax-M3: thinking_mode "enabled" opens the block in the prompt, "disabled" closes it
-    _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>"),
-         "thinking_mode", ("enabled", "disabled")),
+    _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>",
+                                          "thinking_mode", ("enabled", "disabled"))),
     # Granite 3.x, whose system prompt (`thinking` on) asks for <think></think> then
     # <response></response>; MiniMax-M2's <response> wraps tool results, not the answer
-    _Row(("</think>", "<response></response>"), ReasoningFormat(dropped=("<response>", "</response>")),
-         "thinking"),
+    _Row(("</think>", "<response></response>"),
+         ReasoningFormat(switch="thinking", dropped=("<response>", "</response>"))),
     # Qwen3, QwQ, DeepSeek-R1, Kimi K2 Thinking, MiniMax-M2 and their descendants
-    _Row(("</think>",), ReasoningFormat(), "enable_thinking"),
+    _Row(("</think>",), ReasoningFormat(switch="enable_thinking")),
 )
 
 
@@ -108,8 +107,9 @@ def reasoning_format(template: str | None) -> ReasoningFormat | None:
         return None
     for row in FORMATS:
         if all(n in template for n in row.needles):
-            if row.switch is not None and row.switch in template_variables(template):
-                return replace(row.fmt, switch=row.switch, switch_values=row.switch_values)
+            switch = row.fmt.switch
+            if switch is not None and switch not in template_variables(template):
+                return replace(row.fmt, switch=None)
             return row.fmt
     return None
 
