@@ -257,3 +257,26 @@ def test_harmony_streamed_tool_call_beside_reasoning() -> None:
     assert calls[0]["function"]["name"] == "get_weather"
     arguments = "".join(c["function"]["arguments"] for c in calls)
     assert json.loads(arguments) == {"city": "Paris"}
+
+
+def test_harmony_reasoning_in_every_api() -> None:
+    """Anthropic's thinking block, the Responses reasoning item and Ollama's `thinking` read
+    the same split."""
+    out = {}
+    user = [{"role": "user", "content": "6*7?"}]
+
+    async def call(client: httpx.AsyncClient, app) -> None:
+        out["anthropic"] = (await client.post("/v1/messages", json={
+            "model": "fake", "max_tokens": 400, "messages": user})).json()["content"]
+        out["responses"] = (await client.post("/v1/responses", json={
+            "input": "6*7?"})).json()["output"]
+        out["ollama"] = (await client.post("/api/chat", json={
+            "model": "fake", "stream": False, "messages": user})).json()["message"]
+    run_on_app(FakeEngine(tokenizer=HarmonyTokenizer(), reply=HARMONY_REPLY), call)
+    why = "The user asks for 6*7. Six sevens are 42."
+    assert [(b["type"], b.get("thinking") or b.get("text")) for b in out["anthropic"]] == [
+        ("thinking", why), ("text", "It is 42.")]
+    reasoning, message = out["responses"]
+    assert reasoning["content"][0]["text"] == why
+    assert message["content"][0]["text"] == "It is 42."
+    assert (out["ollama"]["thinking"], out["ollama"]["content"]) == (why, "It is 42.")
