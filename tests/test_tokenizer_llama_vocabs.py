@@ -104,6 +104,13 @@ def test_a_well_formed_toy_vocabulary_loads(native_encoder):
     assert load_gguf_tokenizer(_spm_metadata(), native_encoder).encode("a", False) == [1]
 
 
+def test_a_unigram_toy_vocabulary_loads():
+    metadata = _spm_metadata(**{"tokenizer.ggml.model": "t5",
+                                "tokenizer.ggml.unknown_token_id": 0,
+                                "tokenizer.ggml.add_space_prefix": True})
+    assert load_gguf_tokenizer(metadata).encode("ab", False) == [1, 2]
+
+
 def test_unknown_pre_tokenizer_lists_the_known_names():
     with pytest.raises(ModelLoadError, match="no-such-pre") as err:
         load_gguf_tokenizer(_bpe_metadata(**{"tokenizer.ggml.pre": "no-such-pre"}))
@@ -113,7 +120,6 @@ def test_unknown_pre_tokenizer_lists_the_known_names():
 
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("tokenizer.ggml.pre", "whitespace", "not implemented"),
-    ("tokenizer.ggml.model", "t5", "Unigram.*not implemented"),
     ("tokenizer.ggml.model", "rwkv", "not implemented"),
     ("tokenizer.ggml.model", "no-such-model", "supported: llama"),
 ])

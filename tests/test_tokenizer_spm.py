@@ -86,8 +86,8 @@ def test_no_space_prefix_when_the_vocabulary_says_so():
 
 
 def test_unsupported_tokenizer_model_says_what_is_supported():
-    meta = dict(spm_metadata(), **{"tokenizer.ggml.model": "t5"})
-    with pytest.raises(ModelLoadError, match=r"'t5'.*supported: llama .*gpt2"):
+    meta = dict(spm_metadata(), **{"tokenizer.ggml.model": "rwkv"})
+    with pytest.raises(ModelLoadError, match=r"'rwkv'.*supported: llama .*gpt2"):
         load_gguf_tokenizer(meta)
 
 

@@ -4,8 +4,8 @@
 SentencePiece-style BPE (scores, byte fallback, U+2581 spaces), "gpt2" is byte-level BPE
 (ranked merges, a pre-tokenizer chosen by `tokenizer.ggml.pre`, table in pretokenize.py),
 "gemma4" is BPE with ranked merges over raw UTF-8 with U+2581 spaces (pre-tokenizer "gemma4"),
-"bert" is WordPiece (built in wordpiece.py). T5's Unigram ("t5") and RWKV ("rwkv") are not
-implemented and fail to load with a message saying so. Token types
+"bert" is WordPiece (built in wordpiece.py), "t5" is T5's Unigram (UGM, built in unigram.py).
+RWKV ("rwkv") is not implemented and fails to load with a message saying so. Token types
 decide the rest: control, unknown and user-defined tokens written in the text are matched
 literally first; control, unknown and unused tokens are "special" (hidden when decoding skips
 specials).
@@ -29,14 +29,16 @@ from kvlab.tokenizer.pretokenize import PreTokenizer, pre_tokenizer_for
 from kvlab.tokenizer.specials import SpecialSplitter
 from kvlab.tokenizer.spm import SPACE_MARK, SentencePieceBPE
 from kvlab.tokenizer.tokenizer import Tokenizer
+from kvlab.tokenizer.unigram import unigram_from_gguf
 from kvlab.tokenizer.wordpiece import wordpiece_from_gguf
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type
 _LITERAL_TYPES = (UNKNOWN, CONTROL, USER_DEFINED)  # matched in raw text before subword merging
 _SPECIAL_TYPES = (UNKNOWN, CONTROL, UNUSED)
 SUPPORTED_MODELS = {"llama": "SentencePiece BPE", "gpt2": "byte-level BPE",
-                    "gemma4": "BPE over UTF-8", "bert": "WordPiece (kvlab.tokenizer.wordpiece)"}
-_UNSUPPORTED_MODELS = {"t5": "T5's Unigram (UGM)", "rwkv": "RWKV's trie tokenizer",
+                    "gemma4": "BPE over UTF-8", "bert": "WordPiece (kvlab.tokenizer.wordpiece)",
+                    "t5": "Unigram (kvlab.tokenizer.unigram)"}
+_UNSUPPORTED_MODELS = {"rwkv": "RWKV's trie tokenizer",
                        "plamo2": "PLaMo 2's tokenizer"}
 
 # Tokens that end a turn in common chat formats; each one in the vocabulary also stops generation.
@@ -67,6 +69,8 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
     model = metadata.get("tokenizer.ggml.model")
     if model == "bert":
         return wordpiece_from_gguf(metadata)
+    if model == "t5":
+        return _unigram(metadata)
     if model not in SUPPORTED_MODELS:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
         known = (f" ({_UNSUPPORTED_MODELS[model]} is not implemented)"
@@ -110,6 +114,19 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
         suffix_id=(metadata.get("tokenizer.ggml.eos_token_id")
                    if metadata.get("tokenizer.ggml.add_eos_token") else None),
     )
+
+
+def _unigram(metadata: dict[str, Any]) -> Tokenizer:
+    """T5's Unigram, with llama.cpp's per-model whitespace stripping around literal tokens."""
+    tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
+    _check_length(metadata, "tokenizer.ggml.token_type", len(tokens))
+    _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
+    _check_token_ids(metadata, len(tokens))
+    token_to_id = {text: i for i, text in enumerate(tokens)}
+    types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
+    strip = _strip_flags(metadata, tokens, token_to_id, literal)
+    return unigram_from_gguf(metadata, [i for i, f in enumerate(strip) if f & native.LSTRIP])
 
 
 def _use_native(requested: bool | None) -> bool:
