@@ -99,6 +99,12 @@ NOMIC_CASES = [
     ("\u200bzero width", [45234, 6, 146984]),
     ("café café", [26216, 26216]),
     ("   ", []),
+    # the charsmap's longest match: decomposed Hangul, Bengali and Tamil vowels, accents
+    ("\u1100\u1161\u11a8", [27716]),
+    ("\u0995\u09c7\u09be", [60546]),
+    ("\u0b95\u0bc6\u0bbe", [31391]),
+    ("e\u0323\u0302", [6, 21018]),
+    ("\U0001d400\u0301", [3566]),
     # an <unk> early in the text must not blur the scores of the pieces after it
     (("🚀 (normal) 😶\u200d🌫\ufe0f (multiple emojis concatenated) ✅ (only emoji that has its "
       "own token)"), [6, 247206, 15, 33176, 16, 6, 247442, 6, 3, 15755, 15, 144227, 8705, 18255,

@@ -2,24 +2,27 @@
 encoded by the `tokenizers` library.
 
 The library's Unigram model (Viterbi over token log-probabilities, one fused unknown token
-scored at the lowest score minus 10) and its `Precompiled` normalizer (SentencePiece's
-precompiled character map) are the references for this scheme, so no Viterbi or charsmap
-walker is written by hand here; what is spelled out is llama.cpp's whitespace rule around
-them. After the charsmap, llama.cpp drops spaces at both ends and merges runs of spaces
-(`remove_extra_whitespaces`), writes each space as U+2581 and puts one U+2581 before the
-first word (`add_space_prefix`). The Viterbi runs over the whole normalized text, not word by
-word, so Metaspace only escapes the spaces and does not split.
-Control tokens are not Unigram pieces in llama.cpp: they are matched in the text first, as
-are user-defined tokens (which skip the charsmap and score 0).
+scored at the lowest score minus 10) is the reference for this scheme, so no Viterbi is
+written by hand here. Its `Precompiled` normalizer is not used: it looks a grapheme up
+whole or one character at a time, where SentencePiece and llama.cpp replace the longest
+matching byte sequence, so decomposed Hangul, Indic two-part vowels and stacked accents
+come out differently; `_Charsmap` walks the charsmap as llama.cpp does. After the charsmap,
+llama.cpp drops spaces at both ends and merges runs of spaces (`remove_extra_whitespaces`),
+writes each space as U+2581 and puts one U+2581 before the first word (`add_space_prefix`).
+The Viterbi runs over the whole normalized text, not word by word, so Metaspace only
+escapes the spaces and does not split. Control tokens are not Unigram pieces in llama.cpp:
+they are matched in the text first, as are user-defined tokens (which skip the charsmap and
+score 0).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, NormalizedString, Regex, models, normalizers, pre_tokenizers
 
 from kvlab.errors import ModelLoadError
 from kvlab.tokenizer.spm import SPACE_MARK
@@ -108,7 +111,8 @@ def _normalizer(metadata: dict[str, Any]) -> normalizers.Normalizer:
     steps: list[normalizers.Normalizer] = []
     charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
     if charsmap is not None and len(charsmap) > 0:
-        steps.append(normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap)))
+        steps.append(normalizers.Normalizer.custom(
+            _Charsmap(bytes(int(b) & 0xFF for b in charsmap))))
     if metadata.get("tokenizer.ggml.remove_extra_whitespaces", False):
         # "  a  b " -> "a b": no space at either end, one between words (and one before the
         # first word: llama.cpp puts a space before every word when it merges spaces)
@@ -119,6 +123,72 @@ def _normalizer(metadata: dict[str, Any]) -> normalizers.Normalizer:
         # string once spaces are U+2581, except a text of spaces only, which gains none there)
         steps.append(normalizers.Prepend(" "))
     return normalizers.Sequence(steps)
+
+
+class _Charsmap:
+    """SentencePiece's precompiled charsmap, applied as SentencePiece and llama.cpp apply it:
+    at each position the longest matching byte sequence is replaced.
+
+    The charsmap is a double array (XOR-compressed, Kanda 2018) over UTF-8 bytes: each 32-bit
+    node holds BASE (bits 10-30, shifted when bit 9 is set), a leaf bit (8) and the byte
+    that leads to it (LCHECK, bits 0-7); a leaf's child holds the offset of its NUL-ended
+    replacement in the strings after the array.
+    """
+
+    def __init__(self, blob: bytes) -> None:
+        if len(blob) < 4:
+            raise ModelLoadError(f"tokenizer.ggml.precompiled_charsmap has {len(blob)} bytes, "
+                                 "too few for its header")
+        (size,) = struct.unpack_from("<I", blob)
+        if 4 + size > len(blob) or size % 4:
+            raise ModelLoadError(f"tokenizer.ggml.precompiled_charsmap declares {size} bytes "
+                                 f"of nodes in a blob of {len(blob)}")
+        self._nodes = struct.unpack_from(f"<{size // 4}I", blob, 4)
+        self._strings = blob[4 + size:]
+
+    def normalize(self, normalized: NormalizedString) -> None:
+        text = normalized.normalized
+        new = self.apply(text)
+        if new != text:
+            normalized.replace(text, new)
+
+    def apply(self, text: str) -> str:
+        data = text.encode("utf-8")
+        out = bytearray()
+        i = 0
+        while i < len(data):
+            length, offset = self._longest_match(data, i)
+            if length:
+                out += self._strings[offset:self._strings.index(b"\0", offset)]
+                i += length
+            else:  # one character as it is
+                j = i + 1
+                while j < len(data) and data[j] & 0xC0 == 0x80:
+                    j += 1
+                out += data[i:j]
+                i = j
+        return out.decode("utf-8", errors="replace")
+
+    def _longest_match(self, data: bytes, start: int) -> tuple[int, int]:
+        """(bytes matched, replacement offset) of the longest entry at data[start:]."""
+        nodes = self._nodes
+        node, best = _base(nodes[0]), (0, 0)
+        for pos in range(start, len(data)):
+            byte = data[pos]
+            if byte == 0:
+                break
+            node ^= byte
+            if node >= len(nodes) or nodes[node] & 0x800000FF != byte:
+                break
+            packed = nodes[node]
+            node ^= _base(packed)
+            if packed >> 8 & 1 and node < len(nodes):
+                best = (pos - start + 1, nodes[node] & 0x7FFFFFFF)
+        return best
+
+
+def _base(packed: int) -> int:
+    return (packed >> 10) << ((packed & (1 << 9)) >> 6)
 
 
 def _prefixes_words(metadata: dict[str, Any]) -> bool:
