@@ -200,11 +200,17 @@ def create_app(engine: AsyncEngine, front_ends: Sequence[FrontEnd] = (),
     for front in front_ends:
         app.include_router(front.router)
     app.add_middleware(RequestGuard, limits=limits, shapes=shapes)
-    if limits.allowed_origins:  # outermost: preflights and refusals carry CORS headers too
+    add_cors(app, limits)
+    return app
+
+
+def add_cors(app: FastAPI, limits: ServerLimits) -> None:
+    """Browsers from `limits.allowed_origins` (none: no CORS at all). Added last, so it is
+    outermost: preflights and the guard's refusals carry CORS headers too."""
+    if limits.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["*"], max_age=600)
-    return app
 
 
 def shapes_of(front_ends: Sequence[FrontEnd]) -> ErrorShapes:

@@ -28,10 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.middleware.cors import CORSMiddleware
 
 from kvlab.server.apis import front_ends
-from kvlab.server.core.app import shapes_of
+from kvlab.server.core.app import add_cors, shapes_of
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.guard import RequestGuard
 from kvlab.server.core.prom import CONTENT_TYPE
@@ -72,10 +71,7 @@ class Ingress:
                           methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
         limits = self.settings.limits
         app.add_middleware(RequestGuard, limits=limits, shapes=shapes_of(front_ends()))
-        if limits.allowed_origins:
-            app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
-                               allow_methods=["*"], allow_headers=["*"],
-                               expose_headers=["*"], max_age=600)
+        add_cors(app, limits)
         return app
 
     def report(self, report: ReplicaReport) -> None:
