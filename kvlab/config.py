@@ -6,6 +6,7 @@ config.json into one of these; everything downstream reads it and never mutates 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,6 +23,26 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN: frequencies interpolated by `factor` below a ramp between the dimensions that
+    turn `beta_fast` and `beta_slow` times over `original` positions, kept above it; cos/sin
+    scaled by `attention_factor` (0.1 ln(factor) + 1 unless the checkpoint gives one).
+    `truncate`: the ramp's ends rounded to whole dimensions (false for gpt-oss)."""
+
+    factor: float
+    original: int  # original_max_position_embeddings
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a scaling factor: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
     # llama3 frequency scaling (Llama 3.1/3.2): None or a tuple
@@ -29,6 +50,9 @@ class RopeConfig:
     llama3: tuple[float, float, float, int] | None = None
     linear_factor: float = 1.0  # positions divided by this ("linear" rope scaling)
     longrope: LongRope | None = None
+    yarn: Yarn | None = None
+    # share of each head's dimensions that rotate (GLM-4.5: 0.5); the others pass unchanged
+    partial: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,46 @@ class MoeConfig:
     expert_intermediate_size: int
     norm_topk_prob: bool  # renormalise the k chosen probabilities to sum to 1
     shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
+    # "softmax" over all experts, or "sigmoid" per expert with a per-expert bias added for
+    # the choice only (DeepSeek-V3's noaux_tc, GLM-4.5)
+    scoring: str = "softmax"
+    groups: int = 1  # sigmoid: experts in this many groups, the best `top_groups` kept
+    top_groups: int = 1
+    routed_scale: float = 1.0  # the chosen experts' weights multiplied by this
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """The recurrent layers of a hybrid model (layer type "recurrent"): each keeps a state of
+    fixed size per sequence, fp32, in place of KV. Every kind has a causal depthwise
+    convolution whose state is its last K - 1 inputs; Gated DeltaNet adds a matrix per value
+    head."""
+
+    kind: str  # "short_conv" (LFM2) or "gated_delta" (Qwen3.5's Gated DeltaNet)
+    conv_kernel: int  # K, the convolution's width
+    conv_channels: int  # C, its channels
+    num_k_heads: int = 0  # gated_delta: query/key heads, value heads and their widths
+    num_v_heads: int = 0
+    k_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_kernel - 1, self.conv_channels)
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, ...] | None:
+        """One sequence's delta-rule state [Hv, Dk, Dv]; None for a short convolution."""
+        if self.kind != "gated_delta":
+            return None
+        return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+    @property
+    def state_elements(self) -> int:
+        """fp32 elements one sequence's state takes in one recurrent layer."""
+        rec = self.recurrent_state_shape
+        rec_size = rec[0] * rec[1] * rec[2] if rec else 0
+        return (self.conv_kernel - 1) * self.conv_channels + rec_size
 
 
 @dataclass(frozen=True)
@@ -68,6 +132,11 @@ class ModelConfig:
     name: str = ""
     # False: bidirectional attention over the whole input, an encoder (BERT) that only embeds
     causal: bool = True
+    recurrent: RecurrentConfig | None = None  # the "recurrent" layers' state, if any
+    no_rope_layers: tuple[bool, ...] = ()  # per layer: True where it has no RoPE (SmolLM3)
+    # (beta, original): queries scaled by 1 + beta * ln(1 + floor(position / original))
+    # (Mistral 3's llama_4_scaling); None: no scaling
+    query_temperature: tuple[float, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -77,6 +146,9 @@ class ModelConfig:
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
+    def no_rope(self, layer: int) -> bool:
+        return bool(self.no_rope_layers) and self.no_rope_layers[layer]
+
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding" and self.sliding_window is not None
 
@@ -84,12 +156,27 @@ class ModelConfig:
     def num_sliding_layers(self) -> int:
         return sum(map(self.is_sliding, range(self.num_layers)))
 
+    def is_recurrent(self, layer: int) -> bool:
+        return self.layer_types[layer] == "recurrent"
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return sum(map(self.is_recurrent, range(self.num_layers)))
+
+    def state_bytes_per_seq(self) -> int:
+        """fp32 bytes one sequence's recurrent state takes, summed over the recurrent layers."""
+        if self.recurrent is None:
+            return 0
+        return 4 * self.num_recurrent_layers * self.recurrent.state_elements
+
     def kv_bytes_per_token(self, bytes_per_element: float, sliding: bool | None = None) -> float:
-        """Key + value bytes one token adds to the cache, summed over layers: all of them, or
-        only the sliding-window (sliding=True) or full-attention (False) ones."""
-        layers = (self.num_layers if sliding is None else
+        """Key + value bytes one token adds to the cache, summed over the attention layers:
+        all of them, or only the sliding-window (sliding=True) or full-attention (False)
+        ones. Recurrent layers keep no KV."""
+        attention = self.num_layers - self.num_recurrent_layers
+        layers = (attention if sliding is None else
                   self.num_sliding_layers if sliding else
-                  self.num_layers - self.num_sliding_layers)
+                  attention - self.num_sliding_layers)
         return 2 * layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
@@ -107,7 +194,12 @@ def interleaved_layer_types(num_layers: int, global_every: int | None) -> tuple[
                  for i in range(num_layers))
 
 
+HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full",
+                  "conv": "recurrent", "linear_attention": "recurrent"}
+
+
 def hf_layer_types(types: list[str]) -> tuple[str, ...]:
-    """An HF config's `layer_types` ("sliding_attention" / "full_attention") as kvlab's."""
-    return tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    """An HF config's `layer_types` ("sliding_attention", "full_attention"; a hybrid's "conv"
+    (LFM2) or "linear_attention" (Qwen3.5)) as kvlab's "sliding", "full", "recurrent"."""
+    return tuple(HF_LAYER_TYPES.get(t, "full") for t in types)
 

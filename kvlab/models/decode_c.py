@@ -70,8 +70,8 @@ def _kind(stores: tuple | None) -> int | None:
 
 def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
     """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
-    if _qk is None or not layers:
-        return None
+    if _qk is None or not layers or (config.no_rope_layers and config.sliding_window):
+        return None  # layers without RoPE take the second table, which sliding ones need
     rows = []
     for i, layer in enumerate(layers):
         row = _layer_row(layer, config, i, gate)
@@ -90,7 +90,8 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
     if attention is None or mlp is None or moe is None or post is None:
         return None
-    return [*attention, *mlp, post, int(config.is_sliding(i)), int(config.qk_norm_whole), *moe]
+    second_table = config.is_sliding(i) or config.no_rope(i)  # see run's `ropes`
+    return [*attention, *mlp, post, int(second_table), int(config.qk_norm_whole), *moe]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
@@ -133,6 +134,8 @@ def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     shexp_gate = _gate_rows(layer.get("shexp_router"), 1, config) if shared else 0
     if experts.c_table is None or not 0 < k <= e <= 256 or None in (router, shexp_gate):
         return None
+    if moe.scoring != "softmax" or moe.routed_scale != 1.0:
+        return None  # the C router takes the softmax over all experts
     return [router, e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr(), shexp_gate]
 
 
@@ -174,7 +177,9 @@ def _norm(w: torch.Tensor | None, optional: bool = True) -> int | None:
 def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore],
         meta: AttentionMetadata) -> bool:
-    """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit."""
+    """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit.
+    ropes[True] is the cos/sin of the layers the plan marks for the second table: sliding
+    ones, or (a model without a window) those without RoPE, whose table is the identity."""
     full, local = _decode_group(meta.groups_full, x), _decode_group(meta.groups_sliding, x)
     caches = plan.caches(kv_caches)
     if full is None or local is None or caches is None or not _fits(x, ropes, meta):

@@ -125,8 +125,39 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] inverse frequencies, with llama3 scaling applied when configured."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """[head_dim / 2] inverse frequencies, with llama3 or YaRN scaling applied when configured.
+
+    Partial rotary (rope.partial < 1): the first rotary_dim / 2 frequencies, then zeros (cos 1,
+    sin 0: those dimension pairs pass unchanged); the family's loader lays each head's rows out
+    so that pairs (j, j + head_dim / 2) are the rotated ones (permute_partial_rotary)."""
+    dim = int(head_dim * rope.partial)
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    inv = _yarn(inv, rope, dim) if rope.yarn is not None else _llama3(inv, rope)
+    return torch.cat([inv, inv.new_zeros(head_dim // 2 - dim // 2)])
+
+
+def _yarn(inv: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's blend of interpolated (inv / factor) and kept frequencies, as transformers'
+    _compute_yarn_parameters: kept below the ramp's low dimension, interpolated above its
+    high one."""
+    y = rope.yarn
+    assert y is not None
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(y.original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv / y.factor * (1 - keep) + inv * keep
+
+
+def _llama3(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     if rope.llama3 is None:
         return inv / rope.linear_factor
     factor, low, high, old_len = rope.llama3
@@ -177,10 +208,32 @@ class LongRopeTable:
         return emb.cos() * self.scale, emb.sin() * self.scale
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor | LongRopeTable
+@dataclass(frozen=True)
+class ScaledRope:
+    """Inverse frequencies whose cos/sin are multiplied by `scale` (YaRN's attention factor)."""
+
+    inv_freq: torch.Tensor  # [head_dim / 2]
+    scale: float
+
+    @classmethod
+    def build(cls, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor | ScaledRope:
+        """inv_freq alone when rope scales nothing, else with YaRN's attention factor."""
+        scale = rope.yarn.attention_factor if rope.yarn is not None else 1.0
+        return inv_freq if scale == 1.0 else cls(inv_freq, scale)
+
+    def to(self, device: torch.device) -> ScaledRope:
+        return dataclasses.replace(self, inv_freq=self.inv_freq.to(device))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        return cos * self.scale, sin * self.scale
+
+
+def rope_cos_sin(positions: torch.Tensor,
+                 inv_freq: torch.Tensor | LongRopeTable | ScaledRope
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, 1, head_dim] for the given positions (half-rotation layout)."""
-    if isinstance(inv_freq, LongRopeTable):
+    if isinstance(inv_freq, LongRopeTable | ScaledRope):
         return inv_freq.cos_sin(positions)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]

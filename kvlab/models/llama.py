@@ -10,12 +10,14 @@ from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig, RopeConfig
+from kvlab.config import ModelConfig
 from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     LongRopeTable,
+    ScaledRope,
     Weight,
+    add_rms_norm,
     embed,
     linear,
     norm_rope,
@@ -26,7 +28,7 @@ from kvlab.models.layers import (
     swiglu,
 )
 from kvlab.models.sharding import SINGLE, TensorParallel
-from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, gguf_rope, hf_rope
 
 # checkpoint name -> kvlab name; "{i}" is the layer index
 GGUF_NAMES = NameTable(
@@ -66,17 +68,10 @@ def config_from_gguf(meta: dict[str, Any], arch: str = "llama") -> ModelConfig:
         intermediate_size=int(g("feed_forward_length")),
         max_position_embeddings=int(g("context_length")),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope=RopeConfig(theta=float(g("rope.freq_base", 10000.0)),
-                        linear_factor=_gguf_linear_factor(g)),
+        rope=gguf_rope(g),
         tie_word_embeddings=True,  # refined by the loader: untied when output.weight exists
         qk_norm=arch == "qwen3",
         name=str(meta.get("general.name", arch)))
-
-
-def _gguf_linear_factor(g: Any) -> float:
-    if g("rope.scaling.type", "none") == "linear":
-        return float(g("rope.scaling.factor", 1.0))
-    return 1.0
 
 
 def config_from_hf(cfg: dict[str, Any], arch: str = "llama") -> ModelConfig:
@@ -105,14 +100,16 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape))
 
 
-def _rotary(config: ModelConfig, weights: dict[str, Weight]) -> torch.Tensor | LongRopeTable:
-    """The inverse frequencies RoPE rotates by, or longrope's two sets."""
+def _rotary(config: ModelConfig, weights: dict[str, Weight]
+            ) -> torch.Tensor | LongRopeTable | ScaledRope:
+    """The inverse frequencies RoPE rotates by (with YaRN's cos/sin scale), or longrope's
+    two sets."""
     if config.rope.longrope is not None:
         return LongRopeTable.build(config.rope, config.head_dim, weights)
     inv = rope_inv_freq(config.rope, config.head_dim)
     if "rope_freqs" in weights:  # llama3 scaling baked into a GGUF tensor
         inv = inv / weights["rope_freqs"].float()
-    return inv
+    return ScaledRope.build(config.rope, inv)
 
 
 class LlamaModel:
@@ -141,18 +138,34 @@ class LlamaModel:
 
         `trace`: a list the MoE layers append their chosen expert ids [T, k] to, one entry per
         MoE layer (for a caller that asks; dense layers add nothing)."""
+        c = self.config
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
-        ropes = {False: (cos, sin), True: (cos, sin)}  # one RoPE table for every layer
-        if self.c_plan is not None and trace is None and decode_c.run(  # C: no expert trace
-                self.c_plan, self.config, x, ropes, kv_caches, meta):
+        # the C plan's second table: sliding layers' (the same RoPE), or the identity
+        # rotation (cos 1, sin 0: exact) of the layers without RoPE
+        ropes = {False: (cos, sin), True: ((torch.ones_like(cos), torch.zeros_like(sin))
+                                           if c.no_rope_layers else (cos, sin))}
+        q_scale = _query_temperature(c, positions)
+        if self.c_plan is not None and trace is None and q_scale is None and decode_c.run(
+                self.c_plan, c, x, ropes, kv_caches, meta):  # C: no expert trace
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # x: embed's own
-            h = rms_norm(x, layer["attn_norm"], self.config.rms_norm_eps)
-            x += self.attention(h, layer, cos, sin, cache, meta, self.config.is_sliding(i))
-            h = rms_norm(x, layer["mlp_norm"], self.config.rms_norm_eps)
-            x += self.mlp(h, layer, trace)
+            # OLMo 2: no norm before attention or MLP, a norm of each output instead
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps) if "attn_norm" in layer else x
+            h = self.attention(h, layer, *ropes[c.no_rope(i)], cache, meta, c.is_sliding(i),
+                               q_scale)
+            x = self._residual(x, h, layer.get("post_attn_norm"))
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps) if "mlp_norm" in layer else x
+            x = self._residual(x, self.mlp(h, layer, trace), layer.get("post_mlp_norm"))
         return x
+
+    def _residual(self, x: torch.Tensor, h: torch.Tensor,
+                  post_norm: torch.Tensor | None) -> torch.Tensor:
+        """x + h, or x + rms_norm(h) where the layer norms its outputs; x updated in place."""
+        if post_norm is None:
+            x += h
+            return x
+        return add_rms_norm(x, h, post_norm, self.config.rms_norm_eps)
 
     def mlp(self, h: torch.Tensor, layer: dict[str, Weight],
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -162,7 +175,7 @@ class LlamaModel:
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
-                  sliding: bool) -> torch.Tensor:
+                  sliding: bool, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
         if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
@@ -173,6 +186,8 @@ class LlamaModel:
         q_norm, k_norm = (layer["q_norm"], layer["k_norm"]) if c.qk_norm else (None, None)
         q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype)
         out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
         return self.tp.all_reduce(linear(out, layer["o"]))
 
@@ -188,6 +203,17 @@ class LlamaModel:
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
         head = self.weights.get("lm_head", self.weights["embed"])
         return linear(h, head).float()
+
+
+def _query_temperature(config: ModelConfig, positions: torch.Tensor) -> torch.Tensor | None:
+    """[T, 1, 1] query scales 1 + beta * ln(1 + floor(position / original)) (Mistral 3), or
+    None where the config has none or every position is below `original` (all ones)."""
+    if config.query_temperature is None:
+        return None
+    beta, original = config.query_temperature
+    if int(positions.max()) < original:
+        return None
+    return (1 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None, None]
 
 
 def _gguf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:

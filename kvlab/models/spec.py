@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import LongRope, ModelConfig, RopeConfig
+from kvlab.config import LongRope, ModelConfig, RopeConfig, Yarn, yarn_mscale
 from kvlab.errors import ModelLoadError
 
 _MISSING = object()
@@ -84,10 +84,31 @@ def hf_rope(cfg: dict[str, Any]) -> RopeConfig:
         return RopeConfig(theta=theta, linear_factor=float(scaling["factor"]))
     if kind in ("longrope", "su"):
         return RopeConfig(theta=theta, longrope=_hf_longrope(cfg, scaling))
+    if kind == "yarn":
+        return RopeConfig(theta=theta, yarn=hf_yarn(cfg, scaling))
     if kind not in ("default", None):
         raise ModelLoadError(f"rope scaling {kind!r} is not supported "
-                             "(valid: default, linear, llama3, longrope)")
+                             "(valid: default, linear, llama3, longrope, yarn)")
     return RopeConfig(theta=theta)
+
+
+def hf_yarn(cfg: dict[str, Any], scaling: dict[str, Any]) -> Yarn:
+    """YaRN as transformers reads it: factor given or max_position_embeddings / original;
+    the attention factor given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    where both are set, else mscale(factor)."""
+    original = scaling.get("original_max_position_embeddings",
+                           cfg.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("yarn rope scaling needs original_max_position_embeddings")
+    factor = float(scaling.get("factor") or cfg["max_position_embeddings"] / original)
+    attention = scaling.get("attention_factor")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else yarn_mscale(factor))
+    return Yarn(factor, int(original), float(attention),
+                float(scaling.get("beta_fast") or 32.0), float(scaling.get("beta_slow") or 1.0),
+                bool(scaling.get("truncate", True)))
 
 
 def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
@@ -105,3 +126,23 @@ def _hf_longrope(cfg: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     return LongRope(int(original), float(attention), tuple(map(float, scaling["short_factor"])),
                     tuple(map(float, scaling["long_factor"])))
+
+
+def gguf_rope(g: Callable[..., Any]) -> RopeConfig:
+    """RopeConfig from `{arch}.rope.*` metadata (g: gguf_get's reader): theta, and linear or
+    YaRN scaling. YaRN's attention factor as llama.cpp derives it: mscale(factor) /
+    mscale(factor, yarn_log_multiplier) where a multiplier is written, else mscale(factor),
+    times rope.scaling.attn_factor."""
+    theta = float(g("rope.freq_base", 10000.0))
+    kind, factor = g("rope.scaling.type", "none"), float(g("rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return RopeConfig(theta=theta, linear_factor=factor)
+    if kind != "yarn" or factor <= 1:
+        return RopeConfig(theta=theta)
+    log_mul = float(g("rope.scaling.yarn_log_multiplier", 0.0))
+    attention = (yarn_mscale(factor) / yarn_mscale(factor, log_mul) if log_mul
+                 else yarn_mscale(factor))
+    attention *= float(g("rope.scaling.attn_factor", 1.0))
+    return RopeConfig(theta=theta, yarn=Yarn(
+        factor, int(g("rope.scaling.original_context_length")), attention,
+        float(g("rope.scaling.yarn_beta_fast", 32.0)), float(g("rope.scaling.yarn_beta_slow", 1.0))))
