@@ -170,7 +170,7 @@ class Engine:
         pools = self._pool_sizes(loaded.config, config)
         num_blocks = pools.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 pools.window)
+                                 pools.window, pools.state_slots)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv)
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
@@ -178,7 +178,8 @@ class Engine:
                 "kv_dtype": config.kv_dtype, "device": config.device, "quantized": quantized,
                 "graphs": config.decode_graphs if ranks is None else "off",
                 "max_batch": config.max_num_seqs,
-                "num_window_blocks": pools.window.num_blocks if pools.window else None}
+                "num_window_blocks": pools.window.num_blocks if pools.window else None,
+                "num_state_slots": pools.state_slots}
         self.runner = (ModelRunner(loaded.model, loaded.config, **args) if ranks is None
                        else LeaderRunner(ranks, loaded.model, loaded.config, **args))
         # an encoder keeps no KV: its context is the model's, not the pool's
@@ -195,8 +196,9 @@ class Engine:
 
     @staticmethod
     def _pool_sizes(model: ModelConfig, config: EngineConfig) -> PoolSizes:
-        """Blocks for the KV pools. Sliding-window layers get a pool of their own except
-        where decode steps replay CUDA graphs, whose buffers hold one slot mapping."""
+        """Blocks for the KV pools, and state slots for recurrent layers. Sliding-window
+        layers get a pool of their own except where decode steps replay CUDA graphs, whose
+        buffers hold one slot mapping."""
         budget = CacheBudget(kv_bytes_per_element(config.kv_dtype), config.block_size,
                              config.kv_cache_gib * 2**30, config.max_num_seqs,
                              config.max_num_batched_tokens)
@@ -344,7 +346,7 @@ class Engine:
             kv_dtype=c.kv_dtype, block_size=c.block_size, num_kv_blocks=self.kv.num_blocks,
             kv_bytes_per_token=self.cost.kv_bytes_per_token, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
-            enable_prefix_caching=c.enable_prefix_caching, can_generate=self.can_generate,
+            enable_prefix_caching=self.kv.enable_prefix_caching, can_generate=self.can_generate,
             pooling=self.loaded.pooling, hidden_size=self.loaded.config.hidden_size)
 
     def embed(self, prompts: list[list[int]], normalize: bool = True,
@@ -394,7 +396,7 @@ class Engine:
                     raise RequestError(f"{len(ids)} tokens do not fit in the KV cache")
                 rows.append(self.runner.execute(SchedulerOutput([ScheduledSeq(
                     seq_id, start, chunk, self.kv.block_table(seq_id), True, 0,
-                    self.kv.window_table(seq_id))])).logits[0])
+                    self.kv.window_table(seq_id), self.kv.state_slot(seq_id))])).logits[0])
                 self.kv.release_out_of_window(seq_id, start + len(chunk))
         finally:
             self.kv.free(seq_id)

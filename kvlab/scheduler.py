@@ -59,6 +59,8 @@ class ScheduledSeq:
     prefill_tokens: int  # how many of token_ids are prompt tokens
     # its blocks in the sliding-window layers' pool, None where released; None without one
     window_table: list[int | None] | None = None
+    # its row in the recurrent layers' state tensors; None without such layers
+    state_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class Scheduler:
             seq.seq_id, start, seq.token_ids[start:end], self.kv.block_table(seq.seq_id),
             needs_logits=end == seq.num_tokens,
             prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start),
-            window_table=self.kv.window_table(seq.seq_id))
+            window_table=self.kv.window_table(seq.seq_id),
+            state_slot=self.kv.state_slot(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlab.cache.block_pool import BlockPool, hash_block_tokens
+from kvlab.cache.state_slots import StateSlots
 from kvlab.cache.window_blocks import WindowBlocks, WindowSpec
 
 
@@ -54,10 +55,14 @@ class KVCacheManager:
     """Owns which KV blocks each sequence (by id) uses, and the prefix cache over them."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: WindowSpec | None = None):
+                 window: WindowSpec | None = None, state_slots: int = 0):
+        """state_slots: how many sequences the recurrent layers can hold (0: no such
+        layers); with any, the prefix cache is off (see the module docstring)."""
+        enable_prefix_caching = enable_prefix_caching and state_slots == 0
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.window = (WindowBlocks(window, block_size, enable_prefix_caching)
                        if window is not None else None)
+        self.states = StateSlots(state_slots) if state_slots else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixStats()
@@ -121,7 +126,8 @@ class KVCacheManager:
         """Grow seq_id's block table to cover num_total_tokens tokens.
 
         On the first call, computed_blocks (from get_computed_blocks) start the table and get a
-        reference each. Returns False and changes nothing when there are not enough free blocks.
+        reference each, and a model with recurrent layers takes a state slot. Returns False
+        and changes nothing when there are not enough free blocks or no free slot.
         """
         seq = self._seqs.get(seq_id)
         computed = list(computed_blocks or [])
@@ -133,6 +139,8 @@ class KVCacheManager:
         self._check_still_cached(computed)
         if num_new > self.pool.num_free_blocks - reviving:
             return False
+        if self.states is not None and not self.states.can_allocate(seq_id):
+            return False
         hit = [self.pool.blocks[b] for b in computed]
         if self.window is not None:
             if not self.window.can_allocate(seq_id, have + num_new, hit):
@@ -142,12 +150,18 @@ class KVCacheManager:
             seq = self._seqs[seq_id] = _SeqBlocks()
             self.pool.touch(computed)  # before allocate, so these are not evicted by it
             seq.table.extend(computed)
+            if self.states is not None:
+                self.states.allocate(seq_id)
         seq.table.extend(self.pool.allocate(num_new))
         return True
 
     def block_table(self, seq_id: str) -> list[int]:
         seq = self._seqs.get(seq_id)
         return list(seq.table) if seq is not None else []
+
+    def state_slot(self, seq_id: str) -> int | None:
+        """seq_id's row in the recurrent layers' state tensors, or None (no such layers)."""
+        return self.states.slot(seq_id) if self.states is not None else None
 
     def window_table(self, seq_id: str) -> list[int | None] | None:
         """seq_id's blocks in the sliding-window layers' pool (None: released), or None
@@ -202,6 +216,8 @@ class KVCacheManager:
             self.pool.free(list(reversed(seq.table)))
         if self.window is not None:
             self.window.free(seq_id)
+        if self.states is not None:
+            self.states.free(seq_id)
 
     def _check_still_cached(self, block_ids: list[int]) -> None:
         for block_id in block_ids:

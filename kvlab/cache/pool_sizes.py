@@ -11,20 +11,27 @@ pool gets the rest:
     prefix-cache reserve   as much again, for window blocks a later prompt may reuse
 
 but never more blocks than one shared pool would have had.
+
+A hybrid model's recurrent states come off the budget first: one state slot per sequence
+that may run at once (max_num_seqs), each the recurrent layers' fixed-size state; the pools
+share what is left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvlab.cache.window_blocks import WindowSpec
 from kvlab.config import ModelConfig
+from kvlab.errors import KvlabError
 
 
 @dataclass(frozen=True)
 class PoolSizes:
     num_blocks: int  # the full-attention layers' pool (every layer's, without a window pool)
     window: WindowSpec | None  # the sliding-window layers' pool; None: they share the above
+    state_slots: int = 0  # sequences the recurrent layers hold a state for (0: none)
 
 
 @dataclass(frozen=True)
@@ -37,8 +44,21 @@ class CacheBudget:
 
 
 def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:
-    """Blocks per pool; windowed=False keeps one pool for all layers. The window pool never
-    has more blocks than one shared pool would, so the full pool never has fewer."""
+    """Blocks per pool and state slots; windowed=False keeps one pool for all attention
+    layers. The window pool never has more blocks than one shared pool would, so the full
+    pool never has fewer."""
+    slots = budget.max_num_seqs if config.recurrent is not None else 0
+    state_bytes = slots * config.state_bytes_per_seq()
+    if state_bytes >= budget.memory_bytes:
+        raise KvlabError(
+            f"the recurrent states of {slots} sequences take {state_bytes / 2**30:.3f} GiB, "
+            f"more than the {budget.memory_bytes / 2**30:.3f} GiB cache budget: raise the KV "
+            "cache size or lower max sequences")
+    rest = dataclasses.replace(budget, memory_bytes=budget.memory_bytes - state_bytes)
+    return dataclasses.replace(_block_pools(config, rest, windowed), state_slots=slots)
+
+
+def _block_pools(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:
     bs = budget.block_size
     by_need = -(-config.max_position_embeddings * budget.max_num_seqs // bs)
     shared_block = config.kv_bytes_per_token(budget.bytes_per_element) * bs

@@ -145,7 +145,7 @@ class LoadedModel:
         return LayerSpec(
             dense_bytes=sum(size(t) for t in tensors if not t.routed),
             dense_params=sum(math.prod(t.shape) for t in matmul if not t.routed),
-            kv_elements=2 * c.num_kv_heads * c.head_dim,
+            kv_elements=0 if c.is_recurrent(layer) else 2 * c.num_kv_heads * c.head_dim,
             attn_flop_per_key=4 * c.num_heads * c.head_dim,
             window=c.sliding_window if c.is_sliding(layer) else None,
             expert_bytes=sum(size(t) for t in tensors if t.routed),
@@ -205,7 +205,7 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
 
     weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}
     layers = [get_layer(i) for i in range(config.num_layers)]
-    _check_present(weights, layers, ckpt, spec.gated_mlp)
+    _check_present(weights, layers, ckpt, spec.gated_mlp, full)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
     model = spec.model_cls(config, weights, _stack_all(layers, fused), tp)
     return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec))
@@ -286,11 +286,14 @@ def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, s
 
 
 def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
-                   ckpt: Checkpoint, gated_mlp: bool = True) -> None:
+                   ckpt: Checkpoint, gated_mlp: bool, config: ModelConfig) -> None:
+    """Embeddings, and each layer's MLP and attention (a recurrent layer's own tensors are
+    its architecture's to check)."""
     missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
-        required = {"o"}  # and q/k/v, gate/up, each set alone or fused
-        required |= {"qkv"} if "qkv" in layer else {"q", "k", "v"}
+        required = set()
+        if not config.is_recurrent(i):  # o, and q/k/v, gate/up, each set alone or fused
+            required = {"o"} | ({"qkv"} if "qkv" in layer else {"q", "k", "v"})
         required |= _mlp_names(layer) if gated_mlp else {"up", "down"}
         missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:

@@ -4,6 +4,10 @@ The KV pool is one store per layer (kvlab.models.kv_store) of num_blocks * block
 plus one block of scratch slots for padding rows, allocated once; its pages only become
 resident when written. Given a window pool (num_window_blocks), the sliding-window layers'
 stores have that many blocks instead, addressed through each sequence's window table. On CUDA, pure decode steps replay captured graphs (decode_graph).
+
+A hybrid model's recurrent layers have no KV store (None in kv_caches); given state slots
+(num_state_slots), the runner holds their states (kvlab.models.state_store), zeroes a
+sequence's row when it starts from token 0 and passes the step's rows to the model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from kvlab.config import ModelConfig
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import kv_bytes_per_element, make_kv
 from kvlab.models.layers import rms_norm
+from kvlab.models.state_store import RecurrentStates, StateBatch
 from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
 from kvlab.runner.kv_pager import KVPager
 from kvlab.scheduler import SchedulerOutput
@@ -39,15 +44,21 @@ class ModelRunner:
     def __init__(self, model: object, config: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: str = "f32", device: str = "cpu", quantized: bool = False,
                  graphs: str = "auto", max_batch: int = 16,
-                 num_window_blocks: int | None = None) -> None:
+                 num_window_blocks: int | None = None, num_state_slots: int = 0) -> None:
         self.model, self.config = model, config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.num_window_blocks = num_window_blocks
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype
-        self.kv_caches = [make_kv(kv_dtype, self._num_slots(i), config.num_kv_heads,
+        self.kv_caches = [None if config.is_recurrent(i) else
+                          make_kv(kv_dtype, self._num_slots(i), config.num_kv_heads,
                                   config.head_dim, self.device)
                           for i in range(config.num_layers)]
+        if config.recurrent is not None and num_state_slots < 1:
+            raise ValueError(f"{config.architecture} has recurrent layers: give the runner "
+                             "state slots (num_state_slots >= 1)")
+        self.states = (RecurrentStates(config, num_state_slots, self.device)
+                       if config.recurrent is not None else None)
         self._offsets = torch.arange(block_size)
         self.kernel_decode = self.device.type == "cpu" and quantized
         self.threads = torch.get_num_threads()
@@ -63,7 +74,8 @@ class ModelRunner:
         the main pool's layers, then the sliding-window pool's, if any."""
         own = [self.num_window_blocks is not None and self.config.is_sliding(i)
                for i in range(self.config.num_layers)]
-        pools = [[t for c, w in zip(self.kv_caches, own) if w == win for t in c.tensors()]
+        pools = [[t for c, w in zip(self.kv_caches, own) if w == win and c is not None
+                  for t in c.tensors()]
                  for win in ((False, True) if any(own) else (False,))]
         slots = [self.num_blocks * self.block_size]
         if any(own):
@@ -84,9 +96,10 @@ class ModelRunner:
     def _decode_graphs(self, mode: str, max_batch: int) -> DecodeGraphs | None:
         if mode not in GRAPH_MODES:
             raise ValueError(f"graphs={mode!r} (valid: {', '.join(GRAPH_MODES)})")
-        # MoE layers choose their experts on the host (.tolist()): no graph can capture that
+        # MoE layers choose their experts on the host (.tolist()): no graph can capture that;
+        # graphs replay attention-only steps, with no recurrent states
         capture = self.device.type == "cuda" and self.config.moe is None
-        if mode == "off" or (mode == "auto" and not capture):
+        if mode == "off" or (mode == "auto" and not capture) or self.states is not None:
             return None
         width = min(self.num_blocks * self.block_size, self.config.max_position_embeddings)
         return DecodeGraphs(self.model, self.config, self.kv_caches,
@@ -102,7 +115,8 @@ class ModelRunner:
         else:
             first, last = -(-tokens // self.block_size) * self.block_size, self.block_size
         for cache in self.kv_caches:
-            cache.reserve(first, last)
+            if cache is not None:
+                cache.reserve(first, last)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -151,7 +165,13 @@ class ModelRunner:
             stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device)]
             stores *= c.num_layers
             meta = build_metadata(spans, c.sliding_window, self.device)
-            hidden = self.model.forward(ids, positions, stores, meta)
+            if c.recurrent is None:
+                hidden = self.model.forward(ids, positions, stores, meta)
+            else:  # states of their own too, fresh: row i for prompt i
+                states = RecurrentStates(c, len(prompts), self.device)
+                hidden = self.model.forward(ids, positions, stores, meta,
+                                            states=states.batch(list(range(len(prompts))),
+                                                                lengths))
             return rms_norm(hidden, self.model.weights["norm"], c.rms_norm_eps).float()
 
     def close(self) -> None:
@@ -177,11 +197,12 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         trace: list[torch.Tensor] | None = [] if record_experts else None
+        extra = {} if self.states is None else {"states": self._step_states(out)}
         with torch.inference_mode():
             if trace is None:
-                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta)
+                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, **extra)
             else:
-                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, trace)
+                hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, trace, **extra)
             rows, seq_ids, row = [], [], 0
             for s in out.scheduled:
                 row += len(s.token_ids)
@@ -194,6 +215,18 @@ class ModelRunner:
             logits = self.model.logits(hidden.index_select(0, index))
         experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
         return StepLogits(seq_ids, logits, experts)
+
+    def _step_states(self, out: SchedulerOutput) -> StateBatch:
+        """The step's rows of the recurrent states; a sequence that starts from token 0
+        starts from a zero state."""
+        assert self.states is not None
+        missing = [s.seq_id for s in out.scheduled if s.state_slot is None]
+        if missing:
+            raise ValueError(f"{missing[0]!r} has no state slot: {self.config.architecture} "
+                             "has recurrent layers (KVCacheManager with state_slots)")
+        self.states.zero([s.state_slot for s in out.scheduled if s.start == 0])
+        return self.states.batch([s.state_slot for s in out.scheduled],
+                                 [len(s.token_ids) for s in out.scheduled])
 
     def _scratch_released(self, window_table: list[int | None]) -> list[int]:
         """A window table with released blocks pointing at the pool's scratch block (never
