@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -31,8 +32,18 @@ GRANITE = ReasoningFormat(dropped=("<response>", "</response>"), switch="thinkin
 SEED = ReasoningFormat("<seed:think>", "</seed:think>", "thinking_budget", (-1, 0))
 MINIMAX_M3 = ReasoningFormat("<mm:think>", "</mm:think>", "thinking_mode", ("enabled", "disabled"))
 
+GEMMA4 = ReasoningFormat("<|channel>thought", "<channel|>", "enable_thinking",
+                         tokens=("<|channel>", "<channel|>"))
+COHERE = ReasoningFormat("<|START_THINKING|>", "<|END_THINKING|>", "reasoning",
+                         dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+
 # template file -> its format; every other template in the folder has none
 EXPECTED = {
+    "google-gemma-4-31B-it.jinja": GEMMA4,
+    "google-gemma-4-31B-it-interleaved.jinja": GEMMA4,
+    "Cohere2MoE.jinja": COHERE,
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": replace(COHERE,
+                                                                   switch="enable_thinking"),
     "ibm-granite-granite-3.3-2B-Instruct.jinja": GRANITE,
     "ByteDance-Seed-OSS.jinja": SEED,
     "MiniMax-M3.jinja": MINIMAX_M3,
@@ -76,7 +87,9 @@ GRANITE_REPLY = ("<think>The user asks for 6*7. Six sevens are 42.</think>"
 @pytest.mark.skipif(not _templates(), reason="set KVLAB_LLAMA_VOCABS to llama.cpp's models/ "
                                              "folder (its templates/ holds the chat templates)")
 @pytest.mark.parametrize("name", ["ByteDance-Seed-OSS.jinja", "MiniMax-M3.jinja",
-                                  "Qwen-Qwen3-0.6B.jinja"])
+                                  "Qwen-Qwen3-0.6B.jinja", "google-gemma-4-31B-it.jinja",
+                                  "Cohere2MoE.jinja",
+                                  "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja"])
 def test_the_switch_off_closes_the_block_in_the_prompt(name) -> None:
     template = (_templates()[0].parent / name).read_text()
     fmt = reasoning_format(template)
@@ -130,9 +143,15 @@ REPLIES = [
     (HARMONY, "<|channel|>final<|message|>It is 42.", False, (None, "It is 42.")),
     (HARMONY, "<|channel|>analysis<|message|>Need the weather: call get_weather.<|end|>" + CALL,
      False, ("Need the weather: call get_weather.", CALL)),
+    (GEMMA4, "<|channel>thought\nThe user asks for 6*7. Six sevens are 42.\n<channel|>It is 42.",
+     False, ("The user asks for 6*7. Six sevens are 42.", "It is 42.")),
+    (COHERE, ("<|START_THINKING|>Six sevens are 42.<|END_THINKING|><|START_RESPONSE|>It is 42."
+              "<|END_RESPONSE|>"), False, ("Six sevens are 42.", "It is 42.")),
+    (COHERE, "Six sevens are 42.<|END_THINKING|><|START_RESPONSE|>It is 42.<|END_RESPONSE|>",
+     True, ("Six sevens are 42.", "It is 42.")),  # Command-A's prompt opens the block
 ]
 IDS = ["think", "think-open", "granite", "granite-off", "seed", "minimax-m3", "harmony",
-       "harmony-final-only", "harmony-tool-call"]
+       "harmony-final-only", "harmony-tool-call", "gemma4", "cohere", "cohere-open"]
 
 
 @pytest.mark.parametrize("fmt,text,inside,expected", REPLIES, ids=IDS)

@@ -77,6 +77,47 @@ GLM = "".join(f"<tool_call>{n}\n{xml_params(*GLM_ARG, a)}</tool_call>\n" for n, 
 KIMI = "".join(f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{j(a)}"
                "<|tool_call_end|>" for i, (n, a) in enumerate(CALLS))
 
+
+
+def gemma(value: object) -> str:
+    """A value as Gemma 4's template writes call arguments (bare keys, <|"|> strings)."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{gemma(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma(v) for v in value) + "]"
+    return j(value)
+
+
+def python(value: object) -> str:
+    """A keyword value as LFM2's template writes it (strings quoted, objects as JSON)."""
+    return repr(value) if isinstance(value, str) else j(value) if isinstance(value, dict) \
+        else str(value)
+
+
+def invoke(prefix: str, n: str, args: dict, typed: bool) -> str:
+    """MiniMax-M2's and DSML's invoke blocks (DSML marks string parameters)."""
+    def attr(v: object) -> str:
+        return (' string="true"' if isinstance(v, str) else ' string="false"') if typed else ""
+    return (f'<{prefix}invoke name="{n}">\n' + "".join(
+        f'<{prefix}parameter name="{k}"{attr(v)}>{v if isinstance(v, str) else j(v)}'
+        f"</{prefix}parameter>\n" for k, v in args.items()) + f"</{prefix}invoke>\n")
+
+
+def dsml(block: str) -> str:
+    return (f"{BEFORE}\n\n<｜DSML｜{block}>\n"
+            + "".join(invoke("｜DSML｜", n, a, True) for n, a in CALLS) + f"</｜DSML｜{block}>")
+
+
+COMMAND_R = "Action:\n```json\n[\n" + ",\n".join(
+    '    {\n        "tool_name": "' + n + '",\n        "parameters": '
+    + json.dumps(a, indent=4, ensure_ascii=False).replace("\n", "\n        ") + "\n    }"
+    for n, a in CALLS) + "\n]```\n"
+SEED = "".join(f"\n<seed:tool_call>\n<function={n}>\n" + "".join(
+    f"<parameter={k}>{v}</parameter>\n" for k, v in a.items())
+    + "</function>\n</seed:tool_call>" for n, a in CALLS)
+
 # format -> (reply, content of the whole parse)
 REPLIES = {
     "qwen": (f"{BEFORE}\n\n" + "\n".join(f"<tool_call>\n{j(c)}\n</tool_call>"
@@ -104,6 +145,22 @@ REPLIES = {
     "functionary": (f"all\n{BEFORE}" + "".join(f">>>{n}\n{j(a)}" for n, a in CALLS), BEFORE),
     "functionary_v3_1": (f"{BEFORE}\n" + "".join(f"<function={n}>{j(a)}</function>"
                                                  for n, a in CALLS), BEFORE),
+    "gemma4": (f"{BEFORE}" + "".join(f"<|tool_call>call:{n}{gemma(a)}<tool_call|>"
+                                     for n, a in CALLS), BEFORE),
+    "minimax_m2": (f"{BEFORE}\n<minimax:tool_call>\n" + "".join(
+        invoke("", n, a, False) for n, a in CALLS) + "</minimax:tool_call>", BEFORE),
+    "minimax_m1": (f"{BEFORE}\n<tool_calls>\n" + "\n".join(j(c) for c in named())
+                   + "\n</tool_calls>", BEFORE),
+    "deepseek_v3_2": (dsml("function_calls"), BEFORE),
+    "deepseek_v3_2_v4": (dsml("tool_calls"), BEFORE),
+    "seed_oss": (f"{BEFORE}\n{SEED}", BEFORE),
+    "command_r": (f"{BEFORE}\n{COMMAND_R}", BEFORE),
+    "command_r7b": (f"{BEFORE}<|START_ACTION|>[\n" + ",\n".join(
+        f'    {{"tool_call_id": "{i}", "tool_name": "{n}", "parameters": {j(a)}}}'
+        for i, (n, a) in enumerate(CALLS)) + "\n]<|END_ACTION|>", BEFORE),
+    "lfm2": (f"{BEFORE}<|tool_call_start|>[" + ", ".join(
+        f"{n}({', '.join(f'{k}={python(v)}' for k, v in a.items())})" for n, a in CALLS)
+        + "]<|tool_call_end|>", BEFORE),
     "generic": (j(named()), None),
     "other": (f"{BEFORE}\n" + "".join(f"<tool_call>{j(c)}</tool_call>" for c in named()),
               BEFORE),
@@ -201,6 +258,10 @@ def test_text_before_a_call_streams_and_the_call_is_held() -> None:
     ("functionary", "all\nSure — here is the answer.\n\n"),
     ("functionary", "al"),
     ("kimi_k2", "Nothing here <|tool_calls_sec"),
+    ("gemma4", "Plain words, then <|tool_ca"),
+    ("lfm2", "Use <|tool_call_start|>[not a call] here"),
+    ("command_r", "Action: none needed, the answer is 4."),
+    ("deepseek_v3_2", "A DSML block <｜DSML｜function_calls>\nthat holds no invoke"),
 ])
 def test_replies_without_calls_stream_unchanged(form: str, text: str) -> None:
     plan = plan_for(form)
@@ -216,8 +277,11 @@ def _bad_json(case: str, text: str) -> str:
     if case in ("qwen3_coder", "glm"):
         return text.replace("<function=get_weather>", "<function=get_weathr>", 1) \
             .replace("<tool_call>get_weather", "<tool_call>get_weathr", 1)
-    return text.replace(j(first)[:-1], j(first)[:-2] + ",", 1) if j(first) in text \
-        else text.replace('"city": "Zürich"', '"city": Zürich', 1)
+    if j(first) in text:
+        return text.replace(j(first)[:-1], j(first)[:-2] + ",", 1)
+    if '"city": "Zürich"' in text:
+        return text.replace('"city": "Zürich"', '"city": Zürich', 1)
+    return text.replace("get_weather", "get_weathr", 1)  # arguments not JSON: the call's name
 
 
 @pytest.mark.parametrize("case", sorted(REPLIES))
@@ -277,6 +341,15 @@ EXPECTED = {
     "granite": ["ibm-granite-granite-3.3-2B-Instruct"],
     "functionary": ["meetkai-functionary-medium-v3.2"],
     "functionary_v3_1": ["meetkai-functionary-medium-v3.1"],
+    "gemma4": ["google-gemma-4-31B-it", "google-gemma-4-31B-it-interleaved"],
+    "minimax_m2": ["MiniMax-M2"],
+    "minimax_m1": ["MiniMax-M1"],
+    "deepseek_v3_2": ["deepseek-ai-DeepSeek-V3.2", "deepseek-ai-DeepSeek-V4",
+                      "deepseek-ai-DeepSeek-V4-Flash-0731"],
+    "seed_oss": ["ByteDance-Seed-OSS"],
+    "command_r": ["CohereForAI-c4ai-command-r-plus-tool_use"],
+    "command_r7b": ["CohereForAI-c4ai-command-r7b-12-2024-tool_use", "Cohere2MoE"],
+    "lfm2": ["LFM2-8B-A1B", "LFM2.5-8B-A1B"],
     "generic": ["google-gemma-2-2b-it", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
                 "microsoft-Phi-3.5-mini-instruct"],
 }
@@ -406,5 +479,5 @@ def test_marker_tokens_are_written_into_the_text_they_are_read_from() -> None:
         == "<start_of_turn>model\nHi<end_of_turn>"
     assert SamplingParams(shown_special_ids=[105]).shown_special_ids == (105,)
     assert all(fmt.tokens or fmt.name in ("generic", "functools", "functionary",
-                                          "functionary_v3_1")
+                                          "functionary_v3_1", "command_r", "deepseek_v3_2")
                for fmt in FORMATS.values())

@@ -10,6 +10,9 @@ item, an Anthropic `thinking` block, Ollama's `thinking`), never mixed into the 
         <think>..</think><response>..</response>   Granite 3.x (the response tags dropped)
         <seed:think> ... </seed:think>             Seed-OSS
         <mm:think> ... </mm:think>                 MiniMax-M3
+        <|channel>thought ... <channel|>           Gemma 4
+        <|START_THINKING|> ... <|END_THINKING|>    Command-A, Command-R7B (the answer's
+                                                   <|START_RESPONSE|> tags dropped)
         <|channel|>analysis<|message|> ... <|end|> gpt-oss harmony; the final channel's
                                                    header is dropped, a commentary tool call
                                                    stays in the content for the tool format
@@ -77,6 +80,10 @@ HARMONY = ReasoningFormat("<|channel|>analysis<|message|>", "<|end|>",
                           answer_start=_HARMONY_ANSWER)
 
 
+_COHERE_THINKING = ReasoningFormat("<|START_THINKING|>", "<|END_THINKING|>", "reasoning",
+                                   dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+
+
 @dataclass(frozen=True)
 class _Row:
     needles: tuple[str, ...]  # all of them in the template's text: it speaks this format
@@ -89,6 +96,13 @@ FORMATS: tuple[_Row, ...] = (
     # Seed-OSS: a thinking budget of 0 closes the block in the prompt, -1 leaves it open-ended
     _Row(("<seed:think>",), ReasoningFormat("<seed:think>", "</seed:think>",
                                             "thinking_budget", (-1, 0))),
+    # Gemma 4: a thought channel; thinking off closes an empty one in the prompt
+    _Row(("<|channel>thought",), ReasoningFormat("<|channel>thought", "<channel|>",
+                                                 "enable_thinking",
+                                                 tokens=("<|channel>", "<channel|>"))),
+    # Command-A (Cohere2), then Command-R7B: the answer sits in <|START_RESPONSE|> tags
+    _Row(("<|START_THINKING|>", "reasoning_effort"), _COHERE_THINKING),
+    _Row(("<|START_THINKING|>",), replace(_COHERE_THINKING, switch="enable_thinking")),
     # MiniMax-M3: thinking_mode "enabled" opens the block in the prompt, "disabled" closes it
     _Row(("<mm:think>",), ReasoningFormat("<mm:think>", "</mm:think>",
                                           "thinking_mode", ("enabled", "disabled"))),

@@ -28,6 +28,19 @@ the model's name. Each `CallFormat` knows
     functools     Phi-4-mini, FireFunction v2       functools[{...}]
     functionary   functionary v3.2                  >>>f\\n{...} (the prompt ends with ">>>")
     functionary_v3_1  functionary v3.1              <function=f>{...}</function>
+    gemma4        Gemma 4                           <|tool_call>call:f{k:<|"|>v<|"|>,n:1}<tool_call|>
+    minimax_m2    MiniMax-M2                        <minimax:tool_call><invoke name="f"><parameter
+                                                    name="k">v</parameter></invoke></minimax:tool_call>
+    minimax_m1    MiniMax-M1                        <tool_calls>{"name", "arguments"}</tool_calls>
+    deepseek_v3_2 DeepSeek V3.2, V4 (DSML)          <｜DSML｜function_calls><｜DSML｜invoke name="f">
+                                                    <｜DSML｜parameter name="k" string="true">v
+                                                    </｜DSML｜parameter></｜DSML｜invoke>...
+    seed_oss      Seed-OSS                          <seed:tool_call><function=f><parameter=k>v
+                                                    </parameter></function></seed:tool_call>
+    command_r     Command-R+                        Action: ```json [{"tool_name", "parameters"}]```
+    command_r7b   Command-R7B, Command-A            <|START_ACTION|>[{"tool_call_id", "tool_name",
+                                                    "parameters"}]<|END_ACTION|>
+    lfm2          LFM2                              <|tool_call_start|>[f(k='v', n=1)]<|tool_call_end|>
     generic       templates without tools           a JSON list of {"name", "arguments"}
     other         templates with tools, none above  Hermes, Llama or generic JSON
 
@@ -36,12 +49,14 @@ have, or has arguments that are not an object leaves the whole reply as text. Wh
 is streamed, `heads` finds each call's name and `json_prefix` the part of its arguments'
 canonical JSON that the text so far fixes, so a stream can name calls and grow their
 arguments before the reply ends.
-Hand-written because each family's format is a few regular expressions over the reply text;
-the formats come from the families' chat templates and documentation.
+Hand-written because each family's format is a few regular expressions over the reply text
+(Gemma 4's values and LFM2's Python call lists each get a small reader of their own); the
+formats come from the families' chat templates and documentation.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -122,13 +137,17 @@ def _arguments(value: Any) -> dict[str, Any] | None:
 
 def _json_call(item: Any, tools: Tools, keys: tuple[str, ...] = ("arguments", "parameters")
                ) -> Found | None:
-    """{"name": ..., "arguments" (or "parameters"): {...}} naming a known tool."""
-    if not isinstance(item, dict) or item.get("name") not in tools:
+    """{"name" (Cohere's "tool_name"): ..., "arguments" (or "parameters"): {...}} naming a
+    known tool."""
+    if not isinstance(item, dict):
+        return None
+    name = item.get("name", item.get("tool_name"))
+    if not isinstance(name, str) or name not in tools:
         return None
     args = next((item[k] for k in keys if k in item), {})
     parsed = _arguments(args)
     written = item.get("id") if isinstance(item.get("id"), str) else None
-    return None if parsed is None else (item["name"], parsed, written)
+    return None if parsed is None else (name, parsed, written)
 
 
 def _json_values(text: str, separators: str = " \t\r\n") -> tuple[list[Any], str]:
@@ -172,7 +191,8 @@ def _repeated(text: str, call: re.Pattern[str], one: Callable[[re.Match[str]], F
 
 def _typed(value: str, schema: Any) -> Any:
     """A parameter written as bare text, typed by its JSON schema: strings stay text, other
-    types are read as JSON (and stay text when they are not valid JSON)."""
+    types are read as JSON, or as a Python literal (Seed-OSS's template writes them with
+    Python's `str`), and stay text when they are neither."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     kinds = kind if isinstance(kind, list) else [kind]
     if kind is None or "string" in kinds:
@@ -180,6 +200,10 @@ def _typed(value: str, schema: Any) -> Any:
     try:
         return json.loads(value)
     except ValueError:
+        pass
+    try:
+        return _literal(ast.parse(value.strip(), mode="eval").body)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
         return value
 
 
@@ -209,24 +233,33 @@ def _read_other(text: str, tools: Tools) -> tuple[list[Found], str] | None:
         else _read_llama(text, tools)
 
 
-_CODER = re.compile(r"\s*(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)</function>\s*"
-                    r"(?:</tool_call>)?", re.DOTALL)
+def _coder_call(tag: str) -> re.Pattern[str]:
+    """<function=f>...</function> calls, each wrapped in <tag>...</tag> or not."""
+    return re.compile(rf"\s*(?:<{tag}>\s*)?<function=([^>\n]+)>(.*?)</function>\s*"
+                      rf"(?:</{tag}>)?", re.DOTALL)
+
+
 _CODER_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                           re.DOTALL)
 
 
-def _read_qwen3_coder(text: str, tools: Tools) -> tuple[list[Found], str] | None:
-    def one(m: re.Match[str]) -> Found | None:
-        name = m.group(1).strip()
-        if name not in tools:
-            return None
-        args = {}
-        for p in _CODER_PARAM.finditer(m.group(2)):
-            key = p.group(1).strip()
-            value = p.group(2).removeprefix("\n").removesuffix("\n")
-            args[key] = _typed(value, _property(tools, name, key))
-        return name, args, None
-    return _repeated(text, _CODER, one)
+def _xml_functions(tag: str) -> Reader:
+    """Qwen3-Coder's calls (in <tool_call>), Seed-OSS's (in <seed:tool_call>)."""
+    call = _coder_call(tag)
+
+    def read(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+        def one(m: re.Match[str]) -> Found | None:
+            name = m.group(1).strip()
+            if name not in tools:
+                return None
+            args = {}
+            for p in _CODER_PARAM.finditer(m.group(2)):
+                key = p.group(1).strip()
+                value = p.group(2).removeprefix("\n").removesuffix("\n")
+                args[key] = _typed(value, _property(tools, name, key))
+            return name, args, None
+        return _repeated(text, call, one)
+    return read
 
 
 _GLM = re.compile(r"\s*<tool_call>\s*([^<\n]+?)\s*((?:<arg_key>.*?</arg_value>\s*)*)"
@@ -359,6 +392,164 @@ def _functionary_opening(text: str, tools: Tools) -> bool | None:
     return None if len(line) <= 64 and re.fullmatch(r"[\w.-]*", line) else False
 
 
+# Invoke blocks: MiniMax-M2's <minimax:tool_call>, DeepSeek V3.2's DSML (V4 names the block
+# tool_calls); a parameter's `string` attribute says whether its value is text or JSON.
+def _invokes(block: str, end: str, prefix: str) -> Reader:
+    head = re.compile(rf"\s*{block}\s*")
+    invoke = re.compile(rf'\s*<{prefix}invoke name="([^"]+)">(.*?)</{prefix}invoke>\s*',
+                        re.DOTALL)
+    param = re.compile(rf'<{prefix}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)'
+                       rf"</{prefix}parameter>", re.DOTALL)
+
+    def read(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+        def one(m: re.Match[str]) -> Found | None:
+            name, args = m.group(1), {}
+            if name not in tools:
+                return None
+            for key, is_text, value in param.findall(m.group(2)):
+                if is_text == "false":
+                    try:
+                        args[key] = json.loads(value)
+                    except ValueError:
+                        return None
+                else:
+                    args[key] = value if is_text else _typed(value, _property(tools, name, key))
+            return name, args, None
+        opened = head.match(text)
+        got = None if opened is None else _repeated(text[opened.end():], invoke, one)
+        return None if got is None else (got[0], _after(got[1], end))
+    return read
+
+
+_MINIMAX_BEGIN, _MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_DSML = "<｜DSML｜"
+_DSML_BLOCK = r"<｜DSML｜(function_calls|tool_calls)>"
+
+
+def _read_dsml(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+    block = re.match(_DSML_BLOCK, text)
+    if block is None:
+        return None
+    return _invokes(_DSML_BLOCK, f"</｜DSML｜{block.group(1)}>", "｜DSML｜")(text, tools)
+
+
+def _wrapped_json(begin: str, end: str, fence: bool = False) -> Reader:
+    """A marker, then JSON calls (a list or objects one after another), then its end marker;
+    `fence`: the JSON may sit in a ```json block (Command-R+'s "Action:")."""
+    def read(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+        body = text.removeprefix(begin)
+        opened = re.match(r"\s*```(?:json)?\s*", body) if fence else None
+        got = _json_calls(body[opened.end():] if opened else body, tools)
+        if got is None:
+            return None
+        rest = got[1]
+        if opened:
+            rest = _after(rest, "```")
+        return got[0], _after(rest, end) if end else rest
+    return read
+
+
+# Gemma 4: call:f{key:value,...} where strings are <|"|>-quoted and keys are bare
+_GEMMA_QUOTE = '<|"|>'
+_GEMMA_CALL = re.compile(r"\s*<\|tool_call>call:([\w.-]+)(?=\{)")
+_GEMMA_KEY = re.compile(r"\s*([^\s:{}\[\],<]+|<\|\"\|>.*?<\|\"\|>)\s*:", re.DOTALL)
+_GEMMA_SCALAR = re.compile(r"\s*(-?[0-9][0-9.eE+-]*|true|false|null)")
+
+
+def _gemma_value(text: str, pos: int) -> tuple[Any, int]:
+    """One Gemma 4 value from `pos`: (value, where it ends); ValueError if there is none."""
+    while pos < len(text) and text[pos] in " \n":
+        pos += 1
+    if text.startswith(_GEMMA_QUOTE, pos):
+        end = text.find(_GEMMA_QUOTE, pos + len(_GEMMA_QUOTE))
+        if end < 0:
+            raise ValueError("unclosed string")
+        return text[pos + len(_GEMMA_QUOTE):end], end + len(_GEMMA_QUOTE)
+    if text.startswith("{", pos) or text.startswith("[", pos):
+        return _gemma_collection(text, pos)
+    m = _GEMMA_SCALAR.match(text, pos)
+    if m is None:
+        raise ValueError(f"no value at {pos}")
+    return json.loads(m.group(1)), m.end()
+
+
+def _gemma_collection(text: str, pos: int) -> tuple[Any, int]:
+    """An object {k:v,...} or a list [v,...] from `pos` (its opening bracket)."""
+    is_object, close = text[pos] == "{", "}" if text[pos] == "{" else "]"
+    items: list[tuple[str, Any]] = []
+    pos += 1
+    while True:
+        while pos < len(text) and text[pos] in " \n,":
+            pos += 1
+        if text.startswith(close, pos):
+            return (dict(items) if is_object else [v for _, v in items]), pos + 1
+        key = ""
+        if is_object:
+            m = _GEMMA_KEY.match(text, pos)
+            if m is None:
+                raise ValueError(f"no key at {pos}")
+            key, pos = m.group(1).removeprefix(_GEMMA_QUOTE).removesuffix(_GEMMA_QUOTE), m.end()
+        value, pos = _gemma_value(text, pos)
+        items.append((key, value))
+        if not text.startswith((",", close), pos):
+            raise ValueError(f"expected , or {close} at {pos}")
+
+
+def _read_gemma4(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+    calls: list[Found] = []
+    pos = 0
+    while (m := _GEMMA_CALL.match(text, pos)) is not None:
+        try:
+            args, pos = _gemma_value(text, m.end())
+        except ValueError:
+            return None
+        if m.group(1) not in tools or not isinstance(args, dict):
+            return None
+        calls.append((m.group(1), args, None))
+        pos += len("<tool_call|>") if text.startswith("<tool_call|>", pos) else 0
+    return (calls, text[pos:]) if calls else None
+
+
+# LFM2: a Python list of calls with keyword arguments (values Python or JSON literals)
+_LFM2_BEGIN, _LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python literal, where true / false / null (JSON's) are literals too."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)
+                if k is not None}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    return ast.literal_eval(node)
+
+
+def _python_call(node: ast.expr, tools: Tools) -> Found | None:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+            or node.func.id not in tools or any(k.arg is None for k in node.keywords):
+        return None
+    try:
+        return node.func.id, {str(k.arg): _literal(k.value) for k in node.keywords}, None
+    except (ValueError, TypeError, SyntaxError):
+        return None
+
+
+def _read_lfm2(text: str, tools: Tools) -> tuple[list[Found], str] | None:
+    body = text.removeprefix(_LFM2_BEGIN)
+    end = body.find(_LFM2_END)
+    inner, rest = (body[:end], body[end + len(_LFM2_END):]) if end >= 0 else (body, "")
+    try:
+        tree = ast.parse(inner.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    found = [_python_call(c, tools) for c in (tree.elts if isinstance(tree, ast.List)
+                                               else [tree])]
+    return None if not found or None in found else (found, rest)  # type: ignore[return-value]
+
+
 _HERMES_TOKENS = ("<tool_call>", "</tool_call>")
 _DS_TOKENS = (_DS_BEGIN, _DS_END, "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 _OBJECT_HEAD = r'\{\s*"name"\s*:\s*"([\w.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
@@ -374,6 +565,8 @@ _HEADS = {
     "kimi_k2": re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+?)(?::\d+)?\s*"
                           r"<\|tool_call_argument_begin\|>\s*"),
     "functionary": re.compile(r"(?:^|>>>)([\w.-]+)\n"),
+    "cohere": re.compile(r'\{\s*(?:"tool_call_id"\s*:\s*"[^"]*"\s*,\s*)?"tool_name"\s*:\s*'
+                         r'"([\w.-]+)"\s*,\s*"parameters"\s*:\s*'),
 }
 
 FORMATS: dict[str, CallFormat] = {f.name: f for f in (
@@ -382,8 +575,23 @@ FORMATS: dict[str, CallFormat] = {f.name: f for f in (
                heads=_HEADS["json"], tokens=(*_HERMES_TOKENS, "<|python_tag|>")),
     CallFormat("qwen", _read_hermes, ("<tool_call>",), heads=_HEADS["json"],
                tokens=_HERMES_TOKENS),
-    CallFormat("qwen3_coder", _read_qwen3_coder, ("<tool_call>", "<function="),
+    CallFormat("qwen3_coder", _xml_functions("tool_call"), ("<tool_call>", "<function="),
                tokens=_HERMES_TOKENS),
+    CallFormat("seed_oss", _xml_functions("seed:tool_call"), ("<seed:tool_call>",),
+               tokens=("<seed:tool_call>", "</seed:tool_call>")),
+    CallFormat("minimax_m2", _invokes(_MINIMAX_BEGIN, _MINIMAX_END, ""), (_MINIMAX_BEGIN,),
+               tokens=(_MINIMAX_BEGIN, _MINIMAX_END)),
+    CallFormat("minimax_m1", _wrapped_json("<tool_calls>", "</tool_calls>"), ("<tool_calls>",),
+               heads=_HEADS["json"], tokens=("<tool_calls>", "</tool_calls>")),
+    CallFormat("deepseek_v3_2", _read_dsml, (f"{_DSML}function_calls>", f"{_DSML}tool_calls>")),
+    CallFormat("gemma4", _read_gemma4, ("<|tool_call>",),
+               tokens=("<|tool_call>", "<tool_call|>", _GEMMA_QUOTE)),
+    CallFormat("command_r", _wrapped_json("Action:", "", fence=True), ("Action:",),
+               heads=_HEADS["cohere"]),
+    CallFormat("command_r7b", _wrapped_json("<|START_ACTION|>", "<|END_ACTION|>"),
+               ("<|START_ACTION|>",), heads=_HEADS["cohere"],
+               tokens=("<|START_ACTION|>", "<|END_ACTION|>")),
+    CallFormat("lfm2", _read_lfm2, (_LFM2_BEGIN,), tokens=(_LFM2_BEGIN, _LFM2_END)),
     CallFormat("llama", _read_llama, ("<|python_tag|>",), opens="[{", heads=_HEADS["json"],
                tokens=("<|python_tag|>",)),
     CallFormat("mistral", _read_mistral, ("[TOOL_CALLS]",), ids="mistral",
@@ -423,6 +631,14 @@ def detect_format(template: str | None, takes_tools: bool) -> str:
     if not takes_tools:
         return "generic"
     rules = (
+        ("gemma4", "<|tool_call>call:" in t),
+        ("deepseek_v3_2", "｜DSML｜" in t),
+        ("minimax_m2", _MINIMAX_BEGIN in t),
+        ("seed_oss", "<seed:tool_call>" in t),
+        ("command_r7b", "<|START_ACTION|>" in t),
+        ("command_r", "Action:" in t and '"tool_name"' in t),
+        ("lfm2", _LFM2_BEGIN in t or "<|tool_list_start|>" in t),
+        ("minimax_m1", "<tool_calls>" in t and '"arguments"' in t),
         ("gpt_oss", "<|channel|>" in t and "<|call|>" in t),
         ("mistral", "[TOOL_CALLS]" in t),
         ("kimi_k2", _KIMI_BEGIN in t),
