@@ -260,3 +260,106 @@ def _llama3_freq_factors(model) -> torch.Tensor:
     theta = _rope_theta(model.config, "llama")
     plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     return plain / rotary.inv_freq.float()
+
+
+# ---- hybrid models: recurrent layers beside attention ---------------------------------------
+
+HYBRID_ARCHS = ("lfm2",)
+LLAMA_CPP = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
+
+
+def hybrid_config(arch: str):
+    """Four layers, recurrent ones first and between: LFM2 conv / attention alternating,
+    Qwen3.5 three Gated DeltaNet layers then one gated attention layer, with twice as many
+    value heads as key heads (the grouped layout GGUF reorders)."""
+    import transformers as tf
+
+    common = {**_COMMON, "num_hidden_layers": 4}
+    if arch == "lfm2":
+        return tf.Lfm2Config(**common, conv_L_cache=3, norm_eps=1e-5,
+                             layer_types=["conv", "full_attention", "conv", "full_attention"],
+                             block_auto_adjust_ff_dim=False)
+    delta = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
+             "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}}
+    if arch == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**common, **delta)
+    if arch == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(**common, **delta, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48)
+    raise ValueError(arch)
+
+
+def build_hybrid(arch: str, out_dir: Path, seed: int = 0):
+    """Random fp32 hybrid model saved as out_dir/hf (safetensors); norms and routers random
+    so that a wrong norm convention or expert choice shows."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = hybrid_config(arch)
+    cls = {"lfm2": tf.Lfm2ForCausalLM, "qwen3_5": tf.Qwen3_5ForCausalLM,
+           "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM}[arch]
+    model = cls(cfg).float().eval()
+    zero_centered = arch != "lfm2"  # Qwen3.5's norms multiply by 1 + w (not linear_attn.norm)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                centre = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
+                p.copy_(torch.randn_like(p) * 0.1 + centre)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    return model
+
+
+def byte_tokenizer_metadata(vocab_size: int) -> dict:
+    """GGUF tokenizer metadata of the byte-level vocabulary _add_byte_tokenizer writes."""
+    tokens = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": tokens[:vocab_size],
+            "tokenizer.ggml.token_type": [1] * vocab_size,
+            "tokenizer.ggml.merges": ["! !"], "tokenizer.ggml.eos_token_id": vocab_size - 1,
+            "tokenizer.ggml.add_bos_token": False}
+
+
+# llama.cpp's converter, run on a tiny checkpoint: its model class as convert_hf_to_gguf.py
+# picks it, the byte vocabulary above in place of a tokenizer file, no MTP layers
+_CONVERT = """
+import sys
+from pathlib import Path
+root, src, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+sys.path[:0] = [str(root), str(root / "gguf-py")]
+import torch, gguf
+import convert_hf_to_gguf  # noqa: F401  (registers the model classes)
+from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+hparams = ModelBase.load_hparams(src, False)
+cls = get_model_class(get_model_architecture(hparams, ModelType.TEXT), mmproj=False)
+def byte_vocab(self):
+    n = self.hparams["vocab_size"]
+    tokens = [chr(c) for c in range(33, 127)] + ["\\u0120", "\\u010a"]
+    w = self.gguf_writer
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")
+    w.add_token_list(tokens[:n]); w.add_token_types([1] * n); w.add_token_merges(["! !"])
+    w.add_eos_token_id(n - 1); w.add_add_bos_token(False)
+cls.set_vocab = byte_vocab
+cls.no_mtp = True
+with torch.inference_mode():
+    cls(src, gguf.LlamaFileType.ALL_F32, out, eager=True).write()
+"""
+
+
+def convert_with_llama_cpp(hf_dir: Path, out: Path) -> str | None:
+    """Write out (GGUF, f32) with llama.cpp's converter; the reason it could not, or None."""
+    import subprocess
+    import sys
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
+        return f"llama.cpp's converter is not at {LLAMA_CPP}"
+    run = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(hf_dir), str(out)],
+                         check=False, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        return f"llama.cpp's converter failed: {run.stderr[-2000:]}"
+    return None

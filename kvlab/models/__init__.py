@@ -9,6 +9,7 @@ from kvlab.models import (
     bert,
     gemma2,
     gemma3,
+    lfm2,
     llama,
     mistral,
     mixtral,
@@ -26,7 +27,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
                                        qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC,
-                                       nomic_bert.SPEC)}
+                                       nomic_bert.SPEC, lfm2.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

@@ -187,7 +187,7 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
 
     def get(src: str, dst: str, stat_name: str) -> Weight | tuple[Weight, ...]:
         raw = ckpt.read(src)
-        if len(raw.shape) == 3:  # a layer's experts stacked on the first axis
+        if len(raw.shape) == 3 and dst.endswith("_exps"):  # a layer's experts, stacked
             w = tuple(convert(sub, dst, f"{stat_name}.{e}")
                       for e, sub in enumerate(_expert_slices(raw)))
         else:  # a large matrix's pages go as its rows are grouped, not all after

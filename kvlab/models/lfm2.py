@@ -1,0 +1,212 @@
+"""LFM2 (Liquid): a hybrid of short-convolution layers and attention layers, SwiGLU MLPs.
+
+A short-conv layer projects its input to three parts B, C, x, runs a causal depthwise
+convolution of width K over B * x and gates the result by C:
+
+    h -> in_proj -> [B | C | x];  y = C * conv(B * x);  out_proj(y)
+
+so its per-sequence state is the last K - 1 inputs of the convolution (kvlab.models.
+state_store). Attention layers are Llama's with QK-norm. The final norm is HF's
+`embedding_norm` (llama.cpp's `token_embd_norm`), applied after the last layer. Which
+layers convolve: HF's `layer_types` ("conv" / "full_attention"); in GGUF, the layers whose
+`attention.head_count_kv` entry is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvlab.config import ModelConfig, RecurrentConfig, RopeConfig, hf_layer_types
+from kvlab.errors import ModelLoadError
+from kvlab.kernels.recurrent import short_conv
+from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
+from kvlab.models.layers import (
+    Weight,
+    embed,
+    linear,
+    norm_rope,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    split,
+    swiglu,
+)
+from kvlab.models.sharding import SINGLE, TensorParallel
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.state_store import LayerState, StateBatch
+
+GGUF_NAMES = NameTable(
+    globals={"token_embd.weight": "embed", "token_embd_norm.weight": "norm",
+             "output.weight": "lm_head"},
+    layer_prefix="blk.{i}.",
+    layer={"attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k",
+           "attn_v.weight": "v", "attn_output.weight": "o", "attn_q_norm.weight": "q_norm",
+           "attn_k_norm.weight": "k_norm", "shortconv.in_proj.weight": "conv_in",
+           "shortconv.conv.weight": "conv", "shortconv.out_proj.weight": "conv_out",
+           "ffn_norm.weight": "mlp_norm", "ffn_gate.weight": "gate", "ffn_up.weight": "up",
+           "ffn_down.weight": "down"},
+)
+HF_NAMES = NameTable(
+    globals={"model.embed_tokens.weight": "embed", "model.embedding_norm.weight": "norm",
+             "lm_head.weight": "lm_head"},
+    layer_prefix="model.layers.{i}.",
+    layer={"operator_norm.weight": "attn_norm", "self_attn.q_proj.weight": "q",
+           "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+           "self_attn.out_proj.weight": "o", "self_attn.q_layernorm.weight": "q_norm",
+           "self_attn.k_layernorm.weight": "k_norm", "conv.in_proj.weight": "conv_in",
+           "conv.in_proj.bias": "conv_in_bias", "conv.conv.weight": "conv",
+           "conv.conv.bias": "conv_bias", "conv.out_proj.weight": "conv_out",
+           "conv.out_proj.bias": "conv_out_bias", "ffn_norm.weight": "mlp_norm",
+           "feed_forward.w1.weight": "gate", "feed_forward.w3.weight": "up",
+           "feed_forward.w2.weight": "down"},
+)
+
+
+def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    g = gguf_get(meta, "lfm2")
+    heads, hidden = int(g("attention.head_count")), int(g("embedding_length"))
+    kv = g("attention.head_count_kv")
+    layers = int(g("block_count"))
+    kv_heads = [int(n) for n in kv] if isinstance(kv, list | tuple) else [int(kv)] * layers
+    if len(kv_heads) != layers or not any(kv_heads):
+        raise ModelLoadError(f"lfm2.attention.head_count_kv {kv!r}: need one entry per layer "
+                             f"({layers}), 0 for a convolution layer, and one attention layer")
+    vocab = g("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens", []))
+    return _config(
+        vocab=int(vocab), hidden=hidden, heads=heads, kv_heads=max(kv_heads),
+        layer_types=tuple("recurrent" if n == 0 else "full" for n in kv_heads),
+        intermediate=int(g("feed_forward_length")), context=int(g("context_length")),
+        eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        theta=float(g("rope.freq_base", 1e6)), kernel=int(g("shortconv.l_cache")),
+        tied=True, name=str(meta.get("general.name", "lfm2")))
+
+
+def _ffn_width(cfg: dict[str, Any]) -> int:
+    """The MLP width as transformers' Lfm2MLP computes it (block_auto_adjust_ff_dim)."""
+    width = cfg.get("block_ff_dim", cfg["intermediate_size"])
+    if not cfg.get("block_auto_adjust_ff_dim", True):
+        return width
+    width = int(2 * width / 3)
+    multiplier, multiple = cfg.get("block_ffn_dim_multiplier", 1.0), cfg.get("block_multiple_of", 256)
+    if multiplier is not None:
+        width = int(multiplier * width)
+    return multiple * ((width + multiple - 1) // multiple)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if i in (cfg.get("full_attn_idxs") or range(layers)) else "conv"
+        for i in range(layers)]
+    params = cfg.get("rope_parameters") or {}
+    return _config(
+        vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"], layer_types=hf_layer_types(types),
+        intermediate=_ffn_width(cfg), context=cfg.get("max_position_embeddings", 128000),
+        eps=cfg.get("norm_eps", 1e-5),
+        theta=float(params.get("rope_theta", cfg.get("rope_theta", 1e6))),
+        kernel=cfg.get("conv_L_cache", 3),
+        tied=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+        name=cfg.get("_name_or_path", "lfm2"))
+
+
+def _config(*, vocab: int, hidden: int, heads: int, kv_heads: int,
+            layer_types: tuple[str, ...], intermediate: int, context: int, eps: float,
+            theta: float, kernel: int, tied: bool, name: str) -> ModelConfig:
+    return ModelConfig(
+        architecture="lfm2", vocab_size=vocab, hidden_size=hidden, num_layers=len(layer_types),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+        intermediate_size=intermediate, max_position_embeddings=context, rms_norm_eps=eps,
+        rope=RopeConfig(theta=theta), layer_types=layer_types, tie_word_embeddings=tied,
+        qk_norm=True, name=name,
+        recurrent=RecurrentConfig("short_conv", conv_kernel=kernel, conv_channels=hidden))
+
+
+class Lfm2Model:
+    """Weights (frozen after load) plus the forward pass; the KV caches and the convolution
+    states come in as arguments."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
+                 layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
+        if tp.size > 1:
+            raise ModelLoadError("lfm2 runs on one rank (no tensor parallel split of its "
+                                 "convolution layers); start without tensor parallel")
+        self.config, self.weights, self.layers = config, weights, layers
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
+        _check_conv_layers(config, layers)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVStore | None], meta: AttentionMetadata,
+                trace: list[torch.Tensor] | None = None, *,
+                states: StateBatch) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
+        c = self.config
+        x = embed(ids, self.weights["embed"])
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
+            layer_state = states.layers[i]
+            if layer_state is not None:
+                x += self.short_conv(h, layer, layer_state, states)
+            else:
+                assert cache is not None
+                x += self.attention(h, layer, cos, sin, cache, meta)
+            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
+            x += linear(swiglu(linear(h, layer["gate_up"], transient=True)), layer["down"])
+        return x
+
+    def short_conv(self, h: torch.Tensor, layer: dict[str, Weight], state: LayerState,
+                   states: StateBatch) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: C * conv(B * x), each sequence from its own state."""
+        b, gate, x = linear(h, layer["conv_in"], layer.get("conv_in_bias")).chunk(3, dim=-1)
+        y = short_conv((b * x).contiguous(), layer["conv"], state.conv, states.slots,
+                       states.lens, bias=layer.get("conv_bias"))
+        return linear(gate * y, layer["conv_out"], layer.get("conv_out_bias"))
+
+    def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
+                  sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.config
+        q, k, v = split(linear(h, layer["qkv"]), layer["qkv"])
+        q = norm_rope(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], cos, sin,
+                      c.rms_norm_eps)
+        k = norm_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], cos, sin,
+                      c.rms_norm_eps)
+        out = paged_attention(q, k, v.reshape(-1, c.num_kv_heads, c.head_dim), cache, meta,
+                              sliding=False, scale=c.scale)
+        return linear(out, layer["o"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32, through the tied embedding unless untied."""
+        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        return linear(h, self.weights.get("lm_head", self.weights["embed"])).float()
+
+
+def _check_conv_layers(config: ModelConfig, layers: list[dict[str, Weight]]) -> None:
+    """Each convolution layer has its tensors, the width and channels the config says."""
+    rc = config.recurrent
+    assert rc is not None
+    for i, layer in enumerate(layers):
+        if not config.is_recurrent(i):
+            continue
+        missing = [n for n in ("conv_in", "conv", "conv_out") if n not in layer]
+        if missing:
+            raise ModelLoadError(f"lfm2 layer {i} is a convolution layer but lacks "
+                                 f"{', '.join(missing)}")
+        shape = tuple(layer["conv"].shape)
+        if shape != (rc.conv_channels, rc.conv_kernel):
+            raise ModelLoadError(
+                f"lfm2 layer {i}: the convolution weight is {list(shape)} but the config says "
+                f"{rc.conv_channels} channels of width {rc.conv_kernel} (shortconv.l_cache)")
+
+
+def _hf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """HF's depthwise conv weight [C, 1, K] -> [C, K], as llama.cpp stores it."""
+    return t.squeeze(1) if name == "conv" and t.dim() == 3 else t
+
+
+SPEC = ArchSpec(
+    name="lfm2", model_cls=Lfm2Model, config_from_gguf=config_from_gguf,
+    config_from_hf=config_from_hf, gguf_names=GGUF_NAMES, hf_names=HF_NAMES,
+    hf_transform=_hf_transform, hf_architectures=("Lfm2ForCausalLM", "LFM2ForCausalLM"))

@@ -1,0 +1,191 @@
+"""Hybrid models (recurrent layers beside attention) on tiny random configs: kvlab's logits
+against transformers' on the same weights (fp32, max abs diff <= 1e-4) for prefill, decode
+through the paged cache and the state slots, chunked prefill (the state carried from chunk
+to chunk), a batch of unequal prompts; the checkpoint converted by llama.cpp's
+convert_hf_to_gguf.py gives the same logits; the engine's greedy output is the same alone,
+batched, chunked and after preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.engine import Engine, EngineConfig
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.request import SamplingParams
+from kvlab.runner import ModelRunner
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.tokenizer import load_gguf_tokenizer
+from kvlab.weights.checkpoint import open_checkpoint
+
+from tiny_models import HYBRID_ARCHS, build_hybrid, byte_tokenizer_metadata, convert_with_llama_cpp
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=HYBRID_ARCHS)
+def tiny(request, tmp_path_factory):
+    arch = request.param
+    out = tmp_path_factory.mktemp(arch)
+    hf = build_hybrid(arch, out)
+    no_gguf = convert_with_llama_cpp(out / "hf", out / "model.gguf")
+    return arch, hf, out, no_gguf
+
+
+def path_of(tiny, fmt: str):
+    arch, hf, out, no_gguf = tiny
+    if fmt == "model.gguf" and no_gguf:
+        pytest.skip(no_gguf)
+    return out / fmt
+
+
+def reference_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def runner_for(path, num_blocks: int = 32, block_size: int = 4, slots: int = 4) -> ModelRunner:
+    loaded = load_model(open_checkpoint(path), LoadOptions())
+    return ModelRunner(loaded.model, loaded.config, num_blocks, block_size,
+                       num_state_slots=slots)
+
+
+def seq(seq_id: str, start: int, ids: list[int], table: list[int], slot: int,
+        logits: bool = True) -> ScheduledSeq:
+    return ScheduledSeq(seq_id, start, ids, table, logits, len(ids) if start == 0 else 0,
+                        state_slot=slot)
+
+
+def step(runner: ModelRunner, *seqs: ScheduledSeq) -> torch.Tensor:
+    return runner.execute(SchedulerOutput(list(seqs))).logits
+
+
+@pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
+def test_prefill_then_decode_matches_transformers(tiny, fmt):
+    arch, hf, *_ = tiny
+    ids = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = reference_logits(hf, ids)
+    runner = runner_for(path_of(tiny, fmt))
+    table = [9, 3, 17, 0]
+    logits = step(runner, seq("a", 0, ids[:9], table, slot=2))
+    assert (logits[0] - ref[8]).abs().max() <= TOL
+    for pos in range(9, 14):  # each decode step reads and advances the slot's state
+        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=2))
+        assert (logits[0] - ref[pos]).abs().max() <= TOL, f"{arch} decode at {pos}"
+
+
+def test_chunked_prefill_carries_the_state(tiny):
+    arch, hf, out, _ = tiny
+    ids = list(range(2, 15))
+    ref = reference_logits(hf, ids)
+    runner = runner_for(out / "hf")
+    table = [4, 5, 6, 7]
+    step(runner, seq("a", 0, ids[:5], table, slot=1, logits=False))
+    logits = step(runner, seq("a", 5, ids[5:8], table, slot=1))
+    assert (logits[0] - ref[7]).abs().max() <= TOL
+    logits = step(runner, seq("a", 8, ids[8:], table, slot=1))
+    assert (logits[0] - ref[-1]).abs().max() <= TOL
+
+
+def test_batch_of_unequal_prompts_matches_each_alone(tiny):
+    arch, hf, out, _ = tiny
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (3, 11, 7)]
+    runner = runner_for(out / "hf")
+    tables, slots = [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]], [3, 0, 2]
+    logits = step(runner, *(seq(str(i), 0, p, t, s)
+                            for i, (p, t, s) in enumerate(zip(prompts, tables, slots))))
+    for i, p in enumerate(prompts):
+        assert (logits[i] - reference_logits(hf, p)[-1]).abs().max() <= TOL
+    nxt = [5, 6, 7]  # one batched decode step: three states, three depths
+    logits = step(runner, *(seq(str(i), len(p), [n], t, s)
+                            for i, (p, n, t, s) in enumerate(zip(prompts, nxt, tables, slots))))
+    for i, (p, n) in enumerate(zip(prompts, nxt)):
+        assert (logits[i] - reference_logits(hf, p + [n])[-1]).abs().max() <= TOL
+
+
+def test_a_slot_reused_from_token_zero_starts_from_a_zero_state(tiny):
+    arch, hf, out, _ = tiny
+    runner = runner_for(out / "hf", slots=1)
+    step(runner, seq("a", 0, [5, 6, 7, 8, 9], [0, 1], slot=0))  # leaves a state behind
+    ids = [11, 12, 13]
+    logits = step(runner, seq("b", 0, ids, [2], slot=0))
+    assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max() <= TOL
+
+
+def test_both_loaders_give_the_same_logits(tiny):
+    ids = [1, 5, 9, 13, 17, 21]
+    gguf = path_of(tiny, "model.gguf")
+    a = step(runner_for(tiny[2] / "hf"), seq("a", 0, ids, [0, 1], slot=0))
+    b = step(runner_for(gguf), seq("a", 0, ids, [0, 1], slot=0))
+    assert (a - b).abs().max() <= 1e-5
+
+
+# ---- the engine: scheduler, slots and runner together --------------------------------------
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[3, 14, 15, 92, 65], list(range(20, 45)), [7] * 9, list(range(60, 80))]
+
+
+def engine(tiny, **kw) -> Engine:
+    loaded = load_model(open_checkpoint(tiny[2] / "hf"), LoadOptions())
+    tokenizer = load_gguf_tokenizer(byte_tokenizer_metadata(96))
+    return Engine(loaded, tokenizer, EngineConfig(**{"block_size": 4, "kv_dtype": "f32", **kw}))
+
+
+def run_all(e: Engine, prompts, seqs: list | None = None) -> list[list[int]]:
+    """Greedy output of each prompt; `seqs` collects the engine's sequences."""
+    for i, p in enumerate(prompts):
+        e.add_request(str(i), p, GREEDY)
+        if seqs is not None:
+            seqs.append(e.requests[str(i)].seq)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while e.has_unfinished():
+        for out in e.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    return [run_all(engine(tiny), [p])[0] for p in PROMPTS]
+
+
+def test_greedy_equals_transformers_generate(tiny, alone):
+    hf = tiny[1]
+    for p, ours in zip(PROMPTS, alone):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                          min_new_tokens=8)
+        assert ref[0, len(p):].tolist() == ours
+
+
+def test_batched_and_chunked_equal_alone(tiny, alone):
+    assert run_all(engine(tiny), PROMPTS) == alone
+    assert run_all(engine(tiny, max_num_batched_tokens=6), PROMPTS) == alone
+
+
+def test_preemption_loses_nothing(tiny, alone):
+    e = engine(tiny)
+    c = e.loaded.config
+    # room for 12 blocks of 4 tokens beside 16 sequences' states: the first three requests
+    # alone grow to 15 blocks, so some are preempted and recomputed from token 0, each time
+    # in whichever slot is free
+    gib = (16 * c.state_bytes_per_seq() + 12 * 4 * c.kv_bytes_per_token(4)) / 2**30
+    e = engine(tiny, kv_cache_gib=gib)
+    assert e.kv.num_blocks == 12 and e.kv.states is not None
+    seqs: list = []
+    assert run_all(e, PROMPTS, seqs) == alone
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert e.kv.num_free_blocks == e.kv.num_blocks and e.kv.states.num_free == 16
+
+
+def test_a_repeated_prompt_is_computed_again(tiny, alone):
+    e = engine(tiny)
+    assert not e.snapshot().enable_prefix_caching
+    first = run_all(e, [PROMPTS[1]])
+    e.add_request("again", PROMPTS[1], GREEDY)
+    outs = []
+    while e.has_unfinished():
+        outs.extend(e.step())
+    assert outs[-1].cached_tokens == 0
+    assert [t for o in outs for t in o.new_token_ids] == first[0] == alone[1]
