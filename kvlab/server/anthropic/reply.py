@@ -4,7 +4,10 @@
        │                    answer can say which one matched)
        ├─ ReasoningStream / split_reasoning ──> a `thinking` block (where the model thinks)
        └─ ToolStream / parse_reply ──────────> a `text` block, then one `tool_use` block per
-                                               call (stop_reason "tool_use")
+                                               call (stop_reason "tool_use"); streamed, a
+                                               block starts once its call's name is written
+                                               and its `input_json_delta`s follow the
+                                               arguments as they grow
 
 A stream is Anthropic's event sequence: `message_start`, `ping`, then per block
 `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and
@@ -24,7 +27,7 @@ from typing import Any
 
 from kvlab.request import FinishReason, RequestOutput
 from kvlab.server.core.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
-from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply
+from kvlab.server.core.tools import CallDelta, CallProgress, ToolPlan, ToolStream, parse_reply
 
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
                 FinishReason.ABORT: "max_tokens"}
@@ -121,11 +124,14 @@ class BlockStream:
     thought: bool = False  # a thinking block came first: the text after it loses its "\n"s
     reasoning: ReasoningStream | None = field(init=False)
     tools: ToolStream | None = field(init=False)
+    progress: CallProgress | None = field(init=False)
+    uses: list[int] = field(default_factory=list)  # each streamed call's block index
 
     def __post_init__(self) -> None:
-        fmt = self.form.reasoning
+        fmt, plan = self.form.reasoning, self.form.plan
         self.reasoning = None if fmt is None else ReasoningStream(fmt, self.form.inside)
-        self.tools = None if self.form.plan is None else ToolStream(self.form.plan)
+        self.tools = None if plan is None else ToolStream(plan)
+        self.progress = None if plan is None else CallProgress(plan)
 
     def feed(self, delta: str) -> list[str]:
         reasoning, content = ("", delta) if self.reasoning is None else self.reasoning.feed(delta)
@@ -136,15 +142,17 @@ class BlockStream:
         reasoning, content = ("", "") if self.reasoning is None else self.reasoning.finish()
         events = self._emit(reasoning, content)
         uses: list[dict[str, Any]] = []
-        if self.tools is not None:
+        if self.tools is not None and self.progress is not None:
             held = self.tools.held
             rest, calls = self.tools.finish()
             uses = tool_use_blocks(calls)
-            events += self._text(rest if uses or not calls else held)
-        events += self._close()
-        for use in uses:
-            events += self._tool_use(use)
-        return events, bool(uses)
+            if not self.uses:  # no call announced yet: the text comes before the calls
+                events, rest = events + self._text(rest if uses or not calls else held), ""
+            elif not uses:  # the calls begun never completed: the reply stays text
+                rest = held
+            events += self._steps(self.progress.finish(calls) if uses else [])
+            events += self._text(rest)
+        return events + self._close(), bool(uses)
 
     def _emit(self, reasoning: str, content: str) -> list[str]:
         events = []
@@ -153,8 +161,11 @@ class BlockStream:
         if reasoning:
             self.thought = True
             events += self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
-        if content:
-            events += self._text(content if self.tools is None else self.tools.feed(content))
+        if content and (self.tools is None or self.progress is None):
+            events += self._text(content)
+        elif content:
+            events += self._text(self.tools.feed(content))
+            events += self._steps(self.progress.grow(self.tools.partial_calls()))
         return events
 
     def _text(self, text: str) -> list[str]:
@@ -178,11 +189,21 @@ class BlockStream:
         self.open = None
         return [event("content_block_stop", {"index": self.index})]
 
-    def _tool_use(self, use: dict[str, Any]) -> list[str]:
-        self.index += 1
-        arguments = json.dumps(use["input"], ensure_ascii=False)
-        return [event("content_block_start", {"index": self.index,
-                                              "content_block": {**use, "input": {}}}),
-                event("content_block_delta", {"index": self.index, "delta": {
-                    "type": "input_json_delta", "partial_json": arguments}}),
-                event("content_block_stop", {"index": self.index})]
+    def _steps(self, steps: list[CallDelta]) -> list[str]:
+        """A tool_use block for each call announced, an input_json_delta per fragment."""
+        events = []
+        for step in steps:
+            if step.new:
+                events += self._close()
+                self.index += 1
+                self.open = "tool_use"
+                self.uses.append(self.index)
+                block = {"type": "tool_use", "id": "toolu_" + step.id.removeprefix("call_"),
+                         "name": step.name, "input": {}}
+                events.append(event("content_block_start", {"index": self.index,
+                                                            "content_block": block}))
+            if step.arguments:
+                events.append(event("content_block_delta", {
+                    "index": self.uses[step.index],
+                    "delta": {"type": "input_json_delta", "partial_json": step.arguments}}))
+        return events

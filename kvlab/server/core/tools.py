@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.request import Structure
@@ -380,3 +380,56 @@ class ToolStream:
         lead = self.plan.call_format.lead if self.lead_done else ""
         content, calls = parse_reply(lead + self.text, self.plan)
         return (content or "")[self.sent:], calls
+
+
+@dataclass
+class CallDelta:
+    """One step of a streamed call: its first (`new`: announce the call by its id and name)
+    or a later fragment of its arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str  # this step's fragment of the arguments' JSON
+    new: bool
+
+
+@dataclass
+class CallProgress:
+    """What a stream has sent of each tool call: a call is announced once its name is known,
+    keeping the id it was announced with, and its arguments go out in fragments whose
+    concatenation is the whole reply's arguments (the canonical JSON `parse_reply` gives)."""
+
+    plan: ToolPlan
+    sent: list[CallDelta] = field(default_factory=list)  # per call: id, name, arguments sent
+
+    def grow(self, partial: list[tuple[str, str]]) -> list[CallDelta]:
+        """Steps for calls begun since the last look and for arguments that grew
+        (`ToolStream.partial_calls`)."""
+        return [d for i, (name, arguments) in enumerate(partial)
+                if (d := self._step(i, name, arguments)) is not None]
+
+    def finish(self, calls: list[dict[str, Any]]) -> list[CallDelta]:
+        """Once the reply ends: the rest of each call's arguments, and whole calls for those
+        not announced yet."""
+        steps = [self._step(i, c["function"]["name"], c["function"]["arguments"], c["id"])
+                 for i, c in enumerate(calls)]
+        return [d for d in steps if d is not None]
+
+    def announced(self, index: int) -> bool:
+        return index < len(self.sent)
+
+    def _step(self, index: int, name: str, arguments: str,
+              given_id: str | None = None) -> CallDelta | None:
+        if index == len(self.sent):
+            call_id = given_id or self.plan.call_id(name, index)
+            self.sent.append(CallDelta(index, call_id, name, arguments, True))
+            return CallDelta(index, call_id, name, arguments, True)
+        if index > len(self.sent):
+            return None
+        known = self.sent[index]
+        grown = arguments[len(known.arguments):]
+        if known.name != name or not arguments.startswith(known.arguments) or not grown:
+            return None
+        known.arguments = arguments
+        return CallDelta(index, known.id, name, grown, False)

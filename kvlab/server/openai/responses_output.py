@@ -4,7 +4,10 @@ that announce them.
     Reply.feed(text delta)   -> events; Reply.finish() -> the last events
     reasoning (a thinking model's block)   a `reasoning` item, its text as `reasoning_text`
     the answer                             a `message` item with one `output_text` part
-    tool calls (parsed when the reply ends) `function_call` items
+    tool calls                             `function_call` items, each added once its name
+                                           is written, its arguments sent as
+                                           `function_call_arguments.delta` events as they
+                                           grow, done when the reply ends
 
 One path serves both answers: a whole response is the same events with only the final items
 kept, so a stream and a whole answer cannot disagree. Events are plain dicts without their
@@ -17,7 +20,7 @@ import uuid
 from typing import Any
 
 from kvlab.server.core.reasoning import ReasoningFormat, ReasoningStream
-from kvlab.server.core.tools import ToolPlan, ToolStream
+from kvlab.server.core.tools import CallDelta, CallProgress, ToolPlan, ToolStream
 
 Event = dict[str, Any]
 
@@ -32,6 +35,8 @@ class Reply:
     def __init__(self, plan: ToolPlan | None, reasoning: ReasoningFormat | None,
                  inside_reasoning: bool) -> None:
         self.tools = None if plan is None else ToolStream(plan)
+        self.progress = None if plan is None else CallProgress(plan)
+        self.calls: list[dict[str, Any]] = []  # the function_call items, by call index
         self.thinking = None if reasoning is None else ReasoningStream(reasoning,
                                                                        inside_reasoning)
         self.items: list[dict[str, Any]] = []
@@ -52,22 +57,24 @@ class Reply:
             reasoning, content = self.thinking.finish()
             events += self._reasoning(reasoning) + self._answer(content)
         calls: list[dict[str, Any]] = []
-        if self.tools is not None:
+        if self.tools is not None and self.progress is not None:
             rest, calls = self.tools.finish()
+            if not self.calls:  # no call announced yet: the text ends the message before them
+                events, rest = events + self._text(rest), ""
+            events += self._steps(self.progress.finish(calls), incomplete)
+            events += self._calls_done(len(calls))
             events += self._text(rest)
         if not calls and not any(i["type"] == "message" for i in self.items):
             events += self._open_message()  # every reply without calls has its message
-        events += self._close(incomplete)
-        for call in calls:
-            events += self._function_call(call)
-        return events
+        return events + self._close(incomplete)
 
     # ---- reasoning and text ---------------------------------------------------------------
 
     def _answer(self, content: str) -> list[Event]:
-        if self.tools is not None:
-            content = self.tools.feed(content)
-        return self._text(content)
+        if self.tools is None or self.progress is None:
+            return self._text(content)
+        events = self._text(self.tools.feed(content))
+        return events + self._steps(self.progress.grow(self.tools.partial_calls()), False)
 
     def _reasoning(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -142,21 +149,40 @@ class Reply:
         self.open, self.text = None, ""
         return events
 
-    def _function_call(self, call: dict[str, Any]) -> list[Event]:
-        fn = call["function"]
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                "call_id": call["id"], "name": fn["name"], "arguments": ""}
-        events = self._add(item, None)
-        item.update(arguments=fn["arguments"], status="completed")
-        self.open = None
-        index = len(self.items) - 1
-        return [*events,
-                {"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                 "output_index": index, "delta": fn["arguments"]},
-                {"type": "response.function_call_arguments.done", "item_id": item["id"],
-                 "output_index": index, "arguments": fn["arguments"]},
-                {"type": "response.output_item.done", "output_index": index,
-                 "item": _copy(item)}]
+    def _steps(self, steps: list[CallDelta], incomplete: bool) -> list[Event]:
+        """A function_call item for each call announced, a delta for each fragment."""
+        events: list[Event] = []
+        for step in steps:
+            if step.new:
+                events += self._close(incomplete)
+                item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                        "call_id": step.id, "name": step.name, "arguments": ""}
+                events += self._add(item, None)
+                self.open = None  # text after the calls opens a message of its own
+                self.calls.append(item)
+            item = self.calls[step.index]
+            if step.arguments:
+                item["arguments"] += step.arguments
+                events.append({"type": "response.function_call_arguments.delta",
+                               "item_id": item["id"], "output_index": self._at(item),
+                               "delta": step.arguments})
+        return events
+
+    def _calls_done(self, parsed: int) -> list[Event]:
+        """Each call's closing events; one announced but not in the whole reply's parse (its
+        arguments never completed) ends incomplete."""
+        events: list[Event] = []
+        for i, item in enumerate(self.calls):
+            item["status"] = "completed" if i < parsed else "incomplete"
+            at = self._at(item)
+            events += [{"type": "response.function_call_arguments.done", "item_id": item["id"],
+                        "output_index": at, "arguments": item["arguments"]},
+                       {"type": "response.output_item.done", "output_index": at,
+                        "item": _copy(item)}]
+        return events
+
+    def _at(self, item: dict[str, Any]) -> int:
+        return next(i for i, it in enumerate(self.items) if it is item)
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
