@@ -32,7 +32,7 @@ from kvlab.kernels import (
 )
 
 T = GGMLQuantizationType
-GGUF_QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+GGUF_QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4)
 ISAS = ["generic", "avx2"] if ops._qk is not None else []
 if ops._qk is not None:
     try:

@@ -110,7 +110,7 @@ def test_qmatmul_odd_block_counts(qtype, cols, n, backend):  # noqa: F811
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
-@pytest.mark.parametrize("qtype", IQ4, ids=ids)
+@pytest.mark.parametrize("qtype", [*IQ4, T.MXFP4], ids=ids)  # MXFP4: IQ4_NL's kernels
 def test_prefill_tiles_match_portable_c_and_one_row(qtype):
     """Model-sized rows (a few per tile) with 40 x rows: the tiled AVX2 path against the
     portable kernels, and each row bit-identical to its batch-1 product."""

@@ -140,7 +140,8 @@ def _experts(gate_up_types, down_type, grouped: bool, hidden: int = 256, inter: 
 
 @pytest.mark.parametrize("gate_up_types, down_type, grouped", [
     ((T.Q4_K,), T.Q6_K, True), ((T.Q8_0,), T.Q8_0, False), ((T.Q4_K, T.Q8_0), T.Q6_K, True),
-    ((T.Q8_0, T.Q4_K), T.Q4_K, False)])
+    ((T.Q8_0, T.Q4_K), T.Q4_K, False), ((T.MXFP4,), T.MXFP4, True),
+    ((T.MXFP4,), T.MXFP4, False)])
 @pytest.mark.parametrize("tokens", [1, 3, 19])
 def test_c_experts_equal_the_per_expert_products(gate_up_types, down_type, grouped, tokens):
     """One C call runs a layer's chosen experts on the same 8-bit blocks as one product per

@@ -34,7 +34,7 @@ if _qk is not None:
 T = GGMLQuantizationType
 TILE_ELEMENTS = 1 << 20  # fp32 elements per dequantized tile (4 MiB)
 _C_QUANTIZERS = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-_NUMPY_QUANTIZERS = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+_NUMPY_QUANTIZERS = (T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)
 
 
 def kernel_backend() -> str:
@@ -144,7 +144,7 @@ def quantize(t: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
     """fp32 [out, in] -> QuantizedWeight of `qtype` (a new buffer).
 
     Q8_0 is byte-identical to gguf.quants.quantize; Q4_K/Q5_K/Q6_K use kvlab's own
-    least-squares search (C); Q4_0/Q4_1/Q5_0/Q5_1/F16/BF16 go through gguf's quantizer.
+    least-squares search (C); Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/F16/BF16 go through gguf's quantizer.
     """
     qtype = T(qtype)
     if t.dim() != 2:
@@ -186,8 +186,8 @@ GROUP_CHUNK_ROWS = 8192  # rows grouped per call: the source's pages can go as t
 def group_rows(w: QuantizedWeight,
                read: Callable[[int, int], None] | None = None) -> QuantizedWeight:
     """w in interleaved groups of 8 rows (a new buffer) with the same values exactly: Q8_0,
-    Q4_0 as Q8_0x8 (Q8_0's size), and Q5_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS and IQ4_NL
-    as Q5_0x8, Q4_Kx8, ... (each its own type's size). Their products serve 8
+    Q4_0 as Q8_0x8 (Q8_0's size), and Q5_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ4_NL and
+    MXFP4 as Q5_0x8, Q4_Kx8, ... (each its own type's size). Their products serve 8
     rows per register: batched decode and prefill run 1.3-2x faster (csrc/qk_group8_*.c).
     `read(start, end)` is told each span of w's bytes once it has been grouped (a loader
     drops those file pages then)."""

@@ -23,6 +23,7 @@ SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.Q3_K,
     T.IQ4_NL,
     T.IQ4_XS,
+    T.MXFP4,
 )
 
 

@@ -14,14 +14,15 @@
  *     qk_generic.c, qk_avx2.c the kernel tables (kv_isa): portable and AVX2 kernels on the
  *                             GGUF row layout of the legacy types and Q4_K, Q5_K, Q6_K
  *     qk_<types>.c            GGUF row layout of types with their own file: qk_q2k_q3k.c
- *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS)
+ *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS, MXFP4: MXFP4
+ *                             runs IQ4_NL's kernels on its own table and scales)
  *     qk_group8_<types>.c     kvlab's 8-row group layouts (<TYPE>x8: 8 weight rows
  *                             interleaved, one register lane per row): conversion from GGUF
  *                             rows, row dequantizers, portable, AVX2 and AVX-512 kernels.
  *                             qk_group8_q8_0.c (Q8_0x8), qk_group8_q5_0.c (Q5_0x8),
  *                             qk_group8_q4k_q6k.c (Q4_Kx8, Q6_Kx8), qk_group8_q5k.c (Q5_Kx8),
  *                             qk_group8_q2k_q3k.c (Q2_Kx8, Q3_Kx8), qk_group8_iq4.c
- *                             (IQ4_XSx8, IQ4_NLx8)
+ *                             (IQ4_XSx8, IQ4_NLx8, MXFP4x8)
  *     qk_quant.c              fp32 -> GGUF blocks, fp32 -> activation blocks
  *     qk_fused.c              fp32 decode ops (norms, RoPE, gated activations, KV writes)
  *     qk_attn.c, qk_flash.c   decode and prefill attention over the paged KV cache
@@ -65,9 +66,13 @@ enum {
     KV_IQ4_XSX8 = 36,  /* IQ4_XS rows (qk_group8_iq4.c) */
     KV_IQ4_NLX8 = 37,  /* IQ4_NL rows (qk_group8_iq4.c) */
     KV_Q5_0X8 = 38,    /* Q5_0 rows, Q5_0's size (qk_group8_q5_0.c) */
-    KV_Q5_KX8 = 39,    /* Q5_K rows (qk_group8_q5k.c) */
-    KV_NTYPES = 40
+    KV_MXFP4 = 39,     /* GGML's id, among kvlab's own group ids */
+    KV_Q5_KX8 = 40,    /* Q5_K rows (qk_group8_q5k.c) */
+    KV_MXFP4X8 = 41,   /* MXFP4 rows (qk_group8_iq4.c) */
+    KV_NTYPES = 42
 };
+/* whether type id qt is one of kvlab's 8-row group layouts */
+static inline int kv_is_grouped(int64_t qt) { return qt >= KV_Q8_0X8 && qt != KV_MXFP4; }
 
 typedef uint16_t kv_half;
 
@@ -100,6 +105,10 @@ typedef struct { kv_half d; uint8_t qs[16]; } kv_blk_iq4_nl;                    
 typedef struct {
     kv_half d; uint16_t scales_h; uint8_t scales_l[4]; uint8_t qs[128];
 } kv_blk_iq4_xs;                                                                        /* 136 */
+
+/* MXFP4 (qk_iq4.c): 32 E2M1 values as IQ4_NL's nibbles, one E8M0 exponent e per block;
+ * value = 2^(e - 128) * kv_mxfp4_values[q] (the E2M1 values doubled, as gguf stores them) */
+typedef struct { uint8_t e; uint8_t qs[16]; } kv_blk_mxfp4;                     /* 17 B */
 
 /* Q3_K's 16 six-bit scales (low 4 bits in bytes 0..7, high 2 bits in bytes 8..11), minus 32 */
 static inline void kv_q3_k_scales(const uint8_t s[12], int8_t out[16]) {
@@ -209,6 +218,14 @@ KV_DEQ_ROW_DECL(kv_deq_iq4_xsx8_row);
 KV_DEQ_ROW_DECL(kv_deq_iq4_nlx8_row);
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_generic);
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_generic);
+/* MXFP4 (qk_iq4.c) and MXFP4x8 (qk_group8_iq4.c, MXFP4's 17 B per 32): IQ4_NL's and
+ * IQ4_NLx8's kernels on MXFP4's table and scales */
+extern const int8_t kv_mxfp4_values[16];
+void kv_deq_mxfp4_generic(const uint8_t *w, int64_t cols, float *out);
+KV_GEMV_DECL(kv_gemv_mxfp4_generic);
+int kv_to_mxfp4x8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+KV_DEQ_ROW_DECL(kv_deq_mxfp4x8_row);
+KV_GEMV_DECL(kv_gemv_mxfp4x8_generic);
 /* Q5_0x8 (qk_group8_q5_0.c): Q5_0's 22 B per 32, outputs bit-identical to Q8_0x8's */
 int kv_to_q5_0x8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
 KV_DEQ_ROW_DECL(kv_deq_q5_0x8_row);
@@ -223,6 +240,9 @@ KV_GEMV_DECL(kv_gemv_q5_0x8_avx2);
 KV_GEMV_DECL(kv_gemv_q5_kx8_avx2);
 KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2);
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2);
+KV_GEMV_DECL(kv_gemv_mxfp4x8_avx2);
+void kv_deq_mxfp4_avx2(const uint8_t *w, int64_t cols, float *out);
+KV_GEMV_DECL(kv_gemv_mxfp4_avx2);
 void kv_deq_iq4_nl_avx2(const uint8_t *w, int64_t cols, float *out);
 void kv_deq_iq4_xs_avx2(const uint8_t *w, int64_t cols, float *out);
 KV_GEMV_DECL(kv_gemv_iq4_nl_avx2);
@@ -339,6 +359,24 @@ void kv_deq_q3_k_avx2(const uint8_t *w, int64_t cols, float *out);
 extern float kv_h2f_table[65536];
 void kv_init_tables(void);
 uint16_t kv_f2h(float f);
+
+/* E8M0 byte e -> 2^(e - 128), gguf's e8m0_to_fp32_half (e < 2: the fp32 subnormals) */
+static inline float kv_e8m0_half(uint8_t e) {
+    union { uint32_t u; float f; } v = {e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23};
+    return v.f;
+}
+/* IQ4_NL and MXFP4 blocks share their kernels: 16 bytes of nibbles indexing 16 int8 values,
+ * after a per-block scale (fp16 d, or an E8M0 byte); qt one of the two, a constant */
+static inline int kv_nl4_bytes(int qt) { return qt == KV_MXFP4 ? 17 : 18; }
+static inline const uint8_t *kv_nl4_qs(const uint8_t *blk, int qt) {
+    return blk + (qt == KV_MXFP4 ? 1 : 2);
+}
+static inline float kv_nl4_scale(const uint8_t *blk, int qt) {
+    return qt == KV_MXFP4 ? kv_e8m0_half(blk[0]) : kv_h2f_table[blk[0] | blk[1] << 8];
+}
+static inline const int8_t *kv_nl4_values(int qt) {
+    return qt == KV_MXFP4 ? kv_mxfp4_values : kv_iq4_values;
+}
 
 int kv_block_size(int qtype);    /* elements per block, 0 if unsupported */
 int kv_type_size(int qtype);     /* bytes per block */

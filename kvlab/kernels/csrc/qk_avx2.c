@@ -1089,6 +1089,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_avx2,
         [KV_Q5_0X8] = kv_gemv_q5_0x8_avx2,
         [KV_Q5_KX8] = kv_gemv_q5_kx8_avx2,
+        [KV_MXFP4] = kv_gemv_mxfp4_avx2,
+        [KV_MXFP4X8] = kv_gemv_mxfp4x8_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1099,6 +1101,7 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q3_K] = kv_deq_q3_k_avx2,
         [KV_IQ4_NL] = kv_deq_iq4_nl_avx2,
         [KV_IQ4_XS] = kv_deq_iq4_xs_avx2,
+        [KV_MXFP4] = kv_deq_mxfp4_avx2,
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
@@ -1116,6 +1119,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_NLX8] = KV_ACT_32,
         [KV_Q5_0X8] = KV_ACT_32,
         [KV_Q5_KX8] = KV_ACT_256,
+        [KV_MXFP4] = KV_ACT_64,
+        [KV_MXFP4X8] = KV_ACT_32,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,

@@ -154,7 +154,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
  * -> Q8_0x8 (34 B per 32), Q5_0 -> Q5_0x8 (22 B per 32), Q4_K -> Q4_Kx8 (144 B per 256),
  * Q5_K -> Q5_Kx8 (176 B), Q6_K -> Q6_Kx8 (210 B),
  * Q2_K -> Q2_Kx8 (84 B), Q3_K -> Q3_Kx8 (110 B), IQ4_XS -> IQ4_XSx8 (136 B per 256),
- * IQ4_NL -> IQ4_NLx8 (18 B per 32); rows a multiple of 8 */
+ * IQ4_NL -> IQ4_NLx8 (18 B per 32), MXFP4 -> MXFP4x8 (17 B per 32); rows a multiple of 8 */
 static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(6);
@@ -165,10 +165,10 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     if (qtype != KV_Q8_0 && qtype != KV_Q5_0 && qtype != KV_Q4_0 && qtype != KV_Q4_K &&
         qtype != KV_Q5_K && qtype != KV_Q6_K && qtype != KV_Q2_K && qtype != KV_Q3_K &&
-        qtype != KV_IQ4_XS && qtype != KV_IQ4_NL)
+        qtype != KV_IQ4_XS && qtype != KV_IQ4_NL && qtype != KV_MXFP4)
         return PyErr_Format(PyExc_ValueError, "8-row groups are built from Q8_0, Q5_0, Q4_0, "
-                            "Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS or IQ4_NL rows, not GGML type "
-                            "id %lld",
+                            "Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS, IQ4_NL or MXFP4 rows, not "
+                            "GGML type id %lld",
                             (long long)qtype);
     if (!check_layout(qtype, cols, src_row_bytes)) return NULL;
     if (rows % 8)
@@ -183,6 +183,7 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
     else if (qtype == KV_IQ4_XS) kv_to_iq4_xsx8(src, rows, cols, dst);
     else if (qtype == KV_IQ4_NL) kv_to_iq4_nlx8(src, rows, cols, dst);
     else if (qtype == KV_Q5_0) kv_to_q5_0x8(src, rows, cols, dst);
+    else if (qtype == KV_MXFP4) kv_to_mxfp4x8(src, rows, cols, dst);
     else kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

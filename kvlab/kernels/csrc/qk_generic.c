@@ -66,6 +66,7 @@ int kv_block_size(int qtype) {
         case KV_IQ4_XS: case KV_IQ4_XSX8: return 256;
         case KV_Q5_0X8: return 32;
         case KV_Q5_KX8: return 256;
+        case KV_MXFP4: case KV_MXFP4X8: return 32;
         default: return 0;
     }
 }
@@ -92,6 +93,7 @@ int kv_type_size(int qtype) {
         case KV_IQ4_NL: case KV_IQ4_NLX8: return 18;
         case KV_IQ4_XS: return 136;
         case KV_IQ4_XSX8: return 136;
+        case KV_MXFP4: case KV_MXFP4X8: return 17;
         default: return 0;
     }
 }
@@ -377,6 +379,8 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_NLX8] = kv_gemv_iq4_nlx8_generic,
         [KV_Q5_0X8] = kv_gemv_q5_0x8_generic,
         [KV_Q5_KX8] = kv_gemv_q5_kx8_generic,
+        [KV_MXFP4] = kv_gemv_mxfp4_generic,
+        [KV_MXFP4X8] = kv_gemv_mxfp4x8_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -384,6 +388,7 @@ const kv_isa kv_isa_generic = {
         [KV_Q3_K] = kv_deq_q3_k_generic,
         [KV_IQ4_NL] = kv_deq_iq4_nl_generic,
         [KV_IQ4_XS] = kv_deq_iq4_xs_generic,
+        [KV_MXFP4] = kv_deq_mxfp4_generic,
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
@@ -401,6 +406,8 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_NLX8] = KV_ACT_32,
         [KV_Q5_0X8] = KV_ACT_32,
         [KV_Q5_KX8] = KV_ACT_256,
+        [KV_MXFP4] = KV_ACT_32,
+        [KV_MXFP4X8] = KV_ACT_32,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,

@@ -1,5 +1,5 @@
-/* IQ4_XS and IQ4_NL in groups of 8 rows ("IQ4_XSx8", "IQ4_NLx8", kvlab's own in-memory
- * layouts; see qk_group8_q8_0.c for the idea): one register lane per weight row, so maddubs
+/* IQ4_XS, IQ4_NL and MXFP4 in groups of 8 rows ("IQ4_XSx8", "IQ4_NLx8", "MXFP4x8", kvlab's
+ * own in-memory layouts; see qk_group8_q8_0.c for the idea): one register lane per weight row, so maddubs
  * against x's 4 bytes broadcast gives 8 rows' partial dots at once, and the sub-block scales
  * and the float steps each serve 8 rows per instruction.
  *
@@ -15,6 +15,9 @@
  *   xs8_scales_avx2) into kv_xs8_scales, the madd operands they read.
  *   IQ4_NLx8 block i (144 B = 8 x 18, IQ4_NL's own size):
  *     d[8] fp16; qs[4][32]: qs[t][4k + e] = byte 4t + e of row k's block
+ *   MXFP4x8 block i (136 B = 8 x 17, MXFP4's own size): e[8], the E8M0 scale bytes, then
+ *     qs as IQ4_NLx8's; its kernels are IQ4_NLx8's (the nl4 functions, qt a constant) on
+ *     MXFP4's table (kv_mxfp4_values) and scales (kv_e8m0_half)
  *
  * A nibble indexes kv_iq4_values (int8 in [-127, 113]); in registers it becomes a value by a
  * byte shuffle of that table. maddubs takes an unsigned operand: it gets |v| and x carries
@@ -53,6 +56,22 @@ typedef struct {
     kv_half d[8];
     uint8_t qs[4][32];
 } kv_blk_iq4_nlx8;  /* 144 B */
+typedef struct {
+    uint8_t e[8];
+    uint8_t qs[4][32];
+} kv_blk_mxfp4x8;  /* 136 B */
+_Static_assert(sizeof(kv_blk_mxfp4x8) == 8 * sizeof(kv_blk_mxfp4), "MXFP4x8 is MXFP4's size");
+
+/* an IQ4_NLx8 or MXFP4x8 (qt) block: its bytes, and where its qs start */
+static inline int64_t nl4x8_bytes(int qt) { return 8 * kv_nl4_bytes(qt); }
+static inline const uint8_t (*nl4x8_qs(const uint8_t *blk, int qt))[32] {
+    return (const uint8_t (*)[32])(blk + (qt == KV_MXFP4 ? 8 : 16));
+}
+/* row k's scale as fp32 */
+static inline float nl4x8_scale(const uint8_t *blk, int qt, int k) {
+    if (qt == KV_MXFP4) return kv_e8m0_half(blk[k]);
+    return kv_h2f_table[((const kv_blk_iq4_nlx8 *)blk)->d[k]];
+}
 
 /* ---------------- conversion from GGUF blocks ---------------- */
 
@@ -76,20 +95,30 @@ int kv_to_iq4_xsx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst)
     return 0;
 }
 
-int kv_to_iq4_nlx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+/* the scale bytes (fp16 d or E8M0 e) of row k lead the block, qs follow */
+static int to_nl4x8(const int qt, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
     if (rows % 8 || cols % 32) return -1;
-    const int64_t nb = cols / 32, row_bytes = nb * (int64_t)sizeof(kv_blk_iq4_nl);
-    kv_blk_iq4_nlx8 *out = (kv_blk_iq4_nlx8 *)dst;
+    const int sb = kv_nl4_bytes(qt) - 16;  /* scale bytes per row */
+    const int64_t nb = cols / 32, row_bytes = nb * kv_nl4_bytes(qt);
     for (int64_t g = 0; g < rows / 8; g++) {
-        for (int64_t i = 0; i < nb; i++, out++) {
+        for (int64_t i = 0; i < nb; i++, dst += nl4x8_bytes(qt)) {
+            uint8_t (*qs)[32] = (uint8_t (*)[32])(dst + 8 * sb);
             for (int k = 0; k < 8; k++) {
-                const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)(src + (8 * g + k) * row_bytes) + i;
-                out->d[k] = b->d;
-                for (int t = 0; t < 4; t++) memcpy(&out->qs[t][4 * k], b->qs + 4 * t, 4);
+                const uint8_t *b = src + (8 * g + k) * row_bytes + i * kv_nl4_bytes(qt);
+                memcpy(dst + sb * k, b, (size_t)sb);
+                for (int t = 0; t < 4; t++) memcpy(&qs[t][4 * k], kv_nl4_qs(b, qt) + 4 * t, 4);
             }
         }
     }
     return 0;
+}
+
+int kv_to_iq4_nlx8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    return to_nl4x8(KV_IQ4_NL, src, rows, cols, dst);
+}
+
+int kv_to_mxfp4x8(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst) {
+    return to_nl4x8(KV_MXFP4, src, rows, cols, dst);
 }
 
 /* ---------------- rows -> fp32, rounded as the file types' dequantizers round ---------- */
@@ -113,28 +142,32 @@ void kv_deq_iq4_xsx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t
     }
 }
 
-void kv_deq_iq4_nlx8_row(const uint8_t *w, int64_t row_bytes, int64_t r, int64_t cols,
-                         float *out) {
-    const kv_blk_iq4_nlx8 *b = (const kv_blk_iq4_nlx8 *)(w + (r / 8) * 8 * row_bytes);
+static inline void deq_nl4x8_row(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r,
+                                 int64_t cols, float *out) {
+    const uint8_t *b = w + (r / 8) * 8 * row_bytes;
+    const int8_t *v = kv_nl4_values(qt);
     const int k = (int)(r % 8);
-    for (int64_t i = 0; i < cols / 32; i++, out += 32) {
-        const float d = kv_h2f_table[b[i].d[k]];
+    for (int64_t i = 0; i < cols / 32; i++, b += nl4x8_bytes(qt), out += 32) {
+        const float d = nl4x8_scale(b, qt, k);
         for (int l = 0; l < 16; l++) {
-            const uint8_t q = b[i].qs[l / 4][4 * k + l % 4];
-            out[l] = d * (float)kv_iq4_values[q & 0xF];
-            out[l + 16] = d * (float)kv_iq4_values[q >> 4];
+            const uint8_t q = nl4x8_qs(b, qt)[l / 4][4 * k + l % 4];
+            out[l] = d * (float)v[q & 0xF];
+            out[l + 16] = d * (float)v[q >> 4];
         }
     }
 }
 
+KV_DEQ_ROW_DECL(kv_deq_iq4_nlx8_row) { deq_nl4x8_row(KV_IQ4_NL, w, row_bytes, r, cols, out); }
+KV_DEQ_ROW_DECL(kv_deq_mxfp4x8_row) { deq_nl4x8_row(KV_MXFP4, w, row_bytes, r, cols, out); }
+
 /* ---------------- portable kernels (the reference) ---------------- */
 
 /* sum of v * x over the 32 elements that 4 chunks of lane group k hold */
-static int32_t nibble_dot(const uint8_t (*qs)[32], int k, const int8_t *x) {
+static int32_t nibble_dot(const int8_t *v, const uint8_t (*qs)[32], int k, const int8_t *x) {
     int32_t dot = 0;
     for (int l = 0; l < 16; l++) {
         const uint8_t q = qs[l / 4][4 * k + l % 4];
-        dot += kv_iq4_values[q & 0xF] * x[l] + kv_iq4_values[q >> 4] * x[l + 16];
+        dot += v[q & 0xF] * x[l] + v[q >> 4] * x[l + 16];
     }
     return dot;
 }
@@ -153,7 +186,7 @@ void kv_gemv_iq4_xsx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, i
                     xs8_row_scales(b + i, k, sc);
                     int32_t isum = 0;
                     for (int s = 0; s < 8; s++)
-                        isum += sc[s] * nibble_dot(b[i].qs[s], k, a[i].qs + 32 * s);
+                        isum += sc[s] * nibble_dot(kv_iq4_values, b[i].qs[s], k, a[i].qs + 32 * s);
                     acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d, (float)isum, acc);
                 }
                 y[j * ystride + r + k] = acc;
@@ -162,22 +195,31 @@ void kv_gemv_iq4_xsx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, i
     }
 }
 
-void kv_gemv_iq4_nlx8_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                              int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                              float *y, int64_t ystride) {
+static inline void gemv_nl4x8_generic(const int qt, const uint8_t *w, int64_t row_bytes,
+                                      int64_t r0, int64_t r1, int64_t cols, const void *xq,
+                                      int64_t xstride, int64_t n, float *y, int64_t ystride) {
     for (int64_t r = r0; r < r1; r += 8) {
-        const kv_blk_iq4_nlx8 *b = (const kv_blk_iq4_nlx8 *)(w + r * row_bytes);
         for (int64_t j = 0; j < n; j++) {
             const kv_act32 *a = (const kv_act32 *)((const char *)xq + j * xstride);
             for (int k = 0; k < 8; k++) {
+                const uint8_t *b = w + r * row_bytes;
                 float acc = 0.0f;
-                for (int64_t i = 0; i < cols / 32; i++)
-                    acc = fmaf(kv_h2f_table[b[i].d[k]] * a[i].d,
-                               (float)nibble_dot(b[i].qs, k, a[i].qs), acc);
+                for (int64_t i = 0; i < cols / 32; i++, b += nl4x8_bytes(qt))
+                    acc = fmaf(nl4x8_scale(b, qt, k) * a[i].d,
+                               (float)nibble_dot(kv_nl4_values(qt), nl4x8_qs(b, qt), k, a[i].qs),
+                               acc);
                 y[j * ystride + r + k] = acc;
             }
         }
     }
+}
+
+KV_GEMV_DECL(kv_gemv_iq4_nlx8_generic) {
+    gemv_nl4x8_generic(KV_IQ4_NL, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
+KV_GEMV_DECL(kv_gemv_mxfp4x8_generic) {
+    gemv_nl4x8_generic(KV_MXFP4, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 /* ---------------- AVX2 ---------------- */
@@ -208,6 +250,20 @@ KV_INL __m256i chunk(__m256i acc, __m256i v, __m256i av, const int8_t *x, __m256
 /* the 16 values, in every lane */
 KV_INL __m256i iq4_table(void) {
     return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+}
+KV_INL __m256i nl4_table(const int qt) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_nl4_values(qt)));
+}
+
+/* an IQ4_NLx8 or MXFP4x8 block's 8 row scales as fp32: fp16 d, or E8M0 e as kv_e8m0_half
+ * (the fp32 with exponent field e - 1, or for e < 2 the subnormal 2^21 << e) */
+KV_INL __m256 nl4x8_scales(const int qt, const uint8_t *blk) {
+    if (qt != KV_MXFP4) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(
+        _mm256_blendv_epi8(normal, small, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
 }
 
 /* super-block b's scales for its 8 rows (kv_xs8_scales). Each 32-bit lane holds 4 rows of
@@ -260,32 +316,43 @@ KV_INL void xs_sub_avx2(const kv_blk_iq4_xsx8 *b, const kv_xs8_scales *u, int s,
     }
 }
 
-/* IQ4_NLx8: a block's 4 chunks, both nibbles; 8 blocks (1152 B) ahead prefetched */
-KV_INL void tile_nl(const kv_blk_iq4_nlx8 *b, int64_t nb, const char *xq, int64_t xs,
-                    const int nx, float *y, int64_t ys) {
-    const __m256i table = iq4_table();
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[KV_GROUP_NX];
-    for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const char *ahead = (const char *)(b + i + 8);
-        for (int c = 0; c < 3; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
-        __m256i isum[KV_GROUP_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) {
-            const kv_nib v = nib_values(b[i].qs[t], table);
-            for (int j = 0; j < nx; j++) {
-                const int8_t *x = ACT(kv_act32, j, i)->qs + 4 * t;
-                isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, ones), v.hi, v.ahi, x + 16, ones);
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b[i].d));
-        for (int j = 0; j < nx; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act32, j, i)->d)),
-                                     _mm256_cvtepi32_ps(isum[j]), acc[j]);
+/* IQ4_NLx8 and MXFP4x8 (qt): one group against nx x rows, sums(qt, qs, table, xq, xs, i,
+ * nx, isum) setting block i's exact integers per x row; 8 blocks (about 1.1 KB) ahead
+ * prefetched */
+#define KV_NL4_TILE(name, tgt, table_of, sums)                                               \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const int qt, const uint8_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, \
+        float *y, int64_t ys) {                                                              \
+        const __m256i table = table_of(qt);                                                  \
+        __m256 acc[KV_GROUP_NX];                                                             \
+        for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                           \
+        for (int64_t i = 0; i < nb; i++, b += nl4x8_bytes(qt)) {                             \
+            const char *ahead = (const char *)b + 8 * nl4x8_bytes(qt);                       \
+            for (int c = 0; c < 3; c++) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);           \
+            __m256i isum[KV_GROUP_NX];                                                       \
+            sums(nl4x8_qs(b, qt), table, xq, xs, i, nx, isum);                               \
+            const __m256 dw = nl4x8_scales(qt, b);                                           \
+            for (int j = 0; j < nx; j++)                                                     \
+                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ACT(kv_act32, j, i)->d)), \
+                                         _mm256_cvtepi32_ps(isum[j]), acc[j]);               \
+        }                                                                                    \
+        for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);                  \
     }
-    for (int j = 0; j < nx; j++) _mm256_storeu_ps(y + j * ys, acc[j]);
+
+/* AVX2: a block's 4 chunks, both nibbles, through maddubs (|v|, v's sign onto x) */
+KV_INL void nl4_sums(const uint8_t (*qs)[32], __m256i table, const char *xq, int64_t xs,
+                     int64_t i, const int nx, __m256i *isum) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        const kv_nib v = nib_values(qs[t], table);
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act32, j, i)->qs + 4 * t;
+            isum[j] = chunk(chunk(isum[j], v.lo, v.alo, x, ones), v.hi, v.ahi, x + 16, ones);
+        }
+    }
 }
+KV_NL4_TILE(tile_nl4, KV_TGT, nl4_table, nl4_sums)
 
 /* IQ4_XSx8 with AVX512-VNNI: a value v becomes the unsigned byte v + 128 (the table's bytes
  * with the top bit flipped), so vpdpbusd takes it against x with no sign step and no int16
@@ -479,7 +546,45 @@ KV_ZMM_TILE2(tile2_xs_zmm, kv_blk_iq4_xsx8, xs16_sums)
 KV_GROUP_GEMV(gemv_xsx8, KV_TGT, tile_xs, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV(gemv_xsx8_vnni, KV_TGT_V, tile_xs_vnni, kv_blk_iq4_xsx8, 256)
 KV_GROUP_GEMV2(gemv_xsx8_zmm, KV_TGT_Z, tile_xs_zmm, tile2_xs_zmm, kv_blk_iq4_xsx8, 256)
+/* IQ4_NLx8, MXFP4x8 with AVX512-VNNI: the values + 128 as unsigned bytes (as for
+ * IQ4_XSx8 above) straight into vpdpbusd, each x row's sum started at kv_act32.bias =
+ * -128 * (sum of x's block): the AVX2 kernel's integer, so the same bits */
+KV_INL_V __m256i nl4_table_u8(const int qt) {
+    return _mm256_xor_si256(nl4_table(qt), _mm256_set1_epi8((char)0x80));
+}
+KV_INL_V void nl4_sums_vnni(const uint8_t (*qs)[32], __m256i table, const char *xq, int64_t xs,
+                            int64_t i, const int nx, __m256i *isum) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < nx; j++) isum[j] = _mm256_set1_epi32(ACT(kv_act32, j, i)->bias);
+    for (int t = 0; t < 4; t++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)qs[t]);
+        const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+        const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act32, j, i)->qs + 4 * t;
+            isum[j] = _mm256_dpbusd_epi32(isum[j], lo, bcast4(x));
+            isum[j] = _mm256_dpbusd_epi32(isum[j], hi, bcast4(x + 16));
+        }
+    }
+}
+KV_NL4_TILE(tile_nl4_vnni, KV_TGT_V, nl4_table_u8, nl4_sums_vnni)
+
+/* the tiles KV_GROUP_GEMV takes, per type and path */
+#define KV_NL4_TYPE_TILE(name, tgt, tile, blk_t, qt)                                         \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const blk_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, float *y,      \
+        int64_t ys) {                                                                        \
+        tile(qt, (const uint8_t *)b, nb, xq, xs, nx, y, ys);                                 \
+    }
+KV_NL4_TYPE_TILE(tile_nl, KV_TGT, tile_nl4, kv_blk_iq4_nlx8, KV_IQ4_NL)
+KV_NL4_TYPE_TILE(tile_nl_vnni, KV_TGT_V, tile_nl4_vnni, kv_blk_iq4_nlx8, KV_IQ4_NL)
+KV_NL4_TYPE_TILE(tile_mx, KV_TGT, tile_nl4, kv_blk_mxfp4x8, KV_MXFP4)
+KV_NL4_TYPE_TILE(tile_mx_vnni, KV_TGT_V, tile_nl4_vnni, kv_blk_mxfp4x8, KV_MXFP4)
+
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
+KV_GROUP_GEMV(gemv_nlx8_vnni, KV_TGT_V, tile_nl_vnni, kv_blk_iq4_nlx8, 32)
+KV_GROUP_GEMV(gemv_mxx8, KV_TGT, tile_mx, kv_blk_mxfp4x8, 32)
+KV_GROUP_GEMV(gemv_mxx8_vnni, KV_TGT_V, tile_mx_vnni, kv_blk_mxfp4x8, 32)
 
 /* ---- IQ4_XSx8 prefill on AVX2 without VNNI: int16 panels ----
  * tile_xs spends, per 32 products and x row, a sign, a maddubs, a scale madd and an add, the
@@ -624,6 +729,12 @@ KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
 }
 
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2) {
-    gemv_nlx8(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+    (kv_use_vnni() ? gemv_nlx8_vnni : gemv_nlx8)(w, row_bytes, r0, r1, cols, xq, xstride, n,
+                                                 y, ystride);
+}
+
+KV_GEMV_DECL(kv_gemv_mxfp4x8_avx2) {
+    (kv_use_vnni() ? gemv_mxx8_vnni : gemv_mxx8)(w, row_bytes, r0, r1, cols, xq, xstride, n,
+                                                 y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */

@@ -1,12 +1,16 @@
-/* IQ4_NL and IQ4_XS, GGUF's non-linear 4-bit types, read in their file blocks.
+/* IQ4_NL and IQ4_XS, GGUF's non-linear 4-bit types, and MXFP4, read in their file blocks.
  *
- * This file owns both types' dequantizers, portable dot kernels (the reference) and AVX2
+ * This file owns the types' dequantizers, portable dot kernels (the reference) and AVX2
  * kernels, decode and prefill; qk_generic.c and qk_avx2.c only list them in their tables.
  *
  * A 4-bit index selects one of 16 fixed int8 values (kv_iq4_values, in [-127, 113]):
  *   IQ4_NL: 32-blocks, value = d * v[q]; against kv_act32 (portable) / kv_act64 (AVX2,
  *           two blocks per step as the Q4_0 kernels take them)
  *   IQ4_XS: 256-blocks, sub-block s (32) value = (d * (scale_s - 32)) * v[q]; kv_act256
+ *   MXFP4:  IQ4_NL's shape with the OCP microscaling format's values: an E8M0 exponent byte
+ *           e for the scale 2^(e - 128) (kv_e8m0_half) and E2M1 values doubled to integers
+ *           (kv_mxfp4_values, in [-12, 12]), value = 2^(e - 128) * v[q] as gguf computes it;
+ *           it runs IQ4_NL's kernels (the nl4 functions below, qt a constant)
  * The product per block (or super-block) is an exact int32, sum of v * x (IQ4_XS: weighted by
  * the integer sub-block scales), then one fp32 step: acc = fma(d_w * d_x, (float)isum, acc).
  *
@@ -23,6 +27,10 @@
 
 const int8_t kv_iq4_values[16] __attribute__((aligned(16))) = {
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* E2M1 (sign, 2-bit exponent, 1-bit mantissa) index -> twice its value: 0, 0.5, 1, 1.5, 2,
+ * 3, 4, 6 and their negatives (index 8, -0, is 0) */
+const int8_t kv_mxfp4_values[16] __attribute__((aligned(16))) = {
+    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* the 6-bit scale of IQ4_XS sub-block s, minus 32 */
 static inline int xs_scale(const kv_blk_iq4_xs *b, int s) {
@@ -33,15 +41,25 @@ static inline int xs_scale(const kv_blk_iq4_xs *b, int s) {
 
 /* ---------------- portable: dequantizers (gguf's rounding: d * v, (d * s) * v) ---------- */
 
-void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out) {
-    const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)w;
-    for (int64_t i = 0; i < cols / 32; i++, out += 32) {
-        const float d = kv_h2f_table[b[i].d];
+/* IQ4_NL or MXFP4 (qt) blocks: d * v */
+static inline void deq_nl4(const int qt, const uint8_t *w, int64_t cols, float *out) {
+    const int8_t *v = kv_nl4_values(qt);
+    for (int64_t i = 0; i < cols / 32; i++, w += kv_nl4_bytes(qt), out += 32) {
+        const float d = kv_nl4_scale(w, qt);
+        const uint8_t *q = kv_nl4_qs(w, qt);
         for (int l = 0; l < 16; l++) {
-            out[l] = d * (float)kv_iq4_values[b[i].qs[l] & 0xF];
-            out[l + 16] = d * (float)kv_iq4_values[b[i].qs[l] >> 4];
+            out[l] = d * (float)v[q[l] & 0xF];
+            out[l + 16] = d * (float)v[q[l] >> 4];
         }
     }
+}
+
+void kv_deq_iq4_nl_generic(const uint8_t *w, int64_t cols, float *out) {
+    deq_nl4(KV_IQ4_NL, w, cols, out);
+}
+
+void kv_deq_mxfp4_generic(const uint8_t *w, int64_t cols, float *out) {
+    deq_nl4(KV_MXFP4, w, cols, out);
 }
 
 void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out) {
@@ -62,26 +80,34 @@ void kv_deq_iq4_xs_generic(const uint8_t *w, int64_t cols, float *out) {
 /* ---------------- portable: dot kernels ---------------- */
 
 /* sum over one 32-element run of v[q] * x: 16 bytes of nibbles, 32 activations */
-static inline int nl_dot32(const uint8_t *q, const int8_t *x) {
+static inline int nl_dot32(const int8_t *v, const uint8_t *q, const int8_t *x) {
     int s = 0;
-    for (int l = 0; l < 16; l++)
-        s += kv_iq4_values[q[l] & 0xF] * x[l] + kv_iq4_values[q[l] >> 4] * x[l + 16];
+    for (int l = 0; l < 16; l++) s += v[q[l] & 0xF] * x[l] + v[q[l] >> 4] * x[l + 16];
     return s;
 }
 
-void kv_gemv_iq4_nl_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                            int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                            float *y, int64_t ystride) {
+static inline void gemv_nl4(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                            int64_t r1, int64_t cols, const void *xq, int64_t xstride,
+                            int64_t n, float *y, int64_t ystride) {
     for (int64_t r = r0; r < r1; r++) {
-        const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)(w + r * row_bytes);
         for (int64_t j = 0; j < n; j++) {
             const kv_act32 *a = (const kv_act32 *)((const char *)xq + j * xstride);
+            const uint8_t *b = w + r * row_bytes;
             float s = 0.0f;
-            for (int64_t i = 0; i < cols / 32; i++)
-                s += kv_h2f_table[b[i].d] * a[i].d * (float)nl_dot32(b[i].qs, a[i].qs);
+            for (int64_t i = 0; i < cols / 32; i++, b += kv_nl4_bytes(qt))
+                s += kv_nl4_scale(b, qt) * a[i].d *
+                     (float)nl_dot32(kv_nl4_values(qt), kv_nl4_qs(b, qt), a[i].qs);
             y[j * ystride + r] = s;
         }
     }
+}
+
+KV_GEMV_DECL(kv_gemv_iq4_nl_generic) {
+    gemv_nl4(KV_IQ4_NL, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
+KV_GEMV_DECL(kv_gemv_mxfp4_generic) {
+    gemv_nl4(KV_MXFP4, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 void kv_gemv_iq4_xs_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
@@ -95,7 +121,8 @@ void kv_gemv_iq4_xs_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
             for (int64_t i = 0; i < cols / 256; i++) {
                 int sumi = 0;
                 for (int k = 0; k < 8; k++)
-                    sumi += xs_scale(b + i, k) * nl_dot32(b[i].qs + 16 * k, a[i].qs + 32 * k);
+                    sumi += xs_scale(b + i, k) *
+                            nl_dot32(kv_iq4_values, b[i].qs + 16 * k, a[i].qs + 32 * k);
                 s += kv_h2f_table[b[i].d] * a[i].d * (float)sumi;
             }
             y[j * ystride + r] = s;
@@ -113,35 +140,47 @@ void kv_gemv_iq4_xs_generic(const uint8_t *w, int64_t row_bytes, int64_t r0, int
 #define KV_IQ4_TILE_BYTES 65536
 
 
-/* the value table and its magnitudes, in both lanes (shuffle_epi8 looks up per lane) */
-KV_INL __m256i table_values(void) {
-    return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_iq4_values));
+/* the value table of type qt and its magnitudes, in both lanes (shuffle_epi8 looks up per
+ * lane) */
+KV_INL __m256i table_values(const int qt) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kv_nl4_values(qt)));
 }
-KV_INL __m256i table_abs(void) {
-    return _mm256_abs_epi8(table_values());
+KV_INL __m256i table_abs(const int qt) {
+    return _mm256_abs_epi8(table_values(qt));
 }
 
-/* int16 pair sums of v * x, v signed: |v| unsigned into maddubs, v's sign onto x */
+/* int16 pair sums of v * x, v signed: |v| unsigned into maddubs, v's sign onto x (where v
+ * is 0, x becomes 0: the product it stands for) */
 KV_INL __m256i mul_pairs(__m256i av, __m256i v, __m256i x) {
     return _mm256_maddubs_epi16(av, _mm256_sign_epi8(x, v));
 }
 
-/* ---- IQ4_NL: blocks 2p and 2p+1 against kv_act64 pair p ----
+/* ---- IQ4_NL and MXFP4 (qt): blocks 2p and 2p+1 against kv_act64 pair p ----
  * One register holds 16 bytes of each block; its low nibbles are elements 0..15 of both
  * (kv_act64.lo), its high ones 16..31 (.hi); lane k belongs to block 2p+k. */
 typedef struct { __m256i lo, hi, alo, ahi; __m256 d; } kv_unl;  /* 160 B */
 
 /* a missing second block (odd block count) gets scale 0; its x half is zero too */
-KV_INL void unpack_nl_pair(const kv_blk_iq4_nl *b, const int pair, kv_unl *u) {
-    const __m128i q0 = _mm_loadu_si128((const __m128i *)b[0].qs);
-    const __m128i q1 = pair ? _mm_loadu_si128((const __m128i *)b[1].qs) : _mm_setzero_si128();
+KV_INL void unpack_nl_pair(const int qt, const uint8_t *b, const int pair, kv_unl *u) {
+    const uint8_t *b1 = b + kv_nl4_bytes(qt);
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)kv_nl4_qs(b, qt));
+    const __m128i q1 = pair ? _mm_loadu_si128((const __m128i *)kv_nl4_qs(b1, qt))
+                            : _mm_setzero_si128();
     const __m256i q = _mm256_set_m128i(q1, q0), m4 = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(q, m4);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-    const __m256i tv = table_values(), ta = table_abs();
+    const __m256i tv = table_values(qt), ta = table_abs(qt);
     u->lo = _mm256_shuffle_epi8(tv, lo), u->alo = _mm256_shuffle_epi8(ta, lo);
     u->hi = _mm256_shuffle_epi8(tv, hi), u->ahi = _mm256_shuffle_epi8(ta, hi);
-    const __m128i dh = _mm_set_epi32(0, 0, 0, (int)(b[0].d | (uint32_t)(pair ? b[1].d : 0) << 16));
+    if (qt == KV_MXFP4) {
+        u->d = _mm256_setr_m128(_mm_set1_ps(kv_e8m0_half(b[0])),
+                                _mm_set1_ps(pair ? kv_e8m0_half(b1[0]) : 0.0f));
+        return;
+    }
+    uint16_t d0, d1 = 0;
+    memcpy(&d0, b, 2);
+    if (pair) memcpy(&d1, b1, 2);
+    const __m128i dh = _mm_set_epi32(0, 0, 0, (int)(d0 | (uint32_t)d1 << 16));
     u->d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(dh)),
                                     _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
@@ -156,15 +195,14 @@ KV_INL __m256 nl_step(const kv_unl *u, const kv_act64 *a, __m256 acc) {
                            acc);
 }
 
-KV_INL void rows_nl(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
-                    float *y, int64_t ys) {
-    const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)w;
-    const int64_t nb = cols / 32;
+KV_INL void rows_nl4(const int qt, const uint8_t *w, int64_t cols, const char *xq, int64_t xs,
+                     const int nx, float *y, int64_t ys) {
+    const int64_t nb = cols / 32, pair_bytes = 2 * kv_nl4_bytes(qt);
     __m256 acc[KV_NX];
     for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t p = 0; 2 * p < nb; p++) {
         kv_unl u;
-        unpack_nl_pair(b + 2 * p, 2 * p + 1 < nb, &u);
+        unpack_nl_pair(qt, w + p * pair_bytes, 2 * p + 1 < nb, &u);
         for (int j = 0; j < nx; j++) acc[j] = nl_step(&u, (const kv_act64 *)(xq + j * xs) + p, acc[j]);
     }
     for (int j = 0; j < nx; j++) y[j * ys] = hsum_ps(acc[j]);
@@ -172,10 +210,25 @@ KV_INL void rows_nl(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, 
 
 KV_INL int64_t nl_units(int64_t cols) { return (cols / 32 + 1) / 2; }
 
+KV_INL void unpack_nl4_row(const int qt, const uint8_t *w, int64_t cols, kv_unl *u) {
+    const int64_t nb = cols / 32, pair_bytes = 2 * kv_nl4_bytes(qt);
+    for (int64_t p = 0; 2 * p < nb; p++) unpack_nl_pair(qt, w + p * pair_bytes, 2 * p + 1 < nb, u + p);
+}
+
+/* the row functions KV_IQ4_GEMV takes, per type */
+KV_INL void rows_nl(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
+                    float *y, int64_t ys) {
+    rows_nl4(KV_IQ4_NL, w, cols, xq, xs, nx, y, ys);
+}
+KV_INL void rows_mx(const uint8_t *w, int64_t cols, const char *xq, int64_t xs, const int nx,
+                    float *y, int64_t ys) {
+    rows_nl4(KV_MXFP4, w, cols, xq, xs, nx, y, ys);
+}
 KV_INL void unpack_nl_row(const uint8_t *w, int64_t cols, kv_unl *u) {
-    const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)w;
-    const int64_t nb = cols / 32;
-    for (int64_t p = 0; 2 * p < nb; p++) unpack_nl_pair(b + 2 * p, 2 * p + 1 < nb, u + p);
+    unpack_nl4_row(KV_IQ4_NL, w, cols, u);
+}
+KV_INL void unpack_mx_row(const uint8_t *w, int64_t cols, kv_unl *u) {
+    unpack_nl4_row(KV_MXFP4, w, cols, u);
 }
 
 /* one unpacked row against nx x rows: rows_nl's steps, read from the tile */
@@ -222,7 +275,7 @@ KV_INL void xs_pair(const kv_blk_iq4_xs *b, int k, __m256i q[2], __m256i aq[2]) 
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     const __m256i n0 = _mm256_permute2x128_si256(lo, hi, 0x20);
     const __m256i n1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-    const __m256i tv = table_values(), ta = table_abs();
+    const __m256i tv = table_values(KV_IQ4_NL), ta = table_abs(KV_IQ4_NL);
     q[0] = _mm256_shuffle_epi8(tv, n0), aq[0] = _mm256_shuffle_epi8(ta, n0);
     q[1] = _mm256_shuffle_epi8(tv, n1), aq[1] = _mm256_shuffle_epi8(ta, n1);
 }
@@ -336,6 +389,7 @@ KV_INL void dot_xs(const kv_uxs *u, int64_t cols, const char *xq, int64_t xs, co
     }
 
 KV_TGT KV_IQ4_GEMV(kv_gemv_iq4_nl_avx2, rows_nl, kv_unl, nl_units, unpack_nl_row, dot_nl)
+KV_TGT KV_IQ4_GEMV(kv_gemv_mxfp4_avx2, rows_mx, kv_unl, nl_units, unpack_mx_row, dot_nl)
 KV_TGT KV_IQ4_GEMV(kv_gemv_iq4_xs_avx2, rows_xs, kv_uxs, xs_units, unpack_xs_row, dot_xs)
 
 /* ---- dequantizers: one fp32 multiply per element, as the portable ones ---- */
@@ -350,18 +404,25 @@ KV_INL void store32(float *out, __m256i v, __m256 d) {
     }
 }
 
-/* 16 bytes of nibbles -> the 32 values in element order */
-KV_INL __m256i values16(const uint8_t *qs) {
+/* 16 bytes of nibbles -> the 32 values of type qt in element order */
+KV_INL __m256i values16(const int qt, const uint8_t *qs) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
     const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
                                          _mm256_set1_epi8(0x0F));
-    return _mm256_shuffle_epi8(table_values(), nib);
+    return _mm256_shuffle_epi8(table_values(qt), nib);
+}
+
+KV_INL void deq_nl4_avx2(const int qt, const uint8_t *w, int64_t cols, float *out) {
+    for (int64_t i = 0; i < cols / 32; i++, w += kv_nl4_bytes(qt), out += 32)
+        store32(out, values16(qt, kv_nl4_qs(w, qt)), _mm256_set1_ps(kv_nl4_scale(w, qt)));
 }
 
 KV_TGT void kv_deq_iq4_nl_avx2(const uint8_t *w, int64_t cols, float *out) {
-    const kv_blk_iq4_nl *b = (const kv_blk_iq4_nl *)w;
-    for (int64_t i = 0; i < cols / 32; i++, out += 32)
-        store32(out, values16(b[i].qs), _mm256_set1_ps(_cvtsh_ss(b[i].d)));
+    deq_nl4_avx2(KV_IQ4_NL, w, cols, out);
+}
+
+KV_TGT void kv_deq_mxfp4_avx2(const uint8_t *w, int64_t cols, float *out) {
+    deq_nl4_avx2(KV_MXFP4, w, cols, out);
 }
 
 KV_TGT void kv_deq_iq4_xs_avx2(const uint8_t *w, int64_t cols, float *out) {
@@ -369,7 +430,8 @@ KV_TGT void kv_deq_iq4_xs_avx2(const uint8_t *w, int64_t cols, float *out) {
     for (int64_t i = 0; i < cols / 256; i++) {
         const float d = _cvtsh_ss(b[i].d);
         for (int s = 0; s < 8; s++, out += 32)
-            store32(out, values16(b[i].qs + 16 * s), _mm256_set1_ps(d * (float)xs_scale(b + i, s)));
+            store32(out, values16(KV_IQ4_NL, b[i].qs + 16 * s),
+                    _mm256_set1_ps(d * (float)xs_scale(b + i, s)));
     }
 }
 #endif /* KV_HAVE_AVX2_BUILD */

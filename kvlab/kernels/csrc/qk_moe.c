@@ -72,7 +72,7 @@ static void prods_task(void *p, int tid, int nthreads) {
 
 /* rows per unit of work: ~MOE_UNIT_BYTES of weights, whole 8-row groups for the grouped types */
 static int64_t unit_rows(const kv_wdesc *w) {
-    const int64_t align = w->qt >= KV_Q8_0X8 ? 8 : 1;
+    const int64_t align = kv_is_grouped(w->qt) ? 8 : 1;
     return (MOE_UNIT_BYTES / (w->row_bytes > 0 ? w->row_bytes : 1) / align + 1) * align;
 }
 

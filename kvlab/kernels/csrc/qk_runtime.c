@@ -157,7 +157,9 @@ static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
  * 8192 Q3_K columns where 16 KiB is one group, would take the one-group tile). */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = job->qtype < KV_Q8_0X8 ? 1 : job->fn == gemv_rows && job->n > 1 ? 16 : 8;
+    const int64_t align = !kv_is_grouped(job->qtype)            ? 1
+                          : job->fn == gemv_rows && job->n > 1 ? 16
+                                                                : 8;
     const int64_t groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
@@ -184,6 +186,7 @@ static void deq_row(int qtype, const uint8_t *w, int64_t row_bytes, int64_t r, i
     else if (qtype == KV_IQ4_NLX8) kv_deq_iq4_nlx8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_Q5_0X8) kv_deq_q5_0x8_row(w, row_bytes, r, cols, out);
     else if (qtype == KV_Q5_KX8) kv_deq_q5_kx8_row(w, row_bytes, r, cols, out);
+    else if (qtype == KV_MXFP4X8) kv_deq_mxfp4x8_row(w, row_bytes, r, cols, out);
     else g_isa->deq[qtype](w + r * row_bytes, cols, out);
 }
 
