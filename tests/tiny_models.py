@@ -15,7 +15,15 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
+# the 2025 families: their own files (tests/test_families_2025.py)
+FAMILIES_2025 = ("smollm3", "olmo2", "mistral3", "glm4moe")
 _GGUF_ARCH = {"mistral": "llama", "mixtral": "llama"}  # as llama.cpp's converter writes them
+_PERMUTED_QK = ("llama", "smollm3", "mistral3")  # llama.cpp interleaves their q/k rows
+# Ministral 3's YaRN and Llama 4 query temperature, from position 8 on in a tiny model
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                   "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5,
+                   "llama_4_scaling_beta": 0.1}
 
 _COMMON = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -54,7 +62,49 @@ def hf_config(arch: str, **overrides):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default",
                                                    "rope_theta": 1e4}})
+    if arch in FAMILIES_2025:
+        return _config_2025(arch, **overrides)
     return _moe_config(arch, **overrides)
+
+
+def _config_2025(arch: str, **overrides):
+    """SmolLM3 (layer 3 without RoPE), OLMo 2, Ministral 3 (YaRN past 8 positions) and
+    GLM-4.5 (first layer dense, 8 sigmoid-routed experts and a shared one, half rotary)."""
+    import transformers as tf
+
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if arch == "smollm3":
+        return tf.SmolLM3Config(**{**_COMMON, "num_hidden_layers": 4, **overrides},
+                                rope_theta=1e6, **ids)
+    if arch == "olmo2":
+        return tf.Olmo2Config(**{**_COMMON, **overrides}, rope_theta=5e5, **ids)
+    if arch == "mistral3":
+        return tf.Ministral3Config(**{**_COMMON, "max_position_embeddings": 32, **overrides},
+                                   head_dim=16, rope_parameters=dict(MINISTRAL3_ROPE), **ids)
+    if arch == "glm4moe":
+        return tf.Glm4MoeConfig(**{**_COMMON, "num_experts_per_tok": 2, **overrides},
+                                head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+                                n_shared_experts=1, first_k_dense_replace=1,
+                                routed_scaling_factor=2.5, norm_topk_prob=True,
+                                use_qk_norm=True, attention_bias=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 0.5}, **ids)
+    raise ValueError(arch)
+
+
+def multimodal_mistral3(out_dir: Path, seed: int = 0):
+    """A Mistral3ForConditionalGeneration (Pixtral tower + the Ministral 3 text decoder)
+    saved to out_dir/hf; returns the model."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, image_size=32, patch_size=8,
+                                    head_dim=16)
+    cfg = tf.Mistral3Config(text_config=hf_config("mistral3"), vision_config=vision)
+    model = tf.Mistral3ForConditionalGeneration(cfg).eval()
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    return model
 
 
 def _moe_config(arch: str, **overrides):
@@ -94,6 +144,9 @@ def build(arch: str, out_dir: Path, seed: int = 0, **overrides):
                 p.copy_(torch.randn_like(p) * 0.1 + (0.0 if gemma else 1.0))
             elif name.endswith("mlp.gate.weight"):  # routers far from ties between experts
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():  # GLM-4.5's choice bias: it must matter
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     model.eval()
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     write_gguf(arch, model, out_dir / "model.gguf")
@@ -108,7 +161,8 @@ def write_gguf(arch: str, model, path: Path, quantize=None) -> None:
     arch = _GGUF_ARCH.get(arch, arch)
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    if arch != "glm4moe":
+        w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
     w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
     w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
     w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
@@ -126,6 +180,7 @@ def write_gguf(arch: str, model, path: Path, quantize=None) -> None:
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
     _add_moe_keys(w, arch, cfg)
+    _add_keys_2025(w, arch, cfg)
     if _longrope(cfg):  # as llama.cpp's converter writes them; the factors are tensors
         original = cfg.original_max_position_embeddings
         scale = cfg.max_position_embeddings / original
@@ -159,6 +214,30 @@ def _add_moe_keys(w, arch: str, cfg) -> None:
                      cfg.shared_expert_intermediate_size)
 
 
+def _add_keys_2025(w, arch: str, cfg) -> None:
+    """Metadata as llama.cpp's converter writes it for the 2025 families."""
+    if arch == "mistral3":
+        rope = cfg.rope_parameters
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                     rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", rope["mscale_all_dim"])
+        w.add_float32(f"{arch}.attention.temperature_scale", rope["llama_4_scaling_beta"])
+    if arch == "glm4moe":  # block_count counts the one MTP layer _nextn_tensors adds
+        w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + 1)
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+        w.add_uint32(f"{arch}.rope.dimension_count",
+                     int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_uint32(f"{arch}.expert_shared_count", cfg.n_shared_experts)
+        w.add_uint32(f"{arch}.leading_dense_block_count", cfg.first_k_dense_replace)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)  # sigmoid
+        w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+        w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
+
+
 def _add_byte_tokenizer(w, vocab_size: int) -> None:
     """A merge-free byte-level BPE vocabulary: printable ASCII, then space and newline."""
     tokens = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
@@ -190,6 +269,12 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _LAYER_LLAMA = {"post_attention_layernorm": "ffn_norm"}
+_LAYER_POST_NORMS = {"post_attention_layernorm": "post_attention_norm",  # OLMo 2
+                     "post_feedforward_layernorm": "post_ffw_norm"}
+_LAYER_GLM = {"post_attention_layernorm": "post_attention_norm",  # its pre-MLP norm
+              "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_experts.up_proj": "ffn_up_shexp",
+              "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 _LAYER_GEMMA = {"post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
@@ -199,6 +284,8 @@ def _gguf_tensors(arch: str, model):
     cfg = model.config
     gemma = arch in ("gemma3", "gemma2")
     table = {**_LAYER, **(_LAYER_GEMMA if gemma else _LAYER_LLAMA)}
+    table.update(_LAYER_POST_NORMS if arch == "olmo2" else
+                 _LAYER_GLM if arch == "glm4moe" else {})
     for name, t in model.state_dict().items():
         if name == "model.embed_tokens.weight":
             yield "token_embd.weight", t
@@ -209,10 +296,14 @@ def _gguf_tensors(arch: str, model):
                 yield "output.weight", t
         elif ".mlp.experts." in name:
             yield from _expert_tensors(name, t)
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            yield f"blk.{name.split('.')[2]}.exp_probs_b.bias", t
         elif name.startswith("model.layers."):
             yield _layer_tensor(arch, cfg, name, t, table)
     if arch == "llama":
         yield "rope_freqs.weight", _llama3_freq_factors(model)
+    if arch == "glm4moe":
+        yield from _nextn_tensors(cfg)
     longrope = _longrope(cfg)
     if longrope:
         yield "rope_factors_short.weight", torch.tensor(longrope["short_factor"])
@@ -241,10 +332,20 @@ def _layer_tensor(arch: str, cfg, name: str, t: torch.Tensor, table: dict):
     module, kind = rest.rsplit(".", 1)
     if arch in ("gemma3", "gemma2") and module.endswith("norm"):
         t = t + 1
-    if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # + mixtral
+    if arch in _PERMUTED_QK and module in ("self_attn.q_proj", "self_attn.k_proj"):
         heads = cfg.num_attention_heads if "q_proj" in module else cfg.num_key_value_heads
         t = _permute(t, heads)
     return f"blk.{i}.{table[module]}.{kind}", t
+
+
+def _nextn_tensors(cfg):
+    """GLM-4.5's multi-token-prediction block after the last layer, as llama.cpp names it
+    (random: a loader that ran it would change the logits)."""
+    i, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    yield f"blk.{i}.nextn.eh_proj.weight", torch.randn(hidden, 2 * hidden)
+    yield f"blk.{i}.nextn.enorm.weight", torch.randn(hidden)
+    yield f"blk.{i}.nextn.hnorm.weight", torch.randn(hidden)
+    yield f"blk.{i}.attn_norm.weight", torch.randn(hidden)
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -345,6 +446,9 @@ def byte_vocab(self):
     w.add_token_list(tokens[:n]); w.add_token_types([1] * n); w.add_token_merges(["! !"])
     w.add_eos_token_id(n - 1); w.add_add_bos_token(False)
 cls.set_vocab = byte_vocab
+for inner in list(vars(cls).values()):  # Mistral 3 converts through a nested model class
+    if isinstance(inner, type) and hasattr(inner, "set_vocab"):
+        inner.set_vocab = byte_vocab
 cls.no_mtp = True
 with torch.inference_mode():
     cls(src, gguf.LlamaFileType.ALL_F32, out, eager=True).write()

@@ -9,17 +9,21 @@ from kvlab.models import (
     bert,
     gemma2,
     gemma3,
+    glm4moe,
     lfm2,
     llama,
     mistral,
+    mistral3,
     mixtral,
     nomic_bert,
+    olmo2,
     olmoe,
     phi3,
     qwen2,
     qwen2moe,
     qwen3,
     qwen3moe,
+    smollm3,
 )
 from kvlab.models.spec import ArchSpec
 
@@ -27,7 +31,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
                                        qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC,
-                                       nomic_bert.SPEC, lfm2.SPEC)}
+                                       nomic_bert.SPEC, lfm2.SPEC,
+                                       smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,
+                                       mistral3.MULTIMODAL_SPEC, glm4moe.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

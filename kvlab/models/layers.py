@@ -169,6 +169,25 @@ def _llama3(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def permute_partial_rotary(t: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Rows of q or k (or their bias, or a per-head norm weight) rearranged in each head so
+    that partial rotary becomes a full-width half rotation: a head's rotated pairs (j, j +
+    rotary_dim / 2) move to (j, j + head_dim / 2), the unrotated dimensions fill the rest,
+    half each side. Rotating those with zero frequencies (rope_inv_freq) leaves them as
+    they are; q and k move alike, so their dot products are unchanged.
+
+        head_dim 8, rotary_dim 4:  old [r0 r1 R0 R1 p0 p1 p2 p3] -> new [r0 r1 p0 p1 R0 R1 p2 p3]
+    """
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    passed = (head_dim - rotary_dim) // 2
+    order = torch.cat([torch.arange(rot_half), rotary_dim + torch.arange(passed),
+                       rot_half + torch.arange(rot_half),
+                       rotary_dim + passed + torch.arange(passed)])
+    assert order.numel() == 2 * half
+    heads = t.shape[0] // head_dim
+    return t.reshape(heads, head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+
+
 @dataclass(frozen=True)
 class LongRopeTable:
     """Longrope's two frequency sets: `short` [head_dim / 2] for positions below `original`,

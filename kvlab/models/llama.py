@@ -183,7 +183,8 @@ class LlamaModel:
         q = q.reshape(-1, c.num_heads, c.head_dim)
         k = k.reshape(-1, c.num_kv_heads, c.head_dim)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        q_norm, k_norm = (layer["q_norm"], layer["k_norm"]) if c.qk_norm else (None, None)
+        # qk_norm: per head, where the layer has the weights (GLM-4.5's are optional)
+        q_norm, k_norm = (layer.get("q_norm"), layer.get("k_norm")) if c.qk_norm else (None, None)
         q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
         if q_scale is not None:

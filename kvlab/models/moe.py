@@ -45,6 +45,11 @@ HF_EXPERTS = {"mlp.experts.{e}.gate_proj.weight": "gate_exps",
               "mlp.experts.{e}.down_proj.weight": "down_exps"}
 
 
+def hf_shared_expert(module: str) -> dict[str, str]:
+    """A shared expert's HF names under `module` -> kvlab's (GLM-4.5: mlp.shared_experts)."""
+    return {f"{module}.{p}_proj.weight": f"shexp_{p}" for p in ("gate", "up", "down")}
+
+
 def moe_from_hf(cfg: dict[str, Any], inter_key: str = "moe_intermediate_size",
                 norm_topk_prob: bool | None = None) -> MoeConfig:
     """MoeConfig from an HF config; `norm_topk_prob` fixed by a family that has no key.
@@ -139,6 +144,30 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
     return top.to(h.dtype), ids
 
 
+def route_sigmoid(h: torch.Tensor, router: Weight, bias: torch.Tensor,
+                  moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """route for a sigmoid router with a choice bias (DeepSeek-V3's noaux_tc, GLM-4.5), as
+    transformers does it: scores sigmoid(logits) in fp32; the choice ranks scores + bias,
+    within the `top_groups` groups whose two best biased scores sum highest; the weights
+    are the chosen experts' unbiased scores, renormalised (norm_topk_prob) and scaled by
+    routed_scale."""
+    scores = torch.sigmoid(linear(h.float(), router).float())  # [T, E]
+    choice = scores + bias
+    if moe.groups > 1:
+        t, e = choice.shape
+        per_group = choice.view(t, moe.groups, e // moe.groups)
+        best = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, best.topk(moe.top_groups, dim=-1, sorted=False).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // moe.groups, dim=1),
+                                    float("-inf"))
+    ids = torch.topk(choice, moe.experts_per_token, dim=-1, sorted=False).indices
+    top = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return (top * moe.routed_scale).to(h.dtype), ids
+
+
 def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
@@ -176,15 +205,19 @@ def run_experts_each(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
 
 def moe_mlp(h: torch.Tensor, layer: dict, moe: MoeConfig,
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """The routed experts plus, where the layer has one, the sigmoid-gated shared expert;
-    the chosen expert ids [T, k] are appended to `trace` when one is given."""
-    weights, ids = route(h, layer["router"], moe)
+    """The routed experts plus, where the layer has one, the shared expert (gated by
+    sigmoid(shexp_router . h) where the layer has that gate); the chosen expert ids [T, k]
+    are appended to `trace` when one is given."""
+    weights, ids = (route(h, layer["router"], moe) if moe.scoring == "softmax" else
+                    route_sigmoid(h, layer["router"], layer["router_bias"], moe))
     if trace is not None:
         trace.append(ids)
     out = run_experts(h, layer["experts"], weights, ids)
     if "shexp_gate_up" in layer:
         shared = linear(swiglu(linear(h, layer["shexp_gate_up"])), layer["shexp_down"])
-        out += torch.sigmoid(linear(h, layer["shexp_router"])) * shared
+        if "shexp_router" in layer:
+            shared = torch.sigmoid(linear(h, layer["shexp_router"])) * shared
+        out += shared
     return out
 
 
