@@ -36,11 +36,14 @@ from kvlab.request import (
     Structure,
     TokenLogprob,
 )
-from kvlab.runner import ModelRunner
+from kvlab.runner import ModelRunner, StepLogits
 from kvlab.runner.decode_graph import GRAPH_MODES
 from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
-from kvlab.sampler import SampleResult, SamplingBatch, sample
+from kvlab.sampler import SampleResult, SamplingBatch, raw_logprobs, sample, target_probs
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kvlab.spec.proposer import METHODS, make_proposer
+from kvlab.spec.stats import SpecCounts
+from kvlab.spec.verify import judge
 from kvlab.stop import StopStringFilter
 from kvlab.structured import StructuredOutputs, Template
 from kvlab.tokenizer import (
@@ -78,6 +81,13 @@ class EngineConfig:
     record_experts: bool = False
     # ranks the model is split over (kvlab.models.sharding); threads are per rank
     tensor_parallel_size: int = 1
+    # speculative decoding: None (off) or a proposer (kvlab.spec: "ngram", prompt lookup),
+    # and the most tokens it proposes per sequence and step
+    speculative: str | None = None
+    num_speculative: int = 4
+    # False: always propose num_speculative tokens where the proposer finds them, instead of
+    # sizing proposals from acceptance and step costs (kvlab.spec.adaptive)
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -100,6 +110,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise KvlabError(f"--tensor-parallel-size {self.tensor_parallel_size}: it must be "
                              "at least 1")
+        if self.speculative is not None and self.speculative not in METHODS:
+            raise KvlabError(f"--speculative {self.speculative!r} is not a method (valid: "
+                             f"{', '.join(METHODS)})")
+        if self.num_speculative < 1:
+            raise KvlabError(f"--num-speculative {self.num_speculative}: it must be at least 1")
         if self.block_size < 1 or self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise KvlabError("block size, KV cache size and max sequences must be positive")
 
@@ -115,6 +130,7 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found
     weight_bytes_read: int = 0  # weight bytes the C kernels have read in this process
+    speculative: SpecCounts = field(default_factory=SpecCounts)  # proposed / accepted tokens
 
     @property
     def kv_usage(self) -> float:
@@ -159,6 +175,20 @@ class _Request:
     generator: torch.Generator
     timings: RequestTimings = field(default_factory=RequestTimings)
     forced_tokens: int = 0  # output tokens its structure appended without sampling
+    draft_tokens: int = 0  # tokens proposed for it (speculative decoding)
+    accepted_tokens: int = 0  # of which the model kept
+
+
+@dataclass(eq=False)
+class _Verified:
+    """One sequence's proposals checked against the model: the accepted ones, then the
+    token drawn after them (and any its structure forced), as _append takes them."""
+
+    req: _Request
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    num_accepted: int
+    complete: bool  # its structure allows nothing more
 
 
 class Engine:
@@ -171,8 +201,16 @@ class Engine:
         num_blocks = pools.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  pools.window, pools.state_slots)
+        proposer = make_proposer(config.speculative, config.num_speculative,
+                                 config.speculative_adaptive)
+        if proposer is not None and self.kv.states is not None:
+            raise KvlabError(f"{loaded.config.name or loaded.config.architecture} has "
+                             "recurrent layers, whose state cannot take back rejected "
+                             "proposals: run it without --speculative")
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
-                                                   config.max_num_batched_tokens), self.kv)
+                                                   config.max_num_batched_tokens), self.kv,
+                                   proposer)
+        self.spec_counts = SpecCounts()
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
         args = {"num_blocks": num_blocks, "block_size": config.block_size,
                 "kv_dtype": config.kv_dtype, "device": config.device, "quantized": quantized,
@@ -323,7 +361,7 @@ class Engine:
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             block_size=self.config.block_size, kv_bytes_per_token=self.cost.kv_bytes_per_token,
             prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits,
-            weight_bytes_read=weight_bytes_read())
+            weight_bytes_read=weight_bytes_read(), speculative=self.spec_counts.copy())
 
     def kv_view(self, request_id: str) -> KVView | None:
         """Where a live request's KV cache lives: its block table and what came from the cache."""
@@ -420,10 +458,14 @@ class Engine:
             return outputs + self._stall_outputs()
         self.runner.page_ahead(self.kv.high_water())
         start = time.perf_counter()
-        logits = self.runner.execute(sched, self.config.record_experts)
+        logits, checks = _split_rows(self.runner.execute(sched, self.config.record_experts))
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)
+        verified = [self._verify(self.requests[seq_id], rows) for seq_id, rows in checks]
         now = time.perf_counter()
         self._account(sched, start, now)
+        self._observe(sched, now - start)
+        for v in verified:  # rejected proposals go before their blocks could be cached
+            self.scheduler.settle(v.req.seq, v.num_accepted)
         self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
                                       for s in sched.scheduled})
         counts = {} if allowed is None else {  # how many tokens each structure allowed
@@ -435,7 +477,81 @@ class Engine:
             if logits.experts is not None:
                 out.experts = logits.experts[row].tolist()
             outputs.append(out)
-        return outputs
+        return outputs + [self._append_verified(v, now) for v in verified]
+
+    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A decode step's time, for the proposer's cost fit (prefill steps do not say what
+        a proposed token costs)."""
+        proposer = self.scheduler.proposer
+        if proposer is not None and not any(s.prefill_tokens for s in sched.scheduled):
+            multi = any(len(s.token_ids) > 1 for s in sched.scheduled)
+            proposer.observe_step(sched.num_tokens, multi, seconds)
+
+    def _verify(self, req: _Request, rows: torch.Tensor) -> _Verified:
+        """Check a sequence's proposals against its logits rows [1 + proposed, vocab]
+        (kvlab.spec.verify); a structure's mask follows each accepted token, so a proposal
+        it forbids has probability 0 and ends the run."""
+        seq = req.seq
+        drafts = seq.token_ids[seq.num_tokens - seq.num_draft_tokens:]
+        base = seq.num_tokens - len(drafts)  # tokens before the first proposal
+        constrained = self.structured.constrained(seq.seq_id)
+        batch = self._verify_batch(req, drafts, range(len(drafts) + 1))
+        probs = None if constrained else target_probs(rows, batch)
+        tokens: list[int] = []
+        forced, complete, kept = [], False, False
+        for i in range(len(drafts) + 1):
+            p = (probs[i] if probs is not None else
+                 self._masked_probs(req, rows[i:i + 1], drafts[:i]))
+            proposed = drafts[i] if i < len(drafts) else None
+            token, kept = judge(p, proposed, seq.params.greedy, req.generator)
+            tokens.append(token)
+            if constrained:
+                forced, complete = self._follow_structure(req, token, base + i)
+            if not kept or forced or complete:
+                break
+        accepted = len(tokens) - (not kept)
+        req.draft_tokens += len(drafts)
+        req.accepted_tokens += accepted
+        self.spec_counts.record(len(drafts), accepted)
+        req.forced_tokens += len(forced)
+        return _Verified(req, tokens + forced, self._verified_logprobs(req, rows, tokens, batch)
+                         + [TokenLogprob(t, 0.0, [(t, 0.0)]) for t in forced], accepted,
+                         complete)
+
+    def _verify_batch(self, req: _Request, drafts: list[int], rows: range,
+                      allowed: torch.Tensor | None = None) -> SamplingBatch:
+        """Sampling settings of a sequence's verify rows: row i follows its first i
+        proposals, which its penalties count as output."""
+        seq, p = req.seq, req.seq.params
+        out = seq.token_ids[seq.num_prompt_tokens:seq.num_tokens - seq.num_draft_tokens]
+        counted = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        outputs = [out + drafts[:i] if counted else [] for i in rows]
+        n = len(outputs)
+        return SamplingBatch.build([p] * n, [_penalty_ids(seq, prompt=True)] * n, outputs,
+                                   [req.generator] * n, self.runner.device, allowed=allowed)
+
+    def _masked_probs(self, req: _Request, row: torch.Tensor, drafts: list[int]
+                      ) -> torch.Tensor:
+        """Target probs [vocab] of one verify row under the structure's mask as it stands."""
+        seq = req.seq
+        allowed = self.structured.bitmask([seq.seq_id], [seq.params.ignore_eos])
+        i = len(drafts)
+        return target_probs(row, self._verify_batch(req, drafts, range(i, i + 1), allowed))[0]
+
+    def _verified_logprobs(self, req: _Request, rows: torch.Tensor, tokens: list[int],
+                           batch: SamplingBatch) -> list[TokenLogprob]:
+        if req.seq.params.logprobs is None:
+            return []
+        ids = torch.tensor(tokens, dtype=torch.long, device=rows.device)
+        result = raw_logprobs(rows[:len(tokens)].float(), ids, batch)
+        return [self._logprob(result, i, t) for i, t in enumerate(tokens)]
+
+    def _append_verified(self, v: _Verified, now: float) -> RequestOutput:
+        """Emit a verify run's tokens: the accepted proposals are taken out and appended
+        again by _append, which cuts the run at a stop, EOS or max_tokens."""
+        seq = v.req.seq
+        del seq.token_ids[len(seq.token_ids) - v.num_accepted:]
+        return self._append(v.req, v.tokens, v.logprobs, now, v.complete)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the scheduler's queue."""
@@ -493,15 +609,18 @@ class Engine:
         logprobs += [TokenLogprob(t, 0.0, [(t, 0.0)]) for t in forced] if want else []
         return self._append(req, [token, *forced], logprobs, now, complete)
 
-    def _follow_structure(self, req: _Request, token: int) -> tuple[list[int], bool]:
-        """(forced tokens that follow `token`, whether the structure is now complete)."""
+    def _follow_structure(self, req: _Request, token: int,
+                          num_tokens: int | None = None) -> tuple[list[int], bool]:
+        """(forced tokens that follow `token`, whether the structure is now complete);
+        num_tokens: the sequence's length before `token` (default: as it stands)."""
         seq_id, seq = req.seq.seq_id, req.seq
         if token in self.tokenizer.eos_ids or not self.structured.accept(seq_id, token):
             return [], True  # EOS is only allowed where the structure is complete
         if self.structured.finished(seq_id):
             return [], True
-        n_out = seq.num_tokens + 1 - seq.num_prompt_tokens
-        room = min(seq.params.max_tokens - n_out, self.max_model_len - seq.num_tokens - 1)
+        before = seq.num_tokens if num_tokens is None else num_tokens
+        n_out = before + 1 - seq.num_prompt_tokens
+        room = min(seq.params.max_tokens - n_out, self.max_model_len - before - 1)
         forced = self.structured.forced(seq_id, room)
         return forced, self.structured.finished(seq_id)
 
@@ -554,7 +673,8 @@ class Engine:
             finished=reason is not None, finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
             output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
-            timings=req.timings, forced_tokens=req.forced_tokens)
+            timings=req.timings, forced_tokens=req.forced_tokens,
+            draft_tokens=req.draft_tokens, accepted_tokens=req.accepted_tokens)
 
 
 def token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:
@@ -569,6 +689,24 @@ def token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]
         batches[-1].append(p)
         size += len(p)
     return batches
+
+
+def _split_rows(logits: StepLogits) -> tuple[StepLogits, list[tuple[str, torch.Tensor]]]:
+    """A step's logits as the one-row sequences' (sampled as before) and each verifying
+    sequence's rows [1 + proposed, vocab]."""
+    if logits.counts is None:
+        return logits, []
+    plain, plain_ids, checks, row = [], [], [], 0
+    for seq_id, n in zip(logits.seq_ids, logits.counts):
+        if n == 1:
+            plain.append(row)
+            plain_ids.append(seq_id)
+        else:
+            checks.append((seq_id, logits.logits[row:row + n]))
+        row += n
+    index = torch.tensor(plain, dtype=torch.long, device=logits.logits.device)
+    experts = None if logits.experts is None else logits.experts[index.cpu()]
+    return StepLogits(plain_ids, logits.logits.index_select(0, index), experts), checks
 
 
 def _penalty_ids(seq: Sequence, prompt: bool) -> list[int]:

@@ -183,6 +183,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings | None = None
     forced_tokens: int = 0  # of output_tokens, appended by the structure without sampling
+    draft_tokens: int = 0  # tokens proposed for it so far (speculative decoding)
+    accepted_tokens: int = 0  # of which the model accepted
     allowed_tokens: int | None = None  # tokens the structure allowed this step's sampled one
     # with EngineConfig.record_experts on an MoE model: per MoE layer, the expert ids the
     # sampled token's position was routed to (the step's last position of this request)

@@ -258,21 +258,44 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
     return q.clamp_min_(torch.finfo(q.dtype).tiny)  # a 0 draw would divide 0 probs by 0
 
 
-def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
-    """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
-    logits = logits.float()
-    if batch.allowed is not None:  # in place unless the raw logits are still needed
-        masked = logits.clone() if batch.want_logprobs else logits
+def adjusted_logits(logits: Tensor, batch: SamplingBatch, keep_raw: bool) -> Tensor:
+    """Structure mask, logit bias and penalties on fp32 logits; the mask is applied in place
+    unless keep_raw (the raw logits are still needed)."""
+    if batch.allowed is not None:
+        masked = logits.clone() if keep_raw else logits
         allowed = fused.mask_logits_(masked, batch.allowed)
     else:
         allowed = logits
     biased = batch.logit_bias.apply(allowed) if batch.logit_bias is not None else allowed
-    penalized = apply_penalties(biased, batch)
+    return apply_penalties(biased, batch)
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
+    """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
+    logits = logits.float()
+    penalized = adjusted_logits(logits, batch, keep_raw=batch.want_logprobs)
     token_ids = fused.argmax(penalized)
     if not batch.all_greedy:
         probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
         sampled = fused.argmax(probs / exponential_noise(probs, batch))
         token_ids = torch.where(batch.greedy, token_ids, sampled)
+    return raw_logprobs(logits, token_ids, batch)
+
+
+def target_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """[B, V] fp32: the distribution sample() draws each row's token from (one-hot at the
+    argmax on greedy rows), for verifying proposed tokens against it. logits stay as given."""
+    penalized = adjusted_logits(logits.float(), batch, keep_raw=True)
+    greedy = torch.zeros_like(penalized).scatter_(1, fused.argmax(penalized)[:, None], 1.0)
+    if batch.all_greedy:
+        return greedy
+    probs = apply_sampling_filters(penalized, batch).softmax(dim=-1)
+    return torch.where(batch.greedy[:, None], greedy, probs)
+
+
+def raw_logprobs(logits: Tensor, token_ids: Tensor, batch: SamplingBatch) -> SampleResult:
+    """token_ids with their log-probs and each row's top alternatives under the raw
+    distribution (NaN and none when no row asked for logprobs)."""
     if not batch.want_logprobs:  # a pass over the whole vocabulary saved per step
         empty = logits.new_empty(logits.shape[0], 0)
         return SampleResult(token_ids, logits.new_full(token_ids.shape, float("nan")),

@@ -11,6 +11,18 @@ decode step are all the same catch-up in different sizes:
 Running sequences go first (oldest first), then waiting ones, under `max_num_batched_tokens`
 and `max_num_seqs`. When KV blocks run out, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+Speculative decoding is one more size of the same catch-up. A proposer (kvlab.spec) guesses
+a decoding sequence's next tokens; they are appended as tokens it has not computed, so the
+step computes the last sampled token and the guesses together and asks for logits at each:
+
+    tokens:    [prompt ... o3 | d1 d2 d3]      num_draft_tokens = 3
+    computed:  [prompt ...]|                   num_computed_tokens = num_tokens - 4
+    this step: o3 d1 d2 d3, 4 logits rows      (guesses past the token budget are dropped)
+
+The engine verifies them; `settle` drops the rejected guesses and truncates the block table,
+and only then does `update` advance the counter and register full blocks, so the prefix
+cache never holds an unverified token.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from dataclasses import dataclass, field
 
 from kvlab.cache import KVCacheManager
 from kvlab.request import SamplingParams
+from kvlab.spec.adaptive import DraftState
+from kvlab.spec.proposer import Candidate, NgramProposer
 
 
 class SeqStatus(enum.Enum):
@@ -39,6 +53,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first schedule
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # the last tokens of token_ids are proposals, not yet verified
+    draft: DraftState | None = None  # the proposer's state, once it was asked
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +77,9 @@ class ScheduledSeq:
     window_table: list[int | None] | None = None
     # its row in the recurrent layers' state tensors; None without such layers
     state_slot: int | None = None
+    # logits rows it needs when needs_logits: its last num_logits positions (the last
+    # sampled token and each proposed one)
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,8 +99,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 proposer: NgramProposer | None = None) -> None:
+        self.config, self.kv, self.proposer = config, kv, proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -95,6 +115,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
+        if self.proposer is not None:
+            self._propose()
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
@@ -105,8 +127,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            over = seq.num_tokens - seq.num_computed_tokens - budget
+            if over > 0 and seq.num_draft_tokens:  # guesses past the budget are dropped
+                self._drop_drafts(seq, min(over, seq.num_draft_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+                if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
+                    n -= seq.num_draft_tokens
+                    self._drop_drafts(seq, seq.num_draft_tokens)
+                    continue
                 victim = self.running.pop()  # the newest sequence gives its blocks back
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
@@ -141,9 +170,45 @@ class Scheduler:
             needs_logits=end == seq.num_tokens,
             prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start),
             window_table=self.kv.window_table(seq.seq_id),
-            state_slot=self.kv.state_slot(seq.seq_id))
+            state_slot=self.kv.state_slot(seq.seq_id),
+            num_logits=1 + seq.num_draft_tokens)
+
+    def _propose(self) -> None:
+        """Ask the proposer for each decoding sequence's next tokens and append them."""
+        assert self.proposer is not None
+        seqs, candidates = [], []
+        for seq in self.running:
+            left = seq.params.max_tokens - len(seq.output_ids) - 1  # after the next token
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_draft_tokens:
+                continue
+            if seq.draft is None:
+                seq.draft = DraftState()
+            seqs.append(seq)
+            candidates.append(Candidate(seq.draft, seq.token_ids, left))
+        if not candidates:
+            return
+        rows = sum(s.num_tokens - s.num_computed_tokens for s in self.running)
+        for seq, tokens in zip(seqs, self.proposer.propose(candidates, rows)):
+            seq.token_ids.extend(tokens)
+            seq.num_draft_tokens = len(tokens)
+
+    def _drop_drafts(self, seq: Sequence, n: int) -> None:
+        """Remove the last n proposed tokens (not computed: no KV to release)."""
+        del seq.token_ids[len(seq.token_ids) - n:]
+        seq.num_draft_tokens -= n
+
+    def settle(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verify step: keep the first num_accepted proposals (now computed), drop
+        the rest and release the KV blocks past the kept tokens. Call before update."""
+        proposed = seq.num_draft_tokens
+        if seq.draft is not None:
+            seq.draft.acceptance.record(proposed, num_accepted)
+        self._drop_drafts(seq, proposed - num_accepted)
+        seq.num_draft_tokens = 0
+        self.kv.truncate(seq.seq_id, seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_drafts(seq, seq.num_draft_tokens)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -154,7 +219,8 @@ class Scheduler:
         """Advance progress counters after the step ran; register newly full blocks."""
         for s in output.scheduled:
             seq = seqs[s.seq_id]
-            seq.num_computed_tokens = s.start + len(s.token_ids)
+            # min: rejected proposals were computed but are no longer tokens (settle)
+            seq.num_computed_tokens = min(s.start + len(s.token_ids), seq.num_tokens)
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
 

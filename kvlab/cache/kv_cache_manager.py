@@ -209,6 +209,19 @@ class KVCacheManager:
         if self.window is not None:
             self.window.register(seq_id, seq.cached_keys, seq.cached_links, token_ids)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Release seq_id's blocks past the first num_tokens tokens (rejected proposals'
+        slots). Those blocks were never registered: only computed, verified tokens are."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        keep = max(self.num_blocks_for(num_tokens), len(seq.cached_keys))
+        if keep < len(seq.table):
+            self.pool.free(list(reversed(seq.table[keep:])))
+            del seq.table[keep:]
+        if self.window is not None:
+            self.window.truncate(seq_id, keep)
+
     def free(self, seq_id: str) -> None:
         """Release all of seq_id's blocks, tail first so its tail is evicted before its head."""
         seq = self._seqs.pop(seq_id, None)

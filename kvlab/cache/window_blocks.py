@@ -116,6 +116,13 @@ class WindowBlocks:
                 self.pool.free([table[i]])
                 table[i] = None
 
+    def truncate(self, seq_id: str, num_blocks: int) -> None:
+        """Release seq_id's window blocks from logical block num_blocks on, tail first."""
+        table = self._tables.get(seq_id)
+        if table is not None and num_blocks < len(table):
+            self.pool.free([b for b in reversed(table[num_blocks:]) if b is not None])
+            del table[num_blocks:]
+
     def free(self, seq_id: str) -> None:
         """Release all of seq_id's window blocks, tail first."""
         table = self._tables.pop(seq_id, None)

@@ -38,6 +38,9 @@ class StepLogits:
     # asked for with record_experts on an MoE model: [len(seq_ids), moe layers, k], the
     # experts each logits row's token was routed to; else None
     experts: torch.Tensor | None = None
+    # rows per sequence, in seq_ids order, where some sequence has several (a verify step:
+    # ScheduledSeq.num_logits); None: one row each
+    counts: list[int] | None = None
 
 
 class ModelRunner:
@@ -203,18 +206,20 @@ class ModelRunner:
                 hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, **extra)
             else:
                 hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, trace, **extra)
-            rows, seq_ids, row = [], [], 0
+            rows, seq_ids, counts, row = [], [], [], 0
             for s in out.scheduled:
                 row += len(s.token_ids)
                 if s.needs_logits and want_logits:
-                    rows.append(row - 1)
+                    rows.extend(range(row - s.num_logits, row))
                     seq_ids.append(s.seq_id)
+                    counts.append(s.num_logits)
             if not rows:
                 return StepLogits([], hidden.new_empty(0, self.config.vocab_size))
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model.logits(hidden.index_select(0, index))
         experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
-        return StepLogits(seq_ids, logits, experts)
+        several = len(rows) > len(seq_ids)
+        return StepLogits(seq_ids, logits, experts, counts if several else None)
 
     def _step_states(self, out: SchedulerOutput) -> StateBatch:
         """The step's rows of the recurrent states; a sequence that starts from token 0

@@ -1,0 +1,147 @@
+"""How many tokens to propose: per sequence from its running acceptance rate, per step from
+what the engine's own timed steps say a proposed token costs.
+
+Plain Python, no torch. A step's seconds are fitted online (recursive least squares with
+forgetting) to the shape kvlab's step model gives a decode step (kvlab.estimate.step_model):
+
+    seconds = fixed + per_row * rows + multi * [some sequence computes several rows]
+
+`fixed` is one pass over the weights, `per_row` what each row adds (the products' compute),
+`multi` the switch from the one-call decode path to the path that takes several tokens per
+sequence. The engine cannot import the estimator (it ranks above the engine), so it fits
+that shape to the decode and verify steps it times itself; no threshold is fixed in advance.
+
+A sequence whose proposals are accepted at rate a gets, from k proposals, 1 + a + ... + a^k
+tokens in expectation (each is kept only if all before it were). The plan adds proposals one
+at a time where they are most likely kept and keeps the allocation that maximises expected
+tokens per second; when the batch is compute-bound, that is none. A sequence that proposes
+nothing still has its would-be proposal checked against the token that came (a shadow
+trial, free), so k grows back when the text starts repeating again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvlab.spec.ngram import NgramIndex
+
+RATE_PRIOR = 0.5  # a new sequence's acceptance rate before any trial
+RATE_WEIGHT = 0.25  # weight of each new trial in the running rate
+FORGET = 0.97  # older steps' weight in the cost fit, per step
+EXPLORE_EVERY = 64  # declined steps after which one proposes anyway: re-measures its cost
+
+
+@dataclass
+class Acceptance:
+    """A sequence's running rate of accepted proposals (each trial: one proposed token up
+    to and including the first rejected one)."""
+
+    rate: float = RATE_PRIOR
+
+    def record(self, proposed: int, accepted: int) -> None:
+        trials = min(proposed, accepted + 1)
+        for i in range(trials):
+            self.rate += RATE_WEIGHT * (float(i < accepted) - self.rate)
+
+    def expected(self, k: int) -> float:
+        """Expected accepted tokens out of k proposals."""
+        return sum(self.rate ** i for i in range(1, k + 1))
+
+
+@dataclass
+class DraftState:
+    """One sequence's proposer state: its n-gram index, acceptance rate, and the proposal it
+    did not make last step (checked against what came instead)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    shadow: list[int] = field(default_factory=list)
+    shadow_at: int = 0  # position the shadow proposal would have started at
+
+    def check_shadow(self, token_ids: Sequence[int]) -> None:
+        """Score last step's unmade proposal against the tokens that came since."""
+        if not self.shadow:
+            return
+        came = token_ids[self.shadow_at:self.shadow_at + len(self.shadow)]
+        accepted = 0
+        while accepted < len(came) and came[accepted] == self.shadow[accepted]:
+            accepted += 1
+        if came:
+            self.acceptance.record(min(len(came), len(self.shadow)), accepted)
+        self.shadow = []
+
+
+class StepCost:
+    """Online fit of a step's seconds: fixed + per_row * rows + multi * [several rows].
+
+    Fitted in units of the first step's time. The prior says rows and the switch cost little
+    beside the fixed pass (variance 1 against 1e4), so a run that has timed only one-token
+    steps tries proposals and then learns their cost; forgetting lets the data outweigh it."""
+
+    def __init__(self) -> None:
+        self.theta = [0.0, 0.0, 0.0]
+        prior = (1e4, 1.0, 1.0)
+        self.p = [[prior[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.unit = 0.0  # seconds of the first observed step
+        self.steps = 0
+
+    def observe(self, rows: int, multi: bool, seconds: float) -> None:
+        """One timed step of decodes (and proposals): rows computed, seconds taken."""
+        if self.unit <= 0.0:
+            self.unit = max(seconds, 1e-9)
+        seconds /= self.unit
+        x = [1.0, float(rows), float(multi)]
+        px = [sum(self.p[i][j] * x[j] for j in range(3)) for i in range(3)]
+        denom = FORGET + sum(x[i] * px[i] for i in range(3))
+        gain = [v / denom for v in px]
+        err = seconds - sum(t * v for t, v in zip(self.theta, x))
+        self.theta = [t + g * err for t, g in zip(self.theta, gain)]
+        self.p = [[(self.p[i][j] - gain[i] * px[j]) / FORGET for j in range(3)]
+                  for i in range(3)]
+        self.steps += 1
+
+    def seconds(self, rows: int, multi: bool) -> float:
+        fixed, per_row, switch = self.theta
+        return self.unit * (max(fixed, 1e-6) + max(per_row, 0.0) * rows
+                            + (max(switch, 0.0) if multi else 0.0))
+
+
+class Planner:
+    """Sizes each step's proposals (see the module docstring)."""
+
+    def __init__(self, max_k: int, adaptive: bool = True) -> None:
+        """adaptive False: every sequence takes all of its proposal, up to max_k."""
+        if max_k < 1:
+            raise ValueError(f"the number of speculative tokens must be >= 1, got {max_k}")
+        self.max_k, self.adaptive = max_k, adaptive
+        self.cost = StepCost()
+        self.declined = 0  # steps in a row that had proposals and made none
+
+    def plan(self, states: Sequence[DraftState], caps: Sequence[int], rows: int) -> list[int]:
+        """Proposals per sequence (at most its cap) for a step that computes `rows` rows
+        without them."""
+        if not self.adaptive:
+            return [min(c, self.max_k) for c in caps]
+        ks = [0] * len(states)
+        heap = [(-s.acceptance.rate, i) for i, (s, c) in enumerate(zip(states, caps)) if c > 0]
+        if not heap:
+            return ks
+        explore = self.declined >= EXPLORE_EVERY
+        heapq.heapify(heap)
+        base = len(states) / self.cost.seconds(rows, False)
+        best, best_ks, tokens, added = base, list(ks), float(len(states)), 0
+        while heap:
+            gain, i = heapq.heappop(heap)
+            ks[i] += 1
+            added += 1
+            tokens += -gain  # rate ** ks[i]: kept only if all before it were
+            rate = states[i].acceptance.rate
+            if ks[i] < caps[i]:
+                heapq.heappush(heap, (-rate ** (ks[i] + 1), i))
+            speed = tokens / self.cost.seconds(rows + added, True)
+            if speed > best or explore:
+                best, best_ks = speed, list(ks)
+        self.declined = self.declined + 1 if not any(best_ks) else 0
+        return best_ks

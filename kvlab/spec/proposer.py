@@ -1,0 +1,55 @@
+"""The proposer the scheduler asks for tokens: prompt lookup (kvlab.spec.ngram), each
+sequence's guess cut to the length the planner (kvlab.spec.adaptive) gives it this step.
+
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvlab.spec.adaptive import DraftState, Planner
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A sequence that could take proposals this step: its state, its tokens (all computed
+    but the last), and the most it may take (max_tokens left after the next one)."""
+
+    state: DraftState
+    token_ids: Sequence[int]
+    cap: int
+
+
+class NgramProposer:
+    def __init__(self, num_speculative: int, adaptive: bool = True) -> None:
+        self.planner = Planner(num_speculative, adaptive)
+        self.max_k = num_speculative
+
+    def propose(self, candidates: Sequence[Candidate], rows: int) -> list[list[int]]:
+        """Proposed tokens per candidate, for a step of `rows` rows without them."""
+        guesses = []
+        for c in candidates:
+            c.state.check_shadow(c.token_ids)
+            guesses.append(c.state.index.propose(c.token_ids, min(c.cap, self.max_k)))
+        ks = self.planner.plan([c.state for c in candidates], [len(g) for g in guesses], rows)
+        for c, guess, k in zip(candidates, guesses, ks):
+            if k == 0 and guess:  # scored against what comes instead
+                c.state.shadow, c.state.shadow_at = guess, len(c.token_ids)
+        return [guess[:k] for guess, k in zip(guesses, ks)]
+
+    def observe_step(self, rows: int, multi: bool, seconds: float) -> None:
+        """A timed decode step: rows computed, whether any sequence computed several."""
+        self.planner.cost.observe(rows, multi, seconds)
+
+
+def make_proposer(method: str | None, num_speculative: int,
+                  adaptive: bool = True) -> NgramProposer | None:
+    if method is None:
+        return None
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r} is not one of {', '.join(METHODS)}")
+    return NgramProposer(num_speculative, adaptive)
