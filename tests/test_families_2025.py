@@ -137,6 +137,18 @@ def test_glm4moe_grouped_routing_matches_transformers(tmp_path):
         assert (logits - ref[7 + i]).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
+def test_glm4moe_without_qk_norm(tmp_path, fmt):
+    """GLM-4.5 (355B) has no QK-norm: its GGUF says nothing, the layers just lack the
+    weights."""
+    hf = build("glm4moe", tmp_path, use_qk_norm=False)
+    ids = _ids(10, 8)
+    runner = runner_for(tmp_path / fmt)
+    assert "q_norm" not in runner.model.layers[0]
+    logits = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2], True, 10))
+    assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max() <= TOL
+
+
 def test_glm4moe_mtp_layers_are_not_run_but_stay_readable(tmp_path):
     """The GGUF's block_count counts the MTP block (nextn_predict_layers 1): kvlab runs the
     three decoder layers and leaves the MTP tensors in the file, readable by name."""

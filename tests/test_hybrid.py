@@ -189,3 +189,45 @@ def test_a_repeated_prompt_is_computed_again(tiny, alone):
         outs.extend(e.step())
     assert outs[-1].cached_tokens == 0
     assert [t for o in outs for t in o.new_token_ids] == first[0] == alone[1]
+
+
+# ---- checkpoints: multimodal wrappers, GGUF state dimensions ---------------------------------
+
+def test_multimodal_qwen3_5_loads_its_text_model_and_says_so(tmp_path, caplog):
+    import transformers as tf
+
+    from tiny_models import hybrid_config
+
+    torch.manual_seed(3)
+    text = hybrid_config("qwen3_5").to_dict()
+    cfg = tf.Qwen3_5Config(text_config=text, vision_config={
+        "depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+        "out_hidden_size": 64})
+    hf = tf.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with caplog.at_level("WARNING", logger="kvlab.models"):
+        runner = runner_for(tmp_path / "hf")
+    assert "vision tower is not loaded" in caplog.text
+    ids = [4, 8, 15, 16, 23, 42]
+    logits = step(runner, seq("a", 0, ids, [0, 1], slot=0))
+    assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max() <= TOL
+
+
+# per family: a GGUF key changed, and what the load error says
+MISMATCHES = {
+    "lfm2": [("lfm2.shortconv.l_cache", 4, r"convolution weight is \[64, 3\]")],
+    "qwen3_5": [("qwen35.ssm.state_size", 16, "state dimensions say"),
+                ("qwen35.ssm.conv_kernel", 3, "state dimensions say")],
+    "qwen3_5_moe": [("qwen35moe.ssm.time_step_rank", 2, "state dimensions say")],
+}
+
+
+def test_gguf_state_dimensions_that_disagree_with_the_tensors_are_a_load_error(tiny):
+    from kvlab.errors import ModelLoadError
+
+    path = path_of(tiny, "model.gguf")
+    for key, value, message in MISMATCHES[tiny[0]]:
+        ckpt = open_checkpoint(path)
+        ckpt.metadata[key] = value
+        with pytest.raises(ModelLoadError, match=message):
+            load_model(ckpt, LoadOptions())

@@ -138,13 +138,28 @@ def test_gated_rms_norms_match_transformers():
 
 # ---- every implementation against the recurrence ---------------------------------------
 
-GDR_IMPLS = {"dispatch": rc.gated_delta_rule, "torch": rc.gated_delta_rule_torch}
-SSD_IMPLS = {"dispatch": rc.ssd_scan, "torch": rc.ssd_scan_torch}
+GDR_IMPLS = {"dispatch": rc.gated_delta_rule, "portable": rc.gated_delta_rule,
+             "torch": rc.gated_delta_rule_torch}
+SSD_IMPLS = {"dispatch": rc.ssd_scan, "portable": rc.ssd_scan, "torch": rc.ssd_scan_torch}
+
+
+@pytest.fixture
+def kernel_set(request):
+    """'portable' pins the C kernels' portable path for the test (where the C kernels run)."""
+    impl = request.node.callspec.params.get("impl")
+    if impl == "portable":
+        if rc._qk is None:
+            pytest.skip("C kernels not built")
+        rc._qk.set_isa("generic")
+        yield
+        rc._qk.set_isa("auto")
+    else:
+        yield
 
 
 @pytest.mark.parametrize("impl", GDR_IMPLS)
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv", [(2, 2, 16, 8), (2, 6, 32, 16), (1, 2, 64, 64)])
-def test_gated_delta_rule_batch_matches_recurrence(impl, Hk, Hv, Dk, Dv):
+def test_gated_delta_rule_batch_matches_recurrence(kernel_set, impl, Hk, Hv, Dk, Dv):
     q, k, v, g, beta, states = _gdr_inputs(sum(LENS), Hk, Hv, Dk, Dv)
     ref_states, ours = states.clone(), states.clone()
     ref = rc.gated_delta_rule_recurrent(q, k, v, g, beta, ref_states, *_seg(), scale=0.3)
@@ -155,7 +170,7 @@ def test_gated_delta_rule_batch_matches_recurrence(impl, Hk, Hv, Dk, Dv):
 
 @pytest.mark.parametrize("impl", SSD_IMPLS)
 @pytest.mark.parametrize("H,P,G,N,skip", [(4, 8, 1, 16, True), (6, 16, 3, 32, False), (2, 64, 2, 128, True)])
-def test_ssd_scan_batch_matches_recurrence(impl, H, P, G, N, skip):
+def test_ssd_scan_batch_matches_recurrence(kernel_set, impl, H, P, G, N, skip):
     x, dt, A, B, C, D, states = _ssd_inputs(sum(LENS), H, P, G, N)
     D = D if skip else None
     ref_states, ours = states.clone(), states.clone()
@@ -165,8 +180,8 @@ def test_ssd_scan_batch_matches_recurrence(impl, H, P, G, N, skip):
     _close(ours, ref_states)
 
 
-@pytest.mark.parametrize("impl", ["dispatch", "torch"])
-def test_short_conv_matches_a_padded_conv1d(impl):
+@pytest.mark.parametrize("impl", ["dispatch", "portable", "torch"])
+def test_short_conv_matches_a_padded_conv1d(kernel_set, impl):
     """From zero states, each sequence's output is conv1d with K-1 zeros of left padding."""
     T, Cn, K = sum(LENS), 40, 4
     gen = torch.Generator().manual_seed(3)
@@ -201,7 +216,8 @@ def _decode_after_prefill(op, inputs, token_dims, split):
     assert torch.equal(step_states[0], states[0])  # other slots untouched
 
 
-def test_decode_steps_after_prefill_equal_one_long_prefill():
+@pytest.mark.parametrize("impl", ["dispatch", "portable"])
+def test_decode_steps_after_prefill_equal_one_long_prefill(kernel_set, impl):
     T = 75
     q, k, v, g, beta, st = _gdr_inputs(T, 2, 4, 32, 16)
     st = st[:2].clone()
@@ -215,7 +231,8 @@ def test_decode_steps_after_prefill_equal_one_long_prefill():
                           [w, st], [torch.randn(T, 24)], split=2)
 
 
-def test_state_round_trip_through_slots():
+@pytest.mark.parametrize("impl", ["dispatch", "portable"])
+def test_state_round_trip_through_slots(kernel_set, impl):
     """A sequence's state saved from one slot and restored into another continues it exactly."""
     q, k, v, g, beta, states = _gdr_inputs(40, 2, 2, 16, 16)
     a = states.clone()
@@ -229,7 +246,8 @@ def test_state_round_trip_through_slots():
     assert torch.equal(a[4], b[2])
 
 
-def test_gated_rms_norm_dispatch_matches_torch():
+@pytest.mark.parametrize("impl", ["dispatch", "portable"])
+def test_gated_rms_norm_dispatch_matches_torch(kernel_set, impl):
     gen = torch.Generator().manual_seed(4)
     x, z, w = torch.randn(9, 5, 64, generator=gen), torch.randn(9, 5, 64, generator=gen), torch.randn(64, generator=gen)
     for group, before in [(64, True), (16, False), (32, True)]:

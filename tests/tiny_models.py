@@ -8,6 +8,7 @@ of kvlab's loaders can be checked against the same transformers reference.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -82,11 +83,11 @@ def _config_2025(arch: str, **overrides):
         return tf.Ministral3Config(**{**_COMMON, "max_position_embeddings": 32, **overrides},
                                    head_dim=16, rope_parameters=dict(MINISTRAL3_ROPE), **ids)
     if arch == "glm4moe":
-        return tf.Glm4MoeConfig(**{**_COMMON, "num_experts_per_tok": 2, **overrides},
-                                head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
-                                n_shared_experts=1, first_k_dense_replace=1,
-                                routed_scaling_factor=2.5, norm_topk_prob=True,
-                                use_qk_norm=True, attention_bias=True,
+        glm = {"num_experts_per_tok": 2, "head_dim": 16, "n_routed_experts": 8,
+               "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "use_qk_norm": True,
+               "attention_bias": True}
+        return tf.Glm4MoeConfig(**{**_COMMON, **glm, **overrides},
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                  "partial_rotary_factor": 0.5}, **ids)
     raise ValueError(arch)
@@ -366,7 +367,9 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 # ---- hybrid models: recurrent layers beside attention ---------------------------------------
 
 HYBRID_ARCHS = ("lfm2",)
-LLAMA_CPP = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp's source tree (its convert_hf_to_gguf.py); KVLAB_LLAMA_CONVERTER names another
+LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
+                                "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
 def hybrid_config(arch: str):

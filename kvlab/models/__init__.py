@@ -22,6 +22,7 @@ from kvlab.models import (
     qwen2,
     qwen2moe,
     qwen3,
+    qwen3_5,
     qwen3moe,
     smollm3,
 )
@@ -31,7 +32,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
                                        qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC,
-                                       nomic_bert.SPEC, lfm2.SPEC,
+                                       nomic_bert.SPEC, lfm2.SPEC, qwen3_5.SPEC,
+                                       qwen3_5.MOE_SPEC, qwen3_5.MULTIMODAL_SPEC,
+                                       qwen3_5.MOE_MULTIMODAL_SPEC,
                                        smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,
                                        mistral3.MULTIMODAL_SPEC, glm4moe.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}

@@ -22,17 +22,8 @@ from kvlab.config import ModelConfig, RecurrentConfig, RopeConfig, hf_layer_type
 from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import short_conv
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.layers import (
-    Weight,
-    embed,
-    linear,
-    norm_rope,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-    split,
-    swiglu,
-)
+from kvlab.models.hybrid import HybridModel
+from kvlab.models.layers import Weight, linear, norm_rope, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 from kvlab.models.state_store import LayerState, StateBatch
@@ -124,63 +115,35 @@ def _config(*, vocab: int, hidden: int, heads: int, kv_heads: int,
         recurrent=RecurrentConfig("short_conv", conv_kernel=kernel, conv_channels=hidden))
 
 
-class Lfm2Model:
-    """Weights (frozen after load) plus the forward pass; the KV caches and the convolution
-    states come in as arguments."""
+class Lfm2Model(HybridModel):
+    """The hybrid decoder (kvlab.models.hybrid) with short convolutions and QK-norm attention."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
-        if tp.size > 1:
-            raise ModelLoadError("lfm2 runs on one rank (no tensor parallel split of its "
-                                 "convolution layers); start without tensor parallel")
-        self.config, self.weights, self.layers = config, weights, layers
+        super().__init__(config, weights, layers, tp)
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
         _check_conv_layers(config, layers)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVStore | None], meta: AttentionMetadata,
-                trace: list[torch.Tensor] | None = None, *,
-                states: StateBatch) -> torch.Tensor:
-        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
-        c = self.config
-        x = embed(ids, self.weights["embed"])
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
-            layer_state = states.layers[i]
-            if layer_state is not None:
-                x += self.short_conv(h, layer, layer_state, states)
-            else:
-                assert cache is not None
-                x += self.attention(h, layer, cos, sin, cache, meta)
-            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            x += linear(swiglu(linear(h, layer["gate_up"], transient=True)), layer["down"])
-        return x
-
-    def short_conv(self, h: torch.Tensor, layer: dict[str, Weight], state: LayerState,
-                   states: StateBatch) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]: C * conv(B * x), each sequence from its own state."""
+    def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
+                  states: StateBatch) -> torch.Tensor:
+        """C * conv(B * x), each sequence from its own conv state."""
         b, gate, x = linear(h, layer["conv_in"], layer.get("conv_in_bias")).chunk(3, dim=-1)
         y = short_conv((b * x).contiguous(), layer["conv"], state.conv, states.slots,
                        states.lens, bias=layer.get("conv_bias"))
         return linear(gate * y, layer["conv_out"], layer.get("conv_out_bias"))
 
-    def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
-                  sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, layer: dict[str, Any],
+                  rope: tuple[torch.Tensor, torch.Tensor], cache: KVStore,
+                  meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         q, k, v = split(linear(h, layer["qkv"]), layer["qkv"])
-        q = norm_rope(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], cos, sin,
+        q = norm_rope(q.reshape(-1, c.num_heads, c.head_dim), layer["q_norm"], *rope,
                       c.rms_norm_eps)
-        k = norm_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], cos, sin,
+        k = norm_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), layer["k_norm"], *rope,
                       c.rms_norm_eps)
         out = paged_attention(q, k, v.reshape(-1, c.num_kv_heads, c.head_dim), cache, meta,
                               sliding=False, scale=c.scale)
         return linear(out, layer["o"])
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32, through the tied embedding unless untied."""
-        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
-        return linear(h, self.weights.get("lm_head", self.weights["embed"])).float()
 
 
 def _check_conv_layers(config: ModelConfig, layers: list[dict[str, Weight]]) -> None:

@@ -208,11 +208,12 @@ class LlamaModel:
 
 def _query_temperature(config: ModelConfig, positions: torch.Tensor) -> torch.Tensor | None:
     """[T, 1, 1] query scales 1 + beta * ln(1 + floor(position / original)) (Mistral 3), or
-    None where the config has none or every position is below `original` (all ones)."""
+    None where the config has none or (on the CPU, where the check costs no device sync)
+    every position is below `original`, so all scales are 1."""
     if config.query_temperature is None:
         return None
     beta, original = config.query_temperature
-    if int(positions.max()) < original:
+    if not positions.is_cuda and int(positions.max()) < original:
         return None
     return (1 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None, None]
 

@@ -16,6 +16,7 @@
 #include "qk_decode.h"
 #include "qk_moe.h"
 #include "qk_pool.h"
+#include "qk_recurrent.h"
 #include "qk_runtime.h"
 
 /* ---------------- argument checking ---------------- */
@@ -693,5 +694,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC KV_MODULE_INIT(void) {
     kv_runtime_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && kv_recurrent_add_methods(m)) Py_CLEAR(m);  /* qk_recurrent_bindings.c */
+    return m;
 }

@@ -1,0 +1,583 @@
+/* The recurrent layers' kernels of hybrid models (qk_recurrent.h): LFM2's and Mamba-2's short
+ * causal convolution, Qwen3.5's gated delta rule, Mamba-2's selective scan (SSD) and their
+ * gated RMS norms, on fp32 states kept per sequence slot. Hand-written because torch runs
+ * these as hundreds of small ops per sequence and head (a Python loop over tokens or chunks),
+ * where here one call covers a whole batch of sequences, threaded over (sequence, head).
+ *
+ * Prefill runs in the chunked form (transformers' torch_chunk_gated_delta_rule and
+ * mamba2_chunk_scan): within a chunk of KV_RC_CHUNK tokens everything is matrix products,
+ * and the state is read and written once per chunk instead of once per token. A chunk of
+ * one token (decode) is the one-step recurrence, two passes over the state.
+ *
+ * The arithmetic is a few vector primitives (rc_ops: c += a b products, dot, axpy, scale,
+ * elementwise multiply-add), one table per instruction set: portable C, AVX2 (4 rows x 16
+ * columns of c in registers) and AVX-512 (4 x 32). The algorithms are written once above
+ * them, so every path computes the same steps and differs only in rounding. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qk.h"
+#include "qk_pool.h"
+#include "qk_recurrent.h"
+
+typedef struct {
+    /* c[M, N] (rows ldc apart) += a[M, K] (rows lda apart) . b[K, N] (rows ldb apart) */
+    void (*gemm)(float *c, int64_t ldc, const float *a, int64_t lda, const float *b,
+                 int64_t ldb, int64_t M, int64_t K, int64_t N);
+    float (*dot)(const float *a, const float *b, int64_t n);
+    void (*axpy)(float *y, float a, const float *x, int64_t n);         /* y += a x */
+    void (*scale)(float *y, float a, int64_t n);                        /* y *= a */
+    void (*madd)(float *y, const float *a, const float *b, int64_t n);  /* y += a * b */
+} rc_ops;
+
+/* ---- portable C ---- */
+
+static void gemm_c(float *c, int64_t ldc, const float *a, int64_t lda, const float *b,
+                   int64_t ldb, int64_t M, int64_t K, int64_t N) {
+    for (int64_t i = 0; i < M; i++) {
+        float *cr = c + i * ldc;
+        for (int64_t k = 0; k < K; k++) {
+            const float s = a[i * lda + k];
+            const float *br = b + k * ldb;
+            for (int64_t n = 0; n < N; n++) cr[n] += s * br[n];
+        }
+    }
+}
+
+static float dot_c(const float *a, const float *b, int64_t n) {
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int r = 0; r < 4; r++) s[r] += a[i + r] * b[i + r];
+    for (; i < n; i++) s[0] += a[i] * b[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static void axpy_c(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void scale_c(float *y, float a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] *= a;
+}
+
+static void madd_c(float *y, const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a[i] * b[i];
+}
+
+static const rc_ops ops_c = {gemm_c, dot_c, axpy_c, scale_c, madd_c};
+
+/* ---- AVX2 and AVX-512 ---- */
+#ifdef KV_HAVE_AVX2_BUILD
+#include "qk_avx2.h"
+#include "qk_zmm.h"
+
+/* R rows x V vectors of W floats of c held in registers over the whole K loop; each b
+ * vector is loaded once for the R rows */
+#define RC_TILE(name, INL, VEC, W, LOAD, STORE, SET1, FMA, R, V)                            \
+    INL void name(float *c, int64_t ldc, const float *a, int64_t lda, const float *b,       \
+                  int64_t ldb, int64_t K) {                                                 \
+        VEC acc[R][V];                                                                      \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int v = 0; v < V; v++) acc[r][v] = LOAD(c + r * ldc + v * W);              \
+        for (int64_t k = 0; k < K; k++) {                                                   \
+            VEC bv[V];                                                                      \
+            for (int v = 0; v < V; v++) bv[v] = LOAD(b + k * ldb + v * W);                  \
+            for (int r = 0; r < R; r++) {                                                   \
+                const VEC s = SET1(a[r * lda + k]);                                         \
+                for (int v = 0; v < V; v++) acc[r][v] = FMA(s, bv[v], acc[r][v]);           \
+            }                                                                               \
+        }                                                                                   \
+        for (int r = 0; r < R; r++)                                                         \
+            for (int v = 0; v < V; v++) STORE(c + r * ldc + v * W, acc[r][v]);              \
+    }
+
+/* columns [n, n + cols) of c, rows 4 at a time then one at a time */
+#define RC_COLUMNS(T4, T1, cols)                                                            \
+    for (; n + (cols) <= N; n += (cols)) {                                                  \
+        int64_t i = 0;                                                                      \
+        for (; i + 4 <= M; i += 4) T4(c + i * ldc + n, ldc, a + i * lda, lda, b + n, ldb, K); \
+        for (; i < M; i++) T1(c + i * ldc + n, ldc, a + i * lda, lda, b + n, ldb, K);       \
+    }
+
+RC_TILE(tile4x16_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+        _mm256_fmadd_ps, 4, 2)
+RC_TILE(tile1x16_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+        _mm256_fmadd_ps, 1, 2)
+RC_TILE(tile4x8_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+        _mm256_fmadd_ps, 4, 1)
+RC_TILE(tile1x8_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+        _mm256_fmadd_ps, 1, 1)
+
+static KV_TGT void gemm_avx2(float *c, int64_t ldc, const float *a, int64_t lda,
+                             const float *b, int64_t ldb, int64_t M, int64_t K, int64_t N) {
+    int64_t n = 0;
+    RC_COLUMNS(tile4x16_avx2, tile1x16_avx2, 16)
+    RC_COLUMNS(tile4x8_avx2, tile1x8_avx2, 8)
+    if (n < N) gemm_c(c + n, ldc, a, lda, b + n, ldb, M, K, N - n);
+}
+
+static KV_TGT float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float s = hsum_ps(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static KV_TGT void axpy_avx2(float *y, float a, const float *x, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static KV_TGT void scale_avx2(float *y, float a, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(av, _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] *= a;
+}
+
+static KV_TGT void madd_avx2(float *y, const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i),
+                                                _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a[i] * b[i];
+}
+
+static const rc_ops ops_avx2 = {gemm_avx2, dot_avx2, axpy_avx2, scale_avx2, madd_avx2};
+
+RC_TILE(tile4x32_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+        _mm512_fmadd_ps, 4, 2)
+RC_TILE(tile1x32_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+        _mm512_fmadd_ps, 1, 2)
+RC_TILE(tile4x16_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+        _mm512_fmadd_ps, 4, 1)
+RC_TILE(tile1x16_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+        _mm512_fmadd_ps, 1, 1)
+
+KV_TGT_Z static void gemm_zmm(float *c, int64_t ldc, const float *a, int64_t lda,
+                              const float *b, int64_t ldb, int64_t M, int64_t K, int64_t N) {
+    int64_t n = 0;
+    RC_COLUMNS(tile4x32_zmm, tile1x32_zmm, 32)
+    RC_COLUMNS(tile4x16_zmm, tile1x16_zmm, 16)
+    if (n < N) gemm_avx2(c + n, ldc, a, lda, b + n, ldb, M, K, N - n);
+}
+
+KV_TGT_Z static float dot_zmm(const float *a, const float *b, int64_t n) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s0 = _mm512_fmadd_ps(s1, _mm512_set1_ps(1.0f), s0);
+    const __m256 lo = _mm512_castps512_ps256(s0);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s0), 1));
+    return hsum_ps(_mm256_add_ps(lo, hi)) + dot_avx2(a + i, b + i, n - i);
+}
+
+KV_TGT_Z static void axpy_zmm(float *y, float a, const float *x, int64_t n) {
+    const __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    axpy_avx2(y + i, a, x + i, n - i);
+}
+
+KV_TGT_Z static void scale_zmm(float *y, float a, int64_t n) {
+    const __m512 av = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(av, _mm512_loadu_ps(y + i)));
+    scale_avx2(y + i, a, n - i);
+}
+
+KV_TGT_Z static void madd_zmm(float *y, const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i),
+                                                _mm512_loadu_ps(y + i)));
+    madd_avx2(y + i, a + i, b + i, n - i);
+}
+
+static const rc_ops ops_zmm = {gemm_zmm, dot_zmm, axpy_zmm, scale_zmm, madd_zmm};
+#endif
+
+static const rc_ops *rc_pick(int isa) {
+#ifdef KV_HAVE_AVX2_BUILD
+    if (isa >= 2) return &ops_zmm;
+    if (isa == 1) return &ops_avx2;
+#else
+    (void)isa;
+#endif
+    return &ops_c;
+}
+
+/* ---- jobs: items handed to the pool's threads from a shared counter, each thread with its
+ * own scratch ---- */
+
+typedef struct rc_job {
+    void (*item)(const struct rc_job *j, int64_t item, float *scratch);
+    const rc_ops *ops;
+    int64_t items, scratch_floats;
+    _Atomic int64_t next;
+    const int64_t *slots, *lens, *starts;  /* per sequence; starts[s] = its first token */
+} rc_job;
+
+static void rc_task(void *p, int tid, int nthreads) {
+    rc_job *j = p;
+    (void)tid, (void)nthreads;
+    float *scratch = malloc((size_t)(j->scratch_floats + 1) * sizeof(float));
+    if (!scratch) return;  /* the other threads take the items; rc_run reports if none did */
+    for (int64_t i; (i = atomic_fetch_add(&j->next, 1)) < j->items;) j->item(j, i, scratch);
+    free(scratch);
+}
+
+/* all items of j over the pool; 0, or -1 when no thread had memory for its scratch */
+static int rc_run(rc_job *j, int64_t S) {
+    int64_t *starts = malloc((size_t)(S + 1) * sizeof(int64_t));
+    if (!starts) return -1;
+    starts[0] = 0;
+    for (int64_t s = 0; s < S; s++) starts[s + 1] = starts[s] + j->lens[s];
+    j->starts = starts;
+    atomic_store(&j->next, 0);
+    int nt = kv_pool_threads();
+    if (nt > j->items) nt = (int)j->items;
+    if (nt > 1) kv_pool_run(rc_task, j, nt);
+    else rc_task(j, 0, 1);
+    free(starts);
+    return atomic_load(&j->next) >= j->items ? 0 : -1;
+}
+
+static inline int64_t rc_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static void zero_rows(float *y, int64_t ld, int64_t rows, int64_t cols) {
+    for (int64_t i = 0; i < rows; i++) memset(y + i * ld, 0, (size_t)cols * sizeof(float));
+}
+
+/* dst[c, r] = src[r, c] * (f ? f[r] : 1) for r < rows, c < cols (src rows ld apart) */
+static void transpose(float *dst, const float *src, int64_t ld, int64_t rows, int64_t cols,
+                      const float *f) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float fr = f ? f[r] : 1.0f;
+        for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * ld + c] * fr;
+    }
+}
+
+/* ---- short convolution ---- */
+
+#define CONV_BLOCK 256  /* channels per item */
+
+typedef struct {
+    rc_job base;
+    const float *x, *wt, *bias;  /* wt: the weight transposed, [K, C] */
+    float *states, *out;
+    int64_t C, K, blocks;
+    int silu;
+} conv_job;
+
+/* row i of a sequence's K-1 state rows followed by its tokens */
+static const float *conv_row(const conv_job *j, const float *state, int64_t t0, int64_t i) {
+    return i < j->K - 1 ? state + i * j->C : j->x + (t0 + i - (j->K - 1)) * j->C;
+}
+
+static void conv_item(const rc_job *base, int64_t item, float *scratch) {
+    const conv_job *j = (const conv_job *)base;
+    (void)scratch;
+    const int64_t s = item / j->blocks, c0 = item % j->blocks * CONV_BLOCK;
+    const int64_t cw = rc_min(CONV_BLOCK, j->C - c0), n = base->lens[s], t0 = base->starts[s];
+    float *state = j->states + base->slots[s] * (j->K - 1) * j->C;
+    for (int64_t t = 0; t < n; t++) {
+        float *y = j->out + (t0 + t) * j->C + c0;
+        memset(y, 0, (size_t)cw * sizeof(float));
+        for (int64_t k = 0; k < j->K; k++)
+            base->ops->madd(y, j->wt + k * j->C + c0, conv_row(j, state, t0, t + k) + c0, cw);
+        for (int64_t c = 0; c < cw; c++) {
+            const float h = j->bias ? y[c] + j->bias[c0 + c] : y[c];
+            y[c] = j->silu ? h / (1.0f + expf(-h)) : h;
+        }
+    }
+    /* the last K-1 inputs; row r reads row n + r >= r, so ascending r reads before it writes */
+    for (int64_t r = 0; r < j->K - 1; r++)
+        memmove(state + r * j->C + c0, conv_row(j, state, t0, n + r) + c0, (size_t)cw * sizeof(float));
+}
+
+int kv_short_conv(const float *x, const float *w, const float *bias, float *states,
+                  const int64_t *slots, const int64_t *lens, int64_t S, int64_t C, int64_t K,
+                  int silu, float *out, int isa) {
+    float *wt = malloc((size_t)(K * C + 1) * sizeof(float));
+    if (!wt) return -1;
+    transpose(wt, w, K, C, K, NULL);
+    conv_job j = {.base = {.item = conv_item, .ops = rc_pick(isa), .slots = slots, .lens = lens},
+                  .x = x, .wt = wt, .bias = bias, .states = states, .out = out, .C = C, .K = K,
+                  .blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK, .silu = silu};
+    j.base.items = S * j.blocks;
+    const int rc = rc_run(&j.base, S);
+    free(wt);
+    return rc;
+}
+
+/* ---- gated delta rule ---- */
+
+typedef struct {
+    rc_job base;
+    const float *q, *k, *v, *g, *beta;
+    float *states, *out;
+    int64_t Hk, Hv, Dk, Dv;
+    float scale;
+} gdr_job;
+
+/* one token of value head h (key head kh): S = exp(g) S; delta = beta (v - k^T S);
+ * S += k delta^T; out = scale q^T S */
+static void gdr_step(const gdr_job *j, int64_t t, int64_t h, int64_t kh, float *S, float *mem) {
+    const rc_ops *o = j->base.ops;
+    const int64_t Dk = j->Dk, Dv = j->Dv;
+    const float *q = j->q + (t * j->Hk + kh) * Dk, *k = j->k + (t * j->Hk + kh) * Dk;
+    const float *v = j->v + (t * j->Hv + h) * Dv;
+    float *y = j->out + (t * j->Hv + h) * Dv;
+    const float decay = expf(j->g[t * j->Hv + h]), b = j->beta[t * j->Hv + h];
+    memset(mem, 0, (size_t)Dv * sizeof(float));
+    for (int64_t d = 0; d < Dk; d++) {
+        o->scale(S + d * Dv, decay, Dv);
+        o->axpy(mem, k[d], S + d * Dv, Dv);
+    }
+    for (int64_t i = 0; i < Dv; i++) mem[i] = (v[i] - mem[i]) * b;
+    memset(y, 0, (size_t)Dv * sizeof(float));
+    for (int64_t d = 0; d < Dk; d++) {
+        o->axpy(S + d * Dv, k[d], mem, Dv);
+        o->axpy(y, q[d] * j->scale, S + d * Dv, Dv);
+    }
+}
+
+/* the chunk's intra-chunk matrices from cum (the cumulated log decay):
+ *   A[i, j] = beta_i k_i.k_j exp(cum_i - cum_j), j < i   (the UT system's strict lower part)
+ *   P[i, j] = scale q_i.k_j exp(cum_i - cum_j),  j <= i  (the causal in-chunk attention) */
+static void gdr_chunk_matrices(const gdr_job *j, const float *q0, const float *k0,
+                               const float *beta, const float *cum, int64_t L, float *kt,
+                               float *A, float *P) {
+    const int64_t ld = j->Hk * j->Dk;
+    transpose(kt, k0, ld, L, j->Dk, NULL);
+    memset(A, 0, (size_t)(L * L) * sizeof(float));
+    memset(P, 0, (size_t)(L * L) * sizeof(float));
+    j->base.ops->gemm(A, L, k0, ld, kt, L, L, j->Dk, L);
+    j->base.ops->gemm(P, L, q0, ld, kt, L, L, j->Dk, L);
+    for (int64_t r = 0; r < L; r++)
+        for (int64_t c = 0; c < L; c++) {
+            const float e = c <= r ? expf(cum[r] - cum[c]) : 0.0f;
+            A[r * L + c] = c < r ? A[r * L + c] * beta[r] * e : 0.0f;
+            P[r * L + c] *= j->scale * e;
+        }
+}
+
+/* L tokens from t of value head h, in the chunked form (transformers'
+ * torch_chunk_gated_delta_rule): solve (I + A) U = beta v and (I + A) W = -beta k exp(cum)
+ * by forward substitution; then v_new = U + W S, out = scale q exp(cum) S + P v_new and
+ * S = exp(cum_L) S + (k exp(cum_L - cum))^T v_new */
+static void gdr_chunk(const gdr_job *j, int64_t t, int64_t L, int64_t h, int64_t kh, float *S,
+                      float *scratch) {
+    const rc_ops *o = j->base.ops;
+    const int64_t Dk = j->Dk, Dv = j->Dv, ldk = j->Hk * Dk, ldv = j->Hv * Dv, CH = KV_RC_CHUNK;
+    const float *q0 = j->q + (t * j->Hk + kh) * Dk, *k0 = j->k + (t * j->Hk + kh) * Dk;
+    const float *v0 = j->v + (t * j->Hv + h) * Dv;
+    float *y0 = j->out + (t * j->Hv + h) * Dv;
+    float *cum = scratch, *beta = cum + CH, *ecum = beta + CH, *kt = ecum + CH;
+    float *A = kt + Dk * CH, *P = A + CH * CH, *U = P + CH * CH, *W = U + CH * Dv;
+    float *Q = W + CH * Dk;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < L; i++) {
+        acc += j->g[(t + i) * j->Hv + h];
+        cum[i] = acc;
+        ecum[i] = expf(acc);
+        beta[i] = j->beta[(t + i) * j->Hv + h];
+    }
+    gdr_chunk_matrices(j, q0, k0, beta, cum, L, kt, A, P);
+    for (int64_t i = 0; i < L; i++) {
+        for (int64_t c = 0; c < Dv; c++) U[i * Dv + c] = beta[i] * v0[i * ldv + c];
+        for (int64_t c = 0; c < Dk; c++) {
+            W[i * Dk + c] = -beta[i] * ecum[i] * k0[i * ldk + c];
+            Q[i * Dk + c] = q0[i * ldk + c] * j->scale * ecum[i];
+        }
+        for (int64_t c = 0; c < i; c++) {
+            o->axpy(U + i * Dv, -A[i * L + c], U + c * Dv, Dv);
+            o->axpy(W + i * Dk, -A[i * L + c], W + c * Dk, Dk);
+        }
+    }
+    o->gemm(U, Dv, W, Dk, S, Dv, L, Dk, Dv);  /* U is v_new from here */
+    zero_rows(y0, ldv, L, Dv);
+    o->gemm(y0, ldv, Q, Dk, S, Dv, L, Dk, Dv);
+    o->gemm(y0, ldv, P, L, U, Dv, L, L, Dv);
+    for (int64_t i = 0; i < L; i++) ecum[i] = expf(cum[L - 1] - cum[i]);
+    transpose(kt, k0, ldk, L, Dk, ecum);
+    o->scale(S, expf(cum[L - 1]), Dk * Dv);
+    o->gemm(S, Dv, kt, L, U, Dv, Dk, L, Dv);
+}
+
+static void gdr_item(const rc_job *base, int64_t item, float *scratch) {
+    const gdr_job *j = (const gdr_job *)base;
+    const int64_t s = item / j->Hv, h = item % j->Hv, kh = h / (j->Hv / j->Hk);
+    float *S = j->states + (base->slots[s] * j->Hv + h) * j->Dk * j->Dv;
+    const int64_t n = base->lens[s], t0 = base->starts[s];
+    for (int64_t c = 0; c < n; c += KV_RC_CHUNK) {
+        const int64_t L = rc_min(KV_RC_CHUNK, n - c);
+        if (L == 1) gdr_step(j, t0 + c, h, kh, S, scratch);
+        else gdr_chunk(j, t0 + c, L, h, kh, S, scratch);
+    }
+}
+
+int kv_gated_delta_rule(const float *q, const float *k, const float *v, const float *g,
+                        const float *beta, float *states, const int64_t *slots,
+                        const int64_t *lens, int64_t S, int64_t Hk, int64_t Hv, int64_t Dk,
+                        int64_t Dv, float scale, float *out, int isa) {
+    const int64_t CH = KV_RC_CHUNK;
+    gdr_job j = {.base = {.item = gdr_item, .ops = rc_pick(isa), .items = S * Hv,
+                          .scratch_floats = 3 * CH + 2 * Dk * CH + 2 * CH * CH + CH * Dv + CH * Dk,
+                          .slots = slots, .lens = lens},
+                 .q = q, .k = k, .v = v, .g = g, .beta = beta, .states = states, .out = out,
+                 .Hk = Hk, .Hv = Hv, .Dk = Dk, .Dv = Dv, .scale = scale};
+    return rc_run(&j.base, S);
+}
+
+/* ---- Mamba-2 selective scan (SSD) ---- */
+
+typedef struct {
+    rc_job base;
+    const float *x, *dt, *A, *B, *C, *D;
+    float *states, *out;
+    int64_t H, P, G, N;
+} ssd_job;
+
+/* one token of head h (group gi): S = exp(dt A) S + dt x B^T; out = S C */
+static void ssd_step(const ssd_job *j, int64_t t, int64_t h, int64_t gi, float *S) {
+    const rc_ops *o = j->base.ops;
+    const int64_t P = j->P, N = j->N;
+    const float *x = j->x + (t * j->H + h) * P;
+    const float *B = j->B + (t * j->G + gi) * N, *C = j->C + (t * j->G + gi) * N;
+    float *y = j->out + (t * j->H + h) * P;
+    const float dt = j->dt[t * j->H + h], dA = expf(dt * j->A[h]);
+    for (int64_t p = 0; p < P; p++) {
+        o->scale(S + p * N, dA, N);
+        o->axpy(S + p * N, dt * x[p], B, N);
+        y[p] = o->dot(S + p * N, C, N);
+    }
+}
+
+/* L tokens from t of head h in the chunked form (transformers' mamba2_chunk_scan), with cum
+ * the cumulated dt A: out = M x + exp(cum) C S^T with M[i, j] = C_i.B_j exp(cum_i - cum_j)
+ * dt_j for j <= i; then S = exp(cum_L) S + (x dt exp(cum_L - cum))^T B */
+static void ssd_chunk(const ssd_job *j, int64_t t, int64_t L, int64_t h, int64_t gi, float *S,
+                      float *scratch) {
+    const rc_ops *o = j->base.ops;
+    const int64_t P = j->P, N = j->N, ldx = j->H * P, ldb = j->G * N, CH = KV_RC_CHUNK;
+    const float *x0 = j->x + (t * j->H + h) * P;
+    const float *B0 = j->B + (t * j->G + gi) * N, *C0 = j->C + (t * j->G + gi) * N;
+    float *y0 = j->out + (t * j->H + h) * P;
+    float *cum = scratch, *dt = cum + CH, *e = dt + CH, *bt = e + CH, *M = bt + N * CH;
+    float *cs = M + CH * CH, *st = cs + CH * N, *xt = st + N * P;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < L; i++) {
+        dt[i] = j->dt[(t + i) * j->H + h];
+        acc += dt[i] * j->A[h];
+        cum[i] = acc;
+    }
+    transpose(bt, B0, ldb, L, N, NULL);
+    memset(M, 0, (size_t)(L * L) * sizeof(float));
+    o->gemm(M, L, C0, ldb, bt, L, L, N, L);
+    for (int64_t r = 0; r < L; r++)
+        for (int64_t c = 0; c < L; c++)
+            M[r * L + c] = c <= r ? M[r * L + c] * expf(cum[r] - cum[c]) * dt[c] : 0.0f;
+    zero_rows(y0, ldx, L, P);
+    o->gemm(y0, ldx, M, L, x0, ldx, L, L, P);
+    for (int64_t i = 0; i < L; i++) e[i] = expf(cum[i]);
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t c = 0; c < N; c++) cs[i * N + c] = C0[i * ldb + c] * e[i];
+    transpose(st, S, N, P, N, NULL);
+    o->gemm(y0, ldx, cs, N, st, P, L, N, P);
+    for (int64_t i = 0; i < L; i++) e[i] = dt[i] * expf(cum[L - 1] - cum[i]);
+    transpose(xt, x0, ldx, L, P, e);
+    o->scale(S, expf(cum[L - 1]), P * N);
+    o->gemm(S, N, xt, L, B0, ldb, P, L, N);
+}
+
+static void ssd_item(const rc_job *base, int64_t item, float *scratch) {
+    const ssd_job *j = (const ssd_job *)base;
+    const int64_t s = item / j->H, h = item % j->H, gi = h / (j->H / j->G);
+    float *S = j->states + (base->slots[s] * j->H + h) * j->P * j->N;
+    const int64_t n = base->lens[s], t0 = base->starts[s];
+    for (int64_t c = 0; c < n; c += KV_RC_CHUNK) {
+        const int64_t L = rc_min(KV_RC_CHUNK, n - c);
+        if (L == 1) ssd_step(j, t0 + c, h, gi, S);
+        else ssd_chunk(j, t0 + c, L, h, gi, S, scratch);
+    }
+    if (j->D)
+        for (int64_t t = t0; t < t0 + n; t++)
+            base->ops->axpy(j->out + (t * j->H + h) * j->P, j->D[h], j->x + (t * j->H + h) * j->P, j->P);
+}
+
+int kv_ssd_scan(const float *x, const float *dt, const float *A, const float *B, const float *C,
+                const float *D, float *states, const int64_t *slots, const int64_t *lens,
+                int64_t S, int64_t H, int64_t P, int64_t G, int64_t N, float *out, int isa) {
+    const int64_t CH = KV_RC_CHUNK;
+    ssd_job j = {.base = {.item = ssd_item, .ops = rc_pick(isa), .items = S * H,
+                          .scratch_floats = 3 * CH + N * CH + CH * CH + CH * N + N * P + P * CH,
+                          .slots = slots, .lens = lens},
+                 .x = x, .dt = dt, .A = A, .B = B, .C = C, .D = D, .states = states, .out = out,
+                 .H = H, .P = P, .G = G, .N = N};
+    return rc_run(&j.base, S);
+}
+
+/* ---- gated RMS norm ---- */
+
+#define NORM_ROWS 16  /* rows per item */
+
+typedef struct {
+    rc_job base;
+    const float *x, *z, *w;
+    float *out;
+    int64_t rows, D, group;
+    float eps;
+    int before;
+} norm_job;
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* one group: norm(x) w silu(z) (before), else norm(x silu(z)) w */
+static void norm_group(const norm_job *j, const float *x, const float *z, const float *w,
+                       float *y) {
+    const int64_t n = j->group;
+    const float *h = x;
+    if (!j->before) {
+        for (int64_t c = 0; c < n; c++) y[c] = x[c] * silu(z[c]);
+        h = y;
+    }
+    const float r = 1.0f / sqrtf(j->base.ops->dot(h, h, n) / (float)n + j->eps);
+    for (int64_t c = 0; c < n; c++) y[c] = j->before ? h[c] * r * w[c] * silu(z[c]) : h[c] * r * w[c];
+}
+
+static void norm_item(const rc_job *base, int64_t item, float *scratch) {
+    const norm_job *j = (const norm_job *)base;
+    (void)scratch;
+    for (int64_t r = item * NORM_ROWS; r < rc_min(j->rows, (item + 1) * NORM_ROWS); r++)
+        for (int64_t g0 = 0; g0 < j->D; g0 += j->group)
+            norm_group(j, j->x + r * j->D + g0, j->z + r * j->D + g0, j->w + g0, j->out + r * j->D + g0);
+}
+
+int kv_gated_rms_norm(const float *x, const float *z, const float *w, float *out,
+                      int64_t rows, int64_t D, int64_t group, float eps, int norm_before_gate,
+                      int isa) {
+    norm_job j = {.base = {.item = norm_item, .ops = rc_pick(isa),
+                           .items = (rows + NORM_ROWS - 1) / NORM_ROWS, .lens = NULL},
+                  .x = x, .z = z, .w = w, .out = out, .rows = rows, .D = D, .group = group,
+                  .eps = eps, .before = norm_before_gate};
+    return rc_run(&j.base, 0);
+}

@@ -1,0 +1,79 @@
+"""The decoder loop hybrid families share: recurrent layers beside attention layers.
+
+Each layer mixes tokens with either its recurrent op (from its state) or attention (from the
+KV cache), then runs its MLP, both pre-norm with a residual:
+
+    h = norm(x);  x += recurrent(h, state) if the layer keeps a state else attention(h, kv)
+    h = norm(x);  x += mlp(h)
+
+A family file (lfm2.py, qwen3_5.py) subclasses HybridModel with its own `recurrent` and
+`attention`, and with its own `mlp` where it differs from SwiGLU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvlab.config import ModelConfig
+from kvlab.errors import ModelLoadError
+from kvlab.models.attention import AttentionMetadata, KVStore
+from kvlab.models.layers import Weight, embed, linear, rms_norm, rope_cos_sin, swiglu
+from kvlab.models.sharding import SINGLE, TensorParallel
+from kvlab.models.state_store import LayerState, StateBatch
+
+
+class HybridModel:
+    """Weights (frozen after load) plus the forward pass; the KV caches and the recurrent
+    states come in as arguments. `inv_freq` is set by the family (its RoPE)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
+                 layers: list[dict[str, Any]], tp: TensorParallel = SINGLE) -> None:
+        if tp.size > 1:
+            raise ModelLoadError(f"{config.architecture} runs on one rank (no tensor parallel "
+                                 "split of its recurrent layers); start without tensor parallel")
+        self.config, self.weights, self.layers = config, weights, layers
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVStore | None], meta: AttentionMetadata,
+                trace: list[torch.Tensor] | None = None, *,
+                states: StateBatch) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm).
+        `trace`: a list MoE layers append their chosen expert ids [T, k] to."""
+        eps = self.config.rms_norm_eps
+        x = embed(ids, self.weights["embed"])
+        rope = rope_cos_sin(positions, self.inv_freq)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            h = rms_norm(x, layer["attn_norm"], eps)
+            layer_state = states.layers[i]
+            if layer_state is not None:
+                x += self.recurrent(h, layer, layer_state, states)
+            else:
+                assert cache is not None
+                x += self.attention(h, layer, rope, cache, meta)
+            x += self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace)
+        return x
+
+    def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
+                  states: StateBatch) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: the family's recurrent op, each sequence from its
+        state's row states.slots[s], updated in place."""
+        raise NotImplementedError
+
+    def attention(self, h: torch.Tensor, layer: dict[str, Any],
+                  rope: tuple[torch.Tensor, torch.Tensor], cache: KVStore,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mlp(self, h: torch.Tensor, layer: dict[str, Any],
+            trace: list[torch.Tensor] | None) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: SwiGLU."""
+        return linear(swiglu(linear(h, layer["gate_up"], transient=True)), layer["down"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32, through the tied embedding where there is no head."""
+        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        return linear(h, self.weights.get("lm_head", self.weights["embed"])).float()
