@@ -366,7 +366,7 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 
 # ---- hybrid models: recurrent layers beside attention ---------------------------------------
 
-HYBRID_ARCHS = ("lfm2",)
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe")
 # llama.cpp's source tree (its convert_hf_to_gguf.py); KVLAB_LLAMA_CONVERTER names another
 LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
                                 "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
