@@ -1,6 +1,6 @@
 """Kernel figures on the default model, read against this machine's ceilings.
 
-    python bench/kernels_bench.py [--model FILE.gguf] [--threads 1,2] [--quick]
+    python bench/kernels_bench.py [--model FILE.gguf] [--threads 1,2] [--quick] [--types-only]
 
 Prints, in one run:
   * memory read bandwidth (torch sum over a 1 GiB fp32 tensor), per thread count;
@@ -10,7 +10,11 @@ Prints, in one run:
   * one decode step's products (all layers + the tied output head) -> the tok/s ceiling;
   * batched decode n=4,16 on token_embd (the weights are read once per step);
   * prefill: qmatmul (integer kernels) and dense_matmul (fp32 tiles + torch.mm) with n=512
-    against torch fp32 matmul, GFLOP/s.
+    against torch fp32 matmul, GFLOP/s;
+  * per weight type (Q4_K, IQ4_NL, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) on one
+    4096x4096 shape, as stored and in 8-row groups where the loader groups it: decode n=1
+    and n=8 GB/s and weights/s, each next to Q4_K's in the same layout (random blocks: a
+    product's speed does not depend on the values). --types-only prints just this.
 """
 
 from __future__ import annotations
@@ -21,15 +25,26 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvlab.kernels import QuantizedWeight, dequantize, kernel_backend, qmatmul, set_num_threads
+from kvlab.kernels import (
+    QuantizedWeight,
+    can_group,
+    dequantize,
+    group_rows,
+    kernel_backend,
+    qmatmul,
+    set_num_threads,
+)
 from kvlab.kernels.ops import dense_matmul
 from kvlab.weights.gguf_file import GGUFFile
 
 T = GGMLQuantizationType
 DRAM_SET_BYTES = 128 << 20  # > 4x the 32 MiB L3 here: cycled matrices miss the cache
+TYPES = (T.Q4_K, T.IQ4_NL, T.MXFP4, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)
+TYPE_SHAPE = (4096, 4096)
 
 
 def pass_times(fn: Callable[[], object], reps: int) -> list[float]:
@@ -58,7 +73,7 @@ def dram_copies(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
     out, total = [], 0
     while total < DRAM_SET_BYTES:
         for w in weights:
-            out.append(QuantizedWeight(w.qtype, w.shape, w.data.clone()))
+            out.append(QuantizedWeight(w.qtype, w.shape, w.data.clone(), grouped=w.grouped))
             total += w.nbytes
     return out
 
@@ -91,17 +106,62 @@ def prefill_gflops(w: QuantizedWeight, n: int, reps: int) -> tuple[float, float,
     return ours, tiles, ref
 
 
+def random_weight(qtype: GGMLQuantizationType, rows: int, cols: int) -> QuantizedWeight:
+    """Random bytes under small scales (fp16 d, Q4_K's d and dmin, MXFP4's exponent 2^-1):
+    valid blocks of every type in TYPES."""
+    g = np.random.default_rng(0)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = g.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    if qtype == T.MXFP4:
+        blocks[:, 0] = 127
+    else:
+        scales = g.uniform(0.001, 0.02, (len(blocks), 2)).astype(np.float16).view(np.uint8)
+        lead = 4 if qtype == T.Q4_K else 2
+        blocks[:, :lead] = scales[:, :lead]
+    return QuantizedWeight(qtype, (rows, cols), torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+def type_rows(reps: int, bw: float) -> None:
+    """Decode GB/s of each weight type on one shape, cycled from DRAM, next to Q4_K's."""
+    rows, cols = TYPE_SHAPE
+    base: dict[tuple[bool, int], tuple[float, float]] = {}
+    print(f"per type, {rows}x{cols} random blocks cycled from DRAM (weights/s: the same "
+          "shape's rows per second, bytes aside)")
+    for qtype in TYPES:
+        w = random_weight(qtype, rows, cols)
+        bits = 8 * w.nbytes / (rows * cols)
+        for layout in [w, group_rows(w)] if can_group(w) else [w]:
+            ws = dram_copies([layout])
+            for n in (1, 8):
+                g = cycle_gbps(ws, n, reps)
+                gw = g / bits * 8  # Gweights/s
+                ref = base.setdefault((layout.grouped, n), (g, gw))
+                print(f"  {layout.type_name:9s} {bits:4.2f} bpw  n={n}: {g:6.1f} GB/s "
+                      f"({g / bw:4.0%} of memory bandwidth, {g / ref[0]:5.2f}x Q4_K), "
+                      f"{gw:6.1f} Gweights/s ({gw / ref[1]:5.2f}x Q4_K)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="GGUF file (default: the default model)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--types-only", action="store_true",
+                    help="only the per-type decode figures (Q4_K, MXFP4, the IQ types)")
     args = ap.parse_args()
+    reps = 3 if args.quick else 7
+    if args.types_only:
+        print(f"kernels: {kernel_backend()}")
+        for nt in [int(v) for v in args.threads.split(",")]:
+            set_num_threads(nt)
+            bw = memory_bandwidth(reps)
+            print(f"\n== {nt} thread(s): memory read bandwidth {bw:.1f} GB/s (torch sum, 1 GiB)")
+            type_rows(reps, bw)
+        return
     if args.model is None:
         from kvlab.weights.default_model import default_model_path
 
         args.model = str(default_model_path())
-    reps = 3 if args.quick else 7
     file = GGUFFile(args.model)
     embd = QuantizedWeight.from_gguf(file, "token_embd.weight")
     by_type = {q: [QuantizedWeight.from_gguf(file, n) for n, t in file.tensors.items()
@@ -135,6 +195,7 @@ def main() -> None:
             print(f"prefill n=512 {name} {w.qtype.name} {w.shape[0]}x{w.shape[1]}: integer "
                   f"{ours:5.1f}, fp32 tiles {tiles:5.1f} GFLOP/s vs torch fp32 matmul "
                   f"{ref:5.1f} ({ours / ref:4.0%}, {tiles / ref:4.0%})")
+        type_rows(reps, bw)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@
     weight_bytes_read() -> int                    weight bytes the C kernels have read so far
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL,
-IQ4_XS, MXFP4 (Q2_K, Q3_K, IQ4_NL and IQ4_XS are read from GGUF files; kvlab does not quantize
-to them; MXFP4, gpt-oss's expert type, runs IQ4_NL's kernels on its own table and scales).
+IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (Q2_K, Q3_K and the IQ types are read
+from GGUF files; kvlab does not quantize to them; MXFP4, gpt-oss's expert type, runs IQ4_NL's
+kernels on its own table and scales; the IQ2/IQ3 grids come from the gguf package, grids.py).
 """
 
 from kvlab.kernels.ops import (

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from kvlab.kernels.grids import load_grids
 from kvlab.kernels.hugepages import weight_buffer
 from kvlab.kernels.qweight import QuantizedWeight, row_bytes
 from kvlab.layouts import GROUPS_AS
@@ -30,6 +31,7 @@ else:
         _qk = None
 if _qk is not None:
     _qk.set_num_threads(torch.get_num_threads())
+    load_grids(_qk)
 
 T = GGMLQuantizationType
 TILE_ELEMENTS = 1 << 20  # fp32 elements per dequantized tile (4 MiB)

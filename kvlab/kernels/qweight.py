@@ -24,6 +24,11 @@ SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (
     T.IQ4_NL,
     T.IQ4_XS,
     T.MXFP4,
+    T.IQ2_XXS,
+    T.IQ2_XS,
+    T.IQ2_S,
+    T.IQ3_XXS,
+    T.IQ3_S,
 )
 
 

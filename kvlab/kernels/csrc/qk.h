@@ -15,7 +15,8 @@
  *                             GGUF row layout of the legacy types and Q4_K, Q5_K, Q6_K
  *     qk_<types>.c            GGUF row layout of types with their own file: qk_q2k_q3k.c
  *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS, MXFP4: MXFP4
- *                             runs IQ4_NL's kernels on its own table and scales)
+ *                             runs IQ4_NL's kernels on its own table and scales),
+ *                             qk_iq2_iq3.c (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
  *     qk_group8_<types>.c     kvlab's 8-row group layouts (<TYPE>x8: 8 weight rows
  *                             interleaved, one register lane per row): conversion from GGUF
  *                             rows, row dequantizers, portable, AVX2 and AVX-512 kernels.
@@ -55,6 +56,7 @@ enum {
     KV_Q8_0 = 8, KV_Q4_K = 12, KV_Q5_K = 13, KV_Q6_K = 14, KV_BF16 = 30,
     KV_Q2_K = 10,
     KV_Q3_K = 11,
+    KV_IQ2_XXS = 16, KV_IQ2_XS = 17, KV_IQ3_XXS = 18, KV_IQ3_S = 21, KV_IQ2_S = 22,
     KV_IQ4_NL = 20,
     KV_IQ4_XS = 23,
     /* kvlab's own: rows interleaved in groups of 8 (qk_group8_<types>.c) */
@@ -342,6 +344,22 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
             }                                                                              \
         }                                                                                  \
     }
+
+/* ---- IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S in their file layout (qk_iq2_iq3.c); their
+ * grids, from gguf, set once by kv_set_grid (bytes: the type's grid size, else -1) ---- */
+int kv_set_grid(int qtype, const uint8_t *values, int64_t bytes);
+#define KV_IQ_DECLS(t)                                                                     \
+    KV_GEMV_DECL(kv_gemv_##t##_generic);                                                   \
+    void kv_deq_##t##_generic(const uint8_t *w, int64_t cols, float *out);
+KV_IQ_DECLS(iq2_xxs) KV_IQ_DECLS(iq2_xs) KV_IQ_DECLS(iq2_s) KV_IQ_DECLS(iq3_xxs)
+KV_IQ_DECLS(iq3_s)
+#ifdef KV_HAVE_AVX2_BUILD
+#define KV_IQ_DECLS_AVX2(t)                                                                \
+    KV_GEMV_DECL(kv_gemv_##t##_avx2);                                                      \
+    void kv_deq_##t##_avx2(const uint8_t *w, int64_t cols, float *out);
+KV_IQ_DECLS_AVX2(iq2_xxs) KV_IQ_DECLS_AVX2(iq2_xs) KV_IQ_DECLS_AVX2(iq2_s)
+KV_IQ_DECLS_AVX2(iq3_xxs) KV_IQ_DECLS_AVX2(iq3_s)
+#endif
 
 /* ---- Q2_K and Q3_K in their file layout (qk_q2k_q3k.c) ---- */
 KV_GEMV_DECL(kv_gemv_q2_k_generic);

@@ -1091,6 +1091,9 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q5_KX8] = kv_gemv_q5_kx8_avx2,
         [KV_MXFP4] = kv_gemv_mxfp4_avx2,
         [KV_MXFP4X8] = kv_gemv_mxfp4x8_avx2,
+        [KV_IQ2_XXS] = kv_gemv_iq2_xxs_avx2, [KV_IQ2_XS] = kv_gemv_iq2_xs_avx2,
+        [KV_IQ2_S] = kv_gemv_iq2_s_avx2, [KV_IQ3_XXS] = kv_gemv_iq3_xxs_avx2,
+        [KV_IQ3_S] = kv_gemv_iq3_s_avx2,
     },
     .deq = {
         [KV_F32] = deq_f32_avx2, [KV_F16] = deq_f16_v, [KV_BF16] = deq_bf16_avx2,
@@ -1102,6 +1105,9 @@ const kv_isa kv_isa_avx2 = {
         [KV_IQ4_NL] = kv_deq_iq4_nl_avx2,
         [KV_IQ4_XS] = kv_deq_iq4_xs_avx2,
         [KV_MXFP4] = kv_deq_mxfp4_avx2,
+        [KV_IQ2_XXS] = kv_deq_iq2_xxs_avx2, [KV_IQ2_XS] = kv_deq_iq2_xs_avx2,
+        [KV_IQ2_S] = kv_deq_iq2_s_avx2, [KV_IQ3_XXS] = kv_deq_iq3_xxs_avx2,
+        [KV_IQ3_S] = kv_deq_iq3_s_avx2,
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
@@ -1121,6 +1127,8 @@ const kv_isa kv_isa_avx2 = {
         [KV_Q5_KX8] = KV_ACT_256,
         [KV_MXFP4] = KV_ACT_64,
         [KV_MXFP4X8] = KV_ACT_32,
+        [KV_IQ2_XXS] = KV_ACT_256, [KV_IQ2_XS] = KV_ACT_256, [KV_IQ2_S] = KV_ACT_256,
+        [KV_IQ3_XXS] = KV_ACT_256, [KV_IQ3_S] = KV_ACT_256,
     },
     .act32 = act32_avx2,
     .act64 = act64_avx2,

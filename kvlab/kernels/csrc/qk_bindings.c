@@ -625,7 +625,24 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"qmatmul", (PyCFunction)(void (*)(void))py_qmatmul, METH_FASTCALL,
+/* set_grid(qtype, values, bytes): the lattice grid of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS or
+ * IQ3_S (uint8, row after row), as gguf holds it (kvlab/kernels/grids.py) */
+static PyObject *py_set_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(3);
+    int64_t qtype, bytes;
+    void *values;
+    if (!get_i64(args[0], &qtype) || !get_ptr(args[1], &values) || !get_i64(args[2], &bytes))
+        return NULL;
+    if (kv_set_grid((int)qtype, values, bytes))
+        return PyErr_Format(PyExc_ValueError, "no grid of %lld bytes for GGML type id %lld",
+                            (long long)bytes, (long long)qtype);
+    Py_RETURN_NONE;
+}
+
      "qmatmul(qtype, w, rows, cols, row_bytes, x, n, y)"},
+    {"set_grid", (PyCFunction)(void (*)(void))py_set_grid, METH_FASTCALL,
+     "set_grid(qtype, values, bytes)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
      "dequantize(qtype, w, rows, cols, row_bytes, out, parallel)"},
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL,

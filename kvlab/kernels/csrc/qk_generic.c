@@ -67,6 +67,8 @@ int kv_block_size(int qtype) {
         case KV_Q5_0X8: return 32;
         case KV_Q5_KX8: return 256;
         case KV_MXFP4: case KV_MXFP4X8: return 32;
+        case KV_IQ2_XXS: case KV_IQ2_XS: case KV_IQ2_S: case KV_IQ3_XXS: case KV_IQ3_S:
+            return 256;
         default: return 0;
     }
 }
@@ -94,6 +96,11 @@ int kv_type_size(int qtype) {
         case KV_IQ4_XS: return 136;
         case KV_IQ4_XSX8: return 136;
         case KV_MXFP4: case KV_MXFP4X8: return 17;
+        case KV_IQ2_XXS: return 66;
+        case KV_IQ2_XS: return 74;
+        case KV_IQ2_S: return 82;
+        case KV_IQ3_XXS: return 98;
+        case KV_IQ3_S: return 110;
         default: return 0;
     }
 }
@@ -381,6 +388,9 @@ const kv_isa kv_isa_generic = {
         [KV_Q5_KX8] = kv_gemv_q5_kx8_generic,
         [KV_MXFP4] = kv_gemv_mxfp4_generic,
         [KV_MXFP4X8] = kv_gemv_mxfp4x8_generic,
+        [KV_IQ2_XXS] = kv_gemv_iq2_xxs_generic, [KV_IQ2_XS] = kv_gemv_iq2_xs_generic,
+        [KV_IQ2_S] = kv_gemv_iq2_s_generic, [KV_IQ3_XXS] = kv_gemv_iq3_xxs_generic,
+        [KV_IQ3_S] = kv_gemv_iq3_s_generic,
     },
     .deq = {
         KV_DEQ_TABLE,
@@ -389,6 +399,9 @@ const kv_isa kv_isa_generic = {
         [KV_IQ4_NL] = kv_deq_iq4_nl_generic,
         [KV_IQ4_XS] = kv_deq_iq4_xs_generic,
         [KV_MXFP4] = kv_deq_mxfp4_generic,
+        [KV_IQ2_XXS] = kv_deq_iq2_xxs_generic, [KV_IQ2_XS] = kv_deq_iq2_xs_generic,
+        [KV_IQ2_S] = kv_deq_iq2_s_generic, [KV_IQ3_XXS] = kv_deq_iq3_xxs_generic,
+        [KV_IQ3_S] = kv_deq_iq3_s_generic,
     },
     .act_kind = {
         [KV_Q8_0] = KV_ACT_32, [KV_Q8_0X8] = KV_ACT_32, [KV_Q4_KX8] = KV_ACT_256,
@@ -408,6 +421,8 @@ const kv_isa kv_isa_generic = {
         [KV_Q5_KX8] = KV_ACT_256,
         [KV_MXFP4] = KV_ACT_32,
         [KV_MXFP4X8] = KV_ACT_32,
+        [KV_IQ2_XXS] = KV_ACT_256, [KV_IQ2_XS] = KV_ACT_256, [KV_IQ2_S] = KV_ACT_256,
+        [KV_IQ3_XXS] = KV_ACT_256, [KV_IQ3_S] = KV_ACT_256,
     },
     .act32 = act32_generic,
     .act256 = act256_generic,

@@ -1,0 +1,129 @@
+"""IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (kernels/csrc/qk_iq2_iq3.c) against gguf's
+dequantizer, on every path.
+
+test_kernels.py runs its per-type checks (dequantize, qmatmul's error bound, exactness on the
+8-bit activations, AVX2 against portable C, batch invariance) over SUPPORTED_TYPES, these
+five included. Here: the grids are gguf's, blocks that reach every grid row, sign pattern and
+scale, fp16 scales of every kind, AVX2 and portable C to the bit, a GGUF file, and the error
+for a type kvlab still lacks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+from test_kernels import (
+    ISAS,
+    assert_blocks_equal,
+    backend,  # noqa: F401 (fixture)
+    reference_dequant,
+)
+
+from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, ops, qmatmul
+from kvlab.kernels.grids import GRID_TYPES, grid
+from kvlab.kernels.qweight import row_bytes
+
+T = GGMLQuantizationType
+ids = lambda t: t.name
+# grid rows and the values a row's entries take, per type (gguf's definition)
+GRIDS = {T.IQ2_XXS: (256, 8, {8, 25, 43}), T.IQ2_XS: (512, 8, {8, 25, 43}),
+         T.IQ2_S: (1024, 8, {8, 25, 43}), T.IQ3_XXS: (256, 4, {4, 12, 20, 28, 36, 44, 52, 62}),
+         T.IQ3_S: (512, 4, {1, 3, 5, 7, 9, 11, 13, 15})}
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int,
+                  d: np.ndarray | None = None) -> QuantizedWeight:
+    """Random bytes (every byte pattern is a valid block of these types) under fp16 d."""
+    g = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = g.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    if d is None:
+        d = g.uniform(0.001, 0.02, len(blocks))
+    blocks[:, :2] = np.resize(d, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return QuantizedWeight(qtype, (rows, cols), torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+def test_grids_are_gguf_s():
+    for qtype, (rows, width, values) in GRIDS.items():
+        g = grid(qtype)
+        assert g.shape == (rows, width) and g.dtype == np.uint8
+        assert set(np.unique(g).tolist()) == values
+        assert len(np.unique(g, axis=0)) == rows  # every row its own point
+    with pytest.raises(ValueError, match="IQ4_NL has no lattice grid"):
+        grid(T.IQ4_NL)
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
+def test_dequantize_reaches_every_grid_row_and_scale(qtype, backend):  # noqa: F811
+    """2048 random super-blocks (about 260k grid lookups, every index, sign byte and 4-bit
+    scale many times) under fp16 d of every kind: negative, subnormal, zero, large."""
+    d = np.array([0.01, -0.003, 3e-6, 0.0, 2.5, -1000.0, 6e-8, 0.02])
+    w = random_blocks(qtype, 16, 256 * 128, seed=int(qtype), d=d)
+    assert_blocks_equal(dequantize(w).numpy(), reference_dequant(w), qtype)
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
+def test_avx2_products_are_the_portable_bits(qtype):
+    """The AVX2 kernels decode with vector lookups to the same integers and take the same
+    float steps as the portable C, for one x row and for tiles of them."""
+    w = random_blocks(qtype, 13, 1280, seed=3)
+    x = torch.randn(11, 1280, generator=torch.Generator().manual_seed(4))
+    try:
+        ops._qk.set_isa("generic")
+        y_c = qmatmul(x, w)
+        ops._qk.set_isa("avx2")
+        y = qmatmul(x, w)
+        one = qmatmul(x[3:4], w)
+    finally:
+        ops._qk.set_isa("auto")
+    assert torch.equal(y, y_c)
+    assert torch.equal(one, y[3:4])
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
+def test_products_are_exact_integers_on_8_bit_x(qtype, backend):  # noqa: F811
+    """x already on the 8-bit grid the kernels round it to (one scale per 256, integers up
+    to 127): the product is the dequantized one up to fp32 rounding."""
+    if backend == "torch":
+        pytest.skip("the torch path multiplies in fp32 without 8-bit activations")
+    w = random_blocks(qtype, 8, 512, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(-127, 128, (3, 512), generator=g).float()
+    x[:, ::256] = 127.0  # each 256-block's largest value: its scale is 1 exactly
+    ref = x.double() @ torch.from_numpy(reference_dequant(w)).double().T
+    assert ((qmatmul(x, w).double() - ref).abs() <= 1e-5 * ref.abs().max()).all()
+
+
+def test_gguf_file_tensors_are_read_in_place(tmp_path):
+    import gguf
+
+    from kvlab.weights.gguf_file import GGUFFile
+
+    made = {f"{t.name.lower()}.weight": random_blocks(t, 3, 512, seed=int(t)) for t in GRID_TYPES}
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, w in made.items():
+        writer.add_tensor(name, w.data.numpy(), raw_dtype=w.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(path)
+    for name, w in made.items():
+        got = QuantizedWeight.from_gguf(file, name)
+        assert got.qtype == w.qtype and got.shape == w.shape
+        assert got.data.data_ptr() == file.raw(name).ctypes.data
+        assert np.array_equal(dequantize(got).numpy(),
+                              gguf_quants.dequantize(w.data.numpy(), w.qtype))
+
+
+@pytest.mark.parametrize("qtype", [T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0], ids=ids)
+def test_types_kvlab_lacks_are_a_clear_error(qtype):
+    with pytest.raises(ValueError, match=f"{qtype.name} is not supported .valid: .*IQ3_S"):
+        row_bytes(qtype, 256)
+    assert qtype not in SUPPORTED_TYPES
+
