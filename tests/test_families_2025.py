@@ -125,21 +125,6 @@ def test_mistral3_multimodal_checkpoint_loads_its_text_decoder(tmp_path, caplog)
         assert (logits - ref[7 + i]).abs().max() <= TOL
 
 
-def test_mistral3_multimodal_checkpoint_through_llama_cpp_converter(tmp_path):
-    """llama.cpp's converter writes the multimodal checkpoint's text decoder as `mistral3`."""
-    model = multimodal_mistral3(tmp_path)
-    why = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "converted.gguf")
-    if why is not None:
-        pytest.skip(why)
-    ids = _ids(12, 9)
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids])).logits[0].float()
-    runner = runner_for(tmp_path / "converted.gguf")
-    assert runner.config.architecture == "mistral3"
-    for i, logits in enumerate(_prefill_then_decode(runner, ids, 8)):
-        assert (logits - ref[7 + i]).abs().max() <= TOL
-
-
 def test_glm4moe_grouped_routing_matches_transformers(tmp_path):
     """Eight experts in four groups, the best two groups kept: the choice is made inside
     them (transformers' noaux_tc), so a router that ignored groups would pick others."""

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gguf_quants
 from test_kernels import (
     ISAS,
     assert_blocks_equal,
     backend,  # noqa: F401 (fixture)
     reference_dequant,
 )
+from test_kernels_iq4 import assert_read_in_place
 
 from kvlab.kernels import SUPPORTED_TYPES, QuantizedWeight, dequantize, ops, qmatmul
 from kvlab.kernels.grids import GRID_TYPES, grid
@@ -99,26 +99,8 @@ def test_products_are_exact_integers_on_8_bit_x(qtype, backend):  # noqa: F811
 
 
 def test_gguf_file_tensors_are_read_in_place(tmp_path):
-    import gguf
-
-    from kvlab.weights.gguf_file import GGUFFile
-
     made = {f"{t.name.lower()}.weight": random_blocks(t, 3, 512, seed=int(t)) for t in GRID_TYPES}
-    path = tmp_path / "iq.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, w in made.items():
-        writer.add_tensor(name, w.data.numpy(), raw_dtype=w.qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    file = GGUFFile(path)
-    for name, w in made.items():
-        got = QuantizedWeight.from_gguf(file, name)
-        assert got.qtype == w.qtype and got.shape == w.shape
-        assert got.data.data_ptr() == file.raw(name).ctypes.data
-        assert np.array_equal(dequantize(got).numpy(),
-                              gguf_quants.dequantize(w.data.numpy(), w.qtype))
+    assert_read_in_place(made, tmp_path / "iq.gguf")
 
 
 @pytest.mark.parametrize("qtype", [T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0], ids=ids)

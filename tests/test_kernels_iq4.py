@@ -137,12 +137,17 @@ def test_no_quantizer_is_a_clear_error(qtype):
 
 def test_gguf_file_tensors_are_read_in_place(tmp_path):
     """IQ4 tensors from a GGUF file: zero-copy views of the map, dequantized as gguf does."""
+    made = {"a.weight": make_weight(T.IQ4_NL, 6, 64), "b.weight": make_weight(T.IQ4_XS, 3, 512)}
+    assert_read_in_place(made, tmp_path / "iq4.gguf")
+
+
+def assert_read_in_place(made: dict[str, QuantizedWeight], path) -> None:
+    """`made` written to a GGUF file at `path` and read back: zero-copy views of the map,
+    dequantized as gguf does."""
     import gguf
 
     from kvlab.weights.gguf_file import GGUFFile
 
-    made = {"a.weight": make_weight(T.IQ4_NL, 6, 64), "b.weight": make_weight(T.IQ4_XS, 3, 512)}
-    path = tmp_path / "iq4.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for name, w in made.items():
         writer.add_tensor(name, w.data.numpy(), raw_dtype=w.qtype)
@@ -155,7 +160,7 @@ def test_gguf_file_tensors_are_read_in_place(tmp_path):
         got = QuantizedWeight.from_gguf(file, name)
         assert got.qtype == w.qtype and got.shape == w.shape
         assert got.data.data_ptr() == file.raw(name).ctypes.data
-        assert torch.equal(dequantize(got), dequantize(w))
+        assert np.array_equal(dequantize(got).numpy(), reference_dequant(w))
 
 
 @pytest.mark.parametrize("qtype", IQ4, ids=ids)
