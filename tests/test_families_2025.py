@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from test_models import (  # collected here too, on this module's `tiny`
     TOL,
     reference_logits,
@@ -22,9 +23,11 @@ from test_models import (  # collected here too, on this module's `tiny`
     test_chunked_prefill_equals_one_pass,
     test_prefill_then_paged_decode_matches_transformers,
 )
+from test_tensor_parallel import _rank, logits_of
 
 from kvlab.models import decode_c, find_arch
 from kvlab.models.loader import LoadOptions, load_model
+from kvlab.models.sharding import SINGLE
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights.checkpoint import open_checkpoint
@@ -79,6 +82,19 @@ def test_quantized_decode_in_the_c_layers_equals_the_per_op_path(tiny, monkeypat
     assert torch.nn.functional.cosine_similarity(logits[0], ref, dim=-1).min() > 0.99
 
 
+def test_two_tensor_parallel_ranks_match_one(tiny, tmp_path):
+    """Split over two ranks (heads, MLP and expert columns; GLM's rows permuted for its
+    half rotary before the split, OLMo 2's whole-vector QK-norm over both ranks' heads)."""
+    from kvlab.runner.ranks import _free_port
+
+    arch, hf, out = tiny
+    path = out / "model.gguf"
+    mp.start_processes(_rank, args=(_free_port(), [(arch, str(path), None)], str(tmp_path)),
+                       nprocs=2, join=True)
+    one = logits_of(path, None, SINGLE)
+    assert (one - torch.load(tmp_path / f"{arch}.pt")).abs().max() <= TOL
+
+
 def test_llama_cpp_converter_gives_the_same_logits(tiny, tmp_path):
     """The tiny checkpoint converted by llama.cpp's convert_hf_to_gguf.py (f32) loads in
     kvlab with transformers' logits: kvlab reads the metadata and names llama.cpp writes."""
@@ -121,6 +137,21 @@ def test_mistral3_multimodal_checkpoint_loads_its_text_decoder(tmp_path, caplog)
         runner = runner_for(tmp_path / "hf")
     assert "vision tower" in caplog.text and "not loaded" in caplog.text
     assert find_arch("Mistral3ForConditionalGeneration").name == "mistral3_multimodal"
+    for i, logits in enumerate(_prefill_then_decode(runner, ids, 8)):
+        assert (logits - ref[7 + i]).abs().max() <= TOL
+
+
+def test_mistral3_multimodal_checkpoint_through_llama_cpp_converter(tmp_path):
+    """llama.cpp's converter writes the multimodal checkpoint's text decoder as `mistral3`."""
+    model = multimodal_mistral3(tmp_path)
+    why = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "converted.gguf")
+    if why is not None:
+        pytest.skip(why)
+    ids = _ids(12, 9)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].float()
+    runner = runner_for(tmp_path / "converted.gguf")
+    assert runner.config.architecture == "mistral3"
     for i, logits in enumerate(_prefill_then_decode(runner, ids, 8)):
         assert (logits - ref[7 + i]).abs().max() <= TOL
 
