@@ -114,7 +114,7 @@ def short_conv_torch(x, weight, states, slots, lens, bias=None, activation=None)
     """short_conv in torch (the fallback and the oracle)."""
     T, C = x.shape
     K = weight.shape[1]
-    out = torch.empty(T, C, dtype=torch.float32)
+    out = torch.empty(T, C, dtype=torch.float32, device=x.device)
     w = weight.float()
     for slot, start, n in _segments(slots, lens):
         xs = torch.cat([states[slot].float(), x[start:start + n].float()])  # [K-1+n, C]
@@ -175,7 +175,7 @@ def _gdr_heads(q, k, v, g, beta, start, n):
 def gated_delta_rule_torch(q, k, v, g, beta, states, slots, lens, scale):
     """gated_delta_rule in torch: the chunked form for prefill, one step per decode token."""
     T, Hv, Dv = v.shape
-    out = torch.empty(T, Hv, Dv, dtype=torch.float32)
+    out = torch.empty(T, Hv, Dv, dtype=torch.float32, device=v.device)
     for slot, start, n in _segments(slots, lens):
         heads = _gdr_heads(q, k, v, g, beta, start, n)
         form = _gdr_chunked if n > 1 else _gdr_recurrent
@@ -187,7 +187,7 @@ def gated_delta_rule_torch(q, k, v, g, beta, states, slots, lens, scale):
 def gated_delta_rule_recurrent(q, k, v, g, beta, states, slots, lens, scale):
     """gated_delta_rule token by token (the tests' oracle)."""
     T, Hv, Dv = v.shape
-    out = torch.empty(T, Hv, Dv, dtype=torch.float32)
+    out = torch.empty(T, Hv, Dv, dtype=torch.float32, device=v.device)
     for slot, start, n in _segments(slots, lens):
         heads = _gdr_heads(q, k, v, g, beta, start, n)
         y, states[slot] = _gdr_recurrent(*heads, states[slot].float(), scale)
@@ -217,7 +217,7 @@ def _gdr_chunked(q, k, v, g, beta, S, scale):
     q, k, v = (t.reshape(H, -1, CHUNK, t.shape[-1]) for t in (q, k, v))
     g, beta = (t.reshape(H, -1, CHUNK) for t in (g, beta))
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool).triu(1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=g.device).triu(1)
     cum = g.cumsum(-1)  # [H, c, L]
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * decay
@@ -284,7 +284,7 @@ def _ssd_heads(x, dt, B, C, start, n):
 
 def _ssd_sequences(x, dt, A, B, C, D, states, slots, lens, chunked: bool):
     T, H, P = x.shape
-    out = torch.empty(T, H, P, dtype=torch.float32)
+    out = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
     for slot, start, n in _segments(slots, lens):
         xs, dts, Bs, Cs = _ssd_heads(x, dt, B, C, start, n)
         form = _ssd_chunked if chunked and n > 1 else _ssd_recurrent
@@ -323,7 +323,7 @@ def _ssd_chunked(x, dt, A, B, C, S):
     xdt = F.pad(x * dt[..., None], (0, 0, 0, pad)).reshape(H, -1, CHUNK, P)
     B, C = (F.pad(t, (0, 0, 0, pad)).reshape(H, -1, CHUNK, t.shape[-1]) for t in (B, C))
     cum = F.pad(dt * A[:, None], (0, pad)).reshape(H, -1, CHUNK).cumsum(-1)  # [H, c, L]
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool).triu(1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=cum.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     y_diag = ((C @ B.transpose(-1, -2)) * decay) @ xdt
     to_end = (cum[..., -1:] - cum).exp()  # decay from each token to the chunk's end
