@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import GraniteMoeHybridConfig
-from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+    GraniteMoeHybridMambaLayer,
+)
 
 from kvlab.models.mamba2_layer import Mamba2Shape, mamba2_mixer
 
