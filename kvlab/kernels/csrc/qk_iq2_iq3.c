@@ -218,16 +218,25 @@ KV_IQ_GEMV(kv_gemv_iq3_s_generic, KV_IQ3_S)
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
 
-/* 32 grid values with their signs: g the grid bytes in element order, s4 four sign bytes
- * (byte k for elements 8k .. 8k + 7, bit j of it for element 8k + j) */
-KV_INL __m256i apply_signs(__m256i g, uint32_t s4) {
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bits = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
-    const __m256i s = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s4), spread);
-    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(s, bits), bits);
-    return _mm256_sub_epi8(_mm256_xor_si256(g, neg), neg);
-}
+/* Sign masks, made by the preprocessor from their definition: byte j of mask[b] is 0xFF
+ * where bit j of b is set (then q = (g ^ m) - m negates those values), and ksign_mask[k]
+ * is mask[ksign(k)] for a 7-bit sign index k. */
+#define KV_SM(b)                                                                           \
+    (((b) & 1 ? 0xFFull : 0) | ((b) & 2 ? 0xFF00ull : 0) | ((b) & 4 ? 0xFF0000ull : 0) |    \
+     ((b) & 8 ? 0xFF000000ull : 0) | ((b) & 16 ? 0xFF00000000ull : 0) |                    \
+     ((b) & 32 ? 0xFF0000000000ull : 0) | ((b) & 64 ? 0xFF000000000000ull : 0) |           \
+     ((b) & 128 ? 0xFF00000000000000ull : 0))
+#define KV_PAR7(k) (((k) ^ (k) >> 1 ^ (k) >> 2 ^ (k) >> 3 ^ (k) >> 4 ^ (k) >> 5 ^ (k) >> 6) & 1)
+#define KV_KSM(k) KV_SM((k) | KV_PAR7(k) << 7)
+#define KV_X2(f, n) f(n), f((n) + 1)
+#define KV_X4(f, n) KV_X2(f, n), KV_X2(f, (n) + 2)
+#define KV_X8(f, n) KV_X4(f, n), KV_X4(f, (n) + 4)
+#define KV_X16(f, n) KV_X8(f, n), KV_X8(f, (n) + 8)
+#define KV_X32(f, n) KV_X16(f, n), KV_X16(f, (n) + 16)
+#define KV_X64(f, n) KV_X32(f, n), KV_X32(f, (n) + 32)
+#define KV_X128(f, n) KV_X64(f, n), KV_X64(f, (n) + 64)
+static const uint64_t sign_mask[256] = {KV_X128(KV_SM, 0), KV_X128(KV_SM, 128)};
+static const uint64_t ksign_mask[128] = {KV_X128(KV_KSM, 0)};
 
 KV_INL uint64_t u64_of(const uint8_t *p) {
     uint64_t v;
@@ -235,10 +244,25 @@ KV_INL uint64_t u64_of(const uint8_t *p) {
     return v;
 }
 
+/* grid values g with the signs of masks m: (g ^ m) - m */
+KV_INL __m256i signed_values(__m256i g, __m256i m) {
+    return _mm256_sub_epi8(_mm256_xor_si256(g, m), m);
+}
+KV_INL __m256i masks4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+    return _mm256_setr_epi64x((int64_t)a, (int64_t)b, (int64_t)c, (int64_t)d);
+}
+KV_INL __m256i bytes_masks(uint32_t s4) {  /* four sign bytes */
+    return masks4(sign_mask[s4 & 255], sign_mask[s4 >> 8 & 255], sign_mask[s4 >> 16 & 255],
+                  sign_mask[s4 >> 24]);
+}
+KV_INL __m256i ksign_masks(uint32_t aux) {  /* four 7-bit sign indices */
+    return masks4(ksign_mask[aux & 127], ksign_mask[aux >> 7 & 127], ksign_mask[aux >> 14 & 127],
+                  ksign_mask[aux >> 21 & 127]);
+}
+
 /* 4 rows of an 8-wide grid, 8 rows of a 4-wide one */
-KV_INL __m256i rows8(const uint8_t (*grid)[8], const int idx[4]) {
-    return _mm256_setr_epi64x((int64_t)u64_of(grid[idx[0]]), (int64_t)u64_of(grid[idx[1]]),
-                              (int64_t)u64_of(grid[idx[2]]), (int64_t)u64_of(grid[idx[3]]));
+KV_INL __m256i rows8(const uint8_t (*grid)[8], int i0, int i1, int i2, int i3) {
+    return masks4(u64_of(grid[i0]), u64_of(grid[i1]), u64_of(grid[i2]), u64_of(grid[i3]));
 }
 KV_INL __m256i rows4(const uint8_t (*grid)[4], const int idx[8]) {
     return _mm256_setr_epi32((int)u32_at(grid[idx[0]]), (int)u32_at(grid[idx[1]]),
@@ -247,118 +271,118 @@ KV_INL __m256i rows4(const uint8_t (*grid)[4], const int idx[8]) {
                              (int)u32_at(grid[idx[6]]), (int)u32_at(grid[idx[7]]));
 }
 
-KV_INL uint32_t ksign4(uint32_t aux) {
-    return ksign(aux & 127) | (uint32_t)ksign(aux >> 7 & 127) << 8 |
-           (uint32_t)ksign(aux >> 14 & 127) << 16 | (uint32_t)ksign(aux >> 21 & 127) << 24;
-}
+/* sub-block s (32 values) of a super-block as signed int8, and its two 16-groups' integer
+ * scales (the portable decoders' sc[2s], sc[2s + 1]), per type */
+typedef struct { __m256i q; int sc0, sc1; } kv_iq_sub;
 
-/* sub-block s (32 values) of a super-block as signed int8, per type */
-KV_INL __m256i sub_iq2_xxs(const uint8_t *b, int s) {
+KV_INL kv_iq_sub sub_iq2_xxs(const uint8_t *b, int s) {
     const uint8_t *p = b + 2 + 8 * s;
-    const int idx[4] = {p[0], p[1], p[2], p[3]};
-    return apply_signs(rows8(grid_iq2xxs, idx), ksign4(u32_at(p + 4)));
+    const uint32_t aux = u32_at(p + 4);
+    const int sc = 2 * (int)(aux >> 28) + 1;
+    return (kv_iq_sub){signed_values(rows8(grid_iq2xxs, p[0], p[1], p[2], p[3]), ksign_masks(aux)),
+                       sc, sc};
 }
-KV_INL __m256i sub_iq2_xs(const uint8_t *b, int s) {
+KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
     uint16_t v[4];
     memcpy(v, b + 2 + 8 * s, 8);
-    const int idx[4] = {v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511};
-    const uint32_t s4 = ksign(v[0] >> 9) | (uint32_t)ksign(v[1] >> 9) << 8 |
-                        (uint32_t)ksign(v[2] >> 9) << 16 | (uint32_t)ksign(v[3] >> 9) << 24;
-    return apply_signs(rows8(grid_iq2xs, idx), s4);
+    const __m256i g = rows8(grid_iq2xs, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
+    const __m256i m = masks4(ksign_mask[v[0] >> 9], ksign_mask[v[1] >> 9], ksign_mask[v[2] >> 9],
+                             ksign_mask[v[3] >> 9]);
+    return (kv_iq_sub){signed_values(g, m), 2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1};
 }
-KV_INL __m256i sub_iq2_s(const uint8_t *b, int s) {
+KV_INL kv_iq_sub sub_iq2_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 4 * s, qh = b[66 + s];
-    const int idx[4] = {qs[0] | (qh & 3) << 8, qs[1] | (qh >> 2 & 3) << 8,
-                        qs[2] | (qh >> 4 & 3) << 8, qs[3] | (qh >> 6 & 3) << 8};
-    return apply_signs(rows8(grid_iq2s, idx), u32_at(b + 34 + 4 * s));
+    const __m256i g = rows8(grid_iq2s, qs[0] | (qh & 3) << 8, qs[1] | (qh >> 2 & 3) << 8,
+                            qs[2] | (qh >> 4 & 3) << 8, qs[3] | (qh >> 6 & 3) << 8);
+    return (kv_iq_sub){signed_values(g, bytes_masks(u32_at(b + 34 + 4 * s))),
+                       2 * (b[74 + s] & 15) + 1, 2 * (b[74 + s] >> 4) + 1};
 }
-KV_INL __m256i sub_iq3_xxs(const uint8_t *b, int s) {
+KV_INL kv_iq_sub sub_iq3_xxs(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s;
+    const uint32_t aux = u32_at(b + 66 + 4 * s);
     const int idx[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
-    return apply_signs(rows4(grid_iq3xxs, idx), ksign4(u32_at(b + 66 + 4 * s)));
+    const int sc = 2 * (int)(aux >> 28) + 1;
+    return (kv_iq_sub){signed_values(rows4(grid_iq3xxs, idx), ksign_masks(aux)), sc, sc};
 }
-KV_INL __m256i sub_iq3_s(const uint8_t *b, int s) {
+KV_INL kv_iq_sub sub_iq3_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s, qh = b[66 + s];
     int idx[8];
     for (int k = 0; k < 8; k++) idx[k] = qs[k] | (qh >> k & 1) << 8;
-    return apply_signs(rows4(grid_iq3s, idx), u32_at(b + 74 + 4 * s));
+    const int sc = 2 * (b[106 + s / 2] >> 4 * (s % 2) & 15) + 1;
+    return (kv_iq_sub){signed_values(rows4(grid_iq3s, idx), bytes_masks(u32_at(b + 74 + 4 * s))),
+                       sc, sc};
 }
 
-/* a super-block decoded: values by vector lookups, scales as the portable decoder has them */
-#define KV_IQ_DECODE_AVX2(name, sub, scales)                                               \
-    KV_INL void name(const uint8_t *b, kv_iq_sb *u) {                                      \
-        for (int s = 0; s < 8; s++) _mm256_storeu_si256((__m256i *)(u->q + 32 * s), sub(b, s)); \
-        scales                                                                             \
-        u->d = half_at(b);                                                                 \
-    }
-#define KV_IQ_SC32(at)                                                                     \
-    for (int s = 0; s < 8; s++) u->sc[2 * s] = u->sc[2 * s + 1] = (int16_t)(2 * (at) + 1);
-#define KV_IQ_SC16(off)                                                                    \
-    for (int g = 0; g < 16; g++) u->sc[g] = (int16_t)(2 * (b[(off) + g / 2] >> 4 * (g % 2) & 15) + 1);
-KV_IQ_DECODE_AVX2(dec_iq2_xxs_avx2, sub_iq2_xxs, KV_IQ_SC32(u32_at(b + 6 + 8 * s) >> 28))
-KV_IQ_DECODE_AVX2(dec_iq2_xs_avx2, sub_iq2_xs, KV_IQ_SC16(66))
-KV_IQ_DECODE_AVX2(dec_iq2_s_avx2, sub_iq2_s, KV_IQ_SC16(74))
-KV_IQ_DECODE_AVX2(dec_iq3_xxs_avx2, sub_iq3_xxs, KV_IQ_SC32(u32_at(b + 66 + 4 * s) >> 28))
-KV_IQ_DECODE_AVX2(dec_iq3_s_avx2, sub_iq3_s, KV_IQ_SC32(b[106 + s / 2] >> 4 * (s % 2) & 15))
-
-KV_INL void dec_avx2(const int qt, const uint8_t *b, kv_iq_sb *u) {
+KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
     switch (qt) {
-        case KV_IQ2_XXS: dec_iq2_xxs_avx2(b, u); break;
-        case KV_IQ2_XS: dec_iq2_xs_avx2(b, u); break;
-        case KV_IQ2_S: dec_iq2_s_avx2(b, u); break;
-        case KV_IQ3_XXS: dec_iq3_xxs_avx2(b, u); break;
-        default: dec_iq3_s_avx2(b, u); break;
+        case KV_IQ2_XXS: return sub_iq2_xxs(b, s);
+        case KV_IQ2_XS: return sub_iq2_xs(b, s);
+        case KV_IQ2_S: return sub_iq2_s(b, s);
+        case KV_IQ3_XXS: return sub_iq3_xxs(b, s);
+        default: return sub_iq3_s(b, s);
     }
 }
 
-/* sb_dot's integer: per 32 values maddubs (|q|, x with q's sign), then the two groups'
- * scales by madd */
-KV_INL int32_t sb_dot_avx2(const kv_iq_sb *u, const int8_t *x) {
-    __m256i acc = _mm256_setzero_si256();
-    for (int s = 0; s < 8; s++) {
-        const __m256i q = load256(u->q + 32 * s);
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(load256(x + 32 * s), q));
-        const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(u->sc[2 * s]), _mm_set1_epi16(u->sc[2 * s + 1]));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
+#define KV_IQ_NX 4  /* x rows per pass over a weight row */
+
+/* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (|q|, x
+ * with q's sign) then the two groups' scales by madd; per super-block the portable kernel's
+ * integer and float step, so the same bits */
+KV_INL void row_iq_avx2(const int qt, const uint8_t *b, int64_t nb, const char *xq,
+                        int64_t xs, const int nx, float *y, int64_t ys) {
+    const kv_iq_type t = iq_type(qt);
+    float acc[KV_IQ_NX] = {0};
+    for (int64_t i = 0; i < nb; i++, b += t.bytes) {
+        __m256i isum[KV_IQ_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const kv_iq_sub u = sub_of(qt, b, s);
+            const __m256i aq = _mm256_abs_epi8(u.q);
+            const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)u.sc0), _mm_set1_epi16((short)u.sc1));
+            for (int j = 0; j < nx; j++) {
+                const __m256i x = load256(((const kv_act256 *)(xq + j * xs) + i)->qs + 32 * s);
+                const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, u.q));
+                isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p, sc));
+            }
+        }
+        const float d = half_at(b) * t.unit;
+        for (int j = 0; j < nx; j++)
+            acc[j] = fmaf(d * ((const kv_act256 *)(xq + j * xs) + i)->d,
+                          (float)hsum_epi32(isum[j]), acc[j]);
     }
-    return hsum_epi32(acc);
+    for (int j = 0; j < nx; j++) y[j * ys] = acc[j];
 }
 
-#define KV_IQ_NX 8  /* x rows per decoded super-block */
-
-/* each weight row's super-blocks decoded once per KV_IQ_NX x rows; the float steps are the
- * portable kernel's, so the same bits */
 KV_INL void gemv_iq_avx2(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
                          int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
                          float *y, int64_t ystride) {
-    const kv_iq_type t = iq_type(qt);
+    const char *x = (const char *)xq;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t j0 = 0; j0 < n; j0 += KV_IQ_NX) {
-            const int64_t m = n - j0 < KV_IQ_NX ? n - j0 : KV_IQ_NX;
-            float acc[KV_IQ_NX] = {0};
+        for (int64_t j = 0; j < n; j += KV_IQ_NX) {
             const uint8_t *b = w + r * row_bytes;
-            for (int64_t i = 0; i < cols / 256; i++, b += t.bytes) {
-                kv_iq_sb u;
-                dec_avx2(qt, b, &u);
-                for (int64_t j = 0; j < m; j++) {
-                    const kv_act256 *a = (const kv_act256 *)((const char *)xq + (j0 + j) * xstride) + i;
-                    acc[j] = fmaf(u.d * t.unit * a->d, (float)sb_dot_avx2(&u, a->qs), acc[j]);
-                }
+            float *yj = y + j * ystride + r;
+            const char *xj = x + j * xstride;
+            switch (n - j >= KV_IQ_NX ? KV_IQ_NX : n - j) {
+                case 4: row_iq_avx2(qt, b, cols / 256, xj, xstride, 4, yj, ystride); break;
+                case 3: row_iq_avx2(qt, b, cols / 256, xj, xstride, 3, yj, ystride); break;
+                case 2: row_iq_avx2(qt, b, cols / 256, xj, xstride, 2, yj, ystride); break;
+                default: row_iq_avx2(qt, b, cols / 256, xj, xstride, 1, yj, ystride); break;
             }
-            for (int64_t j = 0; j < m; j++) y[(j0 + j) * ystride + r] = acc[j];
         }
 }
 
 KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out) {
     const kv_iq_type t = iq_type(qt);
-    kv_iq_sb u;
-    for (int64_t i = 0; i < cols / 256; i++, w += t.bytes, out += 256) {
-        dec_avx2(qt, w, &u);
-        for (int g = 0; g < 16; g++) {
-            const __m256 db = _mm256_set1_ps(db_of(qt, u.d, u.sc[g]));
-            for (int h = 0; h < 2; h++) {
-                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(u.q + 16 * g + 8 * h));
-                _mm256_storeu_ps(out + 16 * g + 8 * h,
+    for (int64_t i = 0; i < cols / 256; i++, w += t.bytes) {
+        const float d = half_at(w);
+        for (int s = 0; s < 8; s++, out += 32) {
+            const kv_iq_sub u = sub_of(qt, w, s);
+            int8_t q[32];
+            _mm256_storeu_si256((__m256i *)q, u.q);
+            for (int h = 0; h < 4; h++) {
+                const __m256 db = _mm256_set1_ps(db_of(qt, d, h < 2 ? u.sc0 : u.sc1));
+                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
+                _mm256_storeu_ps(out + 8 * h,
                                  _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
             }
         }
