@@ -149,6 +149,13 @@ class ModelConfig:
     def no_rope(self, layer: int) -> bool:
         return bool(self.no_rope_layers) and self.no_rope_layers[layer]
 
+    def second_rope(self, layer: int) -> bool:
+        """Whether the layer takes the second RoPE table: none (identity) on a layer without
+        RoPE where some have none, else local_rope (or the same rope) on a sliding layer."""
+        if self.no_rope_layers:
+            return self.no_rope(layer)
+        return self.is_sliding(layer)
+
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding" and self.sliding_window is not None
 

@@ -17,8 +17,9 @@ import torch
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
 # the 2025 families: their own files (tests/test_families_2025.py)
-FAMILIES_2025 = ("smollm3", "olmo2", "mistral3", "glm4moe")
-_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama"}  # as llama.cpp's converter writes them
+FAMILIES_2025 = ("smollm3", "olmo2", "olmo3", "mistral3", "glm4moe")
+_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama",  # as llama.cpp's converter writes them
+              "olmo3": "olmo2"}
 _PERMUTED_QK = ("llama", "smollm3", "mistral3")  # llama.cpp interleaves their q/k rows
 # Ministral 3's YaRN and Llama 4 query temperature, from position 8 on in a tiny model
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
@@ -79,6 +80,13 @@ def _config_2025(arch: str, **overrides):
                                 rope_theta=1e6, **ids)
     if arch == "olmo2":
         return tf.Olmo2Config(**{**_COMMON, **overrides}, rope_theta=5e5, **ids)
+    if arch == "olmo3":  # layers 0-2 slide over 4 tokens; YaRN on the full layer only
+        rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                   "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                   "beta_slow": 1.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}
+        return tf.Olmo3Config(**{**_COMMON, "num_hidden_layers": 4, "max_position_embeddings": 32,
+                                 **overrides}, sliding_window=4, rope_parameters=rope, **ids)
     if arch == "mistral3":
         return tf.Ministral3Config(**{**_COMMON, "max_position_embeddings": 32, **overrides},
                                    head_dim=16, rope_parameters=dict(MINISTRAL3_ROPE), **ids)
@@ -215,18 +223,28 @@ def _add_moe_keys(w, arch: str, cfg) -> None:
                      cfg.shared_expert_intermediate_size)
 
 
+def _add_yarn_keys(w, arch: str, rope: dict) -> None:
+    """YaRN's keys as llama.cpp's converter writes an HF rope_parameters dict."""
+    w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                 rope["original_max_position_embeddings"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+
+
 def _add_keys_2025(w, arch: str, cfg) -> None:
     """Metadata as llama.cpp's converter writes it for the 2025 families."""
     if arch == "mistral3":
         rope = cfg.rope_parameters
-        w.add_string(f"{arch}.rope.scaling.type", "yarn")
-        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
-        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
-                     rope["original_max_position_embeddings"])
-        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
-        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        _add_yarn_keys(w, arch, rope)
         w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", rope["mscale_all_dim"])
         w.add_float32(f"{arch}.attention.temperature_scale", rope["llama_4_scaling_beta"])
+    if arch == "olmo2" and getattr(cfg, "sliding_window", None):  # OLMo 3
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        w.add_array(f"{arch}.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in cfg.layer_types])
+        _add_yarn_keys(w, arch, cfg.rope_parameters["full_attention"])
     if arch == "glm4moe":  # block_count counts the one MTP layer _nextn_tensors adds
         w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + 1)
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
@@ -254,7 +272,7 @@ def _add_byte_tokenizer(w, vocab_size: int) -> None:
 
 def _rope_theta(cfg, arch: str) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
-    if arch == "gemma3":
+    if "full_attention" in params:  # Gemma 3, OLMo 3: the full-attention layers' theta
         return float(params["full_attention"]["rope_theta"])
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 

@@ -90,8 +90,9 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
     if attention is None or mlp is None or moe is None or post is None:
         return None
-    second_table = config.is_sliding(i) or config.no_rope(i)  # see run's `ropes`
-    return [*attention, *mlp, post, int(second_table), int(config.qk_norm_whole), *moe]
+    # the one flag picks the second RoPE table and the sliding window's attention
+    return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
+            *moe]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
