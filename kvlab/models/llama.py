@@ -200,8 +200,10 @@ class LlamaModel:
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
         if q_scale is not None:
             q = q * q_scale.to(q.dtype)
-        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
-        return self.tp.all_reduce(linear(out, layer["o"]))
+        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale,
+                              sinks=layer.get("sinks"))  # gpt-oss: a sink logit per head
+        out = self.tp.all_reduce(linear(out, layer["o"]))
+        return out if "o_bias" not in layer else out + layer["o_bias"]  # once, after the sum
 
     def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over all heads as one vector; under tensor parallel, over all ranks' heads."""
