@@ -69,6 +69,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # hybrid models' prefix cache: recurrent states saved every this many full blocks
+    state_snapshot_blocks: int = 16
     keep_quantized: bool = True
     group_rows: bool = True  # CPU: legacy and Q4_K/Q6_K as 8-row groups (kernels.group_rows)
     quantize: str | None = None
@@ -115,6 +117,9 @@ class EngineConfig:
                              f"{', '.join(METHODS)})")
         if self.num_speculative < 1:
             raise KvlabError(f"--num-speculative {self.num_speculative}: it must be at least 1")
+        if self.state_snapshot_blocks < 1:
+            raise KvlabError(f"state snapshots every {self.state_snapshot_blocks} blocks: it "
+                             "must be at least 1")
         if self.block_size < 1 or self.kv_cache_gib <= 0 or self.max_num_seqs < 1:
             raise KvlabError("block size, KV cache size and max sequences must be positive")
 
@@ -200,7 +205,7 @@ class Engine:
         pools = self._pool_sizes(loaded.config, config)
         num_blocks = pools.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 pools.window, pools.state_slots)
+                                 pools.window, pools.state_slots, pools.snapshots)
         proposer = make_proposer(config.speculative, config.num_speculative,
                                  config.speculative_adaptive)
         if proposer is not None and self.kv.states is not None:
@@ -217,7 +222,8 @@ class Engine:
                 "graphs": config.decode_graphs if ranks is None else "off",
                 "max_batch": config.max_num_seqs,
                 "num_window_blocks": pools.window.num_blocks if pools.window else None,
-                "num_state_slots": pools.state_slots}
+                "num_state_slots": pools.state_slots + (pools.snapshots.num_rows
+                                                        if pools.snapshots else 0)}
         self.runner = (ModelRunner(loaded.model, loaded.config, **args) if ranks is None
                        else LeaderRunner(ranks, loaded.model, loaded.config, **args))
         # an encoder keeps no KV: its context is the model's, not the pool's
@@ -239,7 +245,9 @@ class Engine:
         buffers hold one slot mapping."""
         budget = CacheBudget(kv_bytes_per_element(config.kv_dtype), config.block_size,
                              config.kv_cache_gib * 2**30, config.max_num_seqs,
-                             config.max_num_batched_tokens)
+                             config.max_num_batched_tokens,
+                             config.max_num_seqs if config.enable_prefix_caching else 0,
+                             config.state_snapshot_blocks)
         if not model.causal:  # an encoder only embeds: one block stands for the pool
             return PoolSizes(1, None)
         graphs = config.decode_graphs == "eager" or (config.decode_graphs == "auto"

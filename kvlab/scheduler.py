@@ -77,6 +77,10 @@ class ScheduledSeq:
     window_table: list[int | None] | None = None
     # its row in the recurrent layers' state tensors; None without such layers
     state_slot: int | None = None
+    # prefix cache of a hybrid model: the snapshot row its state resumes from before this
+    # step (a prefix hit's first step), and the row its state is saved to after it
+    state_restore: int | None = None
+    state_save: int | None = None
     # logits rows it needs when needs_logits: its last num_logits positions (the last
     # sampled token and each proposed one)
     num_logits: int = 1
@@ -131,6 +135,8 @@ class Scheduler:
             if over > 0 and seq.num_draft_tokens:  # guesses past the budget are dropped
                 self._drop_drafts(seq, min(over, seq.num_draft_tokens))
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            done = seq.num_computed_tokens  # a hybrid's step may end on a snapshot boundary
+            n = self.kv.step_end(done, done + n) - done
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
                 if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
                     n -= seq.num_draft_tokens
@@ -151,6 +157,7 @@ class Scheduler:
             seq = self.waiting[0]
             blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids)
             n = min(seq.num_tokens - num_cached, budget)
+            n = self.kv.step_end(num_cached, num_cached + n) - num_cached
             if not self.kv.allocate_slots(seq.seq_id, num_cached + n, blocks):
                 return
             self.waiting.popleft()
@@ -165,12 +172,13 @@ class Scheduler:
     def _describe(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         end = start + n
+        restore, save = self.kv.state_copies(seq.seq_id, end)
         return ScheduledSeq(
             seq.seq_id, start, seq.token_ids[start:end], self.kv.block_table(seq.seq_id),
             needs_logits=end == seq.num_tokens,
             prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start),
             window_table=self.kv.window_table(seq.seq_id),
-            state_slot=self.kv.state_slot(seq.seq_id),
+            state_slot=self.kv.state_slot(seq.seq_id), state_restore=restore, state_save=save,
             num_logits=1 + seq.num_draft_tokens)
 
     def _propose(self) -> None:

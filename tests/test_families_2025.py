@@ -37,8 +37,7 @@ from tiny_models import FAMILIES_2025, build, convert_with_llama_cpp, multimodal
 __all__ = ["test_batch_of_unequal_prompts_matches_each_alone",
            "test_both_loaders_give_the_same_logits", "test_chunked_prefill_equals_one_pass",
            "test_prefill_then_paged_decode_matches_transformers"]
-C_PLAN = {"smollm3": True, "olmo2": False, "olmo3": False, "mistral3": True,
-          "glm4moe": False}
+C_PLAN = {"smollm3": True, "olmo2": False, "mistral3": True, "glm4moe": False}
 
 
 @pytest.fixture(scope="module", params=FAMILIES_2025)
@@ -117,16 +116,6 @@ def test_smollm3_layers_without_rope(tmp_path):
     for fmt in ("hf", "model.gguf"):
         config = load_model(open_checkpoint(tmp_path / fmt), LoadOptions()).config
         assert config.no_rope_layers == (False, False, False, True)
-
-
-def test_olmo3_sliding_layers_and_their_own_rope_from_both_files(tmp_path):
-    """Layers 0-2 slide over 4 tokens with plain RoPE, layer 3 attends to all with YaRN."""
-    build("olmo3", tmp_path)
-    for fmt in ("hf", "model.gguf"):
-        config = load_model(open_checkpoint(tmp_path / fmt), LoadOptions()).config
-        assert config.layer_types == ("sliding",) * 3 + ("full",)
-        assert config.sliding_window == 4 and config.rope.yarn.factor == 4.0
-        assert config.local_rope.yarn is None and config.local_rope.theta == 5e5
 
 
 def test_mistral3_yarn_and_query_temperature_from_both_files(tmp_path):

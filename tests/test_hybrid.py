@@ -179,16 +179,34 @@ def test_preemption_loses_nothing(tiny, alone):
     assert e.kv.num_free_blocks == e.kv.num_blocks and e.kv.states.num_free == 16
 
 
-def test_a_repeated_prompt_is_computed_again(tiny, alone):
-    e = engine(tiny)
-    assert not e.snapshot().enable_prefix_caching
-    first = run_all(e, [PROMPTS[1]])
-    e.add_request("again", PROMPTS[1], GREEDY)
+def run_one(e: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy output of one request and how many of its prompt tokens the cache served."""
+    e.add_request(request_id, prompt, GREEDY)
     outs = []
     while e.has_unfinished():
         outs.extend(e.step())
-    assert outs[-1].cached_tokens == 0
-    assert [t for o in outs for t in o.new_token_ids] == first[0] == alone[1]
+    return [t for o in outs for t in o.new_token_ids], outs[-1].cached_tokens
+
+
+def test_a_prefix_hit_resumes_from_the_deepest_state_snapshot(tiny, alone):
+    """Snapshots every 2 blocks of 4 tokens, prefill chunks of at most 10 tokens: the
+    25-token prompt's chunks end on boundaries (8, 16, 24, then 25), each saving its state;
+    run again, the prompt resumes at 24; a prompt sharing its first 18 tokens resumes at 16.
+    Greedy output is what each prompt gives alone."""
+    e = engine(tiny, state_snapshot_blocks=2, max_num_batched_tokens=10)
+    assert e.snapshot().enable_prefix_caching and e.kv.snapshots is not None
+    prompt = PROMPTS[1]
+    assert run_one(e, "first", prompt) == (alone[1], 0)
+    assert run_one(e, "again", prompt) == (alone[1], 24)
+    other = prompt[:18] + [5, 6, 7, 8, 9]
+    expected = run_all(engine(tiny, enable_prefix_caching=False), [other])[0]
+    assert run_one(e, "other", other) == (expected, 16)
+
+
+def test_a_hit_shorter_than_the_snapshot_stride_is_computed_again(tiny, alone):
+    e = engine(tiny, state_snapshot_blocks=16)  # 64 tokens: no 25-token prompt reaches one
+    run_one(e, "first", PROMPTS[1])
+    assert run_one(e, "again", PROMPTS[1]) == (alone[1], 0)
 
 
 # ---- checkpoints: multimodal wrappers, GGUF state dimensions ---------------------------------

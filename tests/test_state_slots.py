@@ -9,7 +9,7 @@ import pytest
 
 from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, pool_sizes
-from kvlab.cache.state_slots import StateSlots
+from kvlab.cache.state_slots import SnapshotSpec, StateSlots, StateSnapshots
 from kvlab.config import ModelConfig, RecurrentConfig
 from kvlab.errors import KvlabError
 from kvlab.request import SamplingParams
@@ -136,3 +136,69 @@ def test_pool_sizes_pay_for_the_states_first():
     tiny = dataclasses.replace(budget, memory_bytes=8 * HYBRID.state_bytes_per_seq())
     with pytest.raises(KvlabError, match="recurrent states of 8 sequences"):
         pool_sizes(HYBRID, tiny, windowed=True)
+
+
+# ---- state snapshots: the prefix cache of a hybrid model ------------------------------------
+
+def test_snapshot_boundaries_cut_steps():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=2, every_blocks=2), first_row=4, block_size=4)
+    assert snaps.stride == 8
+    assert snaps.cut(0, 25) == 24  # the last boundary inside the step
+    assert snaps.cut(0, 24) == 24 and snaps.cut(24, 25) == 25 and snaps.cut(3, 7) == 7
+    assert snaps.cut(5, 17) == 16 and snaps.cut(16, 17) == 17
+
+
+def test_snapshot_rows_are_saved_committed_found_and_evicted():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=2, every_blocks=2), first_row=4, block_size=4)
+    assert snaps.reserve("a", 7) is None  # not a boundary
+    row = snaps.reserve("a", 8)
+    assert row == 4 and snaps.reserve("a", 8) == 4 and snaps.saving("a", 8) == 4
+    snaps.commit("a", links=[101, 102], num_full=2)  # block 1 registered as content 102
+    assert snaps.saving("a", 8) is None
+    assert snaps.usable([101, 102, 103]) == 2 and snaps.usable([101, 999]) == 0
+    assert snaps.restore("b", 102) == 4 and snaps.restoring("b") == 4
+    assert snaps.reserve("c", 16) == 5
+    assert snaps.reserve("d", 8) is None  # row 4 is pinned by "b"'s restore, 5 is "c"'s
+    snaps.commit("b", links=[], num_full=0)  # "b" ran its first step: unpinned
+    assert snaps.restoring("b") is None
+    assert snaps.reserve("d", 8) == 4  # the least recently used snapshot gives its row
+    assert snaps.usable([101, 102]) == 0
+    snaps.release("c")
+    snaps.release("d")
+    assert snaps.reserve("e", 8) in (4, 5)
+
+
+def test_a_snapshot_whose_block_was_not_registered_gives_its_row_back():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=1, every_blocks=1), first_row=0, block_size=4)
+    assert snaps.reserve("a", 8) == 0
+    snaps.commit("a", links=[7], num_full=2)  # block 1 collided: only block 0 registered
+    assert snaps.usable([7, 8]) == 0 and snaps.reserve("b", 4) == 0
+
+
+def test_manager_resumes_a_prefix_hit_from_the_deepest_snapshot():
+    kv = KVCacheManager(num_blocks=32, block_size=4, state_slots=2,
+                        snapshots=SnapshotSpec(num_rows=2, every_blocks=2))
+    assert kv.enable_prefix_caching
+    ids = list(range(30))
+    assert kv.step_end(0, 18) == 16
+    assert kv.allocate_slots("a", 16)  # a first chunk ends at 16: its state saved in row 2
+    assert kv.state_copies("a", 16) == (None, 2)  # (the rows after the 2 slots')
+    kv.cache_full_blocks("a", ids[:25], 16)
+    assert kv.allocate_slots("a", 24)
+    assert kv.state_copies("a", 24) == (None, 3)
+    kv.cache_full_blocks("a", ids[:25], 24)
+    kv.free("a")
+    blocks, n = kv.get_computed_blocks(ids[:25])
+    assert n == 24 and len(blocks) == 6
+    _, n = kv.get_computed_blocks(ids[:21] + [99] * 4)  # shares 5 blocks: resumes after 4
+    assert n == 16
+    _, n = kv.get_computed_blocks(ids[:13])  # shares 3 blocks: none ends on a snapshot
+    assert n == 0
+    assert kv.allocate_slots("b", 25, blocks)
+    assert kv.state_copies("b", 25) == (3, None)
+
+
+def test_a_hybrid_without_snapshots_has_no_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4, state_slots=1)
+    assert not kv.enable_prefix_caching and kv.snapshots is None
+    assert kv.step_end(0, 25) == 25 and kv.state_copies("a", 8) == (None, None)

@@ -18,6 +18,13 @@ cache. Block 2 is partial and never is: its KV is still being written.
 A model with sliding-window layers gets a second table per sequence for those layers
 (kvlab.cache.window_blocks): same logical blocks, its own pool, and the blocks behind the
 window released as the sequence moves on.
+
+A hybrid model's recurrent layers get one state slot per sequence instead
+(kvlab.cache.state_slots): taken with the sequence's first blocks, given back with them.
+A prefix hit must not skip tokens whose recurrent state this sequence never computed, so
+its prefix cache needs state snapshots (StateSnapshots): a step is cut to end on a snapshot
+boundary, the state there is saved, and a hit is shortened to the deepest block that has
+one, from which the sequence resumes. Without snapshots such a model has no prefix cache.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvlab.cache.block_pool import BlockPool, hash_block_tokens
-from kvlab.cache.state_slots import StateSlots
+from kvlab.cache.state_slots import SnapshotSpec, StateSlots, StateSnapshots
 from kvlab.cache.window_blocks import WindowBlocks, WindowSpec
 
 
@@ -55,14 +62,20 @@ class KVCacheManager:
     """Owns which KV blocks each sequence (by id) uses, and the prefix cache over them."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: WindowSpec | None = None, state_slots: int = 0):
+                 window: WindowSpec | None = None, state_slots: int = 0,
+                 snapshots: SnapshotSpec | None = None):
         """state_slots: how many sequences the recurrent layers can hold (0: no such
-        layers); with any, the prefix cache is off (see the module docstring)."""
-        enable_prefix_caching = enable_prefix_caching and state_slots == 0
+        layers); with any, the prefix cache needs `snapshots` (rows numbered after the
+        slots') and is off without them (see the module docstring)."""
+        enable_prefix_caching = enable_prefix_caching and (state_slots == 0 or
+                                                           snapshots is not None)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.window = (WindowBlocks(window, block_size, enable_prefix_caching)
                        if window is not None else None)
         self.states = StateSlots(state_slots) if state_slots else None
+        self.snapshots = (StateSnapshots(snapshots, state_slots, block_size)
+                          if state_slots and snapshots is not None and enable_prefix_caching
+                          else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixStats()
@@ -114,6 +127,8 @@ class KVCacheManager:
             link = block.content_id
         if self.window is not None:
             hit = hit[:self.window.usable_prefix(hit)]
+        if self.snapshots is not None:  # resumable only where a state was saved
+            hit = hit[:self.snapshots.usable([b.content_id for b in hit])]
         blocks = [b.block_id for b in hit]
         num_tokens = len(blocks) * bs
         self.prefix_stats.queries += len(token_ids)
@@ -152,7 +167,11 @@ class KVCacheManager:
             seq.table.extend(computed)
             if self.states is not None:
                 self.states.allocate(seq_id)
+            if self.snapshots is not None and computed:
+                self.snapshots.restore(seq_id, self.pool.blocks[computed[-1]].content_id)
         seq.table.extend(self.pool.allocate(num_new))
+        if self.snapshots is not None:
+            self.snapshots.reserve(seq_id, num_total_tokens)
         return True
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -162,6 +181,18 @@ class KVCacheManager:
     def state_slot(self, seq_id: str) -> int | None:
         """seq_id's row in the recurrent layers' state tensors, or None (no such layers)."""
         return self.states.slot(seq_id) if self.states is not None else None
+
+    def step_end(self, start: int, end: int) -> int:
+        """Where a step over token positions [start, end) ends: with state snapshots, on the
+        last snapshot boundary inside it (a shorter step), so its state can be saved."""
+        return self.snapshots.cut(start, end) if self.snapshots is not None else end
+
+    def state_copies(self, seq_id: str, end: int) -> tuple[int | None, int | None]:
+        """(the snapshot row seq_id's step resumes from, the row it saves its state to when
+        it ends at `end`); None where there is none."""
+        if self.snapshots is None:
+            return None, None
+        return self.snapshots.restoring(seq_id), self.snapshots.saving(seq_id, end)
 
     def window_table(self, seq_id: str) -> list[int | None] | None:
         """seq_id's blocks in the sliding-window layers' pool (None: released), or None
@@ -191,10 +222,19 @@ class KVCacheManager:
         never registered. Idempotent: blocks registered earlier are skipped.
         """
         seq = self._seqs.get(seq_id)
-        if not self.enable_prefix_caching or seq is None or seq.chain_broken:
+        if not self.enable_prefix_caching or seq is None:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        self._register(seq_id, seq, token_ids, num_full)
+        if self.snapshots is not None:
+            self.snapshots.commit(seq_id, seq.cached_links, num_full)
+
+    def _register(self, seq_id: str, seq: _SeqBlocks, token_ids: list[int],
+                  num_full: int) -> None:
+        if seq.chain_broken:
+            return
+        bs = self.block_size
         for i in range(len(seq.cached_keys), min(num_full, len(seq.table))):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             parent_key = seq.cached_keys[-1] if seq.cached_keys else None
@@ -231,6 +271,8 @@ class KVCacheManager:
             self.window.free(seq_id)
         if self.states is not None:
             self.states.free(seq_id)
+        if self.snapshots is not None:
+            self.snapshots.release(seq_id)
 
     def _check_still_cached(self, block_ids: list[int]) -> None:
         for block_id in block_ids:

@@ -13,8 +13,10 @@ pool gets the rest:
 but never more blocks than one shared pool would have had.
 
 A hybrid model's recurrent states come off the budget first: one state slot per sequence
-that may run at once (max_num_seqs), each the recurrent layers' fixed-size state; the pools
-share what is left.
+that may run at once (max_num_seqs), each the recurrent layers' fixed-size state, and the
+prefix cache's state snapshots where asked for, as long as slots and snapshots together
+take at most half the budget (else no snapshots: no prefix cache); the pools share what is
+left.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvlab.cache.state_slots import SnapshotSpec
 from kvlab.cache.window_blocks import WindowSpec
 from kvlab.config import ModelConfig
 from kvlab.errors import KvlabError
@@ -32,6 +35,7 @@ class PoolSizes:
     num_blocks: int  # the full-attention layers' pool (every layer's, without a window pool)
     window: WindowSpec | None  # the sliding-window layers' pool; None: they share the above
     state_slots: int = 0  # sequences the recurrent layers hold a state for (0: none)
+    snapshots: SnapshotSpec | None = None  # their prefix cache's saved states, if any
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class CacheBudget:
     memory_bytes: float
     max_num_seqs: int
     max_num_batched_tokens: int
+    state_snapshots: int = 0  # hybrid models: snapshot rows wanted for the prefix cache
+    snapshot_every_blocks: int = 16  # and how far apart, in full blocks
 
 
 def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:
@@ -48,14 +54,20 @@ def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> Pool
     layers. The window pool never has more blocks than one shared pool would, so the full
     pool never has fewer."""
     slots = budget.max_num_seqs if config.recurrent is not None else 0
-    state_bytes = slots * config.state_bytes_per_seq()
+    per_seq = config.state_bytes_per_seq()
+    snaps = budget.state_snapshots if slots else 0
+    if (slots + snaps) * per_seq > budget.memory_bytes / 2:
+        snaps = 0
+    spec = SnapshotSpec(snaps, budget.snapshot_every_blocks) if snaps else None
+    state_bytes = (slots + snaps) * per_seq
     if state_bytes >= budget.memory_bytes:
         raise KvlabError(
             f"the recurrent states of {slots} sequences take {state_bytes / 2**30:.3f} GiB, "
             f"more than the {budget.memory_bytes / 2**30:.3f} GiB cache budget: raise the KV "
             "cache size or lower max sequences")
     rest = dataclasses.replace(budget, memory_bytes=budget.memory_bytes - state_bytes)
-    return dataclasses.replace(_block_pools(config, rest, windowed), state_slots=slots)
+    return dataclasses.replace(_block_pools(config, rest, windowed), state_slots=slots,
+                               snapshots=spec)
 
 
 def _block_pools(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:

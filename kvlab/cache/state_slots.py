@@ -12,11 +12,16 @@ recurrent layer; this module only decides which row (slot) each sequence owns:
 A slot is taken when a sequence is admitted and given back when it finishes or is
 preempted; a preempted sequence is recomputed from token 0 into whichever slot it gets
 next, so a slot's state never outlives its owner.
+
+For the prefix cache, StateSnapshots keeps states at block boundaries in rows of their own
+(after the slots' rows, in the same tensors): a repeated prefix resumes from the deepest
+snapshot instead of token 0.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 
 class StateSlots:
@@ -57,3 +62,108 @@ class StateSlots:
         slot = self._owned.pop(seq_id, None)
         if slot is not None:
             self._free.append(slot)
+
+
+@dataclass(frozen=True)
+class SnapshotSpec:
+    """Rows that keep recurrent states at block boundaries, for the prefix cache."""
+
+    num_rows: int  # snapshot rows, numbered after the slots' rows
+    every_blocks: int  # k: a snapshot where a step ends on a multiple of k blocks
+
+
+class StateSnapshots:
+    """Recurrent states saved where a sequence's step ended on a snapshot boundary, found
+    again by the content_id of the cached block that ends there (kvlab.cache.block_pool):
+
+        block          0    1    2    3    4    5        every_blocks = 2
+        boundary            ^         ^         ^       a step ending here saves its state
+        prefix hit of 5 blocks -> resume from the snapshot after block 3 (4 blocks)
+
+    A content_id is given once per registration, so a snapshot whose block was evicted (and
+    maybe registered again with other KV) is never found: it is dead, and its row is the
+    first taken when rows run out (least recently used first). A row being saved into is the
+    sequence's until its block is registered; a row being restored from is pinned until the
+    step that reads it has run.
+    """
+
+    def __init__(self, spec: SnapshotSpec, first_row: int, block_size: int) -> None:
+        if spec.num_rows < 1 or spec.every_blocks < 1:
+            raise ValueError(f"{spec}: need at least one row, every >= 1 blocks")
+        self.every_blocks, self.block_size = spec.every_blocks, block_size
+        self.stride = spec.every_blocks * block_size  # tokens between boundaries
+        self._free: deque[int] = deque(range(first_row, first_row + spec.num_rows))
+        self._rows: OrderedDict[int, int] = OrderedDict()  # content_id -> row, LRU first
+        self._pending: dict[str, dict[int, int]] = {}  # seq -> {block index: row}
+        self._pinned: dict[str, int] = {}  # seq -> the row it restores from
+
+    def cut(self, start: int, end: int) -> int:
+        """The end of a step over [start, end): the last boundary inside it, so the state
+        there can be saved, or `end` itself when that is one or none is inside."""
+        last = end // self.stride * self.stride
+        return last if start < last < end else end
+
+    def usable(self, hit_content_ids: list[int]) -> int:
+        """How many blocks of a prefix hit can be resumed: the most, a multiple of
+        every_blocks, whose last block has a snapshot (0 when none has)."""
+        for n in range(len(hit_content_ids) // self.every_blocks * self.every_blocks, 0,
+                       -self.every_blocks):
+            if hit_content_ids[n - 1] in self._rows:
+                return n
+        return 0
+
+    def restore(self, seq_id: str, content_id: int) -> int:
+        """The row seq_id's first step resumes from (the snapshot after this block)."""
+        row = self._rows[content_id]
+        self._rows.move_to_end(content_id)
+        self._pinned[seq_id] = row
+        return row
+
+    def reserve(self, seq_id: str, end: int) -> int | None:
+        """A row to save seq_id's state into when a step ends at `end`; None when `end` is
+        no boundary or no row can be had. The same row on every call for one boundary."""
+        if end <= 0 or end % self.stride:
+            return None
+        block, pending = end // self.block_size - 1, self._pending.setdefault(seq_id, {})
+        if block not in pending:
+            row = self._take()
+            if row is None:
+                return None
+            pending[block] = row
+        return pending[block]
+
+    def saving(self, seq_id: str, end: int) -> int | None:
+        """The row reserved for seq_id's state at `end`, if any."""
+        if end <= 0 or end % self.stride:
+            return None
+        return self._pending.get(seq_id, {}).get(end // self.block_size - 1)
+
+    def restoring(self, seq_id: str) -> int | None:
+        """The row seq_id's first step resumes from, until that step has run."""
+        return self._pinned.get(seq_id)
+
+    def _take(self) -> int | None:
+        if self._free:
+            return self._free.popleft()
+        pinned = set(self._pinned.values())
+        oldest = next((c for c, r in self._rows.items() if r not in pinned), None)
+        return None if oldest is None else self._rows.pop(oldest)
+
+    def commit(self, seq_id: str, links: list[int], num_full: int) -> None:
+        """After seq_id's step: a saved row whose block is now registered (its content_id in
+        `links`) becomes that block's snapshot; one whose block is full but could not be
+        registered (a prefix-key collision) is given back. The restore row is unpinned."""
+        self._pinned.pop(seq_id, None)
+        pending = self._pending.get(seq_id, {})
+        for block in [b for b in pending if b < num_full]:
+            row = pending.pop(block)
+            content = links[block] if block < len(links) else None
+            if content is None or content in self._rows:  # not cached, or a duplicate's
+                self._free.append(row)
+            else:
+                self._rows[content] = row
+
+    def release(self, seq_id: str) -> None:
+        """seq_id is gone: rows it was saving into go back, its restore row is unpinned."""
+        self._pinned.pop(seq_id, None)
+        self._free.extend(self._pending.pop(seq_id, {}).values())

@@ -68,6 +68,17 @@ class RecurrentStates:
                 if t is not None:
                     t.index_fill_(0, index.to(t.device), 0.0)
 
+    def copy(self, sources: list[int], targets: list[int]) -> None:
+        """Row targets[i] becomes a copy of row sources[i] in every layer (a snapshot saved,
+        or restored into a sequence's slot)."""
+        if not sources:
+            return
+        src, dst = torch.tensor(sources, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+        for layer in self.layers:
+            for t in (() if layer is None else (layer.conv, layer.recurrent)):
+                if t is not None:
+                    t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
+
     def batch(self, slots: list[int], lens: list[int]) -> StateBatch:
         """The step's view: sequence s runs lens[s] tokens from its state in row slots[s]."""
         if any(not 0 <= s < self.num_slots for s in slots):

@@ -206,6 +206,9 @@ class ModelRunner:
                 hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, **extra)
             else:
                 hidden = self.model.forward(ids_t, pos_t, self.kv_caches, meta, trace, **extra)
+            if self.states is not None:  # the states at snapshot boundaries, for prefix hits
+                saved = [s for s in out.scheduled if s.state_save is not None]
+                self.states.copy([s.state_slot for s in saved], [s.state_save for s in saved])
             rows, seq_ids, counts, row = [], [], [], 0
             for s in out.scheduled:
                 row += len(s.token_ids)
@@ -223,13 +226,15 @@ class ModelRunner:
 
     def _step_states(self, out: SchedulerOutput) -> StateBatch:
         """The step's rows of the recurrent states; a sequence that starts from token 0
-        starts from a zero state."""
+        starts from a zero state, a prefix hit from its snapshot."""
         assert self.states is not None
         missing = [s.seq_id for s in out.scheduled if s.state_slot is None]
         if missing:
             raise ValueError(f"{missing[0]!r} has no state slot: {self.config.architecture} "
                              "has recurrent layers (KVCacheManager with state_slots)")
         self.states.zero([s.state_slot for s in out.scheduled if s.start == 0])
+        restored = [s for s in out.scheduled if s.state_restore is not None]
+        self.states.copy([s.state_restore for s in restored], [s.state_slot for s in restored])
         return self.states.batch([s.state_slot for s in out.scheduled],
                                  [len(s.token_ids) for s in out.scheduled])
 
