@@ -211,17 +211,27 @@ def test_a_hit_shorter_than_the_snapshot_stride_is_computed_again(tiny, alone):
 
 # ---- checkpoints: multimodal wrappers, GGUF state dimensions ---------------------------------
 
-def test_multimodal_qwen3_5_loads_its_text_model_and_says_so(tmp_path, caplog):
+def _multimodal(arch: str):
+    """A tiny multimodal checkpoint around the hybrid text model (a one-layer vision tower)."""
     import transformers as tf
 
     from tiny_models import hybrid_config
 
-    torch.manual_seed(3)
-    text = hybrid_config("qwen3_5").to_dict()
+    text = hybrid_config(arch).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 32}
+    if arch == "lfm2":
+        cfg = tf.Lfm2VlConfig(text_config=text, projector_hidden_size=32, vision_config={
+            **vision, "num_hidden_layers": 1, "num_attention_heads": 2})
+        return tf.Lfm2VlForConditionalGeneration(cfg)
     cfg = tf.Qwen3_5Config(text_config=text, vision_config={
-        "depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
-        "out_hidden_size": 64})
-    hf = tf.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+        **vision, "depth": 1, "num_heads": 2, "out_hidden_size": 64})
+    return tf.Qwen3_5ForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_multimodal_checkpoint_loads_its_text_model_and_says_so(tmp_path, caplog, arch):
+    torch.manual_seed(3)
+    hf = _multimodal(arch).float().eval()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     with caplog.at_level("WARNING", logger="kvlab.models"):
         runner = runner_for(tmp_path / "hf")

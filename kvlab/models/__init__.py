@@ -32,7 +32,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                       (llama.SPEC, gemma3.SPEC, qwen2.SPEC, qwen3.SPEC,
                                        mistral.SPEC, gemma2.SPEC, phi3.SPEC, qwen3moe.SPEC,
                                        qwen2moe.SPEC, mixtral.SPEC, olmoe.SPEC, bert.SPEC,
-                                       nomic_bert.SPEC, lfm2.SPEC, qwen3_5.SPEC,
+                                       nomic_bert.SPEC, lfm2.SPEC, lfm2.MULTIMODAL_SPEC, qwen3_5.SPEC,
                                        qwen3_5.MOE_SPEC, qwen3_5.MULTIMODAL_SPEC,
                                        qwen3_5.MOE_MULTIMODAL_SPEC,
                                        smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,

@@ -9,11 +9,13 @@ so its per-sequence state is the last K - 1 inputs of the convolution (kvlab.mod
 state_store). Attention layers are Llama's with QK-norm. The final norm is HF's
 `embedding_norm` (llama.cpp's `token_embd_norm`), applied after the last layer. Which
 layers convolve: HF's `layer_types` ("conv" / "full_attention"); in GGUF, the layers whose
-`attention.head_count_kv` entry is 0.
+`attention.head_count_kv` entry is 0. LFM2-VL checkpoints (Lfm2VlForConditionalGeneration)
+load their text model alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from kvlab.config import ModelConfig, RecurrentConfig, RopeConfig, hf_layer_type
 from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import short_conv
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel
+from kvlab.models.hybrid import HybridModel, multimodal_text_config
 from kvlab.models.layers import Weight, linear, norm_rope, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
@@ -84,6 +86,14 @@ def _ffn_width(cfg: dict[str, Any]) -> int:
     if multiplier is not None:
         width = int(multiplier * width)
     return multiple * ((width + multiple - 1) // multiple)
+
+
+# Lfm2VlForConditionalGeneration: the text model under model.language_model
+MULTIMODAL_HF_NAMES = NameTable(
+    globals={"model.language_model.embed_tokens.weight": "embed",
+             "model.language_model.embedding_norm.weight": "norm",
+             "lm_head.weight": "lm_head"},
+    layer_prefix="model.language_model.layers.{i}.", layer=HF_NAMES.layer)
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -173,3 +183,7 @@ SPEC = ArchSpec(
     name="lfm2", model_cls=Lfm2Model, config_from_gguf=config_from_gguf,
     config_from_hf=config_from_hf, gguf_names=GGUF_NAMES, hf_names=HF_NAMES,
     hf_transform=_hf_transform, hf_architectures=("Lfm2ForCausalLM", "LFM2ForCausalLM"))
+MULTIMODAL_SPEC = dataclasses.replace(
+    SPEC, name="lfm2_multimodal",
+    config_from_hf=lambda cfg: config_from_hf(multimodal_text_config(cfg)),
+    hf_names=MULTIMODAL_HF_NAMES, hf_architectures=("Lfm2VlForConditionalGeneration",))

@@ -26,7 +26,6 @@ The multimodal checkpoints (Qwen3_5ForConditionalGeneration) load their text mod
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -37,13 +36,11 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import gated_delta_rule, gated_rms_norm, short_conv
 from kvlab.models import llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel
+from kvlab.models.hybrid import HybridModel, multimodal_text_config
 from kvlab.models.layers import Stacked, Weight, apply_rope, linear, rms_norm, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 from kvlab.models.state_store import LayerState, StateBatch
-
-log = logging.getLogger("kvlab.models")
 
 _DELTA_GGUF = {"attn_qkv.weight": "delta_qkv", "attn_gate.weight": "delta_z",
                "ssm_beta.weight": "delta_b", "ssm_alpha.weight": "delta_a", "ssm_a": "ssm_a",
@@ -147,14 +144,7 @@ def config_from_hf(cfg: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
 
 def config_from_multimodal_hf(cfg: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
     """The text model of Qwen3_5(Moe)ForConditionalGeneration; the vision tower is not loaded."""
-    text = cfg.get("text_config")
-    if not text:
-        raise ModelLoadError(f"{cfg.get('architectures')} config lacks text_config")
-    log.warning("%s: loading the text model only; the vision tower is not loaded (image and "
-                "video inputs are not supported)", cfg.get("_name_or_path") or arch)
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return config_from_hf({"_name_or_path": cfg.get("_name_or_path", arch), **text,
-                           "tie_word_embeddings": tied}, arch)
+    return config_from_hf(multimodal_text_config(cfg), arch)
 
 
 class Qwen35Model(HybridModel):
