@@ -25,9 +25,11 @@ from test_models import (  # collected here too, on this module's `tiny`
 )
 from test_tensor_parallel import _rank, logits_of
 
+from kvlab.engine import Engine, EngineConfig
 from kvlab.models import decode_c, find_arch
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.models.sharding import SINGLE
+from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights.checkpoint import open_checkpoint
@@ -37,7 +39,8 @@ from tiny_models import FAMILIES_2025, build, convert_with_llama_cpp, multimodal
 __all__ = ["test_batch_of_unequal_prompts_matches_each_alone",
            "test_both_loaders_give_the_same_logits", "test_chunked_prefill_equals_one_pass",
            "test_prefill_then_paged_decode_matches_transformers"]
-C_PLAN = {"smollm3": True, "olmo2": False, "mistral3": True, "glm4moe": False}
+C_PLAN = {"smollm3": True, "olmo2": False, "olmo3": False, "mistral3": True,
+          "glm4moe": False}
 
 
 @pytest.fixture(scope="module", params=FAMILIES_2025)
@@ -109,6 +112,24 @@ def test_llama_cpp_converter_gives_the_same_logits(tiny, tmp_path):
         assert (logits - ref[8 + i]).abs().max() <= TOL, f"{arch} at position {8 + i}"
 
 
+def test_engine_greedy_equals_transformers_generate(tiny):
+    """Through the engine (scheduler, paged cache with 4-token blocks, sampler): greedy
+    tokens past OLMo 3's window and Ministral 3's original context equal the argmax of
+    transformers' logits."""
+    arch, hf, out = tiny
+    prompt = _ids(7, 10)
+    engine = Engine.from_model(str(out / "model.gguf"), EngineConfig(block_size=4))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    ids = list(prompt)
+    for _ in range(8):  # transformers' forward on the whole sequence each time
+        ids.append(int(reference_logits(hf, ids)[-1].argmax()))
+    assert ids[len(prompt):] == tokens
+
+
 def test_smollm3_layers_without_rope(tmp_path):
     """Layer 3 of 4 has no RoPE (HF's no_rope_layers, llama.cpp's every 4th); a model that
     rotated it would differ from transformers."""
@@ -116,6 +137,16 @@ def test_smollm3_layers_without_rope(tmp_path):
     for fmt in ("hf", "model.gguf"):
         config = load_model(open_checkpoint(tmp_path / fmt), LoadOptions()).config
         assert config.no_rope_layers == (False, False, False, True)
+
+
+def test_olmo3_sliding_layers_and_their_own_rope_from_both_files(tmp_path):
+    """Layers 0-2 slide over 4 tokens with plain RoPE, layer 3 attends to all with YaRN."""
+    build("olmo3", tmp_path)
+    for fmt in ("hf", "model.gguf"):
+        config = load_model(open_checkpoint(tmp_path / fmt), LoadOptions()).config
+        assert config.layer_types == ("sliding",) * 3 + ("full",)
+        assert config.sliding_window == 4 and config.rope.yarn.factor == 4.0
+        assert config.local_rope.yarn is None and config.local_rope.theta == 5e5
 
 
 def test_mistral3_yarn_and_query_temperature_from_both_files(tmp_path):
