@@ -20,7 +20,12 @@ from kvlab.models.loader import LoadOptions, load_model
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import build_gpt_oss, convert_with_llama_cpp, write_gpt_oss_gguf
+from tiny_models import (
+    build_gpt_oss,
+    convert_with_llama_cpp,
+    save_gpt_oss_mxfp4,
+    write_gpt_oss_gguf,
+)
 
 TOL = 1e-4
 
@@ -139,12 +144,7 @@ def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     hf, out = tiny
     path = tmp_path / "mxfp4.gguf"
     write_gpt_oss_gguf(hf, path, quantize=T.MXFP4)
-    rounded = copy.deepcopy(hf)
-    with torch.no_grad():
-        for layer in rounded.model.layers:
-            ex = layer.mlp.experts  # GGUF rows run along hidden (gate|up) and inter (down)
-            ex.gate_up_proj.copy_(_mxfp4_values(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
-            ex.down_proj.copy_(_mxfp4_values(ex.down_proj.transpose(1, 2)).transpose(1, 2))
+    rounded = _rounded(hf)
     ids = _ids(14, 8)
     ref = reference_logits(rounded, ids)
     dense = load_model(open_checkpoint(path), LoadOptions(keep_quantized=False))
@@ -155,6 +155,46 @@ def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     assert all(p.all_quantized for p in experts.gate_up)
     got = step(_runner(blocks), ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 14))[0]
     assert torch.nn.functional.cosine_similarity(got, ref[-1], dim=0) > 0.999
+
+
+def _rounded(hf):
+    """A copy of the model whose experts hold their MXFP4-rounded values."""
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in rounded.model.layers:
+            ex = layer.mlp.experts  # MXFP4 rows run along hidden (gate|up) and inter (down)
+            ex.gate_up_proj.copy_(_mxfp4_values(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+            ex.down_proj.copy_(_mxfp4_values(ex.down_proj.transpose(1, 2)).transpose(1, 2))
+    return rounded
+
+
+def _expert_bytes(loaded) -> list[torch.Tensor]:
+    """Every layer's experts' gate|up and down blocks, as loaded."""
+    return [w.data for layer in loaded.model.layers for ex in [layer["experts"]]
+            for w in (*[p for s in ex.gate_up for p in s.parts], *ex.down)]
+
+
+def test_mxfp4_safetensors_read_as_the_gguf_blocks(tiny, tmp_path):
+    """OpenAI's `_blocks` + `_scales` experts load as the same MXFP4 blocks as the GGUF of
+    the same rounding (and as llama.cpp's converter writes from them), and give
+    transformers' logits on the rounded weights."""
+    hf, out = tiny
+    save_gpt_oss_mxfp4(hf, tmp_path / "hf_mxfp4")
+    write_gpt_oss_gguf(hf, tmp_path / "mxfp4.gguf", quantize=T.MXFP4)
+    ours, gguf_file = (load_model(open_checkpoint(tmp_path / p), LoadOptions(group_rows=False))
+                       for p in ("hf_mxfp4", "mxfp4.gguf"))
+    assert {w.qtype for w in ours.model.layers[0]["experts"].down} == {T.MXFP4}
+    assert all(torch.equal(a, b) for a, b in zip(_expert_bytes(ours), _expert_bytes(gguf_file),
+                                                 strict=True))
+    dense = load_model(open_checkpoint(tmp_path / "hf_mxfp4"), LoadOptions(keep_quantized=False))
+    assert _prefill_then_decode(_runner(dense), _rounded(hf), _ids(14, 9), 9) <= TOL
+    converted = tmp_path / "converted_mxfp4.gguf"
+    reason = convert_with_llama_cpp(tmp_path / "hf_mxfp4", converted)
+    if reason is not None:
+        pytest.skip(reason)
+    theirs = load_model(open_checkpoint(converted), LoadOptions(group_rows=False))
+    assert all(torch.equal(a, b) for a, b in zip(_expert_bytes(ours), _expert_bytes(theirs),
+                                                 strict=True))
 
 
 def _runner(loaded) -> test_models.ModelRunner:

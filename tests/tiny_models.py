@@ -7,6 +7,7 @@ of kvlab's loaders can be checked against the same transformers reference.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -17,8 +18,9 @@ import torch
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral", "gemma2", "phi3")
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
 # the 2025 families: their own files (tests/test_families_2025.py)
-FAMILIES_2025 = ("smollm3", "olmo2", "mistral3", "glm4moe")
-_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama"}  # as llama.cpp's converter writes them
+FAMILIES_2025 = ("smollm3", "olmo2", "olmo3", "mistral3", "glm4moe")
+_GGUF_ARCH = {"mistral": "llama", "mixtral": "llama",  # as llama.cpp's converter writes them
+              "olmo3": "olmo2"}
 _PERMUTED_QK = ("llama", "smollm3", "mistral3")  # llama.cpp interleaves their q/k rows
 # Ministral 3's YaRN and Llama 4 query temperature, from position 8 on in a tiny model
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
@@ -79,6 +81,13 @@ def _config_2025(arch: str, **overrides):
                                 rope_theta=1e6, **ids)
     if arch == "olmo2":
         return tf.Olmo2Config(**{**_COMMON, **overrides}, rope_theta=5e5, **ids)
+    if arch == "olmo3":  # layers 0-2 slide over 4 tokens; YaRN on the full layer only
+        rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                   "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                   "beta_slow": 1.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}
+        return tf.Olmo3Config(**{**_COMMON, "num_hidden_layers": 4, "max_position_embeddings": 32,
+                                 **overrides}, sliding_window=4, rope_parameters=rope, **ids)
     if arch == "mistral3":
         return tf.Ministral3Config(**{**_COMMON, "max_position_embeddings": 32, **overrides},
                                    head_dim=16, rope_parameters=dict(MINISTRAL3_ROPE), **ids)
@@ -189,8 +198,16 @@ def write_gguf(arch: str, model, path: Path, quantize=None) -> None:
         w.add_float32(f"{arch}.rope.scaling.attn_factor",
                       math.sqrt(1 + math.log(scale) / math.log(original)))
     _add_byte_tokenizer(w, cfg.vocab_size)
-    for name, t in _gguf_tensors(arch, model):
-        data = t.detach().float().numpy().astype(np.float32)
+    _write_tensors(w, _gguf_tensors(arch, model), quantize)
+
+
+def _write_tensors(w, tensors, quantize) -> None:
+    """Add (name, tensor) pairs as F32, the expert matrices as `quantize` when given, and
+    write the file."""
+    import gguf
+
+    for name, t in tensors:
+        data = t.detach().float().contiguous().numpy().astype(np.float32)
         if quantize is not None and name.endswith("_exps.weight"):
             data = gguf.quants.quantize(data, quantize)  # blocks along the last axis
             w.add_tensor(name, data, raw_dtype=quantize)
@@ -215,18 +232,28 @@ def _add_moe_keys(w, arch: str, cfg) -> None:
                      cfg.shared_expert_intermediate_size)
 
 
+def _add_yarn_keys(w, arch: str, rope: dict) -> None:
+    """YaRN's keys as llama.cpp's converter writes an HF rope_parameters dict."""
+    w.add_string(f"{arch}.rope.scaling.type", "yarn")
+    w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                 rope["original_max_position_embeddings"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+    w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+
+
 def _add_keys_2025(w, arch: str, cfg) -> None:
     """Metadata as llama.cpp's converter writes it for the 2025 families."""
     if arch == "mistral3":
         rope = cfg.rope_parameters
-        w.add_string(f"{arch}.rope.scaling.type", "yarn")
-        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
-        w.add_uint32(f"{arch}.rope.scaling.original_context_length",
-                     rope["original_max_position_embeddings"])
-        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
-        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        _add_yarn_keys(w, arch, rope)
         w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", rope["mscale_all_dim"])
         w.add_float32(f"{arch}.attention.temperature_scale", rope["llama_4_scaling_beta"])
+    if arch == "olmo2" and getattr(cfg, "sliding_window", None):  # OLMo 3
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+        w.add_array(f"{arch}.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in cfg.layer_types])
+        _add_yarn_keys(w, arch, cfg.rope_parameters["full_attention"])
     if arch == "glm4moe":  # block_count counts the one MTP layer _nextn_tensors adds
         w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers + 1)
         w.add_uint32(f"{arch}.nextn_predict_layers", 1)
@@ -254,7 +281,7 @@ def _add_byte_tokenizer(w, vocab_size: int) -> None:
 
 def _rope_theta(cfg, arch: str) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
-    if arch == "gemma3":
+    if "full_attention" in params:  # Gemma 3, OLMo 3: the full-attention layers' theta
         return float(params["full_attention"]["rope_theta"])
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
@@ -372,13 +399,15 @@ LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
                                 "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 
 
-def hybrid_config(arch: str):
+def hybrid_config(arch: str, **overrides):
     """Four layers, recurrent ones first and between: LFM2 conv / attention alternating,
     Qwen3.5 three Gated DeltaNet layers then one gated attention layer, with twice as many
-    value heads as key heads (the grouped layout GGUF reorders)."""
+    value heads as key heads (the grouped layout GGUF reorders) and keys narrower than
+    values (llama.cpp's qwen35 takes only equal widths: override linear_key_head_dim).
+    `overrides` change the config."""
     import transformers as tf
 
-    common = {**_COMMON, "num_hidden_layers": 4}
+    common = {**_COMMON, "num_hidden_layers": 4, **overrides}
     if arch == "lfm2":
         return tf.Lfm2Config(**common, conv_L_cache=3, norm_eps=1e-5,
                              layer_types=["conv", "full_attention", "conv", "full_attention"],
@@ -388,6 +417,7 @@ def hybrid_config(arch: str):
              "linear_num_value_heads": 4,
              "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                  "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}}
+    delta = {k: v for k, v in delta.items() if k not in overrides}
     if arch == "qwen3_5":
         return tf.Qwen3_5TextConfig(**common, **delta)
     if arch == "qwen3_5_moe":
@@ -397,13 +427,13 @@ def hybrid_config(arch: str):
     raise ValueError(arch)
 
 
-def build_hybrid(arch: str, out_dir: Path, seed: int = 0):
+def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     """Random fp32 hybrid model saved as out_dir/hf (safetensors); norms and routers random
     so that a wrong norm convention or expert choice shows."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = hybrid_config(arch)
+    cfg = hybrid_config(arch, **overrides)
     cls = {"lfm2": tf.Lfm2ForCausalLM, "qwen3_5": tf.Qwen3_5ForCausalLM,
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM}[arch]
     model = cls(cfg).float().eval()
@@ -470,3 +500,122 @@ def convert_with_llama_cpp(hf_dir: Path, out: Path) -> str | None:
     if run.returncode != 0:
         return f"llama.cpp's converter failed: {run.stderr[-2000:]}"
     return None
+
+
+# ---- gpt-oss: sinks, alternating sliding window, YaRN, biased clamped-SwiGLU experts --------
+
+def gpt_oss_config():
+    """Four layers sliding / full by turns (window 4, so 14 tokens pass it), YaRN over an
+    original context of 64, eight experts of which two run, gpt-oss's SwiGLU clamp."""
+    import transformers as tf
+
+    return tf.GptOssConfig(
+        **{**_COMMON, "intermediate_size": 32, "num_hidden_layers": 4}, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64},
+        attn_implementation="eager")
+
+
+def build_gpt_oss(out_dir: Path, seed: int = 0):
+    """Random fp32 gpt-oss saved as out_dir/hf and (the gguf writer, llama.cpp's names)
+    out_dir/model.gguf. Biases and sinks random, gate|up weights large enough that the
+    SwiGLU clamp at 7 bites, routers far from ties."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(gpt_oss_config()).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
+            elif name.endswith(("bias", "sinks", "gate_up_proj")) or "router" in name:
+                p.normal_(0.0, 0.5)
+            elif name.endswith("down_proj"):
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    write_gpt_oss_gguf(model, out_dir / "model.gguf")
+    return model
+
+
+def write_gpt_oss_gguf(model, path: Path, quantize=None) -> None:
+    """As llama.cpp's converter writes gpt-oss (`gpt-oss`): gate and up experts apart as
+    [experts, out, in], biases beside them, sinks as attn_sinks.weight, YaRN keys.
+    `quantize`: a gguf.GGMLQuantizationType for the expert matrices (others F32)."""
+    import gguf
+
+    cfg, arch = model.config, "gpt-oss"
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", cfg.num_hidden_layers),
+                       ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size),
+                       ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.head_count_kv", cfg.num_key_value_heads),
+                       ("attention.key_length", cfg.head_dim),
+                       ("attention.value_length", cfg.head_dim),
+                       ("attention.sliding_window", cfg.sliding_window),
+                       ("vocab_size", cfg.vocab_size)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    _add_yarn_keys(w, arch, cfg.rope_parameters)
+    _add_moe_keys(w, arch, cfg)
+    _add_byte_tokenizer(w, cfg.vocab_size)
+    _write_tensors(w, _gpt_oss_tensors(model), quantize)
+
+
+_GPT_OSS_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+                  "post_attention_layernorm.weight": "post_attention_norm.weight",
+                  "self_attn.sinks": "attn_sinks.weight",
+                  "mlp.router.weight": "ffn_gate_inp.weight",
+                  "mlp.router.bias": "ffn_gate_inp.bias",
+                  **{f"self_attn.{p}_proj.{kind}": f"attn_{g}.{kind}"
+                     for p, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+                     for kind in ("weight", "bias")}}
+
+
+def _gpt_oss_tensors(model):
+    """HF's x @ W experts with interleaved gate / up -> llama.cpp's per-expert [out, in]."""
+    yield "token_embd.weight", model.model.embed_tokens.weight
+    yield "output_norm.weight", model.model.norm.weight
+    yield "output.weight", model.lm_head.weight
+    for i, layer in enumerate(model.model.layers):
+        for name, t in layer.state_dict().items():
+            if name in _GPT_OSS_LAYER:
+                yield f"blk.{i}.{_GPT_OSS_LAYER[name]}", t
+        ex = layer.mlp.experts
+        gate_up = ex.gate_up_proj.transpose(1, 2)  # [E, 2 * inter, hidden]
+        yield f"blk.{i}.ffn_gate_exps.weight", gate_up[:, ::2]
+        yield f"blk.{i}.ffn_up_exps.weight", gate_up[:, 1::2]
+        yield f"blk.{i}.ffn_down_exps.weight", ex.down_proj.transpose(1, 2)
+        yield f"blk.{i}.ffn_gate_exps.bias", ex.gate_up_proj_bias[:, ::2]
+        yield f"blk.{i}.ffn_up_exps.bias", ex.gate_up_proj_bias[:, 1::2]
+        yield f"blk.{i}.ffn_down_exps.bias", ex.down_proj_bias
+
+
+def save_gpt_oss_mxfp4(model, out_dir: Path) -> None:
+    """The model as OpenAI publishes gpt-oss: experts as MXFP4 `_blocks` [E, out, in / 32,
+    16] (element 2j in byte j's low nibble, 2j + 1 in its high one) and E8M0 `_scales`
+    [E, out, in / 32], rounded by gguf's quantizer; everything else as saved."""
+    import gguf
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for i, layer in enumerate(model.model.layers):
+        ex, prefix = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+        for name, w in (("gate_up_proj", ex.gate_up_proj), ("down_proj", ex.down_proj)):
+            del tensors[prefix + name]
+            rows = w.detach().transpose(1, 2).float().contiguous().numpy()  # [E, out, in]
+            q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)
+            q = torch.from_numpy(q).reshape(*rows.shape[:2], -1, 17)
+            elems = torch.cat([q[..., 1:] & 0x0F, q[..., 1:] >> 4], dim=-1)  # GGML: j, j + 16
+            tensors[prefix + name + "_blocks"] = (elems[..., 0::2] | elems[..., 1::2] << 4
+                                                  ).contiguous()
+            tensors[prefix + name + "_scales"] = q[..., 0].contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out_dir / "config.json").write_text(json.dumps(config))

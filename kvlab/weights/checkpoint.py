@@ -1,7 +1,9 @@
 """Checkpoints as torch tensors: GGUF files and Hugging Face safetensors directories.
 
 No model code here: a `Checkpoint` says what architecture the file declares, hands out its
-metadata, and reads tensors in their stored form (quantized GGUF blocks stay bytes).
+metadata, and reads tensors in their stored form (quantized GGUF blocks stay bytes). An HF
+pair `X_blocks` + `X_scales` (gpt-oss's MXFP4 experts) is read as one MXFP4 tensor `X` in
+GGML's block layout, the form GGUF stores it in.
 """
 
 from __future__ import annotations
@@ -121,10 +123,28 @@ class HFCheckpoint(Checkpoint):
                 self._where[key] = handle
 
     def names(self) -> set[str]:
-        return set(self._where)
+        pairs = {n.removesuffix("_blocks") for n in self._where if n.endswith("_blocks")
+                 and n.removesuffix("_blocks") + "_scales" in self._where}
+        return (set(self._where) - {f"{n}_{part}" for n in pairs for part in ("blocks", "scales")}
+                | pairs)
 
     def read(self, name: str) -> RawTensor:
+        if name not in self._where and name + "_blocks" in self._where:
+            return mxfp4_from_hf(self._where[name + "_blocks"].get_tensor(name + "_blocks"),
+                                 self._where[name + "_scales"].get_tensor(name + "_scales"))
         return _raw(self._where[name].get_tensor(name))
+
+
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> RawTensor:
+    """OpenAI's MXFP4 ([..., rows, n / 32, 16] bytes, element 2j in byte j's low nibble and
+    2j + 1 in its high one; [..., rows, n / 32] E8M0 scales) -> GGML's MXFP4 [..., rows, n]:
+    per block the scale byte, then byte j holding element j (low) and j + 16 (high). The
+    nibbles index the same E2M1 values and the scale byte is the same exponent."""
+    lead, nb = blocks.shape[:-2], blocks.shape[-2]
+    elems = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., nb, 32]
+    qs = elems[..., :16] | (elems[..., 16:] << 4)
+    data = torch.cat([scales[..., None], qs], dim=-1).reshape(-1, nb * 17)
+    return RawTensor((*lead, nb * 32), "MXFP4", data.contiguous())
 
 
 class TensorCheckpoint(Checkpoint):
