@@ -65,11 +65,14 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalise the k chosen probabilities to sum to 1
     shared_intermediate_size: int = 0  # an expert every token runs (Qwen2-MoE); 0: none
     # "softmax" over all experts, or "sigmoid" per expert with a per-expert bias added for
-    # the choice only (DeepSeek-V3's noaux_tc, GLM-4.5)
+    # the choice only (DeepSeek-V3's noaux_tc, GLM-4.5), or "topk_softmax": the top k of the
+    # router's logits (with its bias), softmax over those k (gpt-oss)
     scoring: str = "softmax"
     groups: int = 1  # sigmoid: experts in this many groups, the best `top_groups` kept
     top_groups: int = 1
     routed_scale: float = 1.0  # the chosen experts' weights multiplied by this
+    # (alpha, limit) of gpt-oss's clamped SwiGLU experts (moe.ClampedSwiglu); None: SwiGLU
+    swiglu_clamp: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,13 @@ class ModelConfig:
 
     def no_rope(self, layer: int) -> bool:
         return bool(self.no_rope_layers) and self.no_rope_layers[layer]
+
+    def second_rope(self, layer: int) -> bool:
+        """Whether the layer takes the second RoPE table: none (identity) on a layer without
+        RoPE where some have none, else local_rope (or the same rope) on a sliding layer."""
+        if self.no_rope_layers:
+            return self.no_rope(layer)
+        return self.is_sliding(layer)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding" and self.sliding_window is not None

@@ -127,7 +127,7 @@ def test_paged_attention_caps_in_c_as_the_torch_path_does(window):
             with pytest.MonkeyPatch.context() as mp:
                 if c_on:
                     mp.setattr(F, "scaled_dot_product_attention", _refuse)
-                    mp.setattr(attention, "_softcapped", _refuse)
+                    mp.setattr(attention, "_scored", _refuse)
                 else:
                     mp.setattr(attention, "_c_stores", lambda *a: None)
                 outs.append(paged_attention(q, k, v, cache, meta, window is not None,

@@ -155,7 +155,8 @@ def _cache(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                   scale: float, lengths: torch.Tensor | None = None,
                   k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v read straight from the paged cache, no gather.
 
     q: [B, H, D] fp32 heads packed; k, v: [num_slots, KVH, D] contiguous, both fp32, both
@@ -163,7 +164,8 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     keys of row b are k[slots[b, :lengths[b]]] (all C when lengths is None); the padding
     after them is never read, so each row's result does not depend on the others.
     softcap > 0 (Gemma 2) bounds each scaled score s to cap * tanh(s / cap) before the
-    softmax; 0 leaves the scores as they are. Returns [B, H, D].
+    softmax; 0 leaves the scores as they are. sinks (gpt-oss): fp32 [H] contiguous, one
+    logit per head in its softmax's denominator with no value. Returns [B, H, D].
     """
     batch, heads, dim = q.shape
     slots = _i64(slots)
@@ -171,28 +173,41 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torc
     out = q.new_empty(batch, heads, dim)
     _qk.attend_decode(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                       slots.data_ptr(), batch, slots.shape[1], heads, k.shape[1], dim, scale,
-                      out.data_ptr(), lens.data_ptr() if lens is not None else 0, softcap)
+                      out.data_ptr(), lens.data_ptr() if lens is not None else 0, softcap,
+                      _sinks(sinks, heads))
     return out
 
 
 def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                    first: int, start: int, window: int | None, scale: float,
                    k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                   v_scale: torch.Tensor | None = None, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's prefill chunk against its cached keys, causally, read from the pages.
 
     q: [n, H, D] fp32 heads packed, token i at position start + i; k, v (and q8_0's scales)
     as for attend_decode; slots: [start + n - first] -> slots[c] holds key position
     first + c. Query i sees positions first .. start + i, the last `window` of them when
-    set; softcap as for attend_decode. Returns [n, H, D].
+    set; softcap and sinks as for attend_decode. Returns [n, H, D].
     """
     n, heads, dim = q.shape
     slots = _i64(slots)
     out = q.new_empty(n, heads, dim)
     _qk.attend_prefill(q.data_ptr(), q.stride(0), *_cache(k, v, k_scale, v_scale), k.shape[0],
                        slots.data_ptr(), first, start, n, heads, k.shape[1], dim, window or 0,
-                       scale, out.data_ptr(), softcap)
+                       scale, out.data_ptr(), softcap, _sinks(sinks, heads))
     return out
+
+
+def _sinks(sinks: torch.Tensor | None, heads: int) -> int:
+    """The address of the attention sinks the C kernels read (fp32 [heads]), 0 for none."""
+    if sinks is None:
+        return 0
+    if not (sinks.dtype == torch.float32 and sinks.is_cpu and sinks.is_contiguous()
+            and sinks.shape == (heads,)):
+        raise ValueError(f"attention sinks must be fp32 CPU [{heads}] contiguous, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    return sinks.data_ptr()
 
 
 def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -10,6 +10,7 @@ from kvlab.models import (
     gemma2,
     gemma3,
     glm4moe,
+    gpt_oss,
     lfm2,
     llama,
     mistral,
@@ -36,7 +37,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                        qwen3_5.MOE_SPEC, qwen3_5.MULTIMODAL_SPEC,
                                        qwen3_5.MOE_MULTIMODAL_SPEC,
                                        smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,
-                                       mistral3.MULTIMODAL_SPEC, glm4moe.SPEC)}
+                                       mistral3.MULTIMODAL_SPEC, glm4moe.SPEC,
+                                       gpt_oss.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

@@ -173,11 +173,14 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
                     meta: AttentionMetadata, sliding: bool, scale: float,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the new tokens -> [T, H * D].
 
     Writes the new K/V into the cache first, then reads every attended key from it.
     `softcap` (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap).
+    `sinks` (gpt-oss): fp32 [H], one learned logit per head that joins its softmax's
+    denominator and carries no value, so a head may attend to nothing.
     """
     cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
@@ -185,24 +188,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
-        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, softcap) else
-               _attend(q, cache, g, scale, softcap))
+        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, softcap, sinks)
+               else _attend(q, cache, g, scale, softcap, sinks))
         return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)
         og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
-              if _reads_fresh(g, cache, q, softcap) else _attend(qg, cache, g, scale, softcap))
+              if _reads_fresh(g, cache, q, softcap, sinks)
+              else _attend(qg, cache, g, scale, softcap, sinks))
         out.index_copy_(0, g.rows, og.to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor,
-                 softcap: float | None) -> bool:
+                 softcap: float | None, sinks: torch.Tensor | None) -> bool:
     """A fresh prefill over an fp32 cache that C attention does not take (CUDA) reads the
     new K/V as computed (the values the cache holds): no gather, no mask tensor. SDPA has
-    no soft-cap, so a capped one is not read that way."""
-    return (softcap is None and g.fresh and isinstance(cache, FloatKV)
+    no soft-cap and no sinks, so a capped or sunk one is not read that way."""
+    return (softcap is None and sinks is None and g.fresh and isinstance(cache, FloatKV)
             and cache.k.dtype == torch.float32
             and not _prefill_in_c(g, _c_stores(q, cache, g)))
 
@@ -217,19 +221,20 @@ def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
-            softcap: float | None = None) -> torch.Tensor:
+            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One group's queries q: [n, H, D] (in group row order) -> outputs [n, H, D]."""
     stores = _c_stores(q, cache, g)
     cap = softcap or 0.0  # the C kernels' "no cap"
-    if _decode_in_c(g, stores):
+    if _decode_in_c(g, stores):  # sinks: fp32 on the CPU, as the loader keeps vectors
         k, v, ks, vs = stores
-        return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs, softcap=cap)
+        return fused.attend_decode(q, k, v, g.slots, scale, g.lengths, ks, vs, softcap=cap,
+                                   sinks=sinks)
     if _prefill_in_c(g, stores):
         k, v, ks, vs = stores
         return fused.attend_prefill(q, k, v, g.slots[0], g.first, g.start, g.window, scale,
-                                    ks, vs, softcap=cap)
-    if softcap is not None:
-        return _softcapped(q, cache, g, scale, softcap)
+                                    ks, vs, softcap=cap, sinks=sinks)
+    if softcap is not None or sinks is not None:
+        return _scored(q, cache, g, scale, softcap, sinks)
     num_heads, head_dim = q.shape[1:]
     if q.is_cuda and isinstance(cache, FloatKV):
         q = q.to(cache.k.dtype)  # attend in the cache's dtype on GPUs: no K/V conversion
@@ -261,18 +266,23 @@ def _prefill_in_c(g: AttentionGroup, stores: tuple | None) -> bool:
     return stores is not None and g.prefill and g.num_seqs == 1
 
 
-def _softcapped(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
-                cap: float) -> torch.Tensor:
-    """One group's attention with soft-capped scores, written out in torch where the C
-    kernels do not apply (SDPA has no cap): scores, cap * tanh(scores / cap), mask,
-    softmax, values. q: [n, H, D] in group row order -> [n, H, D]."""
+def _scored(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
+            cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One group's attention with soft-capped scores or sinks, written out in torch where
+    the C kernels do not apply (SDPA has neither): scores, cap * tanh(scores / cap), mask,
+    softmax (over the keys and each head's sink logit, whose share is dropped), values.
+    q: [n, H, D] in group row order -> [n, H, D]."""
     qg = q.reshape(g.num_seqs, g.queries_per_seq, *q.shape[1:])
     kg, vg = cache.gather(g.slots, q.dtype)  # [B, C, KVH, D] each
     rep = q.shape[1] // kg.shape[2]
     kg, vg = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (kg, vg))
     scores = qg.transpose(1, 2) @ kg.transpose(-1, -2) * scale  # [B, H, Q, C]
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if g.key_mask is not None:  # None: an unpadded decode, every key is seen
         scores = scores.masked_fill(~g.key_mask[:, None], float("-inf"))
-    og = torch.softmax(scores, dim=-1) @ vg  # [B, H, Q, D]
-    return og.transpose(1, 2).reshape(-1, *q.shape[1:])
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ vg).transpose(1, 2).reshape(-1, *q.shape[1:])
+    sink = sinks.to(scores)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ vg).transpose(1, 2).reshape(-1, *q.shape[1:])  # [n, H, D]

@@ -8,7 +8,7 @@ layer between them. The plan is built once at load: per layer, the addresses and
 its weights as int64 [layers, fields] (the K/V store addresses are added per cache list):
 
     attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), qkv_bias, q_norm,
-    k_norm, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
+    k_norm, sinks, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
     post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
     shexp_gate
 
@@ -20,7 +20,9 @@ table (moe.Experts.c_table) in place of the dense MLP; the C side routes in fp32
 moe.route does, so its logits equal the per-op path's up to fp32 rounding of the router and
 gates (not bit for bit). A shared expert (Qwen2-MoE's) is then the layer's gate_up and down,
 and shexp_gate its fp32 gate vector [hidden]: its output, scaled by sigmoid(shexp_gate . h),
-is added to the routed experts' sum.
+is added to the routed experts' sum. `sinks` (gpt-oss) is the layer's fp32 [H] sink logits,
+which the C attention folds into each head's softmax; an o bias has no field, so a layer
+with one is not planned.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
-_OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+_OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm", "post_mlp_norm")
 
 
 class Plan:
@@ -88,17 +90,19 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
         mlp, moe = _shared_expert_fields(layer), _moe_fields(layer, config)
     else:
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
-    if attention is None or mlp is None or moe is None or post is None:
+    if attention is None or mlp is None or moe is None or post is None or "o_bias" in layer:
         return None
-    second_table = config.is_sliding(i) or config.no_rope(i)  # see run's `ropes`
-    return [*attention, *mlp, post, int(second_table), int(config.qk_norm_whole), *moe]
+    # the one flag picks the second RoPE table and the sliding window's attention
+    return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
+            *moe]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
-    """attn_norm, n_qkv, qkv, qkv_bias, q_norm, k_norm, o, post_attn_norm, mlp_norm."""
+    """attn_norm, n_qkv, qkv, qkv_bias, q_norm, k_norm, sinks, o, post_attn_norm,
+    mlp_norm."""
     qkv, o = _parts(layer["qkv"], 3), kernel_desc(layer["o"])
     norms = {n: _norm(layer.get(n), n in _OPTIONAL)
-             for n in ("attn_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm",
+             for n in ("attn_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
                        "mlp_norm")}
     if qkv is None or o is None or None in norms.values():
         return None
@@ -106,7 +110,7 @@ def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
         return None
     n = norms
     return [n["attn_norm"], len(layer["qkv"].parts), *qkv, n["qkv_bias"], n["q_norm"],
-            n["k_norm"], *o, n["post_attn_norm"], n["mlp_norm"]]
+            n["k_norm"], n["sinks"], *o, n["post_attn_norm"], n["mlp_norm"]]
 
 
 def _dense_fields(gate_up: object, down: object, gate: str) -> list[int] | None:

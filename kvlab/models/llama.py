@@ -123,6 +123,9 @@ class LlamaModel:
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
         self.inv_freq = _rotary(config, weights).to(weights["norm"].device)
+        local = config.local_rope  # sliding layers' own RoPE (OLMo 3: no YaRN there)
+        self.inv_freq_local = (None if local is None else ScaledRope.build(
+            local, rope_inv_freq(local, config.head_dim)).to(weights["norm"].device))
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
@@ -141,10 +144,7 @@ class LlamaModel:
         c = self.config
         x = embed(ids, self.weights["embed"])
         cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
-        # the C plan's second table: sliding layers' (the same RoPE), or the identity
-        # rotation (cos 1, sin 0: exact) of the layers without RoPE
-        ropes = {False: (cos, sin), True: ((torch.ones_like(cos), torch.zeros_like(sin))
-                                           if c.no_rope_layers else (cos, sin))}
+        ropes = {False: (cos, sin), True: self._second_rope(positions, cos, sin)}
         q_scale = _query_temperature(c, positions)
         if self.c_plan is not None and trace is None and q_scale is None and decode_c.run(
                 self.c_plan, c, x, ropes, kv_caches, meta):  # C: no expert trace
@@ -152,12 +152,23 @@ class LlamaModel:
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # x: embed's own
             # OLMo 2: no norm before attention or MLP, a norm of each output instead
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps) if "attn_norm" in layer else x
-            h = self.attention(h, layer, *ropes[c.no_rope(i)], cache, meta, c.is_sliding(i),
-                               q_scale)
+            h = self.attention(h, layer, *ropes[c.second_rope(i)], cache, meta,
+                               c.is_sliding(i), q_scale)
             x = self._residual(x, h, layer.get("post_attn_norm"))
             h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps) if "mlp_norm" in layer else x
             x = self._residual(x, self.mlp(h, layer, trace), layer.get("post_mlp_norm"))
         return x
+
+    def _second_rope(self, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the layers config.second_rope picks (the C plan's second table): the
+        identity rotation (cos 1, sin 0: exact) of layers without RoPE, or sliding layers'
+        own RoPE, or the same as every layer's."""
+        if self.config.no_rope_layers:
+            return torch.ones_like(cos), torch.zeros_like(sin)
+        if self.inv_freq_local is None:
+            return cos, sin
+        return tuple(t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq_local))
 
     def _residual(self, x: torch.Tensor, h: torch.Tensor,
                   post_norm: torch.Tensor | None) -> torch.Tensor:
@@ -189,8 +200,10 @@ class LlamaModel:
         k = norm_rope(k, k_norm, cos, sin, c.rms_norm_eps)
         if q_scale is not None:
             q = q * q_scale.to(q.dtype)
-        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale)
-        return self.tp.all_reduce(linear(out, layer["o"]))
+        out = paged_attention(q, k, v, cache, meta, sliding=sliding, scale=c.scale,
+                              sinks=layer.get("sinks"))  # gpt-oss: a sink logit per head
+        out = self.tp.all_reduce(linear(out, layer["o"]))
+        return out if "o_bias" not in layer else out + layer["o_bias"]  # once, after the sum
 
     def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over all heads as one vector; under tensor parallel, over all ranks' heads."""

@@ -45,8 +45,10 @@ QUANTIZE_CHOICES = ("q8_0", "q6_k", "q5_k", "q4_k")  # kvlab's own quantizers (C
 _SUPPORTED = {t.name for t in SUPPORTED_TYPES}
 _STACKED = (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")),
             ("shexp_gate_up", ("shexp_gate", "shexp_up")))
-# routers stay as stored: a top-k choice flips on small changes, and they are small
-_DENSE = {"router", "shexp_router"}
+# routers stay as stored: a top-k choice flips on small changes, and they are small; so do
+# experts' bias rows (gpt-oss: [experts, out], not matrices of a product)
+_DENSE = {"router", "shexp_router", "gate_up_exps_bias", "gate_exps_bias", "up_exps_bias",
+          "down_exps_bias"}
 
 
 @dataclass(frozen=True)

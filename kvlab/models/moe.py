@@ -7,8 +7,11 @@ gate|up (one Stacked product) -> SwiGLU -> down on those rows alone, so its weig
 once per step however many tokens chose it; the results, scaled by their routing weights, are
 added back into the tokens' rows. A batch-1 decode step reads k experts, not all of them.
 
-    Experts       per-expert weights, as loaded (quantized blocks stay quantized)
+    Experts       per-expert weights, as loaded (quantized blocks stay quantized); with
+                  gpt-oss's options: biases on gate|up and down, and the ClampedSwiglu gate
     route         router logits -> (weights [T, k], expert ids [T, k]), as transformers does
+    route_topk_softmax   gpt-oss's order: router with bias, top-k of the logits, softmax
+                  over those k
     moe_mlp       the layer's MLP output [T, hidden]
     MoeModel      the Llama decoder with this MLP (attention variants come from the config)
 
@@ -82,11 +85,31 @@ def moe_from_gguf(meta: dict[str, Any], arch: str, norm_topk_prob: bool) -> MoeC
 
 
 @dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert gate on gate|up halves: gate clamped above at `limit`, up clamped to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        gate, up = y.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+@dataclass(frozen=True)
 class Experts:
-    """One layer's routed experts; expert e is gate_up[e] ([2 * inter, hidden]) and down[e]."""
+    """One layer's routed experts; expert e is gate_up[e] ([2 * inter, hidden]) and down[e],
+    each product plus its bias row where the layer has biases (gpt-oss), and `gate` between
+    them (None: SwiGLU)."""
 
     gate_up: tuple[Stacked, ...]
     down: tuple[Weight, ...]  # [hidden, inter] each
+    gate_up_bias: torch.Tensor | None = None  # fp32 [E, 2 * inter]: gate | up halves
+    down_bias: torch.Tensor | None = None  # fp32 [E, hidden]
+    gate: ClampedSwiglu | None = None
     # int64 [E, 3, 5]: what fused.moe_experts takes, or None when some expert has no C path
     c_table: torch.Tensor | None = field(init=False, repr=False)
 
@@ -100,17 +123,25 @@ class Experts:
 
     def __reduce__(self) -> tuple:
         """Copies and pickles rebuild through __init__: c_table gets the new addresses."""
-        return (Experts, (self.gate_up, self.down))
+        return (Experts, (self.gate_up, self.down, self.gate_up_bias, self.down_bias,
+                          self.gate))
 
     def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, hidden] -> [n, hidden]."""
-        return linear(swiglu(linear(x, self.gate_up[e])), self.down[e])
+        up_bias, down_bias = ((None, None) if self.down_bias is None else
+                              (self.gate_up_bias[e], self.down_bias[e]))
+        gate_up = linear(x, self.gate_up[e], up_bias)
+        h = swiglu(gate_up) if self.gate is None else self.gate(gate_up)
+        return linear(h, self.down[e], down_bias)
 
 
 def _c_table(experts: Experts) -> torch.Tensor | None:
     """Each expert's gate|up (one or two parts) and down as the C products take them; None
-    unless every expert has C kernels and the experts share their types and shapes."""
-    if not fused.ENABLED or not experts.down:
+    unless every expert has C kernels and the experts share their types and shapes (and
+    run SwiGLU without biases: the C experts have neither option)."""
+    if not fused.ENABLED or not experts.down or experts.gate is not None:
+        return None
+    if experts.gate_up_bias is not None or experts.down_bias is not None:
         return None
     rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
     if None in rows:
@@ -142,6 +173,14 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
     if moe.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return top.to(h.dtype), ids
+
+
+def route_topk_softmax(h: torch.Tensor, router: Weight, bias: torch.Tensor,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: logits of the router with its bias [T, E], the top k of them,
+    softmax over those k in fp32 -> (weights [T, k] in h's dtype, expert ids [T, k])."""
+    top, ids = torch.topk(linear(h, router, bias).float(), k, dim=-1)
+    return torch.softmax(top, dim=-1).to(h.dtype), ids
 
 
 def route_sigmoid(h: torch.Tensor, router: Weight, bias: torch.Tensor,

@@ -441,19 +441,20 @@ static inline int64_t kv_cache_elem_bytes(int kind) {
  * attention kernels apply it to each score before the softmax when cap > 0 (0: no cap) */
 static inline float kv_softcap(float s, float cap) { return cap * tanhf(s / cap); }
 /* Decode attention over a paged KV cache (qk_attn.c): row b attends to the first lengths[b]
- * of its C slots (all C when lengths is NULL), scores soft-capped when softcap > 0; 0, or
- * -1 out of memory. */
+ * of its C slots (all C when lengths is NULL), scores soft-capped when softcap > 0; sinks
+ * (gpt-oss, NULL for none): one logit [H] per head that joins the softmax's denominator
+ * and carries no value; 0, or -1 out of memory. */
 int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
-                     int64_t H, int64_t KVH, int64_t D, float scale, float softcap, float *out,
-                     int use_avx2);
+                     int64_t H, int64_t KVH, int64_t D, float scale, float softcap,
+                     const float *sinks, float *out, int use_avx2);
 /* Prefill attention over the same caches (qk_flash.c): query token i of n, at position
  * start + i, sees key positions [first, start + i] (the last `window` of them when window
- * > 0); slots[c] holds position first + c; scores soft-capped as for decode; out [n, H, D].
- * 0, or -1 out of memory. */
+ * > 0); slots[c] holds position first + c; scores soft-capped and sinks as for decode;
+ * out [n, H, D]. 0, or -1 out of memory. */
 int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
                       int64_t KVH, int64_t D, int64_t window, float scale, float softcap,
-                      float *out, int use_avx2);
+                      const float *sinks, float *out, int use_avx2);
 
 #endif

@@ -10,7 +10,8 @@
  *
  * Per (sequence, KV head) the H / KVH query heads are scored against each key row while
  * it is in L1, soft-capped when cap > 0 (Gemma 2: s -> cap * tanh(s / cap)), softmaxed,
- * then the value rows are summed with those weights. The AVX2 variant differs only in its
+ * then the value rows are summed with those weights. A head's sink (gpt-oss) is one more
+ * logit in its softmax's denominator with no value row: it joins the merge of the chunks. The AVX2 variant differs only in its
  * three inner loops (and FMA rounding).
  */
 #include <math.h>
@@ -281,6 +282,7 @@ typedef struct {
     const int64_t *slots, *lengths;
     int64_t q_stride, C, KVH, D, rep, stride;
     float scale, softcap;  /* softcap 0: none */
+    const float *sinks;    /* [H] or NULL */
     int64_t nitems, *item_bg, *item_c0;  /* item -> (row * KVH + head, first key) */
     float *part;     /* per item: rep maxes, rep sums, rep * D unnormalized outputs */
     float *scratch;  /* per thread: rep * KV_ATTN_CHUNK scores */
@@ -316,12 +318,15 @@ static void attn_task(void *p, int tid, int nthreads) {
     for (int64_t i; (i = atomic_fetch_add(&j->next, 1)) < j->nitems;) attn_item(j, i, s);
 }
 
-/* items [first, last) hold one (row, head)'s chunks in order: merge them into out[rep, D] */
-static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *out) {
+/* items [first, last) hold one (row, KV head g)'s chunks in order: merge them into
+ * out[rep, D]; a sink is a chunk of one key whose value is zero */
+static void attn_merge(const attn_job *j, int64_t g, int64_t first, int64_t last, float *out) {
     const int64_t rep = j->rep, D = j->D, pf = part_floats(j);
     for (int64_t h = 0; h < rep; h++) {
-        float m = -INFINITY, l = 0.0f;
+        const float sink = j->sinks ? j->sinks[g * rep + h] : -INFINITY;
+        float m = sink, l = 0.0f;
         for (int64_t i = first; i < last; i++) m = fmaxf(m, j->part[i * pf + h]);
+        if (j->sinks) l = expf(sink - m);
         float *o = out + h * D;
         memset(o, 0, (size_t)D * sizeof(float));
         for (int64_t i = first; i < last; i++) {
@@ -339,8 +344,8 @@ static void attn_merge(const attn_job *j, int64_t first, int64_t last, float *ou
 /* Returns 0, or -1 when out of memory. */
 int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                      const int64_t *slots, const int64_t *lengths, int64_t B, int64_t C,
-                     int64_t H, int64_t KVH, int64_t D, float scale, float softcap, float *out,
-                     int use_avx2) {
+                     int64_t H, int64_t KVH, int64_t D, float scale, float softcap,
+                     const float *sinks, float *out, int use_avx2) {
     static const attn_ops *const generic[3] = {&ops_generic, &ops_generic16, &ops_generic8};
     const attn_ops *ops = generic[kv->kind];
 #ifdef KV_HAVE_AVX2_BUILD
@@ -354,7 +359,7 @@ int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                   .vs = q8 ? kv->v_scale : NULL, .elem = kv_cache_elem_bytes(kv->kind),
                   .slots = slots, .lengths = lengths,
                   .q_stride = q_stride, .C = C, .KVH = KVH, .D = D, .rep = H / KVH,
-                  .stride = KVH * D, .scale = scale, .softcap = softcap};
+                  .stride = KVH * D, .scale = scale, .softcap = softcap, .sinks = sinks};
     int64_t keys = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = lengths ? lengths[b] : C;
@@ -391,7 +396,7 @@ int kv_attend_decode(const float *q, int64_t q_stride, const kv_cache_ref *kv,
     if (nt > 1) kv_pool_run(attn_task, &j, nt);
     else attn_task(&j, 0, 1);
     for (int64_t bg = 0; bg < B * KVH; bg++)
-        attn_merge(&j, first[bg], first[bg + 1], out + bg * j.rep * D);
+        attn_merge(&j, bg % KVH, first[bg], first[bg + 1], out + bg * j.rep * D);
 done:
     free(j.item_bg);
     free(j.part);

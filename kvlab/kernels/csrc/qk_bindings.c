@@ -346,14 +346,15 @@ static int get_cache(PyObject *const *args, kv_cache_ref *kv) {
 }
 
 /* attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, KVH, D,
- * scale, out, lengths, softcap): out[B, H, D] = softmax(q k^T * scale) v over the first
+ * scale, out, lengths, softcap, sinks): out[B, H, D] = softmax(q k^T * scale) v over the first
  * lengths[b] of the C cache slots of each row (all C when lengths is 0), the cache fp32,
  * fp16 or q8_0 (kind 0, 1, 2; q8_0 with its scales); softcap > 0 bounds each score by
- * cap * tanh(s / cap) before the softmax (qk_attn.c) */
+ * cap * tanh(s / cap) before the softmax; sinks: fp32 [H] logits in each head's softmax
+ * denominator, or 0 (qk_attn.c) */
 static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(18);
-    void *q, *slots_p, *out, *lengths_p;
+    NARGS(19);
+    void *q, *slots_p, *out, *lengths_p, *sinks;
     int64_t q_stride, num_slots, b, c, h, kvh, d;
     float scale, softcap;
     kv_cache_ref kv;
@@ -362,7 +363,7 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
         !get_i64(args[9], &b) || !get_i64(args[10], &c) || !get_i64(args[11], &h) ||
         !get_i64(args[12], &kvh) || !get_i64(args[13], &d) || !get_f32(args[14], &scale) ||
         !get_ptr(args[15], &out) || !get_ptr(args[16], &lengths_p) ||
-        !get_softcap(args[17], &softcap))
+        !get_softcap(args[17], &softcap) || !get_ptr(args[18], &sinks))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -380,7 +381,7 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
     Py_BEGIN_ALLOW_THREADS
     kv_job_lock();  /* the kernel threads serve one call at a time */
     rc = kv_attend_decode(q, q_stride, &kv, slots, lengths, b, c, h, kvh, d, scale, softcap,
-                          out, use_avx2);
+                          sinks, out, use_avx2);
     kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -388,14 +389,14 @@ static PyObject *py_attend_decode(PyObject *self, PyObject *const *args, Py_ssiz
 }
 
 /* attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, start,
- * n, H, KVH, D, window, scale, out, softcap): out[n, H, D], query i (position start + i)
- * against key positions [first, start + i] held in slots[0 .. start + n - first), the last
- * `window` of them when window > 0; the cache and softcap as for attend_decode
- * (qk_flash.c) */
+ * n, H, KVH, D, window, scale, out, softcap, sinks): out[n, H, D], query i (position
+ * start + i) against key positions [first, start + i] held in slots[0 .. start + n - first),
+ * the last `window` of them when window > 0; the cache, softcap and sinks as for
+ * attend_decode (qk_flash.c) */
 static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(19);
-    void *q, *slots_p, *out;
+    NARGS(20);
+    void *q, *slots_p, *out, *sinks;
     int64_t q_stride, num_slots, first, start, n, h, kvh, d, window;
     float scale, softcap;
     kv_cache_ref kv;
@@ -404,7 +405,8 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
         !get_i64(args[9], &first) || !get_i64(args[10], &start) || !get_i64(args[11], &n) ||
         !get_i64(args[12], &h) || !get_i64(args[13], &kvh) || !get_i64(args[14], &d) ||
         !get_i64(args[15], &window) || !get_f32(args[16], &scale) ||
-        !get_ptr(args[17], &out) || !get_softcap(args[18], &softcap))
+        !get_ptr(args[17], &out) || !get_softcap(args[18], &softcap) ||
+        !get_ptr(args[19], &sinks))
         return NULL;
     if (kvh <= 0 || h % kvh)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
@@ -419,7 +421,7 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
     Py_BEGIN_ALLOW_THREADS
     kv_job_lock();
     rc = kv_attend_prefill(q, q_stride, &kv, slots, first, start, n, h, kvh, d, window, scale,
-                           softcap, out, use_avx2);
+                           softcap, sinks, out, use_avx2);
     kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -668,11 +670,11 @@ static PyObject *py_set_grid(PyObject *self, PyObject *const *args, Py_ssize_t n
      "paged KV write"},
     {"attend_prefill", (PyCFunction)(void (*)(void))py_attend_prefill, METH_FASTCALL,
      "attend_prefill(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, first, "
-     "start, n, H, KVH, D, window, scale, out, softcap): chunked prefill attention from the "
-     "paged cache"},
+     "start, n, H, KVH, D, window, scale, out, softcap, sinks): chunked prefill attention "
+     "from the paged cache"},
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, "
-     "KVH, D, scale, out, lengths, softcap)"},
+     "KVH, D, scale, out, lengths, softcap, sinks)"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "

@@ -87,7 +87,8 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
                               .v_scale = vs};
     if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
-                         s->C[w], H, KVH, D, s->scale, s->softcap, b->att, use_avx2))
+                         s->C[w], H, KVH, D, s->scale, s->softcap,
+                         (const float *)(intptr_t)L->sinks, b->att, use_avx2))
         return -1;
     if (kv_product(&L->o, b->att, B, b->o, s->hidden)) return -1;
     residual(x, b->o, L->post_attn_norm, s);

@@ -14,6 +14,7 @@ typedef struct {
     kv_wdesc qkv[3];
     int64_t qkv_bias;                  /* fp32 [q | k | v] added after the product, or 0 */
     int64_t q_norm, k_norm;            /* per-head RMSNorm before RoPE, or 0 (RoPE only) */
+    int64_t sinks;                     /* fp32 [H]: attention sink logits (gpt-oss); 0: none */
     kv_wdesc o;
     int64_t post_attn_norm, mlp_norm;  /* post norms: x += norm(h); 0: x += h */
     int64_t n_gate_up;

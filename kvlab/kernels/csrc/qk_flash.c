@@ -15,7 +15,9 @@
  *                                window W > 0, start + i - p < W
  *
  * With a soft-cap (Gemma 2, cap > 0) each scaled score becomes cap * tanh(s / cap) before
- * the tile's max and exp, the same scalar step in both tile kernels; cap 0 skips it.
+ * the tile's max and exp, the same scalar step in both tile kernels; cap 0 skips it. A
+ * head's sink (gpt-oss) is one more logit in the softmax's denominator with no value: it
+ * joins the running max and sum once, after the last tile, the same step for every kernel.
  *
  * Tiles sit at absolute key positions [16 t, 16 t + 16), and every query row's arithmetic
  * depends only on its own scores, so a row's result is the same bits however the prompt
@@ -53,6 +55,7 @@ struct fa_job {
     const int64_t *slots;
     int64_t q_stride, first, C, start, n, KVH, D, rep, window, stride;
     float scale, softcap;  /* softcap 0: none */
+    const float *sinks;    /* [H] or NULL */
     int64_t t0, ntiles, qt, nblocks;  /* tiles t0.., tokens per item, items per KV head */
     float *kt;          /* [KVH][ntiles][D][FA_BK] keys as fp32 */
     int64_t *vslot;     /* [ntiles * FA_BK] slot of each tile lane; a lane with no key
@@ -419,6 +422,11 @@ static void fa_item(fa_job *j, int64_t item, float *scr) {
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = i0 + r / rep, h = g * rep + r % rep;
         float *dst = j->out + (i * j->KVH * rep + h) * D;
+        if (j->sinks) {  /* rescale o and l to the max over the keys and the sink */
+            const float mx = fmaxf(m[r], j->sinks[h]), alpha = expf(m[r] - mx);
+            for (int64_t d = 0; d < D; d++) O[r * D + d] *= alpha;
+            l[r] = l[r] * alpha + expf(j->sinks[h] - mx);
+        }
         const float inv = 1.0f / l[r];
         for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
     }
@@ -442,14 +450,14 @@ static void fa_run(fa_job *j, kv_task_fn fn, int64_t items, int nt) {
 int kv_attend_prefill(const float *q, int64_t q_stride, const kv_cache_ref *kv,
                       const int64_t *slots, int64_t first, int64_t start, int64_t n, int64_t H,
                       int64_t KVH, int64_t D, int64_t window, float scale, float softcap,
-                      float *out, int use_avx2) {
+                      const float *sinks, float *out, int use_avx2) {
     const int q8 = kv->kind == KV_CACHE_Q8_0;
     fa_job j = {.tile = fa_tile_c, .q = q, .k = kv->k, .v = kv->v, .kind = kv->kind,
                 .ks = q8 ? kv->k_scale : NULL, .vs = q8 ? kv->v_scale : NULL,
                 .elem = kv_cache_elem_bytes(kv->kind), .slots = slots, .q_stride = q_stride, .first = first,
                 .C = start + n - first, .start = start, .n = n, .KVH = KVH, .D = D,
                 .rep = H / KVH, .window = window, .stride = KVH * D, .scale = scale,
-                .softcap = softcap, .out = out};
+                .softcap = softcap, .sinks = sinks, .out = out};
 #ifdef KV_HAVE_AVX2_BUILD
     if (use_avx2 && D % 16 == 0) j.tile = kv_use_vnni() ? fa_tile_zmm : fa_tile_avx2;
 #else
