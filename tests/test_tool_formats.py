@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+from functools import cache
 from itertools import pairwise
 from pathlib import Path
 
@@ -20,16 +21,19 @@ import httpx
 import pytest
 from test_tokenizer_gemma import default_tokenizer
 
-from kvlab.request import SamplingParams
+from kvlab.errors import RequestError
+from kvlab.request import SamplingParams, Structure
 from kvlab.server.apis import front_ends
 from kvlab.server.core.app import create_app
 from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
+from kvlab.server.core.reasoning import reasoning_format, split_reasoning
 from kvlab.server.core.serving import marker_token_ids
 from kvlab.server.core.tool_formats import FORMATS, detect_format
 from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply, tool_plan
+from kvlab.structured.compiler import GrammarCompiler
 from kvlab.tokenizer import IncrementalDetokenizer
-from kvlab.tokenizer.chat import template_variables
+from kvlab.tokenizer.chat import render_chat_template, template_variables
 
 from fake_engine import FakeEngine, FakeTokenizer
 
@@ -297,19 +301,26 @@ def test_malformed_calls_stay_text(case: str, damage: str) -> None:
     assert streamed(plan, list(broken)) == (content, [])
 
 
-def test_required_mode_reads_a_json_list_whatever_the_template() -> None:
+def test_required_mode_reads_the_familys_format_or_a_json_list() -> None:
+    """A required call is held to the template's own format where the format can say the
+    tools' arguments (the reply reads back in it), else to a JSON list."""
     text = j(named())
+    own = {f for f in FORMATS if tool_plan(TOOLS, "required", None, f).native_grammar}
+    assert own == set(FORMATS) - {"generic", "other", "gpt_oss"}
     for form in FORMATS:
         plan = tool_plan(TOOLS, "required", None, form)
         assert plan is not None
+        if form in own:
+            assert plan.structure(form).kind == "grammar" and plan.call_format.name == form
+            continue
         calls = parse_reply(text, plan)[1]
         assert [json.loads(a) for _, a in calls_of(calls)] == [WEATHER, TRIP]
-        if form == "mistral":  # ids as the template takes them back
-            assert all(re.fullmatch(r"[A-Za-z0-9]{9}", c["id"]) for c in calls)
-        if form == "kimi_k2":
-            assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.book_trip:1"]
         stream = ToolStream(plan)
         assert stream.feed(text) == "" and len(stream.finish()[1]) == 2
+    for form, ids in (("mistral", r"[A-Za-z0-9]{9}"), ("kimi_k2", r"functions\.\w+:\d")):
+        plan = tool_plan(TOOLS, "required", None, form)
+        reply = REPLIES[form][0][len(BEFORE):]  # ids as the template takes them back
+        assert all(re.fullmatch(ids, c["id"]) for c in parse_reply(reply, plan)[1])
 
 
 def test_xml_parameters_are_typed_by_the_tools_schema() -> None:
@@ -481,3 +492,114 @@ def test_marker_tokens_are_written_into_the_text_they_are_read_from() -> None:
     assert all(fmt.tokens or fmt.name in ("generic", "functools", "functionary",
                                           "functionary_v3_1", "command_r", "deepseek_v3_2")
                for fmt in FORMATS.values())
+
+
+# ---- required calls held to the family's own format ---------------------------------------------
+
+GRAMMAR_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather", "parameters": {
+            "type": "object", "required": ["city"], "properties": {
+                "city": {"type": "string", "description": "A city"},
+                "days": {"type": "integer", "description": "How many days"}}}}},
+    {"type": "function", "function": {
+        "name": "book_trip", "description": "Book", "parameters": {
+            "type": "object", "required": ["note"], "properties": {
+                "travelers": {"type": "integer", "description": "How many"},
+                "note": {"type": "string", "description": "For the agent"}}}}},
+]
+GRAMMAR_CALLS = [("get_weather", {"city": "Zürich", "days": 3}),
+                 ("book_trip", {"travelers": 2, "note": "fenêtre, <vous> plaît"})]
+# format -> a template that writes an assistant turn's calls as its reply is written (Mistral's
+# puts the tools beside the last user turn and Granite 3.3's writes no calls, so their replies
+# are not the tail of a rendered conversation)
+RENDERED = {
+    "qwen": "Qwen-Qwen2.5-7B-Instruct", "qwen3_coder": "Qwen3-Coder", "glm": "GLM-4.6",
+    "kimi_k2": "moonshotai-Kimi-K2", "minimax_m2": "MiniMax-M2", "minimax_m1": "MiniMax-M1",
+    "seed_oss": "ByteDance-Seed-OSS", "lfm2": "LFM2.5-8B-A1B",
+    "llama": "meta-llama-Llama-3.1-8B-Instruct",
+    "functionary_v3_1": "meetkai-functionary-medium-v3.1",
+    "functionary": "meetkai-functionary-medium-v3.2",
+    "deepseek_v3_2": "deepseek-ai-DeepSeek-V3.2", "gemma4": "google-gemma-4-31B-it",
+    "command_r7b": "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+}
+
+
+@cache
+def compiler() -> GrammarCompiler:
+    """Grammars compiled on the default model's vocabulary (its tables built once)."""
+    tok = default_tokenizer()
+    return GrammarCompiler(tok, tok.vocab_size)
+
+
+def rendered_reply(template: str, calls: list) -> str:
+    """The assistant turn the template writes for `calls`, as a reply (its reasoning block
+    and what follows the calls left on)."""
+    def render(messages: list[dict], prompt: bool, as_text: bool) -> str:
+        written = [{"id": f"a1B2c3D4{i}", "type": "function", "function": {
+            "name": n, "arguments": j(a) if as_text else a}} for i, (n, a) in enumerate(calls)]
+        turn = [] if prompt else [{"role": "assistant", "content": "", "tool_calls": written}]
+        return render_chat_template(template, messages + turn, add_generation_prompt=prompt,
+                                    bos_token="<s>", eos_token="</s>", tools=GRAMMAR_TOOLS)
+    user = [{"role": "user", "content": "Weather, and a trip?"}]
+    try:
+        prompt, full = render(user, True, False), render(user, False, False)
+    except RequestError:  # functionary v3.2 takes arguments as JSON text
+        prompt, full = render(user, True, True), render(user, False, True)
+    same = next((k for k, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b),
+                len(prompt))
+    reply = full[max(full.rfind("\n", 0, same), full.rfind(">", 0, same)) + 1:]
+    fmt = reasoning_format(template)
+    if fmt is not None and fmt.end in reply:
+        reply = split_reasoning(reply.removeprefix(fmt.end) if fmt.closes(prompt) else reply,
+                                fmt, fmt.opens(prompt))[1]
+    return reply.lstrip()
+
+
+@pytest.mark.skipif(_template_folder() is None,
+                    reason="set KVLAB_LLAMA_VOCABS to llama.cpp's models/ folder (its templates/ "
+                           "holds real chat templates)")
+@pytest.mark.parametrize("form", sorted(RENDERED))
+def test_the_required_grammar_holds_the_calls_the_template_writes(form: str) -> None:
+    """The grammar a required call gets accepts the calls as the family's real template
+    writes them (up to the end of the turn), and they read back as the calls."""
+    folder = _template_folder()
+    assert folder is not None
+    template = (folder / f"{RENDERED[form]}.jinja").read_text()
+    assert detect_format(template, True) == form
+    calls = GRAMMAR_CALLS[:1] if form == "llama" else GRAMMAR_CALLS  # Llama: one at a time
+    reply = rendered_reply(template, calls)
+    plan = tool_plan(GRAMMAR_TOOLS, "required", None, form)
+    assert plan is not None and plan.native_grammar is not None
+    tok = default_tokenizer()
+    start = compiler().compile(Structure("grammar", plan.native_grammar))
+    accepted = None
+    for cut in range(len(reply), 0, -1):  # the longest start of the reply the grammar ends
+        matcher = start.deep_copy()
+        ids = tok.encode(reply[:cut], add_special_tokens=False)
+        if matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting():
+            accepted = reply[:cut]
+            break
+    assert accepted is not None, reply
+    assert reply[len(accepted):].strip() == "" or not reply[len(accepted):].startswith(
+        tuple(FORMATS[form].markers) or ("\0",))
+    got = parse_reply(accepted, plan)[1]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] \
+        == calls
+
+
+def test_required_grammars_compile_for_every_format() -> None:
+    """Every format's grammar compiles on a real vocabulary for one call and for several, with
+    open objects and choices among the parameters."""
+    choice = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"type": "string", "enum": ["red", "blue"]},
+                                         "flags": {"type": "array",
+                                                   "items": {"type": "boolean"}}}}}}
+    for form in FORMATS:
+        for tools, choice_of in ((TOOLS + [choice], "required"),
+                                 (TOOLS, {"type": "function",
+                                          "function": {"name": "book_trip"}})):
+            plan = tool_plan(tools, choice_of, None, form)
+            assert plan is not None
+            if plan.native_grammar is not None:
+                compiler().compile(Structure("grammar", plan.native_grammar))

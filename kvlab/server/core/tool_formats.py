@@ -63,8 +63,10 @@ import secrets
 import string
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from kvlab.server.core.tool_grammars import BUILDERS, Builder, Spec
 
 Tools = Mapping[str, dict[str, Any]]  # tool name -> its parameters' JSON schema
 # (name, arguments as an object, the id the model wrote or None)
@@ -95,6 +97,13 @@ class CallFormat:
     # call ids as the template expects them back: openai call_<hex> | mistral 9 alphanumerics
     # | kimi functions.<name>:<index> (as the model wrote it, when it did)
     ids: str = "openai"
+    # the grammar that holds a reply to calls in this format (tool_grammars), where the
+    # format can spell the tools' arguments; a required call elsewhere is a JSON list
+    grammar: Builder | None = None
+
+    def required_grammar(self, tools: Spec, most: int) -> str | None:
+        """The grammar of one to `most` calls of `tools` in this format, or None."""
+        return None if self.grammar is None else self.grammar(tools, most)
 
     def opens_call(self, text: str, tools: Tools) -> bool | None:
         """Whether the reply's start begins a call (None: cannot tell yet)."""
@@ -620,6 +629,9 @@ FORMATS: dict[str, CallFormat] = {f.name: f for f in (
     CallFormat("functionary", _read_functionary, (">>>",), opening=_functionary_opening,
                lead="all\n", heads=_HEADS["functionary"]),
 )}
+
+
+FORMATS = {name: replace(f, grammar=BUILDERS.get(name)) for name, f in FORMATS.items()}
 
 
 def detect_format(template: str | None, takes_tools: bool) -> str:

@@ -6,10 +6,11 @@
                   format the chat template teaches, which the plan carries) are parsed out
                   of the reply; in the generic, Qwen and Llama 3.1 forms a call is
                   constrained from its first token
-      "required"  shown; decoding is constrained to a JSON list of calls (one call when
+      "required"  shown; decoding is constrained to calls (one call when
       named         parallel_tool_calls is false, or the named tool; else at most one per
                   tool), each one's arguments validating against that tool's `parameters`,
-                  so any model returns a call
+                  so any model returns a call: written in the template's own format where
+                  it has a grammar for them (tool_grammars), else as a JSON list
 
 A template that uses `tools` (Qwen, Llama 3.1, ...) gets them as transformers passes them;
 for one that does not (the default Gemma model's), the tools are described in a system
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvlab.request import Structure
@@ -68,8 +70,21 @@ class ToolPlan:
 
     @property
     def call_format(self) -> CallFormat:
-        """How replies are read: the template's format, or a JSON list in required mode."""
-        return FORMATS["generic" if self.mode == "required" else self.form]
+        """How replies are read: the template's format; in required mode a JSON list where
+        that format has no grammar for these tools."""
+        if self.mode == "required" and self.native_grammar is None:
+            return FORMATS["generic"]
+        return FORMATS[self.form]
+
+    @cached_property
+    def native_grammar(self) -> str | None:
+        """In required mode, the grammar of this plan's calls in the template's own format
+        (None where the format cannot say them)."""
+        if self.mode != "required":
+            return None
+        most = len(self.tools) if self.parallel else 1
+        return FORMATS[self.form].required_grammar(
+            [(t.name, t.parameters) for t in self.tools], most)
 
     def call_id(self, name: str, index: int, written: str | None = None) -> str:
         """A call's id as the template takes it back (in required mode too)."""
@@ -97,7 +112,9 @@ class ToolPlan:
         in Qwen's, whatever follows `<tool_call>` must be a valid call and `</tool_call>`.
         Auto with another native format is parsed only."""
         if self.mode == "required":
-            return Structure("json_schema", json.dumps(self.calls_schema()))
+            native = self.native_grammar
+            return Structure("json_schema", json.dumps(self.calls_schema())) \
+                if native is None else Structure("grammar", native)
         if form == "generic":
             return _json_or_text(self.calls_schema(), "[")
         if form == "llama":
