@@ -209,6 +209,18 @@ def test_a_hit_shorter_than_the_snapshot_stride_is_computed_again(tiny, alone):
     assert run_one(e, "again", PROMPTS[1]) == (alone[1], 0)
 
 
+def test_embeddings_run_the_prompts_with_states_of_their_own(tiny):
+    """Engine.embed: whole prompts in one pass, fresh states, nothing of the slots touched;
+    the last token's final hidden state is transformers'."""
+    e = engine(tiny)
+    prompts = [[3, 14, 15, 92, 65], list(range(20, 31))]
+    got = e.embed(prompts, normalize=False)
+    for p, vector in zip(prompts, got):
+        with torch.no_grad():
+            ref = tiny[1].model(torch.tensor([p])).last_hidden_state[0, -1]
+        assert (vector - ref).abs().max() <= TOL
+
+
 # ---- checkpoints: multimodal wrappers, GGUF state dimensions ---------------------------------
 
 def _multimodal(arch: str):
