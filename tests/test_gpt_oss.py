@@ -6,13 +6,10 @@ clamped SwiGLU against transformers' own modules."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import test_models
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import quants as gguf_quants
 from test_models import reference_logits, runner_for, step
 
 from kvlab.models import attention, find_arch, moe
@@ -23,6 +20,7 @@ from kvlab.weights.checkpoint import open_checkpoint
 from tiny_models import (
     build_gpt_oss,
     convert_with_llama_cpp,
+    mxfp4_rounded,
     save_gpt_oss_mxfp4,
     write_gpt_oss_gguf,
 )
@@ -131,12 +129,6 @@ def test_routing_and_clamped_swiglu_equal_transformers_modules(tiny):
     assert torch.equal(moe.ClampedSwiglu()(gate_up), theirs)
 
 
-def _mxfp4_values(t: torch.Tensor) -> torch.Tensor:
-    """t's values after MXFP4 (blocks of 32 along the last axis), as gguf rounds them."""
-    q = gguf_quants.quantize(t.detach().float().contiguous().numpy(), T.MXFP4)
-    return torch.from_numpy(gguf_quants.dequantize(q, T.MXFP4)).reshape(t.shape)
-
-
 def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     """Experts stored as MXFP4 (llama.cpp's type for gpt-oss's experts): read as their
     values they give transformers' logits on the same rounded weights; kept in their
@@ -144,7 +136,7 @@ def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     hf, out = tiny
     path = tmp_path / "mxfp4.gguf"
     write_gpt_oss_gguf(hf, path, quantize=T.MXFP4)
-    rounded = _rounded(hf)
+    rounded = mxfp4_rounded(hf)
     ids = _ids(14, 8)
     ref = reference_logits(rounded, ids)
     dense = load_model(open_checkpoint(path), LoadOptions(keep_quantized=False))
@@ -155,17 +147,6 @@ def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     assert all(p.all_quantized for p in experts.gate_up)
     got = step(_runner(blocks), ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 14))[0]
     assert torch.nn.functional.cosine_similarity(got, ref[-1], dim=0) > 0.999
-
-
-def _rounded(hf):
-    """A copy of the model whose experts hold their MXFP4-rounded values."""
-    rounded = copy.deepcopy(hf)
-    with torch.no_grad():
-        for layer in rounded.model.layers:
-            ex = layer.mlp.experts  # MXFP4 rows run along hidden (gate|up) and inter (down)
-            ex.gate_up_proj.copy_(_mxfp4_values(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
-            ex.down_proj.copy_(_mxfp4_values(ex.down_proj.transpose(1, 2)).transpose(1, 2))
-    return rounded
 
 
 def _expert_bytes(loaded) -> list[torch.Tensor]:
@@ -187,7 +168,7 @@ def test_mxfp4_safetensors_read_as_the_gguf_blocks(tiny, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(_expert_bytes(ours), _expert_bytes(gguf_file),
                                                  strict=True))
     dense = load_model(open_checkpoint(tmp_path / "hf_mxfp4"), LoadOptions(keep_quantized=False))
-    assert _prefill_then_decode(_runner(dense), _rounded(hf), _ids(14, 9), 9) <= TOL
+    assert _prefill_then_decode(_runner(dense), mxfp4_rounded(hf), _ids(14, 9), 9) <= TOL
     converted = tmp_path / "converted_mxfp4.gguf"
     reason = convert_with_llama_cpp(tmp_path / "hf_mxfp4", converted)
     if reason is not None:

@@ -619,3 +619,25 @@ def save_gpt_oss_mxfp4(model, out_dir: Path) -> None:
     config = model.config.to_dict()
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (out_dir / "config.json").write_text(json.dumps(config))
+
+
+def _mxfp4_values(t: torch.Tensor) -> torch.Tensor:
+    """t's values after MXFP4 (blocks of 32 along the last axis), as gguf rounds them."""
+    import gguf
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    q = gguf.quants.quantize(t.detach().float().contiguous().numpy(), mx)
+    return torch.from_numpy(gguf.quants.dequantize(q, mx)).reshape(t.shape)
+
+
+def mxfp4_rounded(model):
+    """A copy of a gpt-oss model whose experts hold their MXFP4-rounded values."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in rounded.model.layers:
+            ex = layer.mlp.experts  # MXFP4 rows run along hidden (gate|up) and inter (down)
+            ex.gate_up_proj.copy_(_mxfp4_values(ex.gate_up_proj.transpose(1, 2)).transpose(1, 2))
+            ex.down_proj.copy_(_mxfp4_values(ex.down_proj.transpose(1, 2)).transpose(1, 2))
+    return rounded
