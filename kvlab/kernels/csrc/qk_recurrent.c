@@ -30,6 +30,10 @@ typedef struct {
     void (*axpy)(float *y, float a, const float *x, int64_t n);         /* y += a x */
     void (*scale)(float *y, float a, int64_t n);                        /* y *= a */
     void (*madd)(float *y, const float *a, const float *b, int64_t n);  /* y += a * b */
+    /* y = a * silu(z) (a NULL: 1), elementwise; y may be a or z */
+    void (*swish)(float *y, const float *a, const float *z, int64_t n);
+    /* s = decay s + a b, then returns s . c: an SSM state row's one-token step */
+    float (*scan_row)(float *s, float decay, float a, const float *b, const float *c, int64_t n);
 } rc_ops;
 
 /* ---- portable C ---- */
@@ -67,7 +71,24 @@ static void madd_c(float *y, const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a[i] * b[i];
 }
 
-static const rc_ops ops_c = {gemm_c, dot_c, axpy_c, scale_c, madd_c};
+static void swish_c(float *y, const float *a, const float *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = z[i] / (1.0f + expf(-z[i]));
+        y[i] = a ? a[i] * v : v;
+    }
+}
+
+static float scan_row_c(float *s, float decay, float a, const float *b, const float *c,
+                        int64_t n) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = s[i] * decay + a * b[i];
+        acc += s[i] * c[i];
+    }
+    return acc;
+}
+
+static const rc_ops ops_c = {gemm_c, dot_c, axpy_c, scale_c, madd_c, swish_c, scan_row_c};
 
 /* ---- AVX2 and AVX-512 ---- */
 #ifdef KV_HAVE_AVX2_BUILD
@@ -102,116 +123,116 @@ static const rc_ops ops_c = {gemm_c, dot_c, axpy_c, scale_c, madd_c};
         for (; i < M; i++) T1(c + i * ldc + n, ldc, a + i * lda, lda, b + n, ldb, K);       \
     }
 
-RC_TILE(tile4x16_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
-        _mm256_fmadd_ps, 4, 2)
-RC_TILE(tile1x16_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
-        _mm256_fmadd_ps, 1, 2)
-RC_TILE(tile4x8_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
-        _mm256_fmadd_ps, 4, 1)
-RC_TILE(tile1x8_avx2, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
-        _mm256_fmadd_ps, 1, 1)
-
-static KV_TGT void gemm_avx2(float *c, int64_t ldc, const float *a, int64_t lda,
-                             const float *b, int64_t ldb, int64_t M, int64_t K, int64_t N) {
-    int64_t n = 0;
-    RC_COLUMNS(tile4x16_avx2, tile1x16_avx2, 16)
-    RC_COLUMNS(tile4x8_avx2, tile1x8_avx2, 8)
-    if (n < N) gemm_c(c + n, ldc, a, lda, b + n, ldb, M, K, N - n);
-}
-
-static KV_TGT float dot_avx2(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+/* the product over columns COLS at a time, then HALF at a time, the rest by TAIL's */
+#define RC_GEMM(sfx, TGT, T4, T1, COLS, T4H, T1H, HALF, TAIL)                                \
+    TGT static void gemm_##sfx(float *c, int64_t ldc, const float *a, int64_t lda,          \
+                               const float *b, int64_t ldb, int64_t M, int64_t K, int64_t N) { \
+        int64_t n = 0;                                                                      \
+        RC_COLUMNS(T4, T1, COLS)                                                            \
+        RC_COLUMNS(T4H, T1H, HALF)                                                          \
+        if (n < N) gemm_##TAIL(c + n, ldc, a, lda, b + n, ldb, M, K, N - n);                \
     }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    float s = hsum_ps(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+
+/* dot, axpy, scale, madd and scan_row W floats at a time, the rest of n by TAIL's */
+#define RC_VEC_OPS(sfx, TGT, VEC, W, LOAD, STORE, SET1, FMA, MUL, HSUM, TAIL, SWISH)         \
+    TGT static float dot_##sfx(const float *a, const float *b, int64_t n) {                 \
+        VEC s0 = SET1(0.0f), s1 = SET1(0.0f);                                               \
+        int64_t i = 0;                                                                      \
+        for (; i + 2 * W <= n; i += 2 * W) {                                                \
+            s0 = FMA(LOAD(a + i), LOAD(b + i), s0);                                         \
+            s1 = FMA(LOAD(a + i + W), LOAD(b + i + W), s1);                                 \
+        }                                                                                   \
+        return HSUM(FMA(s1, SET1(1.0f), s0)) + dot_##TAIL(a + i, b + i, n - i);             \
+    }                                                                                       \
+    TGT static void axpy_##sfx(float *y, float a, const float *x, int64_t n) {              \
+        const VEC av = SET1(a);                                                             \
+        int64_t i = 0;                                                                      \
+        for (; i + W <= n; i += W) STORE(y + i, FMA(av, LOAD(x + i), LOAD(y + i)));         \
+        axpy_##TAIL(y + i, a, x + i, n - i);                                                \
+    }                                                                                       \
+    TGT static void scale_##sfx(float *y, float a, int64_t n) {                             \
+        const VEC av = SET1(a);                                                             \
+        int64_t i = 0;                                                                      \
+        for (; i + W <= n; i += W) STORE(y + i, MUL(av, LOAD(y + i)));                      \
+        scale_##TAIL(y + i, a, n - i);                                                      \
+    }                                                                                       \
+    TGT static void madd_##sfx(float *y, const float *a, const float *b, int64_t n) {       \
+        int64_t i = 0;                                                                      \
+        for (; i + W <= n; i += W) STORE(y + i, FMA(LOAD(a + i), LOAD(b + i), LOAD(y + i))); \
+        madd_##TAIL(y + i, a + i, b + i, n - i);                                            \
+    }                                                                                       \
+    TGT static float scan_row_##sfx(float *s, float decay, float a, const float *b,         \
+                                    const float *c, int64_t n) {                            \
+        const VEC dv = SET1(decay), av = SET1(a);                                           \
+        VEC acc = SET1(0.0f);                                                               \
+        int64_t i = 0;                                                                      \
+        for (; i + W <= n; i += W) {                                                        \
+            const VEC v = FMA(av, LOAD(b + i), MUL(dv, LOAD(s + i)));                       \
+            STORE(s + i, v);                                                                \
+            acc = FMA(v, LOAD(c + i), acc);                                                 \
+        }                                                                                   \
+        return HSUM(acc) + scan_row_##TAIL(s + i, decay, a, b + i, c + i, n - i);           \
+    }                                                                                       \
+    static const rc_ops ops_##sfx = {gemm_##sfx, dot_##sfx, axpy_##sfx, scale_##sfx,        \
+                                     madd_##sfx, SWISH, scan_row_##sfx};
+
+#define RC_TILES_AVX2(name, R, V)                                                           \
+    RC_TILE(name, KV_INL, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,     \
+            _mm256_fmadd_ps, R, V)
+RC_TILES_AVX2(tile4x16_avx2, 4, 2)
+RC_TILES_AVX2(tile1x16_avx2, 1, 2)
+RC_TILES_AVX2(tile4x8_avx2, 4, 1)
+RC_TILES_AVX2(tile1x8_avx2, 1, 1)
+RC_GEMM(avx2, KV_TGT, tile4x16_avx2, tile1x16_avx2, 16, tile4x8_avx2, tile1x8_avx2, 8, c)
+
+/* e^x, x clamped to [-88, 88], by Cephes' expf steps: x = n ln2 + r, e^r by its degree-6
+ * polynomial, times 2^n built in the exponent bits (to a float ulp or two) */
+KV_INL __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    static const float poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    __m256 p = _mm256_set1_ps(poly[0]);
+    for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-static KV_TGT void axpy_avx2(float *y, float a, const float *x, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
+static KV_TGT void swish_avx2(float *y, const float *a, const float *z, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-static KV_TGT void scale_avx2(float *y, float a, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(av, _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] *= a;
-}
-
-static KV_TGT void madd_avx2(float *y, const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i),
-                                                _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a[i] * b[i];
-}
-
-static const rc_ops ops_avx2 = {gemm_avx2, dot_avx2, axpy_avx2, scale_avx2, madd_avx2};
-
-RC_TILE(tile4x32_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
-        _mm512_fmadd_ps, 4, 2)
-RC_TILE(tile1x32_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
-        _mm512_fmadd_ps, 1, 2)
-RC_TILE(tile4x16_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
-        _mm512_fmadd_ps, 4, 1)
-RC_TILE(tile1x16_zmm, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
-        _mm512_fmadd_ps, 1, 1)
-
-KV_TGT_Z static void gemm_zmm(float *c, int64_t ldc, const float *a, int64_t lda,
-                              const float *b, int64_t ldb, int64_t M, int64_t K, int64_t N) {
-    int64_t n = 0;
-    RC_COLUMNS(tile4x32_zmm, tile1x32_zmm, 32)
-    RC_COLUMNS(tile4x16_zmm, tile1x16_zmm, 16)
-    if (n < N) gemm_avx2(c + n, ldc, a, lda, b + n, ldb, M, K, N - n);
-}
-
-KV_TGT_Z static float dot_zmm(const float *a, const float *b, int64_t n) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 zv = _mm256_loadu_ps(z + i);
+        __m256 v = _mm256_div_ps(zv, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), zv))));
+        if (a) v = _mm256_mul_ps(v, _mm256_loadu_ps(a + i));
+        _mm256_storeu_ps(y + i, v);
     }
-    for (; i + 16 <= n; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-    s0 = _mm512_fmadd_ps(s1, _mm512_set1_ps(1.0f), s0);
-    const __m256 lo = _mm512_castps512_ps256(s0);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s0), 1));
-    return hsum_ps(_mm256_add_ps(lo, hi)) + dot_avx2(a + i, b + i, n - i);
+    swish_c(y + i, a ? a + i : NULL, z + i, n - i);
 }
 
-KV_TGT_Z static void axpy_zmm(float *y, float a, const float *x, int64_t n) {
-    const __m512 av = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    axpy_avx2(y + i, a, x + i, n - i);
+RC_VEC_OPS(avx2, KV_TGT, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+           _mm256_fmadd_ps, _mm256_mul_ps, hsum_ps, c, swish_avx2)
+
+KV_INL_Z float hsum_zmm(__m512 v) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum_ps(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
 }
 
-KV_TGT_Z static void scale_zmm(float *y, float a, int64_t n) {
-    const __m512 av = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_mul_ps(av, _mm512_loadu_ps(y + i)));
-    scale_avx2(y + i, a, n - i);
-}
-
-KV_TGT_Z static void madd_zmm(float *y, const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i),
-                                                _mm512_loadu_ps(y + i)));
-    madd_avx2(y + i, a + i, b + i, n - i);
-}
-
-static const rc_ops ops_zmm = {gemm_zmm, dot_zmm, axpy_zmm, scale_zmm, madd_zmm};
+#define RC_TILES_ZMM(name, R, V)                                                            \
+    RC_TILE(name, KV_INL_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,  \
+            _mm512_fmadd_ps, R, V)
+RC_TILES_ZMM(tile4x32_zmm, 4, 2)
+RC_TILES_ZMM(tile1x32_zmm, 1, 2)
+RC_TILES_ZMM(tile4x16_zmm, 4, 1)
+RC_TILES_ZMM(tile1x16_zmm, 1, 1)
+RC_GEMM(zmm, KV_TGT_Z, tile4x32_zmm, tile1x32_zmm, 32, tile4x16_zmm, tile1x16_zmm, 16, avx2)
+RC_VEC_OPS(zmm, KV_TGT_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+           _mm512_fmadd_ps, _mm512_mul_ps, hsum_zmm, avx2, swish_avx2)
 #endif
 
 static const rc_ops *rc_pick(int isa) {
@@ -262,6 +283,20 @@ static int rc_run(rc_job *j, int64_t S) {
 
 static inline int64_t rc_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* L tokens from t of head h (reading key head or group kh) against its state S */
+typedef void (*rc_chunk_fn)(const rc_job *j, int64_t t, int64_t L, int64_t h, int64_t kh,
+                            float *S, float *scratch);
+
+/* a sequence's n tokens from t0 in chunks of KV_RC_CHUNK; a chunk of one token (a decode
+ * step) by the one-step recurrence */
+static void rc_chunks(const rc_job *j, int64_t t0, int64_t n, int64_t h, int64_t kh, float *S,
+                      float *scratch, rc_chunk_fn step, rc_chunk_fn chunk) {
+    for (int64_t c = 0; c < n; c += KV_RC_CHUNK) {
+        const int64_t L = rc_min(KV_RC_CHUNK, n - c);
+        (L == 1 ? step : chunk)(j, t0 + c, L, h, kh, S, scratch);
+    }
+}
+
 static void zero_rows(float *y, int64_t ld, int64_t rows, int64_t cols) {
     for (int64_t i = 0; i < rows; i++) memset(y + i * ld, 0, (size_t)cols * sizeof(float));
 }
@@ -300,13 +335,11 @@ static void conv_item(const rc_job *base, int64_t item, float *scratch) {
     float *state = j->states + base->slots[s] * (j->K - 1) * j->C;
     for (int64_t t = 0; t < n; t++) {
         float *y = j->out + (t0 + t) * j->C + c0;
-        memset(y, 0, (size_t)cw * sizeof(float));
+        if (j->bias) memcpy(y, j->bias + c0, (size_t)cw * sizeof(float));
+        else memset(y, 0, (size_t)cw * sizeof(float));
         for (int64_t k = 0; k < j->K; k++)
             base->ops->madd(y, j->wt + k * j->C + c0, conv_row(j, state, t0, t + k) + c0, cw);
-        for (int64_t c = 0; c < cw; c++) {
-            const float h = j->bias ? y[c] + j->bias[c0 + c] : y[c];
-            y[c] = j->silu ? h / (1.0f + expf(-h)) : h;
-        }
+        if (j->silu) base->ops->swish(y, NULL, y, cw);
     }
     /* the last K-1 inputs; row r reads row n + r >= r, so ascending r reads before it writes */
     for (int64_t r = 0; r < j->K - 1; r++)
@@ -340,8 +373,11 @@ typedef struct {
 
 /* one token of value head h (key head kh): S = exp(g) S; delta = beta (v - k^T S);
  * S += k delta^T; out = scale q^T S */
-static void gdr_step(const gdr_job *j, int64_t t, int64_t h, int64_t kh, float *S, float *mem) {
-    const rc_ops *o = j->base.ops;
+static void gdr_step(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_t kh, float *S,
+                     float *mem) {
+    const gdr_job *j = (const gdr_job *)base;
+    const rc_ops *o = base->ops;
+    (void)L;
     const int64_t Dk = j->Dk, Dv = j->Dv;
     const float *q = j->q + (t * j->Hk + kh) * Dk, *k = j->k + (t * j->Hk + kh) * Dk;
     const float *v = j->v + (t * j->Hv + h) * Dv;
@@ -384,9 +420,10 @@ static void gdr_chunk_matrices(const gdr_job *j, const float *q0, const float *k
  * torch_chunk_gated_delta_rule): solve (I + A) U = beta v and (I + A) W = -beta k exp(cum)
  * by forward substitution; then v_new = U + W S, out = scale q exp(cum) S + P v_new and
  * S = exp(cum_L) S + (k exp(cum_L - cum))^T v_new */
-static void gdr_chunk(const gdr_job *j, int64_t t, int64_t L, int64_t h, int64_t kh, float *S,
+static void gdr_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_t kh, float *S,
                       float *scratch) {
-    const rc_ops *o = j->base.ops;
+    const gdr_job *j = (const gdr_job *)base;
+    const rc_ops *o = base->ops;
     const int64_t Dk = j->Dk, Dv = j->Dv, ldk = j->Hk * Dk, ldv = j->Hv * Dv, CH = KV_RC_CHUNK;
     const float *q0 = j->q + (t * j->Hk + kh) * Dk, *k0 = j->k + (t * j->Hk + kh) * Dk;
     const float *v0 = j->v + (t * j->Hv + h) * Dv;
@@ -427,12 +464,7 @@ static void gdr_item(const rc_job *base, int64_t item, float *scratch) {
     const gdr_job *j = (const gdr_job *)base;
     const int64_t s = item / j->Hv, h = item % j->Hv, kh = h / (j->Hv / j->Hk);
     float *S = j->states + (base->slots[s] * j->Hv + h) * j->Dk * j->Dv;
-    const int64_t n = base->lens[s], t0 = base->starts[s];
-    for (int64_t c = 0; c < n; c += KV_RC_CHUNK) {
-        const int64_t L = rc_min(KV_RC_CHUNK, n - c);
-        if (L == 1) gdr_step(j, t0 + c, h, kh, S, scratch);
-        else gdr_chunk(j, t0 + c, L, h, kh, S, scratch);
-    }
+    rc_chunks(base, base->starts[s], base->lens[s], h, kh, S, scratch, gdr_step, gdr_chunk);
 }
 
 int kv_gated_delta_rule(const float *q, const float *k, const float *v, const float *g,
@@ -458,26 +490,26 @@ typedef struct {
 } ssd_job;
 
 /* one token of head h (group gi): S = exp(dt A) S + dt x B^T; out = S C */
-static void ssd_step(const ssd_job *j, int64_t t, int64_t h, int64_t gi, float *S) {
-    const rc_ops *o = j->base.ops;
+static void ssd_step(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_t gi, float *S,
+                     float *scratch) {
+    const ssd_job *j = (const ssd_job *)base;
+    const rc_ops *o = base->ops;
+    (void)L, (void)scratch;
     const int64_t P = j->P, N = j->N;
     const float *x = j->x + (t * j->H + h) * P;
     const float *B = j->B + (t * j->G + gi) * N, *C = j->C + (t * j->G + gi) * N;
     float *y = j->out + (t * j->H + h) * P;
     const float dt = j->dt[t * j->H + h], dA = expf(dt * j->A[h]);
-    for (int64_t p = 0; p < P; p++) {
-        o->scale(S + p * N, dA, N);
-        o->axpy(S + p * N, dt * x[p], B, N);
-        y[p] = o->dot(S + p * N, C, N);
-    }
+    for (int64_t p = 0; p < P; p++) y[p] = o->scan_row(S + p * N, dA, dt * x[p], B, C, N);
 }
 
 /* L tokens from t of head h in the chunked form (transformers' mamba2_chunk_scan), with cum
  * the cumulated dt A: out = M x + exp(cum) C S^T with M[i, j] = C_i.B_j exp(cum_i - cum_j)
  * dt_j for j <= i; then S = exp(cum_L) S + (x dt exp(cum_L - cum))^T B */
-static void ssd_chunk(const ssd_job *j, int64_t t, int64_t L, int64_t h, int64_t gi, float *S,
+static void ssd_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_t gi, float *S,
                       float *scratch) {
-    const rc_ops *o = j->base.ops;
+    const ssd_job *j = (const ssd_job *)base;
+    const rc_ops *o = base->ops;
     const int64_t P = j->P, N = j->N, ldx = j->H * P, ldb = j->G * N, CH = KV_RC_CHUNK;
     const float *x0 = j->x + (t * j->H + h) * P;
     const float *B0 = j->B + (t * j->G + gi) * N, *C0 = j->C + (t * j->G + gi) * N;
@@ -514,11 +546,7 @@ static void ssd_item(const rc_job *base, int64_t item, float *scratch) {
     const int64_t s = item / j->H, h = item % j->H, gi = h / (j->H / j->G);
     float *S = j->states + (base->slots[s] * j->H + h) * j->P * j->N;
     const int64_t n = base->lens[s], t0 = base->starts[s];
-    for (int64_t c = 0; c < n; c += KV_RC_CHUNK) {
-        const int64_t L = rc_min(KV_RC_CHUNK, n - c);
-        if (L == 1) ssd_step(j, t0 + c, h, gi, S);
-        else ssd_chunk(j, t0 + c, L, h, gi, S, scratch);
-    }
+    rc_chunks(base, t0, n, h, gi, S, scratch, ssd_step, ssd_chunk);
     if (j->D)
         for (int64_t t = t0; t < t0 + n; t++)
             base->ops->axpy(j->out + (t * j->H + h) * j->P, j->D[h], j->x + (t * j->H + h) * j->P, j->P);
@@ -549,19 +577,19 @@ typedef struct {
     int before;
 } norm_job;
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 /* one group: norm(x) w silu(z) (before), else norm(x silu(z)) w */
 static void norm_group(const norm_job *j, const float *x, const float *z, const float *w,
                        float *y) {
+    const rc_ops *o = j->base.ops;
     const int64_t n = j->group;
     const float *h = x;
     if (!j->before) {
-        for (int64_t c = 0; c < n; c++) y[c] = x[c] * silu(z[c]);
+        o->swish(y, x, z, n);
         h = y;
     }
-    const float r = 1.0f / sqrtf(j->base.ops->dot(h, h, n) / (float)n + j->eps);
-    for (int64_t c = 0; c < n; c++) y[c] = j->before ? h[c] * r * w[c] * silu(z[c]) : h[c] * r * w[c];
+    const float r = 1.0f / sqrtf(o->dot(h, h, n) / (float)n + j->eps);
+    for (int64_t c = 0; c < n; c++) y[c] = h[c] * r * w[c];
+    if (j->before) o->swish(y, y, z, n);
 }
 
 static void norm_item(const rc_job *base, int64_t item, float *scratch) {
