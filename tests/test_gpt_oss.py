@@ -7,6 +7,7 @@ clamped SwiGLU against transformers' own modules."""
 from __future__ import annotations
 
 import pytest
+import test_families_2025
 import test_models
 import torch
 from gguf import GGMLQuantizationType as T
@@ -83,6 +84,12 @@ def test_chunked_prefill_equals_one_pass(tiny, fmt):
 def test_batch_of_unequal_prompts_matches_transformers(tiny):
     """Every family's test (tests/test_models.py): batched prefill, then a batched decode."""
     test_models.test_batch_of_unequal_prompts_matches_each_alone(("gpt_oss", *tiny))
+
+
+def test_engine_greedy_equals_transformers_generate(tiny):
+    """Through the engine (scheduler, the window layers' own blocks, sampler): greedy tokens
+    past the 4-token window equal the argmax of transformers' logits."""
+    test_families_2025.test_engine_greedy_equals_transformers_generate(("gpt_oss", *tiny))
 
 
 def test_both_loaders_give_the_same_logits(tiny):
