@@ -33,22 +33,18 @@ from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 
 ARCH = "gpt-oss"
 SWIGLU = (1.702, 7.0)  # (alpha, limit): llama.cpp's fixed values, transformers' defaults
-_ATTENTION = {"q": "q", "k": "k", "v": "v", "output": "o"}
+# llama.cpp's names and the Llama / MoE ones kvlab shares, plus gpt-oss's own
 GGUF_NAMES = NameTable(
     globals=llama.GGUF_NAMES.globals, layer_prefix="blk.{i}.",
-    layer={"attn_norm.weight": "attn_norm", "attn_sinks.weight": "sinks",
+    layer={**llama.GGUF_NAMES.layer, **moe.GGUF_LAYER,
            "post_attention_norm.weight": "mlp_norm",  # the norm before the experts
-           **{f"attn_{src}.{kind}": dst if kind == "weight" else f"{dst}_bias"
-              for src, dst in _ATTENTION.items() for kind in ("weight", "bias")},
-           "ffn_gate_inp.weight": "router", "ffn_gate_inp.bias": "router_bias",
-           **{f"ffn_{p}_exps.{kind}": f"{p}_exps" + ("_bias" if kind == "bias" else "")
-              for p in ("gate", "up", "down") for kind in ("weight", "bias")}})
+           "attn_output.bias": "o_bias", "attn_sinks.weight": "sinks",
+           "ffn_gate_inp.bias": "router_bias", "ffn_gate_exps.bias": "gate_exps_bias",
+           "ffn_up_exps.bias": "up_exps_bias", "ffn_down_exps.bias": "down_exps_bias"})
 HF_NAMES = NameTable(
     globals=llama.HF_NAMES.globals, layer_prefix="model.layers.{i}.",
-    layer={"input_layernorm.weight": "attn_norm", "self_attn.sinks": "sinks",
-           "post_attention_layernorm.weight": "mlp_norm",
-           **{f"self_attn.{p}_proj.{kind}": p[0] if kind == "weight" else f"{p[0]}_bias"
-              for p in ("q", "k", "v", "o") for kind in ("weight", "bias")},
+    layer={**llama.HF_NAMES.layer,
+           "self_attn.o_proj.bias": "o_bias", "self_attn.sinks": "sinks",
            "mlp.router.weight": "router", "mlp.router.bias": "router_bias",
            "mlp.experts.gate_up_proj": "gate_up_exps", "mlp.experts.down_proj": "down_exps",
            "mlp.experts.gate_up_proj_bias": "gate_up_exps_bias",
