@@ -468,7 +468,8 @@ class Engine:
         start = time.perf_counter()
         logits, checks = _split_rows(self.runner.execute(sched, self.config.record_experts))
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)
-        verified = [self._verify(self.requests[seq_id], rows) for seq_id, rows in checks]
+        with torch.inference_mode():  # the rows are the runner's inference tensors
+            verified = [self._verify(self.requests[seq_id], rows) for seq_id, rows in checks]
         now = time.perf_counter()
         self._account(sched, start, now)
         self._observe(sched, now - start)
@@ -522,9 +523,10 @@ class Engine:
         req.accepted_tokens += accepted
         self.spec_counts.record(len(drafts), accepted)
         req.forced_tokens += len(forced)
-        return _Verified(req, tokens + forced, self._verified_logprobs(req, rows, tokens, batch)
-                         + [TokenLogprob(t, 0.0, [(t, 0.0)]) for t in forced], accepted,
-                         complete)
+        logprobs = self._verified_logprobs(req, rows, tokens, batch)
+        if seq.params.logprobs is not None:
+            logprobs += [TokenLogprob(t, 0.0, [(t, 0.0)]) for t in forced]
+        return _Verified(req, tokens + forced, logprobs, accepted, complete)
 
     def _verify_batch(self, req: _Request, drafts: list[int], rows: range,
                       allowed: torch.Tensor | None = None) -> SamplingBatch:

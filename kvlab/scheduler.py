@@ -187,7 +187,9 @@ class Scheduler:
         seqs, candidates = [], []
         for seq in self.running:
             left = seq.params.max_tokens - len(seq.output_ids) - 1  # after the next token
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_draft_tokens:
+            # decoding: its prompt computed, its known outputs (a sampled token and any its
+            # structure forced) not yet, and no proposals pending
+            if seq.num_computed_tokens < seq.num_prompt_tokens or seq.num_draft_tokens:
                 continue
             if seq.draft is None:
                 seq.draft = DraftState()

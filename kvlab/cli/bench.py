@@ -6,12 +6,18 @@ import argparse
 import json
 
 from kvlab.cli.bench_estimate import print_check
-from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.cli.common import (
+    add_model_flags,
+    add_speculative_flags,
+    engine_config,
+    speculative_config,
+)
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
 from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.metrics import RunCost
 from kvlab.probe import this_machine
+from kvlab.spec.stats import SpecCounts
 from kvlab.weights.default_model import default_model_path
 
 
@@ -41,6 +47,7 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--estimate", action="store_true",
                    help="print the estimator's prediction beside each measurement")
     add_model_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(func=run)
 
 
@@ -51,14 +58,20 @@ def run(args: argparse.Namespace) -> int:
     longest = max([p + 1 for p in args.n_prompt] + [d + max(args.n_gen) + 1 for d in args.depth])
     config = engine_config(args, enable_prefix_caching=False, max_num_seqs=1,
                            max_num_batched_tokens=args.batch_size,
-                           max_model_len=args.max_model_len or max(longest, 2048))
+                           max_model_len=args.max_model_len or max(longest, 2048),
+                           **speculative_config(args))
     engine = Engine.from_model(args.model, config)
     bandwidth = _machine_bandwidth()
     _run_one_warmup(engine, max(args.n_prompt, default=0))
     results = [bench_pp(engine, p, args.repetitions) for p in args.n_prompt if p]
-    results += [bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth)
-                for d in args.depth for n in args.n_gen if n]
-    _print(results, args.output, engine)
+    accepted: dict[str, SpecCounts] = {}  # per tg test, its proposals (speculative runs)
+    for d in args.depth:
+        for n in filter(None, args.n_gen):
+            before = engine.stats().speculative
+            results.append(bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth))
+            if engine.config.speculative:
+                accepted[results[-1].test] = _since(before, engine.stats().speculative)
+    _print(results, args.output, engine, accepted)
     if args.estimate:
         print_check(str(args.model or default_model_path()), results, args.threads,
                     quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype)
@@ -94,16 +107,28 @@ def _parallel_note(size: int) -> str:
             "the embedding and head whole), FLOP/s too")
 
 
-def _print(results: list[BenchResult], fmt: str, engine: Engine) -> None:
+def _since(before: SpecCounts, after: SpecCounts) -> SpecCounts:
+    return SpecCounts(after.runs - before.runs, after.drafted - before.drafted,
+                      after.accepted - before.accepted)
+
+
+def _print(results: list[BenchResult], fmt: str, engine: Engine,
+           accepted: dict[str, SpecCounts]) -> None:
     if fmt == "json":
-        print(json.dumps({"model": engine.model_name,
-                          "results": [r.as_dict() for r in results]}, indent=2))
+        rows = [{**r.as_dict(), **({"drafted_tokens": accepted[r.test].drafted,
+                                    "accepted_tokens": accepted[r.test].accepted}
+                                   if r.test in accepted else {})} for r in results]
+        print(json.dumps({"model": engine.model_name, "results": rows}, indent=2))
         return
     print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "
           f"decode reads {engine.cost.decode_weight_bytes / 1e6:.1f} MB of weights per token "
           f"({engine.cost.decode_stored_bytes / 1e6:.1f} MB as the file stores them)"
           + _routed_note(engine.cost) + _parallel_note(engine.config.tensor_parallel_size))
     print(format_table(results, fmt))
+    for test, c in accepted.items():  # beside each tg test's t/s
+        print(f"{test}: speculative {engine.config.speculative} (up to "
+              f"{engine.config.num_speculative} per step): {c.accepted} of {c.drafted} "
+              f"proposed tokens accepted, acceptance rate {100 * c.acceptance_rate:.1f} %")
     check = weight_check(results, engine.cost.decode_weight_bytes)
     if check and fmt == "md":
         print(check)

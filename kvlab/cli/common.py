@@ -9,6 +9,7 @@ from kvlab.engine import EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.models.loader import QUANTIZE_CHOICES
 from kvlab.request import SamplingParams, Structure
+from kvlab.spec.proposer import METHODS
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,27 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     shape.add_argument("--grammar", metavar="FILE",
                        help="the output must follow this grammar (GBNF 'root ::= ...' or Lark)")
     shape.add_argument("--regex", metavar="R", help="the output must match this regex in full")
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=METHODS, default=None,
+                   help="speculative decoding: ngram proposes the tokens that followed the "
+                        "last few tokens' earlier occurrence in the prompt or output; the "
+                        "model verifies them in one step (output unchanged)")
+    p.add_argument("--num-speculative", type=int, default=None, metavar="K",
+                   help="most tokens proposed per sequence and step (default 4); fewer where "
+                        "proposals keep failing or the step is compute-bound")
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig fields of the --speculative flags."""
+    if args.speculative is None:
+        if args.num_speculative is not None:
+            raise KvlabError("--num-speculative applies with --speculative; add "
+                             "--speculative ngram")
+        return {}
+    k = args.num_speculative
+    return {"speculative": args.speculative, "num_speculative": 4 if k is None else k}
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:

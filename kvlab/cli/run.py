@@ -6,7 +6,14 @@ import argparse
 import json
 import sys
 
-from kvlab.cli.common import add_model_flags, add_sampling_flags, engine_config, sampling_params
+from kvlab.cli.common import (
+    add_model_flags,
+    add_sampling_flags,
+    add_speculative_flags,
+    engine_config,
+    sampling_params,
+    speculative_config,
+)
 from kvlab.errors import KvlabError
 from kvlab.llm import LLM
 from kvlab.logprobs import completion_logprobs
@@ -20,6 +27,7 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON record instead")
     add_model_flags(p)
     add_sampling_flags(p)
+    add_speculative_flags(p)
     p.set_defaults(func=run)
 
 
@@ -28,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvlabError("--logprobs N goes into the --json record; add --json (the text "
                          "stream has no place for them)")
     params = sampling_params(args)
-    llm = LLM(args.model, engine_config(args))
+    llm = LLM(args.model, engine_config(args, **speculative_config(args)))
     if args.chat:
         ids = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
     else:
@@ -50,12 +58,18 @@ def run(args: argparse.Namespace) -> int:
                   "finish_reason": last.finish_reason.value if last.finish_reason else None,
                   "logprobs": (None if args.logprobs is None
                                else completion_logprobs(llm.tokenizer, logprobs, args.logprobs)),
-                  "metrics": metrics.as_dict()}
+                  "metrics": metrics.as_dict(),
+                  "speculative": {"drafted_tokens": last.draft_tokens,
+                                  "accepted_tokens": last.accepted_tokens}}
         print(json.dumps(record))
     else:
         sys.stdout.write("\n")
         print(f"\n--- {llm.engine.model_name} ({last.finish_reason.value}) ---",
               file=sys.stderr)
         print(metrics.summary(), file=sys.stderr)
+        if last.draft_tokens:
+            print(f"speculative: {last.accepted_tokens} of {last.draft_tokens} proposed tokens "
+                  f"accepted ({100 * last.accepted_tokens / last.draft_tokens:.0f} %)",
+                  file=sys.stderr)
     return 0
 

@@ -12,7 +12,12 @@ import os
 import sys
 from urllib.parse import urlsplit
 
-from kvlab.cli.common import add_model_flags, engine_config
+from kvlab.cli.common import (
+    add_model_flags,
+    add_speculative_flags,
+    engine_config,
+    speculative_config,
+)
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
 from kvlab.server.apis import front_ends
@@ -24,6 +29,7 @@ from kvlab.server.replicas.settings import AppSettings
 def register(subs: argparse._SubParsersAction) -> None:
     p = subs.add_parser("serve", help="serve the model over the OpenAI and Ollama HTTP APIs")
     add_model_flags(p)
+    add_speculative_flags(p)
     p.add_argument("--host", default=None,
                    help="address to listen on (default 127.0.0.1, or $OLLAMA_HOST's with "
                         "--ollama)")
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size,
-                           enable_prefix_caching=not args.no_prefix_caching)
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           **speculative_config(args))
     engine = Engine.from_model(args.model, config)
     if not args.no_reserve_kv:
         engine.reserve_kv_memory()
@@ -181,7 +188,8 @@ def app_settings(args: argparse.Namespace) -> AppSettings:
     config = engine_config(args, threads=threads, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size,
-                           enable_prefix_caching=not args.no_prefix_caching)
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           **speculative_config(args))
     return AppSettings(model=args.model, engine=config, limits=server_limits(args),
                        max_waiting=args.max_waiting, reserve_kv=not args.no_reserve_kv,
                        replicas=1 if args.replicas is None else args.replicas,

@@ -8,6 +8,9 @@ stores have that many blocks instead, addressed through each sequence's window t
 A hybrid model's recurrent layers have no KV store (None in kv_caches); given state slots
 (num_state_slots), the runner holds their states (kvlab.models.state_store), zeroes a
 sequence's row when it starts from token 0 and passes the step's rows to the model.
+
+A sequence with proposed tokens (speculative decoding) gets a logits row at each of them
+(ScheduledSeq.num_logits, StepLogits.counts), and each is one decode row (_spans).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kvlab.models.layers import rms_norm
 from kvlab.models.state_store import RecurrentStates, StateBatch
 from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
 from kvlab.runner.kv_pager import KVPager
-from kvlab.scheduler import SchedulerOutput
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 
 WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attention)
 
@@ -189,13 +192,9 @@ class ModelRunner:
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         spans, ids, positions = [], [], []
         for s in out.scheduled:
-            end = s.start + len(s.token_ids)
-            window = (None if s.window_table is None else
-                      self._slots(self._scratch_released(s.window_table), end))
-            spans.append(SeqSpan(s.start, len(s.token_ids), self._slots(s.block_table, end),
-                                 window))
+            spans.extend(self._spans(s))
             ids.extend(s.token_ids)
-            positions.extend(range(s.start, end))
+            positions.extend(range(s.start, s.start + len(s.token_ids)))
         meta = build_metadata(spans, self.config.sliding_window, self.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -237,6 +236,30 @@ class ModelRunner:
         self.states.copy([s.state_restore for s in restored], [s.state_slot for s in restored])
         return self.states.batch([s.state_slot for s in out.scheduled],
                                  [len(s.token_ids) for s in out.scheduled])
+
+    def _spans(self, s: ScheduledSeq) -> list[SeqSpan]:
+        """A sequence's attention spans this step. Its proposed tokens (the last
+        num_logits - 1) are one decode row each, attending to the keys up to its own
+        position: causal among them, and computed as decoding them one step at a time
+        would (the one-call C decode takes such a step), so greedy verification reproduces
+        plain decoding's text. The tokens before them are one span, as without proposals:
+
+            positions   7  8 |  9 | 10 | 11
+            tokens     o3 f1 | d1 | d2 | d3     (o3 sampled, f1 forced, d1-d3 proposed)
+            spans      7 + 2 | 9+1|10+1|11+1    (start + num_new; keys: positions < end)
+        """
+        end = s.start + len(s.token_ids)
+        slots = self._slots(s.block_table, end)
+        window = (None if s.window_table is None else
+                  self._slots(self._scratch_released(s.window_table), end))
+        proposed = s.num_logits - 1 if s.needs_logits else 0
+        known = len(s.token_ids) - proposed
+        spans = [SeqSpan(s.start, known, slots[:s.start + known],
+                         None if window is None else window[:s.start + known])]
+        for pos in range(s.start + known, end):
+            spans.append(SeqSpan(pos, 1, slots[:pos + 1],
+                                 None if window is None else window[:pos + 1]))
+        return spans
 
     def _scratch_released(self, window_table: list[int | None]) -> list[int]:
         """A window table with released blocks pointing at the pool's scratch block (never

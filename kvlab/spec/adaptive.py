@@ -104,8 +104,9 @@ class StepCost:
 
     def seconds(self, rows: int, multi: bool) -> float:
         fixed, per_row, switch = self.theta
-        return self.unit * (max(fixed, 1e-6) + max(per_row, 0.0) * rows
-                            + (max(switch, 0.0) if multi else 0.0))
+        unit = self.unit or 1.0  # before any step: only the terms' ratios matter
+        return unit * (max(fixed, 1e-6) + max(per_row, 0.0) * rows
+                       + (max(switch, 0.0) if multi else 0.0))
 
 
 class Planner:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvlab.engine import EngineStats
 from kvlab.request import RequestOutput
+from kvlab.spec.stats import SpecCounts
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -97,6 +98,27 @@ def _total(name: str, help_: str, value: float, base: dict[str, str]) -> list[st
     return [*_header(name, help_, "counter"), f"{name}{_labels(base)} {_num(value)}"]
 
 
+def _speculative(counts: SpecCounts, base: dict[str, str]) -> list[str]:
+    """Speculative decoding's counters, and its acceptance lengths (proposals kept per
+    verify run) as a histogram with one bucket per length."""
+    longest = max(counts.lengths, default=0)
+    lengths = Histogram("kvlab:spec_decode_acceptance_length",
+                        "Proposed tokens accepted per verify run of a sequence.",
+                        tuple(float(n) for n in range(longest + 1)))
+    for n, runs in counts.lengths.items():
+        lengths.counts[n] += runs
+        lengths.total += n * runs
+        lengths.count += runs
+    return [*_total("kvlab:spec_decode_num_drafts_total",
+                    "Verify runs: a sequence's proposals checked in one step.", counts.runs,
+                    base),
+            *_total("kvlab:spec_decode_num_draft_tokens_total", "Tokens proposed.",
+                    counts.drafted, base),
+            *_total("kvlab:spec_decode_num_accepted_tokens_total",
+                    "Proposed tokens the model accepted.", counts.accepted, base),
+            *lengths.render(base)]
+
+
 class ServerMetrics:
     """Everything /metrics reports. Touched only from the event loop thread."""
 
@@ -166,6 +188,7 @@ class ServerMetrics:
                     "Prompt tokens looked up in the prefix cache.", stats.prefix_queries, b),
             *_total("kvlab:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                     stats.prefix_hits, b),
+            *_speculative(stats.speculative, b),
         ]
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens,
                        self.requests, self.rejected, self.ttft, self.itl, self.e2e,

@@ -44,11 +44,16 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     completion = sum(c.last.output_tokens for c in choices if c.last)
     cached = sum(c.last.cached_tokens for c in firsts if c.last)
     forced = sum(c.last.forced_tokens for c in choices if c.last)
+    drafted = sum(c.last.draft_tokens for c in choices if c.last)
+    accepted = sum(c.last.accepted_tokens for c in choices if c.last)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
-            # kvlab's own: output tokens a structure fixed, appended without sampling
-            "completion_tokens_details": {"forced_tokens": forced}}
+            # kvlab's own: output tokens a structure fixed, appended without sampling; and
+            # speculative decoding's proposals, in OpenAI's predicted-output fields
+            "completion_tokens_details": {"forced_tokens": forced,
+                                          "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
 
 
 class Format:

@@ -1,0 +1,183 @@
+"""Prompt-lookup speculative decoding on the default model, one user at a time: decode tok/s
+with and without `--speculative ngram`, the acceptance rate, and whether the greedy text is
+identical, per prompt.
+
+Input-grounded prompts (the answer copies from the prompt: rewrite a function with one name
+changed, answer by quoting a passage, fix a typo in a paragraph, continue a JSON list) are
+where proposals are kept; free-generation prompts (nothing to look up) show what speculation
+costs where it cannot help: their ratio should stay >= 0.95, as the adaptive sizing turns
+proposals off once they keep failing. Figures are meaningless while other work shares the
+cores.
+
+    .venv/bin/python bench/spec_decode.py [-n 128] [-t 2] [-k 4] [-r 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kvlab.engine import EngineConfig
+from kvlab.llm import LLM
+from kvlab.request import SamplingParams
+
+FUNCTIONS = [
+    ("parse_header", "split_header", '''def parse_header(line):
+    """Split an HTTP header line into a lower-case name and its value."""
+    name, sep, value = line.partition(":")
+    if not sep:
+        raise ValueError(f"not a header line: {line!r}")
+    return name.strip().lower(), value.strip()
+'''),
+    ("moving_average", "rolling_mean", '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        result.append(total / min(i + 1, window))
+    return result
+'''),
+    ("load_config", "read_settings", '''def load_config(path, defaults=None):
+    config = dict(defaults or {})
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            config[key.strip()] = value.strip()
+    return config
+'''),
+]
+
+PASSAGES = [
+    ("What does the passage say the river did in the spring of 1887?",
+     ("The town of Millbrook grew up along the banks of the Serle river. In the spring of "
+      "1887 the river rose above its banks for eleven days and carried away the old wooden "
+      "bridge, the mill and most of the houses on the lower street. The town rebuilt the "
+      "bridge in stone two years later, and the mill was never rebuilt.")),
+    ("According to the text, why do octopuses change colour?",
+     ("Octopuses change colour using thousands of cells in their skin called chromatophores. "
+      "They change colour to hide from predators, to sneak up on prey, and to signal to other "
+      "octopuses. Some species can also change the texture of their skin to match rocks and "
+      "coral.")),
+    ("What does the manual say to do before replacing the filter?",
+     ("Before replacing the filter, switch the unit off at the wall and wait for the fan to "
+      "stop completely. Open the front panel by pressing the two catches on either side. Pull "
+      "the old filter straight out and slide the new filter in with the arrow pointing up.")),
+]
+
+TYPOS = [
+    ("The commitee met on Tuesday to discuss the budget for the coming year. After a long "
+     "debate, the members agreed to increase spending on the library and the park."),
+    ("Our new office is located on the third floor of the building next to the train "
+     "station. Visitors should sign in at the recepton desk and wait to be collected."),
+    ("The experiment was repeated five times to make sure the results were reliable. Each "
+     "time, the temperature was recorded every ten minutes and the avarage was calculated."),
+]
+
+LISTS = [
+    ('[{"id": 1, "name": "Alice", "role": "admin"}, {"id": 2, "name": "Bob", "role": "editor"}, '
+     '{"id": 3, "name": "Carol", "role": "viewer"},'),
+    ('[{"city": "Paris", "country": "France", "population": 2148000}, {"city": "Berlin", '
+     '"country": "Germany", "population": 3645000}, {"city": "Madrid", "country": "Spain", '
+     '"population": 3223000},'),
+    ('[{"sku": "A-100", "price": 9.99, "in_stock": true}, {"sku": "A-101", "price": 12.5, '
+     '"in_stock": false}, {"sku": "A-102", "price": 4.25, "in_stock": true},'),
+]
+
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten year old.",
+    "Give me three ideas for a weekend trip in the mountains.",
+    "Write a poem about autumn rain.",
+]
+
+
+def grounded() -> list[str]:
+    """The input-grounded requests, as user turns."""
+    asks = [f"Rewrite this function with `{old}` renamed to `{new}`, changing nothing "
+            f"else:\n\n```python\n{code}```" for old, new, code in FUNCTIONS]
+    asks += [f"{q} Answer by quoting the passage.\n\nPassage: {p}" for q, p in PASSAGES]
+    asks += [f"Fix the spelling mistake in this paragraph and write out the whole corrected "
+             f"paragraph:\n\n{t}" for t in TYPOS]
+    asks += [f"Continue this JSON list with five more items of the same shape:\n\n{items}"
+             for items in LISTS]
+    return asks
+
+
+def decode(llm: LLM, ids: list[int], params: SamplingParams) -> tuple[list[int], float, int,
+                                                                        int]:
+    """(tokens, decode tok/s after the first token, proposed, accepted)."""
+    tokens: list[int] = []
+    first = last = None
+    out = None
+    for out in llm.stream(ids, params):
+        tokens += out.new_token_ids
+        now = time.perf_counter()
+        first = first or now
+        last = now
+    assert out is not None and first is not None and last is not None
+    rate = (len(tokens) - 1) / (last - first) if last > first else float("nan")
+    return tokens, rate, out.draft_tokens, out.accepted_tokens
+
+
+def measure(plain: LLM, spec: LLM, prompt: str, params: SamplingParams, reps: int
+            ) -> tuple[float, float, bool, int, int]:
+    ids = plain.chat_prompt_ids([{"role": "user", "content": prompt}])
+    base, fast, same, proposed, kept = [], [], True, 0, 0
+    for _ in range(reps):
+        want, r0, _, _ = decode(plain, ids, params)
+        got, r1, d, a = decode(spec, ids, params)
+        base.append(r0)
+        fast.append(r1)
+        same &= got == want
+        proposed, kept = proposed + d, kept + a
+    return statistics.median(base), statistics.median(fast), same, proposed, kept
+
+
+def report(name: str, plain: LLM, spec: LLM, prompts: list[str], params: SamplingParams,
+           reps: int) -> list[float]:
+    print(f"\n{name}")
+    print(f"{'#':>3} {'plain t/s':>10} {'ngram t/s':>10} {'ratio':>6} {'accept':>7} "
+          f"{'same':>5}  prompt")
+    ratios = []
+    for i, prompt in enumerate(prompts):
+        r0, r1, same, d, a = measure(plain, spec, prompt, params, reps)
+        ratios.append(r1 / r0)
+        accept = f"{100 * a / d:.0f} %" if d else "-"
+        print(f"{i:>3} {r0:>10.1f} {r1:>10.1f} {r1 / r0:>6.2f} {accept:>7} "
+              f"{'yes' if same else 'NO':>5}  {prompt[:48]!r}")
+    print(f"geometric mean ratio {statistics.geometric_mean(ratios):.2f}, "
+          f"min {min(ratios):.2f}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", type=int, default=128, help="tokens to generate per prompt")
+    ap.add_argument("-t", type=int, default=2, help="threads")
+    ap.add_argument("-k", type=int, default=4, help="--num-speculative")
+    ap.add_argument("-r", type=int, default=2, help="repetitions per prompt (median)")
+    args = ap.parse_args()
+    config = EngineConfig(threads=args.t, max_num_seqs=1)
+    plain = LLM(None, config)
+    spec = LLM(None, EngineConfig(threads=args.t, max_num_seqs=1, speculative="ngram",
+                                  num_speculative=args.k))
+    params = SamplingParams(max_tokens=args.n, temperature=0)
+    decode(plain, plain.tokenizer.encode("Hello"), params)  # warm-up: pages in the weights
+    decode(spec, spec.tokenizer.encode("Hello"), params)
+    report("input-grounded prompts", plain, spec, grounded(), params, args.r)
+    free = report("free generation (nothing to look up)", plain, spec, FREE, params, args.r)
+    verdict = "holds" if min(free) >= 0.95 else "does NOT hold"
+    print(f"\nfree generation: speculation costs at most {100 * (1 - min(free)):.0f} % "
+          f"(the >= 0.95 ratio {verdict})")
+
+
+if __name__ == "__main__":
+    main()
