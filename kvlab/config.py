@@ -89,6 +89,8 @@ class RecurrentConfig:
     num_v_heads: int = 0
     k_head_dim: int = 0
     v_head_dim: int = 0
+    # value head j reads key head j % Hk (llama.cpp's GGUF order) instead of j // (Hv / Hk)
+    v_heads_tiled: bool = False
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:

@@ -121,6 +121,20 @@ def test_both_loaders_give_the_same_logits(tiny):
     assert (a - b).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
+def test_quantized_at_load_stays_close(tiny, fmt):
+    """Q8_0 weights (8-row groups where they fit) through the recurrent and attention
+    layers: close to transformers, not equal."""
+    arch, hf, *_ = tiny
+    ids = list(range(3, 19))
+    loaded = load_model(open_checkpoint(path_of(tiny, fmt)), LoadOptions(quantize="q8_0"))
+    assert {t.qtype for t in loaded.tensors} & {"Q8_0", "Q8_0x8"}
+    runner = ModelRunner(loaded.model, loaded.config, 32, 4, num_state_slots=1)
+    got = step(runner, seq("a", 0, ids, [0, 1, 2, 3], slot=0))[0]
+    ref = reference_logits(hf, ids)[-1]
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
+
+
 # ---- the engine: scheduler, slots and runner together --------------------------------------
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

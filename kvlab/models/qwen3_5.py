@@ -19,7 +19,9 @@ GGUF stores it so), except the DeltaNet output norm.
 
 GGUF (llama.cpp's qwen35 / qwen35moe): recurrent layers from `attention.recurrent_layers`;
 A stored as -exp(A_log); where Hv > Hk the converter reorders value heads from grouped by
-key head [k0: v0 v1, k1: v0 v1] to tiled [k0v0, k1v0, k0v1, k1v1]; the loader puts them back.
+key head [k0: v0 v1, k1: v0 v1] to tiled [k0v0, k1v0, k0v1, k1v1] (every weight and state
+along the value heads alike), so value head j reads key head j % Hk (v_heads_tiled): the key
+heads are repeated in that order, and quantized weights stay as stored.
 The multimodal checkpoints (Qwen3_5ForConditionalGeneration) load their text model alone.
 """
 
@@ -69,7 +71,6 @@ MULTIMODAL_HF_NAMES = NameTable(
              "model.language_model.norm.weight": "norm", "lm_head.weight": "lm_head"},
     layer_prefix="model.language_model.layers.{i}.", layer=_HF_LAYER, experts=moe.HF_EXPERTS)
 NORMS = {"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm"}  # 1 + w (not delta_norm)
-_V_HEAD_ROWS = {"delta_z", "delta_b", "delta_a", "ssm_a", "dt_bias"}
 
 
 def _config(arch: str, *, vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -84,9 +85,11 @@ def _config(arch: str, *, vocab: int, hidden: int, heads: int, kv_heads: int, he
         tie_word_embeddings=tied, qk_norm=True, name=name, recurrent=delta, moe=experts)
 
 
-def _delta(kernel: int, hk: int, hv: int, dk: int, dv: int) -> RecurrentConfig:
+def _delta(kernel: int, hk: int, hv: int, dk: int, dv: int,
+           tiled: bool = False) -> RecurrentConfig:
     return RecurrentConfig("gated_delta", conv_kernel=kernel, conv_channels=2 * hk * dk + hv * dv,
-                           num_k_heads=hk, num_v_heads=hv, k_head_dim=dk, v_head_dim=dv)
+                           num_k_heads=hk, num_v_heads=hv, k_head_dim=dk, v_head_dim=dv,
+                           v_heads_tiled=tiled)
 
 
 def config_from_gguf(meta: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
@@ -113,7 +116,7 @@ def config_from_gguf(meta: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
         theta=float(g("rope.freq_base", 1e7)),
         rotary_dim=int(g("rope.dimension_count", head_dim)),
         delta=_delta(int(g("ssm.conv_kernel")), int(g("ssm.group_count")), hv,
-                     int(g("ssm.state_size")), inner // hv),
+                     int(g("ssm.state_size")), inner // hv, tiled=True),
         tied=True,  # refined by the loader: untied where output.weight exists
         name=str(meta.get("general.name", arch)), experts=experts)
 
@@ -178,6 +181,9 @@ class Qwen35Model(HybridModel):
         q, k, v = qkv.split([rc.num_k_heads * rc.k_head_dim] * 2 + [rc.num_v_heads * rc.v_head_dim],
                             dim=-1)
         q, k = (_l2norm(t.reshape(-1, rc.num_k_heads, rc.k_head_dim)) for t in (q, k))
+        if rc.v_heads_tiled:  # value head j reads key head j % Hk: repeat the key heads
+            r = rc.num_v_heads // rc.num_k_heads
+            q, k = q.repeat(1, r, 1), k.repeat(1, r, 1)
         g = layer["ssm_a"] * F.softplus(a.float() + layer["dt_bias"])
         o = gated_delta_rule(q, k, v.reshape(-1, rc.num_v_heads, rc.v_head_dim), g,
                              torch.sigmoid(b.float()), state.recurrent, states.slots,
@@ -241,33 +247,9 @@ def _delta_layer(config: ModelConfig, i: int, layer: dict[str, Weight]) -> dict[
     return {**rest, "delta_in": Stacked.of([layer[n] for n in parts])}
 
 
-def _untile_v_heads(t: torch.Tensor, dim: int, rc: RecurrentConfig, width: int) -> torch.Tensor:
-    """Value heads from llama.cpp's tiled order [r, Hk, width] back to grouped [Hk, r, width]
-    along `dim` (r = Hv / Hk value heads per key head)."""
-    r = rc.num_v_heads // rc.num_k_heads
-    shape = list(t.shape)
-    if shape[dim] != r * rc.num_k_heads * width:
-        raise ModelLoadError(
-            f"a DeltaNet tensor has {shape[dim]} value rows where the state dimensions say "
-            f"{rc.num_v_heads} value heads x {width} (ssm.time_step_rank, ssm.inner_size)")
-    t = t.reshape(*shape[:dim], r, rc.num_k_heads, width, *shape[dim + 1:])
-    return t.transpose(dim, dim + 1).reshape(shape)
-
-
 def _gguf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
-    rc = config.recurrent
-    if name == "shexp_router":  # llama.cpp may store the shared expert's gate as [hidden]
-        return t.reshape(1, -1)
-    if rc is None or rc.num_v_heads == rc.num_k_heads:
-        return t
-    key_rows, dv = 2 * rc.num_k_heads * rc.k_head_dim, rc.v_head_dim
-    if name in ("delta_qkv", "conv"):  # only the v rows (channels) were reordered
-        return torch.cat([t[:key_rows], _untile_v_heads(t[key_rows:], 0, rc, dv)])
-    if name in _V_HEAD_ROWS:
-        return _untile_v_heads(t, 0, rc, dv if name == "delta_z" else 1)
-    if name == "delta_out":
-        return _untile_v_heads(t, 1, rc, dv)
-    return t
+    # llama.cpp may store the shared expert's gate as a vector [hidden]: one output row
+    return t.reshape(1, -1) if name == "shexp_router" else t
 
 
 def _hf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ plus one block of scratch slots for padding rows, allocated once; its pages only
 resident when written. Given a window pool (num_window_blocks), the sliding-window layers'
 stores have that many blocks instead, addressed through each sequence's window table. On CUDA, pure decode steps replay captured graphs (decode_graph).
 
-A hybrid model's recurrent layers have no KV store (None in kv_caches); given state slots
-(num_state_slots), the runner holds their states (kvlab.models.state_store), zeroes a
-sequence's row when it starts from token 0 and passes the step's rows to the model.
+A hybrid model's recurrent layers have no KV store (None in kv_caches); the runner holds
+their states (kvlab.models.state_store) with num_state_slots rows (the sequences' slots, then
+the prefix cache's snapshots), zeroes a sequence's row when it starts from token 0, copies a
+snapshot in or out where the step says, and passes the step's rows to the model.
 
 A sequence with proposed tokens (speculative decoding) gets a logits row at each of them
 (ScheduledSeq.num_logits, StepLogits.counts), and each is one decode row (_spans).
