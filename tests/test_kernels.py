@@ -382,7 +382,7 @@ def test_quantized_weight_checks_its_data():
     with pytest.raises(ValueError, match="needs uint8 data"):
         QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(2, 60, dtype=torch.uint8))
     with pytest.raises(ValueError, match="not supported"):
-        QuantizedWeight(T.IQ2_XXS, (2, 256), torch.zeros(2, 66, dtype=torch.uint8))
+        QuantizedWeight(T.IQ1_S, (2, 256), torch.zeros(2, 50, dtype=torch.uint8))
     w = QuantizedWeight(T.Q8_0, (2, 64), torch.zeros(68, 2, dtype=torch.uint8).t())
     assert w.data.is_contiguous() and w.data.shape == (2, 68) and w.nbytes == 136
     assert "Q8_0" in repr(w)
