@@ -128,8 +128,8 @@ class Experts:
 
     def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on rows x [n, hidden] -> [n, hidden]."""
-        up_bias, down_bias = ((None, None) if self.down_bias is None else
-                              (self.gate_up_bias[e], self.down_bias[e]))
+        up_bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        down_bias = None if self.down_bias is None else self.down_bias[e]
         gate_up = linear(x, self.gate_up[e], up_bias)
         h = swiglu(gate_up) if self.gate is None else self.gate(gate_up)
         return linear(h, self.down[e], down_bias)
