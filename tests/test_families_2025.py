@@ -39,7 +39,7 @@ from tiny_models import FAMILIES_2025, build, convert_with_llama_cpp, multimodal
 __all__ = ["test_batch_of_unequal_prompts_matches_each_alone",
            "test_both_loaders_give_the_same_logits", "test_chunked_prefill_equals_one_pass",
            "test_prefill_then_paged_decode_matches_transformers"]
-C_PLAN = {"smollm3": True, "olmo2": False, "olmo3": False, "mistral3": True,
+C_PLAN = {"smollm3": True, "olmo2": True, "olmo3": True, "mistral3": True,
           "glm4moe": False}
 
 
@@ -65,8 +65,9 @@ def _prefill_then_decode(runner: ModelRunner, ids: list[int], split: int) -> lis
 
 def test_quantized_decode_in_the_c_layers_equals_the_per_op_path(tiny, monkeypatch):
     """Q8_0 weights: the one-call C decode layers (where the family has them: SmolLM3 with
-    an identity rotation on its layers without RoPE, Ministral 3 below the temperature's
-    original context) give the per-op path's logits."""
+    an identity rotation on its layers without RoPE, OLMo 2 without norms before attention
+    and MLP, OLMo 3's sliding layers with their own RoPE, Ministral 3 below the
+    temperature's original context) give the per-op path's logits."""
     arch, hf, out = tiny
     ran: list[bool] = []
     real_run = decode_c.run

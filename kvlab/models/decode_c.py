@@ -12,7 +12,8 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
     shexp_gate
 
-A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms);
+A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
+OLMo 2: no norm before attention and MLP, only after);
 `gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). Gemma 2's soft-cap on the
 attention scores is one scalar of the step, as the per-op path passes it to the same C
 attention. A mixture-of-experts layer has a router (fp32 [E, hidden]) and its experts'
@@ -37,7 +38,9 @@ from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
-_OPTIONAL = ("qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm", "post_mlp_norm")
+# OLMo 2 has no attn_norm / mlp_norm (its norms come after the products: the post norms)
+_OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
+             "post_mlp_norm")
 
 
 class Plan:

@@ -7,7 +7,7 @@ plain (theta only) while the full-attention layers may scale theirs (YaRN); llam
 it as `olmo2` with the window, its per-layer pattern and (optionally) rope.freq_base_swa.
 
 llama.cpp rotates these models' q/k by halves (NeoX), so its GGUF rows need no unpermuting.
-The one-call C decode plan needs a norm before attention, so decode runs the per-op path.
+The one-call C decode plan runs these layers with no norm before attention and MLP.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "qk.h"
 #include "qk_decode.h"
@@ -59,11 +60,20 @@ static void norm_whole_qk(const kv_layer_plan *L, const kv_step *s, float *qkv, 
     }
 }
 
+/* h = rms_norm(x) * norm, or x as it is where the layer has no norm before its products
+ * (OLMo 2 norms their outputs instead: post_attn_norm, post_mlp_norm) */
+static void pre_norm(const float *x, int64_t norm, float *h, const kv_step *s) {
+    if (norm)
+        kv_rms_norm(x, (const float *)(intptr_t)norm, h, s->B, s->hidden, s->eps);
+    else
+        memcpy(h, x, (size_t)(s->B * s->hidden) * sizeof(float));
+}
+
 static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
                           float *x, kv_bufs *b, int use_avx2) {
     const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
     const int w = L->sliding != 0;
-    kv_rms_norm(x, (const float *)(intptr_t)L->attn_norm, b->h, B, s->hidden, s->eps);
+    pre_norm(x, L->attn_norm, b->h, s);
     if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
     if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
     if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
@@ -130,7 +140,7 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
     const int64_t E = L->n_experts, k = L->top_k;
     const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
                              .row_bytes = s->hidden * (int64_t)sizeof(float)};
-    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    pre_norm(x, L->mlp_norm, b->h, s);
     if (kv_product(&router, b->h, s->B, b->logits, E)) return -1;
     for (int64_t r = 0; r < s->B; r++)
         kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
@@ -145,7 +155,7 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
 
 static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
     if (L->router) return moe_half(L, s, x, b);
-    kv_rms_norm(x, (const float *)(intptr_t)L->mlp_norm, b->h, s->B, s->hidden, s->eps);
+    pre_norm(x, L->mlp_norm, b->h, s);
     if (gated_mlp(L, s, b, b->o)) return -1;
     residual(x, b->o, L->post_mlp_norm, s);
     return 0;

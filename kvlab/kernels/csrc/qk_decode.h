@@ -10,7 +10,7 @@
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
 
 typedef struct {
-    int64_t attn_norm, n_qkv;
+    int64_t attn_norm, n_qkv;          /* attn_norm (and mlp_norm) 0: no norm before (OLMo 2) */
     kv_wdesc qkv[3];
     int64_t qkv_bias;                  /* fp32 [q | k | v] added after the product, or 0 */
     int64_t q_norm, k_norm;            /* per-head RMSNorm before RoPE, or 0 (RoPE only) */
