@@ -3,6 +3,7 @@ llama.cpp's convert_hf_to_gguf.py (f32), run in llama.cpp (llama-cpp-python) and
 against transformers' fp32 logits; prints max |logit diff| per family.
 
     .venv/bin/python bench/hybrid_vs_llamacpp.py [--tokens 14] [--families lfm2,qwen3_5]
+    .venv/bin/python bench/hybrid_vs_llamacpp.py --speed [--hidden 1024 --layers 16 --quant Q8_0]
 
 Columns: kvlab from the safetensors, kvlab from the converted GGUF and llama.cpp from the same
 GGUF, each against transformers; then kvlab against llama.cpp. kvlab's rows come from a
@@ -11,11 +12,19 @@ cache); llama.cpp's from one batch with logits for every position. Qwen3.5's key
 as wide as its value heads here (llama.cpp's qwen35 takes no other shape; real checkpoints
 have them equal). llama.cpp's build: KVLAB_LLAMA_CPP_LIB / KVLAB_LLAMA_CPP_PY, as in
 bench/families_vs_llamacpp.py.
+
+--speed: each family at a larger random size (--hidden, --layers), converted, quantized by
+llama-quantize (--quant), then `kvlab bench` and llama-bench on the same file (-p, -n):
+prefill and decode tok/s of each and kvlab's ratio to llama.cpp. Figures taken while other
+work shares the cores say little; run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -72,11 +81,66 @@ def family_row(arch: str, ids: list[int], work: Path) -> str:
             f"{(theirs - ref).abs().max():10.2e} {(ours - theirs).abs().max():10.2e}")
 
 
+def _bench(cmd: list[str]) -> tuple[float, float]:
+    """(prefill, decode) tok/s from `kvlab bench -o json` ({"results": [{tok_s_mean, ...}]})
+    or llama-bench's JSON list ([{avg_ts, ...}]): the rows with n_gen 0 and n_prompt 0."""
+    run = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=3600)
+    if run.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed: {run.stderr[-800:]}")
+    found = json.loads(run.stdout[min(i for i in (run.stdout.find("["), run.stdout.find("{"))
+                                      if i >= 0):])
+    rows = found["results"] if isinstance(found, dict) else found
+    speed = [float(r.get("tok_s_mean", r.get("avg_ts", 0.0))) for r in rows]
+    prefill = next(v for r, v in zip(rows, speed) if r["n_gen"] == 0)
+    return prefill, next(v for r, v in zip(rows, speed) if r["n_prompt"] == 0)
+
+
+def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
+    out = work / arch
+    size = {"hidden_size": args.hidden, "num_hidden_layers": args.layers,
+            "intermediate_size": 3 * args.hidden, "num_attention_heads": args.hidden // 64,
+            "num_key_value_heads": args.hidden // 256, "vocab_size": 96}
+    if arch != "lfm2":  # the Qwen3.5 shape: 64-wide heads, value heads twice the key heads
+        size |= {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                 "linear_num_key_heads": args.hidden // 128,
+                 "linear_num_value_heads": args.hidden // 64}
+    build_hybrid(arch, out, **size)
+    failed = convert_with_llama_cpp(out / "hf", out / "f32.gguf")
+    if failed:
+        return f"{arch:12s} no GGUF: {failed[:80]}"
+    model = out / f"{args.quant.lower()}.gguf"
+    subprocess.run([str(BIN / "llama-quantize"), str(out / "f32.gguf"), str(model), args.quant],
+                   capture_output=True, check=True)
+    common = ["-m", str(model), "-p", str(args.prompt), "-n", str(args.gen), "-r", "3",
+              "-o", "json"]
+    pp, tg = _bench([sys.executable, "-m", "kvlab.cli.main", "bench", *common])
+    pp_l, tg_l = _bench([str(BIN / "llama-bench"), *common])
+    return (f"{arch:12s} {pp:9.1f} {pp_l:9.1f} {pp / pp_l:6.2f}x  "
+            f"{tg:9.1f} {tg_l:9.1f} {tg / tg_l:6.2f}x")
+
+
+BIN = Path(os.environ.get("KVLAB_LLAMA_CPP_LIB", "/work/peers/build/bin"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=14)
     ap.add_argument("--families", default=",".join(HYBRID_ARCHS))
+    ap.add_argument("--speed", action="store_true", help="tok/s against llama-bench instead")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--quant", default="Q8_0", help="llama-quantize's type name")
+    ap.add_argument("-p", "--prompt", type=int, default=128)
+    ap.add_argument("-n", "--gen", type=int, default=32)
     args = ap.parse_args()
+    if args.speed:
+        print(f"{'family':12s} {'pp kvlab':>9s} {'pp l.cpp':>9s} {'ratio':>7s}  "
+              f"{'tg kvlab':>9s} {'tg l.cpp':>9s} {'ratio':>7s}   (tok/s, {args.quant}, "
+              f"hidden {args.hidden}, {args.layers} layers)")
+        with tempfile.TemporaryDirectory() as tmp:
+            for arch in args.families.split(","):
+                print(speed_row(arch, args, Path(tmp)), flush=True)
+        return
     ids = torch.randint(0, 96, (args.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     print(f"{'family':12s} {'kvlab hf':>10s} {'kvlab gguf':>10s} {'llama.cpp':>10s} "
           f"{'kv - l.cpp':>10s}   (max |logit diff| vs transformers, {args.tokens} tokens)")
