@@ -235,6 +235,17 @@ def test_embeddings_run_the_prompts_with_states_of_their_own(tiny):
         assert (vector - ref).abs().max() <= TOL
 
 
+def test_teacher_forced_logprobs_follow_transformers(tiny):
+    """Outside the scheduler: a prefill, then one decode step per token in a state slot of
+    its own, given back after."""
+    e = engine(tiny)
+    ids = list(range(30, 44))
+    got = e.teacher_forced_logprobs(ids, prefill=6)
+    ref = torch.log_softmax(reference_logits(tiny[1], ids)[5:], dim=-1)
+    assert got.shape == ref.shape and (got - ref).abs().max() <= TOL
+    assert e.kv.states is not None and e.kv.states.num_free == e.kv.states.num_slots
+
+
 # ---- checkpoints: multimodal wrappers, GGUF state dimensions ---------------------------------
 
 def _multimodal(arch: str):
