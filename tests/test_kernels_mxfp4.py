@@ -6,11 +6,13 @@ A block is one E8M0 exponent byte e and 16 bytes of E2M1 nibbles; gguf dequantiz
 MXFP4's table and scales (kernels/csrc/qk_iq4.c, qk_group8_iq4.c). test_kernels.py runs its
 per-type checks over SUPPORTED_TYPES, MXFP4 among them, test_kernels_iq4.py the prefill
 tiles and test_moe.py the C experts on MXFP4 too; here: every exponent, every index, odd
-block counts, the 8-row groups (MXFP4x8) on every path and a GGUF file with stacked experts.
+block counts, the 8-row groups (MXFP4x8) on every path, a GGUF file with stacked experts and
+a tiny MoE model whose experts are MXFP4.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,7 @@ from test_kernels import (
     qmatmul_bound,
     reference_dequant,
 )
+from test_models import reference_logits, runner_for, step
 
 from kvlab.kernels import (
     SUPPORTED_TYPES,
@@ -34,6 +37,12 @@ from kvlab.kernels import (
     ops,
     qmatmul,
 )
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.scheduler import ScheduledSeq
+from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.weights.gguf_file import GGUFFile
+
+from tiny_models import build, write_gguf
 
 T = GGMLQuantizationType
 VALUES = np.array(gguf_quants.MXFP4.kvalues, dtype=np.float32)  # E2M1 values, doubled
@@ -167,10 +176,6 @@ def test_quantize_is_gguf_s():
 def test_stacked_experts_in_a_gguf_file(tmp_path):
     """A [experts, out, in] MXFP4 tensor, as gpt-oss stores its experts: read in place, its
     rows flattened, each expert's slice dequantized as gguf does"""
-    import gguf
-
-    from kvlab.weights.gguf_file import GGUFFile
-
     x = np.random.default_rng(2).standard_normal((4, 16, 64), dtype=np.float32)
     blocks = gguf_quants.quantize(x, T.MXFP4)
     path = tmp_path / "mxfp4.gguf"
@@ -194,3 +199,18 @@ def test_grouping_is_refused_with_the_types_it_takes():
     w = make_weight(T.Q4_1, 8, 64)
     with pytest.raises(ValueError, match="MXFP4"):
         group_rows(w)
+
+
+def test_a_moe_model_with_mxfp4_experts_from_gguf(tmp_path):
+    """A tiny Qwen3-MoE whose stacked experts a GGUF file holds in MXFP4 (the others F32):
+    the loader keeps them as MXFP4x8 groups run by the one-call C experts, and the logits
+    follow transformers' on the unquantized weights."""
+    hf = build("qwen3moe", tmp_path)
+    path = tmp_path / "mxfp4.gguf"
+    write_gguf("qwen3moe", hf, path, quantize=T.MXFP4)
+    experts = load_model(open_checkpoint(path), LoadOptions()).model.layers[0]["experts"]
+    assert {w.type_name for w in experts.down} == {"MXFP4x8"} and experts.c_table is not None
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    got = step(runner_for(path), ScheduledSeq("a", 0, ids, [0, 1, 2], True, 12))[0]
+    cos = torch.nn.functional.cosine_similarity(got, reference_logits(hf, ids)[-1], dim=0)
+    assert cos > 0.999

@@ -67,10 +67,6 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
     with the pure-Python reference; the ids are the same.
     """
     model = metadata.get("tokenizer.ggml.model")
-    if model == "bert":
-        return wordpiece_from_gguf(metadata)
-    if model == "t5":
-        return _unigram(metadata)
     if model not in SUPPORTED_MODELS:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODELS.items())
         known = (f" ({_UNSUPPORTED_MODELS[model]} is not implemented)"
@@ -80,10 +76,12 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens vocabulary")
+    _check_vocabulary(metadata, len(tokens))
+    if model == "bert":
+        return wordpiece_from_gguf(metadata)
+    if model == "t5":
+        return _unigram(metadata)
     types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    _check_length(metadata, "tokenizer.ggml.token_type", len(tokens))
-    _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
-    _check_token_ids(metadata, len(tokens))
     token_to_id = {text: i for i, text in enumerate(tokens)}
     is_spm = model == "llama"
     # llama.cpp names Gemma 4's pre-tokenizer itself, whatever the file says
@@ -119,9 +117,6 @@ def load_gguf_tokenizer(metadata: dict[str, Any], native_encoder: bool | None = 
 def _unigram(metadata: dict[str, Any]) -> Tokenizer:
     """T5's Unigram, with llama.cpp's per-model whitespace stripping around literal tokens."""
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
-    _check_length(metadata, "tokenizer.ggml.token_type", len(tokens))
-    _check_length(metadata, "tokenizer.ggml.scores", len(tokens))
-    _check_token_ids(metadata, len(tokens))
     token_to_id = {text: i for i, text in enumerate(tokens)}
     types: Sequence[int] = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     literal = [(t, i) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _LITERAL_TYPES]
@@ -136,6 +131,21 @@ def _use_native(requested: bool | None) -> bool:
     return native.AVAILABLE if requested is None else requested
 
 
+def _check_vocabulary(metadata: dict[str, Any], n_tokens: int) -> None:
+    """A vocabulary whose lists disagree, or that names tokens it does not have, fails here
+    with the key that is wrong, before any table is built from it."""
+    _check_length(metadata, "tokenizer.ggml.token_type", n_tokens)
+    _check_length(metadata, "tokenizer.ggml.scores", n_tokens)
+    _check_token_ids(metadata, n_tokens)
+    types = metadata.get("tokenizer.ggml.token_type") or ()
+    bad = next((i for i, t in enumerate(types) if not (isinstance(t, int) and 0 <= t <= BYTE)),
+               None)
+    if bad is not None:
+        raise ModelLoadError(f"GGUF tokenizer metadata is inconsistent: tokenizer.ggml."
+                             f"token_type[{bad}] is {types[bad]!r}; token types are 0 "
+                             f"(undefined) to {BYTE} (byte)")
+
+
 def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
     values = metadata.get(key)
     if values is not None and len(values) != n_tokens:
@@ -145,8 +155,9 @@ def _check_length(metadata: dict[str, Any], key: str, n_tokens: int) -> None:
 
 def _check_token_ids(metadata: dict[str, Any], n_tokens: int) -> None:
     """The ids kvlab adds, emits or stops on must be tokens (an optional marker such as a FIM
-    one outside the vocabulary is only absent, as llama.cpp treats it)."""
-    for name in ("bos", "eos", "eot", "eom", "unknown"):
+    one, or a padding or mask id kvlab never reads, outside the vocabulary is only absent, as
+    llama.cpp treats it)."""
+    for name in ("bos", "eos", "eot", "eom", "unknown", "seperator", "cls"):
         key = f"tokenizer.ggml.{name}_token_id"
         value = metadata.get(key)
         if isinstance(value, int) and not 0 <= value < n_tokens:
