@@ -263,6 +263,10 @@ def test_bad_arguments_are_refused_naming_the_problem():
         rc.gated_delta_rule(q, k, v, g, beta, states, torch.tensor([0]), torch.tensor([5]), 1.0)
     with pytest.raises(ValueError, match="slots must lie in"):
         rc.gated_delta_rule(q, k, v, g, beta, states, torch.tensor([9]), torch.tensor([6]), 1.0)
+    with pytest.raises(ValueError, match="slots must be distinct"):
+        rc.gated_delta_rule(q, k, v, g, beta, states, torch.tensor([1, 1]), torch.tensor([3, 3]), 1.0)
+    with pytest.raises(ValueError, match="lens must be >= 0"):
+        rc.gated_delta_rule(q, k, v, g, beta, states, torch.tensor([0, 1]), torch.tensor([7, -1]), 1.0)
     with pytest.raises(ValueError, match="activation must be one of"):
         rc.short_conv(torch.zeros(2, 4), torch.zeros(4, 3), torch.zeros(1, 2, 4), torch.tensor([0]),
                       torch.tensor([2]), activation="gelu")

@@ -41,10 +41,15 @@ ACTIVATIONS = (None, "silu")
 
 # ---- argument checks -------------------------------------------------------------------
 
-def _check_segments(T: int, states: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> None:
+def _check_index(slots: torch.Tensor, lens: torch.Tensor) -> None:
     if slots.dim() != 1 or lens.dim() != 1 or slots.numel() != lens.numel():
         raise ValueError(f"slots and lens must be 1-D of one length, got {tuple(slots.shape)} "
                          f"and {tuple(lens.shape)}")
+
+
+def _check_segments(T: int, states: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> None:
+    """The values of slots and lens (the C kernels check them in C: torch's reductions cost
+    more than a decode step's kernel)."""
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"lens must be >= 0, got {lens.tolist()}")
     if int(lens.sum()) != T:
@@ -94,7 +99,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
     K = weight.shape[1]
     _check_shape("weight", weight, (C, K))
     _check_shape("states", states, (states.shape[0], K - 1, C))
-    _check_segments(T, states, slots, lens)
+    _check_index(slots, lens)
     if bias is not None:
         _check_shape("bias", bias, (C,))
     if activation not in ACTIVATIONS:
@@ -105,8 +110,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
         sc, lc = _i64(slots), _i64(lens)
         _qk.short_conv(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(),
                        states.data_ptr(), sc.data_ptr(), lc.data_ptr(), out.data_ptr(),
-                       sc.numel(), C, K, int(activation == "silu"))
+                       sc.numel(), T, states.shape[0], C, K, int(activation == "silu"))
         return out.to(x.dtype)
+    _check_segments(T, states, slots, lens)
     return short_conv_torch(x, weight, states, slots, lens, bias, activation)
 
 
@@ -138,7 +144,7 @@ def _check_gdr(q, k, v, g, beta, states, slots, lens) -> None:
     _check_shape("states", states, (states.shape[0], Hv, Dk, Dv))
     if Hk == 0 or Hv % Hk:
         raise ValueError(f"value heads ({Hv}) must be a multiple of key heads ({Hk})")
-    _check_segments(T, states, slots, lens)
+    _check_index(slots, lens)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -158,8 +164,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         sc, lc = _i64(slots), _i64(lens)
         _qk.gated_delta_rule(qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), gc.data_ptr(),
                              bc.data_ptr(), states.data_ptr(), sc.data_ptr(), lc.data_ptr(),
-                             out.data_ptr(), sc.numel(), Hk, Hv, Dk, Dv, float(scale))
+                             out.data_ptr(), sc.numel(), T, states.shape[0], Hk, Hv, Dk, Dv,
+                             float(scale))
         return out.to(v.dtype)
+    _check_segments(v.shape[0], states, slots, lens)
     return gated_delta_rule_torch(q, k, v, g, beta, states, slots, lens, scale)
 
 
@@ -249,7 +257,7 @@ def _check_ssd(x, dt, A, B, C, D, states, slots, lens) -> None:
     _check_shape("states", states, (states.shape[0], H, P, N))
     if G == 0 or H % G:
         raise ValueError(f"heads ({H}) must be a multiple of groups ({G})")
-    _check_segments(T, states, slots, lens)
+    _check_index(slots, lens)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -270,8 +278,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         sc, lc = _i64(slots), _i64(lens)
         _qk.ssd_scan(xc.data_ptr(), dtc.data_ptr(), ac.data_ptr(), bc.data_ptr(), cc.data_ptr(),
                      0 if dc is None else dc.data_ptr(), states.data_ptr(), sc.data_ptr(),
-                     lc.data_ptr(), out.data_ptr(), sc.numel(), H, P, G, N)
+                     lc.data_ptr(), out.data_ptr(), sc.numel(), T, states.shape[0], H, P, G, N)
         return out.to(x.dtype)
+    _check_segments(x.shape[0], states, slots, lens)
     return ssd_scan_torch(x, dt, A, B, C, D, states, slots, lens)
 
 

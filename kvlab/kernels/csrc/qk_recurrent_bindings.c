@@ -1,11 +1,14 @@
 /* CPython entry points of the recurrent-layer kernels (qk_recurrent.h), added to
  * kvlab.kernels._qk by kv_recurrent_add_methods. Tensors cross as raw addresses plus sizes;
- * kvlab/kernels/recurrent.py checks dtypes, shapes, slots and lens before calling. Each call
- * releases the GIL and holds the job lock (the thread pool serves one job at a time). */
+ * kvlab/kernels/recurrent.py checks dtypes and shapes before calling, the slots and lens are
+ * checked here (a loop in C, where torch's reductions would cost more than a decode step's
+ * kernel). Each call releases the GIL and holds the job lock (the thread pool serves one job
+ * at a time). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <stdarg.h>
+#include <stdlib.h>
 
 #include "qk.h"
 #include "qk_recurrent.h"
@@ -40,6 +43,32 @@ static int rc_positive(const char *names, int n, ...) {
     return ok;
 }
 
+/* each sequence's slot in [0, num_slots) and used once, its token count >= 0, T in all */
+static int rc_segments(const int64_t *slots, const int64_t *lens, int64_t S, int64_t T,
+                       int64_t num_slots) {
+    char *used = calloc((size_t)num_slots + 1, 1);
+    if (!used) return PyErr_NoMemory(), 0;
+    int64_t total = 0, s = 0;
+    for (; s < S && lens[s] >= 0 && slots[s] >= 0 && slots[s] < num_slots && !used[slots[s]]; s++) {
+        used[slots[s]] = 1;
+        total += lens[s];
+    }
+    free(used);
+    if (s < S && lens[s] < 0)
+        PyErr_Format(PyExc_ValueError, "lens must be >= 0, got %lld for sequence %lld",
+                     (long long)lens[s], (long long)s);
+    else if (s < S && (slots[s] < 0 || slots[s] >= num_slots))
+        PyErr_Format(PyExc_ValueError, "slots must lie in [0, %lld), got %lld for sequence %lld",
+                     (long long)num_slots, (long long)slots[s], (long long)s);
+    else if (s < S)
+        PyErr_Format(PyExc_ValueError, "slots must be distinct, got %lld twice",
+                     (long long)slots[s]);
+    else if (total != T)
+        PyErr_Format(PyExc_ValueError, "lens sum to %lld but there are %lld tokens",
+                     (long long)total, (long long)T);
+    return !PyErr_Occurred();
+}
+
 /* 0 portable, 1 AVX2, 2 AVX-512: the widest the active kernel set and the CPU allow */
 static int rc_isa(void) {
 #ifdef KV_HAVE_AVX2_BUILD
@@ -57,29 +86,32 @@ static int rc_isa(void) {
     if (rc) return PyErr_NoMemory(); \
     Py_RETURN_NONE;
 
-/* short_conv(x, w, bias | 0, states, slots, lens, out, S, C, K, silu) */
+/* short_conv(x, w, bias | 0, states, slots, lens, out, S, T, num_slots, C, K, silu) */
 static PyObject *py_short_conv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     void *x, *w, *bias, *states, *slots, *lens, *out;
-    int64_t S, C, K, silu;
-    if (!rc_args(args, nargs, "pppppppiiii", &x, &w, &bias, &states, &slots, &lens, &out, &S,
-                 &C, &K, &silu))
+    int64_t S, T, num_slots, C, K, silu;
+    if (!rc_args(args, nargs, "pppppppiiiiii", &x, &w, &bias, &states, &slots, &lens, &out, &S,
+                 &T, &num_slots, &C, &K, &silu))
         return NULL;
-    if (!rc_positive("C, K", 2, C, K)) return NULL;
+    if (!rc_positive("C, K", 2, C, K) || !rc_segments(slots, lens, S, T, num_slots)) return NULL;
     int rc;
     RC_CALL(rc, kv_short_conv(x, w, bias, states, slots, lens, S, C, K, (int)silu, out, rc_isa()))
 }
 
-/* gated_delta_rule(q, k, v, g, beta, states, slots, lens, out, S, Hk, Hv, Dk, Dv, scale) */
+/* gated_delta_rule(q, k, v, g, beta, states, slots, lens, out, S, T, num_slots, Hk, Hv, Dk,
+ * Dv, scale) */
 static PyObject *py_gated_delta_rule(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     void *q, *k, *v, *g, *beta, *states, *slots, *lens, *out;
-    int64_t S, Hk, Hv, Dk, Dv;
+    int64_t S, T, num_slots, Hk, Hv, Dk, Dv;
     float scale;
-    if (!rc_args(args, nargs, "pppppppppiiiiif", &q, &k, &v, &g, &beta, &states, &slots, &lens,
-                 &out, &S, &Hk, &Hv, &Dk, &Dv, &scale))
+    if (!rc_args(args, nargs, "pppppppppiiiiiiif", &q, &k, &v, &g, &beta, &states, &slots,
+                 &lens, &out, &S, &T, &num_slots, &Hk, &Hv, &Dk, &Dv, &scale))
         return NULL;
-    if (!rc_positive("Hk, Hv, Dk, Dv", 4, Hk, Hv, Dk, Dv)) return NULL;
+    if (!rc_positive("Hk, Hv, Dk, Dv", 4, Hk, Hv, Dk, Dv) ||
+        !rc_segments(slots, lens, S, T, num_slots))
+        return NULL;
     if (Hv % Hk)
         return PyErr_Format(PyExc_ValueError, "value heads (%lld) must be a multiple of key "
                             "heads (%lld)", (long long)Hv, (long long)Hk);
@@ -88,15 +120,16 @@ static PyObject *py_gated_delta_rule(PyObject *self, PyObject *const *args, Py_s
                                     scale, out, rc_isa()))
 }
 
-/* ssd_scan(x, dt, A, B, C, D | 0, states, slots, lens, out, S, H, P, G, N) */
+/* ssd_scan(x, dt, A, B, C, D | 0, states, slots, lens, out, S, T, num_slots, H, P, G, N) */
 static PyObject *py_ssd_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     void *x, *dt, *A, *B, *C, *D, *states, *slots, *lens, *out;
-    int64_t S, H, P, G, N;
-    if (!rc_args(args, nargs, "ppppppppppiiiii", &x, &dt, &A, &B, &C, &D, &states, &slots,
-                 &lens, &out, &S, &H, &P, &G, &N))
+    int64_t S, T, num_slots, H, P, G, N;
+    if (!rc_args(args, nargs, "ppppppppppiiiiiii", &x, &dt, &A, &B, &C, &D, &states, &slots,
+                 &lens, &out, &S, &T, &num_slots, &H, &P, &G, &N))
         return NULL;
-    if (!rc_positive("H, P, G, N", 4, H, P, G, N)) return NULL;
+    if (!rc_positive("H, P, G, N", 4, H, P, G, N) || !rc_segments(slots, lens, S, T, num_slots))
+        return NULL;
     if (H % G)
         return PyErr_Format(PyExc_ValueError, "heads (%lld) must be a multiple of groups "
                             "(%lld)", (long long)H, (long long)G);
@@ -123,11 +156,12 @@ static PyObject *py_gated_rms_norm(PyObject *self, PyObject *const *args, Py_ssi
 
 static PyMethodDef rc_methods[] = {
     {"short_conv", (PyCFunction)(void (*)(void))py_short_conv, METH_FASTCALL,
-     "short_conv(x, w, bias, states, slots, lens, out, S, C, K, silu)"},
+     "short_conv(x, w, bias, states, slots, lens, out, S, T, num_slots, C, K, silu)"},
     {"gated_delta_rule", (PyCFunction)(void (*)(void))py_gated_delta_rule, METH_FASTCALL,
-     "gated_delta_rule(q, k, v, g, beta, states, slots, lens, out, S, Hk, Hv, Dk, Dv, scale)"},
+     "gated_delta_rule(q, k, v, g, beta, states, slots, lens, out, S, T, num_slots, Hk, Hv, "
+     "Dk, Dv, scale)"},
     {"ssd_scan", (PyCFunction)(void (*)(void))py_ssd_scan, METH_FASTCALL,
-     "ssd_scan(x, dt, A, B, C, D, states, slots, lens, out, S, H, P, G, N)"},
+     "ssd_scan(x, dt, A, B, C, D, states, slots, lens, out, S, T, num_slots, H, P, G, N)"},
     {"gated_rms_norm", (PyCFunction)(void (*)(void))py_gated_rms_norm, METH_FASTCALL,
      "gated_rms_norm(x, z, w, out, rows, D, group, eps, norm_before_gate)"},
     {NULL, NULL, 0, NULL},
