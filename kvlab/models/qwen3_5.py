@@ -95,7 +95,9 @@ def _delta(kernel: int, hk: int, hv: int, dk: int, dv: int,
 def config_from_gguf(meta: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
     g = gguf_get(meta, arch)
     layers, heads = int(g("block_count")), int(g("attention.head_count"))
-    recurrent = [bool(r) for r in g("attention.recurrent_layers")]
+    every = int(g("full_attention_interval", 4))  # files without the per-layer list
+    recurrent = [bool(r) for r in g("attention.recurrent_layers", None)
+                 or [(i + 1) % every != 0 for i in range(layers)]]
     if len(recurrent) != layers:
         raise ModelLoadError(f"{arch}.attention.recurrent_layers has {len(recurrent)} entries "
                              f"for {layers} layers")
