@@ -7,7 +7,9 @@ Qwen2's byte-level one where the folder has none of its own), served by the real
 client asks for a named tool; the grammar holds the random model to a call written in the
 family's own format (`tool_grammars`), which the family's reader reads back: the call names
 the tool with arguments valid against its schema, and streamed, the call's deltas
-concatenate to the same arguments (greedy decoding, so both requests write the same reply).
+concatenate to the same arguments (greedy decoding with every prompt computed afresh, so both
+requests write the same reply). `--reasoning-budget` ends a thinking template's block, which
+a random model would not end itself.
 A second request requires one of two tools, in parallel where the family can.
 """
 
@@ -157,7 +159,7 @@ def test_a_required_call_in_the_familys_format(form, template, vocab, folder, mo
     with start_server(tmp_path / "serve.log", "--model", str(models(vocab)),
                       "--chat-template", str(folder / "templates" / f"{template}.jinja"),
                       "--reasoning-budget", "4", "--max-model-len", "8192",
-                      "--max-num-seqs", "2") as server:
+                      "--max-num-seqs", "2", "--no-prefix-caching") as server:
         client = server.client()
         model = client.models.list().data[0].id
         base = {"model": model, "messages": ASK, "temperature": 0, "max_tokens": 120}

@@ -13,10 +13,11 @@ say the tools' arguments (a parameter-by-parameter format needs each parameter l
                             always, others optional; a string runs to the closing tag, any
                             other type is JSON
     Gemma 4                 <|"|>-quoted strings and bare keys, from the schema
-    LFM2                    keyword arguments whose values are JSON literals (Python reads them)
+    LFM2                    Python keyword arguments: strings in single quotes, others JSON
 
-Markers are text literals: a vocabulary that holds one as a special token spells it in text
-pieces under the grammar, and the decoded text reads the same.
+Markers are text literals, which a grammar cannot tie to a vocabulary: where one is a
+special token, the model spells it in text pieces instead, and the decoded text reads the
+same.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Rules:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.named: dict[str, bool] = {}  # shared rules already added
+        self.shared: set[str] = set()  # shared rules already added
 
     def add(self, body: str, attrs: str = "") -> str:
         name = f"r{len(self.lines)}"
@@ -62,8 +63,8 @@ class Rules:
     def gemma_any(self) -> str:
         """Any Gemma 4 value (a parameter whose schema leaves it open), its rules added
         once."""
-        if "gany" not in self.named:
-            self.named["gany"] = True
+        if "gany" not in self.shared:
+            self.shared.add("gany")
             quote = lit(_GEMMA_QUOTE)
             text = self.text_until(_GEMMA_QUOTE)
             self.lines += [
