@@ -296,3 +296,24 @@ def test_gguf_state_dimensions_that_disagree_with_the_tensors_are_a_load_error(t
         ckpt.metadata[key] = value
         with pytest.raises(ModelLoadError, match=message):
             load_model(ckpt, LoadOptions())
+
+
+def test_gguf_nextn_layers_at_the_end_are_not_run(tiny):
+    """llama.cpp counts Qwen3.5's multi-token-prediction layers in block_count and says how
+    many in nextn_predict_layers: the model is the layers before them."""
+    if tiny[0] == "lfm2":
+        pytest.skip("LFM2 has no nextn layers")
+    arch = "qwen35" if tiny[0] == "qwen3_5" else "qwen35moe"
+    ckpt = open_checkpoint(path_of(tiny, "model.gguf"))
+    meta = ckpt.metadata
+    meta[f"{arch}.block_count"] += 1
+    meta[f"{arch}.nextn_predict_layers"] = 1
+    meta[f"{arch}.attention.recurrent_layers"] = [*meta[f"{arch}.attention.recurrent_layers"],
+                                                  False]
+    loaded = load_model(ckpt, LoadOptions())
+    assert loaded.config.num_layers == 4
+    runner = ModelRunner(loaded.model, loaded.config, 32, 4, num_state_slots=1)
+    ids = [2, 7, 1, 8, 2, 8]
+    logits = step(runner, seq("a", 0, ids, [0, 1], slot=0))
+    assert (logits[0] - reference_logits(tiny[1], ids)[-1]).abs().max() <= TOL
+

@@ -94,13 +94,16 @@ def _delta(kernel: int, hk: int, hv: int, dk: int, dv: int,
 
 def config_from_gguf(meta: dict[str, Any], arch: str = "qwen35") -> ModelConfig:
     g = gguf_get(meta, arch)
-    layers, heads = int(g("block_count")), int(g("attention.head_count"))
+    # block_count counts the multi-token-prediction (nextn) layers at the end: not run
+    blocks, heads = int(g("block_count")), int(g("attention.head_count"))
+    layers = blocks - int(g("nextn_predict_layers", 0))
     every = int(g("full_attention_interval", 4))  # files without the per-layer list
     recurrent = [bool(r) for r in g("attention.recurrent_layers", None)
-                 or [(i + 1) % every != 0 for i in range(layers)]]
-    if len(recurrent) != layers:
+                 or [(i + 1) % every != 0 for i in range(blocks)]]
+    if len(recurrent) != blocks:
         raise ModelLoadError(f"{arch}.attention.recurrent_layers has {len(recurrent)} entries "
-                             f"for {layers} layers")
+                             f"for {blocks} layers (block_count)")
+    recurrent = recurrent[:layers]
     hv, inner = int(g("ssm.time_step_rank")), int(g("ssm.inner_size"))
     if inner % hv:
         raise ModelLoadError(f"{arch}.ssm.inner_size {inner} is not a multiple of "
