@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_models import reference_logits, runner_for, step
 
-from kvlab.models import attention, find_arch, moe
+from kvlab.models import attention, find_arch, gpt_oss, moe
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights.checkpoint import open_checkpoint
@@ -116,6 +116,11 @@ def test_config_reads_the_window_pattern_and_yarn(tiny):
         assert config.rope.yarn.factor == 4.0 and config.rope.yarn.original == 64
         assert config.moe.scoring == "topk_softmax" and config.moe.swiglu_clamp == (1.702, 7.0)
     assert find_arch("GptOssForCausalLM").name == find_arch("gpt-oss").name == "gpt-oss"
+    meta = dict(open_checkpoint(out / "model.gguf").metadata)
+    for pattern, types in (([False, True, True, False], ("full", "sliding", "sliding", "full")),
+                           (4, ("sliding", "sliding", "sliding", "full"))):
+        meta["gpt-oss.attention.sliding_window_pattern"] = pattern
+        assert gpt_oss.config_from_gguf(meta).layer_types == types
 
 
 def test_routing_and_clamped_swiglu_equal_transformers_modules(tiny):

@@ -58,15 +58,15 @@ def _moe_options(config: ModelConfig, swiglu: tuple[float, float]) -> ModelConfi
 
 
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
-    """llama.cpp's keys; the layer pattern is `attention.sliding_window_pattern` (per layer)
-    where written, else llama.cpp's default for gpt-oss: even layers slide. YaRN's ramp is
-    not rounded to whole dimensions (gpt-oss's own rotary, transformers' truncate=false;
-    the GGUF has no key for it)."""
+    """llama.cpp's keys; the layer pattern is `attention.sliding_window_pattern` (a flag per
+    layer, or n: every n-th layer is full) where written, else llama.cpp's default for
+    gpt-oss, 2: even layers slide. YaRN's ramp is not rounded to whole dimensions (gpt-oss's
+    own rotary, transformers' truncate=false; the GGUF has no key for it)."""
     g = gguf_get(meta, ARCH)
     config = llama.config_from_gguf(meta, arch=ARCH)
-    pattern = g("attention.sliding_window_pattern", None)
+    pattern = g("attention.sliding_window_pattern", 2)  # per layer, or every n-th is full
     types = (tuple("sliding" if s else "full" for s in pattern) if isinstance(pattern, list)
-             else interleaved_layer_types(config.num_layers, 2))
+             else interleaved_layer_types(config.num_layers, int(pattern)))
     rope = config.rope
     if rope.yarn is not None:
         rope = dataclasses.replace(rope, yarn=dataclasses.replace(rope.yarn, truncate=False))
