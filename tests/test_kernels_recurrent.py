@@ -282,3 +282,24 @@ def test_the_recurrent_kernel_tests_pass_on_the_emulated_avx512_kernels():
                          check=False, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "passed" in run.stdout and " failed" not in run.stdout
+
+
+@pytest.mark.parametrize("impl", ["dispatch", "portable"])
+def test_strong_decays_and_empty_sequences(kernel_set, impl):
+    """Decays that underflow exp within a chunk, and sequences with no tokens this step (their
+    states untouched), still match the recurrence."""
+    lens, slots = [0, 90, 0, 3], [4, 1, 0, 2]
+    q, k, v, g, beta, states = _gdr_inputs(sum(lens), 2, 4, 16, 16)
+    g = g * 60  # cumulated over a chunk: thousands below zero
+    ref_states, ours = states.clone(), states.clone()
+    ref = rc.gated_delta_rule_recurrent(q, k, v, g, beta, ref_states, *_seg(lens, slots), scale=0.3)
+    _close(rc.gated_delta_rule(q, k, v, g, beta, ours, *_seg(lens, slots), scale=0.3), ref)
+    _close(ours, ref_states)
+    assert torch.equal(ours[[4, 0]], states[[4, 0]])
+    x, dt, A, B, C, D, states = _ssd_inputs(sum(lens), 4, 8, 2, 16)
+    A = A * 200
+    ref_states, ours = states.clone(), states.clone()
+    ref = rc.ssd_scan_recurrent(x, dt, A, B, C, D, ref_states, *_seg(lens, slots))
+    _close(rc.ssd_scan(x, dt, A, B, C, D, ours, *_seg(lens, slots)), ref)
+    _close(ours, ref_states)
+    assert torch.equal(ours[[4, 0]], states[[4, 0]])
