@@ -6,7 +6,10 @@ sampled tokens distributed as without it (a chi-square test over seeded draws)."
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -19,7 +22,7 @@ from kvlab.cli.common import speculative_config
 from kvlab.engine import Engine, EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.request import FinishReason, SamplingParams, Structure
-from kvlab.scheduler import Scheduler, SchedulerConfig, Sequence
+from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.spec.adaptive import EXPLORE_EVERY, Acceptance, DraftState, Planner, StepCost
 from kvlab.spec.ngram import NgramIndex
 from kvlab.spec.proposer import Candidate, NgramProposer
@@ -504,3 +507,51 @@ def test_speculative_flags_are_checked():
         speculative_config(args)
     args = argparse.Namespace(speculative="ngram", num_speculative=None)
     assert speculative_config(args) == {"speculative": "ngram", "num_speculative": 4}
+
+
+def _kvlab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_run_json_and_bench_report_proposals():
+    prompt = "Repeat exactly: red green blue red green blue red green blue"
+    proc = _kvlab("run", "-n", "24", "--threads", "2", "--json", "--speculative", "ngram",
+                  prompt)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)["speculative"]
+    assert record["drafted_tokens"] >= record["accepted_tokens"] > 0
+    proc = _kvlab("bench", "-p", "16", "-n", "16", "-r", "1", "--threads", "2",
+                  "--speculative", "ngram", "--num-speculative", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"tg16: speculative ngram \(up to 3 per step\): \d+ of \d+ proposed "
+                     r"tokens accepted, acceptance rate [\d.]+ %", proc.stdout), proc.stdout
+
+
+# ---- the verify rows ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("on_default", [False, True])
+def test_verify_rows_equal_decoding_one_token_at_a_time(on_default, tiny, default_model_path):
+    """A step's rows for a sequence with proposals are the logits decoding those tokens one
+    step at a time gives (causal among them), bit for bit on the default model (the C
+    one-call decode takes the step)."""
+    e = engine(default_model_path if on_default else tiny, threads=2)
+    ids = e.tokenizer.encode("one two three four five six seven") if on_default else PROMPTS[3]
+    ids = ids + run_all(e, [ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    n = len(ids) - 6
+    want = e.teacher_forced_logprobs(ids, n)[1:]  # decode rows at positions n .. len-1
+    # as a verify step: the same prefill, then ids[n:] at once (a sampled token and five
+    # proposed), a row at each
+    for start, chunk, rows in ((0, ids[:n], 1), (n, ids[n:], 6)):
+        assert e.kv.allocate_slots("v", start + len(chunk))
+        step = SchedulerOutput([ScheduledSeq(
+            "v", start, chunk, e.kv.block_table("v"), True, 0, e.kv.window_table("v"),
+            num_logits=rows)])
+        got = e.runner.execute(step).logits
+    e.kv.free("v")
+    got = torch.log_softmax(got, dim=-1)
+    if on_default:  # the C kernels compute each row alone: the same bits
+        assert torch.equal(got, want)
+    else:  # torch's fp32 products round by the batch's row count
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
