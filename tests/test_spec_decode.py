@@ -23,9 +23,11 @@ from kvlab.engine import Engine, EngineConfig
 from kvlab.errors import KvlabError
 from kvlab.request import FinishReason, SamplingParams, Structure
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kvlab.server.core.prom import speculative_lines
 from kvlab.spec.adaptive import EXPLORE_EVERY, Acceptance, DraftState, Planner, StepCost
 from kvlab.spec.ngram import NgramIndex
 from kvlab.spec.proposer import Candidate, NgramProposer
+from kvlab.spec.stats import SpecCounts
 from kvlab.spec.verify import judge
 
 from tiny_models import build
@@ -555,3 +557,19 @@ def test_verify_rows_equal_decoding_one_token_at_a_time(on_default, tiny, defaul
         assert torch.equal(got, want)
     else:  # torch's fp32 products round by the batch's row count
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_metrics_render_counters_and_acceptance_lengths():
+    counts = SpecCounts()
+    for proposed, accepted in ((4, 2), (4, 4), (3, 0), (20, 9)):
+        counts.record(proposed, accepted)
+    assert counts.acceptance_rate == 15 / 31
+    text = "\n".join(speculative_lines(counts, {"model_name": "m"}))
+    assert _metric(text, "kvlab:spec_decode_num_draft_tokens_total") == 31
+    assert _metric(text, "kvlab:spec_decode_num_accepted_tokens_total") == 15
+    assert _metric(text, "kvlab:spec_decode_num_drafts_total") == 4
+    buckets = dict(re.findall(r'acceptance_length_bucket\{model_name="m",le="([^"]+)"\} (\d+)',
+                              text))
+    assert (buckets["0.0"], buckets["2.0"], buckets["4.0"], buckets["12.0"],
+            buckets["+Inf"]) == ("1", "2", "3", "4", "4")
+    assert _metric(text, "kvlab:spec_decode_acceptance_length_sum") == 15

@@ -24,6 +24,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+ACCEPTANCE_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)  # tokens
+
 
 def _labels(pairs: dict[str, str]) -> str:
     if not pairs:
@@ -98,15 +100,14 @@ def _total(name: str, help_: str, value: float, base: dict[str, str]) -> list[st
     return [*_header(name, help_, "counter"), f"{name}{_labels(base)} {_num(value)}"]
 
 
-def _speculative(counts: SpecCounts, base: dict[str, str]) -> list[str]:
+def speculative_lines(counts: SpecCounts, base: dict[str, str]) -> list[str]:
     """Speculative decoding's counters, and its acceptance lengths (proposals kept per
-    verify run) as a histogram with one bucket per length."""
-    longest = max(counts.lengths, default=0)
+    verify run) as a histogram."""
     lengths = Histogram("kvlab:spec_decode_acceptance_length",
                         "Proposed tokens accepted per verify run of a sequence.",
-                        tuple(float(n) for n in range(longest + 1)))
+                        ACCEPTANCE_BUCKETS)
     for n, runs in counts.lengths.items():
-        lengths.counts[n] += runs
+        lengths.counts[bisect.bisect_left(ACCEPTANCE_BUCKETS, n)] += runs
         lengths.total += n * runs
         lengths.count += runs
     return [*_total("kvlab:spec_decode_num_drafts_total",
@@ -188,7 +189,7 @@ class ServerMetrics:
                     "Prompt tokens looked up in the prefix cache.", stats.prefix_queries, b),
             *_total("kvlab:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                     stats.prefix_hits, b),
-            *_speculative(stats.speculative, b),
+            *speculative_lines(stats.speculative, b),
         ]
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens,
                        self.requests, self.rejected, self.ttft, self.itl, self.e2e,
