@@ -487,7 +487,26 @@ typedef struct {
     const float *x, *dt, *A, *B, *C, *D;
     float *states, *out;
     int64_t H, P, G, N;
+    /* the chunks of more than one token (first token, length) and their C B^T per group,
+     * computed once for the group's heads: chunk t's for group gi at ssd_cb(j, t, L, gi) */
+    const int64_t *chunk_t, *chunk_len;
+    float *cb;  /* [T, G, KV_RC_CHUNK]: the rows of a chunk hold its groups' [L, L] */
 } ssd_job;
+
+static float *ssd_cb(const ssd_job *j, int64_t t, int64_t L, int64_t gi) {
+    return j->cb + (t * j->G + gi * L) * KV_RC_CHUNK;
+}
+
+/* the pre-pass: C B^T of chunk item / G for group item % G */
+static void ssd_cb_item(const rc_job *base, int64_t item, float *bt) {
+    const ssd_job *j = (const ssd_job *)base;
+    const int64_t c = item / j->G, gi = item % j->G, t = j->chunk_t[c], L = j->chunk_len[c];
+    const int64_t ldb = j->G * j->N;
+    float *cb = ssd_cb(j, t, L, gi);
+    transpose(bt, j->B + (t * j->G + gi) * j->N, ldb, L, j->N, NULL);
+    memset(cb, 0, (size_t)(L * L) * sizeof(float));
+    base->ops->gemm(cb, L, j->C + (t * j->G + gi) * j->N, ldb, bt, L, L, j->N, L);
+}
 
 /* one token of head h (group gi): S = exp(dt A) S + dt x B^T; out = S C */
 static void ssd_step(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_t gi, float *S,
@@ -514,7 +533,8 @@ static void ssd_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64
     const float *x0 = j->x + (t * j->H + h) * P;
     const float *B0 = j->B + (t * j->G + gi) * N, *C0 = j->C + (t * j->G + gi) * N;
     float *y0 = j->out + (t * j->H + h) * P;
-    float *cum = scratch, *dt = cum + CH, *e = dt + CH, *bt = e + CH, *M = bt + N * CH;
+    const float *cb = ssd_cb(j, t, L, gi);
+    float *cum = scratch, *dt = cum + CH, *e = dt + CH, *M = e + CH;
     float *cs = M + CH * CH, *st = cs + CH * N, *xt = st + N * P;
     float acc = 0.0f;
     for (int64_t i = 0; i < L; i++) {
@@ -522,12 +542,9 @@ static void ssd_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64
         acc += dt[i] * j->A[h];
         cum[i] = acc;
     }
-    transpose(bt, B0, ldb, L, N, NULL);
-    memset(M, 0, (size_t)(L * L) * sizeof(float));
-    o->gemm(M, L, C0, ldb, bt, L, L, N, L);
     for (int64_t r = 0; r < L; r++)
         for (int64_t c = 0; c < L; c++)
-            M[r * L + c] = c <= r ? M[r * L + c] * expf(cum[r] - cum[c]) * dt[c] : 0.0f;
+            M[r * L + c] = c <= r ? cb[r * L + c] * expf(cum[r] - cum[c]) * dt[c] : 0.0f;
     zero_rows(y0, ldx, L, P);
     o->gemm(y0, ldx, M, L, x0, ldx, L, L, P);
     for (int64_t i = 0; i < L; i++) e[i] = expf(cum[i]);
@@ -556,12 +573,36 @@ int kv_ssd_scan(const float *x, const float *dt, const float *A, const float *B,
                 const float *D, float *states, const int64_t *slots, const int64_t *lens,
                 int64_t S, int64_t H, int64_t P, int64_t G, int64_t N, float *out, int isa) {
     const int64_t CH = KV_RC_CHUNK;
-    ssd_job j = {.base = {.item = ssd_item, .ops = rc_pick(isa), .items = S * H,
-                          .scratch_floats = 3 * CH + N * CH + CH * CH + CH * N + N * P + P * CH,
-                          .slots = slots, .lens = lens},
+    int64_t T = 0, chunks = 0;
+    for (int64_t s = 0; s < S; s++) {
+        T += lens[s];
+        chunks += lens[s] > 1 ? (lens[s] + CH - 1) / CH : 0;
+    }
+    int64_t *chunk_t = malloc((size_t)(2 * chunks + 1) * sizeof(int64_t));
+    float *cb = malloc((size_t)(T * G * CH + 1) * sizeof(float));
+    ssd_job j = {.base = {.item = ssd_cb_item, .ops = rc_pick(isa), .items = chunks * G,
+                          .scratch_floats = N * CH, .slots = slots, .lens = lens},
                  .x = x, .dt = dt, .A = A, .B = B, .C = C, .D = D, .states = states, .out = out,
-                 .H = H, .P = P, .G = G, .N = N};
-    return rc_run(&j.base, S);
+                 .H = H, .P = P, .G = G, .N = N, .chunk_t = chunk_t,
+                 .chunk_len = chunk_t + chunks, .cb = cb};
+    int rc = -1;
+    if (chunk_t && cb) {
+        for (int64_t s = 0, t0 = 0, c = 0; s < S; t0 += lens[s++])
+            for (int64_t o = 0; lens[s] > 1 && o < lens[s]; o += CH, c++) {
+                chunk_t[c] = t0 + o;
+                chunk_t[chunks + c] = rc_min(CH, lens[s] - o);
+            }
+        rc = chunks ? rc_run(&j.base, S) : 0;
+    }
+    if (!rc) {
+        j.base.item = ssd_item;
+        j.base.items = S * H;
+        j.base.scratch_floats = 3 * CH + CH * CH + CH * N + N * P + P * CH;
+        rc = rc_run(&j.base, S);
+    }
+    free(chunk_t);
+    free(cb);
+    return rc;
 }
 
 /* ---- gated RMS norm ---- */
