@@ -9,6 +9,7 @@ from kvlab.models import (
     bert,
     gemma2,
     gemma3,
+    gemma4,
     glm4moe,
     gpt_oss,
     lfm2,
@@ -38,7 +39,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                        qwen3_5.MOE_MULTIMODAL_SPEC,
                                        smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,
                                        mistral3.MULTIMODAL_SPEC, glm4moe.SPEC,
-                                       gpt_oss.SPEC)}
+                                       gpt_oss.SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

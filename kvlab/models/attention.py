@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import fused
-from kvlab.models.kv_store import Q8KV, FloatKV
+from kvlab.models.kv_store import Q8KV, FloatKV, LatentKV
 
-KVStore = FloatKV | Q8KV
+KVStore = FloatKV | Q8KV | LatentKV
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,8 @@ def _decode_group(spans: list[SeqSpan], offsets: list[int], window: int | None,
                           None if unpadded else mask.to(device), len(spans), 1, lengths)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVStore,
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    cache: KVStore,
                     meta: AttentionMetadata, sliding: bool, scale: float,
                     softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,32 +182,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     `softcap` (Gemma 2) bounds each score to (-cap, cap) by cap * tanh(score / cap).
     `sinks` (gpt-oss): fp32 [H], one learned logit per head that joins its softmax's
     denominator and carries no value, so a head may attend to nothing.
+    k, v None: the step's K/V are in the cache already, written by the layer this one
+    shares them with (Gemma 4); attention only reads.
     """
-    cache.write(meta.write_slots(sliding), k, v)
+    if k is not None:
+        cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
+    if isinstance(cache, LatentKV):  # values: the latent, narrower than the keys
+        head_dim = cache.value_dim
     groups = meta.groups(sliding)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
-        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, softcap, sinks)
+        out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, k, softcap, sinks)
                else _attend(q, cache, g, scale, softcap, sinks))
         return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)
         og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
-              if _reads_fresh(g, cache, q, softcap, sinks)
+              if _reads_fresh(g, cache, q, k, softcap, sinks)
               else _attend(qg, cache, g, scale, softcap, sinks))
         out.index_copy_(0, g.rows, og.to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 
-def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor,
+def _reads_fresh(g: AttentionGroup, cache: KVStore, q: torch.Tensor, k: torch.Tensor | None,
                  softcap: float | None, sinks: torch.Tensor | None) -> bool:
     """A fresh prefill over an fp32 cache that C attention does not take (CUDA) reads the
     new K/V as computed (the values the cache holds): no gather, no mask tensor. SDPA has
     no soft-cap and no sinks, so a capped or sunk one is not read that way."""
     return (softcap is None and sinks is None and g.fresh and isinstance(cache, FloatKV)
+            and k is not None
             and cache.k.dtype == torch.float32
             and not _prefill_in_c(g, _c_stores(q, cache, g)))
 
@@ -243,7 +250,7 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
     og = F.scaled_dot_product_attention(
         qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
         attn_mask=None if g.key_mask is None else g.key_mask[:, None], scale=scale, enable_gqa=True)
-    return og.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    return og.transpose(1, 2).reshape(-1, num_heads, og.shape[-1])  # V's width
 
 
 def _c_stores(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> tuple | None:
