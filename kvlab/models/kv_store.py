@@ -1,6 +1,8 @@
 """One layer's paged KV storage: write new tokens' K/V into slots, gather slots back.
 
-Float stores keep `[num_slots, kv_heads, head_dim]` tensors in f32, bf16 or f16. The q8_0
+Float stores keep `[num_slots, kv_heads, head_dim]` tensors in f32, bf16 or f16. The latent
+store (multi-head latent attention) keeps one row per token, the latent then its rotary key
+part, and reads values as the row's first `value_dim` columns: no V tensor at all. The q8_0
 store keeps int8 values with one scale per 32 elements of a head (GGUF's Q8_0 layout:
 34 bytes per 32 values, about half of f16), quantized on write, dequantized on gather.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.config import MlaConfig
 from kvlab.cost import KV_BYTES_PER_ELEMENT
 from kvlab.errors import KvlabError
 from kvlab.kernels import fused, hugepages
@@ -79,6 +82,36 @@ class FloatKV:
         return _rows(self.k, slots, dtype), _rows(self.v, slots, dtype)
 
 
+class LatentKV:
+    """Multi-head latent attention's store: k [num_slots, 1, latent + rope] holds the latent
+    (kv_lora_rank values after its norm) then the rotated key part; the values are the
+    latent, a view of k's first `value_dim` columns, so a token costs latent + rope values."""
+
+    def __init__(self, slots: int, width: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.k = _empty((slots, 1, width), dtype, device)
+        self.value_dim = value_dim
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.k,)
+
+    def reserve(self, first: int | None = None, last: int = 0) -> None:
+        _zero_rows(self.k, first, last)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """k: [T, 1, width] the new tokens' latent | rope rows; v is k's latent (unused)."""
+        self.k.index_copy_(0, slots, k.to(self.k.dtype))
+
+    def c_stores(self) -> None:
+        return None  # the C attention takes K and V of one width: torch attends here
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots: [B, C] -> keys [B, C, 1, width] and values [B, C, 1, value_dim] (a view)."""
+        k = _rows(self.k, slots, dtype)
+        return k, k[..., :self.value_dim]
+
+
 class Q8KV:
     def __init__(self, slots: int, heads: int, head_dim: int, device: torch.device) -> None:
         if head_dim % Q8_BLOCK:
@@ -145,8 +178,15 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.unflatten(-1, (-1, Q8_BLOCK)).to(dtype) * scale.to(dtype)).flatten(-2)
 
 
-def make_kv(kind: str, slots: int, heads: int, head_dim: int,
-            device: torch.device) -> FloatKV | Q8KV:
+def make_kv(kind: str, slots: int, heads: int, head_dim: int, device: torch.device,
+            latent: MlaConfig | None = None) -> FloatKV | Q8KV | LatentKV:
+    """One layer's store; with `latent` (multi-head latent attention) the latent store, whose
+    width comes from it instead of heads x head_dim."""
+    if latent is not None:
+        if kind not in FLOAT_KV:
+            raise KvlabError(f"--kv-dtype {kind} is not available for latent attention "
+                             f"(valid: {', '.join(FLOAT_KV)})")
+        return LatentKV(slots, latent.latent_width, latent.kv_lora_rank, FLOAT_KV[kind], device)
     if kind == "q8_0":
         return Q8KV(slots, heads, head_dim, device)
     return FloatKV(slots, heads, head_dim, FLOAT_KV[kind], device)
