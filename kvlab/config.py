@@ -76,13 +76,35 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent of
+    `kv_lora_rank` values per token (after its norm) plus a rotary key part of
+    `qk_rope_head_dim` shared by all heads; the cache keeps those two, not per-head K/V.
+    Each head's query is `qk_nope_head_dim` (matched against the latent through W_UK) plus
+    `qk_rope_head_dim` (rotated) values; its value is `v_head_dim` wide."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q is one product of the hidden state
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token keeps per layer: the latent then its rotary key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class RecurrentConfig:
     """The recurrent layers of a hybrid model (layer type "recurrent"): each keeps a state of
     fixed size per sequence, fp32, in place of KV. Every kind has a causal depthwise
     convolution whose state is its last K - 1 inputs; Gated DeltaNet adds a matrix per value
     head."""
 
-    kind: str  # "short_conv" (LFM2) or "gated_delta" (Qwen3.5's Gated DeltaNet)
+    # "short_conv" (LFM2), "gated_delta" (Qwen3.5's Gated DeltaNet) or "mamba2" (Granite 4
+    # hybrid, Nemotron-H)
+    kind: str
     conv_kernel: int  # K, the convolution's width
     conv_channels: int  # C, its channels
     num_k_heads: int = 0  # gated_delta: query/key heads, value heads and their widths
@@ -91,6 +113,13 @@ class RecurrentConfig:
     v_head_dim: int = 0
     # value head j reads key head j % Hk (llama.cpp's GGUF order) instead of j // (Hv / Hk)
     v_heads_tiled: bool = False
+    # mamba2: SSM heads x ssm_head_dim (d_inner), B and C in ssm_groups groups of
+    # ssm_state_size each; dt clamped to time_step_limit
+    ssm_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_groups: int = 0
+    ssm_state_size: int = 0
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
@@ -99,6 +128,8 @@ class RecurrentConfig:
     @property
     def recurrent_state_shape(self) -> tuple[int, ...] | None:
         """One sequence's delta-rule state [Hv, Dk, Dv]; None for a short convolution."""
+        if self.kind == "mamba2":  # the SSM state [H, P, N]
+            return (self.ssm_heads, self.ssm_head_dim, self.ssm_state_size)
         if self.kind != "gated_delta":
             return None
         return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
@@ -142,6 +173,12 @@ class ModelConfig:
     # (beta, original): queries scaled by 1 + beta * ln(1 + floor(position / original))
     # (Mistral 3's llama_4_scaling); None: no scaling
     query_temperature: tuple[float, int] | None = None
+    # Granite's multipliers: embeddings times embedding_scale, each mixer's and MLP's
+    # output times residual_scale before its residual add, logits divided by logit_scale
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    mla: MlaConfig | None = None  # latent attention: the cache keeps the latent
     # full-attention layers' own head size and KV heads where they differ from head_dim /
     # num_kv_heads (Gemma 4); 0: the same as every layer's
     global_head_dim: int = 0
@@ -212,6 +249,8 @@ class ModelConfig:
         """Key + value bytes one token adds to the cache, summed over the attention layers:
         all of them, or only the sliding-window (sliding=True) or full-attention (False)
         ones. Recurrent layers and layers that read another's KV keep none."""
+        if self.mla is not None:  # the latent and its rotary key part; V is read from it
+            return 0.0 if sliding else self.num_layers * self.mla.latent_width * bytes_per_element
         kept = [i for i in range(self.num_layers) if self.owns_kv(i)
                 and (sliding is None or self.is_sliding(i) == sliding)]
         per_token = sum(self.layer_kv_heads(i) * self.layer_head_dim(i) for i in kept)

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import fused
-from kvlab.models.kv_store import Q8KV, FloatKV
+from kvlab.models.kv_store import Q8KV, FloatKV, LatentKV
 
-KVStore = FloatKV | Q8KV
+KVStore = FloatKV | Q8KV | LatentKV
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     if k is not None:
         cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
+    if isinstance(cache, LatentKV):  # values: the latent, narrower than the keys
+        head_dim = cache.value_dim
     groups = meta.groups(sliding)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
@@ -248,7 +250,7 @@ def _attend(q: torch.Tensor, cache: KVStore, g: AttentionGroup, scale: float,
     og = F.scaled_dot_product_attention(
         qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
         attn_mask=None if g.key_mask is None else g.key_mask[:, None], scale=scale, enable_gqa=True)
-    return og.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    return og.transpose(1, 2).reshape(-1, num_heads, og.shape[-1])  # V's width
 
 
 def _c_stores(q: torch.Tensor, cache: KVStore, g: AttentionGroup) -> tuple | None:

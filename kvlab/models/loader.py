@@ -147,7 +147,8 @@ class LoadedModel:
         return LayerSpec(
             dense_bytes=sum(size(t) for t in tensors if not t.routed),
             dense_params=sum(math.prod(t.shape) for t in matmul if not t.routed),
-            kv_elements=0 if c.is_recurrent(layer) else 2 * c.num_kv_heads * c.head_dim,
+            kv_elements=(0 if c.is_recurrent(layer) else c.mla.latent_width if c.mla
+                         else 2 * c.num_kv_heads * c.head_dim),
             attn_flop_per_key=4 * c.num_heads * c.head_dim,
             window=c.sliding_window if c.is_sliding(layer) else None,
             expert_bytes=sum(size(t) for t in tensors if t.routed),
@@ -296,6 +297,8 @@ def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
         required = set()
         if not config.is_recurrent(i):  # o, and q/k/v, gate/up, each set alone or fused
             required = {"o"} | ({"qkv"} if "qkv" in layer else _attention_names(config, i))
+        if config.mla is not None:  # latent attention: q, kv_a, kv_b (or k_b, v_b), o
+            required = {"o", "kv_a"}
         required |= _mlp_names(layer) if gated_mlp else {"up", "down"}
         missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:

@@ -59,7 +59,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         # no store for recurrent layers, nor for layers that read another layer's KV
         self.kv_caches = [make_kv(kv_dtype, self._num_slots(i), config.layer_kv_heads(i),
-                                  config.layer_head_dim(i), self.device)
+                                  config.layer_head_dim(i), self.device, config.mla)
                           if config.owns_kv(i) else None for i in range(config.num_layers)]
         if config.recurrent is not None and num_state_slots < 1:
             raise ValueError(f"{config.architecture} has recurrent layers: give the runner "
@@ -169,7 +169,7 @@ class ModelRunner:
             for n in lengths:  # each sequence's slots: the next n of the store
                 spans.append(SeqSpan(0, n, torch.arange(offset, offset + n)))
                 offset += n
-            stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device)]
+            stores = [make_kv("f32", offset, c.num_kv_heads, c.head_dim, self.device, c.mla)]
             stores *= c.num_layers
             meta = build_metadata(spans, c.sliding_window, self.device)
             if c.recurrent is None:
