@@ -323,7 +323,7 @@ KV_INL void xs_sub_avx2(const kv_blk_iq4_xsx8 *b, const kv_xs8_scales *u, int s,
     static inline __attribute__((always_inline)) tgt void name(                             \
         const int qt, const uint8_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, \
         float *y, int64_t ys) {                                                              \
-        const __m256i table = table_of(qt);                                                  \
+        const __auto_type table = table_of(qt);  /* ymm or zmm */                            \
         __m256 acc[KV_GROUP_NX];                                                             \
         for (int j = 0; j < nx; j++) acc[j] = _mm256_setzero_ps();                           \
         for (int64_t i = 0; i < nb; i++, b += nl4x8_bytes(qt)) {                             \
@@ -569,6 +569,32 @@ KV_INL_V void nl4_sums_vnni(const uint8_t (*qs)[32], __m256i table, const char *
 }
 KV_NL4_TILE(tile_nl4_vnni, KV_TGT_V, nl4_table_u8, nl4_sums_vnni)
 
+/* The same at 512 bits (qk_zmm.h), for 2 or more x rows: lanes 2r, 2r + 1 hold row r's
+ * chunks t, t + 1, so one vpdpbusd takes 8 bytes of x; the two lanes of a row are folded
+ * once per block and the bias added: VNNI's integer, so the same bits. */
+KV_INL_Z __m512i nl4_table_u8_zmm(const int qt) {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)kv_nl4_values(qt))),
+                            _mm512_set1_epi8((char)0x80));
+}
+KV_INL_Z void nl4_sums_zmm(const uint8_t (*qs)[32], __m512i table, const char *xq, int64_t xs,
+                           int64_t i, const int nx, __m256i *isum) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i p[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) p[j] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t += 2) {
+        const __m512i raw = zpair_load(qs[t]);
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, m4));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
+        for (int j = 0; j < nx; j++) {
+            const int8_t *x = ACT(kv_act32, j, i)->qs + 4 * t;
+            p[j] = zdot(zdot(p[j], lo, x), hi, x + 16);
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        isum[j] = _mm256_add_epi32(zfold(p[j]), _mm256_set1_epi32(ACT(kv_act32, j, i)->bias));
+}
+KV_NL4_TILE(tile_nl4_zmm, KV_TGT_Z, nl4_table_u8_zmm, nl4_sums_zmm)
+
 /* the tiles KV_GROUP_GEMV takes, per type and path */
 #define KV_NL4_TYPE_TILE(name, tgt, tile, blk_t, qt)                                         \
     static inline __attribute__((always_inline)) tgt void name(                             \
@@ -580,11 +606,15 @@ KV_NL4_TYPE_TILE(tile_nl, KV_TGT, tile_nl4, kv_blk_iq4_nlx8, KV_IQ4_NL)
 KV_NL4_TYPE_TILE(tile_nl_vnni, KV_TGT_V, tile_nl4_vnni, kv_blk_iq4_nlx8, KV_IQ4_NL)
 KV_NL4_TYPE_TILE(tile_mx, KV_TGT, tile_nl4, kv_blk_mxfp4x8, KV_MXFP4)
 KV_NL4_TYPE_TILE(tile_mx_vnni, KV_TGT_V, tile_nl4_vnni, kv_blk_mxfp4x8, KV_MXFP4)
+KV_NL4_TYPE_TILE(tile_nl_zmm, KV_TGT_Z, tile_nl4_zmm, kv_blk_iq4_nlx8, KV_IQ4_NL)
+KV_NL4_TYPE_TILE(tile_mx_zmm, KV_TGT_Z, tile_nl4_zmm, kv_blk_mxfp4x8, KV_MXFP4)
 
 KV_GROUP_GEMV(gemv_nlx8, KV_TGT, tile_nl, kv_blk_iq4_nlx8, 32)
 KV_GROUP_GEMV(gemv_nlx8_vnni, KV_TGT_V, tile_nl_vnni, kv_blk_iq4_nlx8, 32)
 KV_GROUP_GEMV(gemv_mxx8, KV_TGT, tile_mx, kv_blk_mxfp4x8, 32)
 KV_GROUP_GEMV(gemv_mxx8_vnni, KV_TGT_V, tile_mx_vnni, kv_blk_mxfp4x8, 32)
+KV_GROUP_GEMV(gemv_nlx8_zmm, KV_TGT_Z, tile_nl_zmm, kv_blk_iq4_nlx8, 32)
+KV_GROUP_GEMV(gemv_mxx8_zmm, KV_TGT_Z, tile_mx_zmm, kv_blk_mxfp4x8, 32)
 
 /* ---- IQ4_XSx8 prefill on AVX2 without VNNI: int16 panels ----
  * tile_xs spends, per 32 products and x row, a sign, a maddubs, a scale madd and an add, the
@@ -729,12 +759,12 @@ KV_GEMV_DECL(kv_gemv_iq4_xsx8_avx2) {
 }
 
 KV_GEMV_DECL(kv_gemv_iq4_nlx8_avx2) {
-    (kv_use_vnni() ? gemv_nlx8_vnni : gemv_nlx8)(w, row_bytes, r0, r1, cols, xq, xstride, n,
-                                                 y, ystride);
+    (kv_use_vnni() ? (n >= KV_ZMM_MIN_N ? gemv_nlx8_zmm : gemv_nlx8_vnni) : gemv_nlx8)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 
 KV_GEMV_DECL(kv_gemv_mxfp4x8_avx2) {
-    (kv_use_vnni() ? gemv_mxx8_vnni : gemv_mxx8)(w, row_bytes, r0, r1, cols, xq, xstride, n,
-                                                 y, ystride);
+    (kv_use_vnni() ? (n >= KV_ZMM_MIN_N ? gemv_mxx8_zmm : gemv_mxx8_vnni) : gemv_mxx8)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
 }
 #endif /* KV_HAVE_AVX2_BUILD */
