@@ -123,10 +123,12 @@ static void dec_iq3_xxs(const uint8_t *b, kv_iq_sb *u) {
 static void dec_iq3_s(const uint8_t *b, kv_iq_sb *u) {
     const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
     u->d = half_at(b);
-    for (int k = 0; k < 64; k++) {  /* 4 values each */
-        const int idx = qs[k] | (qh[k / 8] >> (k % 8) & 1) << 8;
-        put_signed(u->q + 4 * k, grid_iq3s[idx], 4, signs[k / 2] >> 4 * (k % 2));
-    }
+    for (int s = 0; s < 8; s++)
+        for (int k = 0; k < 8; k++) {  /* 4 values each */
+            const int idx = qs[8 * s + k] | (qh[s] >> k & 1) << 8;
+            const uint32_t sg = (uint32_t)signs[4 * s + k / 2] >> 4 * (k % 2);
+            put_signed(u->q + 32 * s + 4 * k, grid_iq3s[idx], 4, sg);
+        }
     for (int s = 0; s < 8; s++)
         u->sc[2 * s] = u->sc[2 * s + 1] = (int16_t)(2 * (scales[s / 2] >> 4 * (s % 2) & 15) + 1);
 }
