@@ -752,3 +752,160 @@ def _gemma4_tensors(model, global_dim: int):
             else:
                 module, kind = rest.rsplit(".", 1)
                 yield f"blk.{i}.{_GEMMA4_LAYER[module]}.{kind}", t
+
+
+# ---- DeepSeek-V3 / V2: multi-head latent attention, sigmoid-routed grouped experts ---------
+
+def deepseek_config(v2: bool = False, **overrides):
+    """Three layers, the first dense; latent attention with a 32-wide latent, 16 + 8 query
+    dims per head (8 rotated) and 16-wide values; DeepSeek-V3: eight experts in four groups
+    of which two are kept, two experts per token and a shared one; V2: softmax routing.
+    `overrides` change the config (q_lora_rank None: q is one product)."""
+    import transformers as tf
+
+    common = {**_COMMON, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if v2:
+        return tf.DeepseekV2Config(**{**common, "topk_method": "greedy", "n_group": 1,
+                                      "topk_group": 1, **overrides})
+    # scoring_func / topk_method as DeepSeek-V3's own config.json has them (llama.cpp's
+    # converter reads the router's kind from scoring_func)
+    return tf.DeepseekV3Config(**{**common, "n_group": 4, "topk_group": 2,
+                                  "norm_topk_prob": True, "scoring_func": "sigmoid",
+                                  "topk_method": "noaux_tc", **overrides})
+
+
+def build_deepseek(out_dir: Path, seed: int = 0, v2: bool = False, **overrides):
+    """Random fp32 DeepSeek model saved as out_dir/hf (safetensors); norms, routers and the
+    choice bias random so that a wrong convention or expert choice shows."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(deepseek_config(v2, **overrides),
+                                                torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    return model
+
+
+# ---- Gemma 4: per-layer inputs, KV sharing, full layers of their own shape ------------------
+
+def gemma4_config(**overrides):
+    """Six layers (sliding, sliding, full, twice; window 4), full layers 32 wide against the
+    sliding ones' 16, proportional RoPE on a quarter of them; the last two layers read the
+    K/V of layers 1 and 2 and have double-wide MLPs; 8-wide per-layer inputs; logits capped
+    at 3. `k_eq_v=True` gives the large models' form instead: no per-layer inputs, no
+    sharing, full layers with one KV head and keys for values."""
+    import transformers as tf
+
+    k_eq_v = overrides.pop("k_eq_v", False)
+    shape = ({"attention_k_eq_v": True, "num_global_key_value_heads": 1,
+              "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}
+             if k_eq_v else {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+                             "use_double_wide_mlp": True})
+    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return tf.Gemma4TextConfig(**{
+        **_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16,
+        "global_head_dim": 32, "sliding_window": 4, "vocab_size_per_layer_input": 96,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "final_logit_softcapping": 3.0, "rope_parameters": rope, "pad_token_id": 0,
+        "bos_token_id": 2, "eos_token_id": 1, **shape, **overrides})
+
+
+def build_gemma4(out_dir: Path, seed: int = 0, **overrides):
+    """Random Gemma4ForCausalLM in fp32 (norms and layer scalars random too) -> out_dir/hf and
+    out_dir/model.gguf, written as llama.cpp's converter names and describes it."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForCausalLM(gemma4_config(**overrides)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand_like(b) + 0.5)
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    write_gemma4_gguf(model, out_dir / "model.gguf")
+    return model
+
+
+def write_gemma4_gguf(model, path: Path) -> None:
+    import gguf
+
+    cfg, arch = model.config, "gemma4"
+    w = gguf.GGUFWriter(str(path), arch)
+    full = [t == "full_attention" for t in cfg.layer_types]
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    # head sizes and KV heads are per layer in transformers' config: a full and a sliding one
+    glob, local = (cfg.per_layer_config[full.index(f)] for f in (True, False))
+    global_dim, global_kv = glob.head_dim, glob.num_key_value_heads
+    wide = 2 if cfg.use_double_wide_mlp else 1
+    for key, value in (("block_count", cfg.num_hidden_layers),
+                       ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.key_length", global_dim),
+                       ("attention.value_length", global_dim),
+                       ("attention.key_length_swa", local.head_dim),
+                       ("attention.value_length_swa", local.head_dim),
+                       ("attention.sliding_window", cfg.sliding_window),
+                       ("attention.shared_kv_layers", cfg.num_kv_shared_layers),
+                       ("embedding_length_per_layer_input", cfg.hidden_size_per_layer_input),
+                       ("rope.dimension_count", global_dim),
+                       ("rope.dimension_count_swa", local.head_dim)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.feed_forward_length",
+                [cfg.intermediate_size * (wide if i >= first_shared else 1)
+                 for i in range(cfg.num_hidden_layers)])
+    w.add_array(f"{arch}.attention.head_count_kv",
+                [global_kv if f else local.num_key_value_heads for f in full])
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [not f for f in full])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base_swa",
+                  cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    _add_byte_tokenizer(w, cfg.vocab_size)
+    _write_tensors(w, _gemma4_tensors(model, global_dim), None)
+
+
+_GEMMA4_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight",
+                   "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                   "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                   "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+_GEMMA4_LAYER = {**_LAYER, **_LAYER_GEMMA, "per_layer_input_gate": "inp_gate",
+                 "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm"}
+
+
+def _gemma4_tensors(model, global_dim: int):
+    """llama.cpp's names; norms as stored (Gemma 4 applies w, not 1 + w); rope_freqs: 1 on
+    the full layers' rotated pairs, 1e30 (no rotation) on the rest."""
+    rotated = int(global_dim * model.config.rope_parameters["full_attention"]
+                  ["partial_rotary_factor"] / 2)
+    yield "rope_freqs.weight", torch.tensor([1.0] * rotated + [1e30] * (global_dim // 2 - rotated))
+    for name, t in model.state_dict().items():
+        if name in _GEMMA4_GLOBALS:
+            yield _GEMMA4_GLOBALS[name], t
+        elif name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest == "layer_scalar":
+                yield f"blk.{i}.layer_output_scale.weight", t
+            else:
+                module, kind = rest.rsplit(".", 1)
+                yield f"blk.{i}.{_GEMMA4_LAYER[module]}.{kind}", t

@@ -7,6 +7,7 @@ from typing import Any
 from kvlab.errors import ModelLoadError
 from kvlab.models import (
     bert,
+    deepseek2,
     gemma2,
     gemma3,
     gemma4,
@@ -39,7 +40,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in
                                        qwen3_5.MOE_MULTIMODAL_SPEC,
                                        smollm3.SPEC, olmo2.SPEC, mistral3.SPEC,
                                        mistral3.MULTIMODAL_SPEC, glm4moe.SPEC,
-                                       gpt_oss.SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC)}
+                                       gpt_oss.SPEC, gemma4.SPEC, gemma4.MULTIMODAL_SPEC,
+                                       deepseek2.SPEC)}
 _HF_NAMES = {hf: s for s in ARCHITECTURES.values() for hf in s.hf_architectures}
 _GGUF_VARIANTS = [s for s in ARCHITECTURES.values() if s.gguf_variant_of]
 

@@ -172,7 +172,7 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
     top, ids = torch.topk(probs, moe.experts_per_token, dim=-1)
     if moe.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(h.dtype), ids
+    return (top * moe.routed_scale).to(h.dtype), ids  # DeepSeek-V2 scales them
 
 
 def route_topk_softmax(h: torch.Tensor, router: Weight, bias: torch.Tensor,
