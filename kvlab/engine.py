@@ -41,7 +41,8 @@ from kvlab.runner.decode_graph import GRAPH_MODES
 from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
 from kvlab.sampler import SampleResult, SamplingBatch, raw_logprobs, sample, target_probs
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-from kvlab.spec.proposer import METHODS, make_proposer
+from kvlab.spec.draft import load_draft
+from kvlab.spec.proposer import METHODS, NgramProposer, Proposer
 from kvlab.spec.stats import SpecCounts
 from kvlab.spec.verify import judge
 from kvlab.stop import StopStringFilter
@@ -90,6 +91,7 @@ class EngineConfig:
     # False: always propose num_speculative tokens where the proposer finds them, instead of
     # sizing proposals from acceptance and step costs (kvlab.spec.adaptive)
     speculative_adaptive: bool = True
+    draft_model: str | None = None  # speculative "draft": the model that proposes
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -115,6 +117,10 @@ class EngineConfig:
         if self.speculative is not None and self.speculative not in METHODS:
             raise KvlabError(f"--speculative {self.speculative!r} is not a method (valid: "
                              f"{', '.join(METHODS)})")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise KvlabError("--draft-model goes with --speculative draft, and it needs one "
+                             f"(got --speculative {self.speculative}, --draft-model "
+                             f"{self.draft_model})")
         if self.num_speculative < 1:
             raise KvlabError(f"--num-speculative {self.num_speculative}: it must be at least 1")
         if self.state_snapshot_blocks < 1:
@@ -206,8 +212,7 @@ class Engine:
         num_blocks = pools.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  pools.window, pools.state_slots, pools.snapshots)
-        proposer = make_proposer(config.speculative, config.num_speculative,
-                                 config.speculative_adaptive)
+        proposer = self._proposer(config, loaded.config.vocab_size)
         if proposer is not None and self.kv.states is not None:
             raise KvlabError(f"{loaded.config.name or loaded.config.architecture} has "
                              "recurrent layers, whose state cannot take back rejected "
@@ -237,6 +242,18 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
         self.runner.page_ahead(self.kv.high_water())  # a first request's pages, in the background
+
+    @staticmethod
+    def _proposer(config: EngineConfig, vocab_size: int) -> Proposer | None:
+        """The speculative proposer the config asks for, if any."""
+        if config.speculative == "ngram":
+            return NgramProposer(config.num_speculative, config.speculative_adaptive)
+        if config.speculative == "draft" and config.draft_model is not None:
+            return load_draft(config.draft_model, config.num_speculative, vocab_size,
+                              config.kv_dtype, config.kv_cache_gib, config.max_num_seqs,
+                              config.device, DTYPES[config.dtype],
+                              config.speculative_adaptive)
+        return None
 
     @staticmethod
     def _pool_sizes(model: ModelConfig, config: EngineConfig) -> PoolSizes:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvlab.cache import KVCacheManager
 from kvlab.request import SamplingParams
 from kvlab.spec.adaptive import DraftState
-from kvlab.spec.proposer import Candidate, NgramProposer
+from kvlab.spec.proposer import Candidate, Proposer
 
 
 class SeqStatus(enum.Enum):
@@ -104,7 +104,7 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 proposer: NgramProposer | None = None) -> None:
+                 proposer: Proposer | None = None) -> None:
         self.config, self.kv, self.proposer = config, kv, proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -242,3 +242,5 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.kv.free(seq.seq_id)
+        if self.proposer is not None and seq.draft is not None:
+            self.proposer.forget(seq.draft)

@@ -500,15 +500,20 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_speculative_flags_are_checked():
-    with pytest.raises(KvlabError, match="--speculative 'draft'"):
-        EngineConfig(speculative="draft")
+    with pytest.raises(KvlabError, match="--speculative 'medusa' is not a method"):
+        EngineConfig(speculative="medusa")
     with pytest.raises(KvlabError, match="--num-speculative 0"):
         EngineConfig(speculative="ngram", num_speculative=0)
-    args = argparse.Namespace(speculative=None, num_speculative=3)
-    with pytest.raises(KvlabError, match="applies with --speculative"):
+    with pytest.raises(KvlabError, match="--draft-model goes with --speculative draft"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(KvlabError, match="--draft-model goes with --speculative draft"):
+        EngineConfig(speculative="ngram", draft_model="x.gguf")
+    args = argparse.Namespace(speculative=None, num_speculative=3, draft_model=None)
+    with pytest.raises(KvlabError, match="apply with --speculative"):
         speculative_config(args)
-    args = argparse.Namespace(speculative="ngram", num_speculative=None)
-    assert speculative_config(args) == {"speculative": "ngram", "num_speculative": 4}
+    args = argparse.Namespace(speculative="ngram", num_speculative=None, draft_model=None)
+    assert speculative_config(args) == {"speculative": "ngram", "num_speculative": 4,
+                                        "draft_model": None}
 
 
 def _kvlab(*args: str) -> subprocess.CompletedProcess:
@@ -573,3 +578,27 @@ def test_metrics_render_counters_and_acceptance_lengths():
     assert (buckets["0.0"], buckets["2.0"], buckets["4.0"], buckets["12.0"],
             buckets["+Inf"]) == ("1", "2", "3", "4", "4")
     assert _metric(text, "kvlab:spec_decode_acceptance_length_sum") == 15
+
+
+# ---- a draft model ------------------------------------------------------------------------
+
+def test_draft_model_proposals_keep_greedy_text(tiny, alone, tmp_path):
+    """The target as its own draft: every proposal kept; another random model of the same
+    vocabulary: most rejected; the text is plain decoding's either way, and the draft's
+    cache is empty once the requests are done."""
+    other = tmp_path / "other"
+    build("gemma3", other, seed=1)
+    for draft, all_kept in ((tiny, True), (other / "model.gguf", False)):
+        e = engine(tiny, speculative="draft", draft_model=str(draft),
+                   speculative_adaptive=False)
+        assert run_all(e, PROMPTS) == alone
+        assert [run_all(e, [p])[0] for p in PROMPTS[:2]] == alone[:2]
+        counts = e.stats().speculative
+        assert counts.drafted > 0 and (counts.accepted == counts.drafted) == all_kept
+        draft_kv = e.scheduler.proposer.kv
+        assert draft_kv.num_free_blocks == draft_kv.num_blocks
+
+
+def test_draft_model_must_share_the_vocabulary(tiny, default_model_path):
+    with pytest.raises(KvlabError, match="a draft must share the target's vocabulary"):
+        engine(tiny, speculative="draft", draft_model=str(default_model_path))

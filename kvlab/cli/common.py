@@ -68,8 +68,12 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=METHODS, default=None,
                    help="speculative decoding: ngram proposes the tokens that followed the "
-                        "last few tokens' earlier occurrence in the prompt or output; the "
-                        "model verifies them in one step (output unchanged)")
+                        "last few tokens' earlier occurrence in the prompt or output, draft "
+                        "those a smaller model (--draft-model) decodes; the model verifies "
+                        "them in one step (output unchanged)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="with --speculative draft: a .gguf file or HF directory of a model "
+                        "with the same vocabulary")
     p.add_argument("--num-speculative", type=int, default=None, metavar="K",
                    help="most tokens proposed per sequence and step (default 4); fewer where "
                         "proposals keep failing or the step is compute-bound")
@@ -78,12 +82,13 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
 def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields of the --speculative flags."""
     if args.speculative is None:
-        if args.num_speculative is not None:
-            raise KvlabError("--num-speculative applies with --speculative; add "
-                             "--speculative ngram")
+        if args.num_speculative is not None or args.draft_model is not None:
+            raise KvlabError("--num-speculative and --draft-model apply with --speculative; "
+                             "add --speculative ngram or draft")
         return {}
     k = args.num_speculative
-    return {"speculative": args.speculative, "num_speculative": 4 if k is None else k}
+    return {"speculative": args.speculative, "num_speculative": 4 if k is None else k,
+            "draft_model": args.draft_model}
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:

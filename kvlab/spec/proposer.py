@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvlab.spec.adaptive import DraftState, Planner
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")  # prompt lookup; a draft model (kvlab.spec.draft)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,16 @@ class Candidate:
     state: DraftState
     token_ids: Sequence[int]
     cap: int
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer."""
+
+    def propose(self, candidates: Sequence[Candidate], rows: int) -> list[list[int]]: ...
+
+    def observe_step(self, rows: int, multi: bool, seconds: float) -> None: ...
+
+    def forget(self, state: DraftState) -> None: ...
 
 
 class NgramProposer:
@@ -45,11 +56,5 @@ class NgramProposer:
         """A timed decode step: rows computed, whether any sequence computed several."""
         self.planner.cost.observe(rows, multi, seconds)
 
-
-def make_proposer(method: str | None, num_speculative: int,
-                  adaptive: bool = True) -> NgramProposer | None:
-    if method is None:
-        return None
-    if method not in METHODS:
-        raise ValueError(f"speculative method {method!r} is not one of {', '.join(METHODS)}")
-    return NgramProposer(num_speculative, adaptive)
+    def forget(self, state: DraftState) -> None:
+        """A sequence finished (its index goes with its state)."""
