@@ -13,13 +13,13 @@ import shutil
 
 import pytest
 import torch
+from test_gpt_oss import _prefill_then_decode
+from test_models import reference_logits as reference
+from test_models import runner_for, step
 
 from kvlab.engine import Engine, EngineConfig
-from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
-from kvlab.runner import ModelRunner
-from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.weights.checkpoint import open_checkpoint
+from kvlab.scheduler import ScheduledSeq
 
 from tiny_models import build_gemma4, convert_with_llama_cpp
 
@@ -32,34 +32,8 @@ def tiny(request, tmp_path_factory):
     return build_gemma4(out, k_eq_v=request.param == "k_eq_v"), out
 
 
-def reference(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
-def runner_for(path, num_blocks: int = 32, block_size: int = 4) -> ModelRunner:
-    loaded = load_model(open_checkpoint(path), LoadOptions())
-    return ModelRunner(loaded.model, loaded.config, num_blocks, block_size)
-
-
-def step(runner: ModelRunner, *seqs: ScheduledSeq) -> torch.Tensor:
-    return runner.execute(SchedulerOutput(list(seqs))).logits
-
-
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _prefill_then_decode(runner: ModelRunner, hf, ids: list[int], split: int) -> float:
-    """Largest logit error over a prefill of ids[:split] and decode steps for the rest."""
-    ref = reference(hf, ids)
-    table = [9, 3, 17, 0, 5]  # scattered, out-of-order blocks
-    logits = step(runner, ScheduledSeq("a", 0, ids[:split], table, True, split))
-    errors = [(logits[0] - ref[split - 1]).abs().max()]
-    for pos in range(split, len(ids)):
-        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
-        errors.append((logits[0] - ref[pos]).abs().max())
-    return float(max(errors))
 
 
 @pytest.mark.parametrize("fmt", ["hf", "model.gguf"])
