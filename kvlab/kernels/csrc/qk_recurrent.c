@@ -310,6 +310,63 @@ static void transpose(float *dst, const float *src, int64_t ld, int64_t rows, in
     }
 }
 
+/* The chunks of more than one token in a call (first token, length), for a pre-pass that
+ * computes what the heads of a group (or key head) share once per chunk: its results for the
+ * chunk from token t, group gi, lie at rc_shared(cl, t, L, gi), `width` x L floats each */
+typedef struct {
+    int64_t n, groups, width, *t, *len;
+    float *buf;  /* [T, groups, width * KV_RC_CHUNK]: a chunk's rows hold its groups' results */
+} rc_chunk_list;
+
+static float *rc_shared(const rc_chunk_list *cl, int64_t t, int64_t L, int64_t gi) {
+    return cl->buf + (t * cl->groups + gi * L) * cl->width * KV_RC_CHUNK;
+}
+
+/* 0, or -1 when out of memory (then freed) */
+static int rc_chunk_list_init(rc_chunk_list *cl, const int64_t *lens, int64_t S, int64_t groups,
+                              int64_t width) {
+    const int64_t CH = KV_RC_CHUNK;
+    int64_t T = 0, n = 0;
+    for (int64_t s = 0; s < S; s++) {
+        T += lens[s];
+        n += lens[s] > 1 ? (lens[s] + CH - 1) / CH : 0;
+    }
+    *cl = (rc_chunk_list){.n = n, .groups = groups, .width = width,
+                          .t = malloc((size_t)(2 * n + 1) * sizeof(int64_t)),
+                          .buf = malloc((size_t)(T * groups * width * CH + 1) * sizeof(float))};
+    if (!cl->t || !cl->buf) {
+        free(cl->t);
+        free(cl->buf);
+        return -1;
+    }
+    cl->len = cl->t + n;
+    for (int64_t s = 0, t0 = 0, c = 0; s < S; t0 += lens[s++])
+        for (int64_t o = 0; lens[s] > 1 && o < lens[s]; o += CH, c++) {
+            cl->t[c] = t0 + o;
+            cl->len[c] = rc_min(CH, lens[s] - o);
+        }
+    return 0;
+}
+
+/* j's items after the pre-pass `pre` over (chunk, group) items on the same job, with
+ * pre_scratch floats per thread; frees cl */
+static int rc_run_shared(rc_job *j, int64_t S, rc_chunk_list *cl,
+                         void (*pre)(const rc_job *, int64_t, float *), int64_t pre_scratch) {
+    void (*item)(const rc_job *, int64_t, float *) = j->item;
+    const int64_t items = j->items, scratch = j->scratch_floats;
+    j->item = pre;
+    j->items = cl->n * cl->groups;
+    j->scratch_floats = pre_scratch;
+    int rc = cl->n ? rc_run(j, S) : 0;
+    j->item = item;
+    j->items = items;
+    j->scratch_floats = scratch;
+    if (!rc) rc = rc_run(j, S);
+    free(cl->t);
+    free(cl->buf);
+    return rc;
+}
+
 /* ---- short convolution ---- */
 
 #define CONV_BLOCK 256  /* channels per item */
@@ -369,7 +426,22 @@ typedef struct {
     float *states, *out;
     int64_t Hk, Hv, Dk, Dv;
     float scale;
+    rc_chunk_list cl;  /* each chunk's k k^T and q k^T [L, L] per key head, shared by its
+                        * value heads */
 } gdr_job;
+
+/* the pre-pass: k k^T then q k^T of chunk item / Hk for key head item % Hk */
+static void gdr_gram_item(const rc_job *base, int64_t item, float *kt) {
+    const gdr_job *j = (const gdr_job *)base;
+    const int64_t c = item / j->Hk, kh = item % j->Hk, t = j->cl.t[c], L = j->cl.len[c];
+    const int64_t ld = j->Hk * j->Dk;
+    const float *q0 = j->q + (t * j->Hk + kh) * j->Dk, *k0 = j->k + (t * j->Hk + kh) * j->Dk;
+    float *kk = rc_shared(&j->cl, t, L, kh);
+    transpose(kt, k0, ld, L, j->Dk, NULL);
+    memset(kk, 0, (size_t)(2 * L * L) * sizeof(float));
+    base->ops->gemm(kk, L, k0, ld, kt, L, L, j->Dk, L);
+    base->ops->gemm(kk + L * L, L, q0, ld, kt, L, L, j->Dk, L);
+}
 
 /* one token of value head h (key head kh): S = exp(g) S; delta = beta (v - k^T S);
  * S += k delta^T; out = scale q^T S */
@@ -399,20 +471,14 @@ static void gdr_step(const rc_job *base, int64_t t, int64_t L, int64_t h, int64_
 /* the chunk's intra-chunk matrices from cum (the cumulated log decay):
  *   A[i, j] = beta_i k_i.k_j exp(cum_i - cum_j), j < i   (the UT system's strict lower part)
  *   P[i, j] = scale q_i.k_j exp(cum_i - cum_j),  j <= i  (the causal in-chunk attention) */
-static void gdr_chunk_matrices(const gdr_job *j, const float *q0, const float *k0,
-                               const float *beta, const float *cum, int64_t L, float *kt,
-                               float *A, float *P) {
-    const int64_t ld = j->Hk * j->Dk;
-    transpose(kt, k0, ld, L, j->Dk, NULL);
-    memset(A, 0, (size_t)(L * L) * sizeof(float));
-    memset(P, 0, (size_t)(L * L) * sizeof(float));
-    j->base.ops->gemm(A, L, k0, ld, kt, L, L, j->Dk, L);
-    j->base.ops->gemm(P, L, q0, ld, kt, L, L, j->Dk, L);
+static void gdr_chunk_matrices(const gdr_job *j, int64_t t, int64_t L, int64_t kh,
+                               const float *beta, const float *cum, float *A, float *P) {
+    const float *kk = rc_shared(&j->cl, t, L, kh), *qk = kk + L * L;
     for (int64_t r = 0; r < L; r++)
         for (int64_t c = 0; c < L; c++) {
             const float e = c <= r ? expf(cum[r] - cum[c]) : 0.0f;
-            A[r * L + c] = c < r ? A[r * L + c] * beta[r] * e : 0.0f;
-            P[r * L + c] *= j->scale * e;
+            A[r * L + c] = c < r ? kk[r * L + c] * beta[r] * e : 0.0f;
+            P[r * L + c] = qk[r * L + c] * j->scale * e;
         }
 }
 
@@ -438,7 +504,7 @@ static void gdr_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64
         ecum[i] = expf(acc);
         beta[i] = j->beta[(t + i) * j->Hv + h];
     }
-    gdr_chunk_matrices(j, q0, k0, beta, cum, L, kt, A, P);
+    gdr_chunk_matrices(j, t, L, kh, beta, cum, A, P);
     for (int64_t i = 0; i < L; i++) {
         for (int64_t c = 0; c < Dv; c++) U[i * Dv + c] = beta[i] * v0[i * ldv + c];
         for (int64_t c = 0; c < Dk; c++) {
@@ -477,7 +543,8 @@ int kv_gated_delta_rule(const float *q, const float *k, const float *v, const fl
                           .slots = slots, .lens = lens},
                  .q = q, .k = k, .v = v, .g = g, .beta = beta, .states = states, .out = out,
                  .Hk = Hk, .Hv = Hv, .Dk = Dk, .Dv = Dv, .scale = scale};
-    return rc_run(&j.base, S);
+    if (rc_chunk_list_init(&j.cl, lens, S, Hk, 2)) return -1;
+    return rc_run_shared(&j.base, S, &j.cl, gdr_gram_item, Dk * CH);
 }
 
 /* ---- Mamba-2 selective scan (SSD) ---- */
@@ -487,22 +554,15 @@ typedef struct {
     const float *x, *dt, *A, *B, *C, *D;
     float *states, *out;
     int64_t H, P, G, N;
-    /* the chunks of more than one token (first token, length) and their C B^T per group,
-     * computed once for the group's heads: chunk t's for group gi at ssd_cb(j, t, L, gi) */
-    const int64_t *chunk_t, *chunk_len;
-    float *cb;  /* [T, G, KV_RC_CHUNK]: the rows of a chunk hold its groups' [L, L] */
+    rc_chunk_list cl;  /* each chunk's C B^T [L, L] per group, shared by the group's heads */
 } ssd_job;
-
-static float *ssd_cb(const ssd_job *j, int64_t t, int64_t L, int64_t gi) {
-    return j->cb + (t * j->G + gi * L) * KV_RC_CHUNK;
-}
 
 /* the pre-pass: C B^T of chunk item / G for group item % G */
 static void ssd_cb_item(const rc_job *base, int64_t item, float *bt) {
     const ssd_job *j = (const ssd_job *)base;
-    const int64_t c = item / j->G, gi = item % j->G, t = j->chunk_t[c], L = j->chunk_len[c];
+    const int64_t c = item / j->G, gi = item % j->G, t = j->cl.t[c], L = j->cl.len[c];
     const int64_t ldb = j->G * j->N;
-    float *cb = ssd_cb(j, t, L, gi);
+    float *cb = rc_shared(&j->cl, t, L, gi);
     transpose(bt, j->B + (t * j->G + gi) * j->N, ldb, L, j->N, NULL);
     memset(cb, 0, (size_t)(L * L) * sizeof(float));
     base->ops->gemm(cb, L, j->C + (t * j->G + gi) * j->N, ldb, bt, L, L, j->N, L);
@@ -533,7 +593,7 @@ static void ssd_chunk(const rc_job *base, int64_t t, int64_t L, int64_t h, int64
     const float *x0 = j->x + (t * j->H + h) * P;
     const float *B0 = j->B + (t * j->G + gi) * N, *C0 = j->C + (t * j->G + gi) * N;
     float *y0 = j->out + (t * j->H + h) * P;
-    const float *cb = ssd_cb(j, t, L, gi);
+    const float *cb = rc_shared(&j->cl, t, L, gi);
     float *cum = scratch, *dt = cum + CH, *e = dt + CH, *M = e + CH;
     float *cs = M + CH * CH, *st = cs + CH * N, *xt = st + N * P;
     float acc = 0.0f;
@@ -573,36 +633,13 @@ int kv_ssd_scan(const float *x, const float *dt, const float *A, const float *B,
                 const float *D, float *states, const int64_t *slots, const int64_t *lens,
                 int64_t S, int64_t H, int64_t P, int64_t G, int64_t N, float *out, int isa) {
     const int64_t CH = KV_RC_CHUNK;
-    int64_t T = 0, chunks = 0;
-    for (int64_t s = 0; s < S; s++) {
-        T += lens[s];
-        chunks += lens[s] > 1 ? (lens[s] + CH - 1) / CH : 0;
-    }
-    int64_t *chunk_t = malloc((size_t)(2 * chunks + 1) * sizeof(int64_t));
-    float *cb = malloc((size_t)(T * G * CH + 1) * sizeof(float));
-    ssd_job j = {.base = {.item = ssd_cb_item, .ops = rc_pick(isa), .items = chunks * G,
-                          .scratch_floats = N * CH, .slots = slots, .lens = lens},
+    ssd_job j = {.base = {.item = ssd_item, .ops = rc_pick(isa), .items = S * H,
+                          .scratch_floats = 3 * CH + CH * CH + CH * N + N * P + P * CH,
+                          .slots = slots, .lens = lens},
                  .x = x, .dt = dt, .A = A, .B = B, .C = C, .D = D, .states = states, .out = out,
-                 .H = H, .P = P, .G = G, .N = N, .chunk_t = chunk_t,
-                 .chunk_len = chunk_t + chunks, .cb = cb};
-    int rc = -1;
-    if (chunk_t && cb) {
-        for (int64_t s = 0, t0 = 0, c = 0; s < S; t0 += lens[s++])
-            for (int64_t o = 0; lens[s] > 1 && o < lens[s]; o += CH, c++) {
-                chunk_t[c] = t0 + o;
-                chunk_t[chunks + c] = rc_min(CH, lens[s] - o);
-            }
-        rc = chunks ? rc_run(&j.base, S) : 0;
-    }
-    if (!rc) {
-        j.base.item = ssd_item;
-        j.base.items = S * H;
-        j.base.scratch_floats = 3 * CH + CH * CH + CH * N + N * P + P * CH;
-        rc = rc_run(&j.base, S);
-    }
-    free(chunk_t);
-    free(cb);
-    return rc;
+                 .H = H, .P = P, .G = G, .N = N};
+    if (rc_chunk_list_init(&j.cl, lens, S, G, 1)) return -1;
+    return rc_run_shared(&j.base, S, &j.cl, ssd_cb_item, N * CH);
 }
 
 /* ---- gated RMS norm ---- */
