@@ -1,7 +1,7 @@
 """DeepSeek-V3 / V2 (multi-head latent attention) on tiny random configs: kvlab's logits
 against transformers' (fp32, max abs diff <= 1e-4) for prefill, paged decode, chunked
 prefill and a batch of unequal prompts, from the safetensors and from llama.cpp's
-converter's GGUF; the latent cache's bytes per token."""
+converter's GGUF; the latent cache's bytes per token; greedy tokens through the engine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 from test_models import reference_logits, runner_for, step
 
+from kvlab.engine import Engine, EngineConfig
 from kvlab.models.kv_store import LatentKV
+from kvlab.request import SamplingParams
 from kvlab.scheduler import ScheduledSeq
 
 from tiny_models import build_deepseek, convert_with_llama_cpp
@@ -98,3 +100,20 @@ def test_kv_bytes_per_token_are_the_latents(tiny):
         c.qk_nope_head_dim + c.qk_rope_head_dim) * 4  # K and V per head, as transformers
     assert runner.kv_bytes_per_token == latent < expanded
     assert runner.kv_caches[0].k.shape[1:] == (1, c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+def test_engine_greedy_equals_transformers(tiny):
+    """Through the engine (scheduler, pool sized by the latent's bytes, sampler): greedy
+    tokens equal the argmax of transformers' logits."""
+    hf, out = tiny
+    prompt = _ids(7, 10)
+    engine = Engine.from_model(_gguf(out), EngineConfig(block_size=4))  # its vocabulary
+    engine.add_request("a", prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    ids = list(prompt)
+    for _ in range(8):
+        ids.append(int(reference_logits(hf, ids)[-1].argmax()))
+    assert ids[len(prompt):] == tokens
