@@ -7,7 +7,9 @@
  * Prefill runs in the chunked form (transformers' torch_chunk_gated_delta_rule and
  * mamba2_chunk_scan): within a chunk of KV_RC_CHUNK tokens everything is matrix products,
  * and the state is read and written once per chunk instead of once per token. A chunk of
- * one token (decode) is the one-step recurrence, two passes over the state.
+ * one token (decode) is the one-step recurrence, two passes over the state. What the heads of
+ * a group share within a chunk (SSD's C B^T, the delta rule's k k^T and q k^T per key head)
+ * is computed once, in a pre-pass over (chunk, group), before the (sequence, head) items.
  *
  * The arithmetic is a few vector primitives (rc_ops: c += a b products, dot, axpy, scale,
  * elementwise multiply-add), one table per instruction set: portable C, AVX2 (4 rows x 16
