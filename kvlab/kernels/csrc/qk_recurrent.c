@@ -12,9 +12,10 @@
  * is computed once, in a pre-pass over (chunk, group), before the (sequence, head) items.
  *
  * The arithmetic is a few vector primitives (rc_ops: c += a b products, dot, axpy, scale,
- * elementwise multiply-add), one table per instruction set: portable C, AVX2 (4 rows x 16
- * columns of c in registers) and AVX-512 (4 x 32). The algorithms are written once above
- * them, so every path computes the same steps and differs only in rounding. */
+ * elementwise multiply-add, the SiLU gate, an SSM state row's step), one table per
+ * instruction set: portable C, AVX2 (4 rows x 16 columns of c in registers) and AVX-512
+ * (4 x 32; its SiLU gate is the AVX2 one). The algorithms are written once above them, so
+ * every path computes the same steps and differs only in rounding. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
