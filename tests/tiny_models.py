@@ -393,7 +393,7 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 
 # ---- hybrid models: recurrent layers beside attention ---------------------------------------
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe", "granitehybrid", "granitehybrid_moe")
 # llama.cpp's source tree (its convert_hf_to_gguf.py); KVLAB_LLAMA_CONVERTER names another
 LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
                                 "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
@@ -424,7 +424,29 @@ def hybrid_config(arch: str, **overrides):
         return tf.Qwen3_5MoeTextConfig(**common, **delta, num_experts=8, num_experts_per_tok=2,
                                        moe_intermediate_size=32,
                                        shared_expert_intermediate_size=48)
+    if arch.startswith("granitehybrid"):
+        return granite_hybrid_config(common, moe=arch.endswith("_moe"))
     raise ValueError(arch)
+
+
+GRANITE_LAYER_TYPES = ["mamba", "attention", "mamba", "attention"]
+
+
+def granite_hybrid_config(common: dict, moe: bool):
+    """Granite 4 hybrid: Mamba-2 (8 heads of 16 in 2 groups, state 16, scan chunks of 8) and
+    attention without RoPE by turns, Granite's four multipliers away from 1, the shared MLP
+    alone or beside eight experts of which two run."""
+    import transformers as tf
+
+    experts = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32} \
+        if moe else {"num_local_experts": 0}
+    return tf.GraniteMoeHybridConfig(
+        **{**common, **experts}, layer_types=GRANITE_LAYER_TYPES[:common["num_hidden_layers"]],
+        shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        position_embedding_type="nope", embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=3.0,
+        bos_token_id=None, eos_token_id=None)  # generate's min_new_tokens would ban an eos
 
 
 def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
@@ -435,17 +457,24 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     cfg = hybrid_config(arch, **overrides)
     cls = {"lfm2": tf.Lfm2ForCausalLM, "qwen3_5": tf.Qwen3_5ForCausalLM,
-           "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM}[arch]
+           "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
+           "granitehybrid": tf.GraniteMoeHybridForCausalLM,
+           "granitehybrid_moe": tf.GraniteMoeHybridForCausalLM}[arch]
     model = cls(cfg).float().eval()
-    zero_centered = arch != "lfm2"  # Qwen3.5's norms multiply by 1 + w (not linear_attn.norm)
+    zero_centered = arch.startswith("qwen3_5")  # 1 + w norms (not linear_attn.norm)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and p.dim() == 1:
                 centre = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
                 p.copy_(torch.randn_like(p) * 0.1 + centre)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "router.layer.weight")):
                 p.normal_(0.0, 0.5)
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    if arch.startswith("granitehybrid"):  # layer types as Granite's own configs name them
+        path = out_dir / "hf" / "config.json"
+        saved = json.loads(path.read_text())
+        saved["layer_types"] = GRANITE_LAYER_TYPES[:cfg.num_hidden_layers]
+        path.write_text(json.dumps(saved))
     return model
 
 
@@ -642,117 +671,6 @@ def mxfp4_rounded(model):
             ex.down_proj.copy_(_mxfp4_values(ex.down_proj.transpose(1, 2)).transpose(1, 2))
     return rounded
 
-# ---- Gemma 4: per-layer inputs, KV sharing, full layers of their own shape ------------------
-
-def gemma4_config(**overrides):
-    """Six layers (sliding, sliding, full, twice; window 4), full layers 32 wide against the
-    sliding ones' 16, proportional RoPE on a quarter of them; the last two layers read the
-    K/V of layers 1 and 2 and have double-wide MLPs; 8-wide per-layer inputs; logits capped
-    at 3. `k_eq_v=True` gives the large models' form instead: no per-layer inputs, no
-    sharing, full layers with one KV head and keys for values."""
-    import transformers as tf
-
-    k_eq_v = overrides.pop("k_eq_v", False)
-    shape = ({"attention_k_eq_v": True, "num_global_key_value_heads": 1,
-              "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}
-             if k_eq_v else {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
-                             "use_double_wide_mlp": True})
-    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                               "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-    return tf.Gemma4TextConfig(**{
-        **_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16,
-        "global_head_dim": 32, "sliding_window": 4, "vocab_size_per_layer_input": 96,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        "final_logit_softcapping": 3.0, "rope_parameters": rope, "pad_token_id": 0,
-        "bos_token_id": 2, "eos_token_id": 1, **shape, **overrides})
-
-
-def build_gemma4(out_dir: Path, seed: int = 0, **overrides):
-    """Random Gemma4ForCausalLM in fp32 (norms and layer scalars random too) -> out_dir/hf and
-    out_dir/model.gguf, written as llama.cpp's converter names and describes it."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    model = tf.Gemma4ForCausalLM(gemma4_config(**overrides)).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(torch.rand_like(b) + 0.5)
-    model.save_pretrained(out_dir / "hf", safe_serialization=True)
-    write_gemma4_gguf(model, out_dir / "model.gguf")
-    return model
-
-
-def write_gemma4_gguf(model, path: Path) -> None:
-    import gguf
-
-    cfg, arch = model.config, "gemma4"
-    w = gguf.GGUFWriter(str(path), arch)
-    full = [t == "full_attention" for t in cfg.layer_types]
-    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
-    # head sizes and KV heads are per layer in transformers' config: a full and a sliding one
-    glob, local = (cfg.per_layer_config[full.index(f)] for f in (True, False))
-    global_dim, global_kv = glob.head_dim, glob.num_key_value_heads
-    wide = 2 if cfg.use_double_wide_mlp else 1
-    for key, value in (("block_count", cfg.num_hidden_layers),
-                       ("context_length", cfg.max_position_embeddings),
-                       ("embedding_length", cfg.hidden_size),
-                       ("attention.head_count", cfg.num_attention_heads),
-                       ("attention.key_length", global_dim),
-                       ("attention.value_length", global_dim),
-                       ("attention.key_length_swa", local.head_dim),
-                       ("attention.value_length_swa", local.head_dim),
-                       ("attention.sliding_window", cfg.sliding_window),
-                       ("attention.shared_kv_layers", cfg.num_kv_shared_layers),
-                       ("embedding_length_per_layer_input", cfg.hidden_size_per_layer_input),
-                       ("rope.dimension_count", global_dim),
-                       ("rope.dimension_count_swa", local.head_dim)):
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_array(f"{arch}.feed_forward_length",
-                [cfg.intermediate_size * (wide if i >= first_shared else 1)
-                 for i in range(cfg.num_hidden_layers)])
-    w.add_array(f"{arch}.attention.head_count_kv",
-                [global_kv if f else local.num_key_value_heads for f in full])
-    w.add_array(f"{arch}.attention.sliding_window_pattern", [not f for f in full])
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["full_attention"]["rope_theta"])
-    w.add_float32(f"{arch}.rope.freq_base_swa",
-                  cfg.rope_parameters["sliding_attention"]["rope_theta"])
-    w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
-    _add_byte_tokenizer(w, cfg.vocab_size)
-    _write_tensors(w, _gemma4_tensors(model, global_dim), None)
-
-
-_GEMMA4_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
-                   "model.norm.weight": "output_norm.weight",
-                   "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
-                   "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
-                   "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
-_GEMMA4_LAYER = {**_LAYER, **_LAYER_GEMMA, "per_layer_input_gate": "inp_gate",
-                 "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm"}
-
-
-def _gemma4_tensors(model, global_dim: int):
-    """llama.cpp's names; norms as stored (Gemma 4 applies w, not 1 + w); rope_freqs: 1 on
-    the full layers' rotated pairs, 1e30 (no rotation) on the rest."""
-    rotated = int(global_dim * model.config.rope_parameters["full_attention"]
-                  ["partial_rotary_factor"] / 2)
-    yield "rope_freqs.weight", torch.tensor([1.0] * rotated + [1e30] * (global_dim // 2 - rotated))
-    for name, t in model.state_dict().items():
-        if name in _GEMMA4_GLOBALS:
-            yield _GEMMA4_GLOBALS[name], t
-        elif name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            if rest == "layer_scalar":
-                yield f"blk.{i}.layer_output_scale.weight", t
-            else:
-                module, kind = rest.rsplit(".", 1)
-                yield f"blk.{i}.{_GEMMA4_LAYER[module]}.{kind}", t
-
 
 # ---- DeepSeek-V3 / V2: multi-head latent attention, sigmoid-routed grouped experts ---------
 
@@ -798,3 +716,133 @@ def build_deepseek(out_dir: Path, seed: int = 0, v2: bool = False, **overrides):
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     return model
 
+
+# ---- Gemma 4: per-layer inputs, KV sharing, full layers of their own shape ------------------
+
+def gemma4_config(**overrides):
+    """Six layers (sliding, sliding, full, twice; window 4), full layers 32 wide against the
+    sliding ones' 16, proportional RoPE on a quarter of them; the last two layers read the
+    K/V of layers 1 and 2 and have double-wide MLPs; 8-wide per-layer inputs; logits capped
+    at 3. `k_eq_v=True` gives the large models' form instead: no per-layer inputs, no
+    sharing, full layers with one KV head and keys for values; `moe=True` adds to that
+    four routed experts (two per token) beside each dense MLP, as 26B-A4B has."""
+    import transformers as tf
+
+    k_eq_v = overrides.pop("k_eq_v", False)
+    if overrides.pop("moe", False):
+        overrides = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                     "moe_intermediate_size": 32, **overrides}
+    shape = ({"attention_k_eq_v": True, "num_global_key_value_heads": 1,
+              "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}
+             if k_eq_v else {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+                             "use_double_wide_mlp": True})
+    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return tf.Gemma4TextConfig(**{
+        **_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16,
+        "global_head_dim": 32, "sliding_window": 4, "vocab_size_per_layer_input": 96,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "final_logit_softcapping": 3.0, "rope_parameters": rope, "pad_token_id": 0,
+        "bos_token_id": 2, "eos_token_id": 1, **shape, **overrides})
+
+
+def build_gemma4(out_dir: Path, seed: int = 0, **overrides):
+    """Random Gemma4ForCausalLM in fp32 (norms and layer scalars random too) -> out_dir/hf and
+    out_dir/model.gguf, written as llama.cpp's converter names and describes it."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForCausalLM(gemma4_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
+            elif name.endswith("router.proj.weight"):  # routers far from ties between experts
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(torch.rand_like(b) + 0.5)
+    model.save_pretrained(out_dir / "hf", safe_serialization=True)
+    write_gemma4_gguf(model, out_dir / "model.gguf")
+    return model
+
+
+def write_gemma4_gguf(model, path: Path) -> None:
+    import gguf
+
+    cfg, arch = model.config, "gemma4"
+    w = gguf.GGUFWriter(str(path), arch)
+    full = [t == "full_attention" for t in cfg.layer_types]
+    first_shared = cfg.num_hidden_layers - cfg.num_kv_shared_layers
+    # head sizes and KV heads are per layer in transformers' config: a full and a sliding one
+    glob, local = (cfg.per_layer_config[full.index(f)] for f in (True, False))
+    global_dim, global_kv = glob.head_dim, glob.num_key_value_heads
+    wide = 2 if cfg.use_double_wide_mlp else 1
+    for key, value in (("block_count", cfg.num_hidden_layers),
+                       ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size),
+                       ("attention.head_count", cfg.num_attention_heads),
+                       ("attention.key_length", global_dim),
+                       ("attention.value_length", global_dim),
+                       ("attention.key_length_swa", local.head_dim),
+                       ("attention.value_length_swa", local.head_dim),
+                       ("attention.sliding_window", cfg.sliding_window),
+                       ("attention.shared_kv_layers", cfg.num_kv_shared_layers),
+                       ("embedding_length_per_layer_input", cfg.hidden_size_per_layer_input),
+                       ("rope.dimension_count", global_dim),
+                       ("rope.dimension_count_swa", local.head_dim)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.feed_forward_length",
+                [cfg.intermediate_size * (wide if i >= first_shared else 1)
+                 for i in range(cfg.num_hidden_layers)])
+    w.add_array(f"{arch}.attention.head_count_kv",
+                [global_kv if f else local.num_key_value_heads for f in full])
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [not f for f in full])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base_swa",
+                  cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    if cfg.enable_moe_block:
+        w.add_uint32(f"{arch}.expert_count", cfg.num_experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.top_k_experts)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    _add_byte_tokenizer(w, cfg.vocab_size)
+    _write_tensors(w, _gemma4_tensors(model, global_dim), None)
+
+
+_GEMMA4_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight",
+                   "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                   "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                   "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+_GEMMA4_LAYER = {**_LAYER, **_LAYER_GEMMA, "per_layer_input_gate": "inp_gate",
+                 "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm",
+                 "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+                 "post_feedforward_layernorm_1": "post_ffw_norm_1",
+                 "post_feedforward_layernorm_2": "post_ffw_norm_2"}
+# the MoE layers' whole names after blk.N. (llama.cpp keeps both router scales as .scale)
+_GEMMA4_MOE = {"layer_scalar": "layer_output_scale.weight",
+               "router.proj.weight": "ffn_gate_inp.weight", "router.scale": "ffn_gate_inp.scale",
+               "router.per_expert_scale": "ffn_down_exps.scale",
+               "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+               "experts.down_proj": "ffn_down_exps.weight"}
+
+
+def _gemma4_tensors(model, global_dim: int):
+    """llama.cpp's names; norms as stored (Gemma 4 applies w, not 1 + w); rope_freqs: 1 on
+    the full layers' rotated pairs, 1e30 (no rotation) on the rest."""
+    rotated = int(global_dim * model.config.rope_parameters["full_attention"]
+                  ["partial_rotary_factor"] / 2)
+    yield "rope_freqs.weight", torch.tensor([1.0] * rotated + [1e30] * (global_dim // 2 - rotated))
+    for name, t in model.state_dict().items():
+        if name in _GEMMA4_GLOBALS:
+            yield _GEMMA4_GLOBALS[name], t
+        elif name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest in _GEMMA4_MOE:
+                yield f"blk.{i}.{_GEMMA4_MOE[rest]}", t
+            else:
+                module, kind = rest.rsplit(".", 1)
+                yield f"blk.{i}.{_GEMMA4_LAYER[module]}.{kind}", t

@@ -7,7 +7,9 @@ KV cache), then runs its MLP, both pre-norm with a residual:
     h = norm(x);  x += mlp(h)
 
 A family file (lfm2.py, qwen3_5.py) subclasses HybridModel with its own `recurrent` and
-`attention`, and with its own `mlp` where it differs from SwiGLU. Their multimodal
+`attention`, and with its own `mlp` where it differs from SwiGLU. Granite's multipliers
+(ModelConfig.embedding_scale, residual_scale, logit_scale) apply here, 1 for the others.
+Their multimodal
 checkpoints (a vision tower beside the text model) load the text model alone
 (multimodal_text_config).
 """
@@ -61,18 +63,20 @@ class HybridModel:
                 states: StateBatch) -> torch.Tensor:
         """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm).
         `trace`: a list MoE layers append their chosen expert ids [T, k] to."""
-        eps = self.config.rms_norm_eps
+        eps, r = self.config.rms_norm_eps, self.config.residual_scale
         x = embed(ids, self.weights["embed"])
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
         rope = rope_cos_sin(positions, self.inv_freq)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer["attn_norm"], eps)
             layer_state = states.layers[i]
             if layer_state is not None:
-                x += self.recurrent(h, layer, layer_state, states)
+                x.add_(self.recurrent(h, layer, layer_state, states), alpha=r)
             else:
                 assert cache is not None
-                x += self.attention(h, layer, rope, cache, meta)
-            x += self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace)
+                x.add_(self.attention(h, layer, rope, cache, meta), alpha=r)
+            x.add_(self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace), alpha=r)
         return x
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
@@ -94,4 +98,5 @@ class HybridModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32, through the tied embedding where there is no head."""
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
-        return linear(h, self.weights.get("lm_head", self.weights["embed"])).float()
+        logits = linear(h, self.weights.get("lm_head", self.weights["embed"])).float()
+        return logits if self.config.logit_scale == 1.0 else logits / self.config.logit_scale
