@@ -22,7 +22,9 @@
  * then exact integers against kv_act256, isum = sum_g scale_g * (sum of q * x over group g)
  * (below 16 * 31 * 16 * 62 * 127 < 2^31), and acc += (d * unit * d_x) * isum per super-block,
  * the same for any number of x rows. The AVX2 kernels decode with vector lookups and run the
- * sums through maddubs (|q| unsigned, q's sign onto x; a pair is below 2 * 62 * 127 < 2^15).
+ * sums through maddubs (|q| unsigned, q's sign onto x; a pair is below 2 * 62 * 127 < 2^15)
+ * and the scales through madd, or with AVX512-VNNI through vpdpwssd: the same integers, so
+ * every path gives the same bits.
  */
 #include <string.h>
 
@@ -328,50 +330,60 @@ KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
 
 /* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (|q|, x
- * with q's sign) then the two groups' scales by madd; per super-block the portable kernel's
- * integer and float step, so the same bits */
-KV_INL void row_iq_avx2(const int qt, const uint8_t *b, int64_t nb, const char *xq,
-                        int64_t xs, const int nx, float *y, int64_t ys) {
-    const kv_iq_type t = iq_type(qt);
-    float acc[KV_IQ_NX] = {0};
-    for (int64_t i = 0; i < nb; i++, b += t.bytes) {
-        __m256i isum[KV_IQ_NX];
-        for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            const kv_iq_sub u = sub_of(qt, b, s);
-            const __m256i aq = _mm256_abs_epi8(u.q);
-            const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)u.sc0), _mm_set1_epi16((short)u.sc1));
-            for (int j = 0; j < nx; j++) {
-                const __m256i x = load256(((const kv_act256 *)(xq + j * xs) + i)->qs + 32 * s);
-                const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, u.q));
-                isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p, sc));
-            }
-        }
-        const float d = half_at(b) * t.unit;
-        for (int j = 0; j < nx; j++)
-            acc[j] = fmaf(d * ((const kv_act256 *)(xq + j * xs) + i)->d,
-                          (float)hsum_epi32(isum[j]), acc[j]);
+ * with q's sign) then the two groups' scales, STEP(isum, pairs, scales): madd and add, or
+ * with AVX512-VNNI the one vpdpwssd that does both (the same exact integer); per super-block
+ * the portable kernel's integer and float step, so the same bits on every path */
+#define KV_IQ_ROW(name, tgt, STEP)                                                           \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const int qt, const uint8_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, \
+        float *y, int64_t ys) {                                                              \
+        const kv_iq_type t = iq_type(qt);                                                    \
+        float acc[KV_IQ_NX] = {0};                                                           \
+        for (int64_t i = 0; i < nb; i++, b += t.bytes) {                                     \
+            __m256i isum[KV_IQ_NX];                                                          \
+            for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                   \
+            for (int s = 0; s < 8; s++) {                                                    \
+                const kv_iq_sub u = sub_of(qt, b, s);                                        \
+                const __m256i aq = _mm256_abs_epi8(u.q);                                     \
+                const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)u.sc0),           \
+                                                     _mm_set1_epi16((short)u.sc1));          \
+                for (int j = 0; j < nx; j++) {                                               \
+                    const __m256i x = load256(((const kv_act256 *)(xq + j * xs) + i)->qs + 32 * s); \
+                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, u.q)), sc); \
+                }                                                                            \
+            }                                                                                \
+            const float d = half_at(b) * t.unit;                                             \
+            for (int j = 0; j < nx; j++)                                                     \
+                acc[j] = fmaf(d * ((const kv_act256 *)(xq + j * xs) + i)->d,                 \
+                              (float)hsum_epi32(isum[j]), acc[j]);                           \
+        }                                                                                    \
+        for (int j = 0; j < nx; j++) y[j * ys] = acc[j];                                     \
     }
-    for (int j = 0; j < nx; j++) y[j * ys] = acc[j];
-}
+#define KV_IQ_MADD_ADD(acc, p, sc) _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc))
+#define KV_TGT_V __attribute__((target(KV_ISA_VNNI)))
+KV_IQ_ROW(row_iq_avx2, KV_TGT, KV_IQ_MADD_ADD)
+KV_IQ_ROW(row_iq_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 
-KV_INL void gemv_iq_avx2(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
-                         int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
-                         float *y, int64_t ystride) {
-    const char *x = (const char *)xq;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t j = 0; j < n; j += KV_IQ_NX) {
-            const uint8_t *b = w + r * row_bytes;
-            float *yj = y + j * ystride + r;
-            const char *xj = x + j * xstride;
-            switch (n - j >= KV_IQ_NX ? KV_IQ_NX : n - j) {
-                case 4: row_iq_avx2(qt, b, cols / 256, xj, xstride, 4, yj, ystride); break;
-                case 3: row_iq_avx2(qt, b, cols / 256, xj, xstride, 3, yj, ystride); break;
-                case 2: row_iq_avx2(qt, b, cols / 256, xj, xstride, 2, yj, ystride); break;
-                default: row_iq_avx2(qt, b, cols / 256, xj, xstride, 1, yj, ystride); break;
-            }
-        }
-}
+/* rows [r0, r1) against x rows in groups of KV_IQ_NX (a constant nx for each call) */
+#define KV_IQ_DRIVER(name, tgt, row)                                                         \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,          \
+        int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride) { \
+        for (int64_t r = r0; r < r1; r++)                                                    \
+            for (int64_t j = 0; j < n; j += KV_IQ_NX) {                                      \
+                const uint8_t *b = w + r * row_bytes;                                        \
+                float *yj = y + j * ystride + r;                                             \
+                const char *xj = (const char *)xq + j * xstride;                             \
+                switch (n - j >= KV_IQ_NX ? KV_IQ_NX : n - j) {                              \
+                    case 4: row(qt, b, cols / 256, xj, xstride, 4, yj, ystride); break;      \
+                    case 3: row(qt, b, cols / 256, xj, xstride, 3, yj, ystride); break;      \
+                    case 2: row(qt, b, cols / 256, xj, xstride, 2, yj, ystride); break;      \
+                    default: row(qt, b, cols / 256, xj, xstride, 1, yj, ystride); break;     \
+                }                                                                            \
+            }                                                                                \
+    }
+KV_IQ_DRIVER(gemv_iq_avx2, KV_TGT, row_iq_avx2)
+KV_IQ_DRIVER(gemv_iq_vnni, KV_TGT_V, row_iq_vnni)
 
 KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out) {
     const kv_iq_type t = iq_type(qt);
@@ -391,14 +403,19 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
     }
 }
 
-#define KV_IQ_AVX2(gemv, deq, qt)                                                          \
+/* per type: the VNNI kernel, and the AVX2 entry that takes it where AVX512-VNNI runs */
+#define KV_IQ_AVX2(gemv, vnni, deq, qt)                                                    \
+    static KV_TGT_V KV_GEMV_DECL(vnni) {                                                   \
+        gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);          \
+    }                                                                                      \
     KV_TGT KV_GEMV_DECL(gemv) {                                                            \
-        gemv_iq_avx2(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);          \
+        if (kv_use_vnni()) vnni(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);   \
+        else gemv_iq_avx2(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
     }                                                                                      \
     KV_TGT void deq(const uint8_t *w, int64_t cols, float *out) { deq_iq_avx2(qt, w, cols, out); }
-KV_IQ_AVX2(kv_gemv_iq2_xxs_avx2, kv_deq_iq2_xxs_avx2, KV_IQ2_XXS)
-KV_IQ_AVX2(kv_gemv_iq2_xs_avx2, kv_deq_iq2_xs_avx2, KV_IQ2_XS)
-KV_IQ_AVX2(kv_gemv_iq2_s_avx2, kv_deq_iq2_s_avx2, KV_IQ2_S)
-KV_IQ_AVX2(kv_gemv_iq3_xxs_avx2, kv_deq_iq3_xxs_avx2, KV_IQ3_XXS)
-KV_IQ_AVX2(kv_gemv_iq3_s_avx2, kv_deq_iq3_s_avx2, KV_IQ3_S)
+KV_IQ_AVX2(kv_gemv_iq2_xxs_avx2, gemv_iq2_xxs_vnni, kv_deq_iq2_xxs_avx2, KV_IQ2_XXS)
+KV_IQ_AVX2(kv_gemv_iq2_xs_avx2, gemv_iq2_xs_vnni, kv_deq_iq2_xs_avx2, KV_IQ2_XS)
+KV_IQ_AVX2(kv_gemv_iq2_s_avx2, gemv_iq2_s_vnni, kv_deq_iq2_s_avx2, KV_IQ2_S)
+KV_IQ_AVX2(kv_gemv_iq3_xxs_avx2, gemv_iq3_xxs_vnni, kv_deq_iq3_xxs_avx2, KV_IQ3_XXS)
+KV_IQ_AVX2(kv_gemv_iq3_s_avx2, gemv_iq3_s_vnni, kv_deq_iq3_s_avx2, KV_IQ3_S)
 #endif /* KV_HAVE_AVX2_BUILD */
