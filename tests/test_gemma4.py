@@ -2,8 +2,9 @@
 paged decode past the window, chunked prefill and a batch of unequal prompts, from the
 safetensors and the GGUF copies (and llama.cpp's converter output where it is present); KV
 sharing keeps no store for the sharing layers; greedy tokens through the engine equal
-transformers' argmax. Two shapes: per-layer inputs with shared KV and double-wide MLPs (the
-small models' form), and keys as values with one global KV head (the large models')."""
+transformers' argmax. Three shapes: per-layer inputs with shared KV and double-wide MLPs
+(the small models' form), keys as values with one global KV head (the large dense models'),
+and that with routed experts beside each dense MLP (26B-A4B's)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from tiny_models import build_gemma4, convert_with_llama_cpp
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["ple_shared", "k_eq_v"])
+@pytest.fixture(scope="module", params=["ple_shared", "k_eq_v", "moe"])
 def tiny(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"gemma4_{request.param}")
-    return build_gemma4(out, k_eq_v=request.param == "k_eq_v"), out
+    shape = request.param
+    return build_gemma4(out, k_eq_v=shape != "ple_shared", moe=shape == "moe"), out
 
 
 def _ids(n: int, seed: int) -> list[int]:

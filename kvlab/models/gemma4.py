@@ -13,17 +13,21 @@ of a layer's tensors, not a second forward pass:
 - a value RMSNorm without weights, attention scale 1 (the q/k norms set the scale), a learned
   scalar on each layer's output, norms stored as the full multiplier (no 1 + w).
 
-The mixture-of-experts variant (enable_moe_block) is refused at load.
+The mixture-of-experts variant (enable_moe_block, 26B-A4B) keeps the dense MLP and adds
+routed GeGLU experts beside it on the same residual: the router reads the unnormed residual
+(RMSNorm without weights, times its own scale / sqrt(hidden)), softmax, top k renormalised,
+times a per-expert scale; the two outputs are normed each, summed, then post-normed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 
-from kvlab.config import ModelConfig, RopeConfig, hf_layer_types
+from kvlab.config import ModelConfig, MoeConfig, RopeConfig, hf_layer_types
 from kvlab.errors import ModelLoadError
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.gemma3 import Gemma3Model
@@ -40,6 +44,7 @@ from kvlab.models.layers import (
     rope_inv_freq,
     split,
 )
+from kvlab.models.moe import route, run_experts
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 
@@ -52,7 +57,14 @@ _GGUF_LAYER = {"attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.we
                "post_ffw_norm.weight": "post_mlp_norm", "ffn_gate.weight": "gate",
                "ffn_up.weight": "up", "ffn_down.weight": "down",
                "inp_gate.weight": "ple_gate", "proj.weight": "ple_out",
-               "post_norm.weight": "ple_post_norm", "layer_output_scale.weight": "layer_scalar"}
+               "post_norm.weight": "ple_post_norm", "layer_output_scale.weight": "layer_scalar",
+               # mixture of experts: llama.cpp stores the router's scale and the per-expert
+               # scale as .scale tensors beside the router and the experts' down
+               "ffn_gate_inp.weight": "router", "ffn_gate_inp.scale": "router_scale",
+               "ffn_gate_up_exps.weight": "gate_up_exps", "ffn_down_exps.weight": "down_exps",
+               "ffn_down_exps.scale": "expert_scale", "pre_ffw_norm_2.weight": "mlp_norm_2",
+               "post_ffw_norm_1.weight": "post_mlp_norm_1",
+               "post_ffw_norm_2.weight": "post_mlp_norm_2"}
 GGUF_NAMES = NameTable(
     globals={"token_embd.weight": "embed", "output_norm.weight": "norm",
              "per_layer_token_embd.weight": "ple_embed",
@@ -71,7 +83,12 @@ _HF_LAYER = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "
              "mlp.down_proj.weight": "down", "per_layer_input_gate.weight": "ple_gate",
              "per_layer_projection.weight": "ple_out",
              "post_per_layer_input_norm.weight": "ple_post_norm",
-             "layer_scalar": "layer_scalar"}
+             "layer_scalar": "layer_scalar", "router.proj.weight": "router",
+             "router.scale": "router_scale", "router.per_expert_scale": "expert_scale",
+             "experts.gate_up_proj": "gate_up_exps", "experts.down_proj": "down_exps",
+             "pre_feedforward_layernorm_2.weight": "mlp_norm_2",
+             "post_feedforward_layernorm_1.weight": "post_mlp_norm_1",
+             "post_feedforward_layernorm_2.weight": "post_mlp_norm_2"}
 
 
 def _hf_names(prefix: str) -> NameTable:
@@ -122,9 +139,6 @@ def _full_layer_override(cfg: dict[str, Any], key: str, types: list[str]) -> int
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    if cfg.get("enable_moe_block"):
-        raise ModelLoadError("Gemma 4 with mixture-of-experts blocks (enable_moe_block) is "
-                             "not supported; the dense Gemma 4 models are")
     types = cfg["layer_types"]
     params = cfg["rope_parameters"]
     full, local = params["full_attention"], params["sliding_attention"]
@@ -149,7 +163,17 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         global_head_dim=int(global_dim or 0), global_kv_heads=int(global_kv),
         kv_sources=kv_sources(layer_types, int(cfg.get("num_kv_shared_layers") or 0)),
-        global_values_from_keys=k_eq_v, name=cfg.get("_name_or_path", "gemma4"))
+        global_values_from_keys=k_eq_v, name=cfg.get("_name_or_path", "gemma4"),
+        moe=_hf_moe(cfg))
+
+
+def _hf_moe(cfg: dict[str, Any]) -> MoeConfig | None:
+    if not cfg.get("enable_moe_block"):
+        return None
+    return MoeConfig(num_experts=int(cfg["num_experts"]),
+                     experts_per_token=int(cfg["top_k_experts"]),
+                     expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+                     norm_topk_prob=True)
 
 
 def config_from_multimodal_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -199,7 +223,17 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         global_head_dim=full_dim, global_kv_heads=_per_layer(kv, layer_types, True),
         kv_sources=kv_sources(layer_types, int(g("attention.shared_kv_layers", 0))),
         # GGUF says nothing of attention_k_eq_v: a full layer without attn_v reads its keys
-        global_values_from_keys=True, name=str(meta.get("general.name", "gemma4")))
+        global_values_from_keys=True, name=str(meta.get("general.name", "gemma4")),
+        moe=_gguf_moe(g))
+
+
+def _gguf_moe(g: Any) -> MoeConfig | None:
+    count = int(g("expert_count", 0))
+    if not count:
+        return None
+    return MoeConfig(num_experts=count, experts_per_token=int(g("expert_used_count")),
+                     expert_intermediate_size=int(g("expert_feed_forward_length")),
+                     norm_topk_prob=True)
 
 
 class Gemma4Model(Gemma3Model):
@@ -212,7 +246,7 @@ class Gemma4Model(Gemma3Model):
         if tp.size > 1:
             raise ModelLoadError("Gemma 4 does not run under tensor parallel")
         self.config, self.weights, self.tp = config, weights, tp
-        self.layers = [_stack_keys(layer) for layer in layers]
+        self.layers = [_geglu_experts(_stack_keys(layer)) for layer in layers]
         device = weights["norm"].device
         full = proportional_inv_freq(config.rope, config.layer_head_dim(_first_full(config)))
         if "rope_freqs" in weights:  # GGUF: 1e30 past the rotated pairs -> 0
@@ -228,9 +262,10 @@ class Gemma4Model(Gemma3Model):
                      for d in {config.layer_head_dim(i) for i in range(config.num_layers)}}
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVStore | None],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm)."""
+                kv_caches: list[KVStore | None], meta: AttentionMetadata,
+                trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """ids, positions: [T] -> final hidden states [T, hidden] (before the final norm);
+        `trace`: a list the MoE layers append their chosen expert ids [T, k] to."""
         c = self.config
         x = embed(ids, self.weights["embed"]) * self.embed_scale
         per_layer = self._per_layer_inputs(ids, x)  # [T, layers, ple_dim] or None
@@ -241,9 +276,8 @@ class Gemma4Model(Gemma3Model):
             h = self.layer_attention(h, layer, ropes[c.is_sliding(i)],
                                      kv_caches[c.kv_source(i)], meta, i)
             x = add_rms_norm(x, h, layer["post_attn_norm"], c.rms_norm_eps)
-            h = rms_norm(x, layer["mlp_norm"], c.rms_norm_eps)
-            h = linear(geglu(linear(h, layer["gate_up"])), layer["down"])
-            x = add_rms_norm(x, h, layer["post_mlp_norm"], c.rms_norm_eps)
+            x = add_rms_norm(x, self.mlp(x, layer, trace), layer["post_mlp_norm"],
+                             c.rms_norm_eps)
             if per_layer is not None:
                 h = _gelu(linear(x, layer["ple_gate"])) * per_layer[:, i]
                 x = add_rms_norm(x, linear(h, layer["ple_out"]), layer["ple_post_norm"],
@@ -251,6 +285,26 @@ class Gemma4Model(Gemma3Model):
             if "layer_scalar" in layer:
                 x = x * layer["layer_scalar"]
         return x
+
+    def mlp(self, x: torch.Tensor, layer: dict[str, Weight],
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The residual x [T, hidden] -> the MLP's output before the post norm: the dense
+        GeGLU, plus (MoE layers) the routed experts, each output normed."""
+        eps = self.config.rms_norm_eps
+        h = linear(geglu(linear(rms_norm(x, layer["mlp_norm"], eps), layer["gate_up"])),
+                   layer["down"])
+        if "experts" not in layer:
+            return h
+        # the router's RMSNorm has no weights: its scale / sqrt(hidden) is the multiplier
+        weights, ids = route(rms_norm(x, layer["router_scale"] * x.shape[-1] ** -0.5, eps),
+                             layer["router"], self.config.moe)
+        if trace is not None:
+            trace.append(ids)
+        weights = weights * layer["expert_scale"][ids].to(weights.dtype)
+        routed = run_experts(rms_norm(x, layer["mlp_norm_2"], eps), layer["experts"],
+                             weights, ids)
+        return (rms_norm(h, layer["post_mlp_norm_1"], eps)
+                + rms_norm(routed, layer["post_mlp_norm_2"], eps))
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """PLE: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple_dim)) / sqrt(2), as
@@ -303,6 +357,13 @@ def _stack_keys(layer: dict[str, Weight]) -> dict[str, Weight | Stacked]:
     out = dict(layer)
     out["qk"] = Stacked.of([out.pop("q"), out.pop("k")])
     return out
+
+
+def _geglu_experts(layer: dict) -> dict:
+    """A MoE layer's experts run GeGLU (moe.Experts' gate), not SwiGLU."""
+    if "experts" not in layer:
+        return layer
+    return {**layer, "experts": dataclasses.replace(layer["experts"], gate=geglu)}
 
 
 def _first_full(config: ModelConfig) -> int:
