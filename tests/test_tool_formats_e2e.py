@@ -7,7 +7,8 @@ Qwen2's byte-level one where the folder has none of its own), served by the real
 client asks for a named tool; the grammar holds the random model to a call written in the
 family's own format (`tool_grammars`), which the family's reader reads back: the call names
 the tool with arguments valid against its schema, and streamed, the call's deltas
-concatenate to the same arguments (greedy decoding with every prompt computed afresh, so both
+concatenate to the same arguments; through Responses and Anthropic Messages (the
+`anthropic` client) the call is valid too, and streamed, the same as whole (greedy decoding with every prompt computed afresh, so both
 requests write the same reply). `--reasoning-budget` ends a thinking template's block, which
 a random model would not end itself.
 A second request requires one of two tools, in parallel where the family can.
@@ -28,6 +29,7 @@ from kvlab.weights.gguf_file import GGUFFile
 import tiny_models
 
 openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
 gguf = pytest.importorskip("gguf")
 
 pytestmark = pytest.mark.slow
@@ -143,6 +145,32 @@ def streamed_calls(client: openai.OpenAI, **request: object) -> list[tuple[str, 
     return [(n, a) for n, a in (calls[i] for i in sorted(calls))]
 
 
+def other_apis(server, model: str) -> list[dict]:
+    """The named call's arguments through Responses and Anthropic Messages, whole and
+    streamed (each stream's argument fragments joined)."""
+    client = server.client()
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+    ask = {"model": model, "input": ASK[0]["content"], "tools": flat, "temperature": 0,
+           "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 120}
+    got = [json.loads(next(i.arguments for i in client.responses.create(**ask).output
+                           if i.type == "function_call"))]
+    pieces = [e.delta for e in client.responses.create(stream=True, **ask)
+              if e.type == "response.function_call_arguments.delta"]
+    got.append(json.loads("".join(pieces)))
+    an = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in (WEATHER, TIME)]
+    ask = {"model": model, "max_tokens": 120, "messages": ASK, "tools": tools,
+           "tool_choice": {"type": "tool", "name": "get_weather"},
+           "extra_body": {"temperature": 0}}  # this client sends sampling only as extra_body
+    got.append(next(b.input for b in an.messages.create(**ask).content if b.type == "tool_use"))
+    with an.messages.stream(**ask) as stream:
+        pieces = [e.delta.partial_json for e in stream if e.type == "content_block_delta"
+                  and e.delta.type == "input_json_delta"]
+    got.append(json.loads("".join(pieces)))
+    return got
+
+
 def check_call(name: str, arguments: str) -> None:
     args = json.loads(arguments)
     if name == "get_weather":
@@ -172,6 +200,10 @@ def test_a_required_call_in_the_familys_format(form, template, vocab, folder, mo
         assert len(whole) == 1 and whole[0][0] == "get_weather"
         check_call(*whole[0])
         assert streamed_calls(client, **named) == whole
+        responses, streamed_responses, messages, streamed_messages = other_apis(server, model)
+        assert responses == streamed_responses and messages == streamed_messages
+        for args in (responses, messages):  # a thinking template's switch may differ by API
+            check_call("get_weather", json.dumps(args))
         required = {**base, "tools": [WEATHER, TIME], "tool_choice": "required"}
         r = client.chat.completions.create(**required)
         calls = [(c.function.name, c.function.arguments)
