@@ -157,6 +157,7 @@ def test_mxfp4_gguf_experts_match_transformers_on_their_values(tiny, tmp_path):
     experts = blocks.model.layers[0]["experts"]
     assert {w.qtype for w in experts.down} == {T.MXFP4}
     assert all(p.all_quantized for p in experts.gate_up)
+    assert experts.c_table is not None  # biases and clamped SwiGLU in the one C call
     got = step(_runner(blocks), ScheduledSeq("a", 0, ids, [0, 1, 2, 3], True, 14))[0]
     assert torch.nn.functional.cosine_similarity(got, ref[-1], dim=0) > 0.999
 

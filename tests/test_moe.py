@@ -18,9 +18,9 @@ from test_models import reference_logits, runner_for, step
 from kvlab.cost import expert_share
 from kvlab.engine import Engine, EngineConfig
 from kvlab.harness.llama_bench import bench_tg, weight_check
-from kvlab.kernels import QuantizedWeight, fused, group_rows, quantize
+from kvlab.kernels import QuantizedWeight, dequantize, fused, group_rows, quantize
 from kvlab.models import find_arch, moe
-from kvlab.models.layers import Stacked
+from kvlab.models.layers import Stacked, linear
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import RequestOutput, RequestTimings, SamplingParams
 from kvlab.runner import ModelRunner
@@ -161,6 +161,39 @@ def test_c_experts_equal_the_per_expert_products(gate_up_types, down_type, group
     # each token's row is what it gets alone
     assert torch.equal(got[-1:], fused.moe_experts(h[-1:], ids[-1:], weights[-1:],
                                                    experts.c_table))
+
+
+@pytest.mark.parametrize("types, grouped", [((T.MXFP4,), True), ((T.Q8_0,), False),
+                                             ((T.Q4_K, T.Q8_0), True)])
+@pytest.mark.parametrize("tokens", [1, 5, 19])
+def test_c_experts_with_biases_and_clamped_swiglu(types, grouped, tokens):
+    """gpt-oss's experts in the one C call (bias rows on gate|up and down, the clamped
+    SwiGLU, values past the clamp included) give the per-expert torch products on the same
+    blocks, and torch's fp32 math on the dequantized weights up to the 8-bit activations."""
+    plain = _experts(types, types[-1] if len(types) == 1 else T.Q6_K, grouped)
+    gen = torch.Generator().manual_seed(40 + tokens)
+    experts = moe.Experts(plain.gate_up, plain.down, torch.randn(6, 512, generator=gen) * 4,
+                          torch.randn(6, 256, generator=gen), moe.ClampedSwiglu(1.702, 7.0))
+    assert experts.c_table is not None
+    h = torch.randn(tokens, 256, generator=gen)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    got = moe.run_experts(h, experts, weights, ids)
+    each = moe.run_experts_each(h, experts, weights, ids)
+    assert (got - each).abs().max() <= 1e-5 * each.abs().max()
+    dense = moe.run_experts_each(h, _dequantized(experts), weights, ids)
+    assert (got - dense).abs().max() <= 0.05 * dense.abs().max()
+    gate_up = torch.stack([linear(h, experts.gate_up[e], experts.gate_up_bias[e])
+                           for e in range(6)])
+    assert (gate_up.abs() > 7).any()  # the clamps act
+
+
+def _dequantized(experts: moe.Experts) -> moe.Experts:
+    def dense(w):
+        return dequantize(w)
+    return moe.Experts(tuple(Stacked.of([dense(p) for p in s.parts]) for s in experts.gate_up),
+                       tuple(dense(w) for w in experts.down), experts.gate_up_bias,
+                       experts.down_bias, experts.gate)
 
 
 def test_c_experts_refuse_an_expert_id_out_of_range():

@@ -211,19 +211,38 @@ def _sinks(sinks: torch.Tensor | None, heads: int) -> int:
 
 
 def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                experts: torch.Tensor) -> torch.Tensor:
+                experts: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None,
+                clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """sum over each token's k slots of weight * down_e(silu(gate_e) * up_e)(h): [T, hidden].
 
     h: [T, hidden] fp32; ids: [T, k] expert ids (checked); weights: [T, k] fp32; experts:
     int64 [E, 3, 5], each expert's gate|up in one or two parts (the second all zeros when
     one) and down, as QuantizedWeight.kernel_args. The tokens are grouped by expert in C,
-    so each chosen expert's weights are read once for all its tokens."""
+    so each chosen expert's weights are read once for all its tokens. gpt-oss's options:
+    bias rows fp32 [E, 2 * inter] (gate | up) and [E, hidden] added to the products, and
+    clamp = (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up."""
     h, ids, weights = _c(h), _i64(ids), _c(weights)
+    e, inter = experts.shape[0], int(experts[0, 2, 3])  # down's columns
     out = torch.empty_like(h)
-    _qk.moe_experts(experts.data_ptr(), experts.shape[0], h.data_ptr(), h.shape[0],
-                    h.shape[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-                    out.data_ptr())
+    alpha, limit = clamp if clamp is not None else (0.0, 0.0)
+    _qk.moe_experts(experts.data_ptr(), e, h.data_ptr(), h.shape[0], h.shape[1],
+                    ids.data_ptr(), weights.data_ptr(), ids.shape[1], out.data_ptr(),
+                    _rows(gate_up_bias, e, 2 * inter), _rows(down_bias, e, h.shape[1]),
+                    int(clamp is not None), alpha, limit)
     return out
+
+
+def _rows(bias: torch.Tensor | None, count: int, width: int) -> int:
+    """The address of fp32 bias rows [count, width] the C experts read, 0 for none."""
+    if bias is None:
+        return 0
+    ok = (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+          and tuple(bias.shape) == (count, width))
+    if not ok:
+        raise ValueError(f"expert biases must be fp32 CPU [{count}, {width}] contiguous, "
+                         f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
+    return bias.data_ptr()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

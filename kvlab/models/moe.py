@@ -137,11 +137,9 @@ class Experts:
 
 def _c_table(experts: Experts) -> torch.Tensor | None:
     """Each expert's gate|up (one or two parts) and down as the C products take them; None
-    unless every expert has C kernels and the experts share their types and shapes (and
-    run SwiGLU without biases: the C experts have neither option)."""
-    if not fused.ENABLED or not experts.down or experts.gate is not None:
-        return None
-    if experts.gate_up_bias is not None or experts.down_bias is not None:
+    unless every expert has C kernels and the experts share their types and shapes (the
+    biases and clamped SwiGLU, gpt-oss's, are options of the C call)."""
+    if not fused.ENABLED or not experts.down:
         return None
     rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
     if None in rows:
@@ -211,7 +209,10 @@ def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
                 ids: torch.Tensor) -> torch.Tensor:
     """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
     if experts.c_table is not None and fused.fits(h, weights):
-        return fused.moe_experts(h, ids, weights, experts.c_table)
+        gate = experts.gate
+        return fused.moe_experts(h, ids, weights, experts.c_table, experts.gate_up_bias,
+                                 experts.down_bias,
+                                 None if gate is None else (gate.alpha, gate.limit))
     return run_experts_each(h, experts, weights, ids)
 
 

@@ -418,6 +418,10 @@ void kv_mask_logits_rows(float *x, int64_t rows, int64_t cols, const int32_t *ma
                          int64_t words);
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
 void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter);
+/* gpt-oss's clamped SwiGLU on gate | up rows: (clamp(up, -limit, limit) + 1) * g *
+ * sigmoid(alpha * g), g = min(gate, limit) */
+void kv_swiglu_clamp_mul(const float *x, float *out, int64_t tokens, int64_t inter,
+                         float alpha, float limit);
 /* dst[slots[j]] = src row j: the paged KV write, into fp32 or (kv_f16) fp16 rows rounded
  * to nearest even, as torch's .to(torch.float16) */
 void kv_scatter_rows(void *dst, int kv_f16, const float *src, int64_t src_stride,

@@ -481,18 +481,28 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-/* moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts on
- * x [T, hidden] into out [T, hidden]; experts int64 [E, 3, 5] (gate|up part 0, part 1 or
- * zeros, down: kv_wdesc each), ids int64 and weights fp32 [T, k] (qk_moe.c) */
+/* moe_experts(experts, E, x, T, hidden, ids, weights, k, out, gate_up_bias, down_bias, act,
+ * alpha, limit): a layer's routed experts on x [T, hidden] into out [T, hidden]; experts
+ * int64 [E, 3, 5] (gate|up part 0, part 1 or zeros, down: kv_wdesc each), ids int64 and
+ * weights fp32 [T, k]; the biases fp32 [E, 2 * inter] and [E, hidden] or 0 for none, act
+ * KV_MOE_SILU or KV_MOE_SWIGLU_CLAMP with its alpha and limit (qk_moe.c) */
 static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(9);
-    void *table, *x, *ids, *weights, *out;
-    int64_t E, T, hidden, k;
+    NARGS(14);
+    void *table, *x, *ids, *weights, *out, *gu_bias, *down_bias;
+    int64_t E, T, hidden, k, act;
+    float alpha, limit;
     if (!get_ptr(args[0], &table) || !get_i64(args[1], &E) || !get_ptr(args[2], &x) ||
         !get_i64(args[3], &T) || !get_i64(args[4], &hidden) || !get_ptr(args[5], &ids) ||
-        !get_ptr(args[6], &weights) || !get_i64(args[7], &k) || !get_ptr(args[8], &out))
+        !get_ptr(args[6], &weights) || !get_i64(args[7], &k) || !get_ptr(args[8], &out) ||
+        !get_ptr(args[9], &gu_bias) || !get_ptr(args[10], &down_bias) ||
+        !get_i64(args[11], &act) || !get_f32(args[12], &alpha) || !get_f32(args[13], &limit))
         return NULL;
+    if (act != KV_MOE_SILU && act != KV_MOE_SWIGLU_CLAMP)
+        return PyErr_Format(PyExc_ValueError, "expert gate %lld (valid: %d silu, %d clamped "
+                            "SwiGLU)", (long long)act, KV_MOE_SILU, KV_MOE_SWIGLU_CLAMP);
+    const kv_moe_opts opts = {.gate_up_bias = gu_bias, .down_bias = down_bias, .act = (int)act,
+                              .alpha = alpha, .limit = limit};
     if (E < 1 || k < 1 || T < 0)
         return PyErr_Format(PyExc_ValueError, "%lld experts, %lld per token, %lld tokens "
                             "(valid: E >= 1, k >= 1, T >= 0)", (long long)E, (long long)k,
@@ -505,7 +515,8 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_
     int rc;
     Py_BEGIN_ALLOW_THREADS
     kv_job_lock();
-    rc = kv_moe_experts(kv_active_isa(), table, E, x, T, hidden, ids, weights, k, out);
+    rc = kv_moe_experts_opts(kv_active_isa(), table, E, x, T, hidden, ids, weights, k, &opts,
+                             out);
     kv_job_unlock();
     Py_END_ALLOW_THREADS
     if (rc) return PyErr_NoMemory();
@@ -680,7 +691,8 @@ static PyObject *py_set_grid(PyObject *self, PyObject *const *args, Py_ssize_t n
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
      "lengths_l, caches, kv_kind, softcap)"},
     {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
-     "moe_experts(experts, E, x, T, hidden, ids, weights, k, out): a layer's routed experts"},
+     "moe_experts(experts, E, x, T, hidden, ids, weights, k, out, gate_up_bias, down_bias, "
+     "act, alpha, limit): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
     {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
      "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},

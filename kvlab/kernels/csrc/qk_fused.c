@@ -228,7 +228,9 @@ static inline __attribute__((always_inline)) KV_TGT8 __m256 silu_mul_8(__m256 g,
 #define KV_GATED_SSE(f4)
 #endif
 #define KV_GATED(name, TGT, WIDE, f4, f1)                                                  \
-    static TGT void name(const float *x, float *out, int64_t tokens, int64_t inter) {      \
+    static TGT void name(const float *x, float *out, int64_t tokens, int64_t inter,        \
+                         const float *p) {                                                 \
+        (void)p;                                                                           \
         for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {               \
             int64_t i = 0;                                                                 \
             WIDE                                                                           \
@@ -240,6 +242,64 @@ KV_GATED(gelu_rows, , , gelu_mul_4, gelu_mul_1)
 KV_GATED(silu_rows, , , silu_mul_4, silu_mul_1)
 KV_GATED(gelu_rows8, KV_TGT8, KV_GATED_AVX2(gelu_mul_8), gelu_mul_4, gelu_mul_1)
 KV_GATED(silu_rows8, KV_TGT8, KV_GATED_AVX2(silu_mul_8), silu_mul_4, silu_mul_1)
+
+/* gpt-oss's clamped SwiGLU, p = {alpha, limit}: gate = min(gate, limit), up clamped to
+ * [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate); the sigmoid from the same
+ * e^x as silu (a NaN passes the clamps, as torch.clamp lets it) */
+static float swiglu_clamp_1(float g, float up, float alpha, float limit) {
+    g = g > limit ? limit : g;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    return (up + 1.0f) * (g / (1.0f + exp_clamped_1(-(g * alpha))));
+}
+
+#ifdef __SSE2__
+static __m128 swiglu_clamp_4(__m128 g, __m128 up, float alpha, float limit) {
+    const __m128 lim = _mm_set1_ps(limit);
+    g = _mm_min_ps(g, lim);  /* min(g, lim) returns lim only when g > lim: a NaN g stays */
+    up = _mm_max_ps(_mm_min_ps(up, lim), _mm_sub_ps(_mm_setzero_ps(), lim));
+    const __m128 e = exp_clamped_4(_mm_sub_ps(_mm_setzero_ps(), _mm_mul_ps(g, _mm_set1_ps(alpha))));
+    return _mm_mul_ps(_mm_add_ps(up, _mm_set1_ps(1.0f)),
+                      _mm_div_ps(g, _mm_add_ps(_mm_set1_ps(1.0f), e)));
+}
+#define KV_CLAMP_SSE                                                                       \
+    for (; i + 4 <= inter; i += 4)                                                         \
+        _mm_storeu_ps(out + i, swiglu_clamp_4(_mm_loadu_ps(x + i), _mm_loadu_ps(x + inter + i), \
+                                              p[0], p[1]));
+#else
+#define KV_CLAMP_SSE
+#endif
+
+#ifdef KV_HAVE_AVX2_BUILD
+static inline __attribute__((always_inline)) KV_TGT8 __m256 swiglu_clamp_8(
+    __m256 g, __m256 up, float alpha, float limit) {
+    const __m256 lim = _mm256_set1_ps(limit);
+    g = _mm256_min_ps(g, lim);
+    up = _mm256_max_ps(_mm256_min_ps(up, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+    const __m256 e = exp_clamped_8(
+        _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(g, _mm256_set1_ps(alpha))));
+    return _mm256_mul_ps(_mm256_add_ps(up, _mm256_set1_ps(1.0f)),
+                         _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
+#define KV_CLAMP_AVX2                                                                      \
+    for (; i + 8 <= inter; i += 8)                                                         \
+        _mm256_storeu_ps(out + i, swiglu_clamp_8(_mm256_loadu_ps(x + i),                   \
+                                                 _mm256_loadu_ps(x + inter + i), p[0], p[1]));
+#else
+#define KV_CLAMP_AVX2
+#endif
+
+#define KV_CLAMPED(name, TGT, WIDE)                                                        \
+    static TGT void name(const float *x, float *out, int64_t tokens, int64_t inter,        \
+                         const float *p) {                                                 \
+        for (int64_t t = 0; t < tokens; t++, x += 2 * inter, out += inter) {               \
+            int64_t i = 0;                                                                 \
+            WIDE                                                                           \
+            KV_CLAMP_SSE                                                                   \
+            for (; i < inter; i++) out[i] = swiglu_clamp_1(x[i], x[inter + i], p[0], p[1]); \
+        }                                                                                  \
+    }
+KV_CLAMPED(swiglu_clamp_rows, , )
+KV_CLAMPED(swiglu_clamp_rows8, KV_TGT8, KV_CLAMP_AVX2)
 
 /* the eight-wide rows where the CPU has AVX2 (the same bits either way) */
 static int gated_avx2(void) {
@@ -254,9 +314,11 @@ static int gated_avx2(void) {
  * the kernel threads in chunks, taken from a shared counter (the pool's rule: a worker may
  * join late or not at all, so no thread owns a fixed share). Each element is computed
  * alone, so the split changes no bits. */
-typedef void (*gated_fn)(const float *x, float *out, int64_t tokens, int64_t inter);
+typedef void (*gated_fn)(const float *x, float *out, int64_t tokens, int64_t inter,
+                         const float *p);
 typedef struct {
     gated_fn fn;
+    const float *p;
     const float *x;
     float *out;
     int64_t tokens, inter, chunk;
@@ -268,28 +330,35 @@ static void gated_task(void *p, int tid, int nthreads) {
     (void)tid, (void)nthreads;
     for (int64_t t0; (t0 = atomic_fetch_add(&j->next, j->chunk)) < j->tokens;) {
         const int64_t n = j->tokens - t0 < j->chunk ? j->tokens - t0 : j->chunk;
-        j->fn(j->x + t0 * 2 * j->inter, j->out + t0 * j->inter, n, j->inter);
+        j->fn(j->x + t0 * 2 * j->inter, j->out + t0 * j->inter, n, j->inter, j->p);
     }
 }
 
-static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64_t inter) {
+static void gated(gated_fn fn, const float *x, float *out, int64_t tokens, int64_t inter,
+                  const float *p) {
     const int nt = tokens < 2 || tokens * inter < 65536 ? 1 : kv_pool_threads();
     if (nt <= 1) {
-        fn(x, out, tokens, inter);
+        fn(x, out, tokens, inter, p);
         return;
     }
-    gated_job j = {.fn = fn, .x = x, .out = out, .tokens = tokens, .inter = inter,
+    gated_job j = {.fn = fn, .p = p, .x = x, .out = out, .tokens = tokens, .inter = inter,
                    .chunk = (tokens + 4 * nt - 1) / (4 * nt)};
     atomic_store(&j.next, 0);
     kv_pool_run(gated_task, &j, nt);
 }
 
 void kv_gelu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
-    gated(gated_avx2() ? gelu_rows8 : gelu_rows, x, out, tokens, inter);
+    gated(gated_avx2() ? gelu_rows8 : gelu_rows, x, out, tokens, inter, NULL);
 }
 
 void kv_silu_mul(const float *x, float *out, int64_t tokens, int64_t inter) {
-    gated(gated_avx2() ? silu_rows8 : silu_rows, x, out, tokens, inter);
+    gated(gated_avx2() ? silu_rows8 : silu_rows, x, out, tokens, inter, NULL);
+}
+
+void kv_swiglu_clamp_mul(const float *x, float *out, int64_t tokens, int64_t inter,
+                         float alpha, float limit) {
+    const float p[2] = {alpha, limit};
+    gated(gated_avx2() ? swiglu_clamp_rows8 : swiglu_clamp_rows, x, out, tokens, inter, p);
 }
 
 /* ---- greedy argmax: the first index of a row's largest value, or of its first NaN (as

@@ -4,9 +4,9 @@
  * expert e lie together and its weights are read once for all of them:
  *
  *   x [T, hidden] --8-bit blocks, one row per pair, by expert--> A [T * k rows]
- *   A --gate|up of every chosen expert: one pool job--> GU [T * k, 2I]
- *   GU --silu(gate) * up--> G [T * k, I] --8-bit blocks--> B
- *   B --down of every chosen expert: one pool job--> D [T * k, hidden]
+ *   A --gate|up of every chosen expert: one pool job (+ its bias row)--> GU [T * k, 2I]
+ *   GU --silu(gate) * up, or the clamped SwiGLU--> G [T * k, I] --8-bit blocks--> B
+ *   B --down of every chosen expert: one pool job (+ its bias row)--> D [T * k, hidden]
  *   out[t] = sum over t's slots s, in slot order, of weight[t, s] * D[row of (t, s)]
  *
  * Each product is the kernel qmatmul runs on the same 8-bit blocks, so every D row equals
@@ -201,9 +201,32 @@ static void weighted_sum(const float *D, const moe_shape *s, const int64_t *rows
     }
 }
 
+/* y's rows of expert e (first[e] .. first[e + 1]) += bias row e [width]; nothing for NULL */
+static void add_bias(float *y, int64_t width, const int64_t *first, int64_t E,
+                     const float *bias) {
+    if (!bias) return;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = first[e]; r < first[e + 1]; r++)
+            for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[e * width + i];
+}
+
+static void gate_rows(const float *GU, float *G, int64_t pairs, int64_t inter,
+                      const kv_moe_opts *o) {
+    if (o && o->act == KV_MOE_SWIGLU_CLAMP)
+        kv_swiglu_clamp_mul(GU, G, pairs, inter, o->alpha, o->limit);
+    else
+        kv_silu_mul(GU, G, pairs, inter);
+}
+
 int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
                    int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
                    int64_t k, float *out) {
+    return kv_moe_experts_opts(isa, experts, E, x, T, hidden, ids, weights, k, NULL, out);
+}
+
+int kv_moe_experts_opts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
+                        int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
+                        int64_t k, const kv_moe_opts *opts, float *out) {
     const int64_t pairs = T * k;
     moe_shape s = {.E = E, .T = T, .k = k, .hidden = hidden,
                    .gu_rows = experts[0].rows + experts[1].rows,
@@ -243,10 +266,12 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
                           prods + n, ws + n);
     }
     run_prods(prods, ws, n, un);
-    kv_silu_mul(GU, G, pairs, s.inter);
+    add_bias(GU, s.gu_rows, first, E, opts ? opts->gate_up_bias : NULL);
+    gate_rows(GU, G, pairs, s.inter, opts);
     act_rows(isa, s.kind[2], G, pairs, s.inter, B);
     n = expert_prods(isa, experts, &s, first, 2, B, D, 0, hidden, prods, ws);
     run_prods(prods, ws, n, un);
+    add_bias(D, hidden, first, E, opts ? opts->down_bias : NULL);
     weighted_sum(D, &s, rows, weights, out);
     return 0;
 }

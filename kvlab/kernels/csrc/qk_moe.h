@@ -19,4 +19,19 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
                    int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
                    int64_t k, float *out);
 
+/* An expert's options beyond SwiGLU without biases (gpt-oss): fp32 bias rows added to the
+ * gate|up product ([E, 2 * inter], gate | up halves) and to down's ([E, hidden]), NULL for
+ * none; the gate silu(gate) * up or the clamped SwiGLU (kv_swiglu_clamp_mul) */
+enum { KV_MOE_SILU = 0, KV_MOE_SWIGLU_CLAMP = 1 };
+typedef struct {
+    const float *gate_up_bias, *down_bias;
+    int act;
+    float alpha, limit;
+} kv_moe_opts;
+
+/* kv_moe_experts with those options (NULL: kv_moe_experts') */
+int kv_moe_experts_opts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
+                        int64_t T, int64_t hidden, const int64_t *ids, const float *weights,
+                        int64_t k, const kv_moe_opts *opts, float *out);
+
 #endif
