@@ -475,6 +475,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._admit_compiled()
+        scheduling = time.perf_counter()  # proposing (a draft model's passes) is in the step
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self._compiling and not outputs:  # only compiles are pending: wait a little
@@ -489,7 +490,7 @@ class Engine:
             verified = [self._verify(self.requests[seq_id], rows) for seq_id, rows in checks]
         now = time.perf_counter()
         self._account(sched, start, now)
-        self._observe(sched, now - start)
+        self._observe(sched, now - scheduling)
         for v in verified:  # rejected proposals go before their blocks could be cached
             self.scheduler.settle(v.req.seq, v.num_accepted)
         self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
