@@ -190,6 +190,8 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
 
     def get(src: str, dst: str, stat_name: str) -> Weight | tuple[Weight, ...]:
         raw = ckpt.read(src)
+        if len(raw.shape) == 3 and not dst.endswith("_exps"):
+            raw = _heads_as_rows(raw)  # per-head matrices (llama.cpp's attn_k_b)
         if len(raw.shape) == 3 and dst.endswith("_exps"):  # a layer's experts, stacked
             w = tuple(convert(sub, dst, f"{stat_name}.{e}")
                       for e, sub in enumerate(_expert_slices(raw)))
@@ -239,6 +241,14 @@ def _expert_slices(raw: RawTensor) -> list[RawTensor]:
     n, shape = raw.shape[0], raw.shape[1:]
     data = raw.data.view(n, shape[0], -1) if raw.quantized else raw.data
     return [RawTensor(shape, raw.qtype, data[e]) for e in range(n)]
+
+
+def _heads_as_rows(raw: RawTensor) -> RawTensor:
+    """[heads, rows, cols] -> one matrix [heads * rows, cols] of the same bytes
+    (quantized blocks run along cols, so the heads' rows just follow each other)."""
+    shape = (raw.shape[0] * raw.shape[1], raw.shape[2])
+    data = raw.data.reshape(shape[0], -1) if raw.quantized else raw.data.reshape(shape)
+    return RawTensor(shape, raw.qtype, data)
 
 
 def _expert_names(table: NameTable, i: int, names: set[str]) -> list[tuple[list[str], str]]:
