@@ -438,15 +438,18 @@ def granite_hybrid_config(common: dict, moe: bool):
     alone or beside eight experts of which two run."""
     import transformers as tf
 
-    experts = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32} \
-        if moe else {"num_local_experts": 0}
-    return tf.GraniteMoeHybridConfig(
-        **{**common, **experts}, layer_types=GRANITE_LAYER_TYPES[:common["num_hidden_layers"]],
-        shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
-        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
-        position_embedding_type="nope", embedding_multiplier=6.0, residual_multiplier=0.5,
-        attention_multiplier=0.2, logits_scaling=3.0,
-        bos_token_id=None, eos_token_id=None)  # generate's min_new_tokens would ban an eos
+    layers = common["num_hidden_layers"]
+    defaults = {
+        "layer_types": (GRANITE_LAYER_TYPES * layers)[:layers],
+        # dense: the shared MLP is the MLP, as wide as intermediate_size (llama.cpp's n_ff)
+        "shared_intermediate_size": 48 if moe else common["intermediate_size"],
+        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8,
+        "position_embedding_type": "nope", "embedding_multiplier": 6.0,
+        "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 3.0,
+        "bos_token_id": None, "eos_token_id": None,  # generate's min_new_tokens bans an eos
+        "num_local_experts": 8 if moe else 0, "num_experts_per_tok": 2 if moe else 0}
+    return tf.GraniteMoeHybridConfig(**{**defaults, **common})
 
 
 def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
@@ -473,7 +476,8 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     if arch.startswith("granitehybrid"):  # layer types as Granite's own configs name them
         path = out_dir / "hf" / "config.json"
         saved = json.loads(path.read_text())
-        saved["layer_types"] = GRANITE_LAYER_TYPES[:cfg.num_hidden_layers]
+        saved["layer_types"] = ["mamba" if t == "linear_attention" else "attention"
+                                for t in cfg.layer_types]
         path.write_text(json.dumps(saved))
     return model
 
