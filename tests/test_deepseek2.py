@@ -14,6 +14,8 @@ import torch
 from test_models import reference_logits, runner_for, step
 
 from kvlab.engine import Engine, EngineConfig
+from kvlab.kernels import fused
+from kvlab.models import attention
 from kvlab.models.kv_store import LatentKV
 from kvlab.request import SamplingParams
 from kvlab.scheduler import ScheduledSeq
@@ -142,3 +144,23 @@ def test_llama_quantize_q8_0_gguf_matches_transformers(tiny, tmp_path):
     runner = runner_for(path)
     logits = step(runner, ScheduledSeq("a", 0, ids, [0, 1, 2], True, len(ids)))[0]
     assert float(torch.cosine_similarity(logits, reference_logits(hf, ids)[-1], dim=0)) > 0.999
+
+
+def test_torch_attention_path_matches_transformers(tiny, monkeypatch):
+    """The C attention reads the latent rows as keys and as values (cut to the latent after);
+    the torch path (a GPU's) reads the latent view: both give transformers' logits."""
+    hf, out = tiny
+    runner = runner_for(out / "hf")
+    if fused.ENABLED:
+        assert runner.kv_caches[0].c_stores() is not None
+    monkeypatch.setattr(attention, "_c_stores", lambda *a: None)
+    ids = _ids(11, 4)
+    ref = reference_logits(hf, ids)
+    runner = runner_for(out / "hf")
+    table = [2, 7, 1]
+    logits = step(runner, ScheduledSeq("a", 0, ids[:7], table, True, 7))
+    errors = [(logits[0] - ref[6]).abs().max()]
+    for pos in range(7, len(ids)):
+        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
+        errors.append((logits[0] - ref[pos]).abs().max())
+    assert float(max(errors)) <= TOL

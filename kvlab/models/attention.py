@@ -189,21 +189,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         cache.write(meta.write_slots(sliding), k, v)
     num_tokens, num_heads, head_dim = q.shape
     if isinstance(cache, LatentKV):  # values: the latent, narrower than the keys
-        head_dim = cache.value_dim
+        head_dim = cache.value_dim  # (the C kernels return whole rows: cut below)
     groups = meta.groups(sliding)
     if len(groups) == 1 and groups[0].rows.numel() == num_tokens:
         # rows ascend within a group, so one group of T rows is 0..T-1: no gather/scatter
         g = groups[0]
         out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, k, softcap, sinks)
                else _attend(q, cache, g, scale, softcap, sinks))
-        return out.reshape(num_tokens, num_heads * head_dim)
+        return out[..., :head_dim].reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)
         og = (_attend_fresh(qg, k.index_select(0, g.rows), v.index_select(0, g.rows), scale)
               if _reads_fresh(g, cache, q, k, softcap, sinks)
               else _attend(qg, cache, g, scale, softcap, sinks))
-        out.index_copy_(0, g.rows, og.to(out.dtype))
+        out.index_copy_(0, g.rows, og[..., :head_dim].to(out.dtype))
     return out.reshape(num_tokens, num_heads * head_dim)
 
 

@@ -100,10 +100,17 @@ class LatentKV:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """k: [T, 1, width] the new tokens' latent | rope rows; v is k's latent (unused)."""
+        if (fused.fits(k) and fused.cache_fits(self.k) and fused.heads_packed(k)
+                and k.shape[1:] == self.k.shape[1:] and k.shape[0] == slots.numel()
+                and slots.is_cpu):
+            fused.scatter_rows_(self.k, slots, k)
+            return
         self.k.index_copy_(0, slots, k.to(self.k.dtype))
 
-    def c_stores(self) -> None:
-        return None  # the C attention takes K and V of one width: torch attends here
+    def c_stores(self) -> tuple[torch.Tensor, torch.Tensor, None, None] | None:
+        """The C attention takes K and V of one width: k as both, so each head's result
+        is a whole row, latent then rope, of which the caller keeps the latent."""
+        return (self.k, self.k, None, None) if fused.cache_fits(self.k) else None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
