@@ -6,10 +6,11 @@ forgetting) to the shape kvlab's step model gives a decode step (kvlab.estimate.
 
     seconds = fixed + per_row * rows + multi * [some sequence computes several rows]
 
-`fixed` is one pass over the weights, `per_row` what each row adds (the products' compute),
-`multi` the switch from the one-call decode path to the path that takes several tokens per
-sequence. The engine cannot import the estimator (it ranks above the engine), so it fits
-that shape to the decode and verify steps it times itself; no threshold is fixed in advance.
+`fixed` is one pass over the weights, `per_row` what each row adds (the products' compute,
+its attention, its sampling), `multi` what a step where some sequence has several rows adds
+on top (proposing, verifying; forced tokens' chunks). The engine cannot import the
+estimator (it ranks above the engine), so it fits that shape to the decode and verify steps
+it times itself, from scheduling to the sampled tokens; no threshold is fixed in advance.
 
 A sequence whose proposals are accepted at rate a gets, from k proposals, 1 + a + ... + a^k
 tokens in expectation (each is kept only if all before it were). The plan adds proposals one
