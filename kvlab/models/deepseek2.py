@@ -179,7 +179,10 @@ def _absorbed(config: ModelConfig, layer: dict[str, Weight]) -> dict[str, torch.
     else:
         w_uk = _dense(layer["k_b"]).reshape(heads, m.kv_lora_rank, -1).transpose(1, 2)
         w_uv = _dense(layer["v_b"]).reshape(heads, m.v_head_dim, -1)
-    return {"w_uk": w_uk.contiguous(), "w_uv_t": w_uv.transpose(1, 2).contiguous()}
+    like = layer["kv_a"]  # dense weights keep their dtype and device (GPUs: bf16 products)
+    to = ({"dtype": like.dtype, "device": like.device} if isinstance(like, torch.Tensor)
+          else {"dtype": torch.float32})
+    return {"w_uk": w_uk.to(**to).contiguous(), "w_uv_t": w_uv.transpose(1, 2).to(**to).contiguous()}
 
 
 class DeepseekModel(moe.MoeModel):
@@ -206,13 +209,14 @@ class DeepseekModel(moe.MoeModel):
         kv = linear(h, layer["kv_a"])  # [T, rank + rope]
         latent = rms_norm(kv[:, :m.kv_lora_rank].contiguous(), layer["kv_a_norm"],
                           c.rms_norm_eps)
-        k_rope = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin)  # [T, 1, rope]
+        k_rope = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin).to(latent.dtype)
         keys = torch.cat([latent[:, None], k_rope], dim=-1)  # [T, 1, rank + rope]
         queries = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + rope]
         out = paged_attention(queries, keys, keys[..., :m.kv_lora_rank], cache, meta,
                               sliding=False, scale=c.scale)  # [T, H * rank]
         out = out.view(-1, c.num_heads, m.kv_lora_rank).transpose(0, 1)
-        values = torch.bmm(out, layer["w_uv_t"]).transpose(0, 1)  # [T, H, v_head_dim]
+        w_uv_t = layer["w_uv_t"]
+        values = torch.bmm(out.to(w_uv_t.dtype), w_uv_t).transpose(0, 1)  # [T, H, v_head_dim]
         return linear(values.reshape(len(h), -1), layer["o"])
 
     def _queries(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
@@ -227,8 +231,9 @@ class DeepseekModel(moe.MoeModel):
             q = linear(h, layer["q"])
         q = q.view(-1, c.num_heads, c.head_dim)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), layer["w_uk"]).transpose(0, 1)
-        return q_lat, apply_rope(q_rope, cos, sin)
+        w_uk = layer["w_uk"]
+        q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)
+        return q_lat, apply_rope(q_rope, cos, sin).to(q_lat.dtype)  # [T, H, rope]
 
 
 SPEC = ArchSpec(
