@@ -3,7 +3,9 @@
 A `ModelSpec` is the model as the roofline sees it: per-layer weight bytes and matmul
 parameters, per-layer KV width and attention window, and the tables outside the layers
 (embedding lookups read one row per token, the output projection is read in full every
-decode step and multiplied only at positions whose logits are needed). It is the one
+decode step and multiplied only at positions whose logits are needed), and the fixed-size
+state a hybrid's recurrent layers keep per sequence instead of KV (resident whatever the
+context, read and written once per decode step). It is the one
 vocabulary of cost in kvlab: the estimator predicts from it, and the engine's metrics read
 the GB/s and FLOP/s a run reached from it. Builders for GGUF files, HF config.json and bare
 descriptions live in `kvlab.estimate.specs`.
@@ -47,6 +49,10 @@ class LayerSpec:
     kv_heads: int = 0
     ffn_width: int = 0  # width of the gated activation (intermediate size; 0: unknown)
     matrices: tuple[MatrixSpec, ...] = ()  # the dense weight matrices, where the file says
+    # a recurrent layer's state per sequence (fp32 conv + SSM / delta-rule state): held for
+    # the sequence's life whatever its length, read and written once per decode step; 0: an
+    # attention layer
+    state_bytes: int = 0
 
     def attended(self, context: np.ndarray | float) -> np.ndarray | float:
         """Cached positions this layer keeps and reads at `context` tokens."""
@@ -127,6 +133,14 @@ class ModelSpec:
         fixed = sum(lyr.kv_elements * lyr.window for lyr in self.layers if lyr.window)
         return bytes_per_element * full, bytes_per_element * fixed
 
+    def state_bytes_per_seq(self, layers: slice = slice(None)) -> int:
+        """Recurrent-state bytes one sequence holds, whatever its context."""
+        return sum(layer.state_bytes for layer in self.layers[layers])
+
+    @property
+    def recurrent_layers(self) -> int:
+        return sum(1 for layer in self.layers if layer.state_bytes)
+
     def kv_bytes(self, context: np.ndarray | float, bytes_per_element: float,
                  layers: slice = slice(None)) -> np.ndarray | float:
         """KV bytes one sequence holds (and a decode step reads) at `context` tokens."""
@@ -161,6 +175,8 @@ class ModelSpec:
                 "sliding_layers": len(windows), "experts": self.experts,
                 "experts_used": self.experts_used, "active_params": self.active_params,
                 "max_context": self.max_context,
+                "recurrent_layers": self.recurrent_layers,
+                "state_bytes_per_seq": self.state_bytes_per_seq(),
                 "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                 "tied_output": self.tied_output}
 

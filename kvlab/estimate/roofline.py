@@ -5,7 +5,9 @@ over the slower memory's bandwidth. Prefill over P tokens reads the weights once
 P tokens of matmuls (output projection only where logits are needed) plus causal attention;
 it is compute-bound for any real prompt. A decode step over B sequences reads the weights
 once and each sequence's KV cache, and does B tokens of FLOP; it stays bandwidth-bound
-until B is large. The first reply token comes out of prefill, so a reply of N tokens costs
+until B is large. A hybrid's recurrent layers keep no KV: each sequence's fixed-size state
+sits in memory whatever its context and a decode step reads and writes it once, so their
+share of the step stays flat as the context grows. The first reply token comes out of prefill, so a reply of N tokens costs
 TTFT + (N - 1) decode steps.
 """
 
@@ -86,6 +88,8 @@ class Estimate:
     context_sweep: tuple[ContextPoint, ...]
     offload: OffloadEffect | None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    state_bytes_per_seq: float = 0.0  # recurrent layers' state, one sequence, any context
+    state_bytes: float = 0.0  # x concurrency: part of memory_needed beside kv_bytes
 
     @property
     def decode_tok_s_mid(self) -> float:
@@ -137,7 +141,9 @@ def estimate(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> Estimate
         batch_sweep=_batch_sweep(steps, memory, wl),
         context_sweep=_context_sweep(steps, memory, wl),
         offload=_offload_effect(model, hw, wl, steps, memory),
-        notes=tuple(_notes(model, hw, wl)))
+        notes=tuple(_notes(model, hw, wl)),
+        state_bytes_per_seq=float(model.state_bytes_per_seq()),
+        state_bytes=conc * float(model.state_bytes_per_seq()))
 
 
 class _DecodeSteps:
@@ -164,8 +170,9 @@ class _DecodeSteps:
         """Fast-memory seconds, compute seconds, and whether KV bytes outweigh weights."""
         m = self.model
         w_fast = self.fast_weight_bytes(batch)
-        kv_fast = batch * np.asarray(m.kv_bytes(context, self.wl.kv_bytes_per_element,
-                                                self.fast), dtype=float)
+        kv_fast = batch * (np.asarray(m.kv_bytes(context, self.wl.kv_bytes_per_element,
+                                                 self.fast), dtype=float)
+                           + 2 * m.state_bytes_per_seq(self.fast))  # state read + written
         flop = batch * (m.matmul_flop_per_token() + m.output_flop
                         + np.asarray(m.attention_flop(context), dtype=float))
         return (w_fast + kv_fast) / self.hw.bandwidth, flop / self.flop_rate, kv_fast > w_fast
@@ -177,9 +184,9 @@ class _DecodeSteps:
         seconds = np.maximum(memory_s, compute_s)
         bound = np.where(compute_s > memory_s, "compute", np.where(kv_heavy, "kv", "weights"))
         if self.wl.offload_layers:
-            slow_bytes = self.slow_weight_bytes(batch) + batch * np.asarray(
+            slow_bytes = self.slow_weight_bytes(batch) + batch * (np.asarray(
                 self.model.kv_bytes(context, self.wl.kv_bytes_per_element, self.slow),
-                dtype=float)
+                dtype=float) + 2 * self.model.state_bytes_per_seq(self.slow))
             slow_s = slow_bytes / self.wl.offload_bandwidth
             bound = np.where(slow_s > seconds, "offload", bound)
             seconds = seconds + slow_s
@@ -209,7 +216,8 @@ class _DecodeSteps:
 
 
 class _Memory:
-    """What sits in the fast memory: resident weights plus every sequence's KV cache."""
+    """What sits in the fast memory: resident weights plus every sequence's KV cache and
+    recurrent state."""
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, workload: Workload) -> None:
         self.model, self.bpe = model, workload.kv_bytes_per_element
@@ -220,7 +228,9 @@ class _Memory:
         self.usable = None if hw.memory_bytes is None else hw.memory_bytes * workload.usable_memory
 
     def kv(self, context: float) -> float:
-        return float(self.model.kv_bytes(context, self.bpe, self.fast))
+        """One sequence's cache at `context`: its KV plus its recurrent state."""
+        return (float(self.model.kv_bytes(context, self.bpe, self.fast))
+                + self.model.state_bytes_per_seq(self.fast))
 
     def needed(self, concurrency: int, context: int) -> float:
         return self.resident + concurrency * self.kv(context)
@@ -254,7 +264,8 @@ def _prefill(model: ModelSpec, steps: _DecodeSteps, wl: Workload) -> tuple[float
     p = wl.prompt_tokens
     flop = (p * model.matmul_flop_per_token() + model.prefill_attention_flop(p)
             + wl.logit_positions * model.output_flop)
-    kv_written = p * model.kv_bytes_per_token(wl.kv_bytes_per_element)
+    kv_written = (p * model.kv_bytes_per_token(wl.kv_bytes_per_element)
+                  + model.state_bytes_per_seq())
     memory_s = (steps.fast_weight_bytes(p) + kv_written) / steps.hw.bandwidth
     if wl.offload_layers:
         memory_s += steps.slow_weight_bytes(p) / wl.offload_bandwidth
@@ -298,8 +309,10 @@ def _offload_effect(model: ModelSpec, hw: HardwareSpec, wl: Workload, steps: _De
         return None
     all_fast = _DecodeSteps(model, hw, replace(wl, offload_layers=0))
     batch, ctx = wl.concurrency, steps.mid_context
-    slow_kv = model.kv_bytes(ctx, wl.kv_bytes_per_element, steps.slow)
-    slow_kv_reserved = model.kv_bytes(wl.context_tokens, wl.kv_bytes_per_element, steps.slow)
+    slow_state = model.state_bytes_per_seq(steps.slow)
+    slow_kv = model.kv_bytes(ctx, wl.kv_bytes_per_element, steps.slow) + 2 * slow_state
+    slow_kv_reserved = (model.kv_bytes(wl.context_tokens, wl.kv_bytes_per_element, steps.slow)
+                        + slow_state)
     assert wl.offload_bandwidth is not None
     return OffloadEffect(
         layers=wl.offload_layers, bandwidth=wl.offload_bandwidth,
@@ -329,6 +342,10 @@ def _notes(model: ModelSpec, hw: HardwareSpec, wl: Workload) -> list[str]:
     if model.source == "description" and not model.output_params:
         notes.append("no --vocab/--hidden: every parameter is counted as read and multiplied "
                      "for every token (the 2 x params rule)")
+    if model.recurrent_layers:
+        notes.append(f"hybrid: {model.recurrent_layers} of {model.n_layers} layers keep a "
+                     f"{model.state_bytes_per_seq() / 2**20:.2f} MiB fp32 state per sequence "
+                     "instead of KV, read and written once per decode step")
     if model.experts:
         notes.append(f"MoE: {model.experts_used} of {model.experts} experts per token; a batch "
                      "reads the experts its tokens route to (uniform routing assumed)")

@@ -1,7 +1,9 @@
 """Build a `ModelSpec` from a GGUF file, an HF config.json, or a bare description.
 
 GGUF: bytes and parameters come from the tensor directory (no tensor data is read), the
-attention shape and sliding windows from the metadata. HF config.json: parameters from
+attention shape and sliding windows from the metadata; a hybrid's recurrent layers (those
+with ssm_* or shortconv tensors) keep a state per sequence sized from the ssm.* /
+shortconv.* metadata as llama.cpp's converter writes it, and no KV. HF config.json: parameters from
 the architecture, bytes from the dtype (or --bits). Description: `--params 8e9 --bits 4.5`
 plus whatever of layers / KV heads / head dim / vocab / hidden is known.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,10 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     shapes = _attention_shapes(meta, n_layers, hidden)
     windows = _gguf_windows(arch, meta, n_layers)
     ffn = _per_layer(meta("feed_forward_length", 0), n_layers)
-    layers = tuple(map(_gguf_layer, blocks, shapes, windows, ffn))
+    state = 4 * _gguf_state_elements(meta, hidden)
+    layers = tuple(_gguf_layer(b, (0, 0, s[2], 0) if _is_recurrent(b) else s, w, f,
+                               state if _is_recurrent(b) else 0)
+                   for b, s, w, f in zip(blocks, shapes, windows, ffn))
     embd = gguf.tensors.get("token_embd.weight")
     tied = output is None and embd is not None
     out = embd if tied else output
@@ -100,8 +105,28 @@ def _group_tensors(tensors: Any, n_layers: int) -> tuple[
     return blocks, lookups, output, others
 
 
+def _is_recurrent(tensors: list[TensorInfo]) -> bool:
+    """A block with a recurrent mixer: Mamba-2 / Gated DeltaNet (ssm_*) or LFM2's shortconv."""
+    return any(t.name.split(".")[2].startswith(("ssm_", "shortconv")) for t in tensors)
+
+
+def _gguf_state_elements(meta: Any, hidden: int) -> int:
+    """fp32 values one sequence's state takes in one recurrent layer (config.RecurrentConfig
+    in GGUF terms). LFM2: the conv's last l_cache - 1 inputs over `hidden` channels. Mamba-2
+    and Gated DeltaNet share one layout: a conv over inner + 2 x groups x state_size channels
+    (x, B, C; or q, k, v) and an SSM / delta-rule state of inner x state_size (H x P x N, or
+    Hv x Dk x Dv with Dk = state_size and Hv x Dv = inner)."""
+    if meta("shortconv.l_cache"):
+        return (int(meta("shortconv.l_cache")) - 1) * hidden
+    if not meta("ssm.conv_kernel"):
+        return 0
+    inner, n = int(meta("ssm.inner_size")), int(meta("ssm.state_size"))
+    channels = inner + 2 * int(meta("ssm.group_count", 1)) * n
+    return (int(meta("ssm.conv_kernel")) - 1) * channels + inner * n
+
+
 def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int, int, int],
-                window: int | None, ffn_width: int) -> LayerSpec:
+                window: int | None, ffn_width: int, state_bytes: int = 0) -> LayerSpec:
     """One block from its tensors; `shape`: (kv_elements, attn_flop_per_key, heads, kv_heads)."""
     dense = [t for t in tensors if "_exps" not in t.name]
     routed = [t for t in tensors if "_exps" in t.name]
@@ -111,7 +136,7 @@ def _gguf_layer(tensors: list[TensorInfo], shape: tuple[int, int, int, int],
         expert_bytes=sum(t.nbytes for t in routed),
         expert_params=sum(_numel(t) for t in routed if len(t.shape) >= 2),
         kv_elements=shape[0], attn_flop_per_key=shape[1], window=window, heads=shape[2],
-        kv_heads=shape[3], ffn_width=ffn_width,
+        kv_heads=shape[3], ffn_width=ffn_width, state_bytes=state_bytes,
         matrices=tuple(_matrix(t) for t in dense if len(t.shape) == 2))
 
 
@@ -230,7 +255,11 @@ def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpe
     bits = bits if bits is not None else _hf_bits(cfg, cfg_path)
     _check_bits(bits)
     bytes_per_param = bits / 8
-    layers = tuple(_arch_layer(arch, w, bytes_per_param) for w in arch.windows)
+    recurrent, state = _hf_recurrent(cfg, arch.layers, arch.hidden)
+    layers = tuple(replace(_arch_layer(arch, w, bytes_per_param), kv_elements=0,
+                           attn_flop_per_key=0, kv_heads=0, state_bytes=4 * state)
+                   if r else _arch_layer(arch, w, bytes_per_param)
+                   for w, r in zip(arch.windows, recurrent))
     table = arch.vocab * arch.hidden
     n_params = arch.total_params()
     name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or ["?"])[0])
@@ -263,6 +292,34 @@ def _hf_architecture(cfg: dict[str, Any], where: Path) -> Architecture:
         experts_used=int(cfg.get("num_experts_per_tok") or 0),
         expert_intermediate=int(cfg.get("moe_intermediate_size") or intermediate),
         shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0))
+
+
+def _hf_recurrent(cfg: dict[str, Any], n_layers: int, hidden: int
+                  ) -> tuple[list[bool], int]:
+    """Which layers are recurrent (LFM2 "conv", Qwen3.5 "linear_attention", Granite 4
+    "mamba") and the fp32 values one sequence's state takes in each (as
+    `_gguf_state_elements`)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if not isinstance(types, list) or len(types) != n_layers:
+        return [False] * n_layers, 0
+    recurrent = [t == "mamba" or k == "recurrent" for t, k in zip(types, hf_layer_types(types))]
+    if "conv_L_cache" in cfg:  # LFM2
+        return recurrent, (int(cfg["conv_L_cache"]) - 1) * hidden
+    if "linear_conv_kernel_dim" in cfg:  # Gated DeltaNet
+        kernel, n = int(cfg["linear_conv_kernel_dim"]), int(cfg["linear_key_head_dim"])
+        inner = int(cfg["linear_num_value_heads"]) * int(cfg["linear_value_head_dim"])
+        groups = int(cfg["linear_num_key_heads"])
+    elif "mamba_d_conv" in cfg:  # Mamba-2
+        kernel, n = int(cfg["mamba_d_conv"]), int(cfg["mamba_d_state"])
+        heads = int(cfg["mamba_n_heads"])
+        head_dim = cfg.get("mamba_d_head")
+        if not isinstance(head_dim, int):  # "auto"
+            head_dim = cfg.get("mamba_expand", 2) * hidden // heads
+        inner = heads * head_dim
+        groups = int(cfg.get("mamba_n_groups", 1))
+    else:
+        return recurrent, 0
+    return recurrent, (kernel - 1) * (inner + 2 * groups * n) + inner * n
 
 
 def _hf_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
