@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_models import reference_logits, runner_for, step
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import fused
 from kvlab.models import attention
 from kvlab.models.kv_store import LatentKV
+from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.scheduler import ScheduledSeq
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build_deepseek, convert_with_llama_cpp
 
@@ -164,3 +167,31 @@ def test_torch_attention_path_matches_transformers(tiny, monkeypatch):
         logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
         errors.append((logits[0] - ref[pos]).abs().max())
     assert float(max(errors)) <= TOL
+
+
+def test_mtp_layer_is_not_run_but_stays_readable(tiny, tmp_path):
+    """A checkpoint with DeepSeek-V3's multi-token-prediction layer after num_hidden_layers
+    (model.layers.3: a decoder layer plus eh_proj, enorm, hnorm): kvlab runs the three
+    decoder layers, logits unchanged, and the MTP tensors stay readable by name."""
+    hf, out = tiny
+    src = out / "hf"
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    hidden = hf.config.hidden_size
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v.clone()
+             for k, v in tensors.items() if k.startswith("model.layers.2.")}
+    extra["model.layers.3.eh_proj.weight"] = torch.randn(hidden, 2 * hidden)
+    extra["model.layers.3.enorm.weight"] = torch.ones(hidden)
+    save_file({**tensors, **extra}, dst / "model.safetensors")
+    ckpt = open_checkpoint(dst)
+    loaded = load_model(ckpt, LoadOptions())
+    assert loaded.config.num_layers == 3 and len(loaded.model.layers) == 3
+    assert not any(t.name.startswith("layers.3.") for t in loaded.tensors)
+    assert ckpt.read("model.layers.3.eh_proj.weight").shape == (hidden, 2 * hidden)
+    ids = _ids(6, 8)
+    logits = step(runner_for(dst), ScheduledSeq("a", 0, ids, [0, 1], True, len(ids)))
+    assert float((logits[0] - reference_logits(hf, ids)[-1]).abs().max()) <= TOL
