@@ -1,5 +1,5 @@
-"""Hybrid models (LFM2, Qwen3.5, Qwen3.5-MoE, Granite 4 hybrid dense and MoE) on tiny
-random checkpoints: each converted by llama.cpp's convert_hf_to_gguf.py (f32), run in
+"""Hybrid models (LFM2, LFM2-MoE, Qwen3.5, Qwen3.5-MoE, Granite 4 hybrid dense and MoE) on
+tiny random checkpoints: each converted by llama.cpp's convert_hf_to_gguf.py (f32), run in
 llama.cpp (llama-cpp-python) and in kvlab, against transformers' fp32 logits; prints max
 |logit diff| per family.
 
@@ -105,7 +105,7 @@ def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
         size |= {"mamba_n_heads": args.hidden // 32, "mamba_d_head": 64, "mamba_n_groups": 1,
                  "mamba_d_state": 128, "mamba_chunk_size": 256,
                  "shared_intermediate_size": 3 * args.hidden}
-    elif arch != "lfm2":  # the Qwen3.5 shape: 64-wide heads, value heads twice the key heads
+    elif arch.startswith("qwen3_5"):  # the Qwen3.5 shape: 64-wide heads, value heads twice the key heads
         size |= {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                  "linear_num_key_heads": args.hidden // 128,
                  "linear_num_value_heads": args.hidden // 64}

@@ -281,6 +281,7 @@ def test_multimodal_checkpoint_loads_its_text_model_and_says_so(tmp_path, caplog
 # per family: a GGUF key changed, and what the load error says
 MISMATCHES = {
     "lfm2": [("lfm2.shortconv.l_cache", 4, r"convolution weight is \[64, 3\]")],
+    "lfm2_moe": [("lfm2moe.shortconv.l_cache", 4, r"convolution weight is \[64, 3\]")],
     "qwen3_5": [("qwen35.ssm.state_size", 16, "state dimensions say"),
                 ("qwen35.ssm.conv_kernel", 3, "state dimensions say")],
     "qwen3_5_moe": [("qwen35moe.ssm.time_step_rank", 2, "state dimensions say")],

@@ -393,7 +393,8 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 
 # ---- hybrid models: recurrent layers beside attention ---------------------------------------
 
-HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe", "granitehybrid", "granitehybrid_moe")
+HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe", "granitehybrid", "granitehybrid_moe",
+                "lfm2_moe")
 # llama.cpp's source tree (its convert_hf_to_gguf.py); KVLAB_LLAMA_CONVERTER names another
 LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
                                 "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
@@ -412,6 +413,12 @@ def hybrid_config(arch: str, **overrides):
         return tf.Lfm2Config(**common, conv_L_cache=3, norm_eps=1e-5,
                              layer_types=["conv", "full_attention", "conv", "full_attention"],
                              block_auto_adjust_ff_dim=False)
+    if arch == "lfm2_moe":  # a dense first layer, then eight experts of which two run
+        return tf.Lfm2MoeConfig(**{**common, "tie_word_embeddings": True}, conv_L_cache=3,
+                                norm_eps=1e-6,  # tied: llama.cpp's lfm2moe has no output
+                                layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32)  # GGUF has no routed scale
     delta = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
              "linear_value_head_dim": 16, "linear_num_key_heads": 2,
              "linear_num_value_heads": 4,
@@ -462,7 +469,8 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     cls = {"lfm2": tf.Lfm2ForCausalLM, "qwen3_5": tf.Qwen3_5ForCausalLM,
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
            "granitehybrid": tf.GraniteMoeHybridForCausalLM,
-           "granitehybrid_moe": tf.GraniteMoeHybridForCausalLM}[arch]
+           "granitehybrid_moe": tf.GraniteMoeHybridForCausalLM,
+           "lfm2_moe": tf.Lfm2MoeForCausalLM}[arch]
     model = cls(cfg).float().eval()
     zero_centered = arch.startswith("qwen3_5")  # 1 + w norms (not linear_attn.norm)
     with torch.no_grad():
@@ -470,8 +478,12 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
             if "norm" in name and p.dim() == 1:
                 centre = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
                 p.copy_(torch.randn_like(p) * 0.1 + centre)
-            elif name.endswith(("mlp.gate.weight", "router.layer.weight")):
+            elif name.endswith(("mlp.gate.weight", "router.layer.weight",
+                                "feed_forward.gate.weight")):
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():  # LFM2-MoE's choice bias
+            if name.endswith("expert_bias"):
+                b.normal_(0.0, 0.3)
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     if arch.startswith("granitehybrid"):  # layer types as Granite's own configs name them
         path = out_dir / "hf" / "config.json"
