@@ -17,7 +17,7 @@ from kvlab.request import SamplingParams
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import ARCHS, MOE_ARCHS, build
+from tiny_models import ARCHS, MOE_ARCHS, build, build_gpt_oss
 
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
@@ -41,6 +41,31 @@ def test_tiny_quantized_moe_model_in_the_c_layers(tmp_path, arch, monkeypatch):
     assert (fast - slow).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt_oss", {}), ("glm4moe", {}), ("glm4moe", {"n_group": 4, "topk_group": 2})])
+def test_gpt_oss_and_glm4moe_in_the_c_layers(tmp_path, monkeypatch, family, overrides):
+    """gpt-oss (o bias, the biased router's top k then softmax, expert biases, clamped
+    SwiGLU, sinks, sliding layers) and GLM-4.5 (its dense first layer, the sigmoid router
+    with its correction bias and grouped top k, routed scaling, the ungated shared expert)
+    decode in the one C call with the per-op path's logprobs, within 1e-5."""
+    if family == "gpt_oss":
+        build_gpt_oss(tmp_path)
+    else:
+        build(family, tmp_path, **overrides)
+    engine = quantized_engine(tmp_path, "q8_0")
+    model = engine.runner.model
+    if family == "glm4moe":
+        assert "router" not in model.layers[0] and model.config.moe.routed_scale == 2.5
+        assert model.config.moe.groups == overrides.get("n_group", 1)
+        assert "shexp_gate_up" in model.layers[1] and "shexp_router" not in model.layers[1]
+    else:
+        assert "o_bias" in model.layers[0] and model.layers[0]["experts"].gate is not None
+    ran, ids = c_steps(monkeypatch), list(range(3, 40))
+    fast, slow = logprobs_both_ways(engine, ids, 5)
+    assert ran[1:] == [True] * (len(ids) - 5)
+    assert (fast - slow).abs().max() <= 1e-5
+
+
 def c_steps(monkeypatch) -> list[bool]:
     """What each decode_c.run call from now on returns (True: the C layers ran the step)."""
     ran, run = [], decode_c.run
@@ -49,11 +74,11 @@ def c_steps(monkeypatch) -> list[bool]:
 
 
 def test_a_shared_expert_is_in_the_plan(tmp_path):
-    """Qwen2-MoE's shared expert takes the dense MLP's fields and its gate the last one."""
+    """Qwen2-MoE's shared expert takes the dense MLP's fields and its gate shexp_gate."""
     build("qwen2moe", tmp_path)
     model = quantized_engine(tmp_path, "q8_0").runner.model
     row, layer = model.c_plan.weights[0].tolist(), model.layers[0]
-    assert row[-1] == layer["shexp_router"].data_ptr()
+    assert layer["shexp_router"].data_ptr() in row and row[-1] == 0  # gated: shexp_ungated 0
     down = list(layer["shexp_down"].kernel_args)
     assert any(row[i:i + 5] == down for i in range(len(row)))
 

@@ -57,7 +57,7 @@ def test_prefill_then_paged_decode_matches_transformers(tiny, fmt):
     runner = runner_for(out / fmt)
     assert runner.config.layer_types == ("sliding", "full") * 2
     assert runner.config.sliding_window == 4
-    # decode runs past the 4-token window; the decode layers are not one C plan (o bias)
+    # decode runs past the 4-token window; the decode layers are not one C plan (dense weights)
     assert runner.model.c_plan is None
     assert _prefill_then_decode(runner, hf, _ids(14, 1), 9) <= TOL
 

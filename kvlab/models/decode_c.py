@@ -10,7 +10,8 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     attn_norm, n_qkv, qkv[3] x (qtype, ptr, rows, cols, row_bytes), qkv_bias, q_norm,
     k_norm, sinks, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
     post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
-    shexp_gate
+    shexp_gate, o_bias, scoring, router_bias, groups, top_groups, routed_scale, gate_up_bias,
+    down_bias, expert_clamp, clamp_alpha, clamp_limit, shexp_ungated
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
@@ -22,11 +23,18 @@ moe.route does, so its logits equal the per-op path's up to fp32 rounding of the
 gates (not bit for bit). A shared expert (Qwen2-MoE's) is then the layer's gate_up and down,
 and shexp_gate its fp32 gate vector [hidden]: its output, scaled by sigmoid(shexp_gate . h),
 is added to the routed experts' sum. `sinks` (gpt-oss) is the layer's fp32 [H] sink logits,
-which the C attention folds into each head's softmax; an o bias has no field, so a layer
-with one is not planned.
+which the C attention folds into each head's softmax, and `o_bias` its o product's bias.
+The router scores as the family does (`scoring`): softmax over all experts; gpt-oss's top k
+of the logits plus `router_bias`, softmax over those k; GLM-4.5's sigmoid scores, chosen by
+score + `router_bias` within the best `top_groups` of `groups`, weights times routed_scale
+(floats are held as their fp32 bits). gpt-oss's experts add their bias rows and run the
+clamped SwiGLU (expert_clamp, alpha, limit) in the one C experts call; GLM-4.5's shared
+expert is added without a gate (shexp_ungated).
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 from gguf import GGMLQuantizationType
@@ -38,6 +46,7 @@ from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
+SCORINGS = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}  # KV_ROUTE_*
 # OLMo 2 has no attn_norm / mlp_norm (its norms come after the products: the post norms)
 _OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
              "post_mlp_norm")
@@ -91,13 +100,16 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
     attention, post = _attention_fields(layer, config), _norm(layer.get("post_mlp_norm"))
     if "router" in layer:
         mlp, moe = _shared_expert_fields(layer), _moe_fields(layer, config)
+        routing = _routing_fields(layer, config)
     else:
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
-    if attention is None or mlp is None or moe is None or post is None or "o_bias" in layer:
+        routing = [0] * 11
+    o_bias = _norm(layer.get("o_bias"))
+    if None in (attention, mlp, moe, post, o_bias, routing):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe]
+            *moe, o_bias, *routing]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
@@ -137,13 +149,42 @@ def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     experts, moe = layer["experts"], config.moe
     e, k = moe.num_experts, moe.experts_per_token
     router = _gate_rows(layer["router"], e, config)
-    shared = "shexp_gate_up" in layer
-    shexp_gate = _gate_rows(layer.get("shexp_router"), 1, config) if shared else 0
+    gated = "shexp_router" in layer
+    shexp_gate = _gate_rows(layer["shexp_router"], 1, config) if gated else 0
     if experts.c_table is None or not 0 < k <= e <= 256 or None in (router, shexp_gate):
         return None
-    if moe.scoring != "softmax" or moe.routed_scale != 1.0:
-        return None  # the C router takes the softmax over all experts
+    if moe.scoring == "softmax" and moe.routed_scale != 1.0:
+        return None  # the C softmax router does not scale
     return [router, e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr(), shexp_gate]
+
+
+def _routing_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """scoring, router_bias, groups, top_groups, routed_scale, gate_up_bias, down_bias,
+    expert_clamp, clamp_alpha, clamp_limit, shexp_ungated; None for a scoring or a bias
+    the C side cannot take."""
+    moe, experts = config.moe, layer["experts"]
+    bias = _norm(layer.get("router_bias"))
+    gate_up, down = _bias_rows(experts.gate_up_bias), _bias_rows(experts.down_bias)
+    if moe.scoring not in SCORINGS or None in (bias, gate_up, down):
+        return None
+    clamp = experts.gate
+    alpha, limit = (clamp.alpha, clamp.limit) if clamp is not None else (0.0, 0.0)
+    ungated = "shexp_gate_up" in layer and "shexp_router" not in layer
+    return [SCORINGS[moe.scoring], bias, moe.groups, moe.top_groups, _f32_bits(moe.routed_scale),
+            gate_up, down, int(clamp is not None), _f32_bits(alpha), _f32_bits(limit),
+            int(ungated)]
+
+
+def _bias_rows(w: torch.Tensor | None) -> int | None:
+    """The address of an experts' fp32 bias rows [E, width], 0 for none."""
+    if w is None:
+        return 0
+    return w.data_ptr() if fused.fits(w) and w.dim() == 2 and w.is_contiguous() else None
+
+
+def _f32_bits(v: float) -> int:
+    """A float as the plan holds it: its fp32 bits in an int64 field."""
+    return struct.unpack("<i", struct.pack("<f", v))[0]
 
 
 def _gate_rows(w: object, rows: int, config: ModelConfig) -> int | None:

@@ -101,6 +101,7 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
                          (const float *)(intptr_t)L->sinks, b->att, use_avx2))
         return -1;
     if (kv_product(&L->o, b->att, B, b->o, s->hidden)) return -1;
+    if (L->o_bias) add_bias(b->o, (const float *)(intptr_t)L->o_bias, B, s->hidden);
     residual(x, b->o, L->post_attn_norm, s);
     return 0;
 }
@@ -119,11 +120,16 @@ static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float
 }
 
 /* o += sigmoid(shexp_gate . h) * shared expert(h), row by row: the product, then the add,
- * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp) */
+ * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp); without the gate (GLM-4.5)
+ * o += shared expert(h) */
 static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     const kv_wdesc gate = {.qt = KV_F32, .ptr = L->shexp_gate, .rows = 1, .cols = s->hidden,
                            .row_bytes = s->hidden * (int64_t)sizeof(float)};
     if (gated_mlp(L, s, b, b->shared)) return -1;
+    if (L->shexp_ungated) {
+        for (int64_t i = 0; i < s->B * s->hidden; i++) b->o[i] += b->shared[i];
+        return 0;
+    }
     if (kv_product(&gate, b->h, s->B, b->logits, 1)) return -1;  /* the router's are used */
     for (int64_t r = 0; r < s->B; r++) {
         const float g = 1.0f / (1.0f + expf(-b->logits[r]));
@@ -134,6 +140,35 @@ static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     return 0;
 }
 
+/* a float the plan holds as its fp32 bits */
+static float plan_f32(int64_t v) {
+    const int32_t bits = (int32_t)v;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* each row's k experts and their weights from the router's logits, by the layer's scoring */
+static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
+    const int64_t E = L->n_experts, k = L->top_k;
+    const float *bias = (const float *)(intptr_t)L->router_bias;
+    for (int64_t r = 0; r < s->B; r++) {
+        float *logits = b->logits + r * E, *w = b->route_w + r * k;
+        int64_t *ids = b->route_ids + r * k;
+        if (L->scoring == KV_ROUTE_SIGMOID) {
+            kv_moe_route_sigmoid(logits, bias, E, k, L->groups, L->top_groups,
+                                 (int)L->norm_topk, plan_f32(L->routed_scale), ids, w);
+            continue;
+        }
+        if (bias)
+            for (int64_t e = 0; e < E; e++) logits[e] += bias[e];
+        if (L->scoring == KV_ROUTE_TOPK_SOFTMAX)
+            kv_moe_route_topk_softmax(logits, E, k, ids, w);
+        else
+            kv_moe_route(logits, E, k, (int)L->norm_topk, ids, w);
+    }
+}
+
 /* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
  * expert where the layer has one */
 static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
@@ -142,13 +177,16 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
                              .row_bytes = s->hidden * (int64_t)sizeof(float)};
     pre_norm(x, L->mlp_norm, b->h, s);
     if (kv_product(&router, b->h, s->B, b->logits, E)) return -1;
-    for (int64_t r = 0; r < s->B; r++)
-        kv_moe_route(b->logits + r * E, E, k, (int)L->norm_topk, b->route_ids + r * k,
-                     b->route_w + r * k);
-    if (kv_moe_experts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, b->h, s->B,
-                       s->hidden, b->route_ids, b->route_w, k, b->o))
+    route(L, s, b);
+    const kv_moe_opts opts = {.gate_up_bias = (const float *)(intptr_t)L->gate_up_bias,
+                              .down_bias = (const float *)(intptr_t)L->down_bias,
+                              .act = L->expert_clamp ? KV_MOE_SWIGLU_CLAMP : KV_MOE_SILU,
+                              .alpha = plan_f32(L->clamp_alpha),
+                              .limit = plan_f32(L->clamp_limit)};
+    if (kv_moe_experts_opts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, b->h,
+                            s->B, s->hidden, b->route_ids, b->route_w, k, &opts, b->o))
         return -1;
-    if (L->shexp_gate && shared_expert(L, s, b)) return -1;
+    if ((L->shexp_gate || L->shexp_ungated) && shared_expert(L, s, b)) return -1;
     residual(x, b->o, L->post_mlp_norm, s);
     return 0;
 }

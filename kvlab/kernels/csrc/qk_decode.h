@@ -8,6 +8,9 @@
 #include "qk.h"
 
 enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
+/* softmax over every expert then top k; top k of the logits then softmax over them; sigmoid
+ * scores, grouped top k of score + bias, weights the scores (kvlab/models/moe.py) */
+enum { KV_ROUTE_SOFTMAX = 0, KV_ROUTE_TOPK_SOFTMAX = 1, KV_ROUTE_SIGMOID = 2 };
 
 typedef struct {
     int64_t attn_norm, n_qkv;          /* attn_norm (and mlp_norm) 0: no norm before (OLMo 2) */
@@ -27,6 +30,16 @@ typedef struct {
     int64_t n_experts, top_k, norm_topk;
     int64_t experts;                   /* int64 [E, 3, 5]: kv_moe_experts' table */
     int64_t shexp_gate;                /* fp32 [hidden]: the shared expert's gate; 0: none */
+    int64_t o_bias;                    /* fp32 [hidden] added after o (gpt-oss), or 0 */
+    int64_t scoring;                   /* KV_ROUTE_*: how the router's logits choose */
+    int64_t router_bias;               /* fp32 [E]: on the logits (gpt-oss), on the choice
+                                        * (sigmoid: the correction bias); 0: none */
+    int64_t groups, top_groups;        /* sigmoid: the best top_groups of groups kept */
+    int64_t routed_scale;              /* fp32 bits: the chosen weights times this */
+    int64_t gate_up_bias, down_bias;   /* fp32 [E, 2 * inter], [E, hidden]: expert biases */
+    int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
+    int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
+    int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))

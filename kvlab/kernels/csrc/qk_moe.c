@@ -296,3 +296,65 @@ void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *
     if (norm)
         for (int64_t j = 0; j < k; j++) weights[j] /= top;
 }
+
+/* the k largest of v [E] (E <= 256) not masked, descending, the first of equals first */
+static void top_k(const float *v, const uint64_t *masked, int64_t E, int64_t k, int64_t *ids) {
+    uint64_t taken[4] = {0, 0, 0, 0};
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!((taken[e / 64] | masked[e / 64]) >> (e % 64) & 1) &&
+                (best < 0 || v[e] > v[best]))
+                best = e;
+        taken[best / 64] |= (uint64_t)1 << (best % 64);
+        ids[j] = best;
+    }
+}
+
+void kv_moe_route_topk_softmax(const float *logits, int64_t E, int64_t k, int64_t *ids,
+                               float *weights) {
+    const uint64_t none[4] = {0, 0, 0, 0};
+    top_k(logits, none, E, k, ids);
+    float sum = 0;
+    for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(logits[ids[j]] - logits[ids[0]]);
+    for (int64_t j = 0; j < k; j++) weights[j] /= sum;
+}
+
+/* the groups outside the top_groups best (by their two best choice values) masked */
+static void mask_groups(const float *choice, int64_t E, int64_t groups, int64_t top_groups,
+                        uint64_t *masked) {
+    const int64_t per = E / groups;
+    float best[256];
+    for (int64_t g = 0; g < groups; g++) {
+        float a = -INFINITY, b = -INFINITY;
+        for (int64_t e = g * per; e < (g + 1) * per; e++) {
+            if (choice[e] > a) b = a, a = choice[e];
+            else if (choice[e] > b) b = choice[e];
+        }
+        best[g] = a + b;
+    }
+    int64_t keep[256];
+    const uint64_t none[4] = {0, 0, 0, 0};
+    top_k(best, none, groups, top_groups, keep);
+    memset(masked, 0xff, 4 * sizeof(uint64_t));
+    for (int64_t j = 0; j < top_groups; j++)
+        for (int64_t e = keep[j] * per; e < (keep[j] + 1) * per; e++)
+            masked[e / 64] &= ~((uint64_t)1 << (e % 64));
+}
+
+void kv_moe_route_sigmoid(float *logits, const float *bias, int64_t E, int64_t k,
+                          int64_t groups, int64_t top_groups, int norm, float scale,
+                          int64_t *ids, float *weights) {
+    float choice[256];
+    for (int64_t e = 0; e < E; e++) {
+        logits[e] = 1.0f / (1.0f + expf(-logits[e]));
+        choice[e] = logits[e] + (bias ? bias[e] : 0.0f);
+    }
+    uint64_t masked[4] = {0, 0, 0, 0};
+    if (groups > 1) mask_groups(choice, E, groups, top_groups, masked);
+    top_k(choice, masked, E, k, ids);
+    float sum = 0;
+    for (int64_t j = 0; j < k; j++) sum += weights[j] = logits[ids[j]];
+    for (int64_t j = 0; j < k; j++)
+        weights[j] = (norm ? weights[j] / (sum + 1e-20f) : weights[j]) * scale;
+}

@@ -11,6 +11,17 @@
  * of equals first), in descending order, renormalized over the k when norm. */
 void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
                   float *weights);
+/* gpt-oss's routing of one token: logits [E] (the router's bias already added), the k
+ * largest, descending, weights their softmax in fp32 */
+void kv_moe_route_topk_softmax(const float *logits, int64_t E, int64_t k, int64_t *ids,
+                               float *weights);
+/* A sigmoid router's (GLM-4.5, DeepSeek-V3): scores sigmoid(logits); the choice ranks
+ * scores + bias among the top_groups of `groups` groups whose two best biased scores sum
+ * highest; weights the chosen scores, over their sum when norm, times scale. logits [E] is
+ * overwritten by the scores. */
+void kv_moe_route_sigmoid(float *logits, const float *bias, int64_t E, int64_t k,
+                          int64_t groups, int64_t top_groups, int norm, float scale,
+                          int64_t *ids, float *weights);
 /* A layer's routed experts on T tokens: experts [E][3] = gate|up in one or two parts (the
  * second rows 0 when one), down; ids, weights [T, k]; out [T, hidden] = sum over each
  * token's k slots of weight * down(silu(gate) * up). 0, -1 out of memory. Callers hold the
