@@ -322,3 +322,18 @@ def test_gguf_nextn_layers_at_the_end_are_not_run(tiny):
     logits = step(runner, seq("a", 0, ids, [0, 1], slot=0))
     assert (logits[0] - reference_logits(tiny[1], ids)[-1]).abs().max() <= TOL
 
+
+
+def test_granite_hybrid_with_rope_matches_transformers(tmp_path):
+    """Granite hybrids whose attention rotates (position_embedding_type "rope", as Bamba-style
+    checkpoints have): prefill then decode steps equal transformers'."""
+    hf = build_hybrid("granitehybrid", tmp_path, position_embedding_type="rope")
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = reference_logits(hf, ids)
+    runner = runner_for(tmp_path / "hf")
+    table = [2, 0, 1]
+    logits = step(runner, seq("a", 0, ids[:8], table, slot=1))
+    assert (logits[0] - ref[7]).abs().max() <= TOL
+    for pos in range(8, 12):
+        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=1))
+        assert (logits[0] - ref[pos]).abs().max() <= TOL
