@@ -1,4 +1,5 @@
-"""`kvlab info MODEL`: architecture, parameters, quant types and bytes, context, KV bytes."""
+"""`kvlab info MODEL`: architecture, parameters, quant types and bytes, context, KV bytes;
+a hybrid's recurrent layers and their state per sequence; latent attention's latent bytes."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def describe(loaded: LoadedModel, path: str) -> dict:
         **_window_fields(c),
         "decode_bytes_per_token": cost.decode_weight_bytes,
         "decode_stored_bytes_per_token": cost.decode_stored_bytes,
-        **_moe_fields(loaded),
+        **_moe_fields(loaded), **_recurrent_fields(c), **_mla_fields(c),
     }
 
 
@@ -55,6 +56,33 @@ def _window_fields(c: ModelConfig) -> dict:
                                        * c.sliding_window)}
 
 
+def _recurrent_fields(c: ModelConfig) -> dict:
+    """A hybrid's recurrent layers: their kind, and the fp32 state each sequence holds in
+    them whatever its length (the KV figures then count the attention layers only)."""
+    rc = c.recurrent
+    if rc is None or not c.num_recurrent_layers:
+        return {}
+    return {"recurrent_layers": c.num_recurrent_layers, "recurrent_kind": rc.kind,
+            "attention_layers": c.num_layers - c.num_recurrent_layers,
+            "conv_state_shape": list(rc.conv_state_shape),
+            "recurrent_state_shape": (list(rc.recurrent_state_shape)
+                                      if rc.recurrent_state_shape else None),
+            "state_bytes_per_seq": c.state_bytes_per_seq()}
+
+
+def _mla_fields(c: ModelConfig) -> dict:
+    """Latent attention: the latent each token keeps per layer, against the per-head K and V
+    that the same heads would cache expanded."""
+    mla = c.mla
+    if mla is None:
+        return {}
+    expanded = c.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    return {"kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "latent_width": mla.latent_width,
+            "latent_bytes_per_token_f16": int(c.kv_bytes_per_token(2)),
+            "expanded_kv_bytes_per_token_f16": 2 * c.num_layers * expanded}
+
+
 def _moe_fields(loaded: LoadedModel) -> dict:
     """Experts, active parameters and the weight bytes a decode step reads at a few batch
     sizes (the distinct experts a batch routes to grow with it); {} for dense models."""
@@ -67,6 +95,27 @@ def _moe_fields(loaded: LoadedModel) -> dict:
             "active_parameters": loaded.active_params,
             "decode_bytes_per_step": {b: round(cost.spec.decode_weight_bytes(b))
                                       for b in (1, 4, 16, 64)}}
+
+
+def _print_recurrent(info: dict) -> None:
+    if "recurrent_layers" not in info:
+        return
+    shapes = f"conv {info['conv_state_shape']}" + (
+        f" + state {info['recurrent_state_shape']}" if info["recurrent_state_shape"] else "")
+    print(f"  counted in    the attention layers only ({info['attention_layers']} of "
+          f"{info['layers']}); the recurrent ones keep no KV")
+    print(f"recurrent       {info['recurrent_layers']} {info['recurrent_kind']} layers, fp32 "
+          f"state {info['state_bytes_per_seq'] / 1024:.1f} KiB per sequence (any length; "
+          f"{shapes} per layer)")
+
+
+def _print_mla(info: dict) -> None:
+    if "latent_width" not in info:
+        return
+    print(f"  latent        {info['latent_width']} values per token per layer (rank "
+          f"{info['kv_lora_rank']} + rotary {info['qk_rope_head_dim']}): "
+          f"{info['latent_bytes_per_token_f16'] / 1024:.1f} KiB/token f16, where per-head K/V "
+          f"would take {info['expanded_kv_bytes_per_token_f16'] / 1024:.1f} KiB/token")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
           + (f" (sliding window {window} on local layers)" if window else ""))
     print(f"KV cache        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB/token in f16, "
           f"{info['kv_bytes_per_token_f32'] / 1024:.1f} KiB/token in f32")
+    _print_recurrent(info)
+    _print_mla(info)
     if "sliding_layers" in info:
         full = info["layers"] - info["sliding_layers"]
         print(f"  held          {info['kv_full_bytes_per_token_f16'] / 1024:.1f} KiB/token f16 "
