@@ -5,6 +5,9 @@ Each template in `$KVLAB_LLAMA_VOCABS/templates` renders a few conversations thr
 tokenizer holding that template: the texts are equal, or both fail and kvlab's `RequestError`
 carries the message transformers raised (roles not alternating, a variable the template
 needs, ...). The clock is pinned on both sides, so templates that print today's date agree.
+Where a template hands `tojson` a filter's lazy output (`tools | map(attribute='function') |
+tojson`, llama.cpp's DeepSeek-R1 template), which transformers' json.dumps refuses and kvlab
+writes as a list, transformers renders the same template with that output made a list first.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -173,10 +177,16 @@ def outcome(expected: str | Exception, got: str | Exception) -> str:
         else "differ"
 
 
+# a filter's lazy output piped into tojson, and the same with that output made a list
+_LAZY_TOJSON = re.compile(r"(\|\s*(?:map|select|reject|selectattr|rejectattr)\([^()]*\)\s*)"
+                          r"(\|\s*tojson)")
+
+
 def render_both(template: str, kind: str) -> tuple[str | Exception, str | Exception]:
     messages, arguments = CONVERSATIONS[kind]
+    listed = _LAZY_TOJSON.sub(r"\1| list \2", template)
     try:
-        expected = reference_tokenizer(template).apply_chat_template(
+        expected = reference_tokenizer(listed).apply_chat_template(
             copy.deepcopy(messages), tokenize=False, **arguments)
     except Exception as e:  # noqa: BLE001 - any failure is compared with kvlab's
         expected = e

@@ -50,9 +50,7 @@ FAMILIES = [
     ("functionary", "meetkai-functionary-medium-v3.2", "llama-bpe"),
     # Mistral Nemo's own vocabulary (Tekken) is byte-level BPE, as Qwen2's is
     ("mistral", "mistralai-Mistral-Nemo-Instruct-2407", "qwen2"),
-    pytest.param("deepseek_r1", "llama-cpp-deepseek-r1", "deepseek-llm", marks=pytest.mark.xfail(
-        strict=True, reason="the template writes `tools | map(attribute='function') | tojson`, "
-                            "and kvlab's renderer hands tojson a generator it cannot write")),
+    ("deepseek_r1", "llama-cpp-deepseek-r1", "deepseek-llm"),
     ("deepseek_v3_2", "deepseek-ai-DeepSeek-V3.2", "deepseek-llm"),
     ("gemma4", "google-gemma-4-31B-it", "gemma-4"),
     ("command_r", "CohereForAI-c4ai-command-r-plus-tool_use", "command-r"),

@@ -2,10 +2,13 @@
 
 Rendering matches transformers' `apply_chat_template`: a Jinja `ImmutableSandboxedEnvironment`
 with trim_blocks/lstrip_blocks, loop controls, a `{% generation %}` tag, the `tojson` filter that
-does not escape HTML, the `raise_exception` / `strftime_now` globals, a `namespace` that refuses
-underscore names, and the same context: `messages` (None-valued keys dropped, reasoning under all
+does not escape HTML (indent, separators, sort_keys), the `raise_exception` / `strftime_now` /
+`dict` globals, a `namespace` that refuses underscore names, and the same context: `messages` (None-valued keys dropped, reasoning under all
 its names), `tools` and `documents` (None when not given), `add_generation_prompt`. Any failure
-of the template becomes a `RequestError` carrying its message. Some GGUFs carry no
+of the template becomes a `RequestError` carrying its message. One step beyond transformers, as
+llama.cpp's renderer does: `tojson` writes Jinja's lazy sequences (the output of `map`,
+`select`, `reject`) as lists, so `tools | map(attribute='function') | tojson` (DeepSeek-R1's
+template in llama.cpp) renders where transformers' json.dumps refuses a generator. Some GGUFs carry no
 `tokenizer.chat_template` (the default Gemma 3 270M has none); `FALLBACK_TEMPLATES` supplies the
 model family's official format by `general.architecture`.
 """
@@ -13,6 +16,7 @@ model family's official format by `general.architecture`.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -96,7 +100,25 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+                      sort_keys=sort_keys, default=_lazy_sequence)
+
+
+def _lazy_sequence(value: Any) -> list:
+    """A filter's lazy output (`map`, `select`, ... give generators) as the list it yields."""
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` for templates, without the type itself (whose
+    attributes would reach Python's internals)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -133,6 +155,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _TemplateDict()
     return env.from_string(template)
 
 
