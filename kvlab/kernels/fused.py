@@ -13,6 +13,7 @@ kernels of 2-12 µs each, which is most of a small model's step outside the prod
     attend_decode(q, k, v, slots, scale)      one query per row against its cache slots
     attend_prefill(q, k, v, slots, ...)       a prefill chunk against its cache slots, causally
     moe_experts(h, ids, weights, experts)     a layer's routed experts, each read once a step
+                                              (gpt-oss: with bias rows, clamped SwiGLU)
 
 Callers check `fits` first (fp32, on the CPU, the extension built) and otherwise use the
 torch ops, which these match to fp32 rounding (tests/test_kernels.py).

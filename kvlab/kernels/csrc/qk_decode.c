@@ -8,8 +8,12 @@
  * in place of the dense MLP (routed in C: the router product, softmax and top-k in fp32,
  * the same choices as the per-op path's torch ops up to fp32 rounding); a shared expert
  * (Qwen2-MoE) beside the routed ones is then the layer's gate_up and down, its output
- * scaled by sigmoid(shexp_gate . h) and added to theirs. The plan is int64
- * [layers, KV_PLAN_FIELDS], built once by the model (kvlab/models/decode_c.py).
+ * scaled by sigmoid(shexp_gate . h) and added to theirs (GLM-4.5's: added ungated). The
+ * router scores as the family does (KV_ROUTE_*: softmax over all experts; gpt-oss's top k
+ * of the biased logits, softmax over those; GLM-4.5's sigmoid with its correction bias and
+ * grouped top k), and gpt-oss's o bias, expert biases and clamped SwiGLU are plan fields.
+ * The plan is int64 [layers, KV_PLAN_FIELDS], built once by the model
+ * (kvlab/models/decode_c.py).
  */
 #include <math.h>
 #include <stdint.h>
