@@ -167,6 +167,11 @@ def _routing_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     gate_up, down = _bias_rows(experts.gate_up_bias), _bias_rows(experts.down_bias)
     if moe.scoring not in SCORINGS or None in (bias, gate_up, down):
         return None
+    # the C grouped top k needs whole groups, and the kept ones holding the k
+    groups_fit = (moe.num_experts % moe.groups == 0 and 0 < moe.top_groups <= moe.groups
+                  and moe.experts_per_token <= moe.top_groups * (moe.num_experts // moe.groups))
+    if moe.scoring == "sigmoid" and not groups_fit:
+        return None
     clamp = experts.gate
     alpha, limit = (clamp.alpha, clamp.limit) if clamp is not None else (0.0, 0.0)
     ungated = "shexp_gate_up" in layer and "shexp_router" not in layer
