@@ -19,6 +19,7 @@ import torch
 from kvlab import heap
 from kvlab.cache import KVCacheManager
 from kvlab.cache.pool_sizes import CacheBudget, PoolSizes, pool_sizes
+from kvlab.cache.state_slots import StateUsage, state_usage
 from kvlab.config import ModelConfig
 from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError, RequestError
@@ -142,6 +143,7 @@ class EngineStats:
     prefix_hits: int  # of which found
     weight_bytes_read: int = 0  # weight bytes the C kernels have read in this process
     speculative: SpecCounts = field(default_factory=SpecCounts)  # proposed / accepted tokens
+    states: StateUsage | None = None  # recurrent state slots and snapshot rows; None: no state
 
     @property
     def kv_usage(self) -> float:
@@ -155,6 +157,7 @@ class KVView:
     num_cached_tokens: int  # of which the prefix cache served (the first blocks)
     block_size: int
     bytes_per_token: int
+    state_slot: int | None = None  # its recurrent layers' state row; None: no recurrent layers
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,9 @@ class EngineSnapshot:
     can_generate: bool = True  # False: an encoder that only embeds (kvlab.models.bert)
     pooling: str = "last"  # how embed() pools hidden states (kvlab.models.pooling)
     hidden_size: int = 0  # an embedding's width before any truncation
+    num_state_slots: int = 0  # recurrent state rows, one per running sequence (0: none)
+    num_snapshot_rows: int = 0  # state rows kept for prefix-cache hits
+    state_bytes_per_seq: int = 0  # fp32 bytes of one sequence's state, all recurrent layers
 
 
 @dataclass(eq=False)
@@ -386,7 +392,8 @@ class Engine:
             kv_blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             block_size=self.config.block_size, kv_bytes_per_token=self.cost.kv_bytes_per_token,
             prefix_queries=self.kv.prefix_stats.queries, prefix_hits=self.kv.prefix_stats.hits,
-            weight_bytes_read=weight_bytes_read(), speculative=self.spec_counts.copy())
+            weight_bytes_read=weight_bytes_read(), speculative=self.spec_counts.copy(),
+            states=state_usage(self.kv.states, self.kv.snapshots))
 
     def kv_view(self, request_id: str) -> KVView | None:
         """Where a live request's KV cache lives: its block table and what came from the cache."""
@@ -397,7 +404,8 @@ class Engine:
         return KVView(block_table=self.kv.block_table(request_id),
                       num_tokens=seq.num_computed_tokens, num_cached_tokens=seq.num_cached_tokens,
                       block_size=self.config.block_size,
-                      bytes_per_token=self.cost.kv_bytes_per_token)
+                      bytes_per_token=self.cost.kv_bytes_per_token,
+                      state_slot=self.kv.states.slot(request_id) if self.kv.states else None)
 
     def snapshot(self) -> EngineSnapshot:
         """The served model and the KV layout, for front ends that describe the engine; it
@@ -410,7 +418,10 @@ class Engine:
             kv_bytes_per_token=self.cost.kv_bytes_per_token, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
             enable_prefix_caching=self.kv.enable_prefix_caching, can_generate=self.can_generate,
-            pooling=self.loaded.pooling, hidden_size=self.loaded.config.hidden_size)
+            pooling=self.loaded.pooling, hidden_size=self.loaded.config.hidden_size,
+            num_state_slots=self.kv.states.num_slots if self.kv.states else 0,
+            num_snapshot_rows=self.kv.snapshots.num_rows if self.kv.snapshots else 0,
+            state_bytes_per_seq=self.loaded.config.state_bytes_per_seq())
 
     def embed(self, prompts: list[list[int]], normalize: bool = True,
               dimensions: int | None = None) -> torch.Tensor:

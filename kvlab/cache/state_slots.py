@@ -57,6 +57,10 @@ class StateSlots:
         """seq_id's slot, or None when it owns none."""
         return self._owned.get(seq_id)
 
+    def owners(self) -> dict[str, int]:
+        """Each sequence that owns a slot, and its slot (a copy)."""
+        return dict(self._owned)
+
     def free(self, seq_id: str) -> None:
         """Give seq_id's slot back (nothing when it owns none)."""
         slot = self._owned.pop(seq_id, None)
@@ -91,6 +95,7 @@ class StateSnapshots:
         if spec.num_rows < 1 or spec.every_blocks < 1:
             raise ValueError(f"{spec}: need at least one row, every >= 1 blocks")
         self.every_blocks, self.block_size = spec.every_blocks, block_size
+        self.num_rows = spec.num_rows
         self.stride = spec.every_blocks * block_size  # tokens between boundaries
         self._free: deque[int] = deque(range(first_row, first_row + spec.num_rows))
         self._rows: OrderedDict[int, int] = OrderedDict()  # content_id -> row, LRU first
@@ -163,7 +168,43 @@ class StateSnapshots:
             else:
                 self._rows[content] = row
 
+    @property
+    def num_saved(self) -> int:
+        """Rows holding a block's snapshot (live, or dead until taken again)."""
+        return len(self._rows)
+
+    @property
+    def num_used(self) -> int:
+        """Rows not free: saved snapshots plus rows being saved into."""
+        return self.num_rows - len(self._free)
+
     def release(self, seq_id: str) -> None:
         """seq_id is gone: rows it was saving into go back, its restore row is unpinned."""
         self._pinned.pop(seq_id, None)
         self._free.extend(self._pending.pop(seq_id, {}).values())
+
+
+@dataclass(frozen=True)
+class StateUsage:
+    """The state rows now: slots owned by running sequences, snapshot rows in use."""
+
+    slots_total: int
+    owners: dict[str, int]  # sequence id -> its slot
+    snapshot_rows_total: int = 0
+    snapshot_rows_used: int = 0  # saved snapshots plus rows being saved into
+    snapshots_saved: int = 0
+
+    @property
+    def slots_used(self) -> int:
+        return len(self.owners)
+
+
+def state_usage(slots: StateSlots | None, snapshots: StateSnapshots | None
+                ) -> StateUsage | None:
+    """What `slots` and `snapshots` hold now; None for a model without recurrent layers."""
+    if slots is None:
+        return None
+    if snapshots is None:
+        return StateUsage(slots.num_slots, slots.owners())
+    return StateUsage(slots.num_slots, slots.owners(), snapshots.num_rows, snapshots.num_used,
+                      snapshots.num_saved)

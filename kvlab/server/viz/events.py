@@ -93,12 +93,35 @@ def pool_record(stats: EngineStats, live: LiveRequests,
         run_id, state = live.users[rid]
         requests.append({"request_id": rid, "run_id": run_id, "user": state.user,
                          "block_table": view.block_table, "tokens": view.num_tokens,
-                         "cached_blocks": view.num_cached_tokens // view.block_size})
+                         "cached_blocks": view.num_cached_tokens // view.block_size,
+                         "state_slot": view.state_slot})
     return {"event": "pool", "blocks_total": stats.kv_blocks_total,
             "blocks_used": stats.kv_blocks_used, "block_size": stats.block_size,
             "usage": stats.kv_usage, "running": stats.num_running, "waiting": stats.num_waiting,
             "prefix_queries": stats.prefix_queries, "prefix_hits": stats.prefix_hits,
-            "requests": requests}
+            "requests": requests, "states": states_record(stats, live)}
+
+
+def states_record(stats: EngineStats, live: LiveRequests) -> dict[str, Any] | None:
+    """A hybrid model's recurrent state rows beside the KV blocks: each slot's owner (the
+    visualiser's requests by run and user, others as "other"), and the snapshot rows the
+    prefix cache keeps; None for a model without recurrent layers.
+
+        slots      0       1       2     3          snapshot rows: 5 of 8 used, 4 saved
+        owner    u0/r1   other    u1/r1  free
+    """
+    states = stats.states
+    if states is None:
+        return None
+    slots: list[dict[str, Any] | None] = [None] * states.slots_total
+    for rid, slot in states.owners.items():
+        run_id, state = live.users.get(rid, (None, None))
+        slots[slot] = ({"request_id": rid, "run_id": run_id, "user": state.user}
+                       if state is not None else {"request_id": None})
+    return {"slots_total": states.slots_total, "slots_used": states.slots_used,
+            "slots": slots, "snapshot_rows_total": states.snapshot_rows_total,
+            "snapshot_rows_used": states.snapshot_rows_used,
+            "snapshots_saved": states.snapshots_saved}
 
 
 def pool_views(engine: Engine, ids: list[str]) -> tuple[EngineStats, dict[str, KVView | None]]:
