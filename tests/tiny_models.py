@@ -738,7 +738,7 @@ def build_deepseek(out_dir: Path, seed: int = 0, v2: bool = False, **overrides):
 def gemma4_config(**overrides):
     """Six layers (sliding, sliding, full, twice; window 4), full layers 32 wide against the
     sliding ones' 16, proportional RoPE on a quarter of them; the last two layers read the
-    K/V of layers 1 and 2 and have double-wide MLPs; 8-wide per-layer inputs; logits capped
+    K/V of layers 3 and 2 and have double-wide MLPs; 16-wide per-layer inputs; logits capped
     at 3. `k_eq_v=True` gives the large models' form instead: no per-layer inputs, no
     sharing, full layers with one KV head and keys for values; `moe=True` adds to that
     four routed experts (two per token) beside each dense MLP, as 26B-A4B has."""
@@ -750,7 +750,7 @@ def gemma4_config(**overrides):
                      "moe_intermediate_size": 32, **overrides}
     shape = ({"attention_k_eq_v": True, "num_global_key_value_heads": 1,
               "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}
-             if k_eq_v else {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+             if k_eq_v else {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
                              "use_double_wide_mlp": True})
     rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                "rope_theta": 1e6},

@@ -21,6 +21,7 @@ one convention for all of them; the per-family HF names live in the architecture
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +110,9 @@ class Experts:
     down: tuple[Weight, ...]  # [hidden, inter] each
     gate_up_bias: torch.Tensor | None = None  # fp32 [E, 2 * inter]: gate | up halves
     down_bias: torch.Tensor | None = None  # fp32 [E, hidden]
-    gate: ClampedSwiglu | None = None
+    # on gate|up [n, 2 * inter] -> [n, inter]: None (SwiGLU), gpt-oss's clamped SwiGLU, or
+    # another function of the halves (Gemma 4: layers.geglu), which runs in torch
+    gate: ClampedSwiglu | Callable[[torch.Tensor], torch.Tensor] | None = None
     # int64 [E, 3, 5]: what fused.moe_experts takes, or None when some expert has no C path
     c_table: torch.Tensor | None = field(init=False, repr=False)
 
@@ -138,8 +141,11 @@ class Experts:
 def _c_table(experts: Experts) -> torch.Tensor | None:
     """Each expert's gate|up (one or two parts) and down as the C products take them; None
     unless every expert has C kernels and the experts share their types and shapes (the
-    biases and clamped SwiGLU, gpt-oss's, are options of the C call)."""
+    biases and clamped SwiGLU, gpt-oss's, are options of the C call; another gate, Gemma 4's
+    GeGLU, is not)."""
     if not fused.ENABLED or not experts.down:
+        return None
+    if experts.gate is not None and not isinstance(experts.gate, ClampedSwiglu):
         return None
     rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
     if None in rows:
