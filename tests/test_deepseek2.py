@@ -10,16 +10,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import test_families_2025
 import torch
 from safetensors.torch import load_file, save_file
+from test_gpt_oss import _prefill_then_decode  # scattered, out-of-order blocks
 from test_models import reference_logits, runner_for, step
 
-from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import fused
 from kvlab.models import attention
 from kvlab.models.kv_store import LatentKV
 from kvlab.models.loader import LoadOptions, load_model
-from kvlab.request import SamplingParams
 from kvlab.scheduler import ScheduledSeq
 from kvlab.weights.checkpoint import open_checkpoint
 
@@ -41,7 +41,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _gguf(out) -> str:
-    path = out / "llama_cpp.gguf"
+    path = out / "model.gguf"  # where the shared engine test reads it
     if not path.exists():
         reason = convert_with_llama_cpp(out / "hf", path)
         if reason:
@@ -62,15 +62,7 @@ def test_prefill_then_paged_decode_matches_transformers(tiny, fmt):
     hf, out = tiny
     runner = runner_for(_path(out, fmt))
     assert all(isinstance(c, LatentKV) for c in runner.kv_caches)
-    ids = _ids(14, 1)
-    ref = reference_logits(hf, ids)
-    table = [9, 3, 17, 0]  # scattered, out-of-order blocks: paging must not matter
-    logits = step(runner, ScheduledSeq("a", 0, ids[:6], table, True, 6))
-    errors = [(logits[0] - ref[5]).abs().max()]
-    for pos in range(6, len(ids)):
-        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
-        errors.append((logits[0] - ref[pos]).abs().max())
-    assert float(max(errors)) <= TOL
+    assert _prefill_then_decode(runner, hf, _ids(14, 1), 6) <= TOL
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -114,20 +106,11 @@ def test_kv_bytes_per_token_are_the_latents(tiny):
 
 
 def test_engine_greedy_equals_transformers(tiny):
-    """Through the engine (scheduler, pool sized by the latent's bytes, sampler): greedy
-    tokens equal the argmax of transformers' logits."""
+    """Through the engine (scheduler, pool sized by the latent's bytes, sampler), on the
+    converted GGUF (its vocabulary): greedy tokens equal the argmax of transformers' logits."""
     hf, out = tiny
-    prompt = _ids(7, 10)
-    engine = Engine.from_model(_gguf(out), EngineConfig(block_size=4))  # its vocabulary
-    engine.add_request("a", prompt, SamplingParams(max_tokens=8, temperature=0,
-                                                   ignore_eos=True))
-    tokens = []
-    while engine.has_unfinished():
-        tokens += [t for o in engine.step() for t in o.new_token_ids]
-    ids = list(prompt)
-    for _ in range(8):
-        ids.append(int(reference_logits(hf, ids)[-1].argmax()))
-    assert ids[len(prompt):] == tokens
+    _gguf(out)
+    test_families_2025.test_engine_greedy_equals_transformers_generate(("deepseek2", hf, out))
 
 
 def test_llama_quantize_q8_0_gguf_matches_transformers(tiny, tmp_path):
@@ -157,16 +140,7 @@ def test_torch_attention_path_matches_transformers(tiny, monkeypatch):
     if fused.ENABLED:
         assert runner.kv_caches[0].c_stores() is not None
     monkeypatch.setattr(attention, "_c_stores", lambda *a: None)
-    ids = _ids(11, 4)
-    ref = reference_logits(hf, ids)
-    runner = runner_for(out / "hf")
-    table = [2, 7, 1]
-    logits = step(runner, ScheduledSeq("a", 0, ids[:7], table, True, 7))
-    errors = [(logits[0] - ref[6]).abs().max()]
-    for pos in range(7, len(ids)):
-        logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
-        errors.append((logits[0] - ref[pos]).abs().max())
-    assert float(max(errors)) <= TOL
+    assert _prefill_then_decode(runner_for(out / "hf"), hf, _ids(11, 4), 7) <= TOL
 
 
 def test_mtp_layer_is_not_run_but_stays_readable(tiny, tmp_path):

@@ -36,7 +36,7 @@ import torch
 from kvlab.config import MlaConfig, ModelConfig, MoeConfig, RopeConfig, Yarn, yarn_mscale
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import QuantizedWeight, dequantize
-from kvlab.models import llama, moe
+from kvlab.models import glm4moe, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import ScaledRope, Weight, apply_rope, linear, rms_norm, rope_inv_freq
 from kvlab.models.sharding import SINGLE, TensorParallel
@@ -75,23 +75,19 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _hf_moe(cfg: dict[str, Any]) -> MoeConfig | None:
-    experts = cfg.get("n_routed_experts")
-    if not experts:
+    """DeepSeek-V3's sigmoid routing (GLM-4.5's keys), or V2's softmax over all experts
+    (topk_method greedy: no groups, no renormalisation unless norm_topk_prob)."""
+    if not cfg.get("n_routed_experts"):
         return None
     v2 = cfg.get("model_type") == "deepseek_v2"  # softmax routing; V3 and later: sigmoid
-    sigmoid = cfg.get("scoring_func", "softmax" if v2 else "sigmoid") == "sigmoid"
-    groups = int(cfg.get("n_group") or 1)
-    if not sigmoid and cfg.get("topk_method") != "greedy" and groups > 1:
-        raise ModelLoadError(f"DeepSeek-V2 topk_method {cfg.get('topk_method')!r} with "
-                             f"n_group {groups} is not supported (valid: greedy, noaux_tc)")
-    inter = int(cfg["moe_intermediate_size"])
-    return MoeConfig(
-        num_experts=int(experts), experts_per_token=int(cfg["num_experts_per_tok"]),
-        expert_intermediate_size=inter, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
-        scoring="sigmoid" if sigmoid else "softmax", groups=groups if sigmoid else 1,
-        top_groups=int(cfg.get("topk_group") or 1) if sigmoid else 1,
-        routed_scale=float(cfg.get("routed_scaling_factor", 1.0)))
+    if cfg.get("scoring_func", "softmax" if v2 else "sigmoid") == "sigmoid":
+        return glm4moe.hf_sigmoid_moe(cfg)
+    if cfg.get("topk_method", "greedy") != "greedy":
+        raise ModelLoadError(f"DeepSeek-V2 topk_method {cfg.get('topk_method')!r} is not "
+                             "supported (valid: greedy, or noaux_tc with sigmoid scoring)")
+    return dataclasses.replace(glm4moe.hf_sigmoid_moe({**cfg, "n_group": 1}), scoring="softmax",
+                               groups=1, top_groups=1,
+                               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:

@@ -62,11 +62,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     params = cfg.get("rope_parameters") or {}
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
     return dataclasses.replace(config, qk_norm=bool(cfg.get("use_qk_norm", False)),
-                               moe=_hf_moe(cfg), rope=dataclasses.replace(config.rope,
+                               moe=hf_sigmoid_moe(cfg), rope=dataclasses.replace(config.rope,
                                                                           partial=partial))
 
 
-def _hf_moe(cfg: dict[str, Any]) -> MoeConfig:
+def hf_sigmoid_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """The sigmoid-routed experts of an HF config (GLM-4.5's and DeepSeek-V3's keys)."""
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     groups = int(cfg.get("n_group") or 1)
     if not experts or experts % groups:
