@@ -3,6 +3,7 @@ engine's snapshot and stats, each request's slot, and the pool record the page d
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from kvlab.engine import Engine, EngineConfig
@@ -12,6 +13,7 @@ from kvlab.server.viz.events import LiveRequests, UserState, pool_record, pool_v
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
+from fake_engine import run_on_app
 from tiny_models import build, build_hybrid, byte_tokenizer_metadata
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -77,3 +79,17 @@ def test_model_without_recurrent_layers_has_no_state_record(tmp_path) -> None:
     assert engine.snapshot().state_bytes_per_seq == 0
     stats, views = pool_views(engine, [])
     assert pool_record(stats, LiveRequests(), views)["states"] is None
+
+
+def test_viz_api_gives_the_state_rows(hybrid: Engine) -> None:
+    """The page reads the slots' size from /viz/api/options and their owners from the pool
+    record, which /viz/api/pool serves as the run's stream does."""
+    async def body(client: httpx.AsyncClient, app: object) -> None:
+        options = (await client.get("/viz/api/options")).json()
+        assert options["state_slots"] == hybrid.snapshot().num_state_slots
+        assert options["state_bytes_per_seq"] == hybrid.loaded.config.state_bytes_per_seq()
+        states = (await client.get("/viz/api/pool")).json()["states"]
+        assert states["slots_total"] == options["state_slots"]
+        assert states["slots_used"] == 0
+
+    run_on_app(hybrid, body)

@@ -146,6 +146,7 @@ async def options(request: Request) -> dict[str, Any]:
         "model": engine.model_name, "max_model_len": engine.max_model_len,
         "block_size": served.block_size, "kv_dtype": served.kv_dtype,
         "kv_bytes_per_token": served.kv_bytes_per_token,
+        "state_slots": served.num_state_slots, "state_bytes_per_seq": served.state_bytes_per_seq,
         "prefix_caching": served.enable_prefix_caching,
         "max_num_batched_tokens": served.max_num_batched_tokens,
         "max_users": min(MAX_USERS, engine.capacity),

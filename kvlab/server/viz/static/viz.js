@@ -468,6 +468,37 @@ function renderPool() {
     if (own.some((o) => o.reused)) { g.fillStyle = "#fff"; g.fillRect(x + 4, y + 4, 5, 5); }
   }
   renderLegend(shown, p.blocks_total);
+  renderStates(p.states);
+}
+
+// A hybrid model's recurrent layers keep one fixed-size state per sequence, not KV blocks:
+// one row (slot) per running sequence, plus rows of states saved for the prefix cache.
+function renderStates(st) {
+  $("states-panel").hidden = !st;
+  if (!st) return;
+  const per = S.options && S.options.state_bytes_per_seq;
+  $("states-summary").textContent = `${int(st.slots_used)} of ${int(st.slots_total)} slots ` +
+    `owned` + (per ? ` · ${mib(per)} of fp32 state each, whatever the length` : "") +
+    ` · prefix-cache snapshot rows ${int(st.snapshot_rows_used)} of ` +
+    `${int(st.snapshot_rows_total)} used (${int(st.snapshots_saved)} saved states)`;
+  const box = $("state-slots");
+  box.replaceChildren();
+  st.slots.forEach((owner, i) => {
+    const el = document.createElement("span");
+    el.className = "slot" + (owner ? "" : " free");
+    el.textContent = i;
+    if (!owner) {
+      el.title = `slot ${i}: free`;
+    } else if (owner.run_id === null || owner.run_id === undefined) {
+      el.style.background = OTHER;
+      el.title = `slot ${i}: a request from another client`;
+    } else {
+      const mine = S.run && owner.run_id === S.run.id;
+      el.style.background = mine ? COLORS[owner.user % COLORS.length] : OTHER;
+      el.title = `slot ${i}: user ${owner.user + 1}` + (mine ? "" : " of another tab / run");
+    }
+    box.append(el);
+  });
 }
 
 function renderLegend(shown, total) {
