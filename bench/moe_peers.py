@@ -127,22 +127,23 @@ def ensure_f16(workdir: Path, vocab_file: Path, s: OlmoeShape) -> Path:
     return path
 
 
-def moe_step_bytes(model: Path, context: int) -> float:
+def moe_step_bytes(model: Path, context: int, arch: str = "olmoe") -> float:
     """Bytes a batch-1 decode step reads with the weights as stored: every tensor but the
     embedding (one row) and the routed experts (experts_used of expert_count), plus an f16
-    KV cache of `context` tokens."""
+    KV cache of `context` tokens; `arch` is the GGUF's architecture (its keys' prefix)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(model))
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("olmoe.")}
-    share = meta["olmoe.expert_used_count"] / meta["olmoe.expert_count"]
+    meta = {k[len(arch) + 1:]: f.contents() for k, f in reader.fields.items()
+            if k.startswith(f"{arch}.")}
+    share = meta["expert_used_count"] / meta["expert_count"]
     total = 0.0
     for t in reader.tensors:
         n = int(t.n_bytes)
         total += n * share if "_exps" in t.name else (n / t.shape[-1]
                                                        if t.name == "token_embd.weight" else n)
-    kv = meta["olmoe.block_count"] * meta["olmoe.attention.head_count_kv"] * 2 * \
-        meta["olmoe.attention.key_length"] * 2
+    kv = meta["block_count"] * meta["attention.head_count_kv"] * 2 * \
+        meta["attention.key_length"] * 2
     return total + kv * context
 
 
