@@ -10,6 +10,7 @@ import pytest
 
 from kvlab.cost import LayerSpec, ModelSpec
 from kvlab.estimate import HardwareSpec, Workload, estimate
+from kvlab.estimate.report import format_estimate
 from kvlab.estimate.roofline import _DecodeSteps
 from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
 from kvlab.models.loader import read_config
@@ -100,3 +101,12 @@ def test_gguf_spec_matches_the_loaded_config(hybrids: dict[str, Path], arch: str
     assert spec.kv_bytes_per_token(4) == config.kv_bytes_per_token(4)
     recurrent = [lyr for lyr in spec.layers if lyr.state_bytes]
     assert all(lyr.kv_elements == 0 and lyr.attn_flop_per_key == 0 for lyr in recurrent)
+
+
+def test_report_names_the_states() -> None:
+    e = estimate(_hybrid(), HardwareSpec.custom(1000, 1000, memory_gib=4),
+                 Workload(prompt_tokens=1000, output_tokens=24, concurrency=2))
+    text = format_estimate(e)
+    assert "fp32 state per sequence in 3 recurrent layers" in text
+    assert "state read and written" in text
+    assert "+ states 48.00 MiB" in text  # 2 sequences x 3 layers x 8 MiB

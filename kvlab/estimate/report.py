@@ -57,6 +57,10 @@ def _header(e: Estimate) -> list[str]:
 def _kv_per_token(e: Estimate) -> str:
     """KV per token; with sliding layers, split into what grows and what the windows fix."""
     full, fixed = e.model.kv_split(e.workload.kv_bytes_per_element)
+    if e.state_bytes_per_seq:  # a hybrid: KV in the attention layers, a state in the others
+        return (f"KV {_kib(full)}/token {e.workload.kv_dtype} in the attention layers + "
+                f"{_binary(e.state_bytes_per_seq)} fp32 state per sequence in "
+                f"{e.model.recurrent_layers} recurrent layers")
     if not fixed:
         return f"KV {_kib(e.kv_bytes_per_token)}/token {e.workload.kv_dtype}"
     return (f"KV {_kib(full)}/token {e.workload.kv_dtype} in full-attention layers + "
@@ -76,7 +80,9 @@ def _decode_lines(e: Estimate) -> list[str]:
     tlo, thi = e.total_seconds_range
     return [
         (f"decode    reads {_dec(e.decode_weight_bytes, 'B')} of weights + "
-         f"{_dec(e.decode_kv_read_bytes, 'B')} of KV per sequence a step ({e.decode_bound}-bound)"),
+         f"{_dec(e.decode_kv_read_bytes, 'B')} of KV per sequence a step"
+         + (f" + its {_dec(e.state_bytes_per_seq, 'B')} state read and written"
+            if e.state_bytes_per_seq else "") + f" ({e.decode_bound}-bound)"),
         (f"          ceiling {e.decode_tok_s_ceiling:,.1f} tok/s per stream (weights alone: "
          f"{e.weights_only_tok_s:,.1f}); realistic {lo:,.1f}-{hi:,.1f} tok/s "
          f"({e.workload.efficiency[0]:.0%}-{e.workload.efficiency[1]:.0%})"),
@@ -87,7 +93,8 @@ def _decode_lines(e: Estimate) -> list[str]:
 def _memory_lines(e: Estimate) -> list[str]:
     wl = e.workload
     kv = (f"KV {_binary(e.kv_bytes)} for {wl.context_tokens:,} tokens x {wl.concurrency} "
-          f"sequence{'s' if wl.concurrency > 1 else ''}")
+          f"sequence{'s' if wl.concurrency > 1 else ''}"
+          + (f" + states {_binary(e.state_bytes)}" if e.state_bytes else ""))
     if e.memory_usable is None:
         return [f"memory    {kv}; memory size unknown, fit not checked", ""]
     verdict = "fits" if e.fits else "DOES NOT FIT"
