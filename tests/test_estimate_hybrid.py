@@ -1,5 +1,6 @@
-"""The estimator on hybrid models: recurrent layers keep a fixed-size state per sequence
-(in memory whatever the context, read and written once per decode step) and no KV."""
+"""The estimator on caches that are not per-head K/V: a hybrid's recurrent layers keep a
+fixed-size state per sequence (in memory whatever the context, read and written once per
+decode step) and no KV; latent attention caches one latent per token and layer."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
 from kvlab.models.loader import read_config
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import build_hybrid, convert_with_llama_cpp
+from tiny_models import build_deepseek, build_hybrid, convert_with_llama_cpp
 
 STATE = 8 << 20  # bytes per sequence per recurrent layer
 KV = 2 * 8 * 128  # K+V values per token of the attention layer
@@ -110,3 +111,17 @@ def test_report_names_the_states() -> None:
     assert "fp32 state per sequence in 3 recurrent layers" in text
     assert "state read and written" in text
     assert "+ states 48.00 MiB" in text  # 2 sequences x 3 layers x 8 MiB
+
+
+def test_latent_attention_caches_the_latent(tmp_path: Path) -> None:
+    """DeepSeek-style MLA: kv_lora_rank + the rotary key part per token and layer, as the
+    loaded config counts it, from the HF config and from llama.cpp's GGUF metadata."""
+    build_deepseek(tmp_path)
+    _, config = read_config(open_checkpoint(str(tmp_path / "hf")))
+    assert config.mla is not None
+    expected = config.kv_bytes_per_token(2)
+    assert spec_from_hf_config(tmp_path / "hf", bits=32).kv_bytes_per_token(2) == expected
+    reason = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "model.gguf")
+    if reason:
+        pytest.skip(reason)
+    assert spec_from_gguf(tmp_path / "model.gguf").kv_bytes_per_token(2) == expected

@@ -150,8 +150,13 @@ def _attention_shapes(meta: Any, n_layers: int, hidden: int
     key_dim = int(meta("attention.key_length", hidden // first_heads))
     value_dim = int(meta("attention.value_length", key_dim))
     width = key_dim + value_dim
+    # latent attention caches one latent and its rotary key part per token, whatever the
+    # heads (V is read from the latent)
+    latent = int(meta("attention.kv_lora_rank", 0)) and (
+        int(meta("attention.kv_lora_rank")) + int(meta("rope.dimension_count", 0)))
     # a layer without KV heads (the recurrent layers of a hybrid) does no attention
-    return [(kv * width, 2 * h * width if kv else 0, h, kv) for h, kv in zip(heads, kv_heads)]
+    return [(latent or kv * width, 2 * h * width if kv else 0, h, kv)
+            for h, kv in zip(heads, kv_heads)]
 
 
 def _gguf_windows(arch: str, meta: Any, n_layers: int) -> list[int | None]:
@@ -260,6 +265,9 @@ def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpe
                            attn_flop_per_key=0, kv_heads=0, state_bytes=4 * state)
                    if r else _arch_layer(arch, w, bytes_per_param)
                    for w, r in zip(arch.windows, recurrent))
+    if cfg.get("kv_lora_rank"):  # latent attention: the latent and its rotary key part
+        latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        layers = tuple(replace(lyr, kv_elements=latent) for lyr in layers)
     table = arch.vocab * arch.hidden
     n_params = arch.total_params()
     name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or ["?"])[0])
