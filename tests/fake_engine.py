@@ -40,6 +40,9 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return chr(token_id).encode()
 
+    def is_special(self, token_id: int) -> bool:
+        return False  # one token per character: no control tokens
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **variables: object) -> str:
         return "".join(m["content"] for m in messages)

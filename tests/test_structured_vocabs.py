@@ -18,7 +18,7 @@ from test_tool_formats_e2e import tiny_gguf
 
 from kvlab.llm import LLM
 from kvlab.request import SamplingParams, Structure
-from kvlab.structured import StructuredOutputs
+from kvlab.structured import StructuredOutputs, Template
 from kvlab.tokenizer.from_gguf import load_gguf_tokenizer
 from kvlab.weights.gguf_file import GGUFFile
 
@@ -37,6 +37,27 @@ def _vocab(name: str) -> Path:
     return path
 
 
+def random_walk(outputs: StructuredOutputs, template: Template, vocab_size: int,
+                rng: random.Random, limit: int = 200) -> list[int]:
+    """One output the structure allows: its forced tokens, and a random allowed token where
+    it leaves a choice, until it is complete."""
+    seq, ids = "walk", []
+    outputs.start(seq, template)
+    while not outputs.finished(seq) and len(ids) < limit:
+        forced = outputs.forced(seq, 64)
+        ids += forced
+        if forced or outputs.finished(seq):
+            continue
+        row = outputs.bitmask([seq], [False])[0].numpy().view(np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(row, bitorder="little")[:vocab_size])
+        token = int(rng.choice(allowed))
+        assert outputs.accept(seq, token)
+        ids.append(token)
+    assert outputs.finished(seq), "the structure did not complete"
+    outputs.release(seq)
+    return ids
+
+
 @pytest.mark.parametrize("name", VOCABS)
 def test_forced_text_is_a_continuation(name: str) -> None:
     """Random walks through the schema's allowed tokens end in a complete valid object."""
@@ -44,21 +65,8 @@ def test_forced_text_is_a_continuation(name: str) -> None:
     outputs = StructuredOutputs(tokenizer, tokenizer.vocab_size)
     template = outputs.compiler.compile(Structure("json_schema", json.dumps(SCHEMA)))
     rng = random.Random(0)
-    for walk in range(3):
-        seq, ids = f"s{walk}", []
-        outputs.start(seq, template)
-        while not outputs.finished(seq) and len(ids) < 200:
-            forced = outputs.forced(seq, 64)
-            ids += forced
-            if forced or outputs.finished(seq):
-                continue
-            row = outputs.bitmask([seq], [False])[0].numpy().view(np.uint8)
-            allowed = np.flatnonzero(np.unpackbits(row, bitorder="little")[:tokenizer.vocab_size])
-            token = int(rng.choice(allowed))
-            assert outputs.accept(seq, token)
-            ids.append(token)
-        outputs.release(seq)
-        assert outputs.finished(seq) is False and ids
+    for _ in range(3):
+        ids = random_walk(outputs, template, tokenizer.vocab_size, rng)
         text = tokenizer.decode(ids, skip_special_tokens=False)
         jsonschema.validate(json.loads(text), SCHEMA)
         assert text.startswith('{"city": "'), text

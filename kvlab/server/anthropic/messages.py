@@ -54,7 +54,8 @@ def prompt_of(serving: Serving, conv: Conversation,
               max_tokens: int | None) -> tuple[list[int], ToolPlan | None]:
     """(prompt ids, tool plan) of a conversation."""
     choice, parallel = openai_tool_choice(conv)
-    plan = tool_plan(openai_tools(conv), choice, parallel, serving.tool_form)
+    plan = tool_plan(openai_tools(conv), choice, parallel, serving.tool_form,
+                     serving.special_tokens)
     think = serving.thinking_vars(thinking_switch(conv, max_tokens), "thinking")
     return serving.chat_prompt(template_messages(conv), plan, **think), plan
 

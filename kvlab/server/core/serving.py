@@ -60,6 +60,8 @@ class Serving:
         markers = FORMATS[self.tool_form].tokens + (self.reasoning.markers if self.reasoning
                                                     else ())
         self.shown_special_ids = marker_token_ids(self.tokenizer, tuple(dict.fromkeys(markers)))
+        # text -> id of every special token: tool grammars write such markers as the token
+        self.special_tokens = special_tokens(self.tokenizer)
         self.reasoning_budget = reasoning_budget
 
     def check_model(self, model: str | None) -> str:
@@ -254,3 +256,14 @@ def marker_token_ids(tokenizer: Any, markers: tuple[str, ...]) -> tuple[int, ...
         if len(found) == 1 and tokenizer.is_special(found[0]):
             ids.append(found[0])
     return tuple(ids)
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Each special token's text -> its id (the first id, where two share a text)."""
+    found: dict[str, int] = {}
+    for i in range(tokenizer.vocab_size):
+        if tokenizer.is_special(i):
+            text = tokenizer.token_bytes(i).decode("utf-8", errors="replace")
+            if text:
+                found.setdefault(text, i)
+    return found

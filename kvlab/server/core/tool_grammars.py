@@ -15,15 +15,17 @@ say the tools' arguments (a parameter-by-parameter format needs each parameter l
     Gemma 4                 <|"|>-quoted strings and bare keys, from the schema
     LFM2                    Python keyword arguments: strings in single quotes, others JSON
 
-Markers are text literals, which a grammar cannot tie to a vocabulary: where one is a
-special token, the model spells it in text pieces instead, and the decoded text reads the
-same.
+Builders write markers as text literals; `with_special_tokens` then writes each marker the
+vocabulary holds as one special token as that token (`<[id]>`), since llguidance never
+matches a special token by its text and a real model emits the token, not the text's pieces.
+A marker inside a `[suffix=...]` (the text a free string runs to) stays text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvlab.structured.compiler import closed_schema
@@ -144,6 +146,34 @@ def text_value(r: Rules, schema: Any, end: str) -> str:
     if is_text(schema):
         return r.text_until(end)
     return f"{r.json(schema)} {lit(end)}"
+
+
+_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')  # a Lark string literal, as `lit` writes it
+_RULE_HEAD = re.compile(r'\w+(\[suffix=' + _LITERAL.pattern + r'\])?: ')  # `r3[suffix="x"]: `
+
+
+def with_special_tokens(grammar: str, specials: Mapping[str, int]) -> str:
+    """The grammar with each special token's text, in its rules' literals, written as the
+    token: `"<tool_call>\\n"` -> `(<[151657]> "\\n")`. `%json` bodies and rule attributes
+    are left as they are."""
+    if not specials:
+        return grammar
+    split = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
+                       + ")")
+
+    def tokens(m: re.Match[str]) -> str:
+        pieces = split.split(json.loads(m.group()))
+        if len(pieces) == 1:  # no special token's text in it
+            return m.group()
+        return "(" + " ".join(f"<[{specials[p]}]>" if p in specials else lit(p)
+                              for p in pieces if p) + ")"
+    lines = []
+    for line in grammar.split("\n"):
+        head = _RULE_HEAD.match(line)
+        if head and not line[head.end():].startswith("%json"):
+            line = head.group() + _LITERAL.sub(tokens, line[head.end():])
+        lines.append(line)
+    return "\n".join(lines)
 
 
 # ---- the families --------------------------------------------------------------------------

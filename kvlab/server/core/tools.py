@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from kvlab.request import Structure
 from kvlab.server.core.errors import ApiError
 from kvlab.server.core.tool_formats import FORMATS, CallFormat, Found, json_prefix
+from kvlab.server.core.tool_grammars import with_special_tokens
 from kvlab.structured.compiler import closed_schema
 
 GENERIC_PROMPT = (
@@ -59,6 +61,8 @@ class ToolPlan:
     mode: str  # auto | required (named: required with one tool)
     parallel: bool = True
     form: str = "other"  # the template's tool-call format (tool_formats.FORMATS)
+    # the vocabulary's special tokens (text -> id): markers grammars write as the token
+    specials: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def names(self) -> set[str]:
@@ -83,8 +87,9 @@ class ToolPlan:
         if self.mode != "required":
             return None
         most = len(self.tools) if self.parallel else 1
-        return FORMATS[self.form].required_grammar(
+        grammar = FORMATS[self.form].required_grammar(
             [(t.name, t.parameters) for t in self.tools], most)
+        return None if grammar is None else with_special_tokens(grammar, self.specials)
 
     def call_id(self, name: str, index: int, written: str | None = None) -> str:
         """A call's id as the template takes it back (in required mode too)."""
@@ -144,10 +149,11 @@ def _json_or_text(schema: dict[str, Any], opener: str) -> Structure:
                                 f"TEXT: /\\s*[^\\{opener}\\s](.|\\n)*/\n")
 
 
-def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None,
-              form: str = "other") -> ToolPlan | None:
+def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None, form: str = "other",
+              specials: Mapping[str, int] | None = None) -> ToolPlan | None:
     """The plan for a request's tools; None when no tool may be called. `form`: the served
-    template's tool-call format (`Serving.tool_form`), which replies are read in."""
+    template's tool-call format (`Serving.tool_form`), which replies are read in;
+    `specials`: the vocabulary's special tokens (`Serving.special_tokens`)."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice names a tool call, but the request has no tools",
@@ -163,8 +169,9 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None,
             raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
                                 f"tools ({', '.join(t.name for t in parsed)})",
                            param="tool_choice")
-        return ToolPlan(chosen, "required", parallel=False, form=form)
-    return ToolPlan(parsed, mode, parallel=parallel is not False, form=form)
+        return ToolPlan(chosen, "required", parallel=False, form=form, specials=specials or {})
+    return ToolPlan(parsed, mode, parallel=parallel is not False, form=form,
+                    specials=specials or {})
 
 
 def _list_of(tools: Any) -> list[Any]:
