@@ -14,7 +14,7 @@ from kvlab.estimate import HardwareSpec, Workload, estimate
 from kvlab.estimate.report import format_estimate
 from kvlab.estimate.roofline import _DecodeSteps
 from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
-from kvlab.models.loader import read_config
+from kvlab.models.loader import LoadOptions, load_model, read_config
 from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build_deepseek, build_hybrid, convert_with_llama_cpp
@@ -125,3 +125,13 @@ def test_latent_attention_caches_the_latent(tmp_path: Path) -> None:
     if reason:
         pytest.skip(reason)
     assert spec_from_gguf(tmp_path / "model.gguf").kv_bytes_per_token(2) == expected
+
+
+def test_loaded_model_spec_counts_the_states(hybrids: dict[str, Path]) -> None:
+    """The engine's own spec of a loaded hybrid (what `kvlab estimate` on a served model and
+    the visualiser predict from): states in its recurrent layers, KV in the others."""
+    loaded = load_model(open_checkpoint(str(hybrids["qwen3_5"] / "hf")), LoadOptions())
+    spec = loaded.model_spec()
+    assert spec.state_bytes_per_seq() == loaded.config.state_bytes_per_seq() > 0
+    assert spec.kv_bytes_per_token(4) == loaded.config.kv_bytes_per_token(4)
+    assert all(lyr.attn_flop_per_key == 0 for lyr in spec.layers if lyr.state_bytes)

@@ -149,7 +149,9 @@ class LoadedModel:
             dense_params=sum(math.prod(t.shape) for t in matmul if not t.routed),
             kv_elements=(0 if c.is_recurrent(layer) else c.mla.latent_width if c.mla
                          else 2 * c.num_kv_heads * c.head_dim),
-            attn_flop_per_key=4 * c.num_heads * c.head_dim,
+            attn_flop_per_key=0 if c.is_recurrent(layer) else 4 * c.num_heads * c.head_dim,
+            state_bytes=(4 * c.recurrent.state_elements
+                         if c.recurrent and c.is_recurrent(layer) else 0),
             window=c.sliding_window if c.is_sliding(layer) else None,
             expert_bytes=sum(size(t) for t in tensors if t.routed),
             expert_params=sum(math.prod(t.shape) for t in matmul if t.routed),
