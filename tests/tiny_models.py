@@ -736,9 +736,10 @@ def build_deepseek(out_dir: Path, seed: int = 0, v2: bool = False, **overrides):
 # ---- Gemma 4: per-layer inputs, KV sharing, full layers of their own shape ------------------
 
 def gemma4_config(**overrides):
-    """Six layers (sliding, sliding, full, twice; window 4), full layers 32 wide against the
+    """Six layers (sliding and full by turns; window 4), full layers 32 wide against the
     sliding ones' 16, proportional RoPE on a quarter of them; the last two layers read the
-    K/V of layers 3 and 2 and have double-wide MLPs; 16-wide per-layer inputs; logits capped
+    K/V of layers 2 and 3 (llama.cpp takes the last two unshared layers to be sliding then
+    full) and have double-wide MLPs; 16-wide per-layer inputs; logits capped
     at 3. `k_eq_v=True` gives the large models' form instead: no per-layer inputs, no
     sharing, full layers with one KV head and keys for values; `moe=True` adds to that
     four routed experts (two per token) beside each dense MLP, as 26B-A4B has."""
@@ -758,7 +759,7 @@ def gemma4_config(**overrides):
     return tf.Gemma4TextConfig(**{
         **_COMMON, "tie_word_embeddings": True, "num_hidden_layers": 6, "head_dim": 16,
         "global_head_dim": 32, "sliding_window": 4, "vocab_size_per_layer_input": 96,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
         "final_logit_softcapping": 3.0, "rope_parameters": rope, "pad_token_id": 0,
         "bos_token_id": 2, "eos_token_id": 1, **shape, **overrides})
 
