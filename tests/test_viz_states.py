@@ -7,9 +7,11 @@ import httpx
 import pytest
 
 from kvlab.engine import Engine, EngineConfig
+from kvlab.estimate.specs import architecture_from_config
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.server.viz.events import LiveRequests, UserState, pool_record, pool_views
+from kvlab.server.viz.predict import SERVED, model_for
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
@@ -93,3 +95,12 @@ def test_viz_api_gives_the_state_rows(hybrid: Engine) -> None:
         assert states["slots_used"] == 0
 
     run_on_app(hybrid, body)
+
+
+def test_what_if_quantization_keeps_the_states(hybrid: Engine) -> None:
+    """The served hybrid at another quantization: other weight bytes, the same caches."""
+    served = hybrid.snapshot()
+    what_if = model_for(SERVED, "q4_k_m", served.spec, architecture_from_config(served.model))
+    assert what_if.weight_bytes < served.spec.weight_bytes
+    assert what_if.state_bytes_per_seq() == served.state_bytes_per_seq > 0
+    assert what_if.kv_bytes_per_token(4) == served.spec.kv_bytes_per_token(4)

@@ -250,6 +250,19 @@ def spec_from_architecture(arch: Architecture, bits: float, name: str) -> ModelS
         intermediate=arch.intermediate, tied=arch.tied, name=name)
 
 
+def with_caches_of(spec: ModelSpec, model: ModelSpec) -> ModelSpec:
+    """`spec`'s weights with `model`'s caches layer by layer (KV width, window, attention
+    FLOP, recurrent state): the same model at another quantization keeps a hybrid's states
+    and a latent instead of per-head K/V. Needs the same layer count."""
+    if spec.n_layers != model.n_layers:
+        raise KvlabError(f"{spec.name} has {spec.n_layers} layers and {model.name} "
+                         f"{model.n_layers}: their caches do not line up")
+    layers = tuple(replace(lyr, kv_elements=m.kv_elements, attn_flop_per_key=m.attn_flop_per_key,
+                           window=m.window, kv_heads=m.kv_heads, state_bytes=m.state_bytes)
+                   for lyr, m in zip(spec.layers, model.layers))
+    return replace(spec, layers=layers)
+
+
 def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpec:
     p = Path(path).expanduser()
     cfg_path = p / "config.json" if p.is_dir() else p

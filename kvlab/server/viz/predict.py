@@ -22,7 +22,12 @@ from kvlab.estimate import HardwareSpec, ModelSpec, Workload, estimate, known_pa
 from kvlab.estimate.hardware import GB, GIB, TERA
 from kvlab.estimate.kernel_steps import unsupported_reason
 from kvlab.estimate.serving_replay import RequestSpec, predict_serving
-from kvlab.estimate.specs import Architecture, dense_architecture, spec_from_architecture
+from kvlab.estimate.specs import (
+    Architecture,
+    dense_architecture,
+    spec_from_architecture,
+    with_caches_of,
+)
 from kvlab.models.kv_store import KV_DTYPES
 from kvlab.probe import load_probe
 from kvlab.probe.machine import measure_bandwidth, measure_matmul
@@ -109,7 +114,8 @@ def model_for(key: str, quant: str, served: ModelSpec, served_arch: Architecture
     if key == SERVED:
         if quant == "file":
             return served
-        return spec_from_architecture(served_arch, QUANT_BITS[quant], f"{served.name} at {quant}")
+        return with_caches_of(spec_from_architecture(served_arch, QUANT_BITS[quant],
+                                                     f"{served.name} at {quant}"), served)
     if key not in PRESETS:
         raise KvlabError(f"unknown model {key!r}; valid: {SERVED}, {', '.join(PRESETS)}")
     if quant == "file":
