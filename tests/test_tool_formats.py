@@ -28,7 +28,7 @@ from kvlab.server.core.app import create_app
 from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.core.guard import ServerLimits
 from kvlab.server.core.reasoning import reasoning_format, split_reasoning
-from kvlab.server.core.serving import marker_token_ids
+from kvlab.server.core.serving import special_markers
 from kvlab.server.core.tool_formats import FORMATS, detect_format
 from kvlab.server.core.tools import ToolPlan, ToolStream, parse_reply, tool_plan
 from kvlab.structured.compiler import GrammarCompiler
@@ -478,7 +478,7 @@ def test_marker_tokens_are_written_into_the_text_they_are_read_from() -> None:
     the served format's markers are kept in the generated text (here Gemma's turn markers
     stand in for them)."""
     tok = default_tokenizer()
-    shown = marker_token_ids(tok, ("<start_of_turn>", "<end_of_turn>", "not one token"))
+    shown = list(special_markers(tok, ("<start_of_turn>", "<end_of_turn>", "not one token")).values())
     assert [tok.decode([i], skip_special_tokens=False) for i in shown] \
         == ["<start_of_turn>", "<end_of_turn>"]
     ids = tok.encode("<start_of_turn>model\nHi<end_of_turn><eos>", add_special_tokens=False)

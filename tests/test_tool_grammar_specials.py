@@ -18,7 +18,8 @@ import pytest
 from test_structured_vocabs import random_walk
 
 from kvlab.request import Structure
-from kvlab.server.core.serving import special_tokens
+from kvlab.server.core.serving import special_markers
+from kvlab.server.core.tool_formats import FORMATS
 from kvlab.server.core.tool_grammars import with_special_tokens
 from kvlab.server.core.tools import parse_reply, tool_plan
 from kvlab.structured import StructuredOutputs
@@ -58,7 +59,7 @@ def test_markers_become_tokens_and_the_rest_stays_text() -> None:
 
 
 def test_a_required_call_takes_the_marker_tokens(tokenizer) -> None:
-    specials = special_tokens(tokenizer)
+    specials = special_markers(tokenizer, FORMATS["qwen"].tokens)
     begin, end = specials["<tool_call>"], specials["</tool_call>"]
     plan = tool_plan([WEATHER], "required", None, "qwen", specials)
     structure = plan.structure("qwen")

@@ -55,7 +55,7 @@ def prompt_of(serving: Serving, conv: Conversation,
     """(prompt ids, tool plan) of a conversation."""
     choice, parallel = openai_tool_choice(conv)
     plan = tool_plan(openai_tools(conv), choice, parallel, serving.tool_form,
-                     serving.special_tokens)
+                     serving.marker_tokens)
     think = serving.thinking_vars(thinking_switch(conv, max_tokens), "thinking")
     return serving.chat_prompt(template_messages(conv), plan, **think), plan
 

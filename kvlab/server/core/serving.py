@@ -59,9 +59,11 @@ class Serving:
         # the tool-call and reasoning markers decoding would hide stay in the text, to be read
         markers = FORMATS[self.tool_form].tokens + (self.reasoning.markers if self.reasoning
                                                     else ())
-        self.shown_special_ids = marker_token_ids(self.tokenizer, tuple(dict.fromkeys(markers)))
-        # text -> id of every special token: tool grammars write such markers as the token
-        self.special_tokens = special_tokens(self.tokenizer)
+        self.shown_special_ids = tuple(
+            special_markers(self.tokenizer, tuple(dict.fromkeys(markers))).values())
+        # the tool-call markers held as one special token each: the tool grammars write them
+        # as that token (which decoding shows, as above), as a real model emits them
+        self.marker_tokens = special_markers(self.tokenizer, FORMATS[self.tool_form].tokens)
         self.reasoning_budget = reasoning_budget
 
     def check_model(self, model: str | None) -> str:
@@ -247,23 +249,12 @@ class Serving:
         return max(1, self.engine.max_model_len - len(ids))
 
 
-def marker_token_ids(tokenizer: Any, markers: tuple[str, ...]) -> tuple[int, ...]:
-    """The ids of the markers that the vocabulary holds as one special token each (decoding
-    leaves those out of the text unless told to write them)."""
-    ids = []
+def special_markers(tokenizer: Any, markers: tuple[str, ...]) -> dict[str, int]:
+    """marker -> id of the markers that the vocabulary holds as one special token each
+    (decoding leaves those out of the text unless told to write them)."""
+    found = {}
     for marker in markers:
-        found = tokenizer.encode(marker, add_special_tokens=False)
-        if len(found) == 1 and tokenizer.is_special(found[0]):
-            ids.append(found[0])
-    return tuple(ids)
-
-
-def special_tokens(tokenizer: Any) -> dict[str, int]:
-    """Each special token's text -> its id (the first id, where two share a text)."""
-    found: dict[str, int] = {}
-    for i in range(tokenizer.vocab_size):
-        if tokenizer.is_special(i):
-            text = tokenizer.token_bytes(i).decode("utf-8", errors="replace")
-            if text:
-                found.setdefault(text, i)
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.is_special(ids[0]):
+            found[marker] = ids[0]
     return found

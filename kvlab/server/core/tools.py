@@ -153,7 +153,7 @@ def tool_plan(tools: Any, tool_choice: Any, parallel: bool | None, form: str = "
               specials: Mapping[str, int] | None = None) -> ToolPlan | None:
     """The plan for a request's tools; None when no tool may be called. `form`: the served
     template's tool-call format (`Serving.tool_form`), which replies are read in;
-    `specials`: the vocabulary's special tokens (`Serving.special_tokens`)."""
+    `specials`: the format's markers held as special tokens (`Serving.marker_tokens`)."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise ApiError(400, "tool_choice names a tool call, but the request has no tools",

@@ -95,7 +95,7 @@ class Call(EngineCall):
         if not req.messages:
             return cls(serving, "chat", model, req.stream, None, started)
         plan = tool_plan(req.tools, None, None, serving.tool_form,
-                         serving.special_tokens) if req.tools else None
+                         serving.marker_tokens) if req.tools else None
         structure = _structure(req.format, plan, serving.tool_form)
         messages = [m.as_template_dict(i) for i, m in enumerate(req.messages)]
         ids = serving.chat_prompt(messages, plan, **serving.thinking_vars(think, "think"))

@@ -100,7 +100,7 @@ class Call(EngineCall):
         model = serving.check_model(req.model)
         check_common(req)
         plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
-                         serving.tool_form, serving.special_tokens)
+                         serving.tool_form, serving.marker_tokens)
         structure = chat_structure(req, plan, serving.tool_form)
         ids = serving.chat_prompt([m.as_template_dict() for m in req.messages], plan,
                                   prefill=_prefill(req), **_template_vars(serving, req))

@@ -115,7 +115,7 @@ class ResponseCall(EngineCall):
         own = items_of(req.input)
         specs, strict = tool_specs(req.tools)
         plan = tool_plan(specs, tool_choice_of(req.tool_choice), req.parallel_tool_calls,
-                         serving.tool_form, serving.special_tokens)
+                         serving.tool_form, serving.marker_tokens)
         structure = serving.prepared(_structure(req, plan, serving.tool_form, strict))
         prompt = Prompt(serving, req, [*prior, *own], len(prior), plan)
         ids, start = prompt.fitted() if req.truncation == "auto" else (prompt.ids(0), 0)
