@@ -48,8 +48,11 @@ FAMILIES = [
     ("llama", "meta-llama-Llama-3.1-8B-Instruct", "llama-bpe"),
     ("functionary_v3_1", "meetkai-functionary-medium-v3.1", "llama-bpe"),
     ("functionary", "meetkai-functionary-medium-v3.2", "llama-bpe"),
-    # Mistral Nemo's own vocabulary (Tekken) is byte-level BPE, as Qwen2's is
+    # Mistral Nemo's own vocabulary (Tekken) is byte-level BPE, as Qwen2's is; Mistral 7B's
+    # is SentencePiece (Llama's), where a grammar's forced text must not take a space prefix
     ("mistral", "mistralai-Mistral-Nemo-Instruct-2407", "qwen2"),
+    pytest.param("mistral", "mistralai-Mistral-Nemo-Instruct-2407", "llama-spm",
+                 id="mistral-spm"),
     ("deepseek_r1", "llama-cpp-deepseek-r1", "deepseek-llm"),
     ("deepseek_v3_2", "deepseek-ai-DeepSeek-V3.2", "deepseek-llm"),
     ("gemma4", "google-gemma-4-31B-it", "gemma-4"),
@@ -179,7 +182,8 @@ def check_call(name: str, arguments: str) -> None:
 
 
 @pytest.mark.parametrize("form, template, vocab", FAMILIES,
-                         ids=[(f.values if hasattr(f, "values") else f)[0] for f in FAMILIES])
+                         ids=[getattr(f, "id", None) or (f.values if hasattr(f, "values") else f)[0]
+                              for f in FAMILIES])
 def test_a_required_call_in_the_familys_format(form, template, vocab, folder, models,
                                                tmp_path) -> None:
     with start_server(tmp_path / "serve.log", "--model", str(models(vocab)),
