@@ -79,3 +79,18 @@ def test_a_tiny_sentencepiece_model_writes_the_whole_object(tmp_path: Path) -> N
     out = llm.generate(["The weather as JSON:"], params)[0]
     assert out.finish_reason.value == "stop", out.text
     jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama-spm"])
+def test_a_special_tokens_text_is_forced_as_text(name: str) -> None:
+    """A schema's constant holding a special token's text is written in text pieces, never
+    as the special token (which no grammar string allows)."""
+    tokenizer = load_gguf_tokenizer(GGUFFile(_vocab(name)).metadata)
+    marker = tokenizer.decode([tokenizer.eos_ids[0]], skip_special_tokens=False)
+    schema = {"type": "object", "required": ["end"],
+              "properties": {"end": {"const": f"a{marker}b"}}}
+    outputs = StructuredOutputs(tokenizer, tokenizer.vocab_size)
+    template = outputs.compiler.compile(Structure("json_schema", json.dumps(schema)))
+    ids = random_walk(outputs, template, tokenizer.vocab_size, random.Random(0))
+    assert not any(tokenizer.is_special(i) for i in ids)
+    assert json.loads(tokenizer.decode(ids, skip_special_tokens=False)) == {"end": f"a{marker}b"}

@@ -7,7 +7,8 @@ containing `<eos>`. Ids beyond the tokenizer's (padded embedding rows) are empty
 llguidance tokenizes the text a grammar forces through `_Vocab.__call__`, and that text
 continues a reply: a SentencePiece vocabulary's space prefix (`▁` put before a prompt's first
 word) must not be added to it, or the forced tokens spell ` {"` where the grammar wants `{"`,
-the matcher refuses them and the reply ends there.
+the matcher refuses them and the reply ends there; nor may a special token's text in it
+(a schema's `"const": "<|im_end|>"`) become that token, which the grammar never allows.
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ class _Vocab:
         data = text if isinstance(text, bytes) else text.encode("utf-8", errors="surrogateescape")
         ids = self._tokenizer.encode(data.decode("utf-8", errors="surrogateescape"),
                                      add_special_tokens=False)
-        if not self._tokenizer.strip_leading_space or not ids:
-            return ids
-        head = self._tokenizer.token_bytes(ids[0])
-        if head.startswith(b" "):  # the prefix: the first token without its leading space
-            ids = self._greedy(head[1:]) + ids[1:]
-        spelled = b"".join(self._tokenizer.token_bytes(i) for i in ids)
+        head = self._tokenizer.token_bytes(ids[0]) if ids else b""
+        if self._tokenizer.strip_leading_space and head.startswith(b" "):
+            ids = self._greedy(head[1:]) + ids[1:]  # the first token without its prefix
+        # a special token's text is text here (its token's bytes carry the 0xFF mark)
+        spelled = b"".join(self.tokens[i] for i in ids)
         return ids if spelled == data else self._greedy(data)
 
     def _greedy(self, data: bytes) -> list[int]:
