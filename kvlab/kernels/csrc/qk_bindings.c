@@ -183,8 +183,8 @@ static PyObject *py_to_x8(PyObject *self, PyObject *const *args, Py_ssize_t narg
     else if (qtype == KV_Q3_K) kv_to_q3_kx8(src, rows, cols, dst);
     else if (qtype == KV_IQ4_XS) kv_to_iq4_xsx8(src, rows, cols, dst);
     else if (qtype == KV_IQ4_NL) kv_to_iq4_nlx8(src, rows, cols, dst);
-    else if (qtype == KV_Q5_0) kv_to_q5_0x8(src, rows, cols, dst);
     else if (qtype == KV_MXFP4) kv_to_mxfp4x8(src, rows, cols, dst);
+    else if (qtype == KV_Q5_0) kv_to_q5_0x8(src, rows, cols, dst);
     else kv_to_q8_0x8((int)qtype, src, rows, cols, src_row_bytes, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -636,8 +636,6 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyMethodDef methods[] = {
-    {"qmatmul", (PyCFunction)(void (*)(void))py_qmatmul, METH_FASTCALL,
 /* set_grid(qtype, values, bytes): the lattice grid of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS or
  * IQ3_S (uint8, row after row), as gguf holds it (kvlab/kernels/grids.py) */
 static PyObject *py_set_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -653,9 +651,11 @@ static PyObject *py_set_grid(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-     "qmatmul(qtype, w, rows, cols, row_bytes, x, n, y)"},
+static PyMethodDef methods[] = {
     {"set_grid", (PyCFunction)(void (*)(void))py_set_grid, METH_FASTCALL,
      "set_grid(qtype, values, bytes)"},
+    {"qmatmul", (PyCFunction)(void (*)(void))py_qmatmul, METH_FASTCALL,
+     "qmatmul(qtype, w, rows, cols, row_bytes, x, n, y)"},
     {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
      "dequantize(qtype, w, rows, cols, row_bytes, out, parallel)"},
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL,
