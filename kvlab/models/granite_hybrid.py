@@ -186,11 +186,8 @@ class GraniteHybridModel(HybridModel):
     def mlp(self, h: torch.Tensor, layer: dict[str, Any],
             trace: list[torch.Tensor] | None) -> torch.Tensor:
         """The routed experts (where the layer has a router) plus the shared SwiGLU MLP."""
-        shared = super().mlp(h, layer, trace)
-        if "router" not in layer:
-            return shared
-        assert self.config.moe is not None
-        return moe.moe_mlp(h, layer, self.config.moe, trace) + shared
+        shared = self.swiglu_mlp(h, layer)
+        return shared if "router" not in layer else super().mlp(h, layer, trace) + shared
 
 
 def check_mamba2_layers(config: ModelConfig, layers: list[dict[str, Any]],

@@ -23,6 +23,7 @@ import torch
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
+from kvlab.models import moe
 from kvlab.models.attention import AttentionMetadata, KVStore
 from kvlab.models.layers import Weight, embed, linear, rms_norm, rope_cos_sin, swiglu
 from kvlab.models.sharding import SINGLE, TensorParallel
@@ -92,7 +93,14 @@ class HybridModel:
 
     def mlp(self, h: torch.Tensor, layer: dict[str, Any],
             trace: list[torch.Tensor] | None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]: SwiGLU."""
+        """[T, hidden] -> [T, hidden]: the routed experts where the layer has a router (the
+        MoE variants after their dense layers), else SwiGLU."""
+        if "router" not in layer:
+            return self.swiglu_mlp(h, layer)
+        assert self.config.moe is not None
+        return moe.moe_mlp(h, layer, self.config.moe, trace)
+
+    def swiglu_mlp(self, h: torch.Tensor, layer: dict[str, Any]) -> torch.Tensor:
         return linear(swiglu(linear(h, layer["gate_up"], transient=True)), layer["down"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -173,14 +173,6 @@ class Lfm2Model(HybridModel):
             if "router" in layer and "router_bias" not in layer:
                 layer["router_bias"] = torch.zeros(layer["router"].shape[0])
 
-    def mlp(self, h: torch.Tensor, layer: dict[str, Any],
-            trace: list[torch.Tensor] | None) -> torch.Tensor:
-        """SwiGLU, or (LFM2-MoE after its dense layers) the routed experts."""
-        if "router" not in layer:
-            return super().mlp(h, layer, trace)
-        assert self.config.moe is not None
-        return moe.moe_mlp(h, layer, self.config.moe, trace)
-
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:
         """C * conv(B * x), each sequence from its own conv state."""

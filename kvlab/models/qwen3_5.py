@@ -168,13 +168,6 @@ class Qwen35Model(HybridModel):
         self.inv_freq = rope_inv_freq(RopeConfig(theta=config.rope.theta), rotary).to(
             weights["norm"].device)
 
-    def mlp(self, h: torch.Tensor, layer: dict[str, Any],
-            trace: list[torch.Tensor] | None) -> torch.Tensor:
-        if "router" not in layer:
-            return super().mlp(h, layer, trace)
-        assert self.config.moe is not None
-        return moe.moe_mlp(h, layer, self.config.moe, trace)
-
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:
         """One Gated DeltaNet layer (module docstring)."""
