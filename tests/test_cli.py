@@ -66,19 +66,19 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_quant_type(tmp_path):
     import gguf
 
-    path = tmp_path / "iq2xxs.gguf"
+    path = tmp_path / "iq1s.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in [("block_count", 1), ("embedding_length", 256), ("context_length", 64),
                        ("feed_forward_length", 512), ("attention.head_count", 4)]:
         w.add_uint32(f"llama.{key}", value)
     w.add_uint32("llama.vocab_size", 8)
-    iq2 = gguf.GGMLQuantizationType.IQ2_XXS  # 256 weights in 66 bytes
-    w.add_tensor("token_embd.weight", np.zeros((8, 66), dtype=np.uint8), raw_dtype=iq2)
+    iq1 = gguf.GGMLQuantizationType.IQ1_S  # 256 weights in 50 bytes
+    w.add_tensor("token_embd.weight", np.zeros((8, 50), dtype=np.uint8), raw_dtype=iq1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_user_error(kvlab("info", str(path)), "IQ2_XXS is not supported", "Q4_K")
+    assert_user_error(kvlab("info", str(path)), "IQ1_S is not supported", "Q4_K")
 
 
 def test_invalid_sampling_values(tiny_gguf):

@@ -39,10 +39,6 @@ from tiny_models import FAMILIES_2025, build, convert_with_llama_cpp, multimodal
 __all__ = ["test_batch_of_unequal_prompts_matches_each_alone",
            "test_both_loaders_give_the_same_logits", "test_chunked_prefill_equals_one_pass",
            "test_prefill_then_paged_decode_matches_transformers"]
-C_PLAN = {"smollm3": True, "olmo2": True, "olmo3": True, "mistral3": True,
-          "glm4moe": False}
-
-
 @pytest.fixture(scope="module", params=FAMILIES_2025)
 def tiny(request, tmp_path_factory):
     """(family, its transformers model, a folder with hf/ and model.gguf)."""
@@ -67,7 +63,8 @@ def test_quantized_decode_in_the_c_layers_equals_the_per_op_path(tiny, monkeypat
     """Q8_0 weights: the one-call C decode layers (where the family has them: SmolLM3 with
     an identity rotation on its layers without RoPE, OLMo 2 without norms before attention
     and MLP, OLMo 3's sliding layers with their own RoPE, Ministral 3 below the
-    temperature's original context) give the per-op path's logits."""
+    temperature's original context, GLM-4.5's grouped sigmoid router and ungated shared expert)
+    give the per-op path's logits."""
     arch, hf, out = tiny
     ran: list[bool] = []
     real_run = decode_c.run
@@ -75,12 +72,12 @@ def test_quantized_decode_in_the_c_layers_equals_the_per_op_path(tiny, monkeypat
     logits = []
     for use_plan in (True, False):
         loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
-        assert (loaded.model.c_plan is not None) == C_PLAN[arch]
+        assert loaded.model.c_plan is not None
         if not use_plan:
             loaded.model.c_plan = None
         runner = ModelRunner(loaded.model, loaded.config, 32, 4)
         logits.append(torch.stack(_prefill_then_decode(runner, _ids(14, 3), 5)))
-    assert any(ran) == C_PLAN[arch]
+    assert any(ran)
     assert (logits[0] - logits[1]).abs().max() <= 1e-4
     ref = reference_logits(hf, _ids(14, 3))[4:]
     assert torch.nn.functional.cosine_similarity(logits[0], ref, dim=-1).min() > 0.99
