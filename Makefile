@@ -32,10 +32,11 @@ $(EMU512): $(STAMP) setup.py $(wildcard kvlab/kernels/csrc/*)
 
 emu512: $(EMU512)
 
-# llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf with .inp / .out) and its real
-# models' chat templates (models/templates/*.jinja), from the llama-cpp-python sdist on PyPI
-# that vendors llama.cpp; only those files are kept. The tests that read them skip, saying
-# so, when the download fails.
+# llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf with .inp / .out), its real
+# models' chat templates (models/templates/*.jinja) and its checkpoint converter
+# (convert_hf_to_gguf.py with its conversion/ and gguf-py/ packages), from the
+# llama-cpp-python sdist on PyPI that vendors llama.cpp; only those files are kept. The tests
+# that read them skip, saying so, when the download fails.
 LLAMA_SDIST := llama_cpp_python-0.3.36
 LLAMA_FILES := .cache/$(LLAMA_SDIST)
 $(LLAMA_FILES)/.done: | $(STAMP)
@@ -43,7 +44,8 @@ $(LLAMA_FILES)/.done: | $(STAMP)
 	($(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_FILES) \
 		llama-cpp-python==0.3.36 && \
 	 tar -xzf $(LLAMA_FILES)/$(LLAMA_SDIST).tar.gz -C $(LLAMA_FILES) --strip-components=3 \
-		$(LLAMA_SDIST)/vendor/llama.cpp/models && \
+		$(LLAMA_SDIST)/vendor/llama.cpp/models $(LLAMA_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(LLAMA_SDIST)/vendor/llama.cpp/conversion $(LLAMA_SDIST)/vendor/llama.cpp/gguf-py && \
 	 rm $(LLAMA_FILES)/$(LLAMA_SDIST).tar.gz && touch $@) || \
 	echo "WARNING: llama-cpp-python's sdist could not be fetched; llama.cpp's vocabulary and template tests will skip"
 
@@ -53,7 +55,8 @@ run: $(STAMP)
 	$(VENV)/bin/kvlab run "$(PROMPT)" --max-tokens 64
 
 test: $(STAMP) $(EMU512) $(LLAMA_FILES)/.done
-	KVLAB_LLAMA_VOCABS=$(CURDIR)/$(LLAMA_FILES)/models $(PY) -m pytest -q
+	KVLAB_LLAMA_VOCABS=$(CURDIR)/$(LLAMA_FILES)/models KVLAB_LLAMA_CONVERTER=$(CURDIR)/$(LLAMA_FILES) \
+		$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvlab tests

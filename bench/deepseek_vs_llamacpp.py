@@ -11,7 +11,7 @@ Every position's logits: kvlab runs a one-token prefill then one decode step per
 activations to 8 bits, which kvlab's products share only in part; llama.cpp keeps its KV
 cache in f16 (the 1e-4 of the F32 rows). The llama.cpp build and
 bindings are families_vs_llamacpp.py's (KVLAB_LLAMA_CPP_LIB, KVLAB_LLAMA_CPP_PY);
-llama-quantize is looked for in KVLAB_LLAMA_BIN (default /work/peers/build/bin).
+llama-quantize is looked for in KVLAB_LLAMA_BIN (default llama.cpp/build/bin).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build_deepseek, convert_with_llama_cpp
 
-QUANTIZE = Path(os.environ.get("KVLAB_LLAMA_BIN", "/work/peers/build/bin")) / "llama-quantize"
+QUANTIZE = Path(os.environ.get("KVLAB_LLAMA_BIN", "llama.cpp/build/bin")) / "llama-quantize"
 VARIANTS = {"v3": {}, "v3-yarn": {"rope_parameters": {
     "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
     "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0}},

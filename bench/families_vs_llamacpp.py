@@ -8,7 +8,7 @@ Columns: kvlab from the safetensors, kvlab from the converted GGUF and llama.cpp
 GGUF, each against transformers; then kvlab against llama.cpp on that GGUF. kvlab's rows come
 from a one-token prefill and then one decode step per token (the paged-cache path);
 llama.cpp's from one batch with logits for every position. Set KVLAB_LLAMA_CPP_LIB (default
-/work/peers/build/bin) and KVLAB_LLAMA_CPP_PY (llama-cpp-python's source and its pylib) to
+llama.cpp/build/bin) and KVLAB_LLAMA_CPP_PY (llama-cpp-python's source and its pylib) to
 point at another build.
 """
 
@@ -33,9 +33,9 @@ from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import FAMILIES_2025, build, convert_with_llama_cpp
 
-LIB = os.environ.get("KVLAB_LLAMA_CPP_LIB", "/work/peers/build/bin")
+LIB = os.environ.get("KVLAB_LLAMA_CPP_LIB", "llama.cpp/build/bin")
 PY = os.environ.get("KVLAB_LLAMA_CPP_PY",
-                    "/work/peers/llama_cpp_python-0.3.36:/work/peers/pylib")
+                    "llama-cpp-python")
 # llama.cpp's logits for every position of one batch, as JSON rows
 _LLAMA_CPP = """
 import json, sys

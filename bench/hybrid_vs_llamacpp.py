@@ -124,7 +124,7 @@ def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
             f"{tg:9.1f} {tg_l:9.1f} {tg / tg_l:6.2f}x")
 
 
-BIN = Path(os.environ.get("KVLAB_LLAMA_CPP_LIB", "/work/peers/build/bin"))
+BIN = Path(os.environ.get("KVLAB_LLAMA_CPP_LIB", "llama.cpp/build/bin"))
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from kvlab.weights.checkpoint import open_checkpoint
 from tiny_models import build_deepseek, convert_with_llama_cpp
 
 TOL = 1e-4
-# llama.cpp's built tools (llama-quantize); KVLAB_LLAMA_BIN names another folder
-LLAMA_BIN = Path(os.environ.get("KVLAB_LLAMA_BIN", "/work/peers/build/bin"))
+# llama.cpp's built tools (llama-quantize): the folder KVLAB_LLAMA_BIN names, if any
+LLAMA_BIN = Path(os.environ.get("KVLAB_LLAMA_BIN", "llama.cpp-tools-not-given"))
 VARIANTS = {"v3": {}, "v3_plain_q": {"q_lora_rank": None}, "v2": {"v2": True},
             "v3_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
                                             "factor": 4.0, "original_max_position_embeddings": 8,
@@ -120,7 +120,7 @@ def test_llama_quantize_q8_0_gguf_matches_transformers(tiny, tmp_path):
     hf, out = tiny
     tool = LLAMA_BIN / "llama-quantize"
     if not tool.exists():
-        pytest.skip(f"llama-quantize is not at {tool}")
+        pytest.skip(f"llama-quantize is not at {tool} (KVLAB_LLAMA_BIN names its folder)")
     if hf.config.q_lora_rank is None:  # its loader wants q_lora_rank but for Lite's depths
         pytest.skip("llama.cpp reads deepseek2 without q_lora_rank only at 26 or 27 layers")
     path = tmp_path / "q8_0.gguf"

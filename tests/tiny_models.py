@@ -395,9 +395,10 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe", "granitehybrid", "granitehybrid_moe",
                 "lfm2_moe")
-# llama.cpp's source tree (its convert_hf_to_gguf.py); KVLAB_LLAMA_CONVERTER names another
-LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER",
-                                "/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+# llama.cpp's converter (convert_hf_to_gguf.py with conversion/ and gguf-py/), which
+# `make test` unpacks from the llama-cpp-python sdist; KVLAB_LLAMA_CONVERTER names another tree
+LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER", Path(__file__).resolve().parent.parent
+                                / ".cache" / "llama_cpp_python-0.3.36"))
 
 
 def hybrid_config(arch: str, **overrides):
