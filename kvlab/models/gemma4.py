@@ -46,7 +46,7 @@ from kvlab.models.layers import (
 )
 from kvlab.models.moe import route, run_experts
 from kvlab.models.sharding import SINGLE, TensorParallel
-from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +177,8 @@ def _hf_moe(cfg: dict[str, Any]) -> MoeConfig | None:
 
 
 def config_from_multimodal_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """The text model of Gemma4ForConditionalGeneration; the vision and audio towers are not
-    loaded."""
-    text = cfg.get("text_config")
-    if not text:
-        raise ModelLoadError("Gemma4ForConditionalGeneration config lacks text_config")
-    log.warning("%s: loading the text model only; the vision and audio towers are not "
-                "loaded (image and audio inputs are not supported)",
-                cfg.get("_name_or_path") or "Gemma4ForConditionalGeneration")
-    return config_from_hf({"_name_or_path": cfg.get("_name_or_path", "gemma4"), **text})
+    """The text model of Gemma4ForConditionalGeneration."""
+    return config_from_hf(multimodal_text_config(cfg, "the vision and audio towers are"))
 
 
 def _per_layer(value: Any, layer_types: tuple[str, ...], full: bool) -> int:

@@ -9,9 +9,6 @@ KV cache), then runs its MLP, both pre-norm with a residual:
 A family file (lfm2.py, qwen3_5.py) subclasses HybridModel with its own `recurrent` and
 `attention`, and with its own `mlp` where it differs from SwiGLU. Granite's multipliers
 (ModelConfig.embedding_scale, residual_scale, logit_scale) apply here, 1 for the others.
-Their multimodal
-checkpoints (a vision tower beside the text model) load the text model alone
-(multimodal_text_config).
 """
 
 from __future__ import annotations
@@ -30,19 +27,6 @@ from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.state_store import LayerState, StateBatch
 
 log = logging.getLogger("kvlab.models")
-
-
-def multimodal_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The text model's HF config inside a multimodal checkpoint's (`text_config`), with the
-    wrapper's name and embedding tie; logs that the vision tower is not loaded."""
-    text = cfg.get("text_config")
-    name = cfg.get("_name_or_path") or (cfg.get("architectures") or ["multimodal model"])[0]
-    if not text:
-        raise ModelLoadError(f"{name}: a multimodal config without text_config")
-    log.warning("%s: loading the text model only; the vision tower is not loaded (image and "
-                "video inputs are not supported)", name)
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return {**text, "_name_or_path": name, "tie_word_embeddings": tied}
 
 
 class HybridModel:

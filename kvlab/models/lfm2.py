@@ -30,10 +30,10 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import short_conv
 from kvlab.models import moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel, multimodal_text_config
+from kvlab.models.hybrid import HybridModel
 from kvlab.models.layers import Weight, linear, norm_rope, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
-from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 from kvlab.models.state_store import LayerState, StateBatch
 
 GGUF_NAMES = NameTable(

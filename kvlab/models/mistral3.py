@@ -15,9 +15,8 @@ import logging
 from typing import Any
 
 from kvlab.config import ModelConfig
-from kvlab.errors import ModelLoadError
 from kvlab.models import llama, mistral
-from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 
 log = logging.getLogger("kvlab.models")
 
@@ -50,14 +49,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def config_from_multimodal_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """The text decoder of Mistral3ForConditionalGeneration; the vision tower is not loaded."""
-    text = cfg.get("text_config")
-    if not text:
-        raise ModelLoadError("Mistral3ForConditionalGeneration config lacks text_config")
-    log.warning("%s: loading the text decoder only; the vision tower and multimodal "
-                "projector are not loaded (image inputs are not supported)",
-                cfg.get("_name_or_path") or "Mistral3ForConditionalGeneration")
-    return config_from_hf({"_name_or_path": cfg.get("_name_or_path", "mistral3"), **text})
+    """The text decoder of Mistral3ForConditionalGeneration."""
+    return config_from_hf(multimodal_text_config(
+        cfg, "the vision tower and multimodal projector are"))
 
 
 SPEC = ArchSpec(

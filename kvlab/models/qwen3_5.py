@@ -38,10 +38,10 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import gated_delta_rule, gated_rms_norm, short_conv
 from kvlab.models import llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel, multimodal_text_config
+from kvlab.models.hybrid import HybridModel
 from kvlab.models.layers import Stacked, Weight, apply_rope, linear, rms_norm, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
-from kvlab.models.spec import ArchSpec, NameTable, gguf_get
+from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 from kvlab.models.state_store import LayerState, StateBatch
 
 _DELTA_GGUF = {"attn_qkv.weight": "delta_qkv", "attn_gate.weight": "delta_z",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ import torch
 
 from kvlab.config import LongRope, ModelConfig, RopeConfig, Yarn, yarn_mscale
 from kvlab.errors import ModelLoadError
+
+log = logging.getLogger("kvlab.models")
 
 _MISSING = object()
 
@@ -146,3 +149,19 @@ def gguf_rope(g: Callable[..., Any]) -> RopeConfig:
     return RopeConfig(theta=theta, yarn=Yarn(
         factor, int(g("rope.scaling.original_context_length")), attention,
         float(g("rope.scaling.yarn_beta_fast", 32.0)), float(g("rope.scaling.yarn_beta_slow", 1.0))))
+
+
+def multimodal_text_config(cfg: dict[str, Any],
+                           towers: str = "the vision tower is") -> dict[str, Any]:
+    """The text model's HF config inside a multimodal checkpoint's (`text_config`), with the
+    wrapper's name and embedding tie (the wrapper's, where it says); logs that `towers`
+    (what the checkpoint holds besides the text model) are not loaded."""
+    text = cfg.get("text_config")
+    name = cfg.get("_name_or_path") or (cfg.get("architectures") or ["multimodal model"])[0]
+    if not text:
+        raise ModelLoadError(f"{name}: a multimodal config without text_config")
+    log.warning("%s: loading the text model only; %s not loaded (only text inputs are "
+                "supported)", name, towers)
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "_name_or_path": name, "tie_word_embeddings": tied}
+
