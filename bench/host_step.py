@@ -1,0 +1,127 @@
+"""Host (Python) time of one decode step, on a model so small that its forward is trivial.
+
+A random 1-layer, hidden-64 Llama is built in process; `batch` sequences of `context`
+tokens are prefilled, then decode-only steps are timed around Engine.step(). What is left is
+the engine's own bookkeeping: scheduling, building the step's input tensors, sampling and
+emitting outputs. On a GPU this is the time that starves the device; on the CPU it is pure
+overhead. Where the engine records where a step's time goes (Engine.phase_seconds), the
+split is printed beside the total.
+
+    python bench/host_step.py                       # batches 1, 16, 64, 256
+    python bench/host_step.py --batches 64 -n 50 --profile    # and a cProfile of 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import transformers as tf
+from gpu_decode import numbered_tokenizer  # the sibling script's vocabulary, by path
+
+from kvlab.engine import Engine, EngineConfig
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.request import SamplingParams
+from kvlab.weights.checkpoint import TensorCheckpoint
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
+    ap.add_argument("-n", "--steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="rounds; the best is shown")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    ap.add_argument("--sampled", action="store_true",
+                    help="temperature 1, top-p 0.9, a seed and a repetition penalty "
+                         "instead of greedy")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the timed steps of the largest batch")
+    return ap.parse_args()
+
+
+def tiny_engine(args: argparse.Namespace, max_seqs: int) -> Engine:
+    cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    loaded = load_model(TensorCheckpoint(cfg.to_dict(), tensors),
+                        LoadOptions(dtype=torch.float32, device="cpu"))
+    config = EngineConfig(kv_cache_gib=0.25, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=max(2048, max_seqs),
+                          enable_prefix_caching=False, threads=args.threads)
+    return Engine(loaded, numbered_tokenizer(args.vocab), config, model_name="host-step")
+
+
+def params(args: argparse.Namespace, b: int, max_tokens: int) -> SamplingParams:
+    if not args.sampled:
+        return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, seed=b,
+                          repetition_penalty=1.1, ignore_eos=True)
+
+
+def decode_round(engine: Engine, args: argparse.Namespace, batch: int,
+                 profiler: cProfile.Profile | None = None) -> tuple[float, dict[str, float]]:
+    """Seconds per decode step over args.steps steps of `batch` sequences, and the
+    engine's phase split per step (empty where it records none)."""
+    warm = 3
+    for b in range(batch):
+        prompt = [100 + (b * 7 + i) % (args.vocab - 100) for i in range(args.context)]
+        engine.add_request(f"s{b}", prompt, params(args, b, warm + args.steps + 1))
+    started: set[str] = set()
+    while len(started) < batch:  # the prefills, chunked under the token budget
+        started.update(o.request_id for o in engine.step())
+    for _ in range(warm):
+        engine.step()
+    before = dict(getattr(engine, "phase_seconds", {}))
+    if profiler is not None:
+        profiler.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    seconds = (time.perf_counter() - start) / args.steps
+    if profiler is not None:
+        profiler.disable()
+    after = getattr(engine, "phase_seconds", {})
+    split = {k: (v - before.get(k, 0.0)) / args.steps for k, v in after.items()}
+    while engine.has_unfinished():
+        engine.step()
+    return seconds, split
+
+
+def main() -> None:
+    args = parse()
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
+    engine = tiny_engine(args, max(batches))
+    print(f"host time per decode step: 1 layer, hidden 64, vocab {args.vocab}, "
+          f"{args.context}-token prompts, {args.steps} steps, best of {args.reps}, "
+          f"{'sampled' if args.sampled else 'greedy'}, {args.threads} thread(s)")
+    header = f"{'batch':>6} {'ms/step':>9} {'us/seq':>8}"
+    rows = []
+    for batch in batches:
+        best, split = min((decode_round(engine, args, batch) for _ in range(args.reps)),
+                          key=lambda r: r[0])
+        rows.append((batch, best, split))
+    names = list(rows[-1][2])
+    print(header + "".join(f" {n[:9]:>9}" for n in names) + ("  (ms per step)" if names
+                                                               else ""))
+    for batch, seconds, split in rows:
+        print(f"{batch:>6} {seconds * 1e3:>9.3f} {seconds * 1e6 / batch:>8.1f}"
+              + "".join(f" {split.get(n, 0.0) * 1e3:>9.3f}" for n in names))
+    if args.profile:
+        profiler = cProfile.Profile()
+        decode_round(engine, args, batches[-1], profiler)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
