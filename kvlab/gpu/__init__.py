@@ -1,0 +1,1 @@
+"""Triton kernels for CUDA devices: optional, imported only where triton is present."""

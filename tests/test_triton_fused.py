@@ -1,0 +1,175 @@
+"""The Triton kernels of kvlab.gpu against kvlab's torch reference ops, on the CPU under
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): each fused
+kernel on small random inputs (fp32 tight, bf16 within its rounding), paged decode
+attention over a scattered block table with sequences of different lengths, and a tiny
+Llama's and Gemma 3's decode step through the Triton plan against the per-op path."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: its kernels are CUDA-only")
+
+from kvlab.gpu import attention as gpu_attention
+from kvlab.gpu import fused as gpu_fused
+from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
+from kvlab.models.kv_store import FloatKV
+from kvlab.models.layers import (
+    add_rms_norm,
+    apply_rope,
+    geglu,
+    norm_rope,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
+
+# the interpreter's numpy exp overflows to inf in sigmoid(-large) = 0, as the GPU's does
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+       torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("post", [False, True])
+def test_residual_norm(dtype, post):
+    torch.manual_seed(0)
+    x = torch.randn(3, 96)  # the residual stream stays fp32
+    h = torch.randn(3, 96).to(dtype)
+    w_post, w = torch.rand(96) + 0.5, torch.rand(96) + 0.5
+    want_x = add_rms_norm(x.clone(), h, w_post, 1e-6) if post else x + h.float()
+    want = rms_norm(want_x, w, 1e-6).to(dtype)
+    got_x = x.clone()
+    got = gpu_fused.residual_norm(got_x, h, w_post if post else None, w, 1e-6, dtype)
+    _close(got_x, want_x, dtype)
+    _close(got, want, dtype)
+    assert got.dtype == dtype
+
+
+def test_rms_norm_alone_and_last_residual():
+    torch.manual_seed(1)
+    x, w = torch.randn(2, 80), torch.rand(80) + 0.5
+    _close(gpu_fused.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), torch.float32)
+    h, before = torch.randn(2, 80), x.clone()
+    assert gpu_fused.residual_norm(x, h, None, None, 1e-5) is None  # the add alone
+    _close(x, before + h, torch.float32)
+
+
+def _qkv(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_write(dtype, qk_norm):
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 3, 4, 2, 16
+    qkv = _qkv(tokens, heads, kv_heads, dim, dtype)
+    positions = torch.tensor([5, 0, 17])
+    inv = 1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim))
+    inv[-2:] = 0  # partial rotary: the last pairs pass unchanged
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(positions, inv))
+    q_norm, k_norm = ((torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if qk_norm
+                      else (None, None))
+    slots = torch.tensor([7, 2, 11])
+    k_cache, v_cache = torch.zeros(2, 16, kv_heads, dim, dtype=dtype)
+    q = gpu_fused.qkv_rope_write(qkv, heads, kv_heads, dim, q_norm, k_norm, cos, sin, 1e-6,
+                                 slots, k_cache, v_cache)
+    rq, rk, rv = qkv.float().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    want_q = norm_rope(rq.reshape(tokens, heads, dim).to(dtype), q_norm, cos, sin, 1e-6)
+    want_k = norm_rope(rk.reshape(tokens, kv_heads, dim).to(dtype), k_norm, cos, sin, 1e-6)
+    _close(q, want_q, dtype)
+    _close(k_cache[slots], want_k, dtype)
+    _close(v_cache[slots], rv.reshape(tokens, kv_heads, dim), dtype)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_qkv_rope_without_write_matches_apply_rope():
+    torch.manual_seed(3)
+    qkv = _qkv(2, 2, 1, 8, torch.float32)
+    cos, sin = rope_cos_sin(torch.tensor([3, 9]), 1.0 / (1e4 ** (torch.arange(0, 8, 2) / 8)))
+    q = gpu_fused.qkv_rope_write(qkv, 2, 1, 8, None, None, cos, sin, 1e-6, None, None, None)
+    _close(q, apply_rope(qkv[:, :16].reshape(2, 2, 8), cos, sin), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_activations(dtype):
+    torch.manual_seed(4)
+    y = (torch.randn(3, 2 * 1100) * 3).to(dtype)  # two column blocks per row
+    _close(gpu_fused.gated(y, "silu"), swiglu(y.float()).to(dtype), dtype)
+    _close(gpu_fused.gated(y, "gelu_tanh"), geglu(y.float()).to(dtype), dtype)
+    with pytest.raises(ValueError, match="valid: silu, gelu_tanh"):
+        gpu_fused.gated(y, "relu")
+
+
+BLOCK = 4
+# three sequences of different lengths over blocks scattered through a pool of 16
+TABLES = [[9, 2, 14, 5, 0], [3, 11], [7, 12, 1, 15, 6, 10]]
+LENGTHS = [19, 6, 23]
+
+
+def _pool(dtype: torch.dtype, kv_heads: int, dim: int) -> FloatKV:
+    cache = FloatKV(17 * BLOCK, kv_heads, dim, dtype, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape))
+    cache.v.copy_(torch.randn(cache.v.shape))
+    return cache
+
+
+def _spans() -> list[SeqSpan]:
+    spans = []
+    for table, n in zip(TABLES, LENGTHS):
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+        spans.append(SeqSpan(n - 1, 1, slots))
+    return spans
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap,sinks,splits", [
+    (None, None, False, 1), (None, None, False, 3), (5, None, False, 1),
+    (None, 2.0, True, 1), (7, 3.0, True, 2)])
+def test_paged_decode_attention(dtype, window, softcap, sinks, splits):
+    """Over the block table (page = block size) against kvlab's paged_attention."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, scale = 6, 2, 16, 0.3
+    cache = _pool(dtype, kv_heads, dim)
+    q = torch.randn(len(TABLES), heads, dim).to(dtype)
+    sink = torch.randn(heads) if sinks else None
+    meta = build_metadata(_spans(), window, torch.device("cpu"))
+    want = paged_attention(q, None, None, cache, meta, sliding=window is not None,
+                           scale=scale, softcap=softcap, sinks=sink)
+    table = torch.tensor([t + [0] * (6 - len(t)) for t in TABLES])
+    got = gpu_attention.paged_decode_attention(
+        q, cache.k, cache.v, table, scale, lengths=torch.tensor(LENGTHS), page=BLOCK,
+        window=window or 0, softcap=softcap or 0.0, sinks=sink, splits=splits)
+    _close(got.reshape(len(TABLES), -1), want, dtype)
+
+
+def test_paged_decode_attention_masked_slot_table():
+    """The decode graph's form: a slot per key (page 1) and a mask of the visible keys,
+    padding keys pointing at the row's first slot."""
+    torch.manual_seed(6)
+    cache = _pool(torch.float32, 2, 16)
+    q = torch.randn(len(TABLES), 4, 16)
+    spans = _spans()
+    width, window = 32, 6
+    slots = torch.stack([torch.cat([s.slots, s.slots[:1].expand(width - s.end)])
+                         for s in spans])
+    keys, seen = torch.arange(width)[None], torch.tensor(LENGTHS)[:, None]
+    mask = (keys < seen) & (keys >= seen - window)
+    got = gpu_attention.paged_decode_attention(q, cache.k, cache.v, slots, 0.25, mask=mask,
+                                               splits=2)
+    meta = build_metadata(spans, window, torch.device("cpu"))
+    want = paged_attention(q, None, None, cache, meta, sliding=True, scale=0.25)
+    _close(got.reshape(len(TABLES), -1), want, torch.float32)
