@@ -1,0 +1,179 @@
+"""A target and draft pair for speculative decoding with a draft model: a random-weight target
+shaped like Llama-3.2-1B with the real Llama 3 vocabulary, and a layer-skip draft (the
+target's own first layers, final norm and tied head), as two GGUF files.
+
+    .venv/bin/python bench/draft_pair.py [--out /tmp/kvlab-draft-pair] [--type Q8_0]
+        [--draft-layers 2] [--scale 0.05] [--vocab FILE] [--check-prompts 3] [--check-tokens 48]
+
+Writes OUT/target.gguf (16 layers, hidden 2048, 32/8 heads of 64, FFN 8192, tied output,
+llama3 rope: bench/quant_peers.py's Llama-3.2-1B shape and N(0, 0.02) weights) and
+OUT/draft.gguf (its first --draft-layers layers, same tensors bit for bit), with the tokenizer
+copied from llama.cpp's ggml-vocab-llama-bpe.gguf and, where llama.cpp's templates folder
+beside it has one, Llama 3.2's chat template. Matrices are stored as --type (F16, Q8_0 or
+Q4_K; kvlab's own quantizer), so both engines read the same bytes.
+
+A random target's later layers would swamp what its first layers computed, and an early exit
+would almost never guess its greedy token. So the target is made to agree with its truncated
+self: the residual contributions of the layers past the draft's (their attn_output and
+ffn_down) are multiplied by --scale; the target still runs all 16 layers at full cost, but
+its prediction stays close to the draft's. The smaller --scale, the more often they agree.
+
+The check at the end is honest about it: on spec_decode.py's first input-grounded prompts,
+the target's greedy continuation, teacher-forced through both models, gives the share of
+positions where the draft's greedy token is the target's (the acceptance a draft of one token
+would see), and how many distinct tokens the continuation holds (a random model that repeats
+itself makes agreement trivial). Files that exist are kept; delete OUT to rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from quant_peers import (  # the sibling script's Llama-3.2-1B shape, by path
+    LlamaShape,
+    _copy_tokenizer,
+    _llama_metadata,
+    llama_tensors,
+    tensor_values,
+)
+from spec_decode import grounded
+
+from kvlab.engine import EngineConfig
+from kvlab.kernels.ops import quantize
+from kvlab.llm import LLM
+from kvlab.request import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = REPO / ".cache/llama_cpp_python-0.3.36/models/ggml-vocab-llama-bpe.gguf"
+TEMPLATE = "templates/meta-llama-Llama-3.2-3B-Instruct.jinja"  # beside the vocabulary
+TYPES = {"F16": GGMLQuantizationType.F16, "Q8_0": GGMLQuantizationType.Q8_0,
+         "Q4_K": GGMLQuantizationType.Q4_K}
+SCALED = (".attn_output.weight", ".ffn_down.weight")  # a layer's writes to the residual
+
+
+def pair_paths(folder: Path) -> tuple[Path, Path]:
+    """(target, draft) in a folder this script wrote; a clear error where they are not."""
+    target, draft = folder / "target.gguf", folder / "draft.gguf"
+    for path in (target, draft):
+        if not path.is_file():
+            raise SystemExit(f"no {path.name} in {folder}: write the pair with "
+                             f".venv/bin/python bench/draft_pair.py --out {folder}")
+    return target, draft
+
+
+@dataclasses.dataclass(frozen=True)
+class PairSpec:
+    shape: LlamaShape
+    qtype: GGMLQuantizationType
+    draft_layers: int
+    scale: float  # on the residual writes of layers >= draft_layers
+
+
+def stored(name: str, shape: tuple[int, ...], seed: int, spec: PairSpec) -> np.ndarray:
+    """A tensor's bytes as the file keeps them: 1-D in f32, matrices at spec.qtype."""
+    values = tensor_values(name, shape, spec.shape, seed)
+    if len(shape) == 1:
+        return values
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if layer >= spec.draft_layers and name.endswith(SCALED):
+        values = (values.astype(np.float32) * spec.scale).astype(np.float16)
+    if spec.qtype == GGMLQuantizationType.F16:
+        return values
+    weight = quantize(torch.from_numpy(values.astype(np.float32)), spec.qtype)
+    return weight.data.numpy()
+
+
+def write_model(path: Path, layers: int, spec: PairSpec, vocab: Path) -> None:
+    """The target's first `layers` layers (all of them for the target), norm and head; each
+    tensor drawn from the seed the full target gives it, so the draft's are the target's."""
+    seeds = {name: seed for seed, (name, _) in enumerate(llama_tensors(spec.shape))}
+    shape = dataclasses.replace(spec.shape, layers=layers)
+    part = path.with_suffix(".part")
+    w = GGUFWriter(str(part), "llama")
+    _llama_metadata(w, shape)
+    _copy_tokenizer(w, vocab, shape.vocab)
+    template = vocab.parent / TEMPLATE
+    if template.is_file():
+        w.add_string("tokenizer.chat_template", template.read_text())
+    tensors = [(name, dims, stored(name, dims, seeds[name], spec))
+               for name, dims in llama_tensors(shape)]
+    for name, dims, data in tensors:
+        raw = None if len(dims) == 1 or spec.qtype == GGMLQuantizationType.F16 else spec.qtype
+        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, _, data in tensors:
+        w.write_tensor_data(data)
+    w.close()
+    part.rename(path)
+
+
+def ensure(path: Path, layers: int, spec: PairSpec, vocab: Path) -> None:
+    if path.exists():
+        print(f"# have {path}")
+        return
+    start = time.perf_counter()
+    print(f"# writing {path} ({layers} layers, {spec.qtype.name})", flush=True)
+    write_model(path, layers, spec, vocab)
+    print(f"#   {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
+
+
+def agreement(target: LLM, draft: LLM, prompts: list[str], tokens: int) -> None:
+    """Per prompt: how often the draft's greedy token, given the target's greedy context, is
+    the target's; and how varied the target's continuation is."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    agree = total = 0
+    for i, prompt in enumerate(prompts):
+        ids = target.chat_prompt_ids([{"role": "user", "content": prompt}])
+        out = target.generate(ids, params)[0].token_ids
+        forced = ids + out[:-1]
+        want = target.engine.teacher_forced_logprobs(forced, len(ids)).argmax(-1)
+        got = draft.engine.teacher_forced_logprobs(forced, len(ids)).argmax(-1)
+        same = int((want == got).sum())
+        agree, total = agree + same, total + len(out)
+        print(f"  prompt {i}: draft agrees on {same}/{len(out)} tokens; the target's "
+              f"continuation has {len(set(out))} distinct tokens: "
+              f"{target.tokenizer.decode(out)[:60]!r}")
+    print(f"draft's greedy token is the target's at {100 * agree / total:.0f} % of "
+          f"{total} positions (teacher-forced on the target's greedy text)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/kvlab-draft-pair"))
+    ap.add_argument("--type", choices=sorted(TYPES), default="Q8_0")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=0.05,
+                    help="factor on attn_output and ffn_down of the layers past the draft's")
+    ap.add_argument("--vocab", type=Path, default=VOCAB,
+                    help="llama.cpp's ggml-vocab-llama-bpe.gguf (the Llama 3 tokenizer)")
+    ap.add_argument("--check-prompts", type=int, default=3, help="0: skip the check")
+    ap.add_argument("--check-tokens", type=int, default=48)
+    ap.add_argument("-t", type=int, default=2, help="threads of the check")
+    args = ap.parse_args()
+    shape = LlamaShape()
+    if not 1 <= args.draft_layers < shape.layers:
+        raise SystemExit(f"--draft-layers {args.draft_layers}: must be 1 .. {shape.layers - 1}")
+    if not math.isfinite(args.scale) or args.scale < 0:
+        raise SystemExit(f"--scale {args.scale}: must be a finite number >= 0")
+    spec = PairSpec(shape, TYPES[args.type], args.draft_layers, args.scale)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ensure(args.out / "target.gguf", shape.layers, spec, args.vocab)
+    ensure(args.out / "draft.gguf", args.draft_layers, spec, args.vocab)
+    target, draft = pair_paths(args.out)
+    if args.check_prompts:
+        config = EngineConfig(threads=args.t, max_num_seqs=1)
+        agreement(LLM(str(target), config), LLM(str(draft), config),
+                  grounded()[:args.check_prompts], args.check_tokens)
+
+
+if __name__ == "__main__":
+    main()
