@@ -2,7 +2,8 @@
 Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): each fused
 kernel on small random inputs (fp32 tight, bf16 within its rounding), paged decode
 attention over a scattered block table with sequences of different lengths, and a tiny
-Llama's and Gemma 3's decode step through the Triton plan against the per-op path."""
+Llama's, Qwen 3's and Gemma 3's decode steps through the Triton plan (kvlab.models.decode_gpu)
+against the per-op path."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: its kernels are CUDA-only")
 
+from kvlab.engine import Engine, EngineConfig
 from kvlab.gpu import attention as gpu_attention
 from kvlab.gpu import fused as gpu_fused
+from kvlab.models import decode_gpu
 from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
 from kvlab.models.kv_store import FloatKV
 from kvlab.models.layers import (
@@ -28,6 +31,9 @@ from kvlab.models.layers import (
     rope_cos_sin,
     swiglu,
 )
+from kvlab.request import SamplingParams
+
+from tiny_models import build
 
 # the interpreter's numpy exp overflows to inf in sigmoid(-large) = 0, as the GPU's does
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -173,3 +179,60 @@ def test_paged_decode_attention_masked_slot_table():
     meta = build_metadata(spans, window, torch.device("cpu"))
     want = paged_attention(q, None, None, cache, meta, sliding=True, scale=0.25)
     _close(got.reshape(len(TABLES), -1), want, torch.float32)
+
+
+PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3)
+PROMPTS = [[3, 14, 15, 92, 65], [8] * 7, [9, 10]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for arch in ("llama", "qwen3", "gemma3"):
+        out = tmp_path_factory.mktemp(arch)
+        build(arch, out)
+        paths[arch] = out / "model.gguf"
+    return paths
+
+
+def _generate(path, triton: bool, graphs: str, gate: str):
+    """Greedy tokens and log-probs of PROMPTS, decode steps through the Triton plan or the
+    per-op path."""
+    engine = Engine.from_model(str(path), EngineConfig(block_size=4, decode_graphs=graphs))
+    model = engine.runner.model
+    model.c_plan = None  # the per-op path is the reference
+    if triton:
+        model.gpu_plan = decode_gpu.plan_for(model.config, model.layers, gate)
+        assert model.gpu_plan is not None
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, PARAMS)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    logprobs: dict[str, list[float]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            logprobs[out.request_id].extend(lp.logprob for lp in out.logprobs or [])
+    return list(tokens.values()), torch.tensor(list(logprobs.values()))
+
+
+@pytest.mark.parametrize("arch,graphs", [("llama", "eager"), ("qwen3", "off"),
+                                         ("gemma3", "eager")])
+def test_decode_plan_matches_per_op_path(checkpoints, monkeypatch, arch, graphs):
+    """Decode steps through decode_gpu's plan: Llama (SwiGLU), Qwen 3 (QK-norm) and Gemma 3
+    (GeGLU, post norms, sliding window); "eager" is the decode graph's static pass (a key
+    mask per row, strided input columns), "off" the ordinary metadata (lengths)."""
+    monkeypatch.setattr(decode_gpu, "gpu_fused", gpu_fused)  # None where CUDA is absent
+    monkeypatch.setattr(decode_gpu, "gpu_attention", gpu_attention)
+    gate = "gelu_tanh" if arch.startswith("gemma") else "silu"
+    want, want_lp = _generate(checkpoints[arch], False, graphs, gate)
+    got, got_lp = _generate(checkpoints[arch], True, graphs, gate)
+    assert got == want
+    torch.testing.assert_close(got_lp, want_lp, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_declines_what_it_does_not_run(checkpoints):
+    engine = Engine.from_model(str(checkpoints["llama"]), EngineConfig(block_size=4))
+    model = engine.runner.model
+    layers = [dict(layer, router=layer["o"]) for layer in model.layers]
+    assert decode_gpu.plan_for(model.config, layers, "silu") is None
+    assert decode_gpu.build_plan(model.config, model.layers, "silu") is None  # CPU weights

@@ -42,7 +42,7 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, table_stride, len_ptr, mask_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, table_stride, len_ptr, len_stride, mask_ptr,
                    mask_stride, sink_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
                    width, window, scale, cap,
                    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -62,7 +62,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, table_stride, len_ptr, mask_p
     q = q.to(k_ptr.dtype.element_ty)  # attend in the store's dtype, as the torch path
     end = width
     if HAS_LEN:
-        end = tl.load(len_ptr + b).to(tl.int32)
+        end = tl.load(len_ptr + b * len_stride).to(tl.int32)
     begin = tl.where(window > 0, tl.maximum(end - window, 0), 0)
     per_split = tl.cdiv(tl.cdiv(end - begin, SPLITS), BLOCK_N) * BLOCK_N
     lo = begin + split * per_split
@@ -179,6 +179,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     d_pad = max(16, triton.next_power_of_2(head_dim))
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, table, table.stride(0), q if lengths is None else lengths,
+        0 if lengths is None else lengths.stride(0),
         q if mask_u8 is None else mask_u8, 0 if mask_u8 is None else mask_u8.stride(0),
         q if sinks is None else sinks, out, part_ml, part_acc, width, window, scale,
         softcap or 1.0, KV_HEADS=kv_heads, GROUP=group,

@@ -98,7 +98,7 @@ def _norm_halves(x1, x2, w_ptr, half: tl.constexpr, cols, inside, eps):
 
 @triton.jit
 def _qkv_rope_write_kernel(qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr,
-                           slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
+                           slot_ptr, slot_stride, q_out_ptr, k_cache_ptr, v_cache_ptr, eps,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                            BLOCK: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
     """Program (token t, head h): h < HEADS a query head into q_out [T, HEADS, D]; else
@@ -128,7 +128,7 @@ def _qkv_rope_write_kernel(qkv_ptr, qkv_stride, q_norm_ptr, k_norm_ptr, cos_ptr,
             x1, x2 = _norm_halves(x1, x2, k_norm_ptr, HALF, cols, inside, eps)
             x1, x2 = x1.to(rounding).to(tl.float32), x2.to(rounding).to(tl.float32)
         y1, y2 = _rotate(x1, x2, cos_ptr + t * d, sin_ptr + t * d, HALF, cols, inside)
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_ptr + t * slot_stride)
         dst = k_cache_ptr + (slot * KV_HEADS + kv) * d
         # rounded to the product's dtype first: the per-op path ropes in it, then casts
         tl.store(dst + cols, y1.to(rounding).to(k_cache_ptr.dtype.element_ty), mask=inside)
@@ -151,7 +151,8 @@ def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
 
     qkv: [T, (heads + 2 kv_heads) * head_dim] the stacked product's output (bias added),
     rows of the q heads, then k, then v; cos, sin: [T, 1, head_dim]; slot_mapping: [T];
-    k_cache, v_cache: [slots, kv_heads, head_dim]. Returns q [T, heads, head_dim] in qkv's
+    k_cache, v_cache: [slots, kv_heads, head_dim] (slot_mapping may be a strided column, as
+    the decode graph's packed inputs hold it). Returns q [T, heads, head_dim] in qkv's
     dtype: rms_norm (where q_norm is given) and RoPE, as layers.norm_rope. k gets the same
     with k_norm and goes, with v, into the caches at slot_mapping (in the caches' dtype).
     slot_mapping None: q alone (no cache write).
@@ -165,7 +166,8 @@ def qkv_rope_write(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
     cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
     _qkv_rope_write_kernel[(tokens, heads + (kv_heads if write else 0))](
         qkv, qkv.stride(0), q if q_norm is None else q_norm, q if k_norm is None else k_norm,
-        cos.contiguous(), sin.contiguous(), slot_mapping if write else q, q,
+        cos.contiguous(), sin.contiguous(), slot_mapping if write else q,
+        slot_mapping.stride(0) if write else 0, q,
         k_cache if write else q, v_cache if write else q, eps, HEADS=heads, KV_HEADS=kv_heads,
         HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2),
         Q_NORM=q_norm is not None, K_NORM=k_norm is not None)

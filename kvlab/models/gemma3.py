@@ -19,7 +19,7 @@ from kvlab.config import (
     hf_layer_types,
     interleaved_layer_types,
 )
-from kvlab.models import decode_c
+from kvlab.models import decode_c, decode_gpu
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     Weight,
@@ -130,6 +130,8 @@ class Gemma3Model:
         self.embed_scale = config.hidden_size ** 0.5
         # decode layers in one C call (Gemma 2's soft-cap included)
         self.c_plan = None if tp.size > 1 else decode_c.build_plan(config, layers, "gelu_tanh")
+        self.gpu_plan = (None if tp.size > 1  # on CUDA with triton: fused Triton kernels
+                         else decode_gpu.build_plan(config, layers, "gelu_tanh"))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore],
@@ -140,6 +142,9 @@ class Gemma3Model:
         ropes = {False: rope_cos_sin(positions, self.inv_freq_global),
                  True: rope_cos_sin(positions, self.inv_freq_local)}
         if self.c_plan is not None and decode_c.run(self.c_plan, c, x, ropes, kv_caches, meta):
+            return x
+        if self.gpu_plan is not None and decode_gpu.run(self.gpu_plan, c, x, ropes, kv_caches,
+                                                        meta, self.layers):
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             sliding = c.is_sliding(i)

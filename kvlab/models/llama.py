@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from kvlab.config import ModelConfig
-from kvlab.models import decode_c
+from kvlab.kernels.packed import PackedWeight
+from kvlab.models import decode_c, decode_gpu
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     LongRopeTable,
@@ -129,10 +130,12 @@ class LlamaModel:
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
-        self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_cuda
-                           else torch.float32)
+        self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor | PackedWeight)
+                           and first.is_cuda else torch.float32)
         self.c_plan = (decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
                        if tp.size == 1 else None)
+        # on CUDA with triton: decode layers as products and fused Triton kernels
+        self.gpu_plan = decode_gpu.build_plan(config, layers, "silu") if tp.size == 1 else None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore], meta: AttentionMetadata,
@@ -148,6 +151,9 @@ class LlamaModel:
         q_scale = _query_temperature(c, positions)
         if self.c_plan is not None and trace is None and q_scale is None and decode_c.run(
                 self.c_plan, c, x, ropes, kv_caches, meta):  # C: no expert trace
+            return x
+        if self.gpu_plan is not None and trace is None and q_scale is None and decode_gpu.run(
+                self.gpu_plan, c, x, ropes, kv_caches, meta, self.layers):
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):  # x: embed's own
             # OLMo 2: no norm before attention or MLP, a norm of each output instead
