@@ -1,9 +1,11 @@
 """The engine: add_request / step / abort. The only place that joins tokenizer, scheduler,
 runner and sampler.
 
-One `step()` = schedule (plain Python) -> run the model on the packed batch -> sample the
-sequences that reached the end of their known tokens -> detokenize, check stops, emit
-RequestOutputs. Not thread-safe: one thread drives it (the server runs it in a worker).
+One `core_step()` = schedule (plain Python) -> run the model on the packed batch -> sample
+the sequences that reached the end of their known tokens -> CoreOutputs: token ids and the
+finishes tokens decide. The output processor (kvlab.output) makes them text (detokenizing,
+stop strings); `step()` runs both, the server runs the processor on a thread of its own.
+Not thread-safe: one thread drives it (the server runs it in a worker).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
 from kvlab.models.pooling import check_dimensions, finish, pool
 from kvlab.models.sharding import SINGLE, check_split
+from kvlab.output import OutputProcessor
 from kvlab.request import (
+    CoreOutput,
     FinishReason,
     RequestOutput,
     RequestTimings,
@@ -46,14 +50,8 @@ from kvlab.spec.draft import load_draft
 from kvlab.spec.proposer import METHODS, NgramProposer, Proposer
 from kvlab.spec.stats import SpecCounts
 from kvlab.spec.verify import judge
-from kvlab.stop import StopStringFilter
 from kvlab.structured import StructuredOutputs, Template
-from kvlab.tokenizer import (
-    IncrementalDetokenizer,
-    Tokenizer,
-    load_gguf_tokenizer,
-    load_hf_tokenizer,
-)
+from kvlab.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 from kvlab.weights.default_model import default_model_path
 
@@ -187,10 +185,8 @@ class EngineSnapshot:
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
-    detok: IncrementalDetokenizer
-    stops: StopStringFilter
     generator: torch.Generator
-    timings: RequestTimings = field(default_factory=RequestTimings)
+    timings: RequestTimings = field(default_factory=RequestTimings)  # arrival, scheduling
     forced_tokens: int = 0  # output tokens its structure appended without sampling
     draft_tokens: int = 0  # tokens proposed for it (speculative decoding)
     accepted_tokens: int = 0  # of which the model kept
@@ -245,6 +241,7 @@ class Engine:
         self.cost: RunCost = loaded.run_cost(kv_bytes_per_element(config.kv_dtype),
                                              window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(tokenizer)  # the requests' text, from core outputs
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
         self.runner.page_ahead(self.kv.high_water())  # a first request's pages, in the background
@@ -334,9 +331,8 @@ class Engine:
         seq = Sequence(request_id, ids, len(ids), params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        detok = IncrementalDetokenizer(self.tokenizer, shown=frozenset(params.shown_special_ids))
-        stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
-        self.requests[request_id] = _Request(seq, detok, stops, gen)
+        req = self.requests[request_id] = _Request(seq, gen)
+        self.outputs.add(request_id, params, req.timings.arrival)
         if grammar is None:
             self.structured.start(request_id, None, params.reasoning)  # a budget alone
             self.scheduler.add(seq)
@@ -371,6 +367,7 @@ class Engine:
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens")
 
     def abort(self, request_id: str) -> None:
+        self.outputs.drop(request_id)
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req.seq)
@@ -485,6 +482,14 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One core step, made text here; a request its processor ended at a stop string
+        is aborted in the core at once."""
+        processed = self.outputs.process(self.core_step())
+        for request_id in processed.stopped:
+            self.abort(request_id)
+        return processed.outputs
+
+    def core_step(self) -> list[CoreOutput]:
         outputs = self._admit_compiled()
         scheduling = time.perf_counter()  # proposing (a draft model's passes) is in the step
         sched = self.scheduler.schedule()
@@ -585,14 +590,14 @@ class Engine:
         result = raw_logprobs(rows[:len(tokens)].float(), ids, batch)
         return [self._logprob(result, i, t) for i, t in enumerate(tokens)]
 
-    def _append_verified(self, v: _Verified, now: float) -> RequestOutput:
+    def _append_verified(self, v: _Verified, now: float) -> CoreOutput:
         """Emit a verify run's tokens: the accepted proposals are taken out and appended
-        again by _append, which cuts the run at a stop, EOS or max_tokens."""
+        again by _append, which cuts the run at EOS, a stop token or max_tokens."""
         seq = v.req.seq
         del seq.token_ids[len(seq.token_ids) - v.num_accepted:]
         return self._append(v.req, v.tokens, v.logprobs, now, v.complete)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[CoreOutput]:
         """Requests whose grammar finished compiling join the scheduler's queue."""
         failed = []
         for seq_id, grammar in list(self._compiling.items()):
@@ -601,18 +606,18 @@ class Engine:
             del self._compiling[seq_id]
             req = self.requests[seq_id]
             if grammar.exception() is not None:  # only if the caller did not prepare it
-                failed.append(self._finish(req, FinishReason.ABORT, ""))
+                failed.append(self._finish(req, FinishReason.ABORT))
                 continue
             self.structured.start(seq_id, grammar.result(), req.seq.params.reasoning)
             self.scheduler.add(req.seq)
         return failed
 
-    def _stall_outputs(self) -> list[RequestOutput]:
+    def _stall_outputs(self) -> list[CoreOutput]:
         """Nothing fits in the KV pool even alone: fail the oldest waiting request."""
         if not self.scheduler.waiting or self.scheduler.running:
             return []
         req = self.requests[self.scheduler.waiting[0].seq_id]
-        return [self._finish(req, FinishReason.LENGTH, "")]
+        return [self._finish(req, FinishReason.LENGTH)]
 
     def _sample(self, seq_ids: list[str], logits: torch.Tensor
                 ) -> tuple[SampleResult | None, torch.Tensor | None]:
@@ -637,7 +642,7 @@ class Engine:
                 t.prefill_seconds += now - start
 
     def _append_sampled(self, req: _Request, sampled: SampleResult, row: int,
-                        now: float) -> RequestOutput:
+                        now: float) -> CoreOutput:
         token = int(sampled.token_ids[row])
         want = req.seq.params.logprobs is not None
         logprobs = [self._logprob(sampled, row, token)] if want else []
@@ -664,55 +669,47 @@ class Engine:
         return forced, self.structured.finished(seq_id)
 
     def _append(self, req: _Request, tokens: list[int], logprobs: list[TokenLogprob],
-                now: float, complete: bool) -> RequestOutput:
-        """Append tokens (one sampled, then any forced), stopping where a limit is hit."""
+                now: float, complete: bool) -> CoreOutput:
+        """Append tokens (one sampled, then any forced), stopping where a token ends the
+        request: EOS or a stop token id, max_tokens, the context; stop strings are the
+        output processor's."""
         seq, params = req.seq, req.seq.params
-        delta = ""
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
-            req.timings.token_times.append(now)
-            if req.timings.first_token is None:
-                req.timings.first_token = now
-            done = tokens[:i + 1], logprobs[:i + 1]
-            stop_token = token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.tokenizer.eos_ids)
-            if stop_token:
-                delta += req.stops.push(req.detok.flush()) + req.stops.flush()
-                return self._finish(req, FinishReason.STOP, delta, *done)
-            delta += req.stops.push(req.detok.push(token))
-            if req.stops.stopped:
-                return self._finish(req, FinishReason.STOP, delta, *done)
+            done = tokens[:i + 1], logprobs[:i + 1], now
+            if token in params.stop_token_ids or (
+                    not params.ignore_eos and token in self.tokenizer.eos_ids):
+                return self._finish(req, FinishReason.STOP, *done, stop_token=True)
             n_out = len(seq.token_ids) - seq.num_prompt_tokens
             if n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                delta += req.stops.push(req.detok.flush()) + req.stops.flush()
-                return self._finish(req, FinishReason.LENGTH, delta, *done)
+                return self._finish(req, FinishReason.LENGTH, *done)
         if complete:  # the structure allows nothing more: end as EOS would
-            delta += req.stops.push(req.detok.flush()) + req.stops.flush()
-            return self._finish(req, FinishReason.STOP, delta, tokens, logprobs)
-        return self._output(req, tokens, delta, None, logprobs)
+            return self._finish(req, FinishReason.STOP, tokens, logprobs, now)
+        return self._output(req, tokens, None, logprobs, now)
 
     def _logprob(self, sampled: SampleResult, row: int, token: int) -> TokenLogprob:
         top = list(zip(sampled.top_ids[row].tolist(), sampled.top_logprobs[row].tolist()))
         return TokenLogprob(token, float(sampled.logprobs[row]), top)
 
-    def _finish(self, req: _Request, reason: FinishReason, delta: str,
-                tokens: list[int] | None = None,
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        req.timings.finished = time.perf_counter()
+    def _finish(self, req: _Request, reason: FinishReason, tokens: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None, now: float | None = None,
+                stop_token: bool = False) -> CoreOutput:
         self.scheduler.finish(req.seq)
         self.requests.pop(req.seq.seq_id, None)
         self.structured.release(req.seq.seq_id)
-        return self._output(req, tokens or [], delta, reason, logprobs or [])
+        return self._output(req, tokens or [], reason, logprobs or [],
+                            time.perf_counter() if now is None else now, stop_token)
 
-    def _output(self, req: _Request, tokens: list[int], delta: str,
-                reason: FinishReason | None, logprobs: list[TokenLogprob]) -> RequestOutput:
-        seq = req.seq
-        return RequestOutput(
-            request_id=seq.seq_id, new_token_ids=tokens, text_delta=delta,
-            finished=reason is not None, finish_reason=reason,
+    def _output(self, req: _Request, tokens: list[int], reason: FinishReason | None,
+                logprobs: list[TokenLogprob], now: float, stop_token: bool = False
+                ) -> CoreOutput:
+        seq, t = req.seq, req.timings
+        return CoreOutput(
+            request_id=seq.seq_id, new_token_ids=tokens, finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-            output_tokens=seq.num_tokens - seq.num_prompt_tokens, logprobs=logprobs,
-            timings=req.timings, forced_tokens=req.forced_tokens,
+            output_tokens=seq.num_tokens - seq.num_prompt_tokens, step_time=now,
+            logprobs=logprobs, stop_token=stop_token, scheduled=t.scheduled,
+            prefill_seconds=t.prefill_seconds, forced_tokens=req.forced_tokens,
             draft_tokens=req.draft_tokens, accepted_tokens=req.accepted_tokens)
 
 

@@ -169,6 +169,31 @@ class RequestTimings:
 
 
 @dataclass
+class CoreOutput:
+    """What one engine step decided for one request, in tokens only; the output processor
+    (kvlab.output) makes it the RequestOutput callers read. The finishes here are the ones
+    tokens decide: EOS or a stop token id, max_tokens or the context, a complete structure,
+    an abort. Stop strings are the processor's."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    output_tokens: int  # generated so far, new_token_ids included
+    step_time: float  # perf_counter when the step made new_token_ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_token: bool = False  # the last new token is EOS or a stop token id: counted, not text
+    scheduled: float | None = None  # first step that computed any of its tokens
+    prefill_seconds: float = 0.0  # time of the steps that computed its prompt
+    forced_tokens: int = 0  # as RequestOutput's
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    allowed_tokens: int | None = None
+    experts: list[list[int]] | None = None
+
+
+@dataclass
 class RequestOutput:
     """What one engine step produced for one request."""
 

@@ -16,10 +16,11 @@ ROOT = Path(__file__).parent.parent / "kvlab"
 RANKS = {
     "errors": 0, "config": 0, "request": 0, "stop": 0, "metrics": 1, "cost": 1,
     "tokenizer": 1, "weights": 1, "cache": 1, "scheduler": 2, "kernels": 2,
-    "logprobs": 2, "models": 3, "runner": 4, "sampler": 4, "structured": 4, "engine": 5, "llm": 6,
+    "logprobs": 2, "output": 2, "models": 3, "runner": 4, "sampler": 4, "structured": 4,
+    "engine": 5, "llm": 6,
     "estimate": 6, "probe": 7, "server": 8, "harness": 8, "cli": 9, "deploy": 9,
 }
-NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop", "cost"}
+NO_TORCH = {"cache", "scheduler", "config", "request", "errors", "stop", "cost", "output"}
 # prediction is arithmetic over specs: nothing that loads or runs a model, and no probe
 NOT_FROM = {
     "estimate": {"kernels", "models", "runner", "sampler", "structured", "engine", "llm",

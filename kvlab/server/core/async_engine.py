@@ -2,10 +2,18 @@
 
     event loop (HTTP handlers)                 engine thread (the only caller of Engine)
     add([...]) ---- command queue ---------->  add_request / abort, between steps
-    Generation.queue <- call_soon_threadsafe - step() outputs, one batch per step
+        ^                          ^           core_step(): token ids, one batch per step
+        |                          | aborts at          |
+        |                          | stop strings       v
+    Generation.queue <- call_soon_threadsafe - output thread: Engine.outputs.process
+                                               (detokenize, stop strings -> RequestOutputs)
 
-Every Engine call happens on the engine thread, so the engine needs no lock; everything the
-handlers touch (the request -> Generation map, the metrics) lives on the event loop thread.
+Every Engine call happens on the engine thread, so the engine needs no lock; its output
+processor (kvlab.output) runs on the output thread, so a step's text is made while the next
+step runs. A request the processor ends at a stop string is aborted in the engine as a
+client's disconnect is. Everything the handlers touch (the request -> Generation map, the
+metrics) lives on the event loop thread. An engine other than Engine (a test's stand-in)
+makes its text itself: its step() outputs go to the event loop as they are.
 A Generation groups the engine requests of one API call (its n choices) behind one queue.
 Closing a Generation aborts whatever of it is unfinished, which frees its KV blocks at once:
 handlers close it when the client disconnects. A Generation with a deadline ends at it: its
@@ -31,7 +39,7 @@ from typing import Any, TypeVar
 from kvlab.engine import Engine, EngineSnapshot, EngineStats
 from kvlab.errors import RequestError
 from kvlab.metrics import GenerationMetrics
-from kvlab.request import FinishReason, RequestOutput, SamplingParams, Structure
+from kvlab.request import CoreOutput, FinishReason, RequestOutput, SamplingParams, Structure
 from kvlab.server.core.prom import ServerMetrics
 
 log = logging.getLogger("kvlab.server")
@@ -124,6 +132,10 @@ class AsyncEngine:
         self._owner: dict[str, Generation] = {}  # live request id -> its Generation
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        # an Engine's text is made on the output thread, from its core steps' outputs
+        self._outputs = engine.outputs if isinstance(engine, Engine) else None
+        self._output_thread: threading.Thread | None = None
+        self._to_output: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread_done = False  # set by the engine thread as it exits, however it exits
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -132,6 +144,10 @@ class AsyncEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+        if self._outputs is not None:
+            self._output_thread = threading.Thread(target=self._run_outputs,
+                                                   name="kvlab-outputs", daemon=True)
+            self._output_thread.start()
         self._thread.start()
         self.accepting = True
 
@@ -139,8 +155,9 @@ class AsyncEngine:
         """Refuse new requests, abort the unfinished ones, then stop the engine thread."""
         self.end_all()
         self._commands.put((_STOP, None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout)
+        for thread in (self._thread, self._output_thread):  # the output thread ends after it
+            if thread is not None:
+                await asyncio.to_thread(thread.join, timeout)
 
     def end_all(self) -> None:
         """Refuse new requests and end every unfinished one now (finish reason "abort")."""
@@ -151,7 +168,9 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._thread_done
+        outputs = self._output_thread is None or self._output_thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive() and not self._thread_done
+                and outputs)
 
     @property
     def num_live(self) -> int:
@@ -267,21 +286,55 @@ class AsyncEngine:
         except BaseException as e:  # the thread dies: nobody may wait on it from now on
             log.exception("the engine thread died")
             self._thread_done = True  # before the failures are posted: /health agrees with them
-            self._post(self._fail, EngineUnavailable(f"the engine thread has stopped: {e}"))
+            self._deliver(self._fail, EngineUnavailable(f"the engine thread has stopped: {e}"))
         finally:
             self._thread_done = True
             self._fail_commands()
+            self._to_output.put(None)  # the output thread ends once it has made the rest
         log.info("engine thread stopped")
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = (self.engine.step() if self._outputs is None
+                       else self.engine.core_step())
         except Exception as e:  # keep serving: fail the requests in flight, not the server
             log.exception("engine step failed; aborting the requests in flight")
+            self._deliver(self._fail, EngineStepError(f"engine step failed: {e}"))
+            return
+        if not outputs:
+            return
+        if self._outputs is None:
+            self._post(self._dispatch, outputs)
+        else:
+            self._to_output.put(lambda: self._make_text(outputs))
+
+    def _deliver(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Post fn(arg) to the event loop after the outputs already on their way."""
+        if self._outputs is None:
+            self._post(fn, arg)
+        else:
+            self._to_output.put(lambda: self._post(fn, arg))
+
+    # ---- the output thread ----------------------------------------------------------------
+
+    def _run_outputs(self) -> None:
+        """Make each core step's outputs text, in step order, until the engine thread ends."""
+        while (job := self._to_output.get()) is not None:
+            job()
+        log.info("output thread stopped")
+
+    def _make_text(self, core_outputs: list[CoreOutput]) -> None:
+        assert self._outputs is not None
+        try:
+            processed = self._outputs.process(core_outputs)
+        except Exception as e:  # as a failed step: fail the requests in flight
+            log.exception("making the step's text failed; aborting the requests in flight")
             self._post(self._fail, EngineStepError(f"engine step failed: {e}"))
             return
-        if outputs:
-            self._post(self._dispatch, outputs)
+        for request_id in processed.stopped:  # ended at a stop string: the core stops it too
+            self._send(_abort(request_id))
+        if processed.outputs:
+            self._post(self._dispatch, processed.outputs)
 
     def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
         assert self._loop is not None

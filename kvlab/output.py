@@ -1,0 +1,116 @@
+"""The output processor: the engine core's token-level results in, the RequestOutputs callers
+read out. It owns each request's text: its incremental detokenizer, its stop strings, and the
+counts and timings cut where the text ends.
+
+    engine core (token ids)                 output processor (text), one state per request
+    CoreOutput: new ids, logprobs,    ->    IncrementalDetokenizer -> StopStringFilter
+    finishes tokens decide                  -> RequestOutput: text_delta, finish_reason,
+    (EOS, stop ids, length, abort)             usage, logprobs, timings
+
+A stop string is found here, possibly after the core has made more tokens for the request:
+the processor finishes the request at the stop (finish reason "stop", the text cut as
+StopStringFilter cuts it), drops every later token of it (never shown, never counted) and
+names it in `Processed.stopped`, which the caller aborts in the core. Engine.step runs it
+right after each core step; the server runs it on a thread of its own so that detokenizing
+overlaps the next forward pass. `add` and `drop` may come from another thread than `process`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvlab.request import CoreOutput, FinishReason, RequestOutput, RequestTimings, SamplingParams
+from kvlab.stop import StopStringFilter
+from kvlab.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(eq=False)
+class _State:
+    """One live request's text so far."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringFilter
+    timings: RequestTimings
+
+
+@dataclass
+class Processed:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)  # ended at a stop string: abort in the core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+        self._lock = threading.Lock()  # add/drop and process may run on different threads
+
+    def add(self, request_id: str, params: SamplingParams, arrival: float) -> None:
+        """Start a request's text; `arrival` is when the engine took it (perf_counter)."""
+        detok = IncrementalDetokenizer(self.tokenizer, shown=frozenset(params.shown_special_ids))
+        stops = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        with self._lock:
+            self._states[request_id] = _State(detok, stops, RequestTimings(arrival=arrival))
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (aborted); its outputs still on their way are then ignored."""
+        with self._lock:
+            self._states.pop(request_id, None)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._states)
+
+    def process(self, core_outputs: list[CoreOutput]) -> Processed:
+        """The RequestOutputs of one core step, in its order; outputs of requests already
+        finished here (a stop string) or dropped are left out."""
+        done = Processed()
+        for core in core_outputs:
+            with self._lock:
+                state = self._states.get(core.request_id)
+            if state is None:
+                continue
+            out = _output(state, core)
+            if out.finished:
+                self.drop(core.request_id)
+                if core.finish_reason is None:  # the core still runs it
+                    done.stopped.append(core.request_id)
+            done.outputs.append(out)
+        return done
+
+
+def _text(state: _State, core: CoreOutput) -> tuple[str, int, FinishReason | None]:
+    """(text delta, how many of the new tokens it keeps, finish reason or None)."""
+    detok, stops = state.detok, state.stops
+    tokens = core.new_token_ids
+    written = tokens[:-1] if core.stop_token else tokens  # a stop token is counted, not written
+    delta = ""
+    for i, token in enumerate(written):
+        delta += stops.push(detok.push(token))
+        if stops.stopped:
+            return delta, i + 1, FinishReason.STOP
+    if core.finish_reason is not None:
+        delta += stops.push(detok.flush()) + stops.flush()
+    return delta, len(tokens), core.finish_reason
+
+
+def _output(state: _State, core: CoreOutput) -> RequestOutput:
+    delta, kept, reason = _text(state, core)
+    t = state.timings
+    t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
+    if kept:
+        t.token_times.extend([core.step_time] * kept)
+        if t.first_token is None:
+            t.first_token = core.step_time
+    if reason is not None:
+        t.finished = time.perf_counter()
+    return RequestOutput(
+        request_id=core.request_id, new_token_ids=core.new_token_ids[:kept], text_delta=delta,
+        finished=reason is not None, finish_reason=reason, prompt_tokens=core.prompt_tokens,
+        cached_tokens=core.cached_tokens,
+        output_tokens=core.output_tokens - (len(core.new_token_ids) - kept),
+        logprobs=core.logprobs[:kept], timings=t, forced_tokens=core.forced_tokens,
+        draft_tokens=core.draft_tokens, accepted_tokens=core.accepted_tokens,
+        allowed_tokens=core.allowed_tokens, experts=core.experts)
