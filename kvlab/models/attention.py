@@ -104,6 +104,81 @@ class AttentionMetadata:
         return self.slot_mapping
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's one-token rows, laid out as whole-batch tensors by the caller (the runner's
+    persistent batch) instead of one SeqSpan each. B rows; W, W' keys at most per row.
+
+    rows:          [B] their offsets in the packed token batch, ascending
+    write:         [B] slot where each row's new K/V go
+    slots:         [B, W] slot of each key a row attends to, in position order; past
+                   lengths[b], repeats the row's first key slot (masked, never NaN)
+    lengths:       [B] keys each row sees
+    window_*:      the same for sliding-window layers (their keys inside the window, and
+                   their own pool's slots where they have one); None without such layers
+    window_write:  [B] where those layers write, in their own pool; None: `write`
+    """
+
+    rows: torch.Tensor
+    write: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    window_slots: torch.Tensor | None = None
+    window_lengths: torch.Tensor | None = None
+    window_write: torch.Tensor | None = None
+
+
+def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows | None,
+                  num_tokens: int, window: int | None, device: torch.device
+                  ) -> AttentionMetadata:
+    """build_metadata for a step whose one-token rows come as DecodeRows and whose other
+    sequences come as spans starting at `offsets` in the packed batch (T = num_tokens)."""
+    own = [s.window_slots is not None for s in spans]
+    own_pool = decode.window_write is not None if decode is not None else any(own)
+    if spans and (any(own) != all(own) or all(own) != own_pool):
+        raise ValueError("either every row has window slots or none has")
+    mapping = _packed_mapping(spans, offsets, decode, None, num_tokens).to(device)
+    full = tuple(_prefill_group(s, o, None, device) for s, o in zip(spans, offsets))
+    if decode is not None:
+        full += (_rows_group(decode.rows, decode.slots, decode.lengths, device),)
+    if not window:
+        return AttentionMetadata(mapping, full, full)
+    wspans = [dataclasses.replace(s, slots=s.window_slots) for s in spans] if own_pool else spans
+    sliding = tuple(_prefill_group(s, o, window, device) for s, o in zip(wspans, offsets))
+    if decode is not None:
+        assert decode.window_slots is not None and decode.window_lengths is not None
+        sliding += (_rows_group(decode.rows, decode.window_slots, decode.window_lengths,
+                                device),)
+    window_mapping = (_packed_mapping(wspans, offsets, decode, decode and decode.window_write,
+                                      num_tokens).to(device) if own_pool else None)
+    return AttentionMetadata(mapping, full, sliding, window_mapping)
+
+
+def _packed_mapping(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows | None,
+                    write: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+    """[T] slot of each packed token: the spans' new positions and the decode rows' writes
+    (`write`, or decode.write) at their offsets."""
+    write = write if write is not None else (decode.write if decode is not None else None)
+    if not spans and write is not None:  # rows ascend: all T rows are decode rows, in order
+        return write
+    mapping = torch.empty(num_tokens, dtype=torch.long)
+    for s, o in zip(spans, offsets):
+        mapping[o:o + s.num_new] = s.slots[s.start:s.end]
+    if decode is not None and write is not None:
+        mapping[decode.rows] = write
+    return mapping
+
+
+def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                device: torch.device) -> AttentionGroup:
+    """The decode group over laid-out rows; no mask when every row sees all W keys."""
+    width = slots.shape[1]
+    unpadded = bool((lengths == width).all())
+    mask = None if unpadded else (torch.arange(width)[None, :] < lengths[:, None])[:, None]
+    return AttentionGroup(rows.to(device), slots.to(device),
+                          None if mask is None else mask.to(device), len(rows), 1, lengths)
+
+
 def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.device
                    ) -> AttentionMetadata:
     """Pack spans (in batch order) into slot mapping and attention groups."""

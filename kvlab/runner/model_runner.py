@@ -10,8 +10,10 @@ their states (kvlab.models.state_store) with num_state_slots rows (the sequences
 the prefix cache's snapshots), zeroes a sequence's row when it starts from token 0, copies a
 snapshot in or out where the step says, and passes the step's rows to the model.
 
+A step's input tensors come from the persistent batch (persistent_batch): block-table rows
+kept across steps, so a decode step's host work does not grow with each sequence's context.
 A sequence with proposed tokens (speculative decoding) gets a logits row at each of them
-(ScheduledSeq.num_logits, StepLogits.counts), and each is one decode row (_spans).
+(ScheduledSeq.num_logits, StepLogits.counts), and each is one decode row there.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kvlab.models.layers import rms_norm
 from kvlab.models.state_store import RecurrentStates, StateBatch
 from kvlab.runner.decode_graph import GRAPH_MODES, DecodeGraphs
 from kvlab.runner.kv_pager import KVPager
-from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.runner.persistent_batch import PersistentBatch
+from kvlab.scheduler import SchedulerOutput
 
 WIDE_STEP_TOKENS = 64  # steps this large give torch all threads (prefill attention)
 
@@ -66,7 +69,8 @@ class ModelRunner:
                              "state slots (num_state_slots >= 1)")
         self.states = (RecurrentStates(config, num_state_slots, self.device)
                        if config.recurrent is not None else None)
-        self._offsets = torch.arange(block_size)
+        self.batch = PersistentBatch(block_size, config.sliding_window, num_window_blocks,
+                                     self.device)
         self.kernel_decode = self.device.type == "cpu" and quantized
         self.threads = torch.get_num_threads()
         if self.kernel_decode:
@@ -191,14 +195,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(out):
             logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
-        spans, ids, positions = [], [], []
-        for s in out.scheduled:
-            spans.extend(self._spans(s))
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.start + len(s.token_ids)))
-        meta = build_metadata(spans, self.config.sliding_window, self.device)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        step = self.batch.inputs(out)
+        ids_t, pos_t, meta = step.ids, step.positions, step.meta
         trace: list[torch.Tensor] | None = [] if record_experts else None
         extra = {} if self.states is None else {"states": self._step_states(out)}
         with torch.inference_mode():
@@ -237,38 +235,3 @@ class ModelRunner:
         self.states.copy([s.state_restore for s in restored], [s.state_slot for s in restored])
         return self.states.batch([s.state_slot for s in out.scheduled],
                                  [len(s.token_ids) for s in out.scheduled])
-
-    def _spans(self, s: ScheduledSeq) -> list[SeqSpan]:
-        """A sequence's attention spans this step. Its proposed tokens (the last
-        num_logits - 1) are one decode row each, attending to the keys up to its own
-        position: causal among them, and computed as decoding them one step at a time
-        would (the one-call C decode takes such a step), so greedy verification reproduces
-        plain decoding's text. The tokens before them are one span, as without proposals:
-
-            positions   7  8 |  9 | 10 | 11
-            tokens     o3 f1 | d1 | d2 | d3     (o3 sampled, f1 forced, d1-d3 proposed)
-            spans      7 + 2 | 9+1|10+1|11+1    (start + num_new; keys: positions < end)
-        """
-        end = s.start + len(s.token_ids)
-        slots = self._slots(s.block_table, end)
-        window = (None if s.window_table is None else
-                  self._slots(self._scratch_released(s.window_table), end))
-        proposed = s.num_logits - 1 if s.needs_logits else 0
-        known = len(s.token_ids) - proposed
-        spans = [SeqSpan(s.start, known, slots[:s.start + known],
-                         None if window is None else window[:s.start + known])]
-        for pos in range(s.start + known, end):
-            spans.append(SeqSpan(pos, 1, slots[:pos + 1],
-                                 None if window is None else window[:pos + 1]))
-        return spans
-
-    def _scratch_released(self, window_table: list[int | None]) -> list[int]:
-        """A window table with released blocks pointing at the pool's scratch block (never
-        read: those positions are behind every query's window)."""
-        scratch = self.num_window_blocks
-        return [scratch if b is None else b for b in window_table]
-
-    def _slots(self, block_table: list[int], end: int) -> torch.Tensor:
-        """[end] slot of each position 0..end-1: table[pos // bs] * bs + pos % bs."""
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[:, None] * self.block_size + self._offsets[None, :]).flatten()[:end]

@@ -1,0 +1,222 @@
+"""A step's input tensors (token ids, positions, attention metadata) from rows kept across
+steps: the runner's persistent batch.
+
+Built from scratch, a decode step's inputs cost a Python pass and a few small tensors per
+sequence over its whole block table, every step: host work that grows with batch x context.
+Here each sequence owns a row of a block-table tensor, written when it first comes and
+extended only by the blocks it gains; a step gathers its sequences' rows and expands them
+to slots in whole-batch tensor ops:
+
+    rows        {seq_id: r}                      a row nobody uses is reused
+    tables      [rows, max_blocks] int64         row r: its block ids, in position order
+    one step    index[b] = row of decode row b,  pos[b] = its position
+                slots[b, k] = tables[index[b], k // bs] * bs + k % bs   [B, W]
+                write[b]    = slots[b, pos[b]]
+
+A row is checked against the step's block table each time it is used (the blocks it holds
+must be the table's first ones, compared as Python lists, no tensor work): a truncated table
+(rejected proposals), a preempted sequence that came back with other blocks, or a caller
+that reuses an id for other blocks gets its row written again, so the inputs always equal a
+fresh build from the block tables.
+
+A sequence's part of a step is one span of its known tokens, then one decode row per
+proposed token (speculative decoding), attending to the keys up to its own position:
+causal among them, and computed as decoding them one step at a time would (the one-call C
+decode takes such a step), so greedy verification reproduces plain decoding's text. A span
+of one token is a decode row too:
+
+    positions   7  8 |  9 | 10 | 11
+    tokens     o3 f1 | d1 | d2 | d3     (o3 sampled, f1 forced, d1-d3 proposed)
+    rows       7 + 2 | 9+1|10+1|11+1    (start + num_new; keys: positions < end)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.models.attention import AttentionMetadata, DecodeRows, SeqSpan, step_metadata
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass(eq=False)
+class _Row:
+    index: int  # into BlockRows.tables
+    table: list[int | None]  # the blocks written into the row, as the scheduler gave them
+    used: int  # the last step that read it
+
+
+class BlockRows:
+    """One pool's block tables as rows of a tensor, by sequence id. `scratch`: the block a
+    released (None) entry of a sliding-window table points at (never read)."""
+
+    def __init__(self, scratch: int = 0) -> None:
+        self.tables = torch.zeros(8, 8, dtype=torch.long)  # [rows, blocks]
+        self.scratch = scratch
+        self.step = 0  # advanced by begin(); rows read in this step are not reused
+        self._rows: dict[str, _Row] = {}
+        self._free = list(range(self.tables.shape[0]))
+
+    def begin(self) -> None:
+        self.step += 1
+
+    def row(self, seq_id: str, table: list[int] | list[int | None]) -> int:
+        """The row holding seq_id's block table, written or extended where it differs."""
+        r = self._rows.get(seq_id)
+        if r is None:
+            r = self._rows[seq_id] = _Row(self._take(), [], self.step)
+        known = len(r.table)
+        if len(table) != known or table != r.table:
+            keep = known if len(table) > known and table[:known] == r.table else 0
+            self._write(r, table, keep)
+        r.used = self.step
+        return r.index
+
+    def drop(self, seq_id: str) -> None:
+        r = self._rows.pop(seq_id, None)
+        if r is not None:
+            self._free.append(r.index)
+
+    def _write(self, r: _Row, table: list[int] | list[int | None], keep: int) -> None:
+        """Write table[keep:] into r's row (its first `keep` blocks are already there)."""
+        if len(table) > self.tables.shape[1]:
+            self._grow(self.tables.shape[0], max(len(table), 2 * self.tables.shape[1]))
+        new = [self.scratch if b is None else b for b in table[keep:]]
+        self.tables[r.index, keep:len(table)] = torch.tensor(new, dtype=torch.long)
+        r.table = list(table)
+
+    def _take(self) -> int:
+        """A free row; else the least recently read one not read in this step; else a new
+        one (the tensor doubles)."""
+        if self._free:
+            return self._free.pop()
+        idle = [(r.used, seq_id) for seq_id, r in self._rows.items() if r.used < self.step]
+        if idle:
+            _, seq_id = min(idle)
+            return self._rows.pop(seq_id).index
+        rows = self.tables.shape[0]
+        self._grow(2 * rows, self.tables.shape[1])
+        self._free = list(range(2 * rows - 1, rows, -1))
+        return rows
+
+    def _grow(self, rows: int, blocks: int) -> None:
+        grown = torch.zeros(rows, blocks, dtype=torch.long)
+        old_rows, old_blocks = self.tables.shape
+        grown[:old_rows, :old_blocks] = self.tables
+        self.tables = grown
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    ids: torch.Tensor  # [T] token ids, the scheduled sequences' tokens packed in order
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+
+class PersistentBatch:
+    """Block-table rows of the sequences a runner has seen, and the step inputs built from
+    them. `window_scratch`: the sliding-window pool's scratch block, where its layers have a
+    pool of their own (ScheduledSeq.window_table); None otherwise."""
+
+    def __init__(self, block_size: int, window: int | None, window_scratch: int | None,
+                 device: torch.device) -> None:
+        self.block_size, self.window, self.device = block_size, window, device
+        self.full = BlockRows()
+        self.windowed = BlockRows(window_scratch) if window_scratch is not None else None
+        self._offsets = torch.arange(block_size)
+
+    def inputs(self, out: SchedulerOutput) -> StepInputs:
+        for seq_id in out.preempted:  # their blocks went back to the pool
+            self.forget(seq_id)
+        self.full.begin()
+        if self.windowed is not None:
+            self.windowed.begin()
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[SeqSpan] = []
+        offsets: list[int] = []
+        decode: tuple[list[int], list[int | None], list[int], list[int]] = ([], [], [], [])
+        for s in out.scheduled:
+            n = len(s.token_ids)
+            row = self.full.row(s.seq_id, s.block_table)
+            wrow = self._window_row(s)
+            proposed = s.num_logits - 1 if s.needs_logits else 0
+            known = n - proposed
+            if known > 1:
+                spans.append(self._span(s, row, wrow, known))
+                offsets.append(len(ids))
+            first = s.start if known == 1 else s.start + known
+            for pos in range(first, s.start + n):  # one decode row each
+                decode[0].append(row)
+                decode[1].append(wrow)
+                decode[2].append(pos)
+                decode[3].append(len(ids) + pos - s.start)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + n))
+        rows = self._decode_rows(*decode) if decode[0] else None
+        meta = step_metadata(spans, offsets, rows, len(ids), self.window, self.device)
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device),
+                          torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+
+    def forget(self, seq_id: str) -> None:
+        self.full.drop(seq_id)
+        if self.windowed is not None:
+            self.windowed.drop(seq_id)
+
+    def _window_row(self, s: ScheduledSeq) -> int | None:
+        if s.window_table is None:
+            return None
+        if self.windowed is None:
+            raise ValueError(f"{s.seq_id!r} has a window table, but the runner has no "
+                             "sliding-window pool")
+        return self.windowed.row(s.seq_id, s.window_table)
+
+    def _span(self, s: ScheduledSeq, row: int, wrow: int | None, known: int) -> SeqSpan:
+        """The span of a sequence's first `known` tokens this step (several)."""
+        end = s.start + known
+        index = torch.tensor([row])
+        window = None
+        if wrow is not None:
+            assert self.windowed is not None
+            window = self._slots(self.windowed.tables, torch.tensor([wrow]), end)[0]
+        return SeqSpan(s.start, known, self._slots(self.full.tables, index, end)[0], window)
+
+    def _slots(self, tables: torch.Tensor, index: torch.Tensor, end: int) -> torch.Tensor:
+        """[len(index), end] slot of positions 0..end-1 of the rows `index`."""
+        blocks = -(-end // self.block_size)
+        table = tables.index_select(0, index)[:, :blocks]
+        return (table[:, :, None] * self.block_size + self._offsets).flatten(1)[:, :end]
+
+    def _decode_rows(self, rows: list[int], wrows: list[int | None], pos: list[int],
+                     offsets: list[int]) -> DecodeRows:
+        """The decode rows of a step as whole-batch tensors (see DecodeRows)."""
+        index, at = torch.tensor(rows), torch.tensor(pos)
+        end = at + 1
+        slots = self._slots(self.full.tables, index, max(pos) + 1)  # [B, max end]
+        keys, lengths = _keys(slots, end, None)
+        write = slots.gather(1, at[:, None]).squeeze(1)
+        rows_t = torch.tensor(offsets)
+        if not self.window:
+            return DecodeRows(rows_t, write, keys, lengths)
+        own = None
+        if wrows[0] is not None:  # the window layers' own pool (all rows, or none, have one)
+            assert self.windowed is not None
+            if None in wrows:
+                raise ValueError("either every row has window slots or none has")
+            own = self._slots(self.windowed.tables, torch.tensor(wrows), max(pos) + 1)
+        wkeys, wlengths = _keys(slots if own is None else own, end, self.window)
+        return DecodeRows(rows_t, write, keys, lengths, wkeys, wlengths,
+                          None if own is None else own.gather(1, at[:, None]).squeeze(1))
+
+
+def _keys(slots: torch.Tensor, end: torch.Tensor, window: int | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, W] the slots of the keys each row sees, padded with its first key's slot;
+    [B] how many): positions [first, end) with first = end - window (or 0)."""
+    first = (end - window).clamp_min(0) if window else torch.zeros_like(end)
+    lengths = end - first
+    width = int(lengths.max())
+    k = torch.arange(width)[None, :]
+    index = first[:, None] + torch.where(k < lengths[:, None], k, 0)
+    return slots.gather(1, index), lengths

@@ -1,0 +1,133 @@
+"""The runner's persistent batch: rows kept across steps give the same step inputs as a fresh
+build from the block tables, whatever changed between steps (a sequence joined, left, gained
+a block, was preempted and came back with other blocks, had proposals rejected)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.models.attention import AttentionMetadata, SeqSpan, build_metadata
+from kvlab.runner.persistent_batch import PersistentBatch
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+
+BS = 4
+CPU = torch.device("cpu")
+SCRATCH = 99  # the window pool's scratch block
+
+
+def fresh(out: SchedulerOutput, window: int | None) -> tuple[list[int], list[int],
+                                                             AttentionMetadata]:
+    """Ids, positions and metadata built from scratch: one span per sequence's known tokens
+    and one per proposed token, each over the slots of its whole block table."""
+    spans, ids, positions = [], [], []
+    for s in out.scheduled:
+        end = s.start + len(s.token_ids)
+        slots = _slots(s.block_table, end)
+        wslots = (None if s.window_table is None else
+                  _slots([SCRATCH if b is None else b for b in s.window_table], end))
+        known = len(s.token_ids) - (s.num_logits - 1 if s.needs_logits else 0)
+        for start, n in [(s.start, known)] + [(p, 1) for p in range(s.start + known, end)]:
+            spans.append(SeqSpan(start, n, slots[:start + n],
+                                 None if wslots is None else wslots[:start + n]))
+        ids.extend(s.token_ids)
+        positions.extend(range(s.start, end))
+    return ids, positions, build_metadata(spans, window, CPU)
+
+
+def _slots(table: list[int], end: int) -> torch.Tensor:
+    return torch.tensor([table[p // BS] * BS + p % BS for p in range(end)], dtype=torch.long)
+
+
+def check(batch: PersistentBatch, out: SchedulerOutput) -> None:
+    step = batch.inputs(out)
+    ids, positions, meta = fresh(out, batch.window)
+    assert step.ids.tolist() == ids and step.positions.tolist() == positions
+    got, want = step.meta, meta
+    assert torch.equal(got.slot_mapping, want.slot_mapping)
+    for mine, theirs in ((got.slot_mapping_sliding, want.slot_mapping_sliding),):
+        assert (mine is None) == (theirs is None)
+        assert mine is None or torch.equal(mine, theirs)
+    for sliding in (False, True):
+        assert len(got.groups(sliding)) == len(want.groups(sliding))
+        for g, w in zip(got.groups(sliding), want.groups(sliding)):
+            assert torch.equal(g.rows, w.rows) and torch.equal(g.slots, w.slots)
+            assert (g.num_seqs, g.queries_per_seq, g.prefill, g.fresh, g.start, g.first,
+                    g.window) == (w.num_seqs, w.queries_per_seq, w.prefill, w.fresh,
+                                  w.start, w.first, w.window)
+            assert (g.key_mask is None) == (w.key_mask is None)
+            assert g.key_mask is None or torch.equal(g.key_mask, w.key_mask)
+            assert (g.lengths is None) == (w.lengths is None)
+            assert g.lengths is None or torch.equal(g.lengths, w.lengths)
+
+
+def decode(seq_id: str, start: int, table: list[int], window: list | None = None,
+           proposed: int = 0) -> ScheduledSeq:
+    return ScheduledSeq(seq_id, start, [7] * (1 + proposed), table, True, 0, window,
+                        num_logits=1 + proposed)
+
+
+def prefill(seq_id: str, start: int, n: int, table: list[int],
+            window: list | None = None) -> ScheduledSeq:
+    return ScheduledSeq(seq_id, start, list(range(n)), table, True, n, window)
+
+
+def test_rows_follow_joins_leaves_and_new_blocks():
+    batch = PersistentBatch(BS, None, None, CPU)
+    check(batch, SchedulerOutput([prefill("a", 0, 6, [3, 5]), prefill("b", 0, 3, [8])]))
+    check(batch, SchedulerOutput([decode("a", 6, [3, 5]), decode("b", 3, [8])]))
+    # b crosses into a new block; c joins with a prefill beside the decodes
+    check(batch, SchedulerOutput([decode("a", 7, [3, 5]), decode("b", 4, [8, 2]),
+                                  prefill("c", 0, 5, [10, 11])]))
+    # a leaves; its row is not read again
+    check(batch, SchedulerOutput([decode("b", 5, [8, 2]), decode("c", 5, [10, 11])]))
+    check(batch, SchedulerOutput([decode("c", 6, [10, 11]), decode("b", 6, [8, 2])]))
+
+
+def test_preempted_sequence_comes_back_with_other_blocks():
+    batch = PersistentBatch(BS, None, None, CPU)
+    check(batch, SchedulerOutput([decode("a", 5, [3, 5]), decode("b", 2, [8])]))
+    check(batch, SchedulerOutput([decode("a", 6, [3, 5])], preempted=["b"]))
+    check(batch, SchedulerOutput([decode("a", 7, [3, 5]), prefill("b", 0, 3, [4])]))
+    # the same id, same length, other blocks, and no word of it: the row is rewritten
+    check(batch, SchedulerOutput([decode("a", 8, [3, 12, 13]), decode("b", 3, [6])]))
+
+
+def test_truncated_table_and_proposals():
+    batch = PersistentBatch(BS, None, None, CPU)
+    check(batch, SchedulerOutput([decode("a", 6, [3, 5, 9, 1], proposed=4),
+                                  decode("b", 2, [8])]))
+    # rejected proposals: the table shrank, then grows again with other blocks
+    check(batch, SchedulerOutput([decode("a", 8, [3, 5, 2], proposed=2)]))
+    check(batch, SchedulerOutput([decode("a", 9, [3, 5, 2]), decode("b", 3, [8])]))
+
+
+def test_rows_are_reused_past_the_tensor_and_grow_with_the_batch():
+    batch = PersistentBatch(BS, None, None, CPU)
+    for step in range(3):  # 20 sequences at once: more rows than the tensor starts with
+        check(batch, SchedulerOutput([decode(f"s{i}", 4 + step, [i, 20 + i])
+                                      for i in range(20)]))
+    for step in range(3):  # others come and go; the idle rows are reused
+        check(batch, SchedulerOutput([decode(f"t{step}-{i}", 9, [40 + i, 60 + i, 80 + i])
+                                      for i in range(12)]))
+    check(batch, SchedulerOutput([decode(f"s{i}", 7, [i, 20 + i]) for i in range(20)]))
+
+
+def test_long_tables_widen_the_rows():
+    batch = PersistentBatch(BS, None, None, CPU)
+    table = list(range(30, 0, -1))
+    check(batch, SchedulerOutput([decode("a", 100, table[:26]), decode("b", 3, [31])]))
+    check(batch, SchedulerOutput([decode("a", 117, table), decode("b", 4, [31, 32])]))
+
+
+def test_sliding_window_shared_and_own_pool():
+    shared = PersistentBatch(BS, 5, None, CPU)
+    check(shared, SchedulerOutput([prefill("a", 0, 9, [3, 5, 9]), decode("b", 2, [8])]))
+    check(shared, SchedulerOutput([decode("a", 9, [3, 5, 9]), decode("b", 3, [8])]))
+    own = PersistentBatch(BS, 5, SCRATCH, CPU)
+    check(own, SchedulerOutput([prefill("a", 0, 9, [3, 5, 9], [1, 2, 4]),
+                                decode("b", 2, [8], [6])]))
+    check(own, SchedulerOutput([decode("a", 9, [3, 5, 9], [1, 2, 4]),
+                                decode("b", 3, [8], [6])]))
+    # a's first window block is released (behind every query's window)
+    check(own, SchedulerOutput([decode("a", 10, [3, 5, 9], [None, 2, 4]),
+                                decode("b", 4, [8, 0], [6, 7], proposed=1)]))
