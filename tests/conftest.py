@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models helper
+# Triton kernels (kvlab.gpu) run on CPU tensors through Triton's interpreter where no CUDA
+# device is present; triton reads the setting as a kernel is defined, so it is set before
+# any test module imports kvlab
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

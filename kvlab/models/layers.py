@@ -1,7 +1,9 @@
 """Building blocks shared by the architecture files: norms, rotary embeddings, products.
 
-A weight is either a dense tensor or a `QuantizedWeight` that stays in its GGUF block
-format; `linear` and `embed` dispatch on that so model code never cares which. Norms,
+A weight is either a dense tensor, a `QuantizedWeight` that stays in its GGUF block
+format (CPU), or a `PackedWeight`, the same blocks in planes on a CUDA device (Triton
+kernels, kvlab.gpu); `linear` and `embed` dispatch on that so model code never cares
+which. Norms,
 RoPE and GeGLU on fp32 CPU tensors run as single C calls (kvlab.kernels.fused), the torch
 ops otherwise.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -20,8 +24,17 @@ from kvlab.config import RopeConfig
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import QuantizedWeight, dequantize_rows, fused, qmatmul, qmatmul_stacked, scratch
 from kvlab.kernels.hugepages import weight_buffer
+from kvlab.kernels.packed import PACKED_TYPES, PackedWeight, concat_rows
 
-Weight = torch.Tensor | QuantizedWeight
+# packed GGUF weights multiply through Triton kernels: imported only where they can run (a
+# CUDA device, or the CPU under Triton's interpreter), as triton's import takes a while
+if find_spec("triton") is not None and (torch.cuda.is_available()
+                                        or os.environ.get("TRITON_INTERPRET") == "1"):
+    from kvlab.gpu import quant_matmul
+else:
+    quant_matmul = None
+
+Weight = torch.Tensor | QuantizedWeight | PackedWeight
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class Stacked:
 def _same_storage(a: Weight, b: Weight) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.dtype == b.dtype and a.shape[1:] == b.shape[1:]
+    if isinstance(a, PackedWeight) and isinstance(b, PackedWeight):
+        return (a.qtype, a.shape[1], a.dtype) == (b.qtype, b.shape[1], b.dtype)
     return (isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
             and a.qtype == b.qtype and a.grouped == b.grouped and a.shape[1] == b.shape[1])
 
@@ -64,6 +79,8 @@ def _same_storage(a: Weight, b: Weight) -> bool:
 def _concat_rows(a: Weight, b: Weight) -> Weight:
     if isinstance(a, torch.Tensor):
         return torch.cat([a, b])
+    if isinstance(a, PackedWeight):
+        return concat_rows(a, b)
     data = weight_buffer(a.data.numel() + b.data.numel()).view(-1, a.data.shape[1])
     torch.cat([a.data, b.data], out=data)  # whole groups
     return QuantizedWeight(a.qtype, (a.shape[0] + b.shape[0], a.shape[1]), data,
@@ -84,10 +101,19 @@ def linear(x: torch.Tensor, w: Weight | Stacked, bias: torch.Tensor | None = Non
         y = torch.cat([linear(x, part) for part in w.parts], dim=-1)
     elif isinstance(w, torch.Tensor):
         y = F.linear(x.to(w.dtype), w)
+    elif isinstance(w, PackedWeight):
+        y = quant_matmul.linear(x, w)
     else:
         out = scratch.take(x.shape[0], w.shape[0]) if transient and x.dim() == 2 else None
         y = qmatmul(_fp32(x), w, out)
     return y if bias is None else y + bias
+
+
+def packs_on(w: QuantizedWeight, device: str | torch.device) -> bool:
+    """Whether w can stay in its blocks on `device`: a CUDA device with the Triton kernels
+    present (triton installed) and a type they multiply (kvlab.kernels.packed)."""
+    return (quant_matmul is not None and torch.device(device).type == "cuda"
+            and w.qtype in PACKED_TYPES and not w.grouped)
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
@@ -103,6 +129,8 @@ def embed(ids: torch.Tensor, w: Weight) -> torch.Tensor:
     """Rows of the embedding matrix: reads only the rows asked for."""
     if isinstance(w, torch.Tensor):
         return w.index_select(0, ids).float()
+    if isinstance(w, PackedWeight):
+        return quant_matmul.dequantize_rows(w, ids)
     return dequantize_rows(w, ids)
 
 

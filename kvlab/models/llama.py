@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvlab.config import ModelConfig
+from kvlab.kernels.packed import PackedWeight
 from kvlab.models import decode_c, decode_gpu
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
@@ -129,8 +130,8 @@ class LlamaModel:
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
-        self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor) and first.is_cuda
-                           else torch.float32)
+        self.rope_dtype = (first.dtype if isinstance(first, torch.Tensor | PackedWeight)
+                           and first.is_cuda else torch.float32)
         self.c_plan = (decode_c.build_plan(config, layers, "silu")  # decode layers in one C call
                        if tp.size == 1 else None)
         # on CUDA with triton: decode layers as products and fused Triton kernels

@@ -1,7 +1,9 @@
 """Checkpoint -> ModelConfig + model object, through the architecture's name table.
 
 Quantized GGUF tensors stay in their block format (QuantizedWeight) unless the caller asks
-for dense weights; float tensors are cast to the compute dtype; norms and biases stay fp32.
+for dense weights; on CUDA with triton installed the types Triton kernels multiply stay in
+their blocks too, repacked as planes (PackedWeight), the others are dequantized; float
+tensors are cast to the compute dtype; norms and biases stay fp32.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from kvlab.kernels import (
     group_rows,
     quantize,
 )
+from kvlab.kernels.packed import PackedWeight, pack
 from kvlab.metrics import RunCost
 from kvlab.models import find_arch
-from kvlab.models.layers import Stacked, Weight
+from kvlab.models.layers import Stacked, Weight, packs_on
 from kvlab.models.moe import Experts
 from kvlab.models.pooling import gguf_pooling, hf_pooling
 from kvlab.models.sharding import (
@@ -49,13 +52,17 @@ _STACKED = (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up")),
 # experts' bias rows (gpt-oss: [experts, out], not matrices of a product)
 _DENSE = {"router", "shexp_router", "gate_up_exps_bias", "gate_exps_bias", "up_exps_bias",
           "down_exps_bias"}
+# dense on GPUs too: latent attention (deepseek2) folds these into per-head tensors at load
+_DENSE_ON_GPU = _DENSE | {"kv_a", "kv_b", "k_b", "v_b"}
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     dtype: torch.dtype = torch.float32
-    keep_quantized: bool = True  # GGUF quant blocks stay as they are in memory (CPU kernels)
-    device: str = "cpu"  # on CUDA, quantized weights are dequantized to `dtype` at load
+    # GGUF quant blocks stay as they are in memory (CPU kernels); on CUDA with triton, those
+    # of kvlab.kernels.packed's PACKED_TYPES stay quantized in planes (Triton kernels)
+    keep_quantized: bool = True
+    device: str = "cpu"  # on CUDA, other quantized weights are dequantized to `dtype` at load
     quantize: str | None = None  # quantize dense 2-D weights at load: QUANTIZE_CHOICES
     # CPU: matrices of 8k rows of the types in kvlab.layouts.GROUPS_AS in 8-row groups (Q8_0x8,
     # Q4_Kx8, ...: exact values; batched decode and prefill 1.3-2x faster, batch-1 no slower)
@@ -186,7 +193,8 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
             raw = _shard(raw, dst, stat_name, full, tp, options.quantize)
         # `read` spans are the stored tensor's: only while raw still is those bytes
         same = raw.data.data_ptr() == stored and tp.size == 1
-        w = _convert(raw, options, dense=dst in _DENSE, read=read if same else None)
+        dense = dst in (_DENSE if options.device == "cpu" else _DENSE_ON_GPU)
+        w = _convert(raw, options, dense=dense, read=read if same else None)
         stats.append(_stat(stat_name, w, raw.data.numel() * raw.data.element_size()))
         return w
 
@@ -367,6 +375,8 @@ def _convert(raw: RawTensor, options: LoadOptions, dense: bool = False,
         w = QuantizedWeight(GGMLQuantizationType[raw.qtype], raw.shape, raw.data)
         if options.keep_quantized and on_cpu:
             return _grouped(w, options, read)
+        if options.keep_quantized and not dense and packs_on(w, options.device):
+            return pack(w, options.dtype, options.device)
         return dequantize(w).to(device=options.device, dtype=options.dtype)
     t = raw.data
     if t.dim() < 2:
@@ -395,5 +405,7 @@ def _quant_type_for(cols: int, wanted: str | None) -> GGMLQuantizationType | Non
 def _stat(name: str, w: Weight, stored: int) -> TensorStat:
     if isinstance(w, QuantizedWeight):
         return TensorStat(name, tuple(w.shape), w.type_name, w.nbytes, stored)
+    if isinstance(w, PackedWeight):
+        return TensorStat(name, tuple(w.shape), w.qtype.name, w.nbytes, stored)
     kind = str(w.dtype).removeprefix("torch.").replace("float", "F").replace("bF", "BF")
     return TensorStat(name, tuple(w.shape), kind, w.numel() * w.element_size(), stored)

@@ -1,0 +1,228 @@
+"""Products with packed GGUF weights (kvlab.kernels.packed) on CUDA, in Triton.
+
+Hand-written because no library multiplies GGUF's K-quant, IQ4_XS and MXFP4 blocks on a
+GPU while they stay quantized: torch and cuBLAS take dense matrices only, so the old path
+dequantized every weight to bf16 at load (4x the bytes of Q4_K, and 4x the bytes read per
+decoded token). Here the weight stays in its blocks and each kernel dequantizes a tile of
+[rows, 32] in registers (`_w_tile`, the one place that knows the formats), with the C
+dequantizers' arithmetic order, so values are bit-identical to kvlab.kernels.dequantize.
+
+    gemv  (decode, <= GEMV_MAX_ROWS rows of x): a program per BLOCK_N weight rows reads
+          each of their blocks once and serves every row of x from registers
+    gemm  (prefill): [BLOCK_M, BLOCK_N] output tiles, tl.dot over 32-wide steps of K with
+          the weight tile cast to x's dtype (bf16/fp16 tensor cores; fp32 in IEEE)
+    dequantize_rows: rows of the weight as a dense tensor (embedding lookups, tests)
+
+Accumulation is fp32 throughout; outputs take the weight's compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from kvlab.kernels.packed import PackedWeight
+
+T = GGMLQuantizationType
+# constexpr codes of the formats, one branch each in _w_tile
+_CODES = {T.Q8_0: 0, T.Q4_K: 1, T.Q5_K: 2, T.Q6_K: 3, T.IQ4_XS: 4, T.MXFP4: 5}
+GEMV_MAX_ROWS = 8  # more rows of x than this go through the tiled GEMM
+# Triton's CPU interpreter (TRITON_INTERPRET=1, the tests without a GPU) multiplies bf16
+# tiles as their uint16 bits in tl.dot: there the GEMM widens half tiles to fp32 first
+_INTERPRETED = triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _k4_scaled(q, sc_ptr, mn_ptr, d_ptr, dm_ptr, rows, kk, K):
+    """Q4_K/Q5_K: (d * scale) * q - (dmin * min) for sub-block kk / 32 of each row."""
+    sub = rows * (K // 32) + kk // 32
+    blk = rows * (K // 256) + kk // 256
+    d1 = tl.load(d_ptr + blk).to(tl.float32) * tl.load(sc_ptr + sub).to(tl.float32)
+    m1 = tl.load(dm_ptr + blk).to(tl.float32) * tl.load(mn_ptr + sub).to(tl.float32)
+    return d1[:, None] * q.to(tl.float32) - m1[:, None]
+
+
+@triton.jit
+def _w_tile(QT: tl.constexpr, p0, p1, p2, p3, p4, p5, lut, rows, kk, K):
+    """fp32 [BLOCK_N, 32]: elements kk..kk+31 of weight rows `rows` (int64, in range)."""
+    c = tl.arange(0, 32)
+    r = rows[:, None]
+    if QT == 0:  # Q8_0: qs * d
+        q = tl.load(p0 + r * K + kk + c[None, :]).to(tl.float32)
+        d = tl.load(p1 + rows * (K // 32) + kk // 32).to(tl.float32)
+        w = q * d[:, None]
+    elif QT == 1 or QT == 2:  # Q4_K, Q5_K: byte 32j + l holds elements 64j + l, 64j + 32 + l
+        j = (kk % 256) // 64
+        half = (kk // 32) % 2
+        base = (kk // 256) * 128 + j * 32
+        q = (tl.load(p0 + r * (K // 2) + base + c[None, :]).to(tl.int32) >> (4 * half)) & 0xF
+        if QT == 1:
+            w = _k4_scaled(q, p1, p2, p3, p4, rows, kk, K)
+        else:  # the fifth bit: bit 2j + half of qh[l]
+            qh = tl.load(p1 + r * (K // 8) + (kk // 256) * 32 + c[None, :]).to(tl.int32)
+            q = q | (((qh >> (2 * j + half)) & 1) << 4)
+            w = _k4_scaled(q, p2, p3, p4, p5, rows, kk, K)
+    elif QT == 3:  # Q6_K: element 128h + 32g + l; 4 bits from ql, 2 from qh, a scale per 16
+        e = kk % 256
+        h = e // 128
+        g = (e % 128) // 32
+        sb = kk // 256
+        lo = tl.load(p0 + r * (K // 2) + sb * 128 + 64 * h + 32 * (g % 2) + c[None, :])
+        hi = tl.load(p1 + r * (K // 4) + sb * 64 + 32 * h + c[None, :])
+        q = ((lo.to(tl.int32) >> (4 * (g // 2))) & 0xF) | (((hi.to(tl.int32) >> (2 * g)) & 3) << 4)
+        sc = tl.load(p2 + r * (K // 16) + sb * 16 + 8 * h + 2 * g + c[None, :] // 16)
+        d = tl.load(p3 + rows * (K // 256) + sb).to(tl.float32)
+        w = (d[:, None] * sc.to(tl.float32)) * (q - 32).to(tl.float32)
+    else:  # IQ4_XS, MXFP4: 16 bytes per 32 elements, l in the low nibble, l + 16 in the high
+        sub = kk // 32
+        byte = tl.load(p0 + r * (K // 2) + sub * 16 + (c[None, :] % 16)).to(tl.int32)
+        v = tl.load(lut + ((byte >> (4 * (c[None, :] // 16))) & 0xF))
+        if QT == 4:  # (d * (scale - 32)) * v
+            ls = tl.load(p1 + rows * (K // 32) + sub).to(tl.float32)
+            d = tl.load(p2 + rows * (K // 256) + kk // 256).to(tl.float32)
+            w = (d * ls)[:, None] * v
+        else:  # 2^(e - 128) * v, built from its bits (subnormal for e < 2)
+            ex = tl.load(p1 + rows * (K // 32) + sub).to(tl.int32)
+            bits = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23)
+            w = bits.to(tl.float32, bitcast=True)[:, None] * v
+    return w
+
+
+@triton.jit
+def _dequant_kernel(ids_ptr, out_ptr, n, K, p0, p1, p2, p3, p4, p5, lut,
+                    QT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[i, kk:kk+32] = row ids[i] of the weight; grid (n / BLOCK_N, K / 32)."""
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = i < n
+    rows = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int64)
+    kk = tl.program_id(1) * 32
+    w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
+    c = tl.arange(0, 32)
+    tl.store(out_ptr + i.to(tl.int64)[:, None] * K + kk + c[None, :], w, mask=ok[:, None])
+
+
+@triton.jit
+def _store(y_ptr, acc, m, n, m_ok, n_ok, N):
+    """The fp32 tile acc -> y[m, n] (contiguous [M, N]) in y's dtype, in range only."""
+    out = y_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, y_ptr, M, N, K, p0, p1, p2, p3, p4, p5, lut,
+                 QT: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
+                 STEPS: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[n, k] for the M (<= M_PAD) rows of x; grid N / BLOCK_N.
+    x [M, K] and y [M, N] contiguous; STEPS 32-wide sub-blocks per loop trip."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    rows = tl.where(n_ok, n, 0).to(tl.int64)  # rows past N read row 0, never stored
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    c = tl.arange(0, 32)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 32 * STEPS):
+        for s in tl.static_range(STEPS):
+            kk = k0 + 32 * s
+            w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
+            x = tl.load(x_ptr + m[:, None] * K + kk + c[None, :], mask=m_ok[:, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    _store(y_ptr, acc, m, n, m_ok, n_ok, N)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, y_ptr, M, N, K, p0, p1, p2, p3, p4, p5, lut,
+                 QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 STEPS: tl.constexpr, WIDEN: tl.constexpr):
+    """y = x @ w^T by [BLOCK_M, BLOCK_N] tiles; grid (N / BLOCK_N, M / BLOCK_M): programs
+    next to each other share a tile of x and walk the weight's rows. WIDEN: fp16/bf16
+    tiles are multiplied as the fp32 numbers they hold (the same products)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok, m_ok = n < N, m < M
+    rows = tl.where(n_ok, n, 0).to(tl.int64)
+    xrows = tl.where(m_ok, m, 0).to(tl.int64)
+    c = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 32 * STEPS):
+        for s in tl.static_range(STEPS):
+            kk = k0 + 32 * s
+            w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
+            x = tl.load(x_ptr + xrows[:, None] * K + kk + c[None, :])
+            if x_ptr.dtype.element_ty == tl.float32:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            elif WIDEN:
+                wt = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+                acc = tl.dot(x.to(tl.float32), tl.trans(wt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+    _store(y_ptr, acc, m, n, m_ok, n_ok, N)
+
+
+def _operands(w: PackedWeight) -> list:
+    """The six plane pointers (unused ones repeat the first) and the value table."""
+    planes = list(w.planes) + [w.planes[0]] * (6 - len(w.planes))
+    return [*planes, w.planes[0] if w.values is None else w.values]
+
+
+def _steps(w: PackedWeight, most: int) -> int:
+    """32-wide sub-blocks per loop trip: as many as divide the row, up to `most`."""
+    subs = w.shape[1] // 32
+    return next(s for s in (8, 4, 2, 1) if s <= most and subs % s == 0)
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` (any shape) of w -> [*ids.shape, in] in `dtype`; reads only those rows."""
+    flat = ids.reshape(-1).to(device=w.device, dtype=torch.int64).contiguous()
+    out = torch.empty(flat.numel(), w.shape[1], dtype=dtype, device=w.device)
+    if flat.numel():
+        block = 32
+        grid = (triton.cdiv(flat.numel(), block), w.shape[1] // 32)
+        _dequant_kernel[grid](flat, out, flat.numel(), w.shape[1], *_operands(w),
+                              QT=_CODES[w.qtype], BLOCK_N=block)
+    return out.view(*ids.shape, w.shape[1])
+
+
+def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole matrix [out, in] in `dtype`."""
+    return dequantize_rows(w, torch.arange(w.shape[0], device=w.device), dtype)
+
+
+def linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [..., in] @ w^T -> [..., out] in w.dtype, x taken in w.dtype (as F.linear with a
+    dense weight of that dtype)."""
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {w!r} takes "
+                         f"{w.shape[1]}")
+    x2 = x.reshape(-1, w.shape[1]).to(w.dtype).contiguous()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype, device=x.device)
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        gemv(x2, w, y)
+    else:
+        gemm(x2, w, y)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def gemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
+    """y [M, out] = x [M, in] @ w^T for a few rows (M <= GEMV_MAX_ROWS); contiguous."""
+    m = x.shape[0]
+    if m:
+        block = 32
+        _gemv_kernel[(triton.cdiv(w.shape[0], block),)](
+            x, y, m, w.shape[0], w.shape[1], *_operands(w), QT=_CODES[w.qtype],
+            BLOCK_N=block, M_PAD=triton.next_power_of_2(m), STEPS=_steps(w, 4), num_warps=4)
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
+    """y [M, out] = x [M, in] @ w^T by tiles (prefill); contiguous."""
+    m = x.shape[0]
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    block_n = 128 if block_m >= 64 else 64
+    grid = (triton.cdiv(w.shape[0], block_n), triton.cdiv(m, block_m))
+    _gemm_kernel[grid](x, y, m, w.shape[0], w.shape[1], *_operands(w),
+                       QT=_CODES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
+                       STEPS=_steps(w, 2), WIDEN=_INTERPRETED and x.dtype != torch.float32,
+                       num_warps=8 if block_m >= 64 else 4)

@@ -1,0 +1,143 @@
+"""Packed GGUF weights (kvlab.kernels.packed) and their Triton kernels (kvlab.gpu.quant_matmul).
+
+On every packed type, on real blocks (kvlab's and gguf's quantizers; IQ4_XS, which has none,
+from blocks built to reach every table entry and scale): the planes stay within 10 % of the
+file's bytes, the Triton dequantizer equals kvlab's C dequantizer bit for bit, and the GEMV
+(decode) and GEMM (prefill) products agree with x @ dequantize(W)^T within fp32 rounding
+(fp16/bf16: the rounding of the activations' dtype), as the C products do within their
+8-bit activations' bound. Where no CUDA device is present the kernels run on CPU tensors
+through Triton's interpreter, which is set before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (pip install kvlab[test])")
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvlab.gpu import quant_matmul
+from kvlab.kernels import QuantizedWeight, dequantize, dequantize_rows, qmatmul, quantize
+from kvlab.kernels.packed import PACKED_TYPES, concat_rows, pack
+from kvlab.models.layers import Stacked, embed, linear
+from tests.test_kernels import qmatmul_bound
+from tests.test_kernels_iq4 import iq4_xs_blocks
+
+T = GGMLQuantizationType
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS, COLS = 72, 512  # 72: a partial tile of weight rows in every kernel
+# resident bytes / file bytes: the K-quants' 12 packed scale bytes unpack to 16 (+4 of 144)
+RATIOS = {T.Q8_0: 1.0, T.Q4_K: 148 / 144, T.Q5_K: 180 / 176, T.Q6_K: 1.0,
+          T.IQ4_XS: 138 / 136, T.MXFP4: 1.0}
+ids = lambda t: t.name
+
+
+def real_weight(qtype: GGMLQuantizationType, rows: int = ROWS, cols: int = COLS,
+                seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    if qtype != T.IQ4_XS:  # Q8_0 byte-exact to gguf's; K-quants kvlab's search; MXFP4 gguf's
+        return quantize(torch.randn(rows, cols, generator=g), qtype)
+    r = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = iq4_xs_blocks(r.uniform(0.002, 0.02, n), r.integers(0, 64, (n, 8)),
+                           r.integers(0, 16, (n, 256)))
+    return QuantizedWeight(qtype, (rows, cols), torch.from_numpy(blocks.reshape(rows, -1)))
+
+
+@pytest.fixture(scope="module", params=PACKED_TYPES, ids=ids)
+def weights(request):
+    w = real_weight(request.param)
+    return w, pack(w, torch.float32, DEVICE), dequantize(w)
+
+
+def test_types_are_the_brief_ones():
+    assert set(PACKED_TYPES) == set(RATIOS)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=ids)
+def test_resident_bytes_stay_within_ten_percent_of_the_file(qtype):
+    w = real_weight(qtype, 8, 256)
+    p = pack(w, torch.bfloat16, DEVICE)
+    ratio = p.nbytes / w.nbytes
+    print(f"{qtype.name}: packed {p.nbytes} bytes, file {w.nbytes}: ratio {ratio:.3f}")
+    assert p.file_nbytes == w.nbytes
+    assert ratio == pytest.approx(RATIOS[qtype]) and ratio <= 1.10
+
+
+def test_triton_dequantize_equals_the_c_dequantizer_bit_for_bit(weights):
+    w, p, ref = weights
+    got = quant_matmul.dequantize(p).cpu()
+    assert torch.equal(got, ref), f"{w.qtype.name}: max diff {(got - ref).abs().max()}"
+    for a, b in zip(concat_rows(p, p).planes, p.planes):  # stacking keeps every plane's rows
+        assert torch.equal(a[: b.shape[0]], b) and torch.equal(a[b.shape[0]:], b)
+
+
+def test_row_lookup_equals_the_c_rows(weights):
+    w, p, _ = weights
+    picks = torch.tensor([[5, 71], [0, 5]])
+    got = quant_matmul.dequantize_rows(p, picks.to(DEVICE)).cpu()
+    assert torch.equal(got, dequantize_rows(w, picks))
+    assert torch.equal(embed(picks.to(DEVICE), p).cpu(), got)  # the models' lookup
+
+
+def _bound(x: torch.Tensor, ref_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 accumulation rounding, plus for fp16/bf16 the rounding of the weight tile (GEMM),
+    of the activations and of the output to that dtype."""
+    scale = x.double().abs() @ ref_w.double().abs().T
+    if dtype == torch.float32:
+        return 1e-5 * scale + 1e-6
+    return 4 * torch.finfo(dtype).eps * scale + 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 5, 40], ids=lambda n: f"{n}rows")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_gemv_and_gemm_match_dequantize_then_matmul(weights, n, dtype):
+    """1 and 5 rows run the GEMV kernel (5: padded to 8), 40 the GEMM; the C product on the same blocks stays
+    within its own bound (activations rounded to 8 bits) of the same reference."""
+    w, _, ref_w = weights
+    p = pack(w, dtype, DEVICE)
+    x = torch.randn(n, COLS, generator=torch.Generator().manual_seed(n))
+    xt = x.to(dtype)  # what the kernels read
+    ref = (xt.double() @ ref_w.double().T)
+    got = quant_matmul.linear(xt.to(DEVICE), p)
+    assert got.dtype == dtype and got.shape == (n, ROWS)
+    err = (got.cpu().double() - ref).abs()
+    bound = _bound(xt.float(), ref_w, dtype)
+    assert (err <= bound).all(), f"{w.qtype.name}: worst {(err / bound).max():.2f} of the bound"
+    if dtype == torch.float32:
+        c_err = (qmatmul(x, w).double() - ref).abs()
+        assert (c_err <= qmatmul_bound(x, ref_w, w.qtype, True)).all()
+
+
+def test_stacked_packed_weights_multiply_as_one():
+    """q|k|v of one type concatenate into one packed matrix; its product splits back."""
+    parts = [real_weight(T.Q4_K, rows, 256, seed) for rows, seed in ((64, 1), (32, 2))]
+    packed = [pack(w, torch.float32, DEVICE) for w in parts]
+    stacked = Stacked.of(packed)
+    assert len(stacked.parts) == 1 and stacked.parts[0].shape == (96, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = linear(x, stacked)
+    want = torch.cat([quant_matmul.linear(x, q) for q in packed], -1)
+    assert torch.equal(got, want)
+
+
+def test_a_row_of_the_wrong_width_is_refused():
+    p = pack(real_weight(T.Q8_0, 8, 64), torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="takes 64"):
+        quant_matmul.linear(torch.zeros(1, 32, device=DEVICE), p)
+    with pytest.raises(ValueError, match="cannot be packed"):
+        pack(quantize(torch.zeros(8, 64), T.Q4_0), torch.float32, DEVICE)
+
+
+def test_block_sizes_match_gguf():
+    assert {t: GGML_QUANT_SIZES[t] for t in PACKED_TYPES} == {
+        T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210),
+        T.IQ4_XS: (256, 136), T.MXFP4: (32, 17)}
