@@ -18,11 +18,12 @@ self: the residual contributions of the layers past the draft's (their attn_outp
 ffn_down) are multiplied by --scale; the target still runs all 16 layers at full cost, but
 its prediction stays close to the draft's. The smaller --scale, the more often they agree.
 
-The check at the end is honest about it: on spec_decode.py's first input-grounded prompts,
-the target's greedy continuation, teacher-forced through both models, gives the share of
-positions where the draft's greedy token is the target's (the acceptance a draft of one token
-would see), and how many distinct tokens the continuation holds (a random model that repeats
-itself makes agreement trivial). Files that exist are kept; delete OUT to rebuild.
+The check at the end is honest about it: on the first of `kvlab loadtest`'s built-in
+prompts (random weights copy nothing from a prompt, so any prompt serves), the target's
+greedy continuation, teacher-forced through both models, gives the share of positions where
+the draft's greedy token is the target's (the acceptance a draft of one token would see), and
+how many distinct tokens the continuation holds (a random model that repeats itself makes
+agreement trivial). Files that exist are kept; delete OUT to rebuild.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ from quant_peers import (  # the sibling script's Llama-3.2-1B shape, by path
     llama_tensors,
     tensor_values,
 )
-from spec_decode import grounded
 
 from kvlab.engine import EngineConfig
+from kvlab.harness.loadtest import builtin_prompts
 from kvlab.kernels.ops import quantize
 from kvlab.llm import LLM
 from kvlab.request import SamplingParams
@@ -172,7 +173,8 @@ def main() -> None:
     if args.check_prompts:
         config = EngineConfig(threads=args.t, max_num_seqs=1)
         agreement(LLM(str(target), config), LLM(str(draft), config),
-                  grounded()[:args.check_prompts], args.check_tokens)
+                  [p.as_text() for p in builtin_prompts()[:args.check_prompts]],
+                  args.check_tokens)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,13 @@ costs where it cannot help: their ratio should stay >= 0.95, as the adaptive siz
 proposals off once they keep failing. Figures are meaningless while other work shares the
 cores.
 
-    .venv/bin/python bench/spec_decode.py [-n 128] [-t 2] [-k 4] [-r 2] [--draft-model PATH]
+    .venv/bin/python bench/spec_decode.py [-n 128] [-t 2] [-k 4] [-r 2] [--prompts N]
+        [--draft-model PATH | --draft-pair DIR]
+
+--draft-pair DIR measures bench/draft_pair.py's pair instead of the default model: its target
+alone against the target with `--speculative draft` and its layer-skip draft, on the same
+prompts (the speed-up and the draft's acceptance rate). --prompts N takes the first N
+prompts of each list (a quick check).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
+
+from draft_pair import pair_paths  # the sibling script's, by path
 
 from kvlab.engine import EngineConfig
 from kvlab.llm import LLM
@@ -146,17 +155,32 @@ def report(name: str, plain: LLM, spec: LLM, prompts: list[str], params: Samplin
     print(f"\n{name}")
     print(f"{'#':>3} {'plain t/s':>10} {'spec t/s':>10} {'ratio':>6} {'accept':>7} "
           f"{'same':>5}  prompt")
-    ratios = []
+    ratios, proposed, kept = [], 0, 0
     for i, prompt in enumerate(prompts):
         r0, r1, same, d, a = measure(plain, spec, prompt, params, reps)
         ratios.append(r1 / r0)
+        proposed, kept = proposed + d, kept + a
         accept = f"{100 * a / d:.0f} %" if d else "-"
         match = ("yes" if same else "NO") if params.greedy else "-"  # sampled: same seed
         print(f"{i:>3} {r0:>10.1f} {r1:>10.1f} {r1 / r0:>6.2f} {accept:>7} "
               f"{match:>5}  {prompt[:48]!r}")
+    rate = f" ({100 * kept / proposed:.0f} %)" if proposed else ""
     print(f"geometric mean ratio {statistics.geometric_mean(ratios):.2f}, "
-          f"min {min(ratios):.2f}")
+          f"min {min(ratios):.2f}; {kept} of {proposed} proposed tokens accepted{rate}")
     return ratios
+
+
+def engines(args: argparse.Namespace) -> tuple[LLM, LLM]:
+    """(plain, speculative) on the default model, or on --draft-pair's target."""
+    model, draft = None, args.draft_model
+    if args.draft_pair is not None:
+        target, pair_draft = pair_paths(args.draft_pair)
+        model, draft = str(target), str(pair_draft)
+    plain = LLM(model, EngineConfig(threads=args.t, max_num_seqs=1))
+    spec = LLM(model, EngineConfig(threads=args.t, max_num_seqs=1,
+                                   speculative="ngram" if draft is None else "draft",
+                                   num_speculative=args.k, draft_model=draft))
+    return plain, spec
 
 
 def main() -> None:
@@ -165,27 +189,29 @@ def main() -> None:
     ap.add_argument("-t", type=int, default=2, help="threads")
     ap.add_argument("-k", type=int, default=4, help="--num-speculative")
     ap.add_argument("-r", type=int, default=2, help="repetitions per prompt (median)")
-    ap.add_argument("--draft-model", default=None, metavar="PATH",
-                    help="propose with this draft model instead of prompt lookup")
+    ap.add_argument("--prompts", type=int, default=None, metavar="N",
+                    help="only the first N prompts of each list")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="propose with this draft model instead of prompt lookup")
+    source.add_argument("--draft-pair", type=Path, default=None, metavar="DIR",
+                        help="bench/draft_pair.py's folder: its target, plain and with its "
+                             "draft")
     args = ap.parse_args()
-    config = EngineConfig(threads=args.t, max_num_seqs=1)
-    plain = LLM(None, config)
-    method = "ngram" if args.draft_model is None else "draft"
-    spec = LLM(None, EngineConfig(threads=args.t, max_num_seqs=1, speculative=method,
-                                  num_speculative=args.k, draft_model=args.draft_model))
+    plain, spec = engines(args)
     params = SamplingParams(max_tokens=args.n, temperature=0)
     decode(plain, plain.tokenizer.encode("Hello"), params)  # warm-up: pages in the weights
     decode(spec, spec.tokenizer.encode("Hello"), params)
-    report("input-grounded prompts", plain, spec, grounded(), params, args.r)
-    free = report("free generation (nothing to look up), greedy", plain, spec, FREE, params,
-                  args.r)
+    grounded_prompts, free_prompts = grounded()[:args.prompts], FREE[:args.prompts]
+    report("input-grounded prompts", plain, spec, grounded_prompts, params, args.r)
+    free = report("free generation (nothing to look up), greedy", plain, spec, free_prompts,
+                  params, args.r)
     sampled = SamplingParams(max_tokens=args.n, temperature=1.0, seed=7)
     free += report("free generation, sampled (temperature 1, seed 7; the two runs draw "
-                   "differently, so texts differ)", plain, spec, FREE, sampled, args.r)
+                   "differently, so texts differ)", plain, spec, free_prompts, sampled, args.r)
     verdict = "holds" if min(free) >= 0.95 else "does NOT hold"
     print(f"\nfree generation: lowest speculative / plain ratio {min(free):.2f} "
           f"(>= 0.95 {verdict})")
-
 
 if __name__ == "__main__":
     main()
