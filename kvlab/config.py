@@ -157,7 +157,9 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     local_rope: RopeConfig | None = None  # rope of sliding-window layers when it differs
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()  # per layer: "full" or "sliding"
+    # per layer: "full" or "sliding" (attention), "recurrent" (a state per sequence, no KV),
+    # or "mlp" (no token mixing: the layer is its MLP alone, neither KV nor state)
+    layer_types: tuple[str, ...] = ()
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # RMSNorm on each head's queries and keys
     qk_norm_whole: bool = False  # RMSNorm over all heads' queries (keys) as one vector (OLMoE)
@@ -188,6 +190,9 @@ class ModelConfig:
     kv_sources: tuple[int, ...] = ()
     # full-attention layers have no v projection: values are their keys (Gemma 4)
     global_values_from_keys: bool = False
+    # True: each attention or recurrent layer runs an MLP after its mixer; False: those
+    # layers run their mixer alone and the MLPs are layers of their own (Nemotron-H)
+    mlp_after_mixer: bool = True
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -230,10 +235,22 @@ class ModelConfig:
 
     def owns_kv(self, layer: int) -> bool:
         """Whether the layer keeps a K/V store: attention that reads no other layer's."""
-        return not self.is_recurrent(layer) and self.kv_source(layer) == layer
+        return self.is_attention(layer) and self.kv_source(layer) == layer
+
+    def is_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] in ("full", "sliding")
 
     def is_recurrent(self, layer: int) -> bool:
         return self.layer_types[layer] == "recurrent"
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether the layer runs an MLP: an "mlp" layer always, the others after their
+        mixer unless the MLPs are layers of their own."""
+        return self.layer_types[layer] == "mlp" or self.mlp_after_mixer
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(map(self.is_attention, range(self.num_layers)))
 
     @property
     def num_recurrent_layers(self) -> int:
@@ -248,7 +265,8 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: float, sliding: bool | None = None) -> float:
         """Key + value bytes one token adds to the cache, summed over the attention layers:
         all of them, or only the sliding-window (sliding=True) or full-attention (False)
-        ones. Recurrent layers and layers that read another's KV keep none."""
+        ones. Recurrent layers, MLP-only layers and layers that read another's KV keep
+        none."""
         if self.mla is not None:  # the latent and its rotary key part; V is read from it
             return 0.0 if sliding else self.num_layers * self.mla.latent_width * bytes_per_element
         kept = [i for i in range(self.num_layers) if self.owns_kv(i)
@@ -272,11 +290,18 @@ def interleaved_layer_types(num_layers: int, global_every: int | None) -> tuple[
 
 
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full",
-                  "conv": "recurrent", "linear_attention": "recurrent"}
+                  "conv": "recurrent", "linear_attention": "recurrent",
+                  # Granite 4 hybrid's and Nemotron-H's own names ("moe": experts alone)
+                  "mamba": "recurrent", "attention": "full", "mlp": "mlp", "moe": "mlp"}
+# Nemotron-H's hybrid_override_pattern, a character per layer: Mamba-2, attention, MLP, experts
+PATTERN_LAYER_TYPES = {"M": "recurrent", "*": "full", "-": "mlp", "E": "mlp"}
 
 
-def hf_layer_types(types: list[str]) -> tuple[str, ...]:
+def hf_layer_types(types: list[str] | str) -> tuple[str, ...]:
     """An HF config's `layer_types` ("sliding_attention", "full_attention"; a hybrid's "conv"
-    (LFM2) or "linear_attention" (Qwen3.5)) as kvlab's "sliding", "full", "recurrent"."""
+    (LFM2), "linear_attention" (Qwen3.5), "mamba", "mlp", "moe") as kvlab's "sliding",
+    "full", "recurrent", "mlp"; a string is a pattern of PATTERN_LAYER_TYPES characters."""
+    if isinstance(types, str):
+        return tuple(PATTERN_LAYER_TYPES.get(t, "full") for t in types)
     return tuple(HF_LAYER_TYPES.get(t, "full") for t in types)
 

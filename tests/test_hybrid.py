@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, EngineConfig
-from kvlab.models.loader import LoadOptions, load_model
+from kvlab.models.loader import LoadOptions, load_model, read_config
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
@@ -289,6 +289,11 @@ MISMATCHES = {
                       ("granitehybrid.ssm.conv_kernel", 3, "SSM dimensions say")],
     "granitehybrid_moe": [("granitehybrid.ssm.time_step_rank", 4, "SSM dimensions say"),
                           ("granitehybrid.ssm.group_count", 1, "SSM dimensions say")],
+    "nemotron_h": [("nemotron_h.ssm.state_size", 8, "SSM dimensions say"),
+                   ("nemotron_h.ssm.group_count", 1, "SSM dimensions say"),
+                   ("nemotron_h.ssm.conv_kernel", 3, "SSM dimensions say")],
+    "nemotron_h_moe": [("nemotron_h_moe.ssm.time_step_rank", 4, "SSM dimensions say"),
+                       ("nemotron_h_moe.ssm.inner_size", 64, "SSM dimensions say")],
 }
 
 
@@ -337,3 +342,37 @@ def test_granite_hybrid_with_rope_matches_transformers(tmp_path):
     for pos in range(8, 12):
         logits = step(runner, seq("a", pos, [ids[pos]], table, slot=1))
         assert (logits[0] - ref[pos]).abs().max() <= TOL
+
+
+def test_nemotron_h_experts_in_a_latent_match_transformers(tmp_path):
+    """Nemotron-3 Super's layout: the routed experts run in a latent narrower than the hidden
+    size (fc1_latent_proj in, fc2_latent_proj out), the router and shared expert on the
+    hidden state; prefill then decode steps equal transformers'."""
+    hf = build_hybrid("nemotron_h_moe", tmp_path, moe_latent_size=16)
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = reference_logits(hf, ids)
+    runner = runner_for(tmp_path / "hf")
+    table = [1, 2, 0]
+    logits = step(runner, seq("a", 0, ids[:8], table, slot=0))
+    assert (logits[0] - ref[7]).abs().max() <= TOL
+    for pos in range(8, 12):
+        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=0))
+        assert (logits[0] - ref[pos]).abs().max() <= TOL
+
+
+def test_nemotron_h_mlp_layers_keep_neither_kv_nor_state(tiny):
+    """Layer kinds "recurrent", "full" and "mlp": KV stores for the attention layers only,
+    state rows for the Mamba-2 layers only, nothing for the MLP-only layers; the bytes per
+    token and per sequence count the same layers."""
+    if not tiny[0].startswith("nemotron_h"):
+        pytest.skip(f"{tiny[0]} has no MLP-only layers")
+    for fmt in ("hf", "model.gguf"):
+        c = read_config(open_checkpoint(path_of(tiny, fmt)))[1]
+        assert c.layer_types == ("recurrent", "full", "recurrent", "mlp")
+        assert [c.owns_kv(i) for i in range(4)] == [False, True, False, False]
+        assert [c.has_mlp(i) for i in range(4)] == [False, False, False, True]
+        assert c.kv_bytes_per_token(4) == 4 * 2 * c.num_kv_heads * c.head_dim
+        assert c.state_bytes_per_seq() == 4 * 2 * c.recurrent.state_elements
+    runner = runner_for(tiny[2] / "hf")
+    assert [kv is not None for kv in runner.kv_caches] == [False, True, False, False]
+    assert [s is not None for s in runner.states.layers] == [True, False, True, False]

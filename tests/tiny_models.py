@@ -394,7 +394,7 @@ def _llama3_freq_factors(model) -> torch.Tensor:
 # ---- hybrid models: recurrent layers beside attention ---------------------------------------
 
 HYBRID_ARCHS = ("lfm2", "qwen3_5", "qwen3_5_moe", "granitehybrid", "granitehybrid_moe",
-                "lfm2_moe")
+                "lfm2_moe", "nemotron_h", "nemotron_h_moe")
 # llama.cpp's converter (convert_hf_to_gguf.py with conversion/ and gguf-py/), which
 # `make test` unpacks from the llama-cpp-python sdist; KVLAB_LLAMA_CONVERTER names another tree
 LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER", Path(__file__).resolve().parent.parent
@@ -434,6 +434,8 @@ def hybrid_config(arch: str, **overrides):
                                        shared_expert_intermediate_size=48)
     if arch.startswith("granitehybrid"):
         return granite_hybrid_config(common, moe=arch.endswith("_moe"))
+    if arch.startswith("nemotron_h"):
+        return nemotron_h_config(common, moe=arch.endswith("_moe"))
     raise ValueError(arch)
 
 
@@ -460,6 +462,48 @@ def granite_hybrid_config(common: dict, moe: bool):
     return tf.GraniteMoeHybridConfig(**{**defaults, **common})
 
 
+NEMOTRON_PATTERNS = {False: "M*M-", True: "M*ME"}
+
+
+def nemotron_h_config(common: dict, moe: bool):
+    """Nemotron-H: one mixer per layer, Mamba-2 (8 heads of 16 in 2 groups, state 16, scan
+    chunks of 8), attention without RoPE (heads 16 wide, not hidden / heads), and a relu2
+    MLP ("-") or eight relu2 experts of which two run, sigmoid-routed with a choice bias and
+    scaled by 2.5, beside a shared expert ("E")."""
+    import transformers as tf
+
+    layers = common.pop("num_hidden_layers")
+    pattern = (NEMOTRON_PATTERNS[moe] * layers)[:layers]
+    eps = common.pop("rms_norm_eps")
+    return tf.NemotronHConfig(
+        **{**common, "layer_norm_epsilon": eps}, hybrid_override_pattern=pattern,
+        head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+        conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=2.5, bos_token_id=None, eos_token_id=None)
+
+
+# the MoE keys transformers writes into every Nemotron-H config.json; NVIDIA's dense
+# checkpoints have none, and llama.cpp's converter takes any of them for the MoE variant
+_NEMOTRON_MOE_KEYS = ("moe_intermediate_size", "moe_latent_size", "n_group", "topk_group",
+                      "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap",
+                      "n_routed_experts", "n_shared_experts", "norm_topk_prob",
+                      "num_experts_per_tok", "routed_scaling_factor", "mtp_layers_block_type",
+                      "num_nextn_predict_layers")
+
+
+def _nemotron_config_json(path: Path, moe: bool) -> None:
+    """config.json as NVIDIA's checkpoints write it: the hybrid_override_pattern string and
+    num_hidden_layers, not transformers' layers_block_type; MoE keys only in the MoE one."""
+    saved = json.loads(path.read_text())
+    kinds = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    pattern = "".join(kinds[t] for t in saved.pop("layers_block_type"))
+    saved |= {"hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    for key in () if moe else _NEMOTRON_MOE_KEYS:
+        saved.pop(key, None)
+    path.write_text(json.dumps(saved))
+
+
 def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     """Random fp32 hybrid model saved as out_dir/hf (safetensors); norms and routers random
     so that a wrong norm convention or expert choice shows."""
@@ -471,7 +515,8 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
            "granitehybrid": tf.GraniteMoeHybridForCausalLM,
            "granitehybrid_moe": tf.GraniteMoeHybridForCausalLM,
-           "lfm2_moe": tf.Lfm2MoeForCausalLM}[arch]
+           "lfm2_moe": tf.Lfm2MoeForCausalLM, "nemotron_h": tf.NemotronHForCausalLM,
+           "nemotron_h_moe": tf.NemotronHForCausalLM}[arch]
     model = cls(cfg).float().eval()
     zero_centered = arch.startswith("qwen3_5")  # 1 + w norms (not linear_attn.norm)
     with torch.no_grad():
@@ -480,10 +525,10 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
                 centre = 0.0 if zero_centered and "linear_attn.norm" not in name else 1.0
                 p.copy_(torch.randn_like(p) * 0.1 + centre)
             elif name.endswith(("mlp.gate.weight", "router.layer.weight",
-                                "feed_forward.gate.weight")):
+                                "feed_forward.gate.weight", "mixer.gate.weight")):
                 p.normal_(0.0, 0.5)
-        for name, b in model.named_buffers():  # LFM2-MoE's choice bias
-            if name.endswith("expert_bias"):
+        for name, b in model.named_buffers():  # LFM2-MoE's and Nemotron-H's choice bias
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
                 b.normal_(0.0, 0.3)
     model.save_pretrained(out_dir / "hf", safe_serialization=True)
     if arch.startswith("granitehybrid"):  # layer types as Granite's own configs name them
@@ -492,6 +537,8 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
         saved["layer_types"] = ["mamba" if t == "linear_attention" else "attention"
                                 for t in cfg.layer_types]
         path.write_text(json.dumps(saved))
+    if arch.startswith("nemotron_h"):
+        _nemotron_config_json(out_dir / "hf" / "config.json", moe=arch.endswith("_moe"))
     return model
 
 
@@ -506,15 +553,22 @@ def byte_tokenizer_metadata(vocab_size: int) -> dict:
 
 
 # llama.cpp's converter, run on a tiny checkpoint: its model class as convert_hf_to_gguf.py
-# picks it, the byte vocabulary above in place of a tokenizer file, no MTP layers
+# picks it, the byte vocabulary above in place of a tokenizer file, no MTP layers.
+# Nemotron-H's config.json is read as written (the converter's own path where transformers
+# cannot parse a config): through transformers 5's NemotronHConfig it would find MoE keys in
+# a dense config and layer names it does not map
 _CONVERT = """
-import sys
+import json, sys
 from pathlib import Path
+RAW_CONFIG = {"nemotron_h"}
 root, src, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 sys.path[:0] = [str(root), str(root / "gguf-py")]
 import torch, gguf
 import convert_hf_to_gguf  # noqa: F401  (registers the model classes)
 from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+if json.loads((src / "config.json").read_text()).get("model_type") in RAW_CONFIG:
+    ModelBase.load_hparams = staticmethod(
+        lambda d, is_mistral_format=False: json.loads((Path(d) / "config.json").read_text()))
 hparams = ModelBase.load_hparams(src, False)
 cls = get_model_class(get_model_architecture(hparams, ModelType.TEXT), mmproj=False)
 def byte_vocab(self):

@@ -63,7 +63,8 @@ def _recurrent_fields(c: ModelConfig) -> dict:
     if rc is None or not c.num_recurrent_layers:
         return {}
     return {"recurrent_layers": c.num_recurrent_layers, "recurrent_kind": rc.kind,
-            "attention_layers": c.num_layers - c.num_recurrent_layers,
+            "attention_layers": c.num_attention_layers,
+            "mlp_only_layers": c.num_layers - c.num_attention_layers - c.num_recurrent_layers,
             "conv_state_shape": list(rc.conv_state_shape),
             "recurrent_state_shape": (list(rc.recurrent_state_shape)
                                       if rc.recurrent_state_shape else None),
@@ -103,7 +104,9 @@ def _print_recurrent(info: dict) -> None:
     shapes = f"conv {info['conv_state_shape']}" + (
         f" + state {info['recurrent_state_shape']}" if info["recurrent_state_shape"] else "")
     print(f"  counted in    the attention layers only ({info['attention_layers']} of "
-          f"{info['layers']}); the recurrent ones keep no KV")
+          f"{info['layers']}); the recurrent ones keep no KV" + (
+              f", nor do the {info['mlp_only_layers']} MLP-only layers"
+              if info["mlp_only_layers"] else ""))
     print(f"recurrent       {info['recurrent_layers']} {info['recurrent_kind']} layers, fp32 "
           f"state {info['state_bytes_per_seq'] / 1024:.1f} KiB per sequence (any length; "
           f"{shapes} per layer)")

@@ -113,7 +113,7 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         residual_scale=float(g("residual_scale", 1.0)), logit_scale=float(g("logit_scale", 1.0)))
 
 
-def _float(v: Any) -> float:
+def json_float(v: Any) -> float:
     """A float as transformers writes it to JSON ({"__float__": "Infinity"} for inf)."""
     return float(v["__float__"] if isinstance(v, dict) else v)
 
@@ -125,7 +125,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     head_dim = cfg.get("mamba_d_head")
     if not isinstance(head_dim, int):  # "auto"
         head_dim = cfg.get("mamba_expand", 2) * hidden // ssm_heads
-    limit = tuple(map(_float, cfg.get("time_step_limit") or (0.0, math.inf)))
+    limit = tuple(map(json_float, cfg.get("time_step_limit") or (0.0, math.inf)))
     rope = cfg.get("position_embedding_type") == "rope"
     experts = (MoeConfig(num_experts=cfg["num_local_experts"],
                              experts_per_token=cfg["num_experts_per_tok"],

@@ -6,6 +6,10 @@ KV cache), then runs its MLP, both pre-norm with a residual:
     h = norm(x);  x += recurrent(h, state) if the layer keeps a state else attention(h, kv)
     h = norm(x);  x += mlp(h)
 
+A layer of kind "mlp" mixes no tokens: it is `x += mlp(norm(x))` alone, keeping neither KV
+nor a state. Where the config's mlp_after_mixer is false (Nemotron-H), the attention and
+recurrent layers run their mixer alone and such layers hold the MLPs.
+
 A family file (lfm2.py, qwen3_5.py) subclasses HybridModel with its own `recurrent` and
 `attention`, and with its own `mlp` where it differs from SwiGLU. Granite's multipliers
 (ModelConfig.embedding_scale, residual_scale, logit_scale) apply here, 1 for the others.
@@ -56,12 +60,16 @@ class HybridModel:
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer["attn_norm"], eps)
             layer_state = states.layers[i]
+            if self.config.layer_types[i] == "mlp":  # no mixer: the first norm feeds the MLP
+                x.add_(self.mlp(h, layer, trace), alpha=r)
+                continue
             if layer_state is not None:
                 x.add_(self.recurrent(h, layer, layer_state, states), alpha=r)
             else:
                 assert cache is not None
                 x.add_(self.attention(h, layer, rope, cache, meta), alpha=r)
-            x.add_(self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace), alpha=r)
+            if self.config.mlp_after_mixer:
+                x.add_(self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace), alpha=r)
         return x
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,

@@ -154,9 +154,9 @@ class LoadedModel:
         return LayerSpec(
             dense_bytes=sum(size(t) for t in tensors if not t.routed),
             dense_params=sum(math.prod(t.shape) for t in matmul if not t.routed),
-            kv_elements=(0 if c.is_recurrent(layer) else c.mla.latent_width if c.mla
+            kv_elements=(0 if not c.is_attention(layer) else c.mla.latent_width if c.mla
                          else 2 * c.num_kv_heads * c.head_dim),
-            attn_flop_per_key=0 if c.is_recurrent(layer) else 4 * c.num_heads * c.head_dim,
+            attn_flop_per_key=4 * c.num_heads * c.head_dim if c.is_attention(layer) else 0,
             state_bytes=(4 * c.recurrent.state_elements
                          if c.recurrent and c.is_recurrent(layer) else 0),
             window=c.sliding_window if c.is_sliding(layer) else None,
@@ -220,9 +220,10 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
 
     weights = {dst: get(src, dst, dst) for src, dst in table.globals.items() if src in names}
     layers = [get_layer(i) for i in range(config.num_layers)]
-    _check_present(weights, layers, ckpt, spec.gated_mlp, full)
+    _check_present(weights, layers, ckpt, spec, full)
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
-    model = spec.model_cls(config, weights, _stack_all(layers, fused), tp)
+    model = spec.model_cls(config, weights,
+                           _stack_all(layers, fused, spec.expert_activation), tp)
     return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec))
 
 
@@ -235,13 +236,15 @@ def _pooling(ckpt: Checkpoint, spec: ArchSpec) -> str:
     return found or spec.pooling
 
 
-def _stack_all(layers: list[dict], fused_sizes: dict[str, tuple[int, ...]]) -> list[dict]:
+def _stack_all(layers: list[dict], fused_sizes: dict[str, tuple[int, ...]],
+               expert_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+               ) -> list[dict]:
     """_stack on each layer in turn, each unstacked layer dropped from `layers` as it goes:
     the copies stacking makes (gate|up of every expert, q|k|v) then never sit beside all the
     originals, which would lift the peak RSS of a load by their size."""
     out = []
     while layers:
-        out.append(_stack(layers.pop(0), fused_sizes))
+        out.append(_stack(layers.pop(0), fused_sizes, expert_activation))
     return out
 
 
@@ -273,8 +276,9 @@ def _expert_names(table: NameTable, i: int, names: set[str]) -> list[tuple[list[
     return out
 
 
-def _stack(layer: dict[str, Weight],
-           fused_sizes: dict[str, tuple[int, ...]]) -> dict[str, Weight | Stacked]:
+def _stack(layer: dict[str, Weight], fused_sizes: dict[str, tuple[int, ...]],
+           expert_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+           ) -> dict[str, Weight | Stacked]:
     """q/k/v -> "qkv" and gate/up -> "gate_up": one product over the same input each (a
     checkpoint that stores them fused already gives the one matrix, split by its sizes)."""
     out: dict[str, Weight | Stacked] = dict(layer)
@@ -284,16 +288,21 @@ def _stack(layer: dict[str, Weight],
         elif all(n in layer for n in names):
             out[fused] = Stacked.of([out.pop(n) for n in names])
     if "down_exps" in layer:
-        out["experts"] = _experts(out)
+        out["experts"] = _experts(out, expert_activation)
     biases = [layer.get(f"{n}_bias") for n in ("q", "k", "v")]
     if all(b is not None for b in biases):
         out["qkv_bias"] = torch.cat(biases)
     return out
 
 
-def _experts(layer: dict) -> Experts:
+def _experts(layer: dict,
+             activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Experts:
     """A layer's expert matrices (tuples, one weight per expert) -> Experts, gate|up of each
-    expert stacked into one product as a dense layer's are."""
+    expert stacked into one product as a dense layer's are; experts without a gate product
+    (the architecture's expert_activation set) run up, the activation, down."""
+    if activation is not None:
+        return Experts(tuple(Stacked.of([u]) for u in layer.pop("up_exps")),
+                       layer.pop("down_exps"), gate=activation)
     if "gate_up_exps" in layer:  # stored fused: [2 * inter, hidden] per expert
         gate_up = tuple(Stacked((w,), (w.shape[0] // 2, w.shape[0] // 2))
                         for w in layer.pop("gate_up_exps"))
@@ -309,17 +318,18 @@ def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, s
 
 
 def _check_present(weights: dict[str, Weight], layers: list[dict[str, Weight]],
-                   ckpt: Checkpoint, gated_mlp: bool, config: ModelConfig) -> None:
+                   ckpt: Checkpoint, spec: ArchSpec, config: ModelConfig) -> None:
     """Embeddings, and each layer's MLP and attention (a recurrent layer's own tensors are
     its architecture's to check)."""
     missing = ["embed"] if "embed" not in weights else []
     for i, layer in enumerate(layers):
         required = set()
-        if not config.is_recurrent(i):  # o, and q/k/v, gate/up, each set alone or fused
+        if config.is_attention(i):  # o, and q/k/v, gate/up, each set alone or fused
             required = {"o"} | ({"qkv"} if "qkv" in layer else _attention_names(config, i))
         if config.mla is not None:  # latent attention: q, kv_a, kv_b (or k_b, v_b), o
             required = {"o", "kv_a"}
-        required |= _mlp_names(layer) if gated_mlp else {"up", "down"}
+        if config.has_mlp(i):
+            required |= _mlp_names(layer, spec.gated_mlp, spec.expert_activation is None)
         missing += [f"layer {i} {n}" for n in sorted(required - set(layer))]
     if missing:
         raise ModelLoadError(f"{ckpt.path} lacks tensors the {ckpt.architecture} "
@@ -334,10 +344,15 @@ def _attention_names(config: ModelConfig, layer: int) -> set[str]:
     return {"q", "k"} if config.values_from_keys(layer) else {"q", "k", "v"}
 
 
-def _mlp_names(layer: dict) -> set[str]:
-    """What a layer's MLP needs: the dense SwiGLU, or (with a router) the experts."""
+def _mlp_names(layer: dict, gated: bool = True, gated_experts: bool = True) -> set[str]:
+    """What a layer's MLP needs: the dense SwiGLU (up and down alone where the MLP has no
+    gate), or (with a router) the experts, likewise."""
     if "router" not in layer:
+        if not gated:
+            return {"up", "down"}
         return {"down"} | ({"gate_up"} if "gate_up" in layer else {"gate", "up"})
+    if not gated_experts:
+        return {"up_exps", "down_exps"}
     return {"down_exps"} | ({"gate_up_exps"} if "gate_up_exps" in layer
                             else {"gate_exps", "up_exps"})
 

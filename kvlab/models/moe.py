@@ -111,7 +111,9 @@ class Experts:
     gate_up_bias: torch.Tensor | None = None  # fp32 [E, 2 * inter]: gate | up halves
     down_bias: torch.Tensor | None = None  # fp32 [E, hidden]
     # on gate|up [n, 2 * inter] -> [n, inter]: None (SwiGLU), gpt-oss's clamped SwiGLU, or
-    # another function of the halves (Gemma 4: layers.geglu), which runs in torch
+    # another function of the halves (Gemma 4: layers.geglu), which runs in torch; experts
+    # without a gate product hold up alone in gate_up and this is its activation
+    # (Nemotron-H's squared ReLU), elementwise on [n, inter]
     gate: ClampedSwiglu | Callable[[torch.Tensor], torch.Tensor] | None = None
     # int64 [E, 3, 5]: what fused.moe_experts takes, or None when some expert has no C path
     c_table: torch.Tensor | None = field(init=False, repr=False)

@@ -54,6 +54,9 @@ class ArchSpec:
     gguf_variant_of: tuple[str, Callable[[dict[str, Any]], bool]] | None = None
     # the MLP's products: gate, up and down (SwiGLU / GeGLU), or up and down alone (BERT)
     gated_mlp: bool = True
+    # routed experts without a gate product (up, this activation, down: Nemotron-H's
+    # squared ReLU); None: each expert's gate|up feeds SwiGLU
+    expert_activation: Callable[[torch.Tensor], torch.Tensor] | None = None
     # how embeddings pool the final hidden states when the checkpoint does not say
     # (kvlab.models.pooling): decoders take the last token
     pooling: str = "last"
