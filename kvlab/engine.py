@@ -241,6 +241,8 @@ class Engine:
         self.cost: RunCost = loaded.run_cost(kv_bytes_per_element(config.kv_dtype),
                                              window_released=pools.window is not None)
         self.requests: dict[str, _Request] = {}
+        # host seconds of all steps so far, by phase (phase_seconds)
+        self._phases = dict.fromkeys(("schedule", "execute", "sample"), 0.0)
         self.outputs = OutputProcessor(tokenizer)  # the requests' text, from core outputs
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
@@ -374,6 +376,14 @@ class Engine:
             self._compiling.pop(request_id, None)
             self.structured.release(request_id)
 
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds all steps so far spent scheduling, building the runner's input tensors,
+        running the model and sampling (bench/host_step.py prints them per step)."""
+        inputs = self.runner.input_seconds
+        return {"schedule": self._phases["schedule"], "inputs": inputs,
+                "forward": self._phases["execute"] - inputs, "sample": self._phases["sample"]}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
@@ -493,6 +503,7 @@ class Engine:
         outputs = self._admit_compiled()
         scheduling = time.perf_counter()  # proposing (a draft model's passes) is in the step
         sched = self.scheduler.schedule()
+        self._phases["schedule"] += time.perf_counter() - scheduling
         if not sched.scheduled:
             if self._compiling and not outputs:  # only compiles are pending: wait a little
                 wait_futures(list(self._compiling.values()), timeout=0.005,
@@ -501,7 +512,10 @@ class Engine:
         self.runner.page_ahead(self.kv.high_water())
         start = time.perf_counter()
         logits, checks = _split_rows(self.runner.execute(sched, self.config.record_experts))
+        executed = time.perf_counter()
+        self._phases["execute"] += executed - start
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)
+        self._phases["sample"] += time.perf_counter() - executed
         with torch.inference_mode():  # the rows are the runner's inference tensors
             verified = [self._verify(self.requests[seq_id], rows) for seq_id, rows in checks]
         now = time.perf_counter()

@@ -18,6 +18,7 @@ A sequence with proposed tokens (speculative decoding) gets a logits row at each
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ class ModelRunner:
                        if config.recurrent is not None else None)
         self.batch = PersistentBatch(block_size, config.sliding_window, num_window_blocks,
                                      self.device)
+        self.input_seconds = 0.0  # host time all steps so far spent building their inputs
         self.kernel_decode = self.device.type == "cpu" and quantized
         self.threads = torch.get_num_threads()
         if self.kernel_decode:
@@ -195,7 +197,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(out):
             logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
+        began = time.perf_counter()
         step = self.batch.inputs(out)
+        self.input_seconds += time.perf_counter() - began
         ids_t, pos_t, meta = step.ids, step.positions, step.meta
         trace: list[torch.Tensor] | None = [] if record_experts else None
         extra = {} if self.states is None else {"states": self._step_states(out)}
