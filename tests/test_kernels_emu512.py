@@ -15,7 +15,7 @@ from kernel_paths import EMULATED_512, emulated_512_built
 
 FILES = ("test_kernels.py", "test_kernels_group8.py", "test_kernels_q2k_q3k.py",
          "test_kernels_iq4.py", "test_kernels_mxfp4.py", "test_kernels_iq2_iq3.py",
-         "test_attention_prefill.py", "test_attention_sinks.py")
+         "test_attention_prefill.py", "test_attention_sinks.py", "test_attention_mla.py")
 
 
 @pytest.mark.skipif(not emulated_512_built(), reason="AVX-512 test module not built: make emu512")

@@ -200,6 +200,65 @@ def attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: tor
     return out
 
 
+def mla_decode(q: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
+               w_uv_t: torch.Tensor, slots: torch.Tensor, scale: float,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Multi-head latent attention, absorbed, read straight from the latent store.
+
+    q: [B, H, nope + rope] fp32 heads packed, the rope part rotated; latent: [num_slots, 1,
+    rank + rope] fp32 or fp16 (kv_store.LatentKV's k); w_uk: fp32 [H, nope, rank]; w_uv_t:
+    fp32 [H, rank, vdim]; slots and lengths as for attend_decode. Head h scores
+    [q_nope W_UK_h | q_rope] against each row and maps the softmax-weighted sum of the rows'
+    latents through W_UV_h. Returns [B, H * vdim].
+    """
+    batch, heads, _ = q.shape
+    slots = _i64(slots)
+    lens = _i64(lengths) if lengths is not None else None
+    out = q.new_empty(batch, heads * w_uv_t.shape[2])
+    _qk.mla_decode(q.data_ptr(), q.stride(0), *_latent(latent), slots.data_ptr(), batch,
+                   slots.shape[1], *_mla_heads(q, latent, w_uk, w_uv_t), scale, out.data_ptr(),
+                   lens.data_ptr() if lens is not None else 0)
+    return out
+
+
+def mla_prefill(q: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
+                w_uv_t: torch.Tensor, slots: torch.Tensor, first: int, start: int,
+                scale: float) -> torch.Tensor:
+    """One sequence's prefill chunk q: [n, H, nope + rope] (token i at position start + i)
+    against its cached latent rows, causally: slots as for attend_prefill, the rest as for
+    mla_decode. Returns [n, H * vdim]."""
+    n, heads, _ = q.shape
+    slots = _i64(slots)
+    out = q.new_empty(n, heads * w_uv_t.shape[2])
+    _qk.mla_prefill(q.data_ptr(), q.stride(0), *_latent(latent), slots.data_ptr(), first,
+                    start, n, *_mla_heads(q, latent, w_uk, w_uv_t), scale, out.data_ptr())
+    return out
+
+
+def _latent(latent: torch.Tensor) -> tuple[int, int, int]:
+    """(address, kind, num_slots) of a latent store the C attention reads."""
+    if not (cache_fits(latent) and latent.dim() == 3 and latent.shape[1] == 1):
+        raise ValueError(f"the latent store must be fp32 or fp16 [slots, 1, width] contiguous "
+                         f"on the CPU, got {latent.dtype} {tuple(latent.shape)}")
+    return latent.data_ptr(), int(latent.dtype == torch.float16), latent.shape[0]
+
+
+def _mla_heads(q: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
+               w_uv_t: torch.Tensor) -> tuple[int, ...]:
+    """(H, nope, rope, rank, vdim, w_uk, w_uv_t) as the C latent attention takes them,
+    the shapes checked against each other."""
+    heads, nope, rank = w_uk.shape
+    rope = latent.shape[2] - rank
+    ok = (fits(q, w_uk, w_uv_t) and heads_packed(q) and w_uk.is_contiguous()
+          and w_uv_t.is_contiguous() and q.shape[1:] == (heads, nope + rope) and rope >= 0
+          and w_uv_t.dim() == 3 and w_uv_t.shape[:2] == (heads, rank))
+    if not ok:
+        raise ValueError(f"latent attention shapes do not agree: q {tuple(q.shape)}, latent "
+                         f"{tuple(latent.shape)}, w_uk {tuple(w_uk.shape)}, w_uv_t "
+                         f"{tuple(w_uv_t.shape)} (fp32, contiguous)")
+    return heads, nope, rope, rank, w_uv_t.shape[2], w_uk.data_ptr(), w_uv_t.data_ptr()
+
+
 def _sinks(sinks: torch.Tensor | None, heads: int) -> int:
     """The address of the attention sinks the C kernels read (fp32 [heads]), 0 for none."""
     if sinks is None:

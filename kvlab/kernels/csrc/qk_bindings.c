@@ -14,6 +14,7 @@
 
 #include "qk.h"
 #include "qk_decode.h"
+#include "qk_mla.h"
 #include "qk_moe.h"
 #include "qk_pool.h"
 #include "qk_recurrent.h"
@@ -428,6 +429,108 @@ static PyObject *py_attend_prefill(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* the latent-attention arguments shared by mla_decode and mla_prefill: (H, nope, rope,
+ * rank, vdim, w_uk, w_uv_t) at args, checked */
+static int get_mla(PyObject *const *args, kv_mla_heads *m) {
+    void *w_uk, *w_uv_t;
+    if (!get_i64(args[0], &m->H) || !get_i64(args[1], &m->nope) || !get_i64(args[2], &m->rope) ||
+        !get_i64(args[3], &m->rank) || !get_i64(args[4], &m->vdim) ||
+        !get_ptr(args[5], &w_uk) || !get_ptr(args[6], &w_uv_t))
+        return 0;
+    m->w_uk = w_uk;
+    m->w_uv_t = w_uv_t;
+    if (m->H < 1 || m->nope < 1 || m->rope < 0 || m->rank < 1 || m->vdim < 1) {
+        PyErr_Format(PyExc_ValueError, "latent attention of %lld heads, nope %lld, rope %lld, "
+                     "rank %lld, vdim %lld (valid: all positive, rope >= 0)", (long long)m->H,
+                     (long long)m->nope, (long long)m->rope, (long long)m->rank,
+                     (long long)m->vdim);
+        return 0;
+    }
+    return 1;
+}
+
+/* 0 portable, 1 AVX2, 2 AVX-512: the widest the active kernel set and the CPU allow */
+static int mla_isa(void) {
+#ifdef KV_HAVE_AVX2_BUILD
+    if (kv_avx2_active()) return kv_use_vnni() ? 2 : 1;
+#endif
+    return 0;
+}
+
+/* the latent attention on a store of `kind` (fp32 or fp16), the keys checked by the caller */
+static PyObject *mla_run(const float *q, int64_t q_stride, const void *k, int64_t kind,
+                         const kv_mla_heads *m, const kv_mla_keys *keys, float scale,
+                         float *out) {
+    if (kind != KV_CACHE_F32 && kind != KV_CACHE_F16)
+        return PyErr_Format(PyExc_ValueError, "latent store kind %lld (valid: 0 fp32, 1 fp16)",
+                            (long long)kind);
+    const kv_cache_ref kv = {.kind = (int)kind, .k = k, .v = k};
+    const int isa = mla_isa();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    kv_job_lock();
+    rc = kv_mla_attend(q, q_stride, m, &kv, keys, scale, out, isa);
+    kv_job_unlock();
+    Py_END_ALLOW_THREADS
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* mla_decode(q, q_stride, k, kind, num_slots, slots, B, C, H, nope, rope, rank, vdim, w_uk,
+ * w_uv_t, scale, out, lengths): out[B, H * vdim], latent attention in absorbed form over the
+ * first lengths[b] of each row's C slots of the latent store k (fp32 or fp16, kind 0 or 1;
+ * all C when lengths is 0) (qk_mla.c) */
+static PyObject *py_mla_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(18);
+    void *q, *k, *slots_p, *out, *lengths_p;
+    int64_t q_stride, kind, num_slots, b, c;
+    float scale;
+    kv_mla_heads m;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
+        !get_i64(args[3], &kind) || !get_i64(args[4], &num_slots) ||
+        !get_ptr(args[5], &slots_p) || !get_i64(args[6], &b) || !get_i64(args[7], &c) ||
+        !get_mla(args + 8, &m) || !get_f32(args[15], &scale) || !get_ptr(args[16], &out) ||
+        !get_ptr(args[17], &lengths_p))
+        return NULL;
+    const int64_t *slots = slots_p, *lengths = lengths_p;
+    for (int64_t r = 0; r < b; r++) {
+        const int64_t n = lengths ? lengths[r] : c;
+        if (n < 1 || n > c)
+            return PyErr_Format(PyExc_ValueError, "row %lld attends to %lld of %lld slots",
+                                (long long)r, (long long)n, (long long)c);
+        if (!slots_in_range(slots + r * c, n, num_slots)) return NULL;
+    }
+    const kv_mla_keys keys = {.slots = slots, .lengths = lengths, .B = b, .C = c};
+    return mla_run(q, q_stride, k, kind, &m, &keys, scale, out);
+}
+
+/* mla_prefill(q, q_stride, k, kind, num_slots, slots, first, start, n, H, nope, rope, rank,
+ * vdim, w_uk, w_uv_t, scale, out): out[n, H * vdim], query i (position start + i) against
+ * key positions [first, start + i] of the latent store, held in slots[0 .. start + n - first)
+ * (qk_mla.c) */
+static PyObject *py_mla_prefill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    NARGS(18);
+    void *q, *k, *slots_p, *out;
+    int64_t q_stride, kind, num_slots, first, start, n;
+    float scale;
+    kv_mla_heads m;
+    if (!get_ptr(args[0], &q) || !get_i64(args[1], &q_stride) || !get_ptr(args[2], &k) ||
+        !get_i64(args[3], &kind) || !get_i64(args[4], &num_slots) ||
+        !get_ptr(args[5], &slots_p) || !get_i64(args[6], &first) ||
+        !get_i64(args[7], &start) || !get_i64(args[8], &n) || !get_mla(args + 9, &m) ||
+        !get_f32(args[16], &scale) || !get_ptr(args[17], &out))
+        return NULL;
+    if (n < 1 || first < 0 || first > start)
+        return PyErr_Format(PyExc_ValueError, "prefill of %lld tokens from position %lld with "
+                            "keys from %lld", (long long)n, (long long)start, (long long)first);
+    if (!slots_in_range(slots_p, start + n - first, num_slots)) return NULL;
+    const kv_mla_keys keys = {.prefill = 1, .slots = slots_p, .B = n, .first = first,
+                              .start = start};
+    return mla_run(q, q_stride, k, kind, &m, &keys, scale, out);
+}
+
 /* ---------------- a decode step's layers (qk_decode.h), routed experts (qk_moe.h) -------- */
 
 /* decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g,
@@ -686,6 +789,12 @@ static PyMethodDef methods[] = {
     {"attend_decode", (PyCFunction)(void (*)(void))py_attend_decode, METH_FASTCALL,
      "attend_decode(q, q_stride, k, v, kind, k_scale, v_scale, num_slots, slots, B, C, H, "
      "KVH, D, scale, out, lengths, softcap, sinks)"},
+    {"mla_decode", (PyCFunction)(void (*)(void))py_mla_decode, METH_FASTCALL,
+     "mla_decode(q, q_stride, k, kind, num_slots, slots, B, C, H, nope, rope, rank, vdim, "
+     "w_uk, w_uv_t, scale, out, lengths): latent attention, absorbed, from the paged cache"},
+    {"mla_prefill", (PyCFunction)(void (*)(void))py_mla_prefill, METH_FASTCALL,
+     "mla_prefill(q, q_stride, k, kind, num_slots, slots, first, start, n, H, nope, rope, "
+     "rank, vdim, w_uk, w_uv_t, scale, out): latent prefill attention, absorbed"},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
