@@ -13,7 +13,8 @@ from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build, build_deepseek, build_hybrid
 
-KINDS = {"lfm2": "short_conv", "qwen3_5": "gated_delta", "granitehybrid": "mamba2"}
+KINDS = {"lfm2": "short_conv", "qwen3_5": "gated_delta", "granitehybrid": "mamba2",
+         "nemotron_h": "mamba2"}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,12 @@ def test_hybrid_reports_recurrent_layers_and_state(models: dict, arch: str) -> N
     info = info_json(models[arch])
     _, c = read_config(open_checkpoint(models[arch]))
     recurrent = [i for i in range(c.num_layers) if c.is_recurrent(i)]
+    attention = [i for i in range(c.num_layers) if c.is_attention(i)]
     assert info["recurrent_kind"] == KINDS[arch]
     assert info["recurrent_layers"] == len(recurrent) > 0
-    assert info["attention_layers"] == c.num_layers - len(recurrent) > 0
+    assert info["attention_layers"] == len(attention) > 0
+    # Nemotron-H's MLP-only layers keep neither
+    assert info["mlp_only_layers"] == c.num_layers - len(recurrent) - len(attention)
     # KV counts the attention layers only: 2 x kv_heads x head_dim each
     per_layer = 2 * c.num_kv_heads * c.head_dim
     assert info["kv_bytes_per_token_f32"] == 4 * per_layer * info["attention_layers"]
@@ -59,6 +63,13 @@ def test_hybrid_text_names_the_state(models: dict) -> None:
     assert f"{info['recurrent_layers']} gated_delta layers" in line
     assert f"{info['state_bytes_per_seq'] / 1024:.1f} KiB per sequence" in line
     assert "the attention layers only (1 of 4)" in proc.stdout
+
+
+def test_mlp_only_layers_are_named_beside_the_attention_layers(models: dict) -> None:
+    proc = kvlab("info", models["nemotron_h"])
+    assert proc.returncode == 0, proc.stderr
+    assert "the attention layers only (1 of 4)" in proc.stdout
+    assert "nor do the 1 MLP-only layers" in proc.stdout
 
 
 def test_dense_model_has_no_recurrent_or_latent_fields(tiny_gguf_path: str) -> None:

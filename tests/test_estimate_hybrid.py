@@ -21,6 +21,8 @@ from tiny_models import build_deepseek, build_hybrid, convert_with_llama_cpp
 
 STATE = 8 << 20  # bytes per sequence per recurrent layer
 KV = 2 * 8 * 128  # K+V values per token of the attention layer
+# Nemotron-H: an MLP-only layer beside its Mamba-2 and attention layers
+HYBRIDS = ["lfm2", "qwen3_5", "granitehybrid", "nemotron_h"]
 
 
 def _hybrid(recurrent: int = 3) -> ModelSpec:
@@ -74,12 +76,12 @@ def test_memory_holds_states_times_concurrency() -> None:
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hybrids")
-    for arch in ("lfm2", "qwen3_5", "granitehybrid"):
+    for arch in HYBRIDS:
         build_hybrid(arch, root / arch)
-    return {arch: root / arch for arch in ("lfm2", "qwen3_5", "granitehybrid")}
+    return {arch: root / arch for arch in HYBRIDS}
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5", "granitehybrid"])
+@pytest.mark.parametrize("arch", HYBRIDS)
 def test_hf_config_spec_matches_the_loaded_config(hybrids: dict[str, Path], arch: str) -> None:
     spec = spec_from_hf_config(hybrids[arch] / "hf", bits=32)
     _, config = read_config(open_checkpoint(str(hybrids[arch] / "hf")))
@@ -88,7 +90,7 @@ def test_hf_config_spec_matches_the_loaded_config(hybrids: dict[str, Path], arch
     assert spec.kv_bytes_per_token(4) == config.kv_bytes_per_token(4)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5", "granitehybrid"])
+@pytest.mark.parametrize("arch", HYBRIDS)
 def test_gguf_spec_matches_the_loaded_config(hybrids: dict[str, Path], arch: str) -> None:
     """From llama.cpp's converter's metadata (ssm.*, shortconv.l_cache, per-layer KV heads)."""
     gguf = hybrids[arch] / "model.gguf"
@@ -102,6 +104,18 @@ def test_gguf_spec_matches_the_loaded_config(hybrids: dict[str, Path], arch: str
     assert spec.kv_bytes_per_token(4) == config.kv_bytes_per_token(4)
     recurrent = [lyr for lyr in spec.layers if lyr.state_bytes]
     assert all(lyr.kv_elements == 0 and lyr.attn_flop_per_key == 0 for lyr in recurrent)
+    attention = [lyr for lyr in spec.layers if lyr.kv_elements]
+    assert len(attention) == config.num_attention_layers
+
+
+def test_loaded_model_spec_counts_no_kv_in_mlp_only_layers(hybrids: dict[str, Path]) -> None:
+    """Nemotron-H's MLP-only layer: neither KV nor attention FLOP nor a state."""
+    loaded = load_model(open_checkpoint(str(hybrids["nemotron_h"] / "hf")), LoadOptions())
+    spec = loaded.model_spec()
+    assert [bool(lyr.kv_elements) for lyr in spec.layers] == [False, True, False, False]
+    assert [bool(lyr.state_bytes) for lyr in spec.layers] == [True, False, True, False]
+    assert spec.layers[3].attn_flop_per_key == 0
+    assert spec.kv_bytes_per_token(4) == loaded.config.kv_bytes_per_token(4)
 
 
 def test_report_names_the_states() -> None:

@@ -273,11 +273,12 @@ def spec_from_hf_config(path: str | Path, bits: float | None = None) -> ModelSpe
     bits = bits if bits is not None else _hf_bits(cfg, cfg_path)
     _check_bits(bits)
     bytes_per_param = bits / 8
-    recurrent, state = _hf_recurrent(cfg, arch.layers, arch.hidden)
-    layers = tuple(replace(_arch_layer(arch, w, bytes_per_param), kv_elements=0,
-                           attn_flop_per_key=0, kv_heads=0, state_bytes=4 * state)
-                   if r else _arch_layer(arch, w, bytes_per_param)
-                   for w, r in zip(arch.windows, recurrent))
+    kinds, state = _hf_recurrent(cfg, arch.layers, arch.hidden)
+    layers = tuple(_arch_layer(arch, w, bytes_per_param) if k in ("full", "sliding") else
+                   replace(_arch_layer(arch, w, bytes_per_param), kv_elements=0,
+                           attn_flop_per_key=0, kv_heads=0,
+                           state_bytes=4 * state if k == "recurrent" else 0)
+                   for w, k in zip(arch.windows, kinds))
     if cfg.get("kv_lora_rank"):  # latent attention: the latent and its rotary key part
         latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
         layers = tuple(replace(lyr, kv_elements=latent) for lyr in layers)
@@ -316,16 +317,18 @@ def _hf_architecture(cfg: dict[str, Any], where: Path) -> Architecture:
 
 
 def _hf_recurrent(cfg: dict[str, Any], n_layers: int, hidden: int
-                  ) -> tuple[list[bool], int]:
-    """Which layers are recurrent (LFM2 "conv", Qwen3.5 "linear_attention", Granite 4
-    "mamba") and the fp32 values one sequence's state takes in each (as
-    `_gguf_state_elements`)."""
-    types = cfg.get("layer_types") or cfg.get("layers_block_type")
-    if not isinstance(types, list) or len(types) != n_layers:
-        return [False] * n_layers, 0
-    recurrent = [t == "mamba" or k == "recurrent" for t, k in zip(types, hf_layer_types(types))]
+                  ) -> tuple[tuple[str, ...], int]:
+    """Each layer's kind (config.hf_layer_types: recurrent for LFM2 "conv", Qwen3.5
+    "linear_attention", Granite 4 "mamba", Nemotron-H "M"; "mlp" for Nemotron-H's MLP-only
+    layers, which keep neither KV nor a state) and the fp32 values one sequence's state
+    takes in each recurrent layer (as `_gguf_state_elements`)."""
+    types = (cfg.get("layer_types") or cfg.get("layers_block_type")
+             or cfg.get("hybrid_override_pattern"))
+    if not isinstance(types, list | str) or len(types) != n_layers:
+        return ("full",) * n_layers, 0
+    kinds = hf_layer_types(types)
     if "conv_L_cache" in cfg:  # LFM2
-        return recurrent, (int(cfg["conv_L_cache"]) - 1) * hidden
+        return kinds, (int(cfg["conv_L_cache"]) - 1) * hidden
     if "linear_conv_kernel_dim" in cfg:  # Gated DeltaNet
         kernel, n = int(cfg["linear_conv_kernel_dim"]), int(cfg["linear_key_head_dim"])
         inner = int(cfg["linear_num_value_heads"]) * int(cfg["linear_value_head_dim"])
@@ -338,9 +341,13 @@ def _hf_recurrent(cfg: dict[str, Any], n_layers: int, hidden: int
             head_dim = cfg.get("mamba_expand", 2) * hidden // heads
         inner = heads * head_dim
         groups = int(cfg.get("mamba_n_groups", 1))
+    elif "mamba_num_heads" in cfg:  # Nemotron-H's Mamba-2
+        kernel, n = int(cfg.get("conv_kernel", 4)), int(cfg.get("ssm_state_size", 128))
+        inner = int(cfg["mamba_num_heads"]) * int(cfg["mamba_head_dim"])
+        groups = int(cfg.get("n_groups", 8))
     else:
-        return recurrent, 0
-    return recurrent, (kernel - 1) * (inner + 2 * groups * n) + inner * n
+        return kinds, 0
+    return kinds, (kernel - 1) * (inner + 2 * groups * n) + inner * n
 
 
 def _hf_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
