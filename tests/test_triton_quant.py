@@ -25,14 +25,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.gpu import quant_matmul
 from kvlab.kernels import QuantizedWeight, dequantize, dequantize_rows, qmatmul, quantize
-from kvlab.kernels.packed import PACKED_TYPES, concat_rows, pack
+from kvlab.kernels.packed import PACKED_TYPES, PackedWeight, concat_rows, pack
 from kvlab.models.layers import Stacked, embed, linear
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.runner import ModelRunner
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.weights.checkpoint import open_checkpoint
 from tests.test_kernels import qmatmul_bound
 from tests.test_kernels_iq4 import iq4_xs_blocks
 
+from tiny_models import build
+
 T = GGMLQuantizationType
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROWS, COLS = 72, 512  # 72: a partial tile of weight rows in every kernel
+ROWS, COLS = 40, 512  # 40: a partial tile of weight rows in every kernel
 # resident bytes / file bytes: the K-quants' 12 packed scale bytes unpack to 16 (+4 of 144)
 RATIOS = {T.Q8_0: 1.0, T.Q4_K: 148 / 144, T.Q5_K: 180 / 176, T.Q6_K: 1.0,
           T.IQ4_XS: 138 / 136, T.MXFP4: 1.0}
@@ -81,7 +87,7 @@ def test_triton_dequantize_equals_the_c_dequantizer_bit_for_bit(weights):
 
 def test_row_lookup_equals_the_c_rows(weights):
     w, p, _ = weights
-    picks = torch.tensor([[5, 71], [0, 5]])
+    picks = torch.tensor([[5, ROWS - 1], [0, 5]])
     got = quant_matmul.dequantize_rows(p, picks.to(DEVICE)).cpu()
     assert torch.equal(got, dequantize_rows(w, picks))
     assert torch.equal(embed(picks.to(DEVICE), p).cpu(), got)  # the models' lookup
@@ -96,6 +102,12 @@ def _bound(x: torch.Tensor, ref_w: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return 4 * torch.finfo(dtype).eps * scale + 1e-4
 
 
+def _first_half(w: QuantizedWeight) -> QuantizedWeight:
+    """The first half of each row: blocks run along the row, so the first half of its bytes."""
+    return QuantizedWeight(w.qtype, (w.shape[0], w.shape[1] // 2),
+                           w.data[:, : w.row_bytes // 2].contiguous())
+
+
 @pytest.mark.parametrize("n", [1, 5, 40], ids=lambda n: f"{n}rows")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=lambda d: str(d).removeprefix("torch."))
@@ -103,8 +115,9 @@ def test_gemv_and_gemm_match_dequantize_then_matmul(weights, n, dtype):
     """1 and 5 rows run the GEMV kernel (5: padded to 8), 40 the GEMM; the C product on the same blocks stays
     within its own bound (activations rounded to 8 bits) of the same reference."""
     w, _, ref_w = weights
+    w, ref_w = _first_half(w), ref_w[:, : COLS // 2]  # a shorter run of the interpreter
     p = pack(w, dtype, DEVICE)
-    x = torch.randn(n, COLS, generator=torch.Generator().manual_seed(n))
+    x = torch.randn(n, COLS // 2, generator=torch.Generator().manual_seed(n))
     xt = x.to(dtype)  # what the kernels read
     ref = (xt.double() @ ref_w.double().T)
     got = quant_matmul.linear(xt.to(DEVICE), p)
@@ -141,3 +154,43 @@ def test_block_sizes_match_gguf():
     assert {t: GGML_QUANT_SIZES[t] for t in PACKED_TYPES} == {
         T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210),
         T.IQ4_XS: (256, 136), T.MXFP4: (32, 17)}
+
+
+def _each_weight(layer: dict, convert) -> dict:
+    """A layer's (or the globals') dict with every QuantizedWeight converted, stacked
+    parts included."""
+    def one(v):
+        if isinstance(v, QuantizedWeight):
+            return convert(v)
+        if isinstance(v, Stacked):
+            return Stacked(tuple(one(p) for p in v.parts), v.sizes)
+        return v
+    return {k: one(v) for k, v in layer.items()}
+
+
+def test_a_model_of_packed_weights_gives_the_dense_models_logits(tmp_path):
+    """A tiny Llama quantized to Q4_K, once as packed weights (every product and the
+    embedding lookup through the Triton kernels: prefill by GEMM, decode by GEMV) and once
+    dequantized to fp32 tensors (torch): the same logits up to fp32 rounding."""
+    build("llama", tmp_path, hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    loaded = load_model(open_checkpoint(tmp_path / "model.gguf"),
+                        LoadOptions(quantize="q4_k", group_rows=False))
+    model = loaded.model
+    assert {t.qtype for t in loaded.tensors if len(t.shape) == 2} == {"Q4_K"}
+    runners = []
+    for convert in (lambda w: pack(w, torch.float32, "cpu"), dequantize):
+        layers = [_each_weight(layer, convert) for layer in model.layers]
+        rebuilt = type(model)(loaded.config, _each_weight(model.weights, convert), layers)
+        runners.append(ModelRunner(rebuilt, loaded.config, 8, 4))
+    packed_layer = runners[0].model.layers[0]
+    assert isinstance(packed_layer["qkv"].parts[0], PackedWeight)
+    assert len(packed_layer["qkv"].parts) == 1  # q|k|v stacked into one packed matrix
+    ids = list(range(3, 14))
+    got, want = [], []
+    for runner, out in zip(runners, (got, want)):
+        seqs = [ScheduledSeq("a", 0, ids, [0, 1, 2], True, len(ids))]
+        seqs.append(ScheduledSeq("a", len(ids), [20], [0, 1, 2], True, 0))
+        for seq in seqs:
+            out.append(runner.execute(SchedulerOutput([seq])).logits[0])
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
