@@ -3,19 +3,33 @@
 Prints kvlab's decode tok/s against the HBM roofline (bytes one step reads over the copy
 bandwidth measured here) and against transformers' generate on the very same weight tensors,
 how far kvlab's log-probs are from transformers' along one sequence, and aggregate decode
-tok/s at larger batches (CUDA graphs per batch bucket).
+tok/s at larger batches (CUDA graphs per batch bucket). Then the same shape as Q4_K_M (the
+random weights quantized by kvlab's own quantizers into a GGUF, bench/random_gguf.py): GPU
+memory and batch-1 tok/s against bf16. Last, serving: a random Llama-3.2-1B-shaped F16 GGUF
+under `kvlab serve`, swept by `kvlab loadtest` over concurrencies (output tok/s, TPOT).
 
-    python3 bench/gpu_decode.py                      # on a CUDA machine, a few minutes
+    python3 bench/gpu_decode.py                      # on a CUDA machine, about 5 minutes
     python bench/gpu_decode.py --device cpu --layers 2 --hidden 256 --inter 512 --vocab 4096
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import httpx
 import torch
+from random_gguf import Shape, tokenizer_metadata, write_f16, write_q4_k_m
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.harness.llama_bench import bench_tg
@@ -37,7 +51,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("-p", "--prompt", type=int, default=128)
     ap.add_argument("-n", "--gen", type=int, default=128)
     ap.add_argument("-r", "--reps", type=int, default=3)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="8,64")
+    ap.add_argument("--parts", default="bf16,q4_k_m,serve",
+                    help="which parts run: bf16 (8B decode), q4_k_m, serve (the 1B sweep)")
+    ap.add_argument("--sweep", default="1,16,64", help="kvlab loadtest concurrencies")
+    ap.add_argument("--sweep-tokens", type=int, default=64, help="output tokens a request")
+    ap.add_argument("--sweep-shape", default=None,
+                    help="layers,hidden,inter,heads,kv_heads of the served model (default: "
+                         "Llama-3.2-1B's on CUDA, the decode model's shape elsewhere)")
     return ap.parse_args()
 
 
@@ -86,12 +107,7 @@ def hf_model(args: argparse.Namespace):
 
 def numbered_tokenizer(vocab: int):
     """A byte-level vocabulary of distinct printable tokens: ids detokenize to "<123>"."""
-    tokens = [chr(c) for c in range(33, 127)] + [f"<{i}>" for i in range(94, vocab)]
-    return load_gguf_tokenizer({
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * vocab,
-        "tokenizer.ggml.merges": ["! !"], "tokenizer.ggml.eos_token_id": vocab - 1,
-        "tokenizer.ggml.add_bos_token": False})
+    return load_gguf_tokenizer(tokenizer_metadata(vocab))
 
 
 def kvlab_engine(model, cfg, args: argparse.Namespace, max_seqs: int) -> Engine:
@@ -179,24 +195,33 @@ def section(name: str, fn, *args):
         return None
 
 
-def report_batch1(engine: Engine, model, args: argparse.Namespace, bw: float) -> None:
+def batch1_tok_s(engine: Engine, args: argparse.Namespace, bw: float) -> float:
+    """Batch-1 decode tok/s (llama-bench's tg at the prompt's depth), printed against the
+    copy-bandwidth ceiling of the bytes one step reads."""
     prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
     kvlab_greedy(engine, prompt, 8)  # warm-up and graph capture for batch 1
     tg = bench_tg(engine, args.gen, args.reps, depth=args.prompt, bandwidth_gb_s=bw / 1e9)
     per_token = engine.cost.decode_bytes(args.prompt + args.gen // 2)
     ceiling = bw / per_token
-    print(f"\nbatch 1, {args.prompt}-token prompt, {args.gen} generated, {args.reps} reps")
     print(f"  bytes read per decode step   {per_token / 1e9:.2f} GB")
     print(f"  HBM ceiling (copy bw)        {ceiling:.1f} tok/s")
     print(f"  kvlab decode                 {tg.tok_s_mean:.1f} ± {tg.tok_s_std:.1f} tok/s = "
           f"{tg.tok_s_mean / ceiling:.0%} of the ceiling, {tg.gb_s:.0f} GB/s", flush=True)
+    return tg.tok_s_mean
+
+
+def report_batch1(engine: Engine, model, args: argparse.Namespace, bw: float) -> float:
+    print(f"\nbatch 1, {args.prompt}-token prompt, {args.gen} generated, {args.reps} reps")
+    tok_s = batch1_tok_s(engine, args, bw)
+    prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
     ours = kvlab_greedy(engine, prompt, args.gen)
     hf_tok_s, theirs = hf_generate_tok_s(model, prompt, args.gen, args.device)
     same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
     print(f"  transformers generate        {hf_tok_s:.1f} tok/s -> kvlab "
-          f"{tg.tok_s_mean / hf_tok_s:.2f}x")
+          f"{tok_s / hf_tok_s:.2f}x")
     print(f"  greedy tokens equal to transformers' for the first {same} of {len(ours)}",
           flush=True)
+    return tok_s
 
 
 def report_logprobs(engine: Engine, model) -> None:
@@ -271,25 +296,206 @@ def _profile(graphs, bucket, device: str) -> None:
         print(f"    {e.self_device_time_total / 1e3:6.2f} ms  {e.count:4d}x  {e.key[:70]}")
 
 
+HF_NAMES = {"token_embd": "model.embed_tokens.weight", "output": "lm_head.weight",
+            "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+            "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
+def write_q4_k_m_file(model, args: argparse.Namespace, out: Path) -> Path:
+    """The 8B shape as Q4_K_M, quantized from the bf16 model's own random weights."""
+    params = dict(model.named_parameters())
+
+    def sample(kind: str) -> torch.Tensor:
+        name = HF_NAMES[kind]
+        if "." not in name:  # a layer matrix: layer 0's
+            part = "self_attn" if kind.startswith("attn") else "mlp"
+            name = f"model.layers.0.{part}.{name}.weight"
+        return params[name].detach()
+
+    shape = Shape(args.layers, args.hidden, args.inter, args.heads, args.kv_heads, args.vocab)
+    path = out / "llama-8b-shape-q4_k_m.gguf"
+    start = time.perf_counter()
+    write_q4_k_m(path, shape, sample)
+    print(f"\nQ4_K_M GGUF of the same shape: {path.stat().st_size / 1e9:.2f} GB, quantized "
+          f"and written in {time.perf_counter() - start:.1f} s", flush=True)
+    return path
+
+
+def report_q4_k_m(path: Path, args: argparse.Namespace, bw: float,
+                  bf16: tuple[float | None, int]) -> None:
+    """GPU memory and batch-1 decode of the Q4_K_M file, against the bf16 run."""
+    bf16_tok_s, bf16_bytes = bf16
+    before = _allocated(args.device)
+    config = EngineConfig(device=args.device, kv_dtype="bf16", kv_cache_gib=KV_GIB,
+                          max_num_seqs=8, max_model_len=4096, enable_prefix_caching=False,
+                          decode_graphs="auto" if args.device.startswith("cuda") else "eager")
+    start = time.perf_counter()
+    engine = Engine.from_model(str(path), config)
+    resident = _allocated(args.device) - before
+    weights = engine.loaded.weight_bytes
+    print(f"  loaded in {time.perf_counter() - start:.1f} s; weights as held "
+          f"{weights / 1e9:.2f} GB ({weights / bf16_bytes:.0%} of bf16's {bf16_bytes / 1e9:.2f} "
+          f"GB); {_decode_path(engine)}", flush=True)
+    if args.device.startswith("cuda"):
+        print(f"  GPU memory allocated by the engine {resident / 2**30:.2f} GiB (weights + "
+              f"{KV_GIB:g} GiB KV pool)", flush=True)
+    print(f"batch 1 Q4_K_M, {args.prompt}-token prompt, {args.gen} generated")
+    tok_s = batch1_tok_s(engine, args, bw)
+    if bf16_tok_s:
+        print(f"  Q4_K_M / bf16 batch-1 tok/s   {tok_s / bf16_tok_s:.2f}x "
+              f"({bf16_tok_s:.1f} tok/s bf16)", flush=True)
+    engine.close()
+
+
+def sweep_shape(args: argparse.Namespace) -> Shape:
+    """Llama-3.2-1B's shape on CUDA (tied embeddings), the decode model's elsewhere."""
+    if args.sweep_shape:
+        layers, hidden, inter, heads, kv = (int(v) for v in args.sweep_shape.split(","))
+    elif args.device.startswith("cuda"):
+        layers, hidden, inter, heads, kv = 16, 2048, 8192, 32, 8
+    else:
+        layers, hidden, inter, heads, kv = (args.layers, args.hidden, args.inter, args.heads,
+                                            args.kv_heads)
+    return Shape(layers, hidden, inter, heads, kv, args.vocab, tied=True)
+
+
+def report_serving(args: argparse.Namespace, out: Path) -> None:
+    """`kvlab serve` on an F16 GGUF, `kvlab loadtest` at each concurrency of --sweep."""
+    shape = sweep_shape(args)
+    path = out / "llama-1b-shape-f16.gguf"
+    start = time.perf_counter()
+    write_f16(path, shape)
+    print(f"\nserving: random Llama ({shape.layers} layers, hidden {shape.hidden}) F16 GGUF "
+          f"{path.stat().st_size / 1e9:.2f} GB written in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    levels = [int(c) for c in args.sweep.split(",")]
+    with _server(path, args, max(levels), out / "serve.log") as url:
+        for c in levels:
+            s = _loadtest(url, c, max(8, 2 * c), args.sweep_tokens)
+            print(f"  c={c:>3}: {s['output_throughput']:8.1f} output tok/s, TPOT p50 "
+                  f"{s['tpot_ms']['p50']:6.2f} ms, TTFT p50 {s['ttft_ms']['p50']:7.1f} ms, "
+                  f"{s['completed']}/{s['num_requests']} completed", flush=True)
+
+
+def _kvlab(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "kvlab.cli.main", *argv]
+
+
+@contextlib.contextmanager
+def _server(path: Path, args: argparse.Namespace, seqs: int, log: Path):
+    """A `kvlab serve` subprocess on a free port, until /health answers; stopped at exit."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = _kvlab("serve", "--model", str(path), "--device", args.device, "--port", str(port),
+                 "--max-num-seqs", str(seqs), "--max-model-len", "4096", "--kv-cache-gib",
+                 str(KV_GIB if args.device.startswith("cuda") else 1), "--log-level", "warning")
+    start = time.perf_counter()
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while proc.poll() is None and not _healthy(url):
+            if time.perf_counter() - start > 300:
+                raise TimeoutError("kvlab serve did not answer /health within 300 s")
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvlab serve exited:\n{log.read_text()[-3000:]}")
+        print(f"  kvlab serve --device {args.device} ready in {time.perf_counter() - start:.1f} "
+              "s", flush=True)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    return False
+
+
+def _loadtest(url: str, concurrency: int, requests: int, tokens: int) -> dict:
+    done = subprocess.run(
+        _kvlab("loadtest", "--url", url, "--endpoint", "completions", "-c", str(concurrency),
+               "-n", str(requests), "--max-tokens", str(tokens), "--ignore-eos", "--json"),
+        capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"kvlab loadtest -c {concurrency} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def _decode_path(engine: Engine) -> str:
+    """Which decode layers run: the Triton plan (kvlab.models.decode_gpu), the one C call, or
+    torch's per-op kernels."""
+    model = engine.runner.model  # a LlamaModel: the shapes here are Llama's
+    if model.gpu_plan is not None:
+        return "decode layers: Triton kernels (decode_gpu)"
+    if model.c_plan is not None:
+        return "decode layers: one C call (decode_c)"
+    return "decode layers: torch per-op"
+
+
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+KV_GIB = 8.0
+
+
 def main() -> None:
     args = parse()
-    dev = args.device
+    dev, parts = args.device, set(args.parts.split(","))
     bw = copy_bandwidth(dev, 4.0 if dev.startswith("cuda") else 0.25)
     print(f"device {torch.cuda.get_device_name() if dev.startswith('cuda') else 'cpu'}; "
           f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvlab-gpu-bench-") as tmp:
+        q4_path, bf16 = None, (None, 0)
+        if parts & {"bf16", "q4_k_m"}:
+            q4_path, bf16 = run_bf16(args, bw, parts, Path(tmp))
+        _release(dev)
+        if q4_path is not None:
+            section("Q4_K_M", report_q4_k_m, q4_path, args, bw, bf16)
+            _release(dev)
+        if "serve" in parts:
+            section("serving sweep", report_serving, args, Path(tmp))
+
+
+def run_bf16(args: argparse.Namespace, bw: float, parts: set[str],
+             out: Path) -> tuple[Path | None, tuple[float | None, int]]:
+    """The bf16 model's parts; returns the Q4_K_M file made from its weights (if asked) and
+    bf16's (batch-1 tok/s, weight bytes) for the comparison."""
+    dev = args.device
     start = time.perf_counter()
     model, cfg = hf_model(args)
     weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     print(f"random Llama-shaped model: {weight_gb:.2f} GB bf16, built in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     engine = kvlab_engine(model, cfg, args, max(int(b) for b in args.batches.split(",")))
-    section("batch 1", report_batch1, engine, model, args, bw)
-    section("log-probs", report_logprobs, engine, model)
-    section("step split", report_step_split, engine, args)
-    section("batches", report_batches, engine, args)
-    if dev.startswith("cuda"):
-        print(f"  graph buckets captured: {sorted(engine.runner.graphs.buckets)}; "
-              f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(f"  {_decode_path(engine)}", flush=True)
+    tok_s = None
+    if "bf16" in parts:
+        tok_s = section("batch 1", report_batch1, engine, model, args, bw)
+        section("log-probs", report_logprobs, engine, model)
+        section("step split", report_step_split, engine, args)
+        section("batches", report_batches, engine, args)
+        if dev.startswith("cuda"):
+            print(f"  graph buckets captured: {sorted(engine.runner.graphs.buckets)}; "
+                  f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    q4_path = (section("Q4_K_M file", write_q4_k_m_file, model, args, out)
+               if "q4_k_m" in parts else None)
+    return q4_path, (tok_s, engine.loaded.weight_bytes)
 
 
 if __name__ == "__main__":
