@@ -130,6 +130,18 @@ def test_gemv_and_gemm_match_dequantize_then_matmul(weights, n, dtype):
         assert (c_err <= qmatmul_bound(x, ref_w, w.qtype, True)).all()
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_gemv_split_along_the_row_sums_the_same(weights, splits):
+    """Parts of each row in programs of their own (decode on a GPU with more SMs than row
+    tiles), partial sums added after: the same products within fp32 rounding."""
+    w, p, ref_w = weights
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(splits)).to(DEVICE)
+    y = torch.empty(3, ROWS, device=DEVICE)
+    quant_matmul.gemv(x, p, y, splits=splits)
+    err = (y.cpu().double() - x.cpu().double() @ ref_w.double().T).abs()
+    assert (err <= _bound(x.cpu(), ref_w, torch.float32)).all()
+
+
 def test_stacked_packed_weights_multiply_as_one():
     """q|k|v of one type concatenate into one packed matrix; its product splits back."""
     parts = [real_weight(T.Q4_K, rows, 256, seed) for rows, seed in ((64, 1), (32, 2))]

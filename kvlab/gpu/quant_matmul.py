@@ -7,8 +7,9 @@ decoded token). Here the weight stays in its blocks and each kernel dequantizes 
 [rows, 32] in registers (`_w_tile`, the one place that knows the formats), with the C
 dequantizers' arithmetic order, so values are bit-identical to kvlab.kernels.dequantize.
 
-    gemv  (decode, <= GEMV_MAX_ROWS rows of x): a program per BLOCK_N weight rows reads
-          each of their blocks once and serves every row of x from registers
+    gemv  (decode, <= GEMV_MAX_ROWS rows of x): a program per BLOCK_N weight rows (and per
+          part of the row, where few rows would leave SMs idle) reads each of their blocks
+          once and serves every row of x from registers
     gemm  (prefill): [BLOCK_M, BLOCK_N] output tiles, tl.dot over 32-wide steps of K with
           the weight tile cast to x's dtype (bf16/fp16 tensor cores; fp32 in IEEE)
     dequantize_rows: rows of the weight as a dense tensor (embedding lookups, tests)
@@ -17,6 +18,8 @@ Accumulation is fp32 throughout; outputs take the weight's compute dtype.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -94,13 +97,21 @@ def _w_tile(QT: tl.constexpr, p0, p1, p2, p3, p4, p5, lut, rows, kk, K):
 def _dequant_kernel(ids_ptr, out_ptr, n, K, p0, p1, p2, p3, p4, p5, lut,
                     QT: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[i, kk:kk+32] = row ids[i] of the weight; grid (n / BLOCK_N, K / 32)."""
-    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = i < n
+    i, ok, _ = _span(tl.program_id(0), BLOCK_N, n)
     rows = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int64)
     kk = tl.program_id(1) * 32
     w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
     c = tl.arange(0, 32)
     tl.store(out_ptr + i.to(tl.int64)[:, None] * K + kk + c[None, :], w, mask=ok[:, None])
+
+
+@triton.jit
+def _span(pid, BLOCK: tl.constexpr, N):
+    """Indices pid * BLOCK + [0, BLOCK), which are < N, and them as int64 with those past
+    N clamped to 0 (read, so that loads need no mask, never stored)."""
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    return i, ok, tl.where(ok, i, 0).to(tl.int64)
 
 
 @triton.jit
@@ -111,39 +122,36 @@ def _store(y_ptr, acc, m, n, m_ok, n_ok, N):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, y_ptr, M, N, K, p0, p1, p2, p3, p4, p5, lut,
+def _gemv_kernel(x_ptr, y_ptr, M, N, K, K_CHUNK, p0, p1, p2, p3, p4, p5, lut,
                  QT: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr,
                  STEPS: tl.constexpr):
-    """y[m, n] = sum_k x[m, k] w[n, k] for the M (<= M_PAD) rows of x; grid N / BLOCK_N.
-    x [M, K] and y [M, N] contiguous; STEPS 32-wide sub-blocks per loop trip."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    rows = tl.where(n_ok, n, 0).to(tl.int64)  # rows past N read row 0, never stored
-    m = tl.arange(0, M_PAD)
-    m_ok = m < M
+    """y[split, m, n] = sum over the split's K_CHUNK columns of x[m, k] w[n, k], for the M
+    (<= M_PAD) rows of x; grid (N / BLOCK_N, K / K_CHUNK). x [M, K] contiguous, y
+    [splits, M, N]; STEPS 32-wide sub-blocks per loop trip (independent loads in flight)."""
+    n, n_ok, rows = _span(tl.program_id(0), BLOCK_N, N)
+    m, m_ok, _ = _span(0, M_PAD, M)
     c = tl.arange(0, 32)
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, 32 * STEPS):
+    k_start = tl.program_id(1) * K_CHUNK
+    for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), 32 * STEPS):
         for s in tl.static_range(STEPS):
             kk = k0 + 32 * s
             w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
             x = tl.load(x_ptr + m[:, None] * K + kk + c[None, :], mask=m_ok[:, None], other=0.0)
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-    _store(y_ptr, acc, m, n, m_ok, n_ok, N)
+    _store(y_ptr + tl.program_id(1) * M * N, acc, m, n, m_ok, n_ok, N)
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, y_ptr, M, N, K, p0, p1, p2, p3, p4, p5, lut,
                  QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  STEPS: tl.constexpr, WIDEN: tl.constexpr):
-    """y = x @ w^T by [BLOCK_M, BLOCK_N] tiles; grid (N / BLOCK_N, M / BLOCK_M): programs
-    next to each other share a tile of x and walk the weight's rows. WIDEN: fp16/bf16
-    tiles are multiplied as the fp32 numbers they hold (the same products)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok, m_ok = n < N, m < M
-    rows = tl.where(n_ok, n, 0).to(tl.int64)
-    xrows = tl.where(m_ok, m, 0).to(tl.int64)
+    """y = x @ w^T by [BLOCK_M, BLOCK_N] tiles; grid (M / BLOCK_M, N / BLOCK_N): programs
+    next to each other share a tile of weight rows, which then leaves DRAM once (x, the
+    smaller operand up to long prompts, is the one re-read). WIDEN: fp16/bf16 tiles are
+    multiplied as the fp32 numbers they hold (the same products)."""
+    m, m_ok, xrows = _span(tl.program_id(0), BLOCK_M, M)
+    n, n_ok, rows = _span(tl.program_id(1), BLOCK_N, N)
     c = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, 32 * STEPS):
@@ -206,14 +214,35 @@ def linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def gemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
-    """y [M, out] = x [M, in] @ w^T for a few rows (M <= GEMV_MAX_ROWS); contiguous."""
-    m = x.shape[0]
-    if m:
-        block = 32
-        _gemv_kernel[(triton.cdiv(w.shape[0], block),)](
-            x, y, m, w.shape[0], w.shape[1], *_operands(w), QT=_CODES[w.qtype],
-            BLOCK_N=block, M_PAD=triton.next_power_of_2(m), STEPS=_steps(w, 4), num_warps=4)
+def gemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int | None = None) -> None:
+    """y [M, out] = x [M, in] @ w^T for a few rows (M <= GEMV_MAX_ROWS); contiguous.
+
+    `splits` parts of each row run in programs of their own (None: enough for every SM
+    to hold two programs), their partial sums added in a fixed order: the result does not
+    depend on scheduling."""
+    m, (n, k) = x.shape[0], w.shape
+    if not m:
+        return
+    block, steps = 32, _steps(w, 8)
+    programs = triton.cdiv(n, block)
+    if splits is None:
+        splits = max(1, min(8, 2 * _multiprocessors(x.device) // programs))
+    chunk = triton.cdiv(triton.cdiv(k, 32 * steps), splits) * 32 * steps
+    splits = triton.cdiv(k, chunk)
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=y.device)
+    _gemv_kernel[(programs, splits)](
+        x, out, m, n, k, chunk, *_operands(w), QT=_CODES[w.qtype], BLOCK_N=block,
+        M_PAD=triton.next_power_of_2(m), STEPS=steps, num_warps=4)
+    if splits > 1:
+        torch.sum(out, 0, out=y) if y.dtype == torch.float32 else y.copy_(out.sum(0))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
@@ -221,7 +250,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
     m = x.shape[0]
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     block_n = 128 if block_m >= 64 else 64
-    grid = (triton.cdiv(w.shape[0], block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(w.shape[0], block_n))
     _gemm_kernel[grid](x, y, m, w.shape[0], w.shape[1], *_operands(w),
                        QT=_CODES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
                        STEPS=_steps(w, 2), WIDEN=_INTERPRETED and x.dtype != torch.float32,
