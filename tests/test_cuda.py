@@ -43,3 +43,21 @@ def test_bf16_on_cuda_stays_close(gemma):
     got = cuda.teacher_forced_logprobs(ids, 8).float().cpu()
     assert (got - want).abs().max() < 0.25
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+
+
+def test_triton_decode_plan_matches_per_op_path(gemma):
+    """Where triton is present, decode steps (graphs captured) run through the Triton plan
+    (kvlab.models.decode_gpu); in fp32 its log-probs equal the per-op path's."""
+    pytest.importorskip("triton", reason="the Triton decode plan needs triton")
+    ids = list(range(5, 60))
+
+    def logprobs(triton: bool) -> torch.Tensor:
+        engine = Engine.from_model(str(gemma), EngineConfig(block_size=4, device="cuda",
+                                                            dtype="float32", kv_dtype="f32"))
+        model = engine.runner.model
+        assert model.gpu_plan is not None
+        if not triton:
+            model.gpu_plan = None
+        return engine.teacher_forced_logprobs(ids, 8).float().cpu()
+
+    torch.testing.assert_close(logprobs(True), logprobs(False), atol=1e-3, rtol=1e-3)
