@@ -1,5 +1,5 @@
-"""Hybrid models (LFM2, LFM2-MoE, Qwen3.5, Qwen3.5-MoE, Granite 4 hybrid dense and MoE) on
-tiny random checkpoints: each converted by llama.cpp's convert_hf_to_gguf.py (f32), run in
+"""Hybrid models (LFM2, LFM2-MoE, Qwen3.5, Qwen3.5-MoE, Granite 4 hybrid dense and MoE,
+Nemotron-H dense and MoE) on tiny random checkpoints: each converted by llama.cpp's convert_hf_to_gguf.py (f32), run in
 llama.cpp (llama-cpp-python) and in kvlab, against transformers' fp32 logits; prints max
 |logit diff| per family.
 
@@ -11,7 +11,8 @@ GGUF, each against transformers; then kvlab against llama.cpp. kvlab's rows come
 prefill of the first half, then one decode step per token (the state slots and the paged
 cache); llama.cpp's from one batch with logits for every position. Qwen3.5's key heads are
 as wide as its value heads here (llama.cpp's qwen35 takes no other shape; real checkpoints
-have them equal). llama.cpp's build: KVLAB_LLAMA_CPP_LIB / KVLAB_LLAMA_CPP_PY, as in
+have them equal). Nemotron-H's layers are Mamba-2, attention, Mamba-2 and an MLP-only layer
+(experts in the MoE one). llama.cpp's build: KVLAB_LLAMA_CPP_LIB / KVLAB_LLAMA_CPP_PY, as in
 bench/families_vs_llamacpp.py.
 
 --speed: each family at a larger random size (--hidden, --layers), converted, quantized by
@@ -105,6 +106,11 @@ def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
         size |= {"mamba_n_heads": args.hidden // 32, "mamba_d_head": 64, "mamba_n_groups": 1,
                  "mamba_d_state": 128, "mamba_chunk_size": 256,
                  "shared_intermediate_size": 3 * args.hidden}
+    elif arch.startswith("nemotron_h"):  # Nemotron-H's shape: 64-wide SSM heads, 8 groups
+        size |= {"mamba_num_heads": args.hidden // 32, "mamba_head_dim": 64, "n_groups": 8,
+                 "ssm_state_size": 128, "chunk_size": 256, "head_dim": 128,
+                 "moe_intermediate_size": args.hidden // 2,
+                 "moe_shared_expert_intermediate_size": args.hidden}
     elif arch.startswith("qwen3_5"):  # the Qwen3.5 shape: 64-wide heads, value heads twice the key heads
         size |= {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                  "linear_num_key_heads": args.hidden // 128,

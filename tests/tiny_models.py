@@ -473,14 +473,14 @@ def nemotron_h_config(common: dict, moe: bool):
     import transformers as tf
 
     layers = common.pop("num_hidden_layers")
-    pattern = (NEMOTRON_PATTERNS[moe] * layers)[:layers]
-    eps = common.pop("rms_norm_eps")
-    return tf.NemotronHConfig(
-        **{**common, "layer_norm_epsilon": eps}, hybrid_override_pattern=pattern,
-        head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
-        conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
-        routed_scaling_factor=2.5, bos_token_id=None, eos_token_id=None)
+    defaults = {
+        "hybrid_override_pattern": (NEMOTRON_PATTERNS[moe] * layers)[:layers],
+        "layer_norm_epsilon": common.pop("rms_norm_eps"), "head_dim": 16,
+        "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16,
+        "conv_kernel": 4, "chunk_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+        "routed_scaling_factor": 2.5, "bos_token_id": None, "eos_token_id": None}
+    return tf.NemotronHConfig(**{**defaults, **common})
 
 
 # the MoE keys transformers writes into every Nemotron-H config.json; NVIDIA's dense
