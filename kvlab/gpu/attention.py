@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-KEYS_PER_SPLIT = 256  # fewer keys per program than this is not worth another merge
+# keys per program below which a split does not pay for its share of the merge: one tile of
+# 64 keys is a few dependent loads (table, then K and V), about the merge kernel's cost
+KEYS_PER_SPLIT = 64
 
 
 @triton.jit
@@ -184,7 +186,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q if sinks is None else sinks, out, part_ml, part_acc, width, window, scale,
         softcap or 1.0, KV_HEADS=kv_heads, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, D_PAD=d_pad, PAGE=page,
-        BLOCK_N=32 if d_pad <= 128 else 16, SPLITS=splits, HAS_LEN=lengths is not None,
+        BLOCK_N=64 if d_pad <= 128 else 32, SPLITS=splits, HAS_LEN=lengths is not None,
         HAS_MASK=mask_u8 is not None, HAS_CAP=bool(softcap), HAS_SINK=sinks is not None,
         EXACT=k_cache.dtype == torch.float32 or q.device.type != "cuda")
     if splits > 1:
