@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, EngineConfig
+from kvlab.errors import ModelLoadError
+from kvlab.models import nemotron_h
 from kvlab.models.loader import LoadOptions, load_model, read_config
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
@@ -18,7 +20,13 @@ from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import HYBRID_ARCHS, build_hybrid, byte_tokenizer_metadata, convert_with_llama_cpp
+from tiny_models import (
+    HYBRID_ARCHS,
+    build_hybrid,
+    byte_tokenizer_metadata,
+    convert_with_llama_cpp,
+    hybrid_config,
+)
 
 TOL = 1e-4
 
@@ -252,8 +260,6 @@ def _multimodal(arch: str):
     """A tiny multimodal checkpoint around the hybrid text model (a one-layer vision tower)."""
     import transformers as tf
 
-    from tiny_models import hybrid_config
-
     text = hybrid_config(arch).to_dict()
     vision = {"hidden_size": 32, "intermediate_size": 32}
     if arch == "lfm2":
@@ -298,8 +304,6 @@ MISMATCHES = {
 
 
 def test_gguf_state_dimensions_that_disagree_with_the_tensors_are_a_load_error(tiny):
-    from kvlab.errors import ModelLoadError
-
     path = path_of(tiny, "model.gguf")
     for key, value, message in MISMATCHES[tiny[0]]:
         ckpt = open_checkpoint(path)
@@ -376,3 +380,20 @@ def test_nemotron_h_mlp_layers_keep_neither_kv_nor_state(tiny):
     runner = runner_for(tiny[2] / "hf")
     assert [kv is not None for kv in runner.kv_caches] == [False, True, False, False]
     assert [s is not None for s in runner.states.layers] == [True, False, True, False]
+
+
+def test_nemotron_h_layer_pattern_in_each_spelling():
+    """NVIDIA's hybrid_override_pattern, transformers' layers_block_type and the legacy
+    names give the same layers; an unknown character is a load error naming the valid ones."""
+    base = hybrid_config("nemotron_h_moe").to_dict()
+    base.pop("layers_block_type")
+    spellings = ["M*ME", ["linear_attention", "full_attention", "linear_attention", "moe"],
+                 ["mamba", "attention", "mamba", "moe"]]
+    configs = [nemotron_h.config_from_hf({**base, ("hybrid_override_pattern" if isinstance(p, str)
+                                        else "layers_block_type"): p}) for p in spellings]
+    assert all(c == configs[0] for c in configs)
+    assert configs[0].layer_types == ("recurrent", "full", "recurrent", "mlp")
+    assert configs[0].moe is not None and configs[0].moe.scoring == "sigmoid"
+    assert nemotron_h.config_from_hf({**base, "hybrid_override_pattern": "M*M-"}).moe is None
+    with pytest.raises(ModelLoadError, match=r"\['X'\]; valid"):
+        nemotron_h.config_from_hf({**base, "hybrid_override_pattern": "M*MX"})
