@@ -47,6 +47,7 @@ from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
 from kvlab.sampler import SampleResult, SamplingBatch, raw_logprobs, sample, target_probs
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.spec.draft import load_draft
+from kvlab.spec.mtp import HiddenSpan, mtp_proposer
 from kvlab.spec.proposer import METHODS, NgramProposer, Proposer
 from kvlab.spec.stats import SpecCounts
 from kvlab.spec.verify import judge
@@ -120,6 +121,9 @@ class EngineConfig:
             raise KvlabError("--draft-model goes with --speculative draft, and it needs one "
                              f"(got --speculative {self.speculative}, --draft-model "
                              f"{self.draft_model})")
+        if self.speculative == "mtp" and self.tensor_parallel_size > 1:
+            raise KvlabError("--speculative mtp runs on one rank: start without "
+                             "--tensor-parallel-size")
         if self.num_speculative < 1:
             raise KvlabError(f"--num-speculative {self.num_speculative}: it must be at least 1")
         if self.state_snapshot_blocks < 1:
@@ -214,7 +218,11 @@ class Engine:
         num_blocks = pools.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  pools.window, pools.state_slots, pools.snapshots)
-        proposer = self._proposer(config, loaded.config.vocab_size)
+        # a multi-token-prediction proposer also reads every step's hidden states (_feed_mtp)
+        self.mtp = (mtp_proposer(loaded, config.num_speculative, config.kv_dtype, num_blocks,
+                                 config.device, config.speculative_adaptive)
+                    if config.speculative == "mtp" else None)
+        proposer = self.mtp or self._proposer(config, loaded.config.vocab_size)
         if proposer is not None and self.kv.states is not None:
             raise KvlabError(f"{loaded.config.name or loaded.config.architecture} has "
                              "recurrent layers, whose state cannot take back rejected "
@@ -288,7 +296,7 @@ class Engine:
         ckpt = open_checkpoint(path)
         options = LoadOptions(dtype=DTYPES[config.dtype], keep_quantized=config.keep_quantized,
                               device=config.device, quantize=config.quantize,
-                              group_rows=config.group_rows)
+                              group_rows=config.group_rows, mtp=config.speculative == "mtp")
         ranks = None
         if config.tensor_parallel_size > 1:
             check_split(read_config(ckpt)[1], config.tensor_parallel_size)  # before spawning
@@ -511,7 +519,9 @@ class Engine:
             return outputs + self._stall_outputs()
         self.runner.page_ahead(self.kv.high_water())
         start = time.perf_counter()
-        logits, checks = _split_rows(self.runner.execute(sched, self.config.record_experts))
+        step = self.runner.execute(sched, self.config.record_experts,
+                                   hidden=self.mtp is not None)
+        logits, checks = _split_rows(step)
         executed = time.perf_counter()
         self._phases["execute"] += executed - start
         sampled, allowed = self._sample(logits.seq_ids, logits.logits)
@@ -525,6 +535,8 @@ class Engine:
             self.scheduler.settle(v.req.seq, v.num_accepted)
         self.scheduler.update(sched, {s.seq_id: self.requests[s.seq_id].seq
                                       for s in sched.scheduled})
+        if self.mtp is not None:
+            self._feed_mtp(sched, step.hidden)
         counts = {} if allowed is None else {  # how many tokens each structure allowed
             row: self.structured.allowed_count(allowed, row)
             for row, seq_id in enumerate(logits.seq_ids) if self.structured.constrained(seq_id)}
@@ -535,6 +547,18 @@ class Engine:
                 out.experts = logits.experts[row].tolist()
             outputs.append(out)
         return outputs + [self._append_verified(v, now) for v in verified]
+
+    def _feed_mtp(self, sched: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Hand the MTP proposer each sequence's hidden states of the tokens it kept (its
+        rejected proposals' rows left out)."""
+        spans, row = [], 0
+        for s in sched.scheduled:
+            seq = self.requests[s.seq_id].seq
+            kept = s.token_ids[:seq.num_computed_tokens - s.start]
+            if seq.draft is not None:
+                spans.append(HiddenSpan(seq.draft, s.start, kept, row))
+            row += len(s.token_ids)
+        self.mtp.observe(spans, hidden)
 
     def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
         """A decode step's time, for the proposer's cost fit (prefill steps do not say what

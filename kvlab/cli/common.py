@@ -69,8 +69,10 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=METHODS, default=None,
                    help="speculative decoding: ngram proposes the tokens that followed the "
                         "last few tokens' earlier occurrence in the prompt or output, draft "
-                        "those a smaller model (--draft-model) decodes; the model verifies "
-                        "them in one step (output unchanged)")
+                        "those a smaller model (--draft-model) decodes, mtp those the model's "
+                        "own multi-token-prediction layer guesses (GLM-4.5, DeepSeek-V3 "
+                        "checkpoints that ship it); the model verifies them in one step "
+                        "(output unchanged)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="with --speculative draft: a .gguf file or HF directory of a model "
                         "with the same vocabulary")
@@ -84,7 +86,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     if args.speculative is None:
         if args.num_speculative is not None or args.draft_model is not None:
             raise KvlabError("--num-speculative and --draft-model apply with --speculative; "
-                             "add --speculative ngram or draft")
+                             "add --speculative ngram, draft or mtp")
         return {}
     k = args.num_speculative
     return {"speculative": args.speculative, "num_speculative": 4 if k is None else k,

@@ -32,6 +32,7 @@ from kvlab.metrics import RunCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight, packs_on
 from kvlab.models.moe import Experts
+from kvlab.models.mtp import MtpLayer, build_mtp, nextn_names
 from kvlab.models.pooling import gguf_pooling, hf_pooling
 from kvlab.models.sharding import (
     SINGLE,
@@ -67,6 +68,8 @@ class LoadOptions:
     # CPU: matrices of 8k rows of the types in kvlab.layouts.GROUPS_AS in 8-row groups (Q8_0x8,
     # Q4_Kx8, ...: exact values; batched decode and prefill 1.3-2x faster, batch-1 no slower)
     group_rows: bool = True
+    # load the checkpoint's first multi-token-prediction layer, if it has one (kvlab.models.mtp)
+    mtp: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class LoadedModel:
     model: Any  # the architecture's model class
     tensors: tuple[TensorStat, ...]
     pooling: str = "last"  # how embeddings pool its hidden states (kvlab.models.pooling)
+    mtp: MtpLayer | None = None  # its multi-token-prediction layer, when asked and present
 
     @property
     def weight_bytes(self) -> int:
@@ -210,11 +214,11 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
         ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
-    def get_layer(i: int) -> dict[str, Weight | tuple[Weight, ...]]:
-        layer = {dst: get(src, dst, f"layers.{i}.{dst}")
+    def get_layer(i: int, stat: str = "layers") -> dict[str, Weight | tuple[Weight, ...]]:
+        layer = {dst: get(src, dst, f"{stat}.{i}.{dst}")
                  for src, dst in _layer_names(table, i, names)}
         for srcs, dst in _expert_names(table, i, names):
-            layer[dst] = tuple(get(src, dst, f"layers.{i}.{dst}.{e}")
+            layer[dst] = tuple(get(src, dst, f"{stat}.{i}.{dst}.{e}")
                                for e, src in enumerate(srcs))
         return layer
 
@@ -224,7 +228,13 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
     fused = spec.fused_sizes(config) if spec.fused_sizes else {}
     model = spec.model_cls(config, weights,
                            _stack_all(layers, fused, spec.expert_activation), tp)
-    return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec))
+    mtp, n = None, config.num_layers  # the first MTP layer follows the main ones
+    nextn = _nextn_layer(table, nextn_names(gguf), n, names)
+    if options.mtp and nextn and tp.size == 1:  # its stats: "mtp.N.*", outside the layers
+        layer = {**get_layer(n, "mtp"), **{dst: get(src, dst, f"mtp.{n}.{dst}")
+                                           for src, dst in nextn}}
+        mtp = build_mtp(spec.model_cls, config, weights, _stack(layer, fused))
+    return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec), mtp)
 
 
 def _pooling(ckpt: Checkpoint, spec: ArchSpec) -> str:
@@ -310,6 +320,14 @@ def _experts(layer: dict,
         gate_up = tuple(Stacked.of([g, u])
                         for g, u in zip(layer.pop("gate_exps"), layer.pop("up_exps")))
     return Experts(gate_up, layer.pop("down_exps"))
+
+
+def _nextn_layer(table: NameTable, nextn: dict[str, str], i: int,
+                 names: set[str]) -> list[tuple[str, str]]:
+    """The multi-token-prediction tensors of layer i (the first past the main layers), or
+    none where the checkpoint has no such layer."""
+    prefix = table.layer_prefix.format(i=i)
+    return [(prefix + src, dst) for src, dst in nextn.items() if prefix + src in names]
 
 
 def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, str]]:

@@ -49,6 +49,9 @@ class StepLogits:
     # rows per sequence, in seq_ids order, where some sequence has several (a verify step:
     # ScheduledSeq.num_logits); None: one row each
     counts: list[int] | None = None
+    # asked for (a multi-token-prediction proposer reads them): [step tokens, hidden], every
+    # row's final hidden state before the final norm, in the step's token order; else None
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -136,15 +139,16 @@ class ModelRunner:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
     def execute(self, out: SchedulerOutput, record_experts: bool = False,
-                logits: bool = True) -> StepLogits:
+                logits: bool = True, hidden: bool = False) -> StepLogits:
         """Run one step. With quantized weights, torch stays on one thread between wide
         steps: the C kernels bring their own threads, and torch's OpenMP workers would
         otherwise compete with them for the same cores. Wide (prefill) steps give torch all
         threads for their attention products. logits=False stops at the hidden states (a
-        tensor-parallel rank other than 0): the result then has no rows."""
+        tensor-parallel rank other than 0): the result then has no rows. hidden=True also
+        returns every row's hidden state (StepLogits.hidden)."""
         record = record_experts and self.config.moe is not None
         with self._torch_threads(out.num_tokens):
-            return self._execute(out, record, logits)
+            return self._execute(out, record, logits, hidden)
 
     @contextmanager
     def _torch_threads(self, num_tokens: int) -> Iterator[None]:
@@ -193,8 +197,8 @@ class ModelRunner:
             self.pager.close()
 
     def _execute(self, out: SchedulerOutput, record_experts: bool,
-                 want_logits: bool = True) -> StepLogits:
-        if self.graphs is not None and self.graphs.accepts(out):
+                 want_logits: bool = True, want_hidden: bool = False) -> StepLogits:
+        if self.graphs is not None and not want_hidden and self.graphs.accepts(out):
             logits = self.graphs.run(out, self.block_size)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         began = time.perf_counter()
@@ -218,13 +222,14 @@ class ModelRunner:
                     rows.extend(range(row - s.num_logits, row))
                     seq_ids.append(s.seq_id)
                     counts.append(s.num_logits)
+            kept = hidden if want_hidden else None
             if not rows:
-                return StepLogits([], hidden.new_empty(0, self.config.vocab_size))
+                return StepLogits([], hidden.new_empty(0, self.config.vocab_size), hidden=kept)
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model.logits(hidden.index_select(0, index))
         experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
         several = len(rows) > len(seq_ids)
-        return StepLogits(seq_ids, logits, experts, counts if several else None)
+        return StepLogits(seq_ids, logits, experts, counts if several else None, kept)
 
     def _step_states(self, out: SchedulerOutput) -> StateBatch:
         """The step's rows of the recurrent states; a sequence that starts from token 0

@@ -256,10 +256,10 @@ class LeaderRunner(ModelRunner):
                              f"error is above): {e}") from None
 
     def execute(self, out: SchedulerOutput, record_experts: bool = False,
-                logits: bool = True) -> StepLogits:
+                logits: bool = True, hidden: bool = False) -> StepLogits:
         with self.ranks.step():
             self.ranks.send(RankCommand("step", out, record_experts))
-            return super().execute(out, record_experts, logits)
+            return super().execute(out, record_experts, logits, hidden)
 
     def reserve_kv(self, tokens: int | None = None) -> None:
         with self.ranks.step():

@@ -31,7 +31,7 @@ from kvlab.models.sharding import SINGLE
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 from kvlab.spec.adaptive import DraftState, Planner
-from kvlab.spec.proposer import Candidate
+from kvlab.spec.proposer import CachingProposer, Candidate
 from kvlab.weights.checkpoint import open_checkpoint
 
 BLOCK_SIZE = 16
@@ -45,7 +45,7 @@ class _Held:
     tokens: list[int] = field(default_factory=list)
 
 
-class DraftProposer:
+class DraftProposer(CachingProposer):
     def __init__(self, loaded: LoadedModel, num_speculative: int, kv_dtype: str,
                  kv_cache_gib: float, max_num_seqs: int, device: str = "cpu",
                  adaptive: bool = True) -> None:
@@ -83,15 +83,6 @@ class DraftProposer:
                 out[i].append(token)
                 feed[i] = [token]
         return out
-
-    def observe_step(self, rows: int, multi: bool, seconds: float) -> None:
-        self.planner.cost.observe(rows, multi, seconds)
-
-    def forget(self, state: DraftState) -> None:
-        """A sequence finished: release its draft cache."""
-        held = self.held.pop(id(state), None)
-        if held is not None:
-            self.kv.free(held.seq_id)
 
     def _held(self, state: DraftState) -> _Held:
         held = self.held.get(id(state))

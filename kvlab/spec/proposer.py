@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvlab.spec.adaptive import DraftState, Planner
 
-METHODS = ("ngram", "draft")  # prompt lookup; a draft model (kvlab.spec.draft)
+# prompt lookup; a draft model (kvlab.spec.draft); the model's own multi-token-prediction
+# layer (kvlab.spec.mtp)
+METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,25 @@ class Proposer(Protocol):
     def observe_step(self, rows: int, multi: bool, seconds: float) -> None: ...
 
     def forget(self, state: DraftState) -> None: ...
+
+
+class CachingProposer:
+    """What the proposers that keep a KV cache of their own share (a draft model's, an MTP
+    layer's): the planner's step-cost fit, and a record per sequence (`held`, by id() of its
+    DraftState, each with the `seq_id` of its blocks in `kv`) released when it finishes."""
+
+    planner: Planner
+    held: dict
+    kv: Any  # kvlab.cache.KVCacheManager
+
+    def observe_step(self, rows: int, multi: bool, seconds: float) -> None:
+        self.planner.cost.observe(rows, multi, seconds)
+
+    def forget(self, state: DraftState) -> None:
+        """A sequence finished: release its cache."""
+        held = self.held.pop(id(state), None)
+        if held is not None:
+            self.kv.free(held.seq_id)
 
 
 class NgramProposer:

@@ -1,0 +1,261 @@
+"""Speculative decoding with the model's own multi-token-prediction layer (kvlab.spec.mtp,
+kvlab.models.mtp) on a tiny random GLM-4.5 whose checkpoint carries one MTP layer:
+
+- the MTP layer's logits equal a hand-written reference of the published formula
+  (transformers' GLM-4.5 decoder layer as the block), and the proposer's guesses, recursion
+  included, equal the reference's greedy ones;
+- greedy text with --speculative mtp equals plain decoding, alone and batched, from the
+  safetensors and from llama.cpp's converter's GGUF (which keeps the nextn layer);
+- a model without MTP layers refuses --speculative mtp, naming the families that have them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvlab.cache import KVCacheManager
+from kvlab.engine import Engine, EngineConfig
+from kvlab.errors import KvlabError
+from kvlab.models.attention import SeqSpan, build_metadata
+from kvlab.models.kv_store import make_kv
+from kvlab.models.loader import LoadOptions, load_model
+from kvlab.request import SamplingParams
+from kvlab.runner import ModelRunner
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.spec.adaptive import DraftState
+from kvlab.spec.mtp import HiddenSpan, MtpProposer
+from kvlab.spec.proposer import Candidate
+from kvlab.tokenizer import load_gguf_tokenizer
+from kvlab.weights.checkpoint import open_checkpoint
+
+from tiny_models import _CONVERT, LLAMA_CPP, build, byte_tokenizer_metadata
+
+LAYERS = 3  # main layers; the MTP layer is layer 3
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 33, 2, 61, 9, 40], [70, 3, 3, 12], [8, 90, 44, 1, 27, 27, 50, 6, 11, 64]]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """A GLM-4.5 of LAYERS + 1 layers saved as LAYERS main layers and one MTP layer: the last
+    decoder layer (an MoE layer) is the MTP block, with random eh_proj, enorm, hnorm and
+    shared_head.norm / shared_head.head beside it (no embed_tokens: the main one serves).
+    Returns (the directory, the full transformers model, the MTP tensors)."""
+    out = tmp_path_factory.mktemp("glm_mtp")
+    model = build("glm4moe", out, num_hidden_layers=LAYERS + 1)
+    cfg = model.config
+    hidden, prefix = cfg.hidden_size, f"model.layers.{LAYERS}."
+    nextn = {"eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.2,
+             "enorm.weight": torch.randn(hidden) * 0.1 + 1.0,
+             "hnorm.weight": torch.randn(hidden) * 0.1 + 1.0,
+             "shared_head.norm.weight": torch.randn(hidden) * 0.1 + 1.0,
+             "shared_head.head.weight": torch.randn(cfg.vocab_size, hidden) * 0.5}
+    files = sorted((out / "hf").glob("*.safetensors"))
+    assert len(files) == 1
+    tensors = load_file(files[0])
+    tensors.update({prefix + k: v.contiguous() for k, v in nextn.items()})
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    config = json.loads((out / "hf" / "config.json").read_text())
+    config.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
+    (out / "hf" / "config.json").write_text(json.dumps(config))
+    return out, model, nextn
+
+
+def _reference(model, nextn: dict, prompt: list[int], token: int, k: int
+               ) -> tuple[torch.Tensor, list[int]]:
+    """The formula by hand: main hidden states h (after the final norm) of the LAYERS main
+    layers over the prompt; MTP rows p = 1 .. P from (x_p, h_{p-1}) and then its own output,
+    x = eh_proj([enorm(embed(x_p)) | hnorm(h)]) through the GLM decoder layer, out =
+    shared_head.norm(x), logits = shared_head.head(out). Returns the first guess's logits
+    [vocab] and k greedy guesses."""
+    import transformers as tf
+
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    main_cfg = tf.Glm4MoeConfig(**{**cfg.to_dict(), "num_hidden_layers": LAYERS})
+    main = tf.Glm4MoeModel(main_cfg).eval()
+    main.load_state_dict(model.model.state_dict(), strict=False)  # all but layer LAYERS
+    block_cfg = tf.Glm4MoeConfig(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                                    "first_k_dense_replace": 0})
+    block = tf.Glm4MoeModel(block_cfg).eval()
+    block.layers[0].load_state_dict(model.model.layers[LAYERS].state_dict())
+    block.norm.weight.data.copy_(nextn["shared_head.norm.weight"])
+    embed = model.model.embed_tokens.weight
+    with torch.no_grad():
+        h = main(torch.tensor([prompt])).last_hidden_state[0]  # [P, hidden], normed
+        ids, prev, guesses = prompt[1:] + [token], list(h), []
+        first = None
+        for _ in range(k):
+            e = _rms(embed[torch.tensor(ids)], nextn["enorm.weight"], eps)
+            hh = _rms(torch.stack(prev), nextn["hnorm.weight"], eps)
+            x = torch.cat([e, hh], dim=-1) @ nextn["eh_proj.weight"].T
+            positions = torch.arange(1, len(ids) + 1)[None]
+            out = block(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]
+            logits = out[-1] @ nextn["shared_head.head.weight"].T
+            first = logits if first is None else first
+            guesses.append(int(logits.argmax()))
+            ids.append(guesses[-1])
+            prev.append(out[-1])
+    return first, guesses
+
+
+def _mtp_logits(loaded, prompt: list[int], token: int) -> torch.Tensor:
+    """kvlab's MTP layer over rows 1 .. P (main hidden states from kvlab's runner): the
+    logits [vocab] of the last row."""
+    c = loaded.config
+    kv = KVCacheManager(8, 16, enable_prefix_caching=False)
+    kv.allocate_slots("s", len(prompt))
+    runner = ModelRunner(loaded.model, c, 8, 16, "f32", graphs="off")
+    step = runner.execute(SchedulerOutput([ScheduledSeq("s", 0, prompt, kv.block_table("s"),
+                                                        True, len(prompt))]), hidden=True)
+    mtp = loaded.mtp
+    rows = len(prompt)
+    cache = make_kv("f32", 64, mtp.config.num_kv_heads, mtp.config.head_dim,
+                    torch.device("cpu"))
+    meta = build_metadata([SeqSpan(0, rows, torch.arange(rows))], None, torch.device("cpu"))
+    with torch.inference_mode():
+        out = mtp.forward(torch.tensor(prompt[1:] + [token]), mtp.main_hidden(step.hidden),
+                          torch.arange(1, rows + 1), cache, meta)
+        return mtp.logits(out[-1:])[0]
+
+
+def test_mtp_logits_equal_the_reference_formula(mtp_model):
+    out, model, nextn = mtp_model
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(mtp=True))
+    assert loaded.mtp is not None
+    for prompt in PROMPTS:
+        want, _ = _reference(model, nextn, prompt, 7, 1)
+        got = _mtp_logits(loaded, prompt, 7)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_proposer_guesses_equal_the_reference_recursion(mtp_model):
+    """After the prompt's step, the proposer's k guesses (row P, then the layer on its own
+    output) equal the reference's greedy ones."""
+    out, model, nextn = mtp_model
+    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(mtp=True))
+    for prompt in PROMPTS:
+        proposer = MtpProposer(loaded.mtp, 3, "f32", 8, adaptive=False)
+        kv = KVCacheManager(8, 16, enable_prefix_caching=False)
+        kv.allocate_slots("s", len(prompt))
+        runner = ModelRunner(loaded.model, loaded.config, 8, 16, "f32", graphs="off")
+        step = runner.execute(SchedulerOutput([ScheduledSeq(
+            "s", 0, prompt, kv.block_table("s"), True, len(prompt))]), hidden=True)
+        state = DraftState()
+        proposer.observe([HiddenSpan(state, 0, prompt, 0)], step.hidden)
+        guesses = proposer.propose([Candidate(state, prompt + [7], 10)], 1)[0]
+        _, want = _reference(model, nextn, prompt, 7, 3)
+        assert guesses == want
+        proposer.forget(state)
+        assert proposer.kv.num_free_blocks == 8
+
+
+def _engine(path: Path, **config) -> Engine:
+    """An engine over a GGUF file, or over an HF directory with the byte vocabulary the
+    tiny models use (their directories have no tokenizer.json)."""
+    config = EngineConfig(**{"block_size": 4, **config})
+    if path.suffix == ".gguf":
+        return Engine.from_model(str(path), config)
+    loaded = load_model(open_checkpoint(path), LoadOptions(mtp=config.speculative == "mtp"))
+    return Engine(loaded, load_gguf_tokenizer(byte_tokenizer_metadata(96)), config)
+
+
+def _generate(path: Path, prompts: list[list[int]], **config) -> tuple[list[list[int]], Engine]:
+    engine = _engine(path, **config)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[str(i)] for i in range(len(prompts))], engine
+
+
+MTP = {"speculative": "mtp", "num_speculative": 3, "speculative_adaptive": False}
+
+
+def _gguf(out: Path) -> Path:
+    """llama.cpp's converter's GGUF of the checkpoint, its nextn layer kept."""
+    path = out / "mtp.gguf"
+    if not path.exists():
+        if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
+            pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP}")
+        import subprocess
+        import sys
+
+        script = _CONVERT.replace("cls.no_mtp = True", "cls.no_mtp = False")
+        run = subprocess.run([sys.executable, "-c", script, str(LLAMA_CPP), str(out / "hf"),
+                              str(path)], check=False, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+    return path
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_text_with_mtp_equals_plain_decoding(mtp_model, source):
+    out = mtp_model[0]
+    path = out / "hf" if source == "hf" else _gguf(out)
+    plain, _ = _generate(path, PROMPTS)
+    for batch in ([PROMPTS[0]], PROMPTS):  # alone, and batched with other sequences
+        spec, engine = _generate(path, batch, **MTP)
+        assert spec == plain[:len(batch)]
+        counts = engine.stats().speculative
+        assert counts.drafted > 0 and counts.accepted <= counts.drafted
+        assert engine.mtp.held == {} and engine.mtp.kv.num_free_blocks == engine.mtp.kv.num_blocks
+
+
+def test_gguf_keeps_the_nextn_layer(mtp_model):
+    """The converter writes blk.3.nextn.* and block_count 4; kvlab's main model has 3
+    layers and the MTP layer loads from the nextn tensors (its own head included)."""
+    out, _, nextn = mtp_model
+    loaded = load_model(open_checkpoint(_gguf(out)), LoadOptions(mtp=True))
+    assert loaded.config.num_layers == LAYERS
+    assert loaded.mtp is not None
+    assert torch.equal(loaded.mtp.head, nextn["shared_head.head.weight"])
+
+
+def test_chunked_prefill_and_prefix_hits_keep_greedy_text(mtp_model):
+    """Prompts cut into chunks, and a later request whose prompt the prefix cache serves
+    (its MTP rows start past the cached blocks): the same text as plain decoding."""
+    path = mtp_model[0] / "hf"
+    long = [(i * 7 + 3) % 90 for i in range(40)]
+    prompts = [long, long[:36] + [1, 2]]
+    texts = []
+    for config in ({}, MTP):
+        engine = _engine(path, max_num_batched_tokens=16, **config)
+        texts.append([_one(engine, p) for p in prompts])  # one after the other
+    assert texts[0] == texts[1]
+    assert engine.stats().prefix_hits >= 32
+    assert engine.stats().speculative.drafted > 0
+
+
+def _one(engine: Engine, prompt: list[int]) -> list[int]:
+    engine.add_request("r", prompt, GREEDY)
+    tokens = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def test_a_model_without_mtp_layers_refuses_mtp(tmp_path):
+    build("glm4moe", tmp_path)  # no MTP tensors in its safetensors
+    with pytest.raises(KvlabError, match="GLM-4.5.*DeepSeek-V3"):
+        _engine(tmp_path / "hf", speculative="mtp")
+    build("llama", tmp_path / "llama")
+    with pytest.raises(KvlabError, match="no multi-token-prediction layers"):
+        _engine(tmp_path / "llama" / "model.gguf", speculative="mtp")
+
+
+def test_mtp_with_tensor_parallel_is_refused():
+    with pytest.raises(KvlabError, match="one rank"):
+        EngineConfig(speculative="mtp", tensor_parallel_size=2)
