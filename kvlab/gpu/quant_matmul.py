@@ -30,7 +30,8 @@ from kvlab.kernels.packed import PackedWeight
 
 T = GGMLQuantizationType
 # constexpr codes of the formats, one branch each in _w_tile
-_CODES = {T.Q8_0: 0, T.Q4_K: 1, T.Q5_K: 2, T.Q6_K: 3, T.IQ4_XS: 4, T.MXFP4: 5}
+_CODES = {T.Q8_0: 0, T.Q4_K: 1, T.Q5_K: 2, T.Q6_K: 3, T.IQ4_XS: 4, T.MXFP4: 5, T.Q4_0: 6,
+          T.Q5_0: 7}
 GEMV_MAX_ROWS = 8  # more rows of x than this go through the tiled GEMM
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the tests without a GPU) multiplies bf16
 # tiles as their uint16 bits in tl.dot: there the GEMM widens half tiles to fp32 first
@@ -78,18 +79,26 @@ def _w_tile(QT: tl.constexpr, p0, p1, p2, p3, p4, p5, lut, rows, kk, K):
         sc = tl.load(p2 + r * (K // 16) + sb * 16 + 8 * h + 2 * g + c[None, :] // 16)
         d = tl.load(p3 + rows * (K // 256) + sb).to(tl.float32)
         w = (d[:, None] * sc.to(tl.float32)) * (q - 32).to(tl.float32)
-    else:  # IQ4_XS, MXFP4: 16 bytes per 32 elements, l in the low nibble, l + 16 in the high
+    else:  # 16 bytes per 32 elements: element l in the low nibble of byte l, l + 16 in the high
         sub = kk // 32
         byte = tl.load(p0 + r * (K // 2) + sub * 16 + (c[None, :] % 16)).to(tl.int32)
-        v = tl.load(lut + ((byte >> (4 * (c[None, :] // 16))) & 0xF))
-        if QT == 4:  # (d * (scale - 32)) * v
+        q = (byte >> (4 * (c[None, :] // 16))) & 0xF
+        if QT == 4:  # IQ4_XS: (d * (scale - 32)) * v[q]
             ls = tl.load(p1 + rows * (K // 32) + sub).to(tl.float32)
             d = tl.load(p2 + rows * (K // 256) + kk // 256).to(tl.float32)
-            w = (d * ls)[:, None] * v
-        else:  # 2^(e - 128) * v, built from its bits (subnormal for e < 2)
+            w = (d * ls)[:, None] * tl.load(lut + q)
+        elif QT == 5:  # MXFP4: 2^(e - 128) * v[q], the scale built from its bits
             ex = tl.load(p1 + rows * (K // 32) + sub).to(tl.int32)
-            bits = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23)
-            w = bits.to(tl.float32, bitcast=True)[:, None] * v
+            bits = tl.where(ex < 2, 0x00200000 << ex, (ex - 1) << 23)  # subnormal for e < 2
+            w = bits.to(tl.float32, bitcast=True)[:, None] * tl.load(lut + q)
+        elif QT == 6:  # Q4_0: d * (q - 8)
+            d = tl.load(p1 + rows * (K // 32) + sub).to(tl.float32)
+            w = d[:, None] * (q - 8).to(tl.float32)
+        else:  # Q5_0: d * (q - 16), the fifth bit of element l is bit l of the block's qh
+            qh = tl.load(p1 + r * (K // 8) + sub * 4 + c[None, :] // 8).to(tl.int32)
+            q = q | (((qh >> (c[None, :] % 8)) & 1) << 4)
+            d = tl.load(p2 + rows * (K // 32) + sub).to(tl.float32)
+            w = d[:, None] * (q - 16).to(tl.float32)
     return w
 
 

@@ -15,6 +15,8 @@ the only growth), and kvlab.gpu.quant_matmul dequantizes them in registers.
     Q6_K     ql u8 [in/2], qh u8 [in/4], scales i8 [in/16], d f16 [in/256]     1.000
     IQ4_XS   qs u8 [in/2], scales i8 [in/32] (stored - 32), d f16 [in/256]     1.015
     MXFP4    qs u8 [in/2], e u8 [in/32] (E8M0 exponents)                       1.000
+    Q4_0     qs u8 [in/2], d f16 [in/32]                                       1.000
+    Q5_0     qs u8 [in/2], qh u8 [in/8], d f16 [in/32]                         1.000
 
 Quant planes keep the file's byte order within a block (Q4_K: byte 32j + l holds elements
 64j + l and 64j + 32 + l), which the kernels index directly. Planes of rows concatenate
@@ -32,7 +34,7 @@ from kvlab.kernels.qweight import QuantizedWeight
 
 T = GGMLQuantizationType
 PACKED_TYPES: tuple[GGMLQuantizationType, ...] = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS,
-                                                  T.MXFP4)
+                                                  T.MXFP4, T.Q4_0, T.Q5_0)
 # the 16 values a 4-bit index selects (gguf's IQ4_NL table; MXFP4's E2M1 values doubled)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -149,5 +151,14 @@ def _split_mxfp4(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return b[..., 1:17], b[..., 0]
 
 
+def _split_q4_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return b[..., 2:18], _f16(b[..., 0:2])
+
+
+def _split_q5_0(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return b[..., 6:22], b[..., 2:6], _f16(b[..., 0:2])
+
+
 _SPLIT = {T.Q8_0: _split_q8_0, T.Q4_K: _split_q4_k, T.Q5_K: _split_q5_k, T.Q6_K: _split_q6_k,
-          T.IQ4_XS: _split_iq4_xs, T.MXFP4: _split_mxfp4}
+          T.IQ4_XS: _split_iq4_xs, T.MXFP4: _split_mxfp4, T.Q4_0: _split_q4_0,
+          T.Q5_0: _split_q5_0}
