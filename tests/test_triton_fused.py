@@ -181,7 +181,7 @@ def test_paged_decode_attention_masked_slot_table():
     _close(got.reshape(len(TABLES), -1), want, torch.float32)
 
 
-PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3)
+PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=3)
 PROMPTS = [[3, 14, 15, 92, 65], [8] * 7, [9, 10]]
 
 
