@@ -198,8 +198,9 @@ def dequantize_rows(w: PackedWeight, ids: torch.Tensor,
     if flat.numel():
         block = 32
         grid = (triton.cdiv(flat.numel(), block), w.shape[1] // 32)
+        # no fused multiply-adds: (d * scale) * q - (dmin * min) rounds as the C code does
         _dequant_kernel[grid](flat, out, flat.numel(), w.shape[1], *_operands(w),
-                              QT=_CODES[w.qtype], BLOCK_N=block)
+                              QT=_CODES[w.qtype], BLOCK_N=block, enable_fp_fusion=False)
     return out.view(*ids.shape, w.shape[1])
 
 
@@ -241,7 +242,7 @@ def gemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int | None =
     out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=y.device)
     _gemv_kernel[(programs, splits)](
         x, out, m, n, k, chunk, *_operands(w), QT=_CODES[w.qtype], BLOCK_N=block,
-        M_PAD=triton.next_power_of_2(m), STEPS=steps, num_warps=4)
+        M_PAD=triton.next_power_of_2(m), STEPS=steps, num_warps=4 if m <= 2 else 8)
     if splits > 1:
         torch.sum(out, 0, out=y) if y.dtype == torch.float32 else y.copy_(out.sum(0))
 
