@@ -33,7 +33,7 @@ from kvlab.spec.proposer import Candidate
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import _CONVERT, LLAMA_CPP, build, byte_tokenizer_metadata
+from tiny_models import _CONVERT, LLAMA_CPP, build, build_deepseek, byte_tokenizer_metadata
 
 LAYERS = 3  # main layers; the MTP layer is layer 3
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -44,14 +44,16 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    """A GLM-4.5 of LAYERS + 1 layers saved as LAYERS main layers and one MTP layer: the last
-    decoder layer (an MoE layer) is the MTP block, with random eh_proj, enorm, hnorm and
-    shared_head.norm / shared_head.head beside it (no embed_tokens: the main one serves).
-    Returns (the directory, the full transformers model, the MTP tensors)."""
-    out = tmp_path_factory.mktemp("glm_mtp")
-    model = build("glm4moe", out, num_hidden_layers=LAYERS + 1)
+@pytest.fixture(scope="module", params=["glm4moe", "deepseek2"])
+def mtp_model(request, tmp_path_factory):
+    """A GLM-4.5 or DeepSeek-V3 (latent attention) of LAYERS + 1 layers saved as LAYERS main
+    layers and one MTP layer: the last decoder layer (an MoE layer) is the MTP block, with
+    random eh_proj, enorm, hnorm and shared_head.norm / shared_head.head beside it (no
+    embed_tokens: the main one serves). Returns (the directory, the full transformers
+    model, the MTP tensors, the family)."""
+    out = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    model = (build("glm4moe", out, num_hidden_layers=LAYERS + 1) if request.param == "glm4moe"
+             else build_deepseek(out, num_hidden_layers=LAYERS + 1))
     cfg = model.config
     hidden, prefix = cfg.hidden_size, f"model.layers.{LAYERS}."
     nextn = {"eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.2,
@@ -67,26 +69,24 @@ def mtp_model(tmp_path_factory):
     config = json.loads((out / "hf" / "config.json").read_text())
     config.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
     (out / "hf" / "config.json").write_text(json.dumps(config))
-    return out, model, nextn
+    return out, model, nextn, request.param
 
 
 def _reference(model, nextn: dict, prompt: list[int], token: int, k: int
                ) -> tuple[torch.Tensor, list[int]]:
     """The formula by hand: main hidden states h (after the final norm) of the LAYERS main
     layers over the prompt; MTP rows p = 1 .. P from (x_p, h_{p-1}) and then its own output,
-    x = eh_proj([enorm(embed(x_p)) | hnorm(h)]) through the GLM decoder layer, out =
+    x = eh_proj([enorm(embed(x_p)) | hnorm(h)]) through the family's decoder layer
+    (transformers' own), out =
     shared_head.norm(x), logits = shared_head.head(out). Returns the first guess's logits
     [vocab] and k greedy guesses."""
-    import transformers as tf
-
     cfg = model.config
     eps = cfg.rms_norm_eps
-    main_cfg = tf.Glm4MoeConfig(**{**cfg.to_dict(), "num_hidden_layers": LAYERS})
-    main = tf.Glm4MoeModel(main_cfg).eval()
+    config_cls, model_cls = type(cfg), type(model.model)
+    main = model_cls(config_cls(**{**cfg.to_dict(), "num_hidden_layers": LAYERS})).eval()
     main.load_state_dict(model.model.state_dict(), strict=False)  # all but layer LAYERS
-    block_cfg = tf.Glm4MoeConfig(**{**cfg.to_dict(), "num_hidden_layers": 1,
-                                    "first_k_dense_replace": 0})
-    block = tf.Glm4MoeModel(block_cfg).eval()
+    block = model_cls(config_cls(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                                    "first_k_dense_replace": 0})).eval()
     block.layers[0].load_state_dict(model.model.layers[LAYERS].state_dict())
     block.norm.weight.data.copy_(nextn["shared_head.norm.weight"])
     embed = model.model.embed_tokens.weight
@@ -120,7 +120,7 @@ def _mtp_logits(loaded, prompt: list[int], token: int) -> torch.Tensor:
     mtp = loaded.mtp
     rows = len(prompt)
     cache = make_kv("f32", 64, mtp.config.num_kv_heads, mtp.config.head_dim,
-                    torch.device("cpu"))
+                    torch.device("cpu"), mtp.config.mla)
     meta = build_metadata([SeqSpan(0, rows, torch.arange(rows))], None, torch.device("cpu"))
     with torch.inference_mode():
         out = mtp.forward(torch.tensor(prompt[1:] + [token]), mtp.main_hidden(step.hidden),
@@ -129,7 +129,7 @@ def _mtp_logits(loaded, prompt: list[int], token: int) -> torch.Tensor:
 
 
 def test_mtp_logits_equal_the_reference_formula(mtp_model):
-    out, model, nextn = mtp_model
+    out, model, nextn, _ = mtp_model
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(mtp=True))
     assert loaded.mtp is not None
     for prompt in PROMPTS:
@@ -141,7 +141,7 @@ def test_mtp_logits_equal_the_reference_formula(mtp_model):
 def test_proposer_guesses_equal_the_reference_recursion(mtp_model):
     """After the prompt's step, the proposer's k guesses (row P, then the layer on its own
     output) equal the reference's greedy ones."""
-    out, model, nextn = mtp_model
+    out, model, nextn, _ = mtp_model
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(mtp=True))
     for prompt in PROMPTS:
         proposer = MtpProposer(loaded.mtp, 3, "f32", 8, adaptive=False)
@@ -183,8 +183,10 @@ def _generate(path: Path, prompts: list[list[int]], **config) -> tuple[list[list
 MTP = {"speculative": "mtp", "num_speculative": 3, "speculative_adaptive": False}
 
 
-def _gguf(out: Path) -> Path:
+def _gguf(out: Path, family: str) -> Path:
     """llama.cpp's converter's GGUF of the checkpoint, its nextn layer kept."""
+    if family != "glm4moe":
+        pytest.skip("llama.cpp's converter writes no nextn layer for DeepSeek-V3")
     path = out / "mtp.gguf"
     if not path.exists():
         if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
@@ -203,7 +205,7 @@ def _gguf(out: Path) -> Path:
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_greedy_text_with_mtp_equals_plain_decoding(mtp_model, source):
     out = mtp_model[0]
-    path = out / "hf" if source == "hf" else _gguf(out)
+    path = out / "hf" if source == "hf" else _gguf(out, mtp_model[3])
     plain, _ = _generate(path, PROMPTS)
     for batch in ([PROMPTS[0]], PROMPTS):  # alone, and batched with other sequences
         spec, engine = _generate(path, batch, **MTP)
@@ -216,8 +218,9 @@ def test_greedy_text_with_mtp_equals_plain_decoding(mtp_model, source):
 def test_gguf_keeps_the_nextn_layer(mtp_model):
     """The converter writes blk.3.nextn.* and block_count 4; kvlab's main model has 3
     layers and the MTP layer loads from the nextn tensors (its own head included)."""
-    out, _, nextn = mtp_model
-    loaded = load_model(open_checkpoint(_gguf(out)), LoadOptions(mtp=True))
+    out, model, nextn, family = mtp_model
+    loaded = load_model(open_checkpoint(_gguf(out, family)),
+                        LoadOptions(mtp=True))
     assert loaded.config.num_layers == LAYERS
     assert loaded.mtp is not None
     assert torch.equal(loaded.mtp.head, nextn["shared_head.head.weight"])
