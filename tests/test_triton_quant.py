@@ -25,9 +25,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.gpu import quant_matmul
-from kvlab.kernels import QuantizedWeight, dequantize, dequantize_rows, qmatmul, quantize
+from kvlab.kernels import (
+    QuantizedWeight,
+    dequantize,
+    dequantize_rows,
+    group_rows,
+    qmatmul,
+    quantize,
+)
 from kvlab.kernels.packed import PACKED_TYPES, PackedWeight, concat_rows, pack
-from kvlab.models.layers import Stacked, embed, linear
+from kvlab.models.layers import Stacked, embed, linear, packs_on
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
@@ -155,6 +162,16 @@ def test_stacked_packed_weights_multiply_as_one():
     got = linear(x, stacked)
     want = torch.cat([quant_matmul.linear(x, q) for q in packed], -1)
     assert torch.equal(got, want)
+
+
+def test_only_cuda_loads_pack_and_only_the_packed_types():
+    """The loader's choice: a CUDA device (with the kernels importable, as here) and a
+    packed type; CPU loads keep their C-kernel blocks, other types dequantize as before."""
+    q4k = real_weight(T.Q4_K, 8, 256)
+    assert packs_on(q4k, "cuda") and packs_on(q4k, torch.device("cuda", 1))
+    assert not packs_on(q4k, "cpu")
+    assert not packs_on(quantize(torch.zeros(8, 256), T.Q4_1), "cuda")
+    assert not packs_on(group_rows(q4k), "cuda")  # CPU's 8-row groups: never on a GPU
 
 
 def test_a_row_of_the_wrong_width_is_refused():
