@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.config import ModelConfig
+from kvlab.kernels.packed import PackedWeight
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 from kvlab.models.kv_store import FloatKV
 from kvlab.models.layers import Stacked, Weight, linear
@@ -71,9 +72,10 @@ def _on_cuda(w: object) -> bool:
 
 
 def _input_dtype(w: Weight | Stacked) -> torch.dtype:
-    """The dtype `linear` casts its input to: a dense weight's own, fp32 for block formats."""
+    """The dtype `linear` casts its input to: a dense or packed weight's own (bf16 on GPUs),
+    fp32 for the CPU's block formats."""
     first = w.parts[0] if isinstance(w, Stacked) else w
-    return first.dtype if isinstance(first, torch.Tensor) else torch.float32
+    return first.dtype if isinstance(first, torch.Tensor | PackedWeight) else torch.float32
 
 
 def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
