@@ -279,6 +279,22 @@ def _step_split(engine: Engine, args: argparse.Namespace, batch: int) -> None:
 
 
 def _profile(graphs, bucket, device: str) -> None:
+    """The kernels of one step; where the Triton plan runs, also without it (the per-op
+    path), for the launches it saves."""
+    model = graphs.model
+    plan = model.gpu_plan
+    for label, use in (("Triton plan", plan), ("per-op torch", None)):
+        if label == "Triton plan" and plan is None:
+            continue
+        model.gpu_plan = use
+        try:
+            print(f"  {label}:", flush=True)
+            _profile_step(graphs, bucket, device)
+        finally:
+            model.gpu_plan = plan
+
+
+def _profile_step(graphs, bucket, device: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
