@@ -11,7 +11,8 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     k_norm, sinks, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
     post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
     shexp_gate, o_bias, scoring, router_bias, groups, top_groups, routed_scale, gate_up_bias,
-    down_bias, expert_clamp, clamp_alpha, clamp_limit, shexp_ungated
+    down_bias, expert_clamp, clamp_alpha, clamp_limit, shexp_ungated, mla, q_a (5), q_b (5),
+    kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank, rope, vdim
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
@@ -29,7 +30,10 @@ of the logits plus `router_bias`, softmax over those k; GLM-4.5's sigmoid scores
 score + `router_bias` within the best `top_groups` of `groups`, weights times routed_scale
 (floats are held as their fp32 bits). gpt-oss's experts add their bias rows and run the
 clamped SwiGLU (expert_clamp, alpha, limit) in the one C experts call; GLM-4.5's shared
-expert is added without a gate (shexp_ungated).
+expert is added without a gate (shexp_ungated). DeepSeek-V2/V3's latent attention (mla 1)
+takes the place of qkv: q from q_b after q_a and its norm (or one q product: q_a all 0),
+the latent and rotary key part from kv_a, and the absorbed W_UK [H, nope, rank] and
+W_UV^T [H, rank, vdim] in fp32 (deepseek2._absorbed); its store holds rank + rope per token.
 """
 
 from __future__ import annotations
@@ -97,7 +101,11 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
 
 
 def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
-    attention, post = _attention_fields(layer, config), _norm(layer.get("post_mlp_norm"))
+    latent = config.mla is not None
+    attention = (_latent_attention_fields(layer) if latent
+                 else _attention_fields(layer, config))
+    post = _norm(layer.get("post_mlp_norm"))
+    mla = _mla_fields(layer, config) if latent else [0] * _MLA_FIELDS
     if "router" in layer:
         mlp, moe = _shared_expert_fields(layer), _moe_fields(layer, config)
         routing = _routing_fields(layer, config)
@@ -105,11 +113,11 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
         routing = [0] * 11
     o_bias = _norm(layer.get("o_bias"))
-    if None in (attention, mlp, moe, post, o_bias, routing):
+    if None in (attention, mlp, moe, post, o_bias, routing, mla):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe, o_bias, *routing]
+            *moe, o_bias, *routing, *mla]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
@@ -126,6 +134,33 @@ def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     n = norms
     return [n["attn_norm"], len(layer["qkv"].parts), *qkv, n["qkv_bias"], n["q_norm"],
             n["k_norm"], n["sinks"], *o, n["post_attn_norm"], n["mlp_norm"]]
+
+
+def _latent_attention_fields(layer: dict) -> list[int] | None:
+    """The attention fields of a latent-attention layer: its norms and o, no qkv."""
+    o, attn_norm, mlp_norm = kernel_desc(layer["o"]), _norm(layer.get("attn_norm")), _norm(
+        layer.get("mlp_norm"))
+    if None in (o, attn_norm, mlp_norm):
+        return None
+    return [attn_norm, 0, *_EMPTY * 3, 0, 0, 0, 0, *o, 0, mlp_norm]
+
+
+_MLA_FIELDS = 23
+
+
+def _mla_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """mla, q_a, q_b, kv_a, q_a_norm, kv_a_norm, w_uk, w_uv_t, rank, rope, vdim; None when a
+    product has no C kernel or the absorbed matrices are not fp32 on the CPU."""
+    m, low_rank = config.mla, "q_a" in layer
+    q_a = kernel_desc(layer["q_a"]) if low_rank else _EMPTY
+    q_b, kv_a = kernel_desc(layer["q_b" if low_rank else "q"]), kernel_desc(layer["kv_a"])
+    norms = [_norm(layer.get("q_a_norm"), not low_rank), _norm(layer.get("kv_a_norm"), False)]
+    w_uk, w_uv_t = layer["w_uk"], layer["w_uv_t"]
+    if (None in (q_a, q_b, kv_a, *norms) or not fused.fits(w_uk, w_uv_t)
+            or not (w_uk.is_contiguous() and w_uv_t.is_contiguous())):
+        return None
+    return [1, *q_a, *q_b, *kv_a, *norms, w_uk.data_ptr(), w_uv_t.data_ptr(), m.kv_lora_rank,
+            m.qk_rope_head_dim, m.v_head_dim]
 
 
 def _dense_fields(gate_up: object, down: object, gate: str) -> list[int] | None:
@@ -153,8 +188,6 @@ def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     shexp_gate = _gate_rows(layer["shexp_router"], 1, config) if gated else 0
     if experts.c_table is None or not 0 < k <= e <= 256 or None in (router, shexp_gate):
         return None
-    if moe.scoring == "softmax" and moe.routed_scale != 1.0:
-        return None  # the C softmax router does not scale
     return [router, e, k, int(moe.norm_topk_prob), experts.c_table.data_ptr(), shexp_gate]
 
 

@@ -35,9 +35,10 @@ import torch
 
 from kvlab.config import MlaConfig, ModelConfig, MoeConfig, RopeConfig, Yarn, yarn_mscale
 from kvlab.errors import ModelLoadError
-from kvlab.kernels import QuantizedWeight, dequantize
-from kvlab.models import glm4moe, llama, moe
+from kvlab.kernels import QuantizedWeight, dequantize, fused
+from kvlab.models import decode_c, glm4moe, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
+from kvlab.models.kv_store import LatentKV
 from kvlab.models.layers import ScaledRope, Weight, apply_rope, linear, rms_norm, rope_inv_freq
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
@@ -182,8 +183,8 @@ def _absorbed(config: ModelConfig, layer: dict[str, Weight]) -> dict[str, torch.
 
 
 class DeepseekModel(moe.MoeModel):
-    """The MoE decoder with latent attention; no one-call C decode plan (its layer driver
-    takes per-head K/V)."""
+    """The MoE decoder with latent attention; decode runs in the one-call C layers (their
+    plan's latent-attention fields) where every product has a C kernel."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
@@ -194,31 +195,46 @@ class DeepseekModel(moe.MoeModel):
         rope = config.rope
         self.inv_freq = ScaledRope.build(rope, rope_inv_freq(rope, config.mla.qk_rope_head_dim)
                                          ).to(weights["norm"].device)
-        self.inv_freq_local, self.rope_dtype, self.c_plan = None, torch.float32, None
+        self.inv_freq_local, self.rope_dtype = None, torch.float32
+        self.c_plan = decode_c.build_plan(config, self.layers, "silu")
+        self.gpu_plan = None  # the fused GPU layers take per-head K/V
 
     def attention(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
                   sliding: bool, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden]: absorbed attention over the latent cache."""
         c, m = self.config, self.config.mla
-        q_lat, q_rope = self._queries(h, layer, cos, sin)
+        q = self._queries(h, layer, cos, sin)  # [T, H, nope + rope]
         kv = linear(h, layer["kv_a"])  # [T, rank + rope]
         latent = rms_norm(kv[:, :m.kv_lora_rank].contiguous(), layer["kv_a_norm"],
                           c.rms_norm_eps)
         k_rope = apply_rope(kv[:, None, m.kv_lora_rank:], cos, sin).to(latent.dtype)
         keys = torch.cat([latent[:, None], k_rope], dim=-1)  # [T, 1, rank + rope]
-        queries = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + rope]
+        if _latent_in_c(q, layer, cache, meta):
+            cache.write(meta.write_slots(False), keys, None)
+            values = _attend_latent_c(q, layer, cache, meta, c.scale)
+        else:
+            values = self._attend_absorbed(q, keys, layer, cache, meta)
+        return linear(values, layer["o"])
+
+    def _attend_absorbed(self, q: torch.Tensor, keys: torch.Tensor, layer: dict[str, Weight],
+                         cache: KVStore, meta: AttentionMetadata) -> torch.Tensor:
+        """The same attention with W_UK and W_UV as torch products around paged_attention
+        (GPUs, or stores and weights the C latent attention does not take): [T, H * vdim]."""
+        c, m = self.config, self.config.mla
+        w_uk, w_uv_t = layer["w_uk"], layer["w_uv_t"]
+        q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)
+        queries = torch.cat([q_lat, q_rope.to(q_lat.dtype)], dim=-1)  # [T, H, rank + rope]
         out = paged_attention(queries, keys, keys[..., :m.kv_lora_rank], cache, meta,
                               sliding=False, scale=c.scale)  # [T, H * rank]
         out = out.view(-1, c.num_heads, m.kv_lora_rank).transpose(0, 1)
-        w_uv_t = layer["w_uv_t"]
         values = torch.bmm(out.to(w_uv_t.dtype), w_uv_t).transpose(0, 1)  # [T, H, v_head_dim]
-        return linear(values.reshape(len(h), -1), layer["o"])
+        return values.reshape(len(q), -1)
 
     def _queries(self, h: torch.Tensor, layer: dict[str, Weight], cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per head: q_nope through W_UK into the latent's space [T, H, rank], and the
-        rotated part [T, H, rope]."""
+                 sin: torch.Tensor) -> torch.Tensor:
+        """Per head [T, H, nope + rope]: q_nope, then the rotated part."""
         c, m = self.config, self.config.mla
         if "q_a" in layer:
             q = linear(rms_norm(linear(h, layer["q_a"]), layer["q_a_norm"], c.rms_norm_eps),
@@ -227,9 +243,39 @@ class DeepseekModel(moe.MoeModel):
             q = linear(h, layer["q"])
         q = q.view(-1, c.num_heads, c.head_dim)
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        w_uk = layer["w_uk"]
-        q_lat = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)
-        return q_lat, apply_rope(q_rope, cos, sin).to(q_lat.dtype)  # [T, H, rope]
+        return torch.cat([q_nope, apply_rope(q_rope, cos, sin).to(q_nope.dtype)], dim=-1)
+
+
+def _latent_in_c(q: torch.Tensor, layer: dict[str, Weight], cache: KVStore,
+                 meta: AttentionMetadata) -> bool:
+    """Whether the C latent attention (qk_mla.c) takes the whole step: fp32 queries and
+    absorbed weights on the CPU, a store it reads, every group a decode or a one-sequence
+    prefill."""
+    if not (isinstance(cache, LatentKV) and cache.c_stores() is not None
+            and fused.fits(q, layer["w_uk"], layer["w_uv_t"])):
+        return False
+    return all((g.lengths is not None and g.queries_per_seq == 1)
+               or (g.prefill and g.num_seqs == 1) for g in meta.groups(False))
+
+
+def _attend_latent_c(q: torch.Tensor, layer: dict[str, Weight], cache: LatentKV,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, nope + rope] -> [T, H * vdim], group by group from the latent store."""
+    w_uk, w_uv_t = layer["w_uk"], layer["w_uv_t"]
+    groups = meta.groups(False)
+    whole = len(groups) == 1 and groups[0].rows.numel() == len(q)  # rows 0..T-1 in order
+    out = None if whole else q.new_empty(len(q), q.shape[1] * w_uv_t.shape[2])
+    for g in groups:
+        qg = q if out is None else q.index_select(0, g.rows)
+        if g.prefill:
+            og = fused.mla_prefill(qg, cache.k, w_uk, w_uv_t, g.slots[0], g.first, g.start,
+                                   scale)
+        else:
+            og = fused.mla_decode(qg, cache.k, w_uk, w_uv_t, g.slots, scale, g.lengths)
+        if out is None:
+            return og
+        out.index_copy_(0, g.rows, og)
+    return out
 
 
 SPEC = ArchSpec(

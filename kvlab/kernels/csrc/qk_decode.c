@@ -22,6 +22,7 @@
 
 #include "qk.h"
 #include "qk_decode.h"
+#include "qk_mla.h"
 #include "qk_moe.h"
 #include "qk_runtime.h"
 
@@ -110,6 +111,61 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
     return 0;
 }
 
+/* latent attention's products before the attention: q [B, H * D] (its rope part rotated)
+ * and kv [B, rank + rope] (the latent normed, the key part rotated), as the per-op path
+ * (kvlab/models/deepseek2.py) */
+static int mla_inputs(const kv_layer_plan *L, const kv_step *s, const float *h, float *qa,
+                      float *q, float *kv) {
+    const int64_t B = s->B, H = s->H, D = s->D, rope = L->rope, W = L->rank + rope;
+    if (L->q_a.ptr) {
+        if (kv_product(&L->q_a, h, B, qa, L->q_a.rows)) return -1;
+        kv_rms_norm(qa, (const float *)(intptr_t)L->q_a_norm, qa, B, L->q_a.rows, s->eps);
+        if (kv_product(&L->q_b, qa, B, q, H * D)) return -1;
+    } else if (kv_product(&L->q_b, h, B, q, H * D)) {
+        return -1;
+    }
+    if (kv_product(&L->kv_a, h, B, kv, W)) return -1;
+    for (int64_t r = 0; r < B; r++)
+        kv_rms_norm(kv + r * W, (const float *)(intptr_t)L->kv_a_norm, kv + r * W, 1, L->rank,
+                    s->eps);
+    for (int64_t hd = 0; hd < H; hd++)
+        kv_norm_rope(q + hd * D + D - rope, B, H * D, 1, rope, NULL, s->cos[0], s->sin[0],
+                     s->eps);
+    kv_norm_rope(kv + L->rank, B, W, 1, rope, NULL, s->cos[0], s->sin[0], s->eps);
+    return 0;
+}
+
+/* multi-head latent attention: the new latent rows into the store, then the absorbed
+ * attention over it (qk_mla.c) and o */
+static int mla_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s, float *x,
+                    kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, H = s->H, D = s->D, W = L->rank + L->rope;
+    const int64_t qa_rows = L->q_a.ptr ? L->q_a.rows : 0;
+    float *qa = malloc((size_t)(B * (qa_rows + H * D + W + H * L->vdim)) * sizeof(float));
+    if (!qa) return -1;
+    float *q = qa + B * qa_rows, *lat = q + B * H * D, *att = lat + B * W;
+    pre_norm(x, L->attn_norm, b->h, s);
+    int rc = mla_inputs(L, s, b->h, qa, q, lat);
+    if (!rc) {
+        void *store = (void *)(intptr_t)kv[0];
+        kv_scatter_rows(store, s->kv_kind == KV_CACHE_F16, lat, W, s->slot_mapping[0], B, W);
+        const kv_cache_ref ref = {.kind = s->kv_kind, .k = store, .v = store};
+        const kv_mla_heads m = {.w_uk = (const float *)(intptr_t)L->w_uk,
+                                .w_uv_t = (const float *)(intptr_t)L->w_uv_t, .H = H,
+                                .nope = D - L->rope, .rope = L->rope, .rank = L->rank,
+                                .vdim = L->vdim};
+        const kv_mla_keys keys = {.slots = s->slots[0], .lengths = s->lengths[0], .B = B,
+                                  .C = s->C[0]};
+        const int isa = use_avx2 ? (kv_use_vnni() ? 2 : 1) : 0;
+        rc = kv_mla_attend(q, H * D, &m, &ref, &keys, s->scale, att, isa) ||
+             kv_product(&L->o, att, B, b->o, s->hidden);
+    }
+    free(qa);
+    if (rc) return -1;
+    residual(x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
 /* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
  * shared expert of an MoE layer */
 static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
@@ -170,6 +226,9 @@ static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
             kv_moe_route_topk_softmax(logits, E, k, ids, w);
         else
             kv_moe_route(logits, E, k, (int)L->norm_topk, ids, w);
+        const float scale = plan_f32(L->routed_scale);  /* DeepSeek-V2 scales them */
+        if (L->scoring == KV_ROUTE_SOFTMAX && scale != 1.0f)
+            for (int64_t j = 0; j < k; j++) w[j] *= scale;
     }
 }
 
@@ -229,7 +288,8 @@ int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const 
     b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
-        rc = attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2) ||
+        rc = (plan[l].mla ? mla_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)
+                          : attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)) ||
              mlp_half(&plan[l], s, x, &b);
     free(mem);
     return rc ? -1 : 0;

@@ -40,6 +40,15 @@ typedef struct {
     int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
     int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
     int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
+    /* multi-head latent attention (DeepSeek-V2/V3) in place of qkv when mla is 1: q from
+     * q_b (after q_a and q_a_norm; plain q when q_a's ptr is 0), the latent and the rotary
+     * key part from kv_a (the latent through kv_a_norm), heads of D = nope + rope, W_UK and
+     * W_UV^T absorbed (qk_mla.h); the cache holds rank + rope per token */
+    int64_t mla;
+    kv_wdesc q_a, q_b, kv_a;
+    int64_t q_a_norm, kv_a_norm;
+    int64_t w_uk, w_uv_t;              /* fp32 [H, nope, rank], [H, rank, vdim] */
+    int64_t rank, rope, vdim;
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
