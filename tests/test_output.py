@@ -15,7 +15,7 @@ from test_tokenizer_gemma import default_tokenizer
 from kvlab.engine import Engine, EngineConfig
 from kvlab.output import OutputProcessor
 from kvlab.request import CoreOutput, FinishReason, RequestOutput, SamplingParams, TokenLogprob
-from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
+from kvlab.server.core.async_engine import AsyncEngine, EngineRequest, EngineStepError
 
 TEXT = "Sure, here it is.\nUser: and then some more"
 STOP = "\nUser:"
@@ -232,3 +232,40 @@ def check_cut_at_stop(tok, req: EngineRequest, outs: list[RequestOutput]) -> Non
     assert final.finish_reason == FinishReason.STOP
     assert text == whole[:at + (len(stop) if req.params.include_stop_str_in_output else 0)]
     assert at + len(stop) > len(tok.decode(ids[:-1]))  # its last token completed the stop
+
+
+def test_a_failure_making_text_fails_the_requests_in_flight(engine, tok, monkeypatch):
+    """The output thread's failure reaches the callers as a failed step does, and their
+    requests are aborted in the engine; the next call is served."""
+    def fail(core_outputs):
+        raise ValueError("boom")
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def main() -> tuple[BaseException | None, list[RequestOutput]]:
+        ae = AsyncEngine(engine, max_waiting=4)
+        await ae.start()
+        try:
+            with monkeypatch.context() as m:
+                m.setattr(engine.outputs, "process", fail)
+                gen = await ae.add([EngineRequest("f", tok.encode(PROMPT), params)])
+                try:
+                    async for _ in gen:
+                        pass
+                    error = None
+                except EngineStepError as e:
+                    error = e
+            for _ in range(200):  # the abort reaches the engine thread between steps
+                if not engine.requests:
+                    break
+                await asyncio.sleep(0.01)
+            gen = await ae.add([EngineRequest("g", tok.encode(PROMPT), params)])
+            return error, [out async for out in gen]
+        finally:
+            await ae.stop()
+
+    error, outs = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    assert isinstance(error, EngineStepError) and "boom" in str(error)
+    assert outs[-1].finished and outs[-1].output_tokens == len(
+        [t for o in outs for t in o.new_token_ids])
+    assert not engine.requests and engine.outputs.num_live == 0
