@@ -140,15 +140,16 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, K_CHUNK, p0, p1, p2, p3, p4, p5, lut,
     n, n_ok, rows = _span(tl.program_id(0), BLOCK_N, N)
     m, m_ok, _ = _span(0, M_PAD, M)
     c = tl.arange(0, 32)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    # per-lane partial sums, reduced across the 32 lanes once at the end, not every step
+    acc = tl.zeros([M_PAD, BLOCK_N, 32], dtype=tl.float32)
     k_start = tl.program_id(1) * K_CHUNK
     for k0 in range(k_start, tl.minimum(k_start + K_CHUNK, K), 32 * STEPS):
         for s in tl.static_range(STEPS):
             kk = k0 + 32 * s
             w = _w_tile(QT, p0, p1, p2, p3, p4, p5, lut, rows, kk, K)
             x = tl.load(x_ptr + m[:, None] * K + kk + c[None, :], mask=m_ok[:, None], other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-    _store(y_ptr + tl.program_id(1) * M * N, acc, m, n, m_ok, n_ok, N)
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    _store(y_ptr + tl.program_id(1) * M * N, tl.sum(acc, axis=2), m, n, m_ok, n_ok, N)
 
 
 @triton.jit
