@@ -1,11 +1,12 @@
 """Products with packed GGUF weights (kvlab.kernels.packed) on CUDA, in Triton.
 
-Hand-written because no library multiplies GGUF's K-quant, IQ4_XS and MXFP4 blocks on a
-GPU while they stay quantized: torch and cuBLAS take dense matrices only, so the old path
-dequantized every weight to bf16 at load (4x the bytes of Q4_K, and 4x the bytes read per
-decoded token). Here the weight stays in its blocks and each kernel dequantizes a tile of
-[rows, 32] in registers (`_w_tile`, the one place that knows the formats), with the C
-dequantizers' arithmetic order, so values are bit-identical to kvlab.kernels.dequantize.
+Hand-written because no library kvlab depends on multiplies GGUF's blocks (Q8_0, Q4_0,
+Q5_0, the K-quants, IQ4_XS, MXFP4) on a GPU while they stay quantized: torch and cuBLAS take
+dense matrices only, so the old path dequantized every weight to bf16 at load (3.6x the
+bytes of Q4_K, and as many more bytes read per decoded token). Here the weight stays in its
+blocks and each kernel dequantizes a tile of [rows, 32] in registers (`_w_tile`, the one
+place that knows the formats), with the C dequantizers' arithmetic order, so values are
+bit-identical to kvlab.kernels.dequantize.
 
     gemv  (decode, <= GEMV_MAX_ROWS rows of x): a program per BLOCK_N weight rows (and per
           part of the row, where few rows would leave SMs idle) reads each of their blocks
@@ -193,7 +194,8 @@ def _steps(w: PackedWeight, most: int) -> int:
 
 def dequantize_rows(w: PackedWeight, ids: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows `ids` (any shape) of w -> [*ids.shape, in] in `dtype`; reads only those rows."""
+    """Rows `ids` (any shape, each in [0, out): unchecked, a check would wait for the
+    device) of w -> [*ids.shape, in] in `dtype`; reads only those rows."""
     flat = ids.reshape(-1).to(device=w.device, dtype=torch.int64).contiguous()
     out = torch.empty(flat.numel(), w.shape[1], dtype=dtype, device=w.device)
     if flat.numel():
