@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_gpt_oss import _prefill_then_decode  # scattered, out-of-order blocks
 from test_models import reference_logits, runner_for, step
 
+from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
 from kvlab.kernels import fused
 from kvlab.models import attention
 from kvlab.models.kv_store import LatentKV
@@ -169,3 +170,13 @@ def test_mtp_layer_is_not_run_but_stays_readable(tiny, tmp_path):
     ids = _ids(6, 8)
     logits = step(runner_for(dst), ScheduledSeq("a", 0, ids, [0, 1], True, len(ids)))
     assert float((logits[0] - reference_logits(hf, ids)[-1]).abs().max()) <= TOL
+
+
+def test_estimate_counts_the_latent_per_token(tiny):
+    """`kvlab estimate` from the GGUF and from the HF config: each layer caches the latent
+    and its rotary key part (kv_lora_rank + qk_rope_head_dim values), not per-head K/V."""
+    hf, out = tiny
+    c = hf.config
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    for spec in (spec_from_gguf(_gguf(out)), spec_from_hf_config(out / "hf")):
+        assert [lyr.kv_elements for lyr in spec.layers] == [latent] * c.num_hidden_layers

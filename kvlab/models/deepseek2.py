@@ -15,7 +15,10 @@ apart: attn_k_b transposed, attn_v_b). The cache keeps only [c | k_r] per token
 so every head is a query of width rank + rope over one shared key row, the values are the
 keys' first `rank` columns, and W_UV_h maps each head's result back to v_head_dim: the same
 numbers as attention over the expanded per-head K/V (transformers' form), from a cache
-2 * heads * head_dim / (rank + rope) times smaller.
+2 * heads * head_dim / (rank + rope) times smaller. On the CPU the absorbed attention, W_UK
+and W_UV included, is one C call per layer (fused.mla_decode / mla_prefill), and decode runs
+every layer in the one C call (decode_c's latent-attention fields); elsewhere (GPUs) W_UK
+and W_UV are torch products around paged_attention.
 
 Rotary dims are stored in pair order (x0, x1 rotate together: transformers' rope_interleave,
 llama.cpp's NORM rope); both loaders lay them out as halves for kvlab's rotate-half RoPE.
