@@ -12,6 +12,9 @@ kvlab.models.mtp) on a tiny random GLM-4.5 whose checkpoint carries one MTP laye
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,9 +194,6 @@ def _gguf(out: Path, family: str) -> Path:
     if not path.exists():
         if not (LLAMA_CPP / "convert_hf_to_gguf.py").exists():
             pytest.skip(f"llama.cpp's converter is not at {LLAMA_CPP}")
-        import subprocess
-        import sys
-
         script = _CONVERT.replace("cls.no_mtp = True", "cls.no_mtp = False")
         run = subprocess.run([sys.executable, "-c", script, str(LLAMA_CPP), str(out / "hf"),
                               str(path)], check=False, capture_output=True, text=True,
@@ -262,3 +262,23 @@ def test_a_model_without_mtp_layers_refuses_mtp(tmp_path):
 def test_mtp_with_tensor_parallel_is_refused():
     with pytest.raises(KvlabError, match="one rank"):
         EngineConfig(speculative="mtp", tensor_parallel_size=2)
+
+
+def _kvlab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvlab.cli.main", *args], check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_run_json_and_bench_report_mtp_proposals(mtp_model):
+    out, _, _, family = mtp_model
+    gguf = str(_gguf(out, family))
+    proc = _kvlab("run", "-m", gguf, "--max-tokens", "16", "--temperature", "0",
+                  "--ignore-eos", "--json", "--speculative", "mtp", "hello")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)["speculative"]
+    assert record["drafted_tokens"] > 0 and record["accepted_tokens"] <= record["drafted_tokens"]
+    proc = _kvlab("bench", "-m", gguf, "-p", "8", "-n", "8", "-r", "1", "--speculative", "mtp",
+                  "--num-speculative", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"tg8: speculative mtp \(up to 2 per step\): \d+ of \d+ proposed "
+                     r"tokens accepted", proc.stdout), proc.stdout
