@@ -18,7 +18,7 @@ from test_models import reference_logits, runner_for, step
 
 from kvlab.estimate.specs import spec_from_gguf, spec_from_hf_config
 from kvlab.kernels import fused
-from kvlab.models import attention
+from kvlab.models import attention, deepseek2
 from kvlab.models.kv_store import LatentKV
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.scheduler import ScheduledSeq
@@ -134,12 +134,19 @@ def test_llama_quantize_q8_0_gguf_matches_transformers(tiny, tmp_path):
 
 
 def test_torch_attention_path_matches_transformers(tiny, monkeypatch):
-    """The C attention reads the latent rows as keys and as values (cut to the latent after);
-    the torch path (a GPU's) reads the latent view: both give transformers' logits."""
+    """The C latent attention (W_UK, the attention over the latent rows and W_UV in one call)
+    and the torch path (a GPU's: W_UK and W_UV as torch products around paged_attention,
+    which reads the latent view) both give transformers' logits; so does paged_attention's
+    C kernel reading the latent rows as keys and as values (cut to the latent after)."""
     hf, out = tiny
     runner = runner_for(out / "hf")
     if fused.ENABLED:
         assert runner.kv_caches[0].c_stores() is not None
+    taken = []
+    real = deepseek2._latent_in_c
+    monkeypatch.setattr(deepseek2, "_latent_in_c", lambda *a: taken.append(real(*a)) and False)
+    assert _prefill_then_decode(runner_for(out / "hf"), hf, _ids(11, 4), 7) <= TOL
+    assert all(taken) == fused.ENABLED  # it would have taken every step
     monkeypatch.setattr(attention, "_c_stores", lambda *a: None)
     assert _prefill_then_decode(runner_for(out / "hf"), hf, _ids(11, 4), 7) <= TOL
 
