@@ -8,6 +8,9 @@ against the per-op path."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -236,3 +239,13 @@ def test_plan_declines_what_it_does_not_run(checkpoints):
     layers = [dict(layer, router=layer["o"]) for layer in model.layers]
     assert decode_gpu.plan_for(model.config, layers, "silu") is None
     assert decode_gpu.build_plan(model.config, model.layers, "silu") is None  # CPU weights
+
+
+def test_kernels_compile_for_sm90():
+    """Every kernel configuration the plan launches compiles for an H200 (sm_90), in a
+    process without the interpreter (tests/triton_sm90.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_sm90.py"))],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "compiled 11 of 11" in done.stdout
