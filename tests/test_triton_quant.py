@@ -12,6 +12,7 @@ through Triton's interpreter, which is set before triton is first imported.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from kvlab.kernels import (
 from kvlab.kernels.packed import PACKED_TYPES, PackedWeight, concat_rows, pack
 from kvlab.models.layers import Stacked, embed, linear, packs_on
 from kvlab.models.loader import LoadOptions, load_model
+from kvlab.models.moe import Experts
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 from kvlab.weights.checkpoint import open_checkpoint
@@ -189,31 +191,49 @@ def test_block_sizes_match_gguf():
 
 
 def _each_weight(layer: dict, convert) -> dict:
-    """A layer's (or the globals') dict with every QuantizedWeight converted, stacked
-    parts included."""
+    """A layer's (or the globals') dict with every QuantizedWeight converted, stacked parts
+    and experts included."""
     def one(v):
         if isinstance(v, QuantizedWeight):
             return convert(v)
         if isinstance(v, Stacked):
             return Stacked(tuple(one(p) for p in v.parts), v.sizes)
+        if isinstance(v, Experts):
+            return replace(v, gate_up=tuple(map(one, v.gate_up)), down=tuple(map(one, v.down)))
         return v
     return {k: one(v) for k, v in layer.items()}
 
 
-def test_a_model_of_packed_weights_gives_the_dense_models_logits(tmp_path):
-    """A tiny Llama quantized to Q4_K, once as packed weights (every product and the
+MODELS = [("llama", "q4_k", {"hidden_size": 256, "intermediate_size": 256,
+                             "num_hidden_layers": 1}),
+          ("qwen2moe", "q8_0", {})]  # routed experts and a shared one, each its products
+
+
+@pytest.mark.parametrize(("arch", "quant", "shape"), MODELS, ids=[m[0] for m in MODELS])
+def test_a_model_of_packed_weights_gives_the_dense_models_logits(tmp_path, arch, quant, shape):
+    """A tiny model quantized at load, once as packed weights (every product and the
     embedding lookup through the Triton kernels: prefill by GEMM, decode by GEMV) and once
     dequantized to fp32 tensors (torch): the same logits up to fp32 rounding."""
-    build("llama", tmp_path, hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    build(arch, tmp_path, **shape)
     loaded = load_model(open_checkpoint(tmp_path / "model.gguf"),
-                        LoadOptions(quantize="q4_k", group_rows=False))
+                        LoadOptions(quantize=quant, group_rows=False))
     model = loaded.model
-    assert {t.qtype for t in loaded.tensors if len(t.shape) == 2} == {"Q4_K"}
-    runners = []
-    for convert in (lambda w: pack(w, torch.float32, "cpu"), dequantize):
+    quantized = [t for t in loaded.tensors if t.qtype == quant.upper()]
+    assert {t.qtype for t in loaded.tensors if len(t.shape) == 2 and "router" not in t.name} \
+        == {quant.upper()}
+    runners, packed = [], []
+
+    def to_packed(w: QuantizedWeight) -> PackedWeight:
+        packed.append(pack(w, torch.float32, "cpu"))
+        return packed[-1]
+
+    for convert in (to_packed, dequantize):
         layers = [_each_weight(layer, convert) for layer in model.layers]
         rebuilt = type(model)(loaded.config, _each_weight(model.weights, convert), layers)
         runners.append(ModelRunner(rebuilt, loaded.config, 8, 4))
+    # every quantized matrix (experts too) went packed
+    assert sum(w.shape[0] * w.shape[1] for w in packed) == sum(
+        t.shape[0] * t.shape[1] for t in quantized)
     packed_layer = runners[0].model.layers[0]
     assert isinstance(packed_layer["qkv"].parts[0], PackedWeight)
     assert len(packed_layer["qkv"].parts) == 1  # q|k|v stacked into one packed matrix
