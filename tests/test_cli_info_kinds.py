@@ -69,7 +69,7 @@ def test_mlp_only_layers_are_named_beside_the_attention_layers(models: dict) -> 
     proc = kvlab("info", models["nemotron_h"])
     assert proc.returncode == 0, proc.stderr
     assert "the attention layers only (1 of 4)" in proc.stdout
-    assert "nor do the 1 MLP-only layers" in proc.stdout
+    assert "nor does the 1 MLP-only layer" in proc.stdout
 
 
 def test_dense_model_has_no_recurrent_or_latent_fields(tiny_gguf_path: str) -> None:

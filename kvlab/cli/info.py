@@ -104,12 +104,17 @@ def _print_recurrent(info: dict) -> None:
     shapes = f"conv {info['conv_state_shape']}" + (
         f" + state {info['recurrent_state_shape']}" if info["recurrent_state_shape"] else "")
     print(f"  counted in    the attention layers only ({info['attention_layers']} of "
-          f"{info['layers']}); the recurrent ones keep no KV" + (
-              f", nor do the {info['mlp_only_layers']} MLP-only layers"
-              if info["mlp_only_layers"] else ""))
+          f"{info['layers']}); the recurrent ones keep no KV" + _mlp_only(info))
     print(f"recurrent       {info['recurrent_layers']} {info['recurrent_kind']} layers, fp32 "
           f"state {info['state_bytes_per_seq'] / 1024:.1f} KiB per sequence (any length; "
           f"{shapes} per layer)")
+
+
+def _mlp_only(info: dict) -> str:
+    """The MLP-only layers (Nemotron-H's), which keep neither KV nor a state."""
+    n = info["mlp_only_layers"]
+    return "" if not n else (", nor does the 1 MLP-only layer" if n == 1
+                             else f", nor do the {n} MLP-only layers")
 
 
 def _print_mla(info: dict) -> None:

@@ -16,6 +16,7 @@ The layer pattern: HF's `hybrid_override_pattern` ("M-M*-...", as NVIDIA's check
 write it) or `layers_block_type` (transformers' names). In GGUF a layer is Mamba-2 where
 both its `attention.head_count_kv` and `feed_forward_length` entries are 0, attention where
 only its feed-forward entry is, else an MLP (or experts, in nemotron_h_moe): llama.cpp's rule.
+The multi-token-prediction layers (GGUF nextn_predict_layers, HF mtp.*) are not run.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ HF_NAMES = NameTable(
                ("fc2_latent_proj.weight", "latent_out"))}},
     experts={"mixer.experts.{e}.up_proj.weight": "up_exps",
              "mixer.experts.{e}.down_proj.weight": "down_exps"})
+
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU, Nemotron-H's MLP activation."""
