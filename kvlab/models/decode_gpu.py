@@ -8,8 +8,8 @@ in place of the two dozen small torch kernels of the per-op path:
     attention -> o product -> residual_norm (x += h, mlp_norm) -> gate_up product -> gated
     (SwiGLU / GeGLU) -> down product -> residual_norm (x += h, next layer's attn_norm)
 
-Post norms (Gemma's) fold into the residual kernels, sinks (gpt-oss) and the soft-cap
-(Gemma 2) into attention. The kernels launch from shapes alone (no host sync), so a
+Post norms (Gemma's) fold into the residual kernels, the soft-cap (Gemma 2) and a dense
+layer's sink logits into attention; MoE layers (gpt-oss's sinks among them) stay per-op. The kernels launch from shapes alone (no host sync), so a
 captured decode graph (runner.decode_graph) records them as it records torch's. A step that
 is not pure decode over float stores, or a layer the plan cannot take, returns to the
 per-op path (run returns False having done nothing).
