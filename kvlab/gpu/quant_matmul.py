@@ -15,7 +15,8 @@ bit-identical to kvlab.kernels.dequantize.
           the weight tile cast to x's dtype (bf16/fp16 tensor cores; fp32 in IEEE)
     dequantize_rows: rows of the weight as a dense tensor (embedding lookups, tests)
 
-Accumulation is fp32 throughout; outputs take the weight's compute dtype.
+Accumulation is fp32 throughout (the products with fused multiply-adds, the row lookup
+without); outputs take the weight's compute dtype.
 """
 
 from __future__ import annotations
@@ -245,7 +246,8 @@ def gemv(x: torch.Tensor, w: PackedWeight, y: torch.Tensor, splits: int | None =
     out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=y.device)
     _gemv_kernel[(programs, splits)](
         x, out, m, n, k, chunk, *_operands(w), QT=_CODES[w.qtype], BLOCK_N=block,
-        M_PAD=triton.next_power_of_2(m), STEPS=steps, num_warps=4 if m <= 2 else 8)
+        M_PAD=triton.next_power_of_2(m), STEPS=steps, num_warps=4 if m <= 2 else 8,
+        enable_fp_fusion=True)
     if splits > 1:
         torch.sum(out, 0, out=y) if y.dtype == torch.float32 else y.copy_(out.sum(0))
 
@@ -267,4 +269,4 @@ def gemm(x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> None:
     _gemm_kernel[grid](x, y, m, w.shape[0], w.shape[1], *_operands(w),
                        QT=_CODES[w.qtype], BLOCK_M=block_m, BLOCK_N=block_n,
                        STEPS=_steps(w, 2), WIDEN=_INTERPRETED and x.dtype != torch.float32,
-                       num_warps=8 if block_m >= 64 else 4)
+                       num_warps=8 if block_m >= 64 else 4, enable_fp_fusion=True)
