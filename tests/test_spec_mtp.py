@@ -282,3 +282,37 @@ def test_run_json_and_bench_report_mtp_proposals(mtp_model):
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"tg8: speculative mtp \(up to 2 per step\): \d+ of \d+ proposed "
                      r"tokens accepted", proc.stdout), proc.stdout
+
+
+def test_preempted_sequences_keep_greedy_text(mtp_model):
+    """A pool too small for all three requests preempts some; they recompute from token 0
+    while the MTP layer keeps its rows (its own cache): the same text as plain decoding."""
+    path = mtp_model[0] / "hf"
+    plain, _ = _generate(path, PROMPTS)
+    per_token = _engine(path, kv_dtype="f32").cost.kv_bytes_per_token
+    small = _engine(path, kv_dtype="f32", kv_cache_gib=40 * per_token / 2**30, **MTP)
+    for i, p in enumerate(PROMPTS):
+        small.add_request(str(i), p, GREEDY)
+    seqs = [small.requests[str(i)].seq for i in range(len(PROMPTS))]
+    while small.has_unfinished():
+        small.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert any(s.num_preemptions for s in seqs)
+    assert small.mtp.held == {} and small.mtp.kv.num_free_blocks == small.mtp.kv.num_blocks
+
+
+def test_sampled_decoding_with_mtp_runs_to_its_length(mtp_model):
+    """Sampled rows verify the MTP layer's greedy guesses by rejection sampling: each
+    request ends at max_tokens with its proposals counted."""
+    path = mtp_model[0] / "hf"
+    engine = _engine(path, **MTP)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=3,
+                            ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    assert sorted(o.output_tokens for o in finished) == [12] * len(PROMPTS)
+    assert all(o.accepted_tokens <= o.draft_tokens for o in finished)
+    assert engine.stats().speculative.drafted > 0
