@@ -4,8 +4,9 @@ A random 1-layer, hidden-64 Llama is built in process; `batch` sequences of `con
 tokens are prefilled, then decode-only steps are timed around Engine.step(). What is left is
 the engine's own bookkeeping: scheduling, building the step's input tensors, sampling and
 emitting outputs. On a GPU this is the time that starves the device; on the CPU it is pure
-overhead. Where the engine records where a step's time goes (Engine.phase_seconds), the
-split is printed beside the total.
+overhead. Beside the wall-clock time per step: the process's CPU time per step (what a busy
+machine disturbs least), and where the engine records where a step's time goes
+(Engine.phase_seconds), that split.
 
     python bench/host_step.py                       # batches 1, 16, 64, 256
     python bench/host_step.py --batches 64 -n 50 --profile    # and a cProfile of 64
@@ -70,8 +71,9 @@ def params(args: argparse.Namespace, b: int, max_tokens: int) -> SamplingParams:
 
 def decode_round(engine: Engine, args: argparse.Namespace, batch: int,
                  profiler: cProfile.Profile | None = None) -> tuple[float, dict[str, float]]:
-    """Seconds per decode step over args.steps steps of `batch` sequences, and the
-    engine's phase split per step (empty where it records none)."""
+    """Seconds per decode step over args.steps steps of `batch` sequences, and per step:
+    the process's CPU seconds (steadier than the wall clock on a shared machine) and the
+    engine's phase split where it records one."""
     warm = 3
     for b in range(batch):
         prompt = [100 + (b * 7 + i) % (args.vocab - 100) for i in range(args.context)]
@@ -84,14 +86,15 @@ def decode_round(engine: Engine, args: argparse.Namespace, batch: int,
     before = dict(getattr(engine, "phase_seconds", {}))
     if profiler is not None:
         profiler.enable()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         engine.step()
     seconds = (time.perf_counter() - start) / args.steps
+    split = {"cpu": (time.process_time() - cpu) / args.steps}
     if profiler is not None:
         profiler.disable()
     after = getattr(engine, "phase_seconds", {})
-    split = {k: (v - before.get(k, 0.0)) / args.steps for k, v in after.items()}
+    split.update({k: (v - before.get(k, 0.0)) / args.steps for k, v in after.items()})
     for b in range(batch):  # none finishes by itself: each runs every timed step
         engine.abort(f"s{b}")
     return seconds, split

@@ -4,7 +4,7 @@ draft pair, a draft model on both.
 
     .venv/bin/python bench/spec_vs_llama_server.py [--llama-server PATH] [-m MODEL.gguf]
         [-n 128] [-t 2] [-k 4] [-r 2] [--prompts 12] [--ignore-eos] [--baseline]
-        [--draft-pair DIR [--skip-ngram]] [--llama-ngram-n 3] [--llama-spec "FLAGS"]
+        [--draft-pair DIR] [--llama-ngram-n 3] [--llama-spec "FLAGS"]
 
 llama-server comes from --llama-server or $KVLAB_LLAMA_BIN/llama-server. The prompts are
 bench/spec_decode.py's input-grounded requests (the answer copies from the prompt), rendered

@@ -44,7 +44,14 @@ from kvlab.request import (
 from kvlab.runner import ModelRunner, StepLogits
 from kvlab.runner.decode_graph import GRAPH_MODES
 from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
-from kvlab.sampler import SampleResult, SamplingBatch, raw_logprobs, sample, target_probs
+from kvlab.sampler import (
+    SampleResult,
+    SamplingBatch,
+    SamplingCache,
+    raw_logprobs,
+    sample,
+    target_probs,
+)
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.spec.draft import load_draft
 from kvlab.spec.mtp import HiddenSpan, mtp_proposer
@@ -251,6 +258,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         # host seconds of all steps so far, by phase (phase_seconds)
         self._phases = dict.fromkeys(("schedule", "execute", "sample"), 0.0)
+        self._sampling = SamplingCache()  # the last step's sampling settings, for the next
         self.outputs = OutputProcessor(tokenizer)  # the requests' text, from core outputs
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
@@ -664,11 +672,10 @@ class Engine:
             return None, None
         seqs = [self.requests[i].seq for i in seq_ids]
         allowed = self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs])
-        batch = SamplingBatch.build(
+        batch = self._sampling.get(seqs, lambda: SamplingBatch.build(
             [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
             [_penalty_ids(s, prompt=False) for s in seqs],
-            [self.requests[i].generator for i in seq_ids], self.runner.device,
-            allowed=allowed)
+            [self.requests[i].generator for i in seq_ids], self.runner.device), allowed)
         return sample(logits, batch), allowed
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
@@ -681,7 +688,7 @@ class Engine:
 
     def _append_sampled(self, req: _Request, sampled: SampleResult, row: int,
                         now: float) -> CoreOutput:
-        token = int(sampled.token_ids[row])
+        token = sampled.token_list[row]
         want = req.seq.params.logprobs is not None
         logprobs = [self._logprob(sampled, row, token)] if want else []
         if not self.structured.constrained(req.seq.seq_id):

@@ -21,8 +21,10 @@ gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -145,6 +147,33 @@ class SamplingBatch:
             logit_bias=LogitBias.build(params, device),
         )
 
+    @property
+    def penalized(self) -> bool:
+        """Some row's penalties read its token ids."""
+        return self.seen_tokens is not None or self.output_tokens is not None
+
+
+class SamplingCache:
+    """The last step's SamplingBatch, kept for a next step of the same rows (the same
+    owners, compared with ==, in the same order): their settings and generators do not
+    change, so that step costs no Python pass over its rows. Only the structures' mask is
+    the step's own; a batch whose penalties read token ids (which grow every step) is built
+    again each step."""
+
+    def __init__(self) -> None:
+        self._owners: list[object] = []
+        self._batch: SamplingBatch | None = None
+
+    def get(self, owners: list[object], build: Callable[[], SamplingBatch],
+            allowed: Tensor | None) -> SamplingBatch:
+        """The batch for rows `owners`: the kept one, or `build()` (called without the
+        mask) when the rows changed."""
+        batch = self._batch
+        if batch is None or batch.penalized or owners != self._owners:
+            batch = self._batch = build()
+            self._owners = list(owners)
+        return batch if allowed is None else dataclasses.replace(batch, allowed=allowed)
+
 
 def _column(
     values: Sequence[float], device: torch.device | str, dtype: torch.dtype = torch.float32
@@ -171,6 +200,11 @@ class SampleResult:
     # no row of the batch asked for logprobs)
     top_ids: Tensor  # [B, K] int64, K = batch.num_logprobs (may be 0)
     top_logprobs: Tensor  # [B, K] float32
+
+    @cached_property
+    def token_list(self) -> list[int]:
+        """token_ids as Python ints, read back once for all rows."""
+        return self.token_ids.tolist()
 
 
 # --- filters: [B, V] logits in, new [B, V] logits out; per-row settings as [B] tensors ---

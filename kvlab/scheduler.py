@@ -30,6 +30,8 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 from kvlab.cache import KVCacheManager
 from kvlab.request import SamplingParams
@@ -65,8 +67,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One sequence's part of a step. A named tuple: made for every running sequence at
+    every step, it costs a third of a frozen dataclass to build."""
+
     seq_id: str
     start: int  # num_computed_tokens before this step
     token_ids: list[int]  # the tokens computed this step: positions [start, start + len)
@@ -91,7 +95,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
 
@@ -110,8 +114,6 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
-            seq.draft = DraftState()
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -133,13 +135,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            over = seq.num_tokens - seq.num_computed_tokens - budget
+            done = seq.num_computed_tokens
+            over = len(seq.token_ids) - done - budget
             if over > 0 and seq.num_draft_tokens:  # guesses past the budget are dropped
                 self._drop_drafts(seq, min(over, seq.num_draft_tokens))
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            done = seq.num_computed_tokens  # a hybrid's step may end on a snapshot boundary
-            n = self.kv.step_end(done, done + n) - done
-            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + n):
+            n = min(len(seq.token_ids) - done, budget)
+            n = self.kv.step_end(done, done + n) - done  # a hybrid's may end on a snapshot
+            while not self.kv.allocate_slots(seq.seq_id, done + n):
                 if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
                     n -= seq.num_draft_tokens
                     self._drop_drafts(seq, seq.num_draft_tokens)
@@ -172,16 +174,14 @@ class Scheduler:
             budget -= n
 
     def _describe(self, seq: Sequence, n: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
+        start, seq_id, kv = seq.num_computed_tokens, seq.seq_id, self.kv
         end = start + n
-        restore, save = self.kv.state_copies(seq.seq_id, end)
-        return ScheduledSeq(
-            seq.seq_id, start, seq.token_ids[start:end], self.kv.block_table(seq.seq_id),
-            needs_logits=end == seq.num_tokens,
-            prefill_tokens=max(0, min(end, seq.num_prompt_tokens) - start),
-            window_table=self.kv.window_table(seq.seq_id),
-            state_slot=self.kv.state_slot(seq.seq_id), state_restore=restore, state_save=save,
-            num_logits=1 + seq.num_draft_tokens)
+        restore, save = kv.state_copies(seq_id, end)
+        return ScheduledSeq(  # positional: needs_logits, prefill_tokens, window_table, ...
+            seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
+            end == len(seq.token_ids), max(0, min(end, seq.num_prompt_tokens) - start),
+            kv.window_table(seq_id), kv.state_slot(seq_id), restore, save,
+            1 + seq.num_draft_tokens)
 
     def _propose(self) -> None:
         """Ask the proposer for each decoding sequence's next tokens and append them."""
@@ -232,7 +232,7 @@ class Scheduler:
         for s in output.scheduled:
             seq = seqs[s.seq_id]
             # min: rejected proposals were computed but are no longer tokens (settle)
-            seq.num_computed_tokens = min(s.start + len(s.token_ids), seq.num_tokens)
+            seq.num_computed_tokens = min(s.start + len(s.token_ids), len(seq.token_ids))
             self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
 

@@ -131,3 +131,14 @@ def test_sliding_window_shared_and_own_pool():
     # a's first window block is released (behind every query's window)
     check(own, SchedulerOutput([decode("a", 10, [3, 5, 9], [None, 2, 4]),
                                 decode("b", 4, [8, 0], [6, 7], proposed=1)]))
+
+
+def test_tables_for_the_decode_graphs():
+    batch = PersistentBatch(BS, None, None, CPU)
+    steps = [[decode("a", 5, [3, 5]), decode("b", 2, [8])],
+             [decode("b", 3, [8]), decode("a", 6, [3, 5, 7])],
+             [decode("a", 7, [3, 5, 7]), decode("b", 4, [1, 2])]]  # b came back elsewhere
+    for scheduled in steps:
+        tables = batch.tables(SchedulerOutput(scheduled))
+        assert [t[:len(s.block_table)] for s, t in zip(scheduled, tables.tolist())] == [
+            s.block_table for s in scheduled]

@@ -8,6 +8,7 @@ import torch
 from kvlab.request import SamplingParams
 from kvlab.sampler import (
     SamplingBatch,
+    SamplingCache,
     apply_min_p,
     apply_penalties,
     apply_presence_frequency_penalty,
@@ -247,3 +248,47 @@ def test_logit_bias_values_are_checked():
     with pytest.raises(Exception, match=">= 0"):
         SamplingParams(logit_bias={-1: 1.0})
     assert SamplingParams(logit_bias={5: 1, 2: -3}).logit_bias == ((2, -3.0), (5, 1.0))
+
+
+# --- the batch kept across steps ---
+
+
+def test_cache_keeps_the_batch_for_the_same_rows_and_draws_as_a_fresh_one():
+    params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0)]
+    a, b = object(), object()
+    builds = []
+
+    def build(owners, seeds):
+        def make():
+            builds.append(owners)
+            return make_batch([params[i] for i in owners], seeds=seeds)
+        return make
+
+    cache, logits = SamplingCache(), random_logits(2, 50)
+    first = cache.get([a, b], build([0, 1], [7, 8]), None)
+    again = cache.get([a, b], build([0, 1], [7, 8]), None)
+    assert again is first and len(builds) == 1
+    # the kept batch's generators go on drawing as a fresh batch's would, step after step
+    fresh = make_batch(params, seeds=[7, 8])
+    for _ in range(3):
+        assert torch.equal(sample(logits, again).token_ids, sample(logits, fresh).token_ids)
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    masked = cache.get([a, b], build([0, 1], [7, 8]), mask)
+    assert masked.allowed is mask and first.allowed is None and len(builds) == 1
+    cache.get([b, a], build([1, 0], [8, 7]), None)  # other order: built again
+    cache.get([b], build([1], [8]), None)  # a left
+    assert builds == [[0, 1], [1, 0], [1]]
+
+
+def test_cache_builds_a_penalized_batch_every_step():
+    owner, builds = object(), []
+    params = [SamplingParams(temperature=0, presence_penalty=1.0)]
+
+    def build():
+        builds.append(1)
+        return make_batch(params, outputs=[[3] * len(builds)])
+
+    cache = SamplingCache()
+    cache.get([owner], build, None)
+    got = cache.get([owner], build, None)
+    assert len(builds) == 2 and got.output_tokens.ids.tolist() == [[3, 3]]

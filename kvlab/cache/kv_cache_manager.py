@@ -145,6 +145,9 @@ class KVCacheManager:
         and changes nothing when there are not enough free blocks or no free slot.
         """
         seq = self._seqs.get(seq_id)
+        if (seq is not None and not computed_blocks and self.snapshots is None
+                and len(seq.table) * self.block_size >= num_total_tokens):
+            return True  # its blocks hold them already (a decode step, mostly)
         computed = list(computed_blocks or [])
         if seq is not None and computed:
             raise ValueError(f"computed_blocks given for {seq_id!r}, which already has blocks")

@@ -82,14 +82,17 @@ class DecodeGraphs:
                         for s in out.scheduled)
                 and max(s.start for s in out.scheduled) < self.max_width)
 
-    def run(self, out: SchedulerOutput, block_size: int) -> torch.Tensor:
-        """Logits [len(out.scheduled), vocab] fp32, rows in scheduled order."""
+    def run(self, out: SchedulerOutput, block_size: int, tables: torch.Tensor
+            ) -> torch.Tensor:
+        """Logits [len(out.scheduled), vocab] fp32, rows in scheduled order. tables: [n, >= 1]
+        int64 CPU, each sequence's block table in its row (entries past its end are never
+        read; the runner's persistent batch keeps them)."""
         n = len(out.scheduled)
         key = (_round_up_pow2(n, 1), _round_up_pow2(max(s.start for s in out.scheduled) + 1,
                                                     MIN_WIDTH, self.max_width))
         with torch.inference_mode():
             bucket = self.buckets.get(key) or self._new_bucket(*key)
-            self._fill(bucket, out, block_size)
+            self._fill(bucket, out, block_size, tables)
             if bucket.graph is None:
                 return self._forward(bucket)[:n]
             bucket.graph.replay()
@@ -122,7 +125,8 @@ class DecodeGraphs:
             bucket.logits = self._forward(bucket)
         bucket.graph = graph
 
-    def _fill(self, bucket: _Bucket, out: SchedulerOutput, block_size: int) -> None:
+    def _fill(self, bucket: _Bucket, out: SchedulerOutput, block_size: int,
+              tables: torch.Tensor) -> None:
         """Write this step's rows into the bucket's inputs (as whole-batch tensor ops: the
         host work should not grow with batch x width in Python); padding rows point at
         scratch. The upload is asynchronous: staging is reused only once the last one has
@@ -131,8 +135,9 @@ class DecodeGraphs:
             bucket.uploaded.synchronize()
         n, width = len(out.scheduled), bucket.staging.shape[1] - 4
         blocks = -(-width // block_size)
-        tables = torch.tensor([(s.block_table + s.block_table[:1] * blocks)[:blocks]
-                               for s in out.scheduled], dtype=torch.long)
+        if tables.shape[1] < blocks:  # the positions past them are masked below
+            tables = torch.cat([tables, tables[:, :1].expand(n, blocks - tables.shape[1])], 1)
+        tables = tables[:, :blocks]
         slots = (tables[:, :, None] * block_size
                  + torch.arange(block_size)).flatten(1)[:, :width]  # [n, W]
         starts = torch.tensor([s.start for s in out.scheduled], dtype=torch.long)

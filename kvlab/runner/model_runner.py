@@ -199,7 +199,7 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput, record_experts: bool,
                  want_logits: bool = True, want_hidden: bool = False) -> StepLogits:
         if self.graphs is not None and not want_hidden and self.graphs.accepts(out):
-            logits = self.graphs.run(out, self.block_size)
+            logits = self.graphs.run(out, self.block_size, self.batch.tables(out))
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         began = time.perf_counter()
         step = self.batch.inputs(out)

@@ -66,8 +66,8 @@ class BlockRows:
         r = self._rows.get(seq_id)
         if r is None:
             r = self._rows[seq_id] = _Row(self._take(), [], self.step)
-        known = len(r.table)
-        if len(table) != known or table != r.table:
+        if table != r.table:
+            known = len(r.table)
             keep = known if len(table) > known and table[:known] == r.table else 0
             self._write(r, table, keep)
         r.used = self.step
@@ -137,10 +137,20 @@ class PersistentBatch:
         spans: list[SeqSpan] = []
         offsets: list[int] = []
         decode: tuple[list[int], list[int | None], list[int], list[int]] = ([], [], [], [])
+        rows, wrows, at, packed = decode
+        full_row = self.full.row
         for s in out.scheduled:
+            row = full_row(s.seq_id, s.block_table)
+            wrow = None if s.window_table is None else self._window_row(s)
             n = len(s.token_ids)
-            row = self.full.row(s.seq_id, s.block_table)
-            wrow = self._window_row(s)
+            if n == 1:  # a decode row (the common case, kept short)
+                rows.append(row)
+                wrows.append(wrow)
+                at.append(s.start)
+                packed.append(len(ids))
+                ids.append(s.token_ids[0])
+                positions.append(s.start)
+                continue
             proposed = s.num_logits - 1 if s.needs_logits else 0
             known = n - proposed
             if known > 1:
@@ -148,16 +158,34 @@ class PersistentBatch:
                 offsets.append(len(ids))
             first = s.start if known == 1 else s.start + known
             for pos in range(first, s.start + n):  # one decode row each
-                decode[0].append(row)
-                decode[1].append(wrow)
-                decode[2].append(pos)
-                decode[3].append(len(ids) + pos - s.start)
+                rows.append(row)
+                wrows.append(wrow)
+                at.append(pos)
+                packed.append(len(ids) + pos - s.start)
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + n))
-        rows = self._decode_rows(*decode) if decode[0] else None
-        meta = step_metadata(spans, offsets, rows, len(ids), self.window, self.device)
-        return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device),
-                          torch.tensor(positions, dtype=torch.long, device=self.device), meta)
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        if len(at) == len(ids):  # decode rows only: the positions are theirs, packed in order
+            at_t = torch.tensor(at, dtype=torch.long)
+            decoded = self._decode_rows(rows, wrows, at_t, torch.arange(len(ids)))
+            positions_t = at_t
+        else:
+            positions_t = torch.tensor(positions, dtype=torch.long)
+            decoded = (self._decode_rows(rows, wrows, torch.tensor(at, dtype=torch.long),
+                                         torch.tensor(packed, dtype=torch.long))
+                       if rows else None)
+        meta = step_metadata(spans, offsets, decoded, len(ids), self.window, self.device)
+        return StepInputs(ids_t.to(self.device), positions_t.to(self.device), meta)
+
+    def tables(self, out: SchedulerOutput) -> torch.Tensor:
+        """[n, blocks] the scheduled sequences' block tables, one row each in scheduled order
+        (entries past a table's end are stale), for the decode graphs' buffers."""
+        for seq_id in out.preempted:
+            self.forget(seq_id)
+        self.full.begin()
+        row = self.full.row
+        index = [row(s.seq_id, s.block_table) for s in out.scheduled]
+        return self.full.tables.index_select(0, torch.tensor(index, dtype=torch.long))
 
     def forget(self, seq_id: str) -> None:
         self.full.drop(seq_id)
@@ -188,15 +216,17 @@ class PersistentBatch:
         table = tables.index_select(0, index)[:, :blocks]
         return (table[:, :, None] * self.block_size + self._offsets).flatten(1)[:, :end]
 
-    def _decode_rows(self, rows: list[int], wrows: list[int | None], pos: list[int],
-                     offsets: list[int]) -> DecodeRows:
-        """The decode rows of a step as whole-batch tensors (see DecodeRows)."""
-        index, at = torch.tensor(rows), torch.tensor(pos)
+    def _decode_rows(self, rows: list[int], wrows: list[int | None], at: torch.Tensor,
+                     packed: torch.Tensor) -> DecodeRows:
+        """The decode rows of a step as whole-batch tensors (see DecodeRows): block-table
+        rows `rows` (and `wrows` in the window pool), positions `at`, packed offsets."""
+        index = torch.tensor(rows, dtype=torch.long)
         end = at + 1
-        slots = self._slots(self.full.tables, index, max(pos) + 1)  # [B, max end]
-        keys, lengths = _keys(slots, end, None)
+        width = int(end.max())
+        slots = self._slots(self.full.tables, index, width)  # [B, max end]
+        keys, lengths = _keys(slots, end, None, width)
         write = slots.gather(1, at[:, None]).squeeze(1)
-        rows_t = torch.tensor(offsets)
+        rows_t = packed
         if not self.window:
             return DecodeRows(rows_t, write, keys, lengths)
         own = None
@@ -204,19 +234,23 @@ class PersistentBatch:
             assert self.windowed is not None
             if None in wrows:
                 raise ValueError("either every row has window slots or none has")
-            own = self._slots(self.windowed.tables, torch.tensor(wrows), max(pos) + 1)
+            own = self._slots(self.windowed.tables, torch.tensor(wrows), width)
         wkeys, wlengths = _keys(slots if own is None else own, end, self.window)
         return DecodeRows(rows_t, write, keys, lengths, wkeys, wlengths,
                           None if own is None else own.gather(1, at[:, None]).squeeze(1))
 
 
-def _keys(slots: torch.Tensor, end: torch.Tensor, window: int | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys(slots: torch.Tensor, end: torch.Tensor, window: int | None,
+          width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, W] the slots of the keys each row sees, padded with its first key's slot;
-    [B] how many): positions [first, end) with first = end - window (or 0)."""
-    first = (end - window).clamp_min(0) if window else torch.zeros_like(end)
+    [B] how many): positions [first, end) with first = end - window (or 0). `width`:
+    max(end), where the caller knows it."""
+    if not window:  # first = 0: the slots of positions 0..end-1, padded
+        width = int(end.max()) if width is None else width
+        k = torch.arange(width)[None, :]
+        return torch.where(k < end[:, None], slots[:, :width], slots[:, :1]), end
+    first = (end - window).clamp_min(0)
     lengths = end - first
-    width = int(lengths.max())
-    k = torch.arange(width)[None, :]
+    k = torch.arange(int(lengths.max()))[None, :]
     index = first[:, None] + torch.where(k < lengths[:, None], k, 0)
     return slots.gather(1, index), lengths
