@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from kvlab.cache import KVCacheManager
 from kvlab.engine import Engine, EngineConfig
-from kvlab.errors import KvlabError
+from kvlab.errors import KvlabError, ModelLoadError
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import make_kv
 from kvlab.models.loader import LoadOptions, load_model
@@ -254,6 +254,9 @@ def test_a_model_without_mtp_layers_refuses_mtp(tmp_path):
     build("glm4moe", tmp_path)  # no MTP tensors in its safetensors
     with pytest.raises(KvlabError, match="GLM-4.5.*DeepSeek-V3"):
         _engine(tmp_path / "hf", speculative="mtp")
+    # its GGUF carries only the nextn layer's own tensors and attn_norm
+    with pytest.raises(ModelLoadError, match="layer 3.* lacks o, mlp_norm"):
+        _engine(tmp_path / "model.gguf", speculative="mtp")
     build("llama", tmp_path / "llama")
     with pytest.raises(KvlabError, match="no multi-token-prediction layers"):
         _engine(tmp_path / "llama" / "model.gguf", speculative="mtp")

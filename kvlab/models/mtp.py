@@ -111,7 +111,9 @@ def build_mtp(model_cls: type, config: ModelConfig, weights: dict[str, Weight],
     plus the GGUF_NEXTN / HF_NEXTN ones) and the main model's global weights."""
     missing = [n for n in _REQUIRED if n not in layer]
     if missing:
-        raise ModelLoadError(f"the multi-token-prediction layer lacks {', '.join(missing)}")
+        raise ModelLoadError(f"the multi-token-prediction layer (layer {config.num_layers}) "
+                             f"lacks {', '.join(missing)}: the checkpoint holds only part "
+                             "of it")
     own = {k: layer[k] for k in set(GGUF_NEXTN.values()) if k in layer}
     block_layer = {k: v for k, v in layer.items() if k not in own}
     one = dataclasses.replace(config, num_layers=1, layer_types=("full",), kv_sources=(),

@@ -217,5 +217,6 @@ def mtp_proposer(loaded: LoadedModel, num_speculative: int, kv_dtype: str, num_b
         raise KvlabError(
             f"{c.name or c.architecture} ({c.architecture}) has no multi-token-prediction "
             f"layers: --speculative mtp needs a checkpoint that ships them ({families}; a "
-            "GGUF converted with its nextn layers kept); use --speculative ngram or draft")
+            "GGUF converted with its nextn layers kept), loaded with LoadOptions(mtp=True); "
+            "use --speculative ngram or draft")
     return MtpProposer(loaded.mtp, num_speculative, kv_dtype, num_blocks, device, adaptive)
