@@ -4,7 +4,7 @@ draft pair, a draft model on both.
 
     .venv/bin/python bench/spec_vs_llama_server.py [--llama-server PATH] [-m MODEL.gguf]
         [-n 128] [-t 2] [-k 4] [-r 2] [--prompts 12] [--ignore-eos] [--baseline]
-        [--draft-pair DIR] [--llama-ngram-n 3] [--llama-spec "FLAGS"]
+        [--draft-pair DIR [--skip-ngram]] [--llama-ngram-n 3] [--llama-spec "FLAGS"]
 
 llama-server comes from --llama-server or $KVLAB_LLAMA_BIN/llama-server. The prompts are
 bench/spec_decode.py's input-grounded requests (the answer copies from the prompt), rendered
@@ -16,16 +16,21 @@ One server is up at a time (llama.cpp's idle threads spin and would slow the oth
 sends every prompt; rounds alternate the order. Decode tok/s is (completion tokens - 1) over
 the time from the first streamed text to the last (the prompt's processing excluded); the
 summary also gives end-to-end tok/s (from the request's send). Tokens come from the usage
-each server reports; acceptance from kvlab's usage.completion_tokens_details and
-llama-server's timings (draft_n, draft_n_accepted). "same" says whether the two greedy texts
-agree (else the character where they part); quantized kernels round differently in the two engines, so a text may part at a near
-tie (bench/greedy_vs_llama_server.py measures that).
+each server reports; "kept" is accepted/proposed tokens, from kvlab's
+usage.completion_tokens_details and llama-server's timings (draft_n, draft_n_accepted).
+"same" says whether the two greedy texts agree (else the character where they part);
+quantized kernels round differently in the two engines, so a text may part at a near tie
+(bench/greedy_vs_llama_server.py measures that).
 
 Sections: n-gram speculation on MODEL (kvlab --speculative ngram -k K; llama-server
---spec-type ngram-simple, lookup n-gram --llama-ngram-n, draft m-gram K); with --draft-pair
-DIR (bench/draft_pair.py's target and draft) kvlab --speculative draft against llama-server
---spec-type draft-simple -md DRAFT --spec-draft-n-max K on that target. --baseline adds each
-engine without speculation per model and prints each engine's speed-up over itself.
+--spec-type ngram-simple, lookup n-gram --llama-ngram-n, draft m-gram K; 3 by default, as
+kvlab looks up the last 4 down to 1 tokens, where llama.cpp's own default of 12 seldom
+matches within a reply); with --draft-pair DIR (bench/draft_pair.py's target and draft)
+kvlab --speculative draft against llama-server --spec-type draft-simple -md DRAFT
+--spec-draft-n-max K on that target. --baseline adds each engine without speculation per
+model and prints each engine's speed-up over itself. kvlab sizes its proposals from their
+acceptance and its measured step costs and may propose none where a draft costs more than
+it saves; llama-server proposes at every step it can (its draft p-min is 0).
 Figures are meaningless while other work shares the cores.
 """
 
@@ -183,6 +188,9 @@ def run_setup(setup: Setup, prompts: list[list[int]], args: argparse.Namespace
             model = served_model(client)
             complete(client, model, prompts[0], 8, False)
             return [complete(client, model, ids, args.n, args.ignore_eos) for ids in prompts]
+    except httpx.HTTPError as e:
+        raise SystemExit(f"{setup.label} ({shlex.join(setup.flags)}): {type(e).__name__}: "
+                         f"{e}; server exit status {proc.poll()}") from None
     finally:
         proc.terminate()
         proc.wait(timeout=120)
