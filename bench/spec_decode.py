@@ -10,12 +10,14 @@ proposals off once they keep failing. Figures are meaningless while other work s
 cores.
 
     .venv/bin/python bench/spec_decode.py [-n 128] [-t 2] [-k 4] [-r 2] [--prompts N]
-        [--draft-model PATH | --draft-pair DIR]
+        [--draft-model PATH | --draft-pair DIR] [--fixed-k]
 
 --draft-pair DIR measures bench/draft_pair.py's pair instead of the default model: its target
 alone against the target with `--speculative draft` and its layer-skip draft, on the same
-prompts (the speed-up and the draft's acceptance rate). --prompts N takes the first N
-prompts of each list (a quick check).
+prompts (the speed-up and the draft's acceptance rate). --fixed-k proposes -k tokens every
+step instead of sizing proposals from acceptance and measured step costs (which may decline
+to propose while a draft costs more than it is expected to save). --prompts N takes the first
+N prompts of each list (a quick check).
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def engines(args: argparse.Namespace) -> tuple[LLM, LLM]:
     plain = LLM(model, EngineConfig(threads=args.t, max_num_seqs=1))
     spec = LLM(model, EngineConfig(threads=args.t, max_num_seqs=1,
                                    speculative="ngram" if draft is None else "draft",
-                                   num_speculative=args.k, draft_model=draft))
+                                   num_speculative=args.k, draft_model=draft,
+                                   speculative_adaptive=not args.fixed_k))
     return plain, spec
 
 
@@ -189,6 +192,8 @@ def main() -> None:
     ap.add_argument("-t", type=int, default=2, help="threads")
     ap.add_argument("-k", type=int, default=4, help="--num-speculative")
     ap.add_argument("-r", type=int, default=2, help="repetitions per prompt (median)")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="always propose -k tokens (no adaptive sizing)")
     ap.add_argument("--prompts", type=int, default=None, metavar="N",
                     help="only the first N prompts of each list")
     source = ap.add_mutually_exclusive_group()
