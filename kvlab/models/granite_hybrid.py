@@ -26,7 +26,7 @@ from kvlab.config import ModelConfig, MoeConfig, RecurrentConfig, RopeConfig
 from kvlab.errors import ModelLoadError
 from kvlab.models import llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel
+from kvlab.models.hybrid import HybridModel, check_state_tensors
 from kvlab.models.layers import Weight, apply_rope, linear, rope_inv_freq, split
 from kvlab.models.mamba2_layer import Mamba2Shape, mamba2_mixer
 from kvlab.models.sharding import SINGLE, TensorParallel
@@ -199,19 +199,11 @@ def check_mamba2_layers(config: ModelConfig, layers: list[dict[str, Any]],
               "conv": (s.conv_channels, s.conv_kernel), "dt_bias": (s.heads,),
               "ssm_a": (s.heads,), "D": (s.heads,), "norm": (s.d_inner,),
               "out_proj": (hidden, s.d_inner)}
+    dims = (f"conv kernel {s.conv_kernel}, {s.heads} heads x {s.head_dim}, {s.groups} groups "
+            f"of state {s.state_size}")
     for i, layer in enumerate(layers):
-        if not config.is_recurrent(i):
-            continue
-        missing = [n for n in expect if n not in layer]
-        if missing:
-            raise ModelLoadError(f"{config.architecture} layer {i} is a Mamba-2 layer but "
-                                 f"lacks {', '.join(missing)}")
-        for name, shape in expect.items():
-            if tuple(layer[name].shape) != shape:
-                raise ModelLoadError(
-                    f"{config.architecture} layer {i}: {name} is {list(layer[name].shape)}, "
-                    f"but the SSM dimensions say {list(shape)} (conv kernel {s.conv_kernel}, "
-                    f"{s.heads} heads x {s.head_dim}, {s.groups} groups of state {s.state_size})")
+        if config.is_recurrent(i):
+            check_state_tensors(config, i, layer, expect, "Mamba-2", dims)
 
 
 def mamba2_gguf_transform(config: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:

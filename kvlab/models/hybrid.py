@@ -33,6 +33,22 @@ from kvlab.models.state_store import LayerState, StateBatch
 log = logging.getLogger("kvlab.models")
 
 
+def check_state_tensors(config: ModelConfig, i: int, layer: dict[str, Any],
+                        expect: dict[str, tuple[int, ...]], kind: str, dims: str) -> None:
+    """A recurrent layer `i` of `kind` holds every tensor of `expect` in its shape, the one
+    its state dimensions (described by `dims`) give: a GGUF whose ssm.* keys disagree with
+    its tensors fails here, naming the tensor."""
+    missing = [n for n in expect if n not in layer]
+    if missing:
+        raise ModelLoadError(f"{config.architecture} layer {i} is a {kind} layer but lacks "
+                             f"{', '.join(missing)}")
+    for name, shape in expect.items():
+        if tuple(layer[name].shape) != shape:
+            raise ModelLoadError(
+                f"{config.architecture} layer {i}: {name} is {list(layer[name].shape)}, but "
+                f"the state dimensions say {list(shape)} ({dims})")
+
+
 class HybridModel:
     """Weights (frozen after load) plus the forward pass; the KV caches and the recurrent
     states come in as arguments. `inv_freq` is set by the family (its RoPE)."""

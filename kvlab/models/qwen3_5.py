@@ -38,7 +38,7 @@ from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import gated_delta_rule, gated_rms_norm, short_conv
 from kvlab.models import llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
-from kvlab.models.hybrid import HybridModel
+from kvlab.models.hybrid import HybridModel, check_state_tensors
 from kvlab.models.layers import Stacked, Weight, apply_rope, linear, rms_norm, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
@@ -224,23 +224,15 @@ def _delta_layer(config: ModelConfig, i: int, layer: dict[str, Weight]) -> dict[
     rc = config.recurrent
     assert rc is not None
     parts = ("delta_qkv", "delta_z", "delta_b", "delta_a")
-    missing = [n for n in (*parts, "ssm_a", "dt_bias", "conv", "delta_norm", "delta_out")
-               if n not in layer]
-    if missing:
-        raise ModelLoadError(f"{config.architecture} layer {i} is a DeltaNet layer but lacks "
-                             f"{', '.join(missing)}")
     hv, dv = rc.num_v_heads, rc.v_head_dim
     expect = {"delta_qkv": (rc.conv_channels, config.hidden_size),
               "delta_z": (hv * dv, config.hidden_size), "delta_b": (hv, config.hidden_size),
               "delta_a": (hv, config.hidden_size), "conv": (rc.conv_channels, rc.conv_kernel),
               "ssm_a": (hv,), "dt_bias": (hv,), "delta_norm": (dv,),
               "delta_out": (config.hidden_size, hv * dv)}
-    for name, shape in expect.items():
-        if tuple(layer[name].shape) != shape:
-            raise ModelLoadError(
-                f"{config.architecture} layer {i}: {name} is {list(layer[name].shape)}, but the "
-                f"state dimensions say {list(shape)} (conv kernel {rc.conv_kernel}, key heads "
-                f"{rc.num_k_heads} x {rc.k_head_dim}, value heads {hv} x {dv})")
+    check_state_tensors(config, i, layer, expect, "DeltaNet",
+                        f"conv kernel {rc.conv_kernel}, key heads {rc.num_k_heads} x "
+                        f"{rc.k_head_dim}, value heads {hv} x {dv}")
     rest = {n: w for n, w in layer.items() if n not in parts}
     return {**rest, "delta_in": Stacked.of([layer[n] for n in parts])}
 
