@@ -29,7 +29,7 @@ from kvlab.models.kv_store import make_kv
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
-from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput, Sequence
 from kvlab.spec.adaptive import DraftState
 from kvlab.spec.mtp import HiddenSpan, MtpProposer
 from kvlab.spec.proposer import Candidate
@@ -172,15 +172,18 @@ def _engine(path: Path, **config) -> Engine:
     return Engine(loaded, load_gguf_tokenizer(byte_tokenizer_metadata(96)), config)
 
 
-def _generate(path: Path, prompts: list[list[int]], **config) -> tuple[list[list[int]], Engine]:
+def _generate(path: Path, prompts: list[list[int]], **config
+              ) -> tuple[list[list[int]], Engine, list[Sequence]]:
+    """Greedy tokens per prompt, all submitted at once; the engine; the sequences."""
     engine = _engine(path, **config)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, GREEDY)
+    seqs = [engine.requests[str(i)].seq for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    return [tokens[str(i)] for i in range(len(prompts))], engine
+    return [tokens[str(i)] for i in range(len(prompts))], engine, seqs
 
 
 MTP = {"speculative": "mtp", "num_speculative": 3, "speculative_adaptive": False}
@@ -206,9 +209,9 @@ def _gguf(out: Path, family: str) -> Path:
 def test_greedy_text_with_mtp_equals_plain_decoding(mtp_model, source):
     out = mtp_model[0]
     path = out / "hf" if source == "hf" else _gguf(out, mtp_model[3])
-    plain, _ = _generate(path, PROMPTS)
+    plain, _, _ = _generate(path, PROMPTS)
     for batch in ([PROMPTS[0]], PROMPTS):  # alone, and batched with other sequences
-        spec, engine = _generate(path, batch, **MTP)
+        spec, engine, _ = _generate(path, batch, **MTP)
         assert spec == plain[:len(batch)]
         counts = engine.stats().speculative
         assert counts.drafted > 0 and counts.accepted <= counts.drafted
@@ -291,15 +294,11 @@ def test_preempted_sequences_keep_greedy_text(mtp_model):
     """A pool too small for all three requests preempts some; they recompute from token 0
     while the MTP layer keeps its rows (its own cache): the same text as plain decoding."""
     path = mtp_model[0] / "hf"
-    plain, _ = _generate(path, PROMPTS)
+    plain, _, _ = _generate(path, PROMPTS)
     per_token = _engine(path, kv_dtype="f32").cost.kv_bytes_per_token
-    small = _engine(path, kv_dtype="f32", kv_cache_gib=40 * per_token / 2**30, **MTP)
-    for i, p in enumerate(PROMPTS):
-        small.add_request(str(i), p, GREEDY)
-    seqs = [small.requests[str(i)].seq for i in range(len(PROMPTS))]
-    while small.has_unfinished():
-        small.step()
-    assert [s.output_ids for s in seqs] == plain
+    texts, small, seqs = _generate(path, PROMPTS, kv_dtype="f32",
+                                   kv_cache_gib=40 * per_token / 2**30, **MTP)
+    assert texts == plain
     assert any(s.num_preemptions for s in seqs)
     assert small.mtp.held == {} and small.mtp.kv.num_free_blocks == small.mtp.kv.num_blocks
 
