@@ -27,7 +27,7 @@ from kvlab.errors import KvlabError, ModelLoadError
 from kvlab.models.attention import SeqSpan, build_metadata
 from kvlab.models.kv_store import make_kv
 from kvlab.models.loader import LoadOptions, load_model
-from kvlab.request import SamplingParams
+from kvlab.request import SamplingParams, Structure
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput, Sequence
 from kvlab.spec.adaptive import DraftState
@@ -318,3 +318,24 @@ def test_sampled_decoding_with_mtp_runs_to_its_length(mtp_model):
     assert sorted(o.output_tokens for o in finished) == [12] * len(PROMPTS)
     assert all(o.accepted_tokens <= o.draft_tokens for o in finished)
     assert engine.stats().speculative.drafted > 0
+
+
+def test_structured_output_with_forced_tokens_keeps_greedy_text(mtp_model):
+    """A regex whose fixed parts are forced (appended without sampling, computed as a
+    chunk: several known tokens in one step): the MTP layer follows them, and the text
+    equals plain decoding's."""
+    path = mtp_model[0] / "hf"
+    params = SamplingParams(max_tokens=30, temperature=0, structured=Structure(
+        "regex", '[{]"name": "[a-z]{1,5}", "n": [0-9]{1,3}[}]'))
+    texts = []
+    for config in ({}, MTP):
+        engine = _engine(path, **config)
+        for i, p in enumerate(["abc", "hello there", "x"]):
+            engine.add_request(str(i), p, params)
+        got: dict[str, str] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] = got.get(out.request_id, "") + out.text_delta
+        texts.append(got)
+    assert texts[0] == texts[1]
+    assert all(t.startswith('{"name": "') for t in texts[0].values())
