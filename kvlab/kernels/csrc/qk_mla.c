@@ -21,13 +21,17 @@
 #include "qk_mla.h"
 #include "qk_pool.h"
 
-/* y[0, width) = sum_{i < n} a[i] * w[i * width + 0 .. width) */
-typedef void (*combine_fn)(const float *a, int64_t n, const float *w, int64_t width, float *y);
+/* y[0, width) = sum_{i < n} a[i] * w[i * stride + 0 .. width) */
+typedef void (*combine_fn)(const float *a, int64_t n, const float *w, int64_t stride,
+                           int64_t width, float *y);
 
-static void combine_c(const float *a, int64_t n, const float *w, int64_t width, float *y) {
-    memset(y, 0, (size_t)width * sizeof(float));
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t c = 0; c < width; c++) y[c] += a[i] * w[i * width + c];
+static void combine_c(const float *a, int64_t n, const float *w, int64_t stride, int64_t width,
+                      float *y) {
+    for (int64_t c = 0; c < width; c++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; i++) acc += a[i] * w[i * stride + c];
+        y[c] = acc;
+    }
 }
 
 #ifdef KV_HAVE_AVX2_BUILD
@@ -35,17 +39,19 @@ static void combine_c(const float *a, int64_t n, const float *w, int64_t width, 
 #include "qk_avx2.h"
 #include "qk_zmm.h"
 
-/* four vectors of columns at a time down all n rows (the accumulators stay in registers),
- * then one vector, then the scalar tail */
-#define MLA_COMBINE(name, TGT, VEC, LANES, LOAD, STORE, SET1, FMA, ZERO)                     \
-    TGT static void name(const float *a, int64_t n, const float *w, int64_t width,           \
-                         float *y) {                                                          \
+/* Four vectors of columns at a time down all n rows (the accumulators stay in registers),
+ * then one vector, then the columns left to TAIL (AVX-512: the AVX2 function, whose 8-wide
+ * steps and scalar tail then match AVX2's own). Each column is one FMA chain over the rows
+ * in every path, so AVX2 and AVX-512 give the same bits. */
+#define MLA_COMBINE(name, TGT, VEC, LANES, LOAD, STORE, SET1, FMA, ZERO, TAIL)               \
+    TGT static void name(const float *a, int64_t n, const float *w, int64_t stride,           \
+                         int64_t width, float *y) {                                           \
         int64_t c = 0;                                                                        \
         for (; c + 4 * LANES <= width; c += 4 * LANES) {                                      \
             VEC acc0 = ZERO(), acc1 = ZERO(), acc2 = ZERO(), acc3 = ZERO();                   \
             for (int64_t i = 0; i < n; i++) {                                                 \
                 const VEC x = SET1(a[i]);                                                     \
-                const float *r = w + i * width + c;                                           \
+                const float *r = w + i * stride + c;                                          \
                 acc0 = FMA(x, LOAD(r), acc0);                                                 \
                 acc1 = FMA(x, LOAD(r + LANES), acc1);                                         \
                 acc2 = FMA(x, LOAD(r + 2 * LANES), acc2);                                     \
@@ -58,20 +64,17 @@ static void combine_c(const float *a, int64_t n, const float *w, int64_t width, 
         }                                                                                     \
         for (; c + LANES <= width; c += LANES) {                                              \
             VEC acc = ZERO();                                                                 \
-            for (int64_t i = 0; i < n; i++) acc = FMA(SET1(a[i]), LOAD(w + i * width + c), acc); \
+            for (int64_t i = 0; i < n; i++)                                                   \
+                acc = FMA(SET1(a[i]), LOAD(w + i * stride + c), acc);                        \
             STORE(y + c, acc);                                                                \
         }                                                                                     \
-        for (; c < width; c++) {                                                              \
-            float acc = 0.0f;                                                                 \
-            for (int64_t i = 0; i < n; i++) acc += a[i] * w[i * width + c];                   \
-            y[c] = acc;                                                                       \
-        }                                                                                     \
+        if (c < width) TAIL(a, n, w + c, stride, width - c, y + c);                           \
     }
 
 MLA_COMBINE(combine_avx2, KV_TGT, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
-            _mm256_fmadd_ps, _mm256_setzero_ps)
+            _mm256_fmadd_ps, _mm256_setzero_ps, combine_c)
 MLA_COMBINE(combine_zmm, KV_TGT_Z, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps,
-            _mm512_set1_ps, _mm512_fmadd_ps, _mm512_setzero_ps)
+            _mm512_set1_ps, _mm512_fmadd_ps, _mm512_setzero_ps, combine_avx2)
 #endif
 
 static combine_fn pick_combine(int isa) {
@@ -102,7 +105,7 @@ static void pass_task(void *p, int tid, int nthreads) {
     for (int64_t r; (r = atomic_fetch_add(&j->next, 1)) < j->rows;) {
         const int64_t t = r / j->H, h = r % j->H;
         j->combine(j->x + t * j->x_tok + h * j->x_head, j->n, j->w + h * j->w_head, j->width,
-                   j->y + r * j->y_stride);
+                   j->width, j->y + r * j->y_stride);
     }
 }
 
