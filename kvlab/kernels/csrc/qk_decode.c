@@ -12,6 +12,9 @@
  * router scores as the family does (KV_ROUTE_*: softmax over all experts; gpt-oss's top k
  * of the biased logits, softmax over those; GLM-4.5's sigmoid with its correction bias and
  * grouped top k), and gpt-oss's o bias, expert biases and clamped SwiGLU are plan fields.
+ * DeepSeek-V2/V3's multi-head latent attention takes the place of qkv where the plan says so
+ * (mla): its products, norms and rotary part here, the absorbed attention over the latent
+ * store in qk_mla.c, the same calls as the per-op path (kvlab/models/deepseek2.py).
  * The plan is int64 [layers, KV_PLAN_FIELDS], built once by the model
  * (kvlab/models/decode_c.py).
  */
