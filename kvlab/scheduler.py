@@ -110,6 +110,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  proposer: Proposer | None = None) -> None:
         self.config, self.kv, self.proposer = config, kv, proposer
+        self._blocks_only = kv.blocks_only  # a sequence's step needs its block table alone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -140,7 +141,8 @@ class Scheduler:
             if over > 0 and seq.num_draft_tokens:  # guesses past the budget are dropped
                 self._drop_drafts(seq, min(over, seq.num_draft_tokens))
             n = min(len(seq.token_ids) - done, budget)
-            n = self.kv.step_end(done, done + n) - done  # a hybrid's may end on a snapshot
+            if not self._blocks_only:  # a hybrid's step may end on a snapshot boundary
+                n = self.kv.step_end(done, done + n) - done
             while not self.kv.allocate_slots(seq.seq_id, done + n):
                 if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
                     n -= seq.num_draft_tokens
@@ -176,6 +178,11 @@ class Scheduler:
     def _describe(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, seq_id, kv = seq.num_computed_tokens, seq.seq_id, self.kv
         end = start + n
+        if self._blocks_only:
+            return ScheduledSeq(seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
+                                end == len(seq.token_ids),
+                                max(0, min(end, seq.num_prompt_tokens) - start),
+                                num_logits=1 + seq.num_draft_tokens)
         restore, save = kv.state_copies(seq_id, end)
         return ScheduledSeq(  # positional: needs_logits, prefill_tokens, window_table, ...
             seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
@@ -229,12 +236,14 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, seqs: dict[str, Sequence]) -> None:
         """Advance progress counters after the step ran; register newly full blocks."""
+        kv = self.kv
         for s in output.scheduled:
             seq = seqs[s.seq_id]
             # min: rejected proposals were computed but are no longer tokens (settle)
-            seq.num_computed_tokens = min(s.start + len(s.token_ids), len(seq.token_ids))
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            self.kv.release_out_of_window(seq.seq_id, seq.num_computed_tokens)
+            seq.num_computed_tokens = done = min(s.start + len(s.token_ids), len(seq.token_ids))
+            kv.cache_full_blocks(seq.seq_id, seq.token_ids, done)
+            if not self._blocks_only:
+                kv.release_out_of_window(seq.seq_id, done)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

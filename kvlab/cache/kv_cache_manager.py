@@ -86,6 +86,11 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def blocks_only(self) -> bool:
+        """Sequences hold a block table alone: no window table, state slot or snapshot."""
+        return self.window is None and self.states is None and self.snapshots is None
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
@@ -229,6 +234,8 @@ class KVCacheManager:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens, len(token_ids)) // bs
+        if num_full <= len(seq.cached_keys) and self.blocks_only:
+            return  # no block filled since the last call (most decode steps)
         self._register(seq_id, seq, token_ids, num_full)
         if self.snapshots is not None:
             self.snapshots.commit(seq_id, seq.cached_links, num_full)
