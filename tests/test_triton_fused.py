@@ -3,7 +3,8 @@ Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported): each f
 kernel on small random inputs (fp32 tight, bf16 within its rounding), paged decode
 attention over a scattered block table with sequences of different lengths, and a tiny
 Llama's, Qwen 3's and Gemma 3's decode steps through the Triton plan (kvlab.models.decode_gpu)
-against the per-op path."""
+against the per-op path, dense and with packed Q4_K products; and the kernels compile for
+sm_90."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: its kernels are CUDA-only")
 
+from test_triton_quant import _each_weight
+
 from kvlab.engine import Engine, EngineConfig
 from kvlab.gpu import attention as gpu_attention
 from kvlab.gpu import fused as gpu_fused
-from kvlab.models import decode_gpu
+from kvlab.kernels import QuantizedWeight
+from kvlab.kernels.packed import PackedWeight, pack
+from kvlab.models import decode_gpu, layers
 from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
 from kvlab.models.kv_store import FloatKV
 from kvlab.models.layers import (
@@ -34,7 +39,11 @@ from kvlab.models.layers import (
     rope_cos_sin,
     swiglu,
 )
+from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
+from kvlab.runner import ModelRunner
+from kvlab.scheduler import ScheduledSeq, SchedulerOutput
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build
 
@@ -249,3 +258,32 @@ def test_kernels_compile_for_sm90():
                           capture_output=True, text=True, env=env, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "compiled 11 of 11" in done.stdout
+
+
+def test_decode_plan_over_packed_gguf_weights(tmp_path, monkeypatch):
+    """The GPU's Q4_K path: a model whose products are packed GGUF weights (Triton's
+    quantized matmuls), its decode step through the plan against the per-op path."""
+    if layers.quant_matmul is None:
+        pytest.skip("kvlab.models.layers was imported without triton's packed products")
+    monkeypatch.setattr(decode_gpu, "gpu_fused", gpu_fused)
+    monkeypatch.setattr(decode_gpu, "gpu_attention", gpu_attention)
+    build("llama", tmp_path, hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    loaded = load_model(open_checkpoint(tmp_path / "model.gguf"),
+                        LoadOptions(quantize="q4_k", group_rows=False))
+
+    def packed(w: QuantizedWeight) -> PackedWeight:
+        return pack(w, torch.float32, "cpu")
+
+    ids, logits = [3], []  # one prompt token: both steps are decode steps
+    for triton in (True, False):
+        model = loaded.model
+        model = type(model)(loaded.config, _each_weight(model.weights, packed),
+                            [_each_weight(layer, packed) for layer in model.layers])
+        assert isinstance(model.layers[0]["qkv"].parts[0], PackedWeight)
+        model.gpu_plan = decode_gpu.plan_for(loaded.config, model.layers, "silu") if triton \
+            else None
+        runner = ModelRunner(model, loaded.config, 8, 4)
+        runner.execute(SchedulerOutput([ScheduledSeq("a", 0, ids, [0], True, len(ids))]))
+        step = ScheduledSeq("a", len(ids), [20], [0], True, 0)
+        logits.append(runner.execute(SchedulerOutput([step])).logits[0])
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
