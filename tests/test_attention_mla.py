@@ -1,12 +1,18 @@
 """The C latent attention (fused.mla_decode / mla_prefill: absorbed W_UK, one pass over the
 latent rows for all heads, W_UV after) against attention over the expanded per-head keys and
 values (transformers' form) in float64: decode over several sequences of unequal lengths
-on scattered slots, prefill after a cached prefix, fp32 and fp16 stores."""
+on scattered slots, prefill after a cached prefix, fp32 and fp16 stores; every SIMD path
+(AVX2, AVX-512) gives the same bits."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from kernel_paths import path_envs
 
 from kvlab.kernels import fused
 
@@ -97,3 +103,32 @@ def test_shapes_that_disagree_are_refused():
     store = _store(8, 16, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="latent attention shapes do not agree"):
         fused.mla_decode(torch.randn(1, 2, 12), store, w_uk, w_uv_t, torch.zeros(1, 2), 1.0)
+
+
+def test_every_simd_path_gives_the_same_bits(tmp_path):
+    """Portable C aside, this CPU's best path, AVX2 without VNNI and (where `make emu512`
+    built it) the emulated AVX-512 path: the same bits, decode and prefill, for widths that
+    are multiples of 16, of 8 only, and of neither."""
+    script = (
+        "import sys, torch\n"
+        "from kvlab.kernels import fused\n"
+        "outs = []\n"
+        f"for h, nope, rope, rank, vdim in {SHAPES!r}:\n"
+        "    g = torch.Generator().manual_seed(rank)\n"
+        "    w_uk = torch.randn(h, nope, rank, generator=g)\n"
+        "    w_uv_t = torch.randn(h, rank, vdim, generator=g)\n"
+        "    store = torch.randn(48, 1, rank + rope, generator=g)\n"
+        "    slots = torch.randperm(48, generator=g)[:40]\n"
+        "    q = torch.randn(21, h, nope + rope, generator=g)\n"
+        "    outs.append(fused.mla_decode(q[:2], store, w_uk, w_uv_t, slots.view(2, 20), 0.1))\n"
+        "    outs.append(fused.mla_prefill(q, store, w_uk, w_uv_t, slots, 0, 19, 0.1))\n"
+        "torch.save(outs, sys.argv[1])\n")
+    outs = []
+    for env in path_envs():
+        path = tmp_path / f"out{len(outs)}.pt"
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
+                       env={**os.environ, **env})
+        outs.append(torch.load(path))
+    for out in outs[1:]:
+        assert len(out) == len(outs[0]) == 2 * len(SHAPES)
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], out))
