@@ -11,8 +11,10 @@ kvlab.models.mtp) on a tiny random GLM-4.5 whose checkpoint carries one MTP laye
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -339,3 +341,42 @@ def test_structured_output_with_forced_tokens_keeps_greedy_text(mtp_model):
         texts.append(got)
     assert texts[0] == texts[1]
     assert all(t.startswith('{"name": "') for t in texts[0].values())
+
+
+def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path):
+    """Every proposal of a whole engine run equals the reference's greedy guesses over the
+    tokens so far, through steps that accept guesses (the rows the MTP layer then catches up
+    on are several verified tokens). To have guesses accepted, the checkpoint's final norm
+    is zeroed (the model always emits token 0) and the MTP head favours token 0 wherever
+    its output sums below 0 (about half the rows)."""
+    out, model, nextn, _ = mtp_model
+    model = copy.deepcopy(model)
+    model.model.norm.weight.data.zero_()
+    head = nextn["shared_head.head.weight"].clone()
+    head[0] = -3.0
+    nextn = {**nextn, "shared_head.head.weight": head}
+    shutil.copytree(out / "hf", tmp_path / "hf")
+    (path,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    tensors[f"model.layers.{LAYERS}.shared_head.head.weight"] = head
+    save_file(tensors, path, metadata={"format": "pt"})
+
+    engine = _engine(tmp_path / "hf", **MTP)
+    proposals, propose = [], engine.mtp.propose
+
+    def recorded(candidates, rows):
+        guesses = propose(candidates, rows)
+        proposals.extend((list(c.token_ids), g) for c, g in zip(candidates, guesses) if g)
+        return guesses
+
+    engine.mtp.propose = recorded
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    counts = engine.stats().speculative
+    assert 0 < counts.accepted < counts.drafted
+    assert len(proposals) > 10
+    for tokens, guesses in proposals:
+        assert guesses == _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses))[1]
