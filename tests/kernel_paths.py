@@ -6,6 +6,12 @@ kernels emulated as AVX2 code through SIMDe (so they are checked on CPUs without
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
 
 EMULATED_512 = {"KVLAB_EMULATE_512": "1"}
 
@@ -17,3 +23,15 @@ def emulated_512_built() -> bool:
 def path_envs() -> list[dict[str, str]]:
     envs = [{}, {"KVLAB_NO_VNNI": "1"}]
     return envs + [EMULATED_512] if emulated_512_built() else envs
+
+
+def outputs_on_every_path(script: str, out_dir: Path, *args: str) -> list:
+    """What `script` saves (torch.save to its first argument; `args` follow it) when run under
+    each of path_envs(), in that order."""
+    outs = []
+    for env in path_envs():
+        path = out_dir / f"out{len(outs)}.pt"
+        subprocess.run([sys.executable, "-c", script, str(path), *args], check=True,
+                       env={**os.environ, **env})
+        outs.append(torch.load(path))
+    return outs

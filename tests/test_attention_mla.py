@@ -6,13 +6,9 @@ on scattered slots, prefill after a cached prefix, fp32 and fp16 stores; every S
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from kernel_paths import path_envs
+from kernel_paths import outputs_on_every_path
 
 from kvlab.kernels import fused
 
@@ -123,12 +119,7 @@ def test_every_simd_path_gives_the_same_bits(tmp_path):
         "    outs.append(fused.mla_decode(q[:2], store, w_uk, w_uv_t, slots.view(2, 20), 0.1))\n"
         "    outs.append(fused.mla_prefill(q, store, w_uk, w_uv_t, slots, 0, 19, 0.1))\n"
         "torch.save(outs, sys.argv[1])\n")
-    outs = []
-    for env in path_envs():
-        path = tmp_path / f"out{len(outs)}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                       env={**os.environ, **env})
-        outs.append(torch.load(path))
+    outs = outputs_on_every_path(script, tmp_path)
     for out in outs[1:]:
         assert len(out) == len(outs[0]) == 2 * len(SHAPES)
         assert all(torch.equal(a, b) for a, b in zip(outs[0], out))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_paths import path_envs
+from kernel_paths import outputs_on_every_path
 
 from kvlab.kernels import fused, ops
 from kvlab.models.attention import SeqSpan, build_metadata, paged_attention
@@ -166,9 +166,6 @@ def test_the_avx512_tile_gives_the_avx2_tiles_bits(tmp_path):
     """Where AVX-512 runs, prefill takes 8 query rows a tile in zmm; with KVLAB_NO_VNNI=1 the
     4-row AVX2 tile runs instead (and the zmm tile emulated, where `make emu512` built it).
     All must give the same bits, for every cache kind."""
-    import os
-    import subprocess
-    import sys
 
     script = (
         "import sys, torch\n"
@@ -188,12 +185,7 @@ def test_the_avx512_tile_gives_the_avx2_tiles_bits(tmp_path):
         "        outs.append(fused.attend_prefill(q, kk, vv, slots, first, start, window, 0.1,\n"
         "                                         *sc, softcap=30.0 if window else 0.0))\n"
         "torch.save(outs, sys.argv[1])\n")
-    outs = []
-    for env in path_envs():
-        path = tmp_path / f"out{len(outs)}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True,
-                       env={**os.environ, **env})
-        outs.append(torch.load(path))
+    outs = outputs_on_every_path(script, tmp_path)
     for out in outs[1:]:
         assert len(out) == len(outs[0]) > 0
         for a, b in zip(outs[0], out):

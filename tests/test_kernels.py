@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
-from kernel_paths import path_envs
+from kernel_paths import outputs_on_every_path
 
 from kvlab.kernels import (
     SUPPORTED_TYPES,
@@ -642,10 +642,7 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
     for Q8_0 and for the 8-row groups of Q8_0, Q5_0, Q4_K, Q6_K, Q5_K, IQ4_XS, Q2_K and Q3_K;
     40 x rows take the byte-row paths of Q2_K and Q3_K with VNNI, and from 13 x rows IQ4_XS
     takes its int16 panels without."""
-    import os
     import pickle
-    import subprocess
-    import sys
 
     from kvlab.kernels import group_rows
 
@@ -666,12 +663,7 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
         "x, xk = torch.randn(13, 320, generator=g), torch.randn(40, 512, generator=g)\n"
         "torch.save([qmatmul(x[:n].contiguous(), v) for n in (1, 4, 8, 13) for v in (w, w8, w5)]\n"
         "           + [qmatmul(xk[:n].contiguous(), v) for n in (1, 13, 21, 40) for v in k8], sys.argv[1])\n")
-    outs = []
-    for env in path_envs():
-        path = tmp_path / f"out{len(outs)}.pt"
-        subprocess.run([sys.executable, "-c", script, str(path), str(xs)], check=True,
-                       env={**os.environ, **env})
-        outs.append(torch.load(path))
+    outs = outputs_on_every_path(script, tmp_path, str(xs))
     for out in outs[1:]:
         assert len(out) == len(outs[0]) > 0
         for a, b in zip(outs[0], out):
