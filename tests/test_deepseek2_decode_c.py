@@ -47,12 +47,12 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _runner(out, plan: bool) -> ModelRunner:
+def _runner(out, plan: bool, kv_dtype: str = "f32") -> ModelRunner:
     loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
     assert loaded.model.c_plan is not None
     if not plan:
         loaded.model.c_plan = None
-    return ModelRunner(loaded.model, loaded.config, 64, 4)
+    return ModelRunner(loaded.model, loaded.config, 64, 4, kv_dtype=kv_dtype)
 
 
 def test_the_plan_holds_the_latent_attention(tiny):
@@ -69,12 +69,14 @@ def test_the_plan_holds_the_latent_attention(tiny):
         assert row[-22:-17] == q_a
 
 
-def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps):
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps, kv_dtype):
+    """The latent store in fp32, or in fp16 (the CPU's default), written and read in C."""
     hf, out = tiny
     ids, table = _ids(14, 1), [9, 3, 17, 0]  # scattered, out-of-order blocks
     logits = []
     for plan in (True, False):
-        runner = _runner(out, plan)
+        runner = _runner(out, plan, kv_dtype)
         rows = [step(runner, ScheduledSeq("a", 0, ids[:5], table, True, 5))[0]]
         for pos in range(5, len(ids)):
             rows.append(step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))[0])
@@ -83,6 +85,7 @@ def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps):
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-4
     ref = reference_logits(hf, ids)[4:]
     assert float(torch.cosine_similarity(logits[0], ref, dim=-1).min()) > 0.999
+    assert runner.kv_caches[0].k.dtype == {"f32": torch.float32, "f16": torch.float16}[kv_dtype]
 
 
 def test_batched_decode_in_the_one_c_call(tiny, c_steps):
