@@ -215,20 +215,19 @@ class ModelRunner:
             if self.states is not None:  # the states at snapshot boundaries, for prefix hits
                 saved = [s for s in out.scheduled if s.state_save is not None]
                 self.states.copy([s.state_slot for s in saved], [s.state_save for s in saved])
-            rows, seq_ids, counts, row = [], [], [], 0
-            for s in out.scheduled:
-                row += len(s.token_ids)
-                if s.needs_logits and want_logits:
-                    rows.extend(range(row - s.num_logits, row))
-                    seq_ids.append(s.seq_id)
-                    counts.append(s.num_logits)
+            rows, seq_ids, counts = _logit_rows(out) if want_logits else ([], [], [])
             kept = hidden if want_hidden else None
-            if not rows:
+            if not seq_ids:
                 return StepLogits([], hidden.new_empty(0, self.config.vocab_size), hidden=kept)
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits = self.model.logits(hidden.index_select(0, index))
-        experts = torch.stack(trace, dim=1)[index.cpu()] if trace else None
-        several = len(rows) > len(seq_ids)
+            index = None if rows is None else torch.tensor(rows, dtype=torch.long,
+                                                           device=self.device)
+            logits = self.model.logits(hidden if index is None else
+                                       hidden.index_select(0, index))
+        experts = None
+        if trace:
+            experts = torch.stack(trace, dim=1)
+            experts = experts if index is None else experts[index.cpu()]
+        several = rows is not None and len(rows) > len(seq_ids)
         return StepLogits(seq_ids, logits, experts, counts if several else None, kept)
 
     def _step_states(self, out: SchedulerOutput) -> StateBatch:
@@ -244,3 +243,18 @@ class ModelRunner:
         self.states.copy([s.state_restore for s in restored], [s.state_slot for s in restored])
         return self.states.batch([s.state_slot for s in out.scheduled],
                                  [len(s.token_ids) for s in out.scheduled])
+
+
+def _logit_rows(out: SchedulerOutput) -> tuple[list[int] | None, list[str], list[int]]:
+    """The packed rows that need logits (None: every row, one per sequence, as in a
+    decode step), the sequences they belong to and how many rows each has."""
+    if out.num_tokens == len(out.scheduled) and all(s.needs_logits for s in out.scheduled):
+        return None, [s.seq_id for s in out.scheduled], []
+    rows, seq_ids, counts, row = [], [], [], 0
+    for s in out.scheduled:
+        row += len(s.token_ids)
+        if s.needs_logits:
+            rows.extend(range(row - s.num_logits, row))
+            seq_ids.append(s.seq_id)
+            counts.append(s.num_logits)
+    return rows, seq_ids, counts

@@ -62,6 +62,8 @@ class StructuredOutputs:
         """The allowed-token bits of each row, or None when no row is constrained.
 
         A row that ignores EOS may not end before its structure does (then it ends there)."""
+        if not self._matchers and not self._gates:  # nothing to follow: no pass over the rows
+            return None
         rows = [r for r, s in enumerate(seq_ids) if self._restricts(s, ignore_eos[r])]
         if not rows:
             return None
