@@ -77,14 +77,15 @@ def mtp_model(request, tmp_path_factory):
     return out, model, nextn, request.param
 
 
-def _reference(model, nextn: dict, prompt: list[int], token: int, k: int
+def _reference(model, nextn: dict, prompt: list[int], token: int, k: int, start: int = 1
                ) -> tuple[torch.Tensor, list[int]]:
     """The formula by hand: main hidden states h (after the final norm) of the LAYERS main
     layers over the prompt; MTP rows p = 1 .. P from (x_p, h_{p-1}) and then its own output,
     x = eh_proj([enorm(embed(x_p)) | hnorm(h)]) through the family's decoder layer
     (transformers' own), out =
-    shared_head.norm(x), logits = shared_head.head(out). Returns the first guess's logits
-    [vocab] and k greedy guesses."""
+    shared_head.norm(x), logits = shared_head.head(out); `start`: the first row's position
+    (past a prefix-cache hit). Returns the first guess's logits [vocab] and k greedy
+    guesses."""
     cfg = model.config
     eps = cfg.rms_norm_eps
     config_cls, model_cls = type(cfg), type(model.model)
@@ -97,13 +98,13 @@ def _reference(model, nextn: dict, prompt: list[int], token: int, k: int
     embed = model.model.embed_tokens.weight
     with torch.no_grad():
         h = main(torch.tensor([prompt])).last_hidden_state[0]  # [P, hidden], normed
-        ids, prev, guesses = prompt[1:] + [token], list(h), []
+        ids, prev, guesses = prompt[start:] + [token], list(h[start - 1:]), []
         first = None
         for _ in range(k):
             e = _rms(embed[torch.tensor(ids)], nextn["enorm.weight"], eps)
             hh = _rms(torch.stack(prev), nextn["hnorm.weight"], eps)
             x = torch.cat([e, hh], dim=-1) @ nextn["eh_proj.weight"].T
-            positions = torch.arange(1, len(ids) + 1)[None]
+            positions = torch.arange(start, start + len(ids))[None]
             out = block(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]
             logits = out[-1] @ nextn["shared_head.head.weight"].T
             first = logits if first is None else first
@@ -343,6 +344,20 @@ def test_structured_output_with_forced_tokens_keeps_greedy_text(mtp_model):
     assert all(t.startswith('{"name": "') for t in texts[0].values())
 
 
+def _recorded(engine: Engine) -> list[tuple[list[int], list[int]]]:
+    """From now on, each proposal the engine's MTP proposer makes: (the sequence's tokens
+    then, its guesses)."""
+    proposals, propose = [], engine.mtp.propose
+
+    def recorded(candidates, rows):
+        guesses = propose(candidates, rows)
+        proposals.extend((list(c.token_ids), g) for c, g in zip(candidates, guesses) if g)
+        return guesses
+
+    engine.mtp.propose = recorded
+    return proposals
+
+
 def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path):
     """Every proposal of a whole engine run equals the reference's greedy guesses over the
     tokens so far, through steps that accept guesses (the rows the MTP layer then catches up
@@ -363,14 +378,7 @@ def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path)
     save_file(tensors, path, metadata={"format": "pt"})
 
     engine = _engine(tmp_path / "hf", **MTP)
-    proposals, propose = [], engine.mtp.propose
-
-    def recorded(candidates, rows):
-        guesses = propose(candidates, rows)
-        proposals.extend((list(c.token_ids), g) for c, g in zip(candidates, guesses) if g)
-        return guesses
-
-    engine.mtp.propose = recorded
+    proposals = _recorded(engine)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, GREEDY)
     while engine.has_unfinished():
@@ -380,3 +388,22 @@ def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path)
     assert len(proposals) > 10
     for tokens, guesses in proposals:
         assert guesses == _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses))[1]
+
+
+def test_guesses_after_a_prefix_hit_follow_the_reference_from_there(mtp_model):
+    """A request whose prompt the prefix cache serves up to position c: its MTP rows start
+    at c + 1, and each of its proposals equals the reference whose rows start there."""
+    out, model, nextn, _ = mtp_model
+    engine = _engine(out / "hf", **MTP)
+    long = [(i * 7 + 3) % 90 for i in range(30)]
+    _one(engine, long)
+    proposals = _recorded(engine)
+    engine.add_request("hit", long[:26] + [1, 2], GREEDY)
+    seq = engine.requests["hit"].seq
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.num_cached_tokens >= 24 and len(proposals) > 3
+    for tokens, guesses in proposals:
+        want = _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses),
+                          start=seq.num_cached_tokens + 1)[1]
+        assert guesses == want
