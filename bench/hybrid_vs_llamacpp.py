@@ -97,31 +97,49 @@ def _bench(cmd: list[str]) -> tuple[float, float]:
     return prefill, next(v for r, v in zip(rows, speed) if r["n_prompt"] == 0)
 
 
-def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
-    out = work / arch
-    size = {"hidden_size": args.hidden, "num_hidden_layers": args.layers,
-            "intermediate_size": 3 * args.hidden, "num_attention_heads": args.hidden // 64,
-            "num_key_value_heads": args.hidden // 256, "vocab_size": 96}
+def speed_shape(arch: str, hidden: int, layers: int) -> dict:
+    """Config overrides of the --speed size: `hidden` wide, `layers` deep, each family's own
+    head and state shapes."""
+    size = {"hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64,
+            "num_key_value_heads": hidden // 256, "vocab_size": 96}
     if arch.startswith("granitehybrid"):  # Granite 4's shape: 64-wide SSM heads, 1 group
-        size |= {"mamba_n_heads": args.hidden // 32, "mamba_d_head": 64, "mamba_n_groups": 1,
+        size |= {"mamba_n_heads": hidden // 32, "mamba_d_head": 64, "mamba_n_groups": 1,
                  "mamba_d_state": 128, "mamba_chunk_size": 256,
-                 "shared_intermediate_size": 3 * args.hidden}
+                 "shared_intermediate_size": 3 * hidden}
     elif arch.startswith("nemotron_h"):  # Nemotron-H's shape: 64-wide SSM heads, 8 groups
-        size |= {"mamba_num_heads": args.hidden // 32, "mamba_head_dim": 64, "n_groups": 8,
+        size |= {"mamba_num_heads": hidden // 32, "mamba_head_dim": 64, "n_groups": 8,
                  "ssm_state_size": 128, "chunk_size": 256, "head_dim": 128,
-                 "moe_intermediate_size": args.hidden // 2,
-                 "moe_shared_expert_intermediate_size": args.hidden}
+                 "moe_intermediate_size": hidden // 2,
+                 "moe_shared_expert_intermediate_size": hidden}
     elif arch.startswith("qwen3_5"):  # the Qwen3.5 shape: 64-wide heads, value heads twice the key heads
         size |= {"head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                 "linear_num_key_heads": args.hidden // 128,
-                 "linear_num_value_heads": args.hidden // 64}
-    build_hybrid(arch, out, **size)
+                 "linear_num_key_heads": hidden // 128,
+                 "linear_num_value_heads": hidden // 64}
+    return size
+
+
+def quantized_gguf(out: Path, quant: str) -> Path:
+    """out/hf converted by llama.cpp's converter (f32), then quantized by llama-quantize to
+    `quant`; RuntimeError saying why where either fails."""
     failed = convert_with_llama_cpp(out / "hf", out / "f32.gguf")
     if failed:
-        return f"{arch:12s} no GGUF: {failed[:80]}"
-    model = out / f"{args.quant.lower()}.gguf"
-    subprocess.run([str(BIN / "llama-quantize"), str(out / "f32.gguf"), str(model), args.quant],
-                   capture_output=True, check=True)
+        raise RuntimeError(f"no GGUF: {failed}")
+    model = out / f"{quant.lower()}.gguf"
+    run = subprocess.run([str(BIN / "llama-quantize"), str(out / "f32.gguf"), str(model), quant],
+                         capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-quantize {quant} failed: {run.stderr[-300:]}")
+    return model
+
+
+def speed_row(arch: str, args: argparse.Namespace, work: Path) -> str:
+    out = work / arch
+    build_hybrid(arch, out, **speed_shape(arch, args.hidden, args.layers))
+    try:
+        model = quantized_gguf(out, args.quant)
+    except RuntimeError as e:
+        return f"{arch:12s} {str(e)[:80]}"
     common = ["-m", str(model), "-p", str(args.prompt), "-n", str(args.gen), "-r", "3",
               "-o", "json"]
     pp, tg = _bench([sys.executable, "-m", "kvlab.cli.main", "bench", *common])

@@ -45,7 +45,8 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,12 @@ class Reply:
     e2e_s: float  # send -> last streamed text
     drafted: int | None  # proposed tokens, where the server says
     accepted: int | None
+    cached: int | None = None  # prompt tokens the server took from its cache, where it says
+
+    @property
+    def ttft_s(self) -> float:
+        """send -> first streamed text"""
+        return self.e2e_s - self.decode_s
 
     @property
     def decode_rate(self) -> float:
@@ -141,7 +148,7 @@ def complete(client: httpx.Client, model: str, ids: list[int], n: int, ignore_eo
     tokens = usage["completion_tokens"] if usage else len(parts)
     drafted, accepted = _proposals(usage, timings)
     return Reply("".join(parts), tokens, times[-1] - times[0], times[-1] - start, drafted,
-                 accepted)
+                 accepted, _cached(usage, timings))
 
 
 def _proposals(usage: dict | None, timings: dict) -> tuple[int | None, int | None]:
@@ -153,6 +160,12 @@ def _proposals(usage: dict | None, timings: dict) -> tuple[int | None, int | Non
     if "predicted_n" in timings:  # llama-server leaves draft_n out where it proposed none
         return timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)
     return None, None
+
+
+def _cached(usage: dict | None, timings: dict) -> int | None:
+    """Prompt tokens served from the cache: the usage's details, else llama-server's cache_n."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens", timings.get("cache_n"))
 
 
 def served_model(client: httpx.Client) -> str:
@@ -179,21 +192,28 @@ def start(setup: Setup, args: argparse.Namespace) -> tuple[subprocess.Popen, int
                                "--max-num-seqs", "1", *setup.flags]), port
 
 
-def run_setup(setup: Setup, prompts: list[list[int]], args: argparse.Namespace
-              ) -> list[Reply]:
-    """Start the server, warm it with one short request, send every prompt, stop it."""
+@contextmanager
+def serving(setup: Setup, args: argparse.Namespace) -> Iterator[tuple[httpx.Client, str]]:
+    """The setup's server, healthy: a client on it and its model's name; stopped afterwards.
+    A failed request names the setup, its flags and the server's exit status."""
     proc, port = start(setup, args)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800) as client:
-            model = served_model(client)
-            complete(client, model, prompts[0], 8, False)
-            return [complete(client, model, ids, args.n, args.ignore_eos) for ids in prompts]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
+            yield client, served_model(client)
     except httpx.HTTPError as e:
         raise SystemExit(f"{setup.label} ({shlex.join(setup.flags)}): {type(e).__name__}: "
                          f"{e}; server exit status {proc.poll()}") from None
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+
+
+def run_setup(setup: Setup, prompts: list[list[int]], args: argparse.Namespace
+              ) -> list[Reply]:
+    """Start the server, warm it with one short request, send every prompt, stop it."""
+    with serving(setup, args) as (client, model):
+        complete(client, model, prompts[0], 8, False)
+        return [complete(client, model, ids, args.n, args.ignore_eos) for ids in prompts]
 
 
 def run_rounds(setups: list[Setup], prompts: dict[Path, list[list[int]]],
