@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import subprocess
 import sys
@@ -24,7 +25,16 @@ from kvlab.errors import KvlabError
 from kvlab.request import FinishReason, SamplingParams, Structure
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.server.core.prom import speculative_lines
-from kvlab.spec.adaptive import EXPLORE_EVERY, Acceptance, DraftState, Planner, StepCost
+from kvlab.spec.adaptive import (
+    DRAFT_RATE_WEIGHT,
+    EXPLORE_EVERY,
+    Acceptance,
+    DraftCost,
+    DraftState,
+    Planner,
+    StepCost,
+)
+from kvlab.spec.draft import CATCH_UP_EVERY
 from kvlab.spec.ngram import NgramIndex
 from kvlab.spec.proposer import Candidate, NgramProposer
 from kvlab.spec.stats import SpecCounts
@@ -143,6 +153,61 @@ def test_step_cost_fit_recovers_its_terms():
                 cost.observe(rows, multi, 0.01 + 0.002 * rows + 0.003 * multi)
     assert cost.seconds(4, True) == pytest.approx(0.021, rel=0.02)
     assert cost.seconds(4, False) == pytest.approx(0.018, rel=0.02)
+
+
+def test_draft_cost_fit_recovers_its_terms():
+    cost = DraftCost()
+    for _ in range(5):
+        for rows in (1, 2, 9, 40):
+            cost.observe(rows, 0.0015 + 0.0001 * rows)
+    assert cost.seconds(3, 4) == pytest.approx(3 * 0.0015 + 4 * 0.0001, rel=0.02)
+
+
+def _simulate_draft(rate: float, steps: int = 300) -> list[int]:
+    """A draft proposer's plans for one sequence over `steps` decode steps: the target takes
+    10 ms + 0.2 ms a row (+ 0.5 ms with proposals), a draft pass 1.5 ms (0.15 of it) + 0.1
+    ms a row; each draft token matches the target's with probability `rate`; a declined
+    step's token is a shadow trial, its draft catching up every CATCH_UP_EVERY tokens."""
+    state = DraftState(acceptance=Acceptance(weight=DRAFT_RATE_WEIGHT))
+    planner, rng = Planner(4, draft=True), random.Random(0)
+    plans, behind = [], 0
+    for _ in range(steps):
+        k = planner.plan([state], [4], 1)[0]
+        plans.append(k)
+        if k:
+            for _ in range(k):
+                planner.draft_cost.observe(1, 0.0015 + 0.0001)
+            accepted = 0
+            while accepted < k and rng.random() < rate:
+                accepted += 1
+            state.acceptance.record(k, accepted)
+            behind = 0
+        else:
+            state.acceptance.record(1, int(rng.random() < rate))
+            behind += 1
+            if behind == CATCH_UP_EVERY:
+                planner.draft_cost.observe(behind, 0.0015 + 0.0001 * behind)
+                behind = 0
+        planner.cost.observe(1 + k, k > 0, 0.010 + 0.0002 * (1 + k) + 0.0005 * (k > 0))
+    return plans
+
+
+def test_a_draft_that_agrees_proposes_several_and_one_that_disagrees_none():
+    assert min(_simulate_draft(0.8)[100:]) >= 2
+    late = _simulate_draft(0.1)[100:]
+    assert sum(1 for k in late if k) <= len(late) // EXPLORE_EVERY + 1  # exploring only
+
+
+def test_the_step_fit_sees_the_step_without_the_draft_passes(tiny):
+    e = engine(tiny, speculative="draft", draft_model=str(tiny))
+    proposer = e.scheduler.proposer
+    target = StepCost()  # what the fit is, timing the target's part alone
+    proposer.drafting = 0.004  # as after a propose that spent 4 ms in draft passes
+    proposer.observe_step(3, True, 0.010)
+    target.observe(3, True, 0.006)
+    proposer.observe_step(1, False, 0.005)  # drafting counts once
+    target.observe(1, False, 0.005)
+    assert proposer.planner.cost.theta == target.theta
 
 
 def _candidate(state, tokens, cap=4):
@@ -602,3 +667,27 @@ def test_draft_model_proposals_keep_greedy_text(tiny, alone, tmp_path):
 def test_draft_model_must_share_the_vocabulary(tiny, default_model_path):
     with pytest.raises(KvlabError, match="a draft must share the target's vocabulary"):
         engine(tiny, speculative="draft", draft_model=str(default_model_path))
+
+
+def test_a_declined_draft_keeps_its_acceptance_rate_current(tiny, alone, tmp_path):
+    """Proposals declined at every step (each row costs as much as a step), the draft still
+    catches up every CATCH_UP_EVERY tokens and scores its guesses against the target's
+    tokens: the target as its own draft earns a high rate, another random model a low one,
+    without proposing anything."""
+    other = tmp_path / "other"
+    build("gemma3", other, seed=1)
+    for draft, start, agrees in ((tiny, 0.05, True), (other / "model.gguf", 0.95, False)):
+        e = engine(tiny, speculative="draft", draft_model=str(draft))
+        proposer = e.scheduler.proposer
+        for _ in range(20):  # compute-bound: no fixed part, 10 ms a row
+            proposer.planner.cost.observe(1, False, 0.010)
+            proposer.planner.cost.observe(2, False, 0.020)
+            proposer.planner.cost.observe(5, True, 0.060)
+        state = DraftState(acceptance=Acceptance(rate=start))
+        tokens = PROMPTS[1] + alone[1][:1]
+        for token in alone[1][1:]:
+            assert proposer.propose([_candidate(state, tokens)], 1) == [[]]
+            tokens.append(token)
+        assert (state.acceptance.rate > 0.8) if agrees else (state.acceptance.rate < 0.3)
+        proposer.forget(state)
+        assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

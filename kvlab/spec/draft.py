@@ -11,11 +11,23 @@ the tokens it lacks in one chunk and then one token per pass, all sequences batc
     this step: o2 -> e1, e1 -> e2, ...  k passes, e1 .. ek proposed
 
 Greedy, so its q is one-hot and kvlab.spec.verify applies unchanged.
+
+Each pass's rows before the last predict tokens the sequence already has; those the draft
+did not propose are shadow trials of its acceptance rate (kvlab.spec.adaptive), scored
+against what the target produced, and so is the last row's guess of a sequence that takes
+no proposal this step, once its token comes. A sequence the planner declines still catches
+up every CATCH_UP_EVERY tokens (one chunked pass, a fraction of one draft pass per step), so
+its rate stays current while it proposes nothing:
+
+    held:   .. o4                 guess g5 (not proposed)
+    now:    .. o4 o5 o6 o7 o8     catch-up o5 .. o8: g5 vs o5, rows o5 o6 o7 -> vs o6 o7 o8,
+                                  row o8 -> the next guess
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,11 +42,13 @@ from kvlab.models.loader import LoadedModel, LoadOptions, load_model
 from kvlab.models.sharding import SINGLE
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.spec.adaptive import DraftState, Planner
+from kvlab.spec.adaptive import DRAFT_RATE_WEIGHT, DraftState, Planner
 from kvlab.spec.proposer import CachingProposer, Candidate
 from kvlab.weights.checkpoint import open_checkpoint
 
 BLOCK_SIZE = 16
+CATCH_UP_EVERY = 8  # tokens a declined sequence's draft falls behind before it catches up
+SCORED_ROWS = 16  # most rows of one catch-up whose guesses are scored
 
 
 @dataclass
@@ -42,14 +56,17 @@ class _Held:
     """One sequence in the draft's cache: its id there and the tokens whose KV it holds."""
 
     seq_id: str
+    state: DraftState  # the sequence's: its acceptance rate takes the shadow trials
+    scored_to: int  # positions before this one are not scored (the prompt, scored ones)
     tokens: list[int] = field(default_factory=list)
+    guess: int | None = None  # its unproposed next token after `tokens`
 
 
 class DraftProposer(CachingProposer):
     def __init__(self, loaded: LoadedModel, num_speculative: int, kv_dtype: str,
                  kv_cache_gib: float, max_num_seqs: int, device: str = "cpu",
                  adaptive: bool = True) -> None:
-        self.planner = Planner(num_speculative, adaptive)
+        self.planner = Planner(num_speculative, adaptive, draft=True)
         self.max_k = num_speculative
         c = loaded.config
         if c.recurrent is not None:
@@ -67,57 +84,94 @@ class DraftProposer(CachingProposer):
         self._ids = itertools.count()
 
     def propose(self, candidates: Sequence[Candidate], rows: int) -> list[list[int]]:
-        """Up to k greedy draft tokens per candidate, k from the planner."""
+        """Up to k greedy draft tokens per candidate, k from the planner; a declined
+        candidate far enough behind catches up instead (scoring its guesses)."""
+        began = time.perf_counter()
         caps = [min(c.cap, self.max_k) for c in candidates]
         ks = self.planner.plan([c.state for c in candidates], caps, rows)
         out: list[list[int]] = [[] for _ in candidates]
-        live = [i for i, k in enumerate(ks) if k > 0 and self._sync(candidates[i])]
-        feed = {i: list(candidates[i].token_ids[len(self._held(candidates[i].state).tokens):])
-                for i in live}  # the tokens each one's next pass computes
-        for _ in range(max((ks[i] for i in live), default=0)):
+        live = [i for i, k in enumerate(ks)
+                if (k > 0 or self._behind(candidates[i])) and self._sync(candidates[i], k)]
+        firsts = self._pass([self._catch_up(candidates[i]) for i in live])
+        for i, first in zip(live, firsts):
+            if ks[i]:
+                out[i].append(first)
+            else:  # scored once its token comes
+                self.held[id(candidates[i].state)].guess = first
+        for _ in range(1, max((ks[i] for i in live), default=0)):
             live = [i for i in live if len(out[i]) < ks[i]]
-            if not live:
-                break
-            nxt = self._pass([(self._held(candidates[i].state), feed[i]) for i in live])
-            for i, token in zip(live, nxt):
+            work = [(self.held[id(candidates[i].state)], [out[i][-1]], 1) for i in live]
+            for i, token in zip(live, self._pass(work)):
                 out[i].append(token)
-                feed[i] = [token]
+        self.drafting = time.perf_counter() - began
         return out
 
-    def _held(self, state: DraftState) -> _Held:
-        held = self.held.get(id(state))
-        if held is None:
-            held = self.held[id(state)] = _Held(f"draft-{next(self._ids)}")
-        return held
+    def _behind(self, c: Candidate) -> bool:
+        """Whether a declined candidate's draft catches up this step."""
+        held = self.held.get(id(c.state))
+        done = 0 if held is None else len(held.tokens)
+        return self.planner.adaptive and len(c.token_ids) - done >= CATCH_UP_EVERY
 
-    def _sync(self, c: Candidate) -> bool:
-        """Keep the draft cache's longest prefix shared with the sequence; False (no
-        proposals) where its pool has no room for the rest."""
-        held = self._held(c.state)
+    def _sync(self, c: Candidate, k: int) -> bool:
+        """Keep the draft cache's longest prefix shared with the sequence, scoring its
+        pending guess; False (no pass) where its pool has no room for the rest."""
+        held = self.held.get(id(c.state))
+        if held is None:  # from its first output token on
+            held = self.held[id(c.state)] = _Held(f"draft-{next(self._ids)}", c.state,
+                                                  len(c.token_ids) - 1)
+            c.state.acceptance.weight = DRAFT_RATE_WEIGHT
         same = 0
         for a, b in zip(held.tokens, c.token_ids):
             if a != b:
                 break
             same += 1
+        if held.guess is not None and same == len(held.tokens) < len(c.token_ids):
+            held.state.acceptance.record(1, int(c.token_ids[same] == held.guess))
+        held.guess = None
         same = min(same, len(c.token_ids) - 1)  # the last token is computed to draft from
         del held.tokens[same:]
         self.kv.truncate(held.seq_id, same)
-        if not self.kv.allocate_slots(held.seq_id, len(c.token_ids) + self.max_k - 1):
+        if not self.kv.allocate_slots(held.seq_id, len(c.token_ids) + max(k - 1, 0)):
             self.kv.free(held.seq_id)
             held.tokens.clear()
             return False
         return True
 
-    def _pass(self, work: list[tuple[_Held, list[int]]]) -> list[int]:
-        """One draft forward pass: each sequence's tokens past those it holds in, its greedy
-        next token out."""
+    def _catch_up(self, c: Candidate) -> tuple[_Held, list[int], int]:
+        """A synced candidate's first pass: the tokens its draft lacks, and how many of
+        their rows give logits (those that predict an unscored token, and the last)."""
+        held = self.held[id(c.state)]
+        new = list(c.token_ids[len(held.tokens):])
+        end = len(c.token_ids)
+        first = max(held.scored_to - 1, len(held.tokens), end - 1 - SCORED_ROWS)
+        held.scored_to = max(held.scored_to, end)  # the pass scores up to here
+        return held, new, end - min(first, end - 1)
+
+    def _pass(self, work: list[tuple[_Held, list[int], int]]) -> list[int]:
+        """One draft forward pass, timed: each sequence's tokens past those it holds in,
+        the greedy token after them out. Rows with logits before the last are guesses of
+        tokens the sequence has: each one scores its acceptance rate."""
+        if not work:
+            return []
         scheduled = []
-        for held, new in work:
+        for held, new, rows in work:
             scheduled.append(ScheduledSeq(held.seq_id, len(held.tokens), new,
-                                          self.kv.block_table(held.seq_id), True, 0))
+                                          self.kv.block_table(held.seq_id), True, 0,
+                                          num_logits=rows))
             held.tokens.extend(new)
+        began = time.perf_counter()
         logits = self.runner.execute(SchedulerOutput(scheduled)).logits
-        return fused.argmax(logits.float()).tolist()
+        guesses = fused.argmax(logits.float()).tolist()
+        self.planner.draft_cost.observe(sum(len(new) for _, new, _ in work),
+                                        time.perf_counter() - began)
+        nexts, at = [], 0
+        for held, _, rows in work:
+            at += rows
+            came = held.tokens[len(held.tokens) - rows + 1:]
+            for guess, token in zip(guesses[at - rows:at - 1], came):
+                held.state.acceptance.record(1, int(guess == token))
+            nexts.append(guesses[at - 1])
+        return nexts
 
 
 def load_draft(path: str, num_speculative: int, target_vocab: int, kv_dtype: str,

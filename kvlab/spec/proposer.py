@@ -45,9 +45,12 @@ class CachingProposer:
     planner: Planner
     held: dict
     kv: Any  # kvlab.cache.KVCacheManager
+    drafting = 0.0  # seconds the last propose spent in passes timed apart (a draft model's)
 
     def observe_step(self, rows: int, multi: bool, seconds: float) -> None:
-        self.planner.cost.observe(rows, multi, seconds)
+        """A timed decode step, less the passes the planner times apart."""
+        self.planner.cost.observe(rows, multi, max(seconds - self.drafting, 0.0))
+        self.drafting = 0.0
 
     def forget(self, state: DraftState) -> None:
         """A sequence finished: release its cache."""
