@@ -573,12 +573,22 @@ def test_speculative_flags_are_checked():
         EngineConfig(speculative="draft")
     with pytest.raises(KvlabError, match="--draft-model goes with --speculative draft"):
         EngineConfig(speculative="ngram", draft_model="x.gguf")
-    args = argparse.Namespace(speculative=None, num_speculative=3, draft_model=None)
-    with pytest.raises(KvlabError, match="apply with --speculative"):
+    args = argparse.Namespace(speculative=None, num_speculative=3, draft_model=None,
+                              speculative_adaptive=None)
+    with pytest.raises(KvlabError, match="--num-speculative applies with --speculative"):
         speculative_config(args)
-    args = argparse.Namespace(speculative="ngram", num_speculative=None, draft_model=None)
+    args = argparse.Namespace(speculative=None, num_speculative=None, draft_model=None,
+                              speculative_adaptive="off")
+    with pytest.raises(KvlabError, match="--speculative-adaptive applies with --speculative"):
+        speculative_config(args)
+    args = argparse.Namespace(speculative="ngram", num_speculative=None, draft_model=None,
+                              speculative_adaptive=None)
     assert speculative_config(args) == {"speculative": "ngram", "num_speculative": 4,
-                                        "draft_model": None}
+                                        "draft_model": None, "speculative_adaptive": True}
+    args = argparse.Namespace(speculative="draft", num_speculative=2, draft_model="d.gguf",
+                              speculative_adaptive="off")
+    assert speculative_config(args) == {"speculative": "draft", "num_speculative": 2,
+                                        "draft_model": "d.gguf", "speculative_adaptive": False}
 
 
 def _kvlab(*args: str) -> subprocess.CompletedProcess:

@@ -79,18 +79,29 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative", type=int, default=None, metavar="K",
                    help="most tokens proposed per sequence and step (default 4); fewer where "
                         "proposals keep failing or the step is compute-bound")
+    p.add_argument("--speculative-adaptive", choices=("on", "off"), default=None,
+                   help="on (default): size each sequence's proposal from its acceptance "
+                        "rate and the measured step and draft costs, none where it does not "
+                        "pay; off: a fixed k, --num-speculative tokens every step wherever "
+                        "the proposer has them")
 
 
 def speculative_config(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields of the --speculative flags."""
     if args.speculative is None:
-        if args.num_speculative is not None or args.draft_model is not None:
-            raise KvlabError("--num-speculative and --draft-model apply with --speculative; "
-                             "add --speculative ngram, draft or mtp")
+        given = [flag for flag, value in (("--num-speculative", args.num_speculative),
+                                          ("--draft-model", args.draft_model),
+                                          ("--speculative-adaptive", args.speculative_adaptive))
+                 if value is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise KvlabError(f"{' and '.join(given)} {verb} with --speculative; add "
+                             "--speculative ngram, draft or mtp")
         return {}
     k = args.num_speculative
     return {"speculative": args.speculative, "num_speculative": 4 if k is None else k,
-            "draft_model": args.draft_model}
+            "draft_model": args.draft_model,
+            "speculative_adaptive": args.speculative_adaptive != "off"}
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
