@@ -117,6 +117,7 @@ class DecodeRows:
     window_*:      the same for sliding-window layers (their keys inside the window, and
                    their own pool's slots where they have one); None without such layers
     window_write:  [B] where those layers write, in their own pool; None: `write`
+    uniform:       every row is at the same position (one row, say): no padding, no mask
     """
 
     rows: torch.Tensor
@@ -126,6 +127,7 @@ class DecodeRows:
     window_slots: torch.Tensor | None = None
     window_lengths: torch.Tensor | None = None
     window_write: torch.Tensor | None = None
+    uniform: bool = False
 
 
 def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows | None,
@@ -140,7 +142,8 @@ def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows |
     mapping = _packed_mapping(spans, offsets, decode, None, num_tokens).to(device)
     full = tuple(_prefill_group(s, o, None, device) for s, o in zip(spans, offsets))
     if decode is not None:
-        full += (_rows_group(decode.rows, decode.slots, decode.lengths, device),)
+        full += (_rows_group(decode.rows, decode.slots, decode.lengths, device,
+                             decode.uniform),)
     if not window:
         return AttentionMetadata(mapping, full, full)
     wspans = [dataclasses.replace(s, slots=s.window_slots) for s in spans] if own_pool else spans
@@ -148,7 +151,7 @@ def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows |
     if decode is not None:
         assert decode.window_slots is not None and decode.window_lengths is not None
         sliding += (_rows_group(decode.rows, decode.window_slots, decode.window_lengths,
-                                device),)
+                                device, decode.uniform),)
     window_mapping = (_packed_mapping(wspans, offsets, decode, decode and decode.window_write,
                                       num_tokens).to(device) if own_pool else None)
     return AttentionMetadata(mapping, full, sliding, window_mapping)
@@ -170,10 +173,10 @@ def _packed_mapping(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows
 
 
 def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                device: torch.device) -> AttentionGroup:
+                device: torch.device, uniform: bool = False) -> AttentionGroup:
     """The decode group over laid-out rows; no mask when every row sees all W keys."""
     width = slots.shape[1]
-    unpadded = bool((lengths == width).all())
+    unpadded = uniform or bool((lengths == width).all())
     mask = None if unpadded else (torch.arange(width)[None, :] < lengths[:, None])[:, None]
     return AttentionGroup(rows.to(device), slots.to(device),
                           None if mask is None else mask.to(device), len(rows), 1, lengths)

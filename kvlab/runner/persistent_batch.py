@@ -222,13 +222,13 @@ class PersistentBatch:
         rows `rows` (and `wrows` in the window pool), positions `at`, packed offsets."""
         index = torch.tensor(rows, dtype=torch.long)
         end = at + 1
-        width = int(end.max())
+        lo, width = int(end.min()), int(end.max())
         slots = self._slots(self.full.tables, index, width)  # [B, max end]
-        keys, lengths = _keys(slots, end, None, width)
+        keys, lengths = (slots, end) if lo == width else _keys(slots, end, None, width)
         write = slots.gather(1, at[:, None]).squeeze(1)
         rows_t = packed
         if not self.window:
-            return DecodeRows(rows_t, write, keys, lengths)
+            return DecodeRows(rows_t, write, keys, lengths, uniform=lo == width)
         own = None
         if wrows[0] is not None:  # the window layers' own pool (all rows, or none, have one)
             assert self.windowed is not None
@@ -237,7 +237,8 @@ class PersistentBatch:
             own = self._slots(self.windowed.tables, torch.tensor(wrows), width)
         wkeys, wlengths = _keys(slots if own is None else own, end, self.window)
         return DecodeRows(rows_t, write, keys, lengths, wkeys, wlengths,
-                          None if own is None else own.gather(1, at[:, None]).squeeze(1))
+                          None if own is None else own.gather(1, at[:, None]).squeeze(1),
+                          lo == width)
 
 
 def _keys(slots: torch.Tensor, end: torch.Tensor, window: int | None,
