@@ -8,8 +8,11 @@ batched on scattered blocks, and through the engine with preemption."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
+from test_deepseek2 import LLAMA_BIN, _gguf
 from test_engine import run_all
 from test_models import reference_logits, step
 
@@ -47,8 +50,10 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _runner(out, plan: bool, kv_dtype: str = "f32") -> ModelRunner:
-    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize="q8_0"))
+def _runner(out, plan: bool, kv_dtype: str = "f32", path=None) -> ModelRunner:
+    """The tiny model quantized to Q8_0 at load, or the checkpoint at `path` as it is."""
+    quantize = "q8_0" if path is None else None
+    loaded = load_model(open_checkpoint(path or out / "hf"), LoadOptions(quantize=quantize))
     assert loaded.model.c_plan is not None
     if not plan:
         loaded.model.c_plan = None
@@ -73,19 +78,44 @@ def test_the_plan_holds_the_latent_attention(tiny):
 def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps, kv_dtype):
     """The latent store in fp32, or in fp16 (the CPU's default), written and read in C."""
     hf, out = tiny
+    logits = _decode_both_ways(out, c_steps, kv_dtype)
+    ref = reference_logits(hf, _ids(14, 1))[4:]
+    assert float(torch.cosine_similarity(logits, ref, dim=-1).min()) > 0.999
+
+
+def test_llama_quantize_q8_0_gguf_decodes_in_the_one_c_call(tiny, c_steps):
+    """llama.cpp's converter and llama-quantize (its attn_k_b and attn_v_b apart, not
+    kv_b): the plan reads the GGUF's Q8_0 blocks as they are."""
+    hf, out = tiny
+    tool = LLAMA_BIN / "llama-quantize"
+    if not tool.exists():
+        pytest.skip(f"llama-quantize is not at {tool} (KVLAB_LLAMA_BIN names its folder)")
+    if hf.config.q_lora_rank is None:
+        pytest.skip("llama.cpp reads deepseek2 without q_lora_rank only at 26 or 27 layers")
+    path = out / "q8_0.gguf"
+    subprocess.run([str(tool), _gguf(out), str(path), "Q8_0"], check=True,
+                   capture_output=True, timeout=300)
+    logits = _decode_both_ways(out, c_steps, "f16", path)
+    ref = reference_logits(hf, _ids(14, 1))[4:]
+    assert float(torch.cosine_similarity(logits, ref, dim=-1).min()) > 0.999
+
+
+def _decode_both_ways(out, c_steps: list[bool], kv_dtype: str, path=None) -> torch.Tensor:
+    """Logits at positions 4..13 (a prefill of 5, then a token a step on scattered blocks)
+    with the one-call C decode and without: equal within 1e-4; the first way's."""
     ids, table = _ids(14, 1), [9, 3, 17, 0]  # scattered, out-of-order blocks
     logits = []
     for plan in (True, False):
-        runner = _runner(out, plan, kv_dtype)
+        runner = _runner(out, plan, kv_dtype, path)
         rows = [step(runner, ScheduledSeq("a", 0, ids[:5], table, True, 5))[0]]
         for pos in range(5, len(ids)):
             rows.append(step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))[0])
         logits.append(torch.stack(rows))
+        assert runner.kv_caches[0].k.dtype == {"f32": torch.float32,
+                                               "f16": torch.float16}[kv_dtype]
     assert c_steps[:len(ids) - 4] == [False] + [True] * (len(ids) - 5)  # prefill per-op
     assert float((logits[0] - logits[1]).abs().max()) <= 1e-4
-    ref = reference_logits(hf, ids)[4:]
-    assert float(torch.cosine_similarity(logits[0], ref, dim=-1).min()) > 0.999
-    assert runner.kv_caches[0].k.dtype == {"f32": torch.float32, "f16": torch.float16}[kv_dtype]
+    return logits[0]
 
 
 def test_batched_decode_in_the_one_c_call(tiny, c_steps):
