@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import test_decode_c
 import torch
 from test_deepseek2 import LLAMA_BIN, _gguf
 from test_engine import run_all
@@ -18,7 +19,6 @@ from test_models import reference_logits, step
 
 from kvlab.engine import Engine, EngineConfig
 from kvlab.kernels import fused
-from kvlab.models import decode_c
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, Scheduler
@@ -38,12 +38,10 @@ def tiny(request, tmp_path_factory):
     return build_deepseek(out, **VARIANTS[request.param]), out
 
 
-@pytest.fixture
-def c_steps(monkeypatch) -> list[bool]:
+@pytest.fixture(name="c_steps")
+def c_steps_fixture(monkeypatch) -> list[bool]:
     """What each decode_c.run call returns (True: the one C call ran the step)."""
-    ran, run = [], decode_c.run
-    monkeypatch.setattr(decode_c, "run", lambda *args: ran.append(run(*args)) or ran[-1])
-    return ran
+    return test_decode_c.c_steps(monkeypatch)
 
 
 def _ids(n: int, seed: int) -> list[int]:
