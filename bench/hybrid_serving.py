@@ -59,6 +59,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,9 @@ from tiny_models import build_hybrid
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 40960  # positions each model takes: the 32k-token memory test and some room
+# between requests: llama-server may drop a request sent within milliseconds of a streamed
+# reply's end ("Server disconnected without sending a response"); no user answers that fast
+PAUSE_S = 0.5
 SHORT = 64  # the memory test's baseline sequence: the process without a long context
 QUESTION = "Summarize how the prefix cache decides what a new request can reuse."
 FOLLOW_UP = "And what happens to the recurrent state of a hybrid model?"
@@ -179,7 +183,9 @@ def conversations(setup: Setup, args: argparse.Namespace) -> list[tuple[Reply, R
         complete(client, model, convs[0].tokenizer.encode("Warm-up."), 4, True)
         turns = []
         for chat in convs:
+            time.sleep(PAUSE_S)
             first = complete(client, model, chat.first, args.reply, True)
+            time.sleep(PAUSE_S)
             second = chat.second(first.text, args.reasoning)
             turns.append((first, complete(client, model, second, 2, True)))
         return turns
@@ -208,6 +214,15 @@ def ttft_part(hybrid: Path, dense: Path, args: argparse.Namespace) -> None:
 # ---- memory and decode at depth -------------------------------------------------------------
 
 
+def run(label: str, cmd: list[str]) -> tuple[str, float]:
+    """stdout and peak RSS (MB) of one bench process; a failure names the run."""
+    try:
+        out, _, rss = timed(cmd)
+    except RuntimeError as e:
+        raise SystemExit(f"{label} failed: {e}") from None
+    return out, rss
+
+
 def memory_part(models: dict[str, Path], args: argparse.Namespace) -> None:
     tests = [Test(f"d{d}", gen=4, depth=d) for d in (args.memory_tokens, SHORT)]
     print(f"\n## peak RSS of one {args.memory_tokens}-token sequence (then 4 decode steps), "
@@ -215,7 +230,8 @@ def memory_part(models: dict[str, Path], args: argparse.Namespace) -> None:
     print(f"{'model':8s} {'peak MB':>8s} {'growth MB':>10s}")
     rss, growth = {}, {}
     for name, model in models.items():
-        rss[name], short = (timed(kvlab_command(model, t, args.t))[2] for t in tests)
+        rss[name], short = (run(f"kvlab {name} {t.name}", kvlab_command(model, t, args.t))[1]
+                            for t in tests)
         growth[name] = rss[name] - short
         print(f"{name:8s} {rss[name]:8.0f} {growth[name]:10.0f}", flush=True)
     print(f"hybrid / dense: peak {rss['hybrid'] / rss['dense']:.2f}, growth "
@@ -231,7 +247,8 @@ def depth_part(models: dict[str, Path], args: argparse.Namespace) -> None:
     runs.append(("llama.cpp hybrid", models["hybrid"],
                  lambda m, t, n: llama_command(BIN, m, t, n), llama_tok_s))
     for label, model, command, rate in runs:
-        shallow, deep = (statistics.median(rate(timed(command(model, t, args.t))[0])
+        shallow, deep = (statistics.median(rate(run(f"{label} {t.name}",
+                                                     command(model, t, args.t))[0])
                                            for _ in range(args.r)) for t in tests)
         print(f"{label:18s} {shallow:9.1f} {deep:12.1f} {deep / shallow:6.2f}", flush=True)
 

@@ -60,8 +60,10 @@ def timed(cmd: list[str]) -> tuple[str, str, float]:
     """stdout, stderr and peak RSS in MB of one process under /usr/bin/time -v."""
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True,
                           timeout=TIMEOUT_S, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if proc.returncode != 0:  # the command's last line, before time's own report
+        own = proc.stderr.split("\tCommand being timed:")[0]
+        lines = [ln for ln in own.splitlines()
+                 if ln.strip() and not ln.startswith("Command exited with")]
         raise RuntimeError(f"exit {proc.returncode}: {(lines or ['?'])[-1]}")
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
     return proc.stdout, proc.stderr, int(rss.group(1)) / 1024 if rss else float("nan")
