@@ -78,6 +78,9 @@ class _Rows:
 
 
 class MtpProposer(CachingProposer):
+    """The MTP layer as a proposer: follows each sequence's hidden states (observe), then
+    guesses (propose); one record per sequence in `held`, its rows in `kv` / `cache`."""
+
     def __init__(self, layer: MtpLayer, num_speculative: int, kv_dtype: str,
                  num_blocks: int, device: str = "cpu", adaptive: bool = True) -> None:
         self.layer = layer
