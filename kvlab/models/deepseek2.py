@@ -25,8 +25,8 @@ llama.cpp's NORM rope); both loaders lay them out as halves for kvlab's rotate-h
 DeepSeek-V3 routes by sigmoid with a choice bias and grouped top-k (moe.route_sigmoid), V2
 by softmax; both scale the chosen weights by routed_scaling_factor and add shared experts.
 The softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim) squared.
-Multi-token-prediction (nextn) layers after num_hidden_layers are not run; they stay
-readable by name from the checkpoint.
+Multi-token-prediction (nextn) layers after num_hidden_layers are left out of the main
+model; --speculative mtp runs the first as its proposer (kvlab.models.mtp).
 """
 
 from __future__ import annotations

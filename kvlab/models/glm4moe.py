@@ -7,9 +7,9 @@ weights renormalised and scaled by routed_scaling_factor, plus an ungated shared
 Partial rotary runs as a full-width rotation: q/k rows are rearranged at load
 (layers.permute_partial_rotary) and the unrotated pairs get zero frequencies.
 
-The checkpoints end in multi-token-prediction (nextn) layers after num_hidden_layers; they
-are not run (llama.cpp's block_count counts them, nextn_predict_layers says how many) and
-stay readable by name from the checkpoint for a draft model.
+The checkpoints end in multi-token-prediction (nextn) layers after num_hidden_layers
+(llama.cpp's block_count counts them, nextn_predict_layers says how many); the main model
+leaves them out, and --speculative mtp runs the first as its proposer (kvlab.models.mtp).
 """
 
 from __future__ import annotations
