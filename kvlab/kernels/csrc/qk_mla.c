@@ -87,8 +87,10 @@ static combine_fn pick_combine(int isa) {
     return combine_c;
 }
 
-/* One pass over rows r = t * H + h: y row r (y_stride floats) from x row r's first n
- * values (token t's row at x + t * x_tok + h * x_head) and head h's matrix [n, width]. */
+/* One pass over rows t * H + h: y row t * H + h (y_stride floats) from that row's first n
+ * values in x (token t's row at x + t * x_tok + h * x_head) and head h's matrix [n, width].
+ * Work items go head by head (item i: head i / T, token i % T), so a batch's tokens take
+ * their head's matrix while it is still in cache. */
 typedef struct {
     combine_fn combine;
     const float *x, *w;
@@ -102,10 +104,11 @@ static void pass_task(void *p, int tid, int nthreads) {
     mla_pass *j = p;
     (void)tid;
     (void)nthreads;
-    for (int64_t r; (r = atomic_fetch_add(&j->next, 1)) < j->rows;) {
-        const int64_t t = r / j->H, h = r % j->H;
+    const int64_t T = j->rows / j->H;
+    for (int64_t i; (i = atomic_fetch_add(&j->next, 1)) < j->rows;) {
+        const int64_t h = i / T, t = i % T;
         j->combine(j->x + t * j->x_tok + h * j->x_head, j->n, j->w + h * j->w_head, j->width,
-                   j->width, j->y + r * j->y_stride);
+                   j->width, j->y + (t * j->H + h) * j->y_stride);
     }
 }
 
