@@ -17,7 +17,9 @@ Models: the hybrid is bench/hybrid_vs_llamacpp.py's --speed shape of --arch (ran
 llama.cpp's converter, llama-quantize --quant); the dense one is Qwen3-shaped with the same
 width, heads and MLP, and as many layers as bring its parameters nearest the hybrid's. Both
 keep the byte-level vocabulary of the tiny test models (one token per character), and a
-context of CONTEXT positions. They are built once into --workdir and reused.
+context of CONTEXT positions. They are built once into --workdir and reused. --models
+HYBRID,DENSE runs the same on two given GGUF files (real checkpoints: the prompts are then
+tokenized by their vocabulary).
 
 ttft: a chat whose first turn is --tokens tokens (a long system prompt of the project's own
 documentation, then a user question), a greedy --reply-token answer, then the second turn:
@@ -267,6 +269,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name")
     ap.add_argument("--workdir", type=Path,
                     default=Path(tempfile.gettempdir()) / "kvlab-hybrid-serving")
+    ap.add_argument("--models", metavar="HYBRID.gguf,DENSE.gguf", default=None,
+                    help="two model files in place of the random ones")
     ap.add_argument("-t", type=int, default=2, help="threads of each engine")
     ap.add_argument("-r", type=int, default=3,
                     help="conversations per setup; processes per depth test (median)")
@@ -283,6 +287,8 @@ def parse_args() -> argparse.Namespace:
     if unknown := set(args.parts) - set(PARTS):
         raise SystemExit(f"--parts: {','.join(sorted(unknown))} unknown; choose from "
                          f"{','.join(PARTS)}")
+    if args.models and len(args.models.split(",")) != 2:
+        raise SystemExit(f"--models takes two files, HYBRID,DENSE; got {args.models!r}")
     if max(args.tokens + 256, args.memory_tokens, args.depth + args.n) >= CONTEXT:
         raise SystemExit(f"--tokens, --memory-tokens and --depth must stay below the models' "
                          f"context of {CONTEXT}")
@@ -290,13 +296,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def random_models(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The hybrid and dense random GGUFs, built unless already in --workdir."""
     args.workdir.mkdir(parents=True, exist_ok=True)
     hybrid, count = hybrid_model(args)
     dense, dense_count = dense_model(args, count)
     print(f"# hybrid {args.arch} {count / 1e6:.1f} M parameters, dense qwen3 "
           f"{dense_count / 1e6:.1f} M, {args.quant}, {args.t} threads")
+    return hybrid, dense
+
+
+def main() -> None:
+    args = parse_args()
+    if args.models:
+        hybrid, dense = (Path(p) for p in args.models.split(","))
+        print(f"# hybrid {hybrid.name}, dense {dense.name}, {args.t} threads")
+    else:
+        hybrid, dense = random_models(args)
     if "ttft" in args.parts:
         ttft_part(hybrid, dense, args)
     models = {"hybrid": hybrid, "dense": dense}
