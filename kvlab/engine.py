@@ -672,10 +672,13 @@ class Engine:
             return None, None
         seqs = [self.requests[i].seq for i in seq_ids]
         allowed = self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs])
-        batch = self._sampling.get(seqs, lambda: SamplingBatch.build(
-            [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
-            [_penalty_ids(s, prompt=False) for s in seqs],
-            [self.requests[i].generator for i in seq_ids], self.runner.device), allowed)
+        batch = self._sampling.get(
+            seqs, lambda s: (s.params, self.requests[s.seq_id].generator),
+            lambda: SamplingBatch.build(
+                [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
+                [_penalty_ids(s, prompt=False) for s in seqs],
+                [self.requests[i].generator for i in seq_ids], self.runner.device),
+            self.runner.device, allowed)
         return sample(logits, batch), allowed
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:

@@ -154,25 +154,106 @@ class SamplingBatch:
 
 
 class SamplingCache:
-    """The last step's SamplingBatch, kept for a next step of the same rows (the same
-    owners, compared with ==, in the same order): their settings and generators do not
-    change, so that step costs no Python pass over its rows. Only the structures' mask is
-    the step's own; a batch whose penalties read token ids (which grow every step) is built
-    again each step."""
+    """Sampling settings kept across steps, so that a step's SamplingBatch costs what
+    changed rather than a Python pass per setting over every row.
+
+    The last step's batch is kept whole for a next step of the same rows (the same owners,
+    in the same order); only the structures' mask is the step's own. Each owner (a
+    sequence) also holds a row of a settings table, written when it first comes; a step
+    with other rows gathers its owners' rows and reads every flag the batch needs from
+    their column minima and maxima. A batch whose penalties read token ids (which grow
+    every step) is built whole each step by `build`.
+
+        table[slot] = greedy, temperature, top_k, top_p, min_p, repetition, presence,
+                      frequency, logprobs, wants logprobs, penalized, biased   (float64)
+    """
+
+    _WIDTH = 12
 
     def __init__(self) -> None:
         self._owners: list[object] = []
         self._batch: SamplingBatch | None = None
+        self._slots: dict[object, int] = {}  # owner -> its row of the table
+        self._free: list[int] = []  # rows of owners that were forgotten
+        self._rows: list[tuple[SamplingParams, torch.Generator | None]] = []  # by row
+        self._table = torch.zeros(0, self._WIDTH, dtype=torch.float64)
 
-    def get(self, owners: list[object], build: Callable[[], SamplingBatch],
+    def get(self, owners: list[object],
+            describe: Callable[[object], tuple[SamplingParams, torch.Generator | None]],
+            build: Callable[[], SamplingBatch], device: torch.device | str,
             allowed: Tensor | None) -> SamplingBatch:
-        """The batch for rows `owners`: the kept one, or `build()` (called without the
-        mask) when the rows changed."""
+        """The batch for rows `owners` (hashable; each one's settings never change):
+        describe(owner) gives a new owner's params and generator, build() a whole batch
+        for these rows (called where penalties read token ids)."""
         batch = self._batch
         if batch is None or batch.penalized or owners != self._owners:
-            batch = self._batch = build()
+            batch = self._batch = self._gathered(owners, describe, build, device)
             self._owners = list(owners)
         return batch if allowed is None else dataclasses.replace(batch, allowed=allowed)
+
+    def _gathered(self, owners: list[object], describe: Callable, build: Callable,
+                  device: torch.device | str) -> SamplingBatch:
+        if not owners:
+            return build()
+        if len(self._slots) > 2 * len(owners) + 64:  # forget owners that left
+            self._slots = {o: self._slots[o] for o in owners if o in self._slots}
+            kept = set(self._slots.values())
+            self._free = [i for i in range(len(self._rows)) if i not in kept]
+        known = self._slots.get
+        slots = [known(o) for o in owners]
+        if None in slots:
+            slots = [self._slot(o, describe) if s is None else s for o, s in zip(owners, slots)]
+        index = torch.tensor(slots, dtype=torch.long)
+        cols = self._table.index_select(0, index)  # [B, WIDTH]
+        low, high = cols.min(0).values.tolist(), cols.max(0).values.tolist()
+        if high[10]:  # penalized rows: their token ids are the step's own
+            return build()
+        greedy = cols[:, 0].bool()
+
+        def column(i: int, used: bool, dtype: torch.dtype = torch.float32) -> Tensor | None:
+            return cols[:, i].to(dtype).to(device) if used else None
+
+        all_greedy = bool(low[0])
+        rows = [self._rows[i] for i in slots] if not all_greedy or high[11] else []
+        seeded, unseeded = [], False
+        if not all_greedy:
+            for r, (p, g) in enumerate(rows):
+                if not p.greedy:
+                    seeded += [(r, g)] if g is not None else []
+                    unseeded = unseeded or g is None
+        return SamplingBatch(
+            greedy=greedy.to(device), temperature=column(1, True), top_k=column(
+                2, high[2] > 0, torch.int64), top_p=column(3, low[3] < 1),
+            min_p=column(4, high[4] > 0), repetition_penalty=None, seen_tokens=None,
+            presence_penalty=None, frequency_penalty=None, output_tokens=None,
+            seeded_rows=seeded, any_unseeded_sampled=unseeded, all_greedy=all_greedy,
+            max_top_k=int(high[2]), num_logprobs=int(high[8]),
+            want_logprobs=bool(high[9]),
+            logit_bias=LogitBias.build([p for p, _ in rows], device) if high[11] else None)
+
+    def _slot(self, owner: object, describe: Callable) -> int:
+        """owner's row of the table, written from describe(owner) when it first comes."""
+        slot = self._slots.get(owner)
+        if slot is not None:
+            return slot
+        p, generator = describe(owner)
+        if self._free:
+            slot = self._free.pop()
+            self._rows[slot] = (p, generator)
+        else:
+            slot = len(self._rows)
+            self._rows.append((p, generator))
+        if slot >= len(self._table):  # the table doubles
+            grown = self._table.new_zeros(max(8, 2 * len(self._table)), self._WIDTH)
+            grown[:len(self._table)] = self._table
+            self._table = grown
+        penalized = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        self._table[slot] = torch.tensor(
+            [p.greedy, 1.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p,
+             p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.logprobs or 0,
+             p.logprobs is not None, bool(penalized), bool(p.logit_bias)], dtype=torch.float64)
+        self._slots[owner] = slot
+        return slot
 
 
 def _column(

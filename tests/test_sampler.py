@@ -253,42 +253,78 @@ def test_logit_bias_values_are_checked():
 # --- the batch kept across steps ---
 
 
+def _cached(cache, owners, params, seeds, outputs=None, allowed=None):
+    """cache.get for owners (indices into params and seeds), and how it was built."""
+    how = []
+
+    def describe(o):
+        how.append("row")
+        return params[o], torch.Generator().manual_seed(seeds[o])
+
+    def build():
+        how.append("whole")
+        return make_batch([params[o] for o in owners], outputs=outputs,
+                          seeds=[seeds[o] for o in owners])
+
+    return cache.get(owners, describe, build, "cpu", allowed), how
+
+
 def test_cache_keeps_the_batch_for_the_same_rows_and_draws_as_a_fresh_one():
     params = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0)]
-    a, b = object(), object()
-    builds = []
-
-    def build(owners, seeds):
-        def make():
-            builds.append(owners)
-            return make_batch([params[i] for i in owners], seeds=seeds)
-        return make
-
     cache, logits = SamplingCache(), random_logits(2, 50)
-    first = cache.get([a, b], build([0, 1], [7, 8]), None)
-    again = cache.get([a, b], build([0, 1], [7, 8]), None)
-    assert again is first and len(builds) == 1
+    first, how = _cached(cache, [0, 1], params, [7, 8])
+    again, again_how = _cached(cache, [0, 1], params, [7, 8])
+    assert again is first and how == ["row", "row"] and again_how == []
     # the kept batch's generators go on drawing as a fresh batch's would, step after step
     fresh = make_batch(params, seeds=[7, 8])
     for _ in range(3):
         assert torch.equal(sample(logits, again).token_ids, sample(logits, fresh).token_ids)
     mask = torch.zeros(2, 2, dtype=torch.int32)
-    masked = cache.get([a, b], build([0, 1], [7, 8]), mask)
-    assert masked.allowed is mask and first.allowed is None and len(builds) == 1
-    cache.get([b, a], build([1, 0], [8, 7]), None)  # other order: built again
-    cache.get([b], build([1], [8]), None)  # a left
-    assert builds == [[0, 1], [1, 0], [1]]
+    masked, _ = _cached(cache, [0, 1], params, [7, 8], allowed=mask)
+    assert masked.allowed is mask and first.allowed is None
+    swapped, how = _cached(cache, [1, 0], params, [7, 8])  # gathered again, rows known
+    assert how == [] and swapped.greedy.tolist() == [True, False]
+
+
+def _same_batch(got: SamplingBatch, want: SamplingBatch) -> None:
+    for name in ("greedy", "temperature", "top_k", "top_p", "min_p"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+    assert [r for r, _ in got.seeded_rows] == [r for r, _ in want.seeded_rows]
+    assert (got.any_unseeded_sampled, got.all_greedy, got.max_top_k, got.num_logprobs,
+            got.want_logprobs) == (want.any_unseeded_sampled, want.all_greedy,
+                                   want.max_top_k, want.num_logprobs, want.want_logprobs)
+    assert (got.logit_bias is None) == (want.logit_bias is None)
+    if got.logit_bias is not None:
+        for name in ("rows", "ids", "values"):
+            assert torch.equal(getattr(got.logit_bias, name), getattr(want.logit_bias, name))
+
+
+def test_cache_rows_give_the_batch_a_fresh_build_gives_as_sequences_come_and_go():
+    rng = torch.Generator().manual_seed(0)
+
+    def draw(n):
+        return torch.randint(0, n, (1,), generator=rng).item()
+
+    params = [SamplingParams(temperature=[0, 0.7, 1.3][draw(3)], top_k=[0, 5, 40][draw(3)],
+                             top_p=[1.0, 0.9][draw(2)], min_p=[0.0, 0.05][draw(2)],
+                             logprobs=[None, 0, 3][draw(3)],
+                             logit_bias=[(), ((4, 2.5),)][draw(2)]) for _ in range(100)]
+    seeds = list(range(100))
+    cache = SamplingCache()
+    for _ in range(40):  # a random subset of sequences in a random order, each step
+        owners = torch.randperm(100, generator=rng)[:1 + draw(99)].tolist()
+        got, how = _cached(cache, owners, params, seeds)
+        assert "whole" not in how
+        _same_batch(got, make_batch([params[o] for o in owners],
+                                    seeds=[seeds[o] for o in owners]))
 
 
 def test_cache_builds_a_penalized_batch_every_step():
-    owner, builds = object(), []
-    params = [SamplingParams(temperature=0, presence_penalty=1.0)]
-
-    def build():
-        builds.append(1)
-        return make_batch(params, outputs=[[3] * len(builds)])
-
+    params = [SamplingParams(temperature=0, presence_penalty=1.0), SamplingParams()]
     cache = SamplingCache()
-    cache.get([owner], build, None)
-    got = cache.get([owner], build, None)
-    assert len(builds) == 2 and got.output_tokens.ids.tolist() == [[3, 3]]
+    _, how = _cached(cache, [0, 1], params, [1, 2], outputs=[[3], []])
+    got, again = _cached(cache, [0, 1], params, [1, 2], outputs=[[3, 3], []])
+    assert how == ["row", "row", "whole"] and again == ["whole"]
+    assert got.output_tokens.ids.tolist() == [[3, 3], [0, 0]]
