@@ -674,6 +674,20 @@ def test_draft_model_proposals_keep_greedy_text(tiny, alone, tmp_path):
         assert draft_kv.num_free_blocks == draft_kv.num_blocks
 
 
+def test_adaptive_draft_proposals_and_catch_ups_keep_greedy_text(tiny, alone, tmp_path):
+    """Sized by the planner, a disagreeing draft mostly catches up (rows scored at once,
+    beside others' proposals in the same pass) instead of proposing: the text stays plain
+    decoding's, batched or alone, and its cache is empty once the requests are done."""
+    other = tmp_path / "other"
+    build("gemma3", other, seed=1)
+    for draft in (tiny, other / "model.gguf"):
+        e = engine(tiny, speculative="draft", draft_model=str(draft))
+        assert run_all(e, PROMPTS) == alone
+        assert run_all(e, [PROMPTS[1]]) == alone[1:2]
+        draft_kv = e.scheduler.proposer.kv
+        assert draft_kv.num_free_blocks == draft_kv.num_blocks
+
+
 def test_draft_model_must_share_the_vocabulary(tiny, default_model_path):
     with pytest.raises(KvlabError, match="a draft must share the target's vocabulary"):
         engine(tiny, speculative="draft", draft_model=str(default_model_path))
