@@ -132,6 +132,8 @@ class PersistentBatch:
         self.full.begin()
         if self.windowed is not None:
             self.windowed.begin()
+        elif out.scheduled and out.num_tokens == len(out.scheduled):
+            return self._decode_only(out)
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -176,6 +178,17 @@ class PersistentBatch:
                        if rows else None)
         meta = step_metadata(spans, offsets, decoded, len(ids), self.window, self.device)
         return StepInputs(ids_t.to(self.device), positions_t.to(self.device), meta)
+
+    def _decode_only(self, out: SchedulerOutput) -> StepInputs:
+        """inputs() of a step of one-token rows over one pool (most decode steps): the same
+        result, in a few list comprehensions."""
+        row, scheduled = self.full.row, out.scheduled
+        rows = [row(s.seq_id, s.block_table) for s in scheduled]
+        at = torch.tensor([s.start for s in scheduled], dtype=torch.long)
+        ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long)
+        decoded = self._decode_rows(rows, [None] * len(rows), at, torch.arange(len(rows)))
+        meta = step_metadata([], [], decoded, len(rows), self.window, self.device)
+        return StepInputs(ids.to(self.device), at.to(self.device), meta)
 
     def tables(self, out: SchedulerOutput) -> torch.Tensor:
         """[n, blocks] the scheduled sequences' block tables, one row each in scheduled order
