@@ -5,6 +5,7 @@ draft pair, a draft model on both.
     .venv/bin/python bench/spec_vs_llama_server.py [--llama-server PATH] [-m MODEL.gguf]
         [-n 128] [-t 2] [-k 4] [-r 2] [--prompts 12] [--ignore-eos] [--baseline]
         [--draft-pair DIR [--skip-ngram]] [--llama-ngram-n 3] [--llama-spec "FLAGS"]
+        [--fixed-k]
 
 llama-server comes from --llama-server or $KVLAB_LLAMA_BIN/llama-server. The prompts are
 bench/spec_decode.py's input-grounded requests (the answer copies from the prompt), rendered
@@ -30,7 +31,8 @@ kvlab --speculative draft against llama-server --spec-type draft-simple -md DRAF
 --spec-draft-n-max K on that target. --baseline adds each engine without speculation per
 model and prints each engine's speed-up over itself. kvlab sizes its proposals from their
 acceptance and its measured step costs and may propose none where a draft costs more than
-it saves; llama-server proposes at every step it can (its draft p-min is 0).
+it saves; llama-server proposes at every step it can (its draft p-min is 0), as kvlab does
+with --fixed-k (`--speculative-adaptive off`).
 Figures are meaningless while other work shares the cores.
 """
 
@@ -283,17 +285,23 @@ def ngram_setups(model: Path, args: argparse.Namespace) -> tuple[Setup, Setup]:
         "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.llama_ngram_n),
         "--spec-ngram-simple-size-m", str(args.k)]
     return (Setup("kvlab ngram", "kvlab", model,
-                  ("--speculative", "ngram", "--num-speculative", str(args.k))),
+                  ("--speculative", "ngram", "--num-speculative", str(args.k),
+                   *fixed_k(args))),
             Setup("llama.cpp ngram", "llama.cpp", model, tuple(llama)))
 
 
 def draft_setups(target: Path, draft: Path, args: argparse.Namespace) -> tuple[Setup, Setup]:
     return (Setup("kvlab draft", "kvlab", target,
                   ("--speculative", "draft", "--draft-model", str(draft), "--num-speculative",
-                   str(args.k))),
+                   str(args.k), *fixed_k(args))),
             Setup("llama.cpp draft", "llama.cpp", target,
                   ("--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max",
                    str(args.k), "--spec-draft-n-min", "0")))
+
+
+def fixed_k(args: argparse.Namespace) -> tuple[str, ...]:
+    """kvlab's flags for proposing -k tokens at every step it can, as llama-server does."""
+    return ("--speculative-adaptive", "off") if args.fixed_k else ()
 
 
 def plain_setups(model: Path, tag: str) -> tuple[Setup, Setup]:
@@ -318,6 +326,9 @@ def parse_args() -> argparse.Namespace:
                     help="also run each engine without speculation")
     ap.add_argument("--draft-pair", type=Path, default=None, metavar="DIR",
                     help="bench/draft_pair.py's folder: add the draft-model section")
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="kvlab proposes -k tokens at every step it can instead of sizing "
+                         "proposals (--speculative-adaptive off)")
     ap.add_argument("--skip-ngram", action="store_true", help="only the draft-model section")
     ap.add_argument("--llama-ngram-n", type=int, default=3,
                     help="llama-server's lookup n-gram (--spec-ngram-simple-size-n)")
