@@ -48,7 +48,9 @@ from kvlab.weights.checkpoint import open_checkpoint
 
 BLOCK_SIZE = 16
 CATCH_UP_EVERY = 8  # tokens a declined sequence's draft falls behind before it catches up
-SCORED_ROWS = 16  # most rows of one catch-up whose guesses are scored
+# most rows of one catch-up whose guesses are scored: each logits row costs the draft's whole
+# vocabulary head, which a batch that declines proposals for being compute-bound feels
+SCORED_ROWS = 4
 
 
 @dataclass
