@@ -26,6 +26,7 @@ import torch
 from kvlab.kernels.ops import _qk
 
 ENABLED = _qk is not None
+MOE_GELU = 2  # KV_MOE_GELU in csrc/qk_moe.h: the experts' gelu_tanh(gate) * up
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -273,7 +274,7 @@ def _sinks(sinks: torch.Tensor | None, heads: int) -> int:
 def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None,
-                clamp: tuple[float, float] | None = None) -> torch.Tensor:
+                clamp: tuple[float, float] | None = None, gelu: bool = False) -> torch.Tensor:
     """sum over each token's k slots of weight * down_e(silu(gate_e) * up_e)(h): [T, hidden].
 
     h: [T, hidden] fp32; ids: [T, k] expert ids (checked); weights: [T, k] fp32; experts:
@@ -281,7 +282,8 @@ def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     one) and down, as QuantizedWeight.kernel_args. The tokens are grouped by expert in C,
     so each chosen expert's weights are read once for all its tokens. gpt-oss's options:
     bias rows fp32 [E, 2 * inter] (gate | up) and [E, hidden] added to the products, and
-    clamp = (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up."""
+    clamp = (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up; gelu for
+    Gemma 4's gelu_tanh(gate) * up."""
     h, ids, weights = _c(h), _i64(ids), _c(weights)
     e, inter = experts.shape[0], int(experts[0, 2, 3])  # down's columns
     out = torch.empty_like(h)
@@ -289,7 +291,7 @@ def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _qk.moe_experts(experts.data_ptr(), e, h.data_ptr(), h.shape[0], h.shape[1],
                     ids.data_ptr(), weights.data_ptr(), ids.shape[1], out.data_ptr(),
                     _rows(gate_up_bias, e, 2 * inter), _rows(down_bias, e, h.shape[1]),
-                    int(clamp is not None), alpha, limit)
+                    MOE_GELU if gelu else int(clamp is not None), alpha, limit)
     return out
 
 

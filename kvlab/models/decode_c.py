@@ -11,8 +11,11 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     k_norm, sinks, o (5), post_attn_norm, mlp_norm, n_gate_up, gate_up[2] x (5), gate, down (5),
     post_mlp_norm, sliding, qk_norm_whole, router, n_experts, top_k, norm_topk, experts,
     shexp_gate, o_bias, scoring, router_bias, groups, top_groups, routed_scale, gate_up_bias,
-    down_bias, expert_clamp, clamp_alpha, clamp_limit, shexp_ungated, mla, q_a (5), q_b (5),
-    kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank, rope, vdim
+    down_bias, expert_clamp, clamp_alpha, clamp_limit, shexp_ungated, head_dim, kv_heads,
+    kv_shared, values_from_keys, v_norm, ple_gate (5), ple_out (5), ple_col, ple_post_norm,
+    layer_scalar, router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm,
+    expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
+    rope, vdim
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
@@ -34,6 +37,19 @@ expert is added without a gate (shexp_ungated). DeepSeek-V2/V3's latent attentio
 takes the place of qkv: q from q_b after q_a and its norm (or one q product: q_a all 0),
 the latent and rotary key part from kv_a, and the absorbed W_UK [H, nope, rank] and
 W_UV^T [H, rank, vdim] in fp32 (deepseek2._absorbed); its store holds rank + rope per token.
+
+Gemma 4's options: a layer's own head size and KV heads where they differ from the config's
+(head_dim, kv_heads; its RoPE table is the step's full or sliding one, as wide); a layer
+whose K/V is another's (config.kv_source) writes none and attends over that layer's store
+(kv_shared; its products are q alone); values equal to the keys before their norm where the
+products are q|k (values_from_keys) and v_norm, the values' per-head norm; after the MLP the
+per-layer input: ple_gate and ple_out (F32 products where the loader left them dense), its
+column in the step's per-layer rows [T, layers * dim] that the model computes once per step
+(run's `ple`), the normed add, then layer_scalar, fp32 [1] times x. Its MoE layers put the
+dense MLP in the shared expert's place (ungated, GeGLU as the model's gate) and read x
+through their own norms: router_norm, experts_norm, each output normed (shexp_out_norm,
+experts_out_norm) before the sum; the chosen weights times expert_scale [E]; GeGLU experts
+(expert_gelu).
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ from kvlab.config import ModelConfig
 from kvlab.kernels import QuantizedWeight, fused
 from kvlab.kernels.ops import _qk
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
+from kvlab.models.layers import Stacked, geglu
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
@@ -57,8 +74,10 @@ _OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "
 
 
 class Plan:
-    def __init__(self, weights: torch.Tensor) -> None:
+    def __init__(self, weights: torch.Tensor, sources: list[int], ple_width: int) -> None:
         self.weights = weights  # int64 [layers, fields]
+        self.sources = sources  # per layer, the layer whose K/V store it reads
+        self.ple_width = ple_width  # the per-layer inputs' row width run takes, 0: none
         self._caches: list[KVStore] | None = None
         self._table: torch.Tensor | None = None
         self.kv_kind = 0  # the checked stores: 0 fp32, 1 fp16, 2 q8_0
@@ -68,9 +87,10 @@ class Plan:
         the C attention cannot read them all as one kind; checked and built once per cache
         list (the runner's own). `kv_kind` tells which kind."""
         if kv_caches is not self._caches:
-            stores = [c.c_stores() for c in kv_caches]
+            ok = len(kv_caches) == self.weights.shape[0]
+            stores = [kv_caches[s].c_stores() for s in self.sources] if ok else []
             kinds = {_kind(st) for st in stores}
-            ok = len(kv_caches) == self.weights.shape[0] and len(kinds) == 1 and None not in kinds
+            ok = ok and len(kinds) == 1 and None not in kinds
             self._caches = kv_caches
             self._table = torch.tensor(
                 [[t.data_ptr() if t is not None else 0 for t in st] for st in stores],
@@ -97,7 +117,10 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
             return None
         rows.append(row)
     weights = torch.tensor(rows, dtype=torch.int64)
-    return Plan(weights) if weights.shape[1] == _qk.plan_fields() else None
+    sources = [config.kv_source(i) for i in range(len(layers))]
+    ple_width = sum(layer["ple_gate"].shape[0] for layer in layers if "ple_gate" in layer)
+    ok = weights.shape[1] == _qk.plan_fields()
+    return Plan(weights, sources, ple_width) if ok else None
 
 
 def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
@@ -107,23 +130,64 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
     post = _norm(layer.get("post_mlp_norm"))
     mla = _mla_fields(layer, config) if latent else [0] * _MLA_FIELDS
     if "router" in layer:
-        mlp, moe = _shared_expert_fields(layer), _moe_fields(layer, config)
+        mlp, moe = _shared_expert_fields(layer, gate), _moe_fields(layer, config)
         routing = _routing_fields(layer, config)
     else:
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
         routing = [0] * 11
-    o_bias = _norm(layer.get("o_bias"))
-    if None in (attention, mlp, moe, post, o_bias, routing, mla):
+    o_bias, own = _norm(layer.get("o_bias")), _layer_shape_fields(layer, config, i)
+    tail, beside = _tail_fields(layer, i), _beside_fields(layer)
+    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe, o_bias, *routing, *mla]
+            *moe, o_bias, *routing, *own, *tail, *beside, *mla]
+
+
+def _layer_shape_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
+    """head_dim, kv_heads (0: the config's), kv_shared, values_from_keys, v_norm."""
+    dim, kv_heads = config.layer_head_dim(i), config.layer_kv_heads(i)
+    v_norm = _norm(layer.get("v_norm"))
+    if v_norm is None:
+        return None
+    return [dim if dim != config.head_dim else 0,
+            kv_heads if kv_heads != config.num_kv_heads else 0,
+            int(not config.owns_kv(i)), int("qk" in layer), v_norm]
+
+
+def _tail_fields(layer: dict, i: int) -> list[int] | None:
+    """ple_gate, ple_out, ple_col, ple_post_norm, layer_scalar: what follows the MLP."""
+    scalar = layer.get("layer_scalar")
+    if scalar is not None and not (fused.fits(scalar) and scalar.numel() == 1):
+        return None
+    scalar_ptr = 0 if scalar is None else scalar.data_ptr()
+    if "ple_gate" not in layer:
+        return [*_EMPTY * 2, 0, 0, scalar_ptr]
+    gate, out = product_desc(layer["ple_gate"]), product_desc(layer["ple_out"])
+    norm = _norm(layer.get("ple_post_norm"))
+    if None in (gate, out, norm):
+        return None
+    return [*gate, *out, i * gate[2], norm, scalar_ptr]
+
+
+def _beside_fields(layer: dict) -> list[int] | None:
+    """router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm,
+    expert_gelu: experts beside a dense MLP (Gemma 4's MoE layers), all 0 elsewhere."""
+    norms = [_norm(layer.get(n)) for n in ("router_norm", "experts_norm", "expert_scale",
+                                           "shexp_out_norm", "experts_out_norm")]
+    if None in norms:
+        return None
+    gelu = "experts" in layer and layer["experts"].gate is geglu
+    return [*norms, int(gelu)]
 
 
 def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     """attn_norm, n_qkv, qkv, qkv_bias, q_norm, k_norm, sinks, o, post_attn_norm,
-    mlp_norm."""
-    qkv, o = _parts(layer["qkv"], 3), kernel_desc(layer["o"])
+    mlp_norm. The products are q|k|v, or (Gemma 4) q|k where the values are the keys, or q
+    alone where the layer reads another's K/V."""
+    products = next((layer[n] for n in ("qkv", "qk") if n in layer), None)
+    products = Stacked.of([layer["q"]]) if products is None else products
+    qkv, o = _parts(products, 3), kernel_desc(layer["o"])
     norms = {n: _norm(layer.get(n), n in _OPTIONAL)
              for n in ("attn_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
                        "mlp_norm")}
@@ -132,7 +196,7 @@ def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     if config.qk_norm_whole and not (norms["q_norm"] and norms["k_norm"]):
         return None
     n = norms
-    return [n["attn_norm"], len(layer["qkv"].parts), *qkv, n["qkv_bias"], n["q_norm"],
+    return [n["attn_norm"], len(products.parts), *qkv, n["qkv_bias"], n["q_norm"],
             n["k_norm"], n["sinks"], *o, n["post_attn_norm"], n["mlp_norm"]]
 
 
@@ -171,11 +235,12 @@ def _dense_fields(gate_up: object, down: object, gate: str) -> list[int] | None:
     return [len(gate_up.parts), *parts, GATES[gate], *down_desc]
 
 
-def _shared_expert_fields(layer: dict) -> list[int] | None:
-    """An MoE layer's dense MLP fields: its shared expert (SwiGLU), or none (n_gate_up 0)."""
+def _shared_expert_fields(layer: dict, gate: str) -> list[int] | None:
+    """An MoE layer's dense MLP fields: its shared expert (the model's gate: SwiGLU, or
+    Gemma 4's GeGLU dense MLP beside the experts), or none (n_gate_up 0)."""
     if "shexp_gate_up" not in layer:
         return [0, *_EMPTY * 2, GATES["silu"], *_EMPTY]
-    return _dense_fields(layer["shexp_gate_up"], layer["shexp_down"], "silu")
+    return _dense_fields(layer["shexp_gate_up"], layer["shexp_down"], gate)
 
 
 def _moe_fields(layer: dict, config: ModelConfig) -> list[int] | None:
@@ -205,7 +270,7 @@ def _routing_fields(layer: dict, config: ModelConfig) -> list[int] | None:
                   and moe.experts_per_token <= moe.top_groups * (moe.num_experts // moe.groups))
     if moe.scoring == "sigmoid" and not groups_fit:
         return None
-    clamp = experts.gate
+    clamp = None if experts.gate in (None, geglu) else experts.gate  # gpt-oss's
     alpha, limit = (clamp.alpha, clamp.limit) if clamp is not None else (0.0, 0.0)
     ungated = "shexp_gate_up" in layer and "shexp_router" not in layer
     return [SCORINGS[moe.scoring], bias, moe.groups, moe.top_groups, _f32_bits(moe.routed_scale),
@@ -243,6 +308,15 @@ def _parts(stacked: object, most: int) -> list[int] | None:
     return [v for d in descs for v in d] + _EMPTY * (most - len(parts))
 
 
+def product_desc(w: object) -> list[int] | None:
+    """kernel_desc, or an fp32 matrix [rows, cols] on the CPU as the C F32 product takes it
+    (a weight the loader left dense: too narrow for quantized blocks)."""
+    if isinstance(w, torch.Tensor) and fused.fits(w) and w.dim() == 2 and w.is_contiguous():
+        return [int(GGMLQuantizationType.F32), w.data_ptr(), w.shape[0], w.shape[1],
+                w.shape[1] * 4]
+    return kernel_desc(w)
+
+
 def kernel_desc(w: object) -> list[int] | None:
     """What the C products take of a weight; None for dense tensors and F32 blocks (those
     go through torch)."""
@@ -261,14 +335,18 @@ def _norm(w: torch.Tensor | None, optional: bool = True) -> int | None:
 
 
 def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
-        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore],
-        meta: AttentionMetadata) -> bool:
+        ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore | None],
+        meta: AttentionMetadata, ple: torch.Tensor | None = None) -> bool:
     """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit.
     ropes[True] is the cos/sin of the layers the plan marks for the second table: sliding
-    ones, or (a model without a window) those without RoPE, whose table is the identity."""
+    ones, or (a model without a window) those without RoPE, whose table is the identity.
+    ple: the step's per-layer inputs fp32 [T, layers * dim] (Gemma 4), or None."""
     full, local = _decode_group(meta.groups_full, x), _decode_group(meta.groups_sliding, x)
     caches = plan.caches(kv_caches)
-    if full is None or local is None or caches is None or not _fits(x, ropes, meta):
+    ple_ok = (plan.ple_width == 0 if ple is None else
+              fused.fits(ple) and ple.is_contiguous() and tuple(ple.shape) == (
+                  x.shape[0], plan.ple_width))
+    if full is None or local is None or caches is None or not ple_ok or not _fits(x, ropes, meta):
         return False
     (cos_g, sin_g), (cos_l, sin_l) = ropes[False], ropes[True]
     c, w = config, plan.weights
@@ -279,7 +357,8 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         meta.write_slots(True).data_ptr(),
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
-        caches.data_ptr(), plan.kv_kind, c.attn_logit_softcapping or 0.0)
+        caches.data_ptr(), plan.kv_kind, c.attn_logit_softcapping or 0.0,
+        0 if ple is None else ple.data_ptr(), 0 if ple is None else ple.shape[1])
     return True
 
 

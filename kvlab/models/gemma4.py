@@ -29,6 +29,7 @@ import torch
 
 from kvlab.config import ModelConfig, MoeConfig, RopeConfig, hf_layer_types
 from kvlab.errors import ModelLoadError
+from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.gemma3 import Gemma3Model
 from kvlab.models.layers import (
@@ -232,7 +233,9 @@ def _gguf_moe(g: Any) -> MoeConfig | None:
 class Gemma4Model(Gemma3Model):
     """Gemma3Model's weights and logits; the forward pass adds the per-layer inputs, each
     layer's own head size, rope and K/V store (or another layer's), and the layer scalars.
-    The one-call C decode layers and tensor parallel are not used."""
+    Decode steps run in the one C call where the plan takes every layer (decode_c: the
+    per-layer inputs computed here once per step, handed over as rows); tensor parallel is
+    not used."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
@@ -249,10 +252,11 @@ class Gemma4Model(Gemma3Model):
         self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
                                             config.head_dim).to(device)
         self.embed_scale = config.hidden_size ** 0.5
-        self.c_plan = None
         # the value norm has no weights: a multiplier of ones per head size
         self.unit = {d: torch.ones(d, device=device)
                      for d in {config.layer_head_dim(i) for i in range(config.num_layers)}}
+        self.plan_layers = [self._plan_layer(i, layer) for i, layer in enumerate(self.layers)]
+        self.c_plan = decode_c.build_plan(config, self.plan_layers, "gelu_tanh")
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVStore | None], meta: AttentionMetadata,
@@ -264,6 +268,10 @@ class Gemma4Model(Gemma3Model):
         per_layer = self._per_layer_inputs(ids, x)  # [T, layers, ple_dim] or None
         ropes = {False: rope_cos_sin(positions, self.inv_freq_global),
                  True: rope_cos_sin(positions, self.inv_freq_local)}
+        if self.c_plan is not None and trace is None and decode_c.run(
+                self.c_plan, c, x, ropes, kv_caches, meta,
+                None if per_layer is None else per_layer.reshape(x.shape[0], -1).contiguous()):
+            return x
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer["attn_norm"], c.rms_norm_eps)
             h = self.layer_attention(h, layer, ropes[c.is_sliding(i)],
@@ -272,7 +280,8 @@ class Gemma4Model(Gemma3Model):
             x = add_rms_norm(x, self.mlp(x, layer, trace), layer["post_mlp_norm"],
                              c.rms_norm_eps)
             if per_layer is not None:
-                h = _gelu(linear(x, layer["ple_gate"])) * per_layer[:, i]
+                # gelu_tanh(gate(x)) * the layer's input: GeGLU on the two side by side
+                h = geglu(torch.cat([linear(x, layer["ple_gate"]), per_layer[:, i]], dim=-1))
                 x = add_rms_norm(x, linear(h, layer["ple_out"]), layer["ple_post_norm"],
                                  c.rms_norm_eps)
             if "layer_scalar" in layer:
@@ -298,6 +307,21 @@ class Gemma4Model(Gemma3Model):
                              weights, ids)
         return (rms_norm(h, layer["post_mlp_norm_1"], eps)
                 + rms_norm(routed, layer["post_mlp_norm_2"], eps))
+
+    def _plan_layer(self, i: int, layer: dict) -> dict:
+        """Layer i as the one-call plan reads it (decode_c): the value norm's ones where it
+        owns its K/V; in a MoE layer the dense MLP in the shared expert's place and the
+        router's, the experts' and the two outputs' norms under the plan's names."""
+        out = dict(layer)
+        if self.config.owns_kv(i):
+            out["v_norm"] = self.unit[self.config.layer_head_dim(i)]
+        if "experts" in layer:
+            out.update(shexp_gate_up=layer["gate_up"], shexp_down=layer["down"],
+                       router_norm=layer["router_scale"] * self.config.hidden_size ** -0.5,
+                       experts_norm=layer["mlp_norm_2"],
+                       shexp_out_norm=layer["post_mlp_norm_1"],
+                       experts_out_norm=layer["post_mlp_norm_2"])
+        return out
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """PLE: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple_dim)) / sqrt(2), as
@@ -361,10 +385,6 @@ def _geglu_experts(layer: dict) -> dict:
 
 def _first_full(config: ModelConfig) -> int:
     return next((i for i, t in enumerate(config.layer_types) if t == "full"), 0)
-
-
-def _gelu(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x, approximate="tanh")
 
 
 SPEC = ArchSpec(

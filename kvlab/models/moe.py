@@ -31,7 +31,7 @@ from kvlab.config import MoeConfig
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import fused
 from kvlab.models.decode_c import kernel_desc
-from kvlab.models.layers import Stacked, Weight, linear, swiglu
+from kvlab.models.layers import Stacked, Weight, geglu, linear, swiglu
 from kvlab.models.llama import LlamaModel
 from kvlab.models.spec import gguf_get
 
@@ -143,11 +143,11 @@ class Experts:
 def _c_table(experts: Experts) -> torch.Tensor | None:
     """Each expert's gate|up (one or two parts) and down as the C products take them; None
     unless every expert has C kernels and the experts share their types and shapes (the
-    biases and clamped SwiGLU, gpt-oss's, are options of the C call; another gate, Gemma 4's
-    GeGLU, is not)."""
+    biases and clamped SwiGLU, gpt-oss's, and Gemma 4's GeGLU are options of the C call;
+    another gate is not)."""
     if not fused.ENABLED or not experts.down:
         return None
-    if experts.gate is not None and not isinstance(experts.gate, ClampedSwiglu):
+    if experts.gate not in (None, geglu) and not isinstance(experts.gate, ClampedSwiglu):
         return None
     rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
     if None in rows:
@@ -218,9 +218,9 @@ def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
     """sum over each token's k chosen experts of weight * expert(token): [T, hidden]."""
     if experts.c_table is not None and fused.fits(h, weights):
         gate = experts.gate
+        clamp = (gate.alpha, gate.limit) if isinstance(gate, ClampedSwiglu) else None
         return fused.moe_experts(h, ids, weights, experts.c_table, experts.gate_up_bias,
-                                 experts.down_bias,
-                                 None if gate is None else (gate.alpha, gate.limit))
+                                 experts.down_bias, clamp, gelu=gate is geglu)
     return run_experts_each(h, experts, weights, ids)
 
 

@@ -540,12 +540,13 @@ static PyObject *py_mla_prefill(PyObject *self, PyObject *const *args, Py_ssize_
  *               full layers, slot_mapping_l in sliding ones; caches [layers, 4] (K, V, K
  *               scales, V scales), the stores fp32, fp16 or q8_0 (kv_kind 0, 1, 2; scales 0
  *               unless q8_0); softcap on every layer's attention scores as for
- *               attend_decode (0: none) */
+ *               attend_decode (0: none); ple, ple_width: the step's per-layer inputs fp32
+ *               [B, ple_width] (Gemma 4), 0 for none */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(26);
-    void *plan, *x, *ptr[12];
-    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind;
+    NARGS(28);
+    void *plan, *x, *ptr[12], *ple;
+    int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind, ple_width;
     float eps, scale, softcap;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
         !get_ptr(args[3], &x) || !get_i64(args[4], &B) || !get_i64(args[5], &hidden) ||
@@ -556,7 +557,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         !get_ptr(args[16], &ptr[10]) || !get_ptr(args[17], &ptr[5]) ||
         !get_i64(args[18], &Cf) || !get_ptr(args[19], &ptr[6]) || !get_ptr(args[20], &ptr[7]) ||
         !get_i64(args[21], &Cl) || !get_ptr(args[22], &ptr[8]) || !get_ptr(args[23], &ptr[9]) ||
-        !get_i64(args[24], &kv_kind) || !get_softcap(args[25], &softcap))
+        !get_i64(args[24], &kv_kind) || !get_softcap(args[25], &softcap) ||
+        !get_ptr(args[26], &ple) || !get_i64(args[27], &ple_width))
         return NULL;
     if (kv_kind < KV_CACHE_F32 || kv_kind > KV_CACHE_Q8_0 || (kv_kind == KV_CACHE_Q8_0 && D % 32))
         return PyErr_Format(PyExc_ValueError, "KV cache kind %lld with head dim %lld (valid: "
@@ -572,7 +574,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                           .scale = scale, .softcap = softcap, .cos = {ptr[0], ptr[2]},
                           .sin = {ptr[1], ptr[3]}, .slot_mapping = {ptr[4], ptr[10]},
                           .slots = {ptr[5], ptr[7]}, .lengths = {ptr[6], ptr[8]},
-                          .C = {Cf, Cl}, .caches = ptr[9], .kv_kind = (int)kv_kind};
+                          .C = {Cf, Cl}, .caches = ptr[9], .kv_kind = (int)kv_kind,
+                          .ple = ple, .ple_width = ple_width};
     const int use_avx2 = kv_avx2_active();
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -588,7 +591,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
  * alpha, limit): a layer's routed experts on x [T, hidden] into out [T, hidden]; experts
  * int64 [E, 3, 5] (gate|up part 0, part 1 or zeros, down: kv_wdesc each), ids int64 and
  * weights fp32 [T, k]; the biases fp32 [E, 2 * inter] and [E, hidden] or 0 for none, act
- * KV_MOE_SILU or KV_MOE_SWIGLU_CLAMP with its alpha and limit (qk_moe.c) */
+ * KV_MOE_SILU, KV_MOE_SWIGLU_CLAMP with its alpha and limit, or KV_MOE_GELU (qk_moe.c) */
 static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(14);
@@ -601,9 +604,10 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_
         !get_ptr(args[9], &gu_bias) || !get_ptr(args[10], &down_bias) ||
         !get_i64(args[11], &act) || !get_f32(args[12], &alpha) || !get_f32(args[13], &limit))
         return NULL;
-    if (act != KV_MOE_SILU && act != KV_MOE_SWIGLU_CLAMP)
+    if (act != KV_MOE_SILU && act != KV_MOE_SWIGLU_CLAMP && act != KV_MOE_GELU)
         return PyErr_Format(PyExc_ValueError, "expert gate %lld (valid: %d silu, %d clamped "
-                            "SwiGLU)", (long long)act, KV_MOE_SILU, KV_MOE_SWIGLU_CLAMP);
+                            "SwiGLU, %d gelu_tanh)", (long long)act, KV_MOE_SILU,
+                            KV_MOE_SWIGLU_CLAMP, KV_MOE_GELU);
     const kv_moe_opts opts = {.gate_up_bias = gu_bias, .down_bias = down_bias, .act = (int)act,
                               .alpha = alpha, .limit = limit};
     if (E < 1 || k < 1 || T < 0)

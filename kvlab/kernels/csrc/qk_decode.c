@@ -12,6 +12,10 @@
  * router scores as the family does (KV_ROUTE_*: softmax over all experts; gpt-oss's top k
  * of the biased logits, softmax over those; GLM-4.5's sigmoid with its correction bias and
  * grouped top k), and gpt-oss's o bias, expert biases and clamped SwiGLU are plan fields.
+ * Gemma 4's are too: a layer's own head size and KV heads, a layer attending over an
+ * earlier layer's store (writing none), values from the keys and their norm, the per-layer
+ * input after the MLP (its rows computed once per step by the model) and the output scale,
+ * and its experts beside the dense MLP (GeGLU, own input and output norms, expert scales).
  * DeepSeek-V2/V3's multi-head latent attention takes the place of qkv where the plan says so
  * (mla): its products, norms and rotary part here, the absorbed attention over the latent
  * store in qk_mla.c, the same calls as the per-op path (kvlab/models/deepseek2.py).
@@ -40,6 +44,7 @@ static int products(const kv_wdesc *ws, int64_t count, const float *x, int64_t n
 typedef struct {
     float *h, *qkv, *att, *o, *gu, *g;
     float *shared;            /* [B, hidden]: the shared expert's output */
+    float *moe_in;            /* [B, hidden]: x through the router's or the experts' norm */
     float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
     int64_t *route_ids;       /* [B, k] */
 } kv_bufs;
@@ -77,31 +82,64 @@ static void pre_norm(const float *x, int64_t norm, float *h, const kv_step *s) {
         memcpy(h, x, (size_t)(s->B * s->hidden) * sizeof(float));
 }
 
+/* the layer's head size and KV heads: its own (Gemma 4's full layers) or the step's */
+static int64_t layer_dim(const kv_layer_plan *L, const kv_step *s) {
+    return L->head_dim ? L->head_dim : s->D;
+}
+
+static int64_t layer_kv_heads(const kv_layer_plan *L, const kv_step *s) {
+    return L->kv_heads ? L->kv_heads : s->KVH;
+}
+
+/* the new keys and values: v = k where the layer has no v product, v's per-head norm, k's
+ * norm and RoPE (q's is done by the caller) */
+static void new_keys_values(const kv_layer_plan *L, const kv_step *s, float *qkv,
+                            int64_t width, int64_t KVH, int64_t D) {
+    const int64_t B = s->B, H = s->H, w = L->sliding != 0;
+    float *k = qkv + H * D, *v = k + KVH * D;
+    for (int64_t r = 0; r < B && L->values_from_keys; r++)
+        memcpy(v + r * width, k + r * width, (size_t)(KVH * D) * sizeof(float));
+    for (int64_t r = 0; r < B && L->v_norm; r++)
+        kv_rms_norm(v + r * width, (const float *)(intptr_t)L->v_norm, v + r * width, KVH, D,
+                    s->eps);
+    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
+    kv_norm_rope(k, B, width, KVH, D, (const float *)(intptr_t)k_norm, s->cos[w], s->sin[w],
+                 s->eps);
+}
+
+static void write_keys_values(const int64_t *kv, const kv_step *s, const float *qkv,
+                              int64_t width, int64_t H, int64_t KVH, int64_t D, int w) {
+    void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
+    kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
+    const float *knew = qkv + H * D, *vnew = qkv + (H + KVH) * D;
+    if (s->kv_kind == KV_CACHE_Q8_0) {
+        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping[w], s->B, KVH * D);
+        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping[w], s->B, KVH * D);
+    } else {
+        const int f16 = s->kv_kind == KV_CACHE_F16;
+        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping[w], s->B, KVH * D);
+        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping[w], s->B, KVH * D);
+    }
+}
+
 static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
                           float *x, kv_bufs *b, int use_avx2) {
-    const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, width = (H + 2 * KVH) * D;
+    const int64_t B = s->B, D = layer_dim(L, s), H = s->H, KVH = layer_kv_heads(L, s);
+    const int64_t width = (H + 2 * KVH) * D;
     const int w = L->sliding != 0;
     pre_norm(x, L->attn_norm, b->h, s);
     if (products(L->qkv, L->n_qkv, b->h, B, b->qkv, width)) return -1;
     if (L->qkv_bias) add_bias(b->qkv, (const float *)(intptr_t)L->qkv_bias, B, width);
     if (L->qk_norm_whole) norm_whole_qk(L, s, b->qkv, width);
     const int64_t q_norm = L->qk_norm_whole ? 0 : L->q_norm;
-    const int64_t k_norm = L->qk_norm_whole ? 0 : L->k_norm;
     kv_norm_rope(b->qkv, B, width, H, D, (const float *)(intptr_t)q_norm, s->cos[w],
                  s->sin[w], s->eps);
-    kv_norm_rope(b->qkv + H * D, B, width, KVH, D, (const float *)(intptr_t)k_norm,
-                 s->cos[w], s->sin[w], s->eps);
+    if (!L->kv_shared) {
+        new_keys_values(L, s, b->qkv, width, KVH, D);
+        write_keys_values(kv, s, b->qkv, width, H, KVH, D, w);
+    }
     void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
     kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
-    const float *knew = b->qkv + H * D, *vnew = b->qkv + (H + KVH) * D;
-    if (s->kv_kind == KV_CACHE_Q8_0) {
-        kv_scatter_rows_q8(kc, ks, knew, width, s->slot_mapping[w], B, KVH * D);
-        kv_scatter_rows_q8(vc, vs, vnew, width, s->slot_mapping[w], B, KVH * D);
-    } else {
-        const int f16 = s->kv_kind == KV_CACHE_F16;
-        kv_scatter_rows(kc, f16, knew, width, s->slot_mapping[w], B, KVH * D);
-        kv_scatter_rows(vc, f16, vnew, width, s->slot_mapping[w], B, KVH * D);
-    }
     const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
                               .v_scale = vs};
     if (kv_attend_decode(b->qkv, width, &ref, s->slots[w], s->lengths[w], B,
@@ -182,6 +220,18 @@ static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float
     return kv_product(&L->down, b->g, s->B, y, s->hidden);
 }
 
+/* x through a norm of its own into `own`, or the mlp_norm'ed h where the norm is 0 */
+static const float *norm_input(const float *x, int64_t norm, const kv_step *s, kv_bufs *b,
+                               float *own) {
+    if (!norm) return b->h;
+    kv_rms_norm(x, (const float *)(intptr_t)norm, own, s->B, s->hidden, s->eps);
+    return own;
+}
+
+static void norm_output(float *y, int64_t norm, const kv_step *s) {
+    if (norm) kv_rms_norm(y, (const float *)(intptr_t)norm, y, s->B, s->hidden, s->eps);
+}
+
 /* o += sigmoid(shexp_gate . h) * shared expert(h), row by row: the product, then the add,
  * as the per-op path's torch ops (kvlab/models/moe.py: moe_mlp); without the gate (GLM-4.5)
  * o += shared expert(h) */
@@ -189,6 +239,7 @@ static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     const kv_wdesc gate = {.qt = KV_F32, .ptr = L->shexp_gate, .rows = 1, .cols = s->hidden,
                            .row_bytes = s->hidden * (int64_t)sizeof(float)};
     if (gated_mlp(L, s, b, b->shared)) return -1;
+    norm_output(b->shared, L->shexp_out_norm, s);
     if (L->shexp_ungated) {
         for (int64_t i = 0; i < s->B * s->hidden; i++) b->o[i] += b->shared[i];
         return 0;
@@ -236,22 +287,28 @@ static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
 }
 
 /* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
- * expert where the layer has one */
+ * expert (Gemma 4: the dense MLP) where the layer has one */
 static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
     const int64_t E = L->n_experts, k = L->top_k;
     const kv_wdesc router = {.qt = KV_F32, .ptr = L->router, .rows = E, .cols = s->hidden,
                              .row_bytes = s->hidden * (int64_t)sizeof(float)};
     pre_norm(x, L->mlp_norm, b->h, s);
-    if (kv_product(&router, b->h, s->B, b->logits, E)) return -1;
+    const float *in = norm_input(x, L->router_norm, s, b, b->moe_in);
+    if (kv_product(&router, in, s->B, b->logits, E)) return -1;
     route(L, s, b);
+    const float *scale = (const float *)(intptr_t)L->expert_scale;
+    for (int64_t j = 0; scale && j < s->B * k; j++) b->route_w[j] *= scale[b->route_ids[j]];
+    const int act = L->expert_gelu ? KV_MOE_GELU
+                                   : L->expert_clamp ? KV_MOE_SWIGLU_CLAMP : KV_MOE_SILU;
     const kv_moe_opts opts = {.gate_up_bias = (const float *)(intptr_t)L->gate_up_bias,
                               .down_bias = (const float *)(intptr_t)L->down_bias,
-                              .act = L->expert_clamp ? KV_MOE_SWIGLU_CLAMP : KV_MOE_SILU,
-                              .alpha = plan_f32(L->clamp_alpha),
+                              .act = act, .alpha = plan_f32(L->clamp_alpha),
                               .limit = plan_f32(L->clamp_limit)};
-    if (kv_moe_experts_opts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, b->h,
+    in = norm_input(x, L->experts_norm, s, b, b->moe_in);
+    if (kv_moe_experts_opts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, in,
                             s->B, s->hidden, b->route_ids, b->route_w, k, &opts, b->o))
         return -1;
+    norm_output(b->o, L->experts_out_norm, s);
     if ((L->shexp_gate || L->shexp_ungated) && shared_expert(L, s, b)) return -1;
     residual(x, b->o, L->post_mlp_norm, s);
     return 0;
@@ -265,35 +322,63 @@ static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
     return 0;
 }
 
+/* Gemma 4 after the MLP: the per-layer input (gelu_tanh(ple_gate(x)) times the layer's
+ * slice of the step's row, gate | slice side by side as kv_gelu_mul takes them, then
+ * ple_out and the normed add), then the layer's output scale */
+static int layer_tail(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
+    const int64_t B = s->B, dim = L->ple_gate.rows;
+    if (L->ple_gate.ptr) {
+        if (kv_product(&L->ple_gate, x, B, b->gu, 2 * dim)) return -1;
+        for (int64_t r = 0; r < B; r++)
+            memcpy(b->gu + r * 2 * dim + dim, s->ple + r * s->ple_width + L->ple_col,
+                   (size_t)dim * sizeof(float));
+        kv_gelu_mul(b->gu, b->g, B, dim);
+        if (kv_product(&L->ple_out, b->g, B, b->o, s->hidden)) return -1;
+        residual(x, b->o, L->ple_post_norm, s);
+    }
+    if (L->layer_scalar) {
+        const float scalar = *(const float *)(intptr_t)L->layer_scalar;
+        for (int64_t i = 0; i < B * s->hidden; i++) x[i] *= scalar;
+    }
+    return 0;
+}
+
+#define KV_MAX(a, b) ((a) > (b) ? (a) : (b))
+
 int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
                      int use_avx2) {
-    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, E = 0, k = 0;
+    int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, att = s->H * s->D, E = 0, k = 0;
     for (int64_t l = 0; l < layers; l++) {
+        const kv_layer_plan *L = &plan[l];
         int64_t rows = 0;
-        for (int64_t p = 0; p < plan[l].n_gate_up; p++) rows += plan[l].gate_up[p].rows;
-        gu = rows > gu ? rows : gu;
-        E = plan[l].n_experts > E ? plan[l].n_experts : E;
-        k = plan[l].top_k > k ? plan[l].top_k : k;
+        for (int64_t p = 0; p < L->n_gate_up; p++) rows += L->gate_up[p].rows;
+        gu = KV_MAX(gu, KV_MAX(rows, 2 * L->ple_gate.rows));
+        E = KV_MAX(E, L->n_experts);
+        k = KV_MAX(k, L->top_k);
+        const int64_t D = layer_dim(L, s);
+        qkv = KV_MAX(qkv, (s->H + 2 * layer_kv_heads(L, s)) * D);
+        att = KV_MAX(att, s->H * D);
     }
     const int64_t B = s->B;
-    float *mem = malloc((size_t)(B * (3 * s->hidden + qkv + s->H * s->D + gu + gu / 2 + E +
+    float *mem = malloc((size_t)(B * (4 * s->hidden + qkv + att + gu + gu / 2 + E +
                                       3 * k)) * sizeof(float));
     if (!mem) return -1;
     kv_bufs b = {.h = mem};
     b.qkv = b.h + B * s->hidden;
     b.att = b.qkv + B * qkv;
-    b.o = b.att + B * s->H * s->D;
+    b.o = b.att + B * att;
     b.gu = b.o + B * s->hidden;
     b.g = b.gu + B * gu;
     b.shared = b.g + B * (gu / 2);
-    b.logits = b.shared + B * s->hidden;
+    b.moe_in = b.shared + B * s->hidden;
+    b.logits = b.moe_in + B * s->hidden;
     b.route_w = b.logits + B * E;
     b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
         rc = (plan[l].mla ? mla_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)
                           : attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)) ||
-             mlp_half(&plan[l], s, x, &b);
+             mlp_half(&plan[l], s, x, &b) || layer_tail(&plan[l], s, x, &b);
     free(mem);
     return rc ? -1 : 0;
 }

@@ -40,6 +40,21 @@ typedef struct {
     int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
     int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
     int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
+    /* Gemma 4: the layer's own head size and KV heads (0: the step's D and KVH); kv_shared
+     * 1: no K/V of its own, it attends over the store its caches row names (an earlier
+     * layer's, written this step); values_from_keys 1: q|k products only, v = k before k's
+     * norm and RoPE; v_norm: fp32 [head_dim], each value head RMSNormed, or 0 */
+    int64_t head_dim, kv_heads, kv_shared, values_from_keys, v_norm;
+    /* the per-layer input after the MLP, ple_gate.ptr 0 for none: x += norm(ple_out(
+     * gelu_tanh(ple_gate(x)) * the step's per-layer row at column ple_col)) */
+    kv_wdesc ple_gate, ple_out;
+    int64_t ple_col, ple_post_norm;
+    int64_t layer_scalar;              /* fp32 [1]: x *= it after the layer, or 0 */
+    /* experts beside a dense MLP (Gemma 4's MoE): each reads x through its own norm (router,
+     * experts; 0: the mlp_norm'ed h), the chosen weights times expert_scale [E] (0: none),
+     * the dense and the experts' outputs normed each before their sum (0: not) */
+    int64_t router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm;
+    int64_t expert_gelu;               /* 1: GeGLU experts (KV_MOE_GELU); 0: by expert_clamp */
     /* multi-head latent attention (DeepSeek-V2/V3) in place of qkv when mla is 1: q from
      * q_b (after q_a and q_a_norm; plain q when q_a's ptr is 0), the latent and the rotary
      * key part from kv_a (the latent through kv_a_norm), heads of D = nope + rope, W_UK and
@@ -62,6 +77,8 @@ typedef struct {
     int64_t C[2];
     const int64_t *caches;                  /* [layers, 4]: K, V stores, K, V scales */
     int kv_kind;                            /* KV_CACHE_*: fp32, fp16 or q8_0 (scaled) */
+    const float *ple;                       /* [B, ple_width]: per-layer inputs, or NULL */
+    int64_t ple_width;
 } kv_step;
 
 /* Runs every layer of the plan on x [B, hidden] (the residual stream, updated in place),

@@ -214,6 +214,8 @@ static void gate_rows(const float *GU, float *G, int64_t pairs, int64_t inter,
                       const kv_moe_opts *o) {
     if (o && o->act == KV_MOE_SWIGLU_CLAMP)
         kv_swiglu_clamp_mul(GU, G, pairs, inter, o->alpha, o->limit);
+    else if (o && o->act == KV_MOE_GELU)
+        kv_gelu_mul(GU, G, pairs, inter);
     else
         kv_silu_mul(GU, G, pairs, inter);
 }

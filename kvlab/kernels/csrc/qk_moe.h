@@ -32,8 +32,9 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
 
 /* An expert's options beyond SwiGLU without biases (gpt-oss): fp32 bias rows added to the
  * gate|up product ([E, 2 * inter], gate | up halves) and to down's ([E, hidden]), NULL for
- * none; the gate silu(gate) * up or the clamped SwiGLU (kv_swiglu_clamp_mul) */
-enum { KV_MOE_SILU = 0, KV_MOE_SWIGLU_CLAMP = 1 };
+ * none; the gate silu(gate) * up, the clamped SwiGLU (kv_swiglu_clamp_mul) or
+ * gelu_tanh(gate) * up (Gemma 4) */
+enum { KV_MOE_SILU = 0, KV_MOE_SWIGLU_CLAMP = 1, KV_MOE_GELU = 2 };
 typedef struct {
     const float *gate_up_bias, *down_bias;
     int act;
