@@ -69,9 +69,9 @@ def _loaded(out, quant: str, plan: bool):
     return loaded
 
 
-def _runner(out, quant: str, plan: bool) -> ModelRunner:
+def _runner(out, quant: str, plan: bool, kv_dtype: str = "f32") -> ModelRunner:
     loaded = _loaded(out, quant, plan)
-    return ModelRunner(loaded.model, loaded.config, 64, 4)
+    return ModelRunner(loaded.model, loaded.config, 64, 4, kv_dtype=kv_dtype)
 
 
 def test_the_plan_takes_every_layer(tiny):
@@ -105,17 +105,21 @@ def test_the_plan_takes_every_layer(tiny):
             assert beside == [0] * 6
 
 
-def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps):
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps, kv_dtype):
     hf, out, quant = tiny
     ids, table = _ids(14, 1), [9, 3, 17, 0]  # scattered, out-of-order blocks
-    logits = []
+    logits, kind = [], None
     for plan in (True, False):
-        runner = _runner(out, quant, plan)
+        runner = _runner(out, quant, plan, kv_dtype)
         rows = [step(runner, ScheduledSeq("a", 0, ids[:5], table, True, 5))[0]]
         for pos in range(5, len(ids)):  # past the window of 4
             rows.append(step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))[0])
         logits.append(torch.stack(rows))
+        if plan:
+            kind = runner.model.c_plan.kv_kind
     assert c_steps[:len(ids) - 4] == [False] + [True] * (len(ids) - 5)  # prefill per-op
+    assert kind == {"f32": 0, "f16": 1}[kv_dtype]  # the C attention read those stores
     assert float((logits[0] - logits[1]).abs().max()) <= _tolerance(tiny)
     # transformers on the same rounded weights: what is left is the 8-bit activations of
     # the quantized products (both paths), which six 64-wide random layers add up
