@@ -142,7 +142,7 @@ class Scheduler:
                 self._drop_drafts(seq, min(over, seq.num_draft_tokens))
             n = min(len(seq.token_ids) - done, budget)
             if not self._blocks_only:  # a hybrid's step may end on a snapshot boundary
-                n = self.kv.step_end(done, done + n) - done
+                n = self.kv.step_end(done, done + n, seq.num_prompt_tokens) - done
             while not self.kv.allocate_slots(seq.seq_id, done + n):
                 if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
                     n -= seq.num_draft_tokens
@@ -163,7 +163,8 @@ class Scheduler:
             seq = self.waiting[0]
             blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids)
             n = min(seq.num_tokens - num_cached, budget)
-            n = self.kv.step_end(num_cached, num_cached + n) - num_cached
+            n = self.kv.step_end(num_cached, num_cached + n,
+                                 seq.num_prompt_tokens) - num_cached
             if not self.kv.allocate_slots(seq.seq_id, num_cached + n, blocks):
                 return
             self.waiting.popleft()
@@ -183,7 +184,7 @@ class Scheduler:
                                 end == len(seq.token_ids),
                                 max(0, min(end, seq.num_prompt_tokens) - start),
                                 num_logits=1 + seq.num_draft_tokens)
-        restore, save = kv.state_copies(seq_id, end)
+        restore, save = kv.state_copies(seq_id, end, seq.num_prompt_tokens)
         return ScheduledSeq(  # positional: needs_logits, prefill_tokens, window_table, ...
             seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
             end == len(seq.token_ids), max(0, min(end, seq.num_prompt_tokens) - start),

@@ -225,10 +225,72 @@ def test_a_prefix_hit_resumes_from_the_deepest_state_snapshot(tiny, alone):
     assert run_one(e, "other", other) == (expected, 16)
 
 
-def test_a_hit_shorter_than_the_snapshot_stride_is_computed_again(tiny, alone):
-    e = engine(tiny, state_snapshot_blocks=16)  # 64 tokens: no 25-token prompt reaches one
+def test_a_hit_between_snapshots_is_computed_again(tiny, alone):
+    """Every 16 blocks (64 tokens) and the prompt's last full block (24): a prompt that
+    shares 4 of the 25-token prompt's blocks reaches no snapshot."""
+    e = engine(tiny, state_snapshot_blocks=16)
     run_one(e, "first", PROMPTS[1])
-    assert run_one(e, "again", PROMPTS[1]) == (alone[1], 0)
+    other = PROMPTS[1][:18] + [5, 6, 7, 8, 9]
+    expected = run_all(engine(tiny, enable_prefix_caching=False), [other])[0]
+    assert run_one(e, "other", other) == (expected, 0)
+
+
+TURN = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=20)
+
+
+def run_turn(e: Engine, request_id: str, prompt: list[int]):
+    """(output tokens, cached prompt tokens, each output token's top-20 log-probabilities)
+    of one greedy request."""
+    e.add_request(request_id, prompt, TURN)
+    outs = []
+    while e.has_unfinished():
+        outs.extend(e.step())
+    logprobs = torch.tensor([[lp for _, lp in t.top] for o in outs for t in o.logprobs])
+    return [t for o in outs for t in o.new_token_ids], outs[-1].cached_tokens, logprobs
+
+
+def test_a_second_chat_turn_resumes_from_the_deepest_block_of_the_first(tiny):
+    """A 22-token first turn (5 full blocks of 4) and its 7-token answer, with snapshots
+    every 16 blocks (never reached): the prompt's last full block (20) is saved, and each
+    block boundary its decode reaches overwrites the sequence's tail snapshot, kept under the
+    deepest block it computed (28 of 22 + 7 tokens; the last sampled token is not computed).
+    The next turn (first turn + answer + question) resumes there; a prompt sharing the whole
+    first prompt resumes from the prompt's snapshot. Logits are a fresh engine's."""
+    e = engine(tiny, state_snapshot_blocks=16)
+    fresh = engine(tiny, enable_prefix_caching=False)
+    first = list(range(30, 52))
+    answer, cached, _ = run_turn(e, "turn1", first)
+    assert cached == 0 and len(answer) == 7
+    for request_id, prompt, expect_cached in (
+            ("turn2", first + answer + [5, 6, 7], 28),
+            ("edit", first + [9] * 6, 20)):
+        got, cached, logprobs = run_turn(e, request_id, prompt)
+        ref, _, ref_logprobs = run_turn(fresh, request_id, prompt)
+        assert cached == expect_cached and got == ref
+        assert logprobs.shape == ref_logprobs.shape == (7, 20)
+        assert (logprobs - ref_logprobs).abs().max() <= TOL
+    snaps, states = e.kv.snapshots, e.kv.states
+    assert snaps is not None and states is not None
+    assert e.kv.num_free_blocks == e.kv.num_blocks and states.num_free == states.num_slots
+    assert snaps.num_used == snaps.num_saved == 6  # prompt end and tail of each request
+
+
+def test_a_snapshot_is_skipped_when_no_row_is_free(tiny):
+    """Two rows (max_num_seqs=2), snapshots every 2 blocks: two 17-token prompts decode side
+    by side, each holding a row as its tail from 20 on, so neither can save its state at 24
+    (a stride boundary): it is skipped, both requests give what they give without a cache,
+    and a later prompt over either's 24 computed tokens resumes from its tail at 20."""
+    e = engine(tiny, state_snapshot_blocks=2, max_num_seqs=2)
+    snaps = e.kv.snapshots
+    assert snaps is not None and snaps.num_rows == 2
+    prompts = [list(range(30, 47)), list(range(50, 67))]
+    outputs = run_all(e, prompts)
+    assert outputs == run_all(engine(tiny, enable_prefix_caching=False), prompts)
+    assert snaps.num_used == snaps.num_saved == 2
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+    again = prompts[0] + outputs[0] + [1]
+    expected = run_all(engine(tiny, enable_prefix_caching=False), [again])[0]
+    assert run_one(e, "again", again) == (expected, 20)
 
 
 def test_embeddings_run_the_prompts_with_states_of_their_own(tiny):

@@ -143,36 +143,77 @@ def test_pool_sizes_pay_for_the_states_first():
 def test_snapshot_boundaries_cut_steps():
     snaps = StateSnapshots(SnapshotSpec(num_rows=2, every_blocks=2), first_row=4, block_size=4)
     assert snaps.stride == 8
-    assert snaps.cut(0, 25) == 24  # the last boundary inside the step
-    assert snaps.cut(0, 24) == 24 and snaps.cut(24, 25) == 25 and snaps.cut(3, 7) == 7
-    assert snaps.cut(5, 17) == 16 and snaps.cut(16, 17) == 17
+    assert snaps.cut(0, 25, 25) == 24  # the last boundary inside the step
+    assert snaps.cut(0, 24, 24) == 24 and snaps.cut(24, 25, 25) == 25
+    assert snaps.cut(3, 7, 30) == 7 and snaps.cut(5, 17, 30) == 16
+    assert snaps.cut(3, 7, 7) == 4  # a 7-token prompt's last full block ends at 4
+    assert snaps.cut(16, 17, 17) == 17
+
+
+def test_a_step_is_also_cut_at_the_prompts_last_full_block():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=2, every_blocks=4), first_row=0, block_size=4)
+    #  positions  0 ......... 16 ..... 20 .. 23      stride 16, a 23-token prompt
+    #  boundary              ^ stride  ^ prompt's last full block
+    assert snaps.cut(0, 23, 23) == 20 and snaps.cut(20, 23, 23) == 23
+    assert snaps.cut(0, 18, 23) == 16 and snaps.cut(16, 23, 23) == 20
+    assert snaps.cut(0, 20, 20) == 16  # a prompt of whole blocks ends on its boundary
+    assert snaps.cut(20, 21, 20) == 21  # decode: one token at a time, never cut
+    assert snaps.cut(0, 3, 3) == 3  # no full block in the prompt
 
 
 def test_snapshot_rows_are_saved_committed_found_and_evicted():
     snaps = StateSnapshots(SnapshotSpec(num_rows=2, every_blocks=2), first_row=4, block_size=4)
-    assert snaps.reserve("a", 7) is None  # not a boundary
-    row = snaps.reserve("a", 8)
-    assert row == 4 and snaps.reserve("a", 8) == 4 and snaps.saving("a", 8) == 4
+    assert snaps.reserve("a", 7, 30) is None  # not a boundary
+    assert snaps.reserve("a", 4, 30) is None  # a block boundary, but no snapshot boundary
+    row = snaps.reserve("a", 8, 30)
+    assert row == 4 and snaps.reserve("a", 8, 30) == 4 and snaps.saving("a", 8) == 4
     snaps.commit("a", links=[101, 102], num_full=2)  # block 1 registered as content 102
     assert snaps.saving("a", 8) is None
     assert snaps.usable([101, 102, 103]) == 2 and snaps.usable([101, 999]) == 0
     assert snaps.restore("b", 102) == 4 and snaps.restoring("b") == 4
-    assert snaps.reserve("c", 16) == 5
-    assert snaps.reserve("d", 8) is None  # row 4 is pinned by "b"'s restore, 5 is "c"'s
+    assert snaps.reserve("c", 16, 30) == 5
+    assert snaps.reserve("d", 8, 30) is None  # row 4 is pinned by "b"'s restore, 5 is "c"'s
     snaps.commit("b", links=[], num_full=0)  # "b" ran its first step: unpinned
     assert snaps.restoring("b") is None
-    assert snaps.reserve("d", 8) == 4  # the least recently used snapshot gives its row
+    assert snaps.reserve("d", 8, 30) == 4  # the least recently used snapshot gives its row
     assert snaps.usable([101, 102]) == 0
-    snaps.release("c")
-    snaps.release("d")
-    assert snaps.reserve("e", 8) in (4, 5)
+    snaps.release("c", [])
+    snaps.release("d", [])
+    assert snaps.reserve("e", 8, 30) in (4, 5)
 
 
 def test_a_snapshot_whose_block_was_not_registered_gives_its_row_back():
     snaps = StateSnapshots(SnapshotSpec(num_rows=1, every_blocks=1), first_row=0, block_size=4)
-    assert snaps.reserve("a", 8) == 0
+    assert snaps.reserve("a", 8, 30) == 0
     snaps.commit("a", links=[7], num_full=2)  # block 1 collided: only block 0 registered
-    assert snaps.usable([7, 8]) == 0 and snaps.reserve("b", 4) == 0
+    assert snaps.usable([7, 8]) == 0 and snaps.reserve("b", 4, 30) == 0
+
+
+def test_the_prompt_end_is_a_snapshot_and_decode_keeps_one_tail_row():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=3, every_blocks=4), first_row=2, block_size=4)
+    links = [100 + i for i in range(8)]
+    assert snaps.reserve("a", 20, 23) == 2  # the 23-token prompt's last full block (block 4)
+    snaps.commit("a", links[:5], num_full=5)
+    assert snaps.usable(links[:6]) == 5
+    assert snaps.reserve("a", 23, 23) is None and snaps.reserve("a", 24, 23) == 3  # tail
+    snaps.commit("a", links[:6], num_full=6)
+    assert snaps.usable(links[:7]) == 5  # the tail is the sequence's until it is released
+    assert snaps.reserve("a", 28, 23) == 3 and snaps.saving("a", 28) == 3  # overwritten
+    assert snaps.saving("a", 24) is None and snaps.num_used == 2
+    snaps.commit("a", links[:7], num_full=7)
+    snaps.release("a", links[:7])
+    assert snaps.usable(links[:8]) == 7 and snaps.num_saved == 2 and snaps.num_used == 2
+
+
+def test_a_tail_is_kept_only_for_a_registered_block_and_skipped_without_a_row():
+    snaps = StateSnapshots(SnapshotSpec(num_rows=1, every_blocks=4), first_row=0, block_size=4)
+    assert snaps.reserve("a", 8, 5) == 0
+    snaps.release("a", [11])  # gone before block 1 was registered: the row comes back
+    assert snaps.num_used == 0 and snaps.usable([11, 12]) == 0
+    assert snaps.reserve("b", 8, 5) == 0 and snaps.reserve("c", 8, 5) is None  # none free
+    snaps.release("c", [11, 12])
+    snaps.release("b", [21, 22])
+    assert snaps.usable([21, 22]) == 2 and snaps.num_used == 1
 
 
 def test_manager_resumes_a_prefix_hit_from_the_deepest_snapshot():
@@ -180,12 +221,12 @@ def test_manager_resumes_a_prefix_hit_from_the_deepest_snapshot():
                         snapshots=SnapshotSpec(num_rows=2, every_blocks=2))
     assert kv.enable_prefix_caching
     ids = list(range(30))
-    assert kv.step_end(0, 18) == 16
+    assert kv.step_end(0, 18, 25) == 16
     assert kv.allocate_slots("a", 16)  # a first chunk ends at 16: its state saved in row 2
-    assert kv.state_copies("a", 16) == (None, 2)  # (the rows after the 2 slots')
+    assert kv.state_copies("a", 16, 25) == (None, 2)  # (the rows after the 2 slots')
     kv.cache_full_blocks("a", ids[:25], 16)
     assert kv.allocate_slots("a", 24)
-    assert kv.state_copies("a", 24) == (None, 3)
+    assert kv.state_copies("a", 24, 25) == (None, 3)
     kv.cache_full_blocks("a", ids[:25], 24)
     kv.free("a")
     blocks, n = kv.get_computed_blocks(ids[:25])
@@ -195,10 +236,28 @@ def test_manager_resumes_a_prefix_hit_from_the_deepest_snapshot():
     _, n = kv.get_computed_blocks(ids[:13])  # shares 3 blocks: none ends on a snapshot
     assert n == 0
     assert kv.allocate_slots("b", 25, blocks)
-    assert kv.state_copies("b", 25) == (3, None)
+    assert kv.state_copies("b", 25, 25) == (3, None)
+
+
+def test_manager_registers_a_finished_sequences_tail_under_its_deepest_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4, state_slots=1,
+                        snapshots=SnapshotSpec(num_rows=2, every_blocks=16))
+    ids = list(range(40))
+    assert kv.step_end(0, 10, 10) == 8  # the 10-token prompt's last full block
+    assert kv.allocate_slots("a", 8) and kv.state_copies("a", 8, 10) == (None, 1)
+    kv.cache_full_blocks("a", ids[:10], 8)
+    for done in range(8, 17):  # the rest of the prompt, then decode to 17 computed tokens
+        assert kv.allocate_slots("a", done + 1)
+        assert kv.state_copies("a", done + 1, 10)[1] == (2 if (done + 1) % 4 == 0 else None)
+        kv.cache_full_blocks("a", ids[:done + 2], done + 1)
+    kv.free("a")
+    assert kv.get_computed_blocks(ids[:20])[1] == 16  # the tail, after block 3
+    assert kv.get_computed_blocks(ids[:14])[1] == 8  # the prompt's snapshot, after block 1
+    assert kv.num_free_blocks == kv.num_blocks and kv.states.num_free == 1
+    assert kv.snapshots.num_used == kv.snapshots.num_saved == 2
 
 
 def test_a_hybrid_without_snapshots_has_no_prefix_cache():
     kv = KVCacheManager(num_blocks=8, block_size=4, state_slots=1)
     assert not kv.enable_prefix_caching and kv.snapshots is None
-    assert kv.step_end(0, 25) == 25 and kv.state_copies("a", 8) == (None, None)
+    assert kv.step_end(0, 25, 25) == 25 and kv.state_copies("a", 8, 25) == (None, None)

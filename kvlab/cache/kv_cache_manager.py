@@ -23,8 +23,10 @@ A hybrid model's recurrent layers get one state slot per sequence instead
 (kvlab.cache.state_slots): taken with the sequence's first blocks, given back with them.
 A prefix hit must not skip tokens whose recurrent state this sequence never computed, so
 its prefix cache needs state snapshots (StateSnapshots): a step is cut to end on a snapshot
-boundary, the state there is saved, and a hit is shortened to the deepest block that has
-one, from which the sequence resumes. Without snapshots such a model has no prefix cache.
+boundary (every k-th block, and the prompt's last full block), the state there is saved,
+as it is at each block boundary a decode step reaches (the sequence's tail snapshot, kept
+when it is freed), and a hit is shortened to the deepest block that has one, from which the
+sequence resumes. Without snapshots such a model has no prefix cache.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class KVCacheManager:
         and changes nothing when there are not enough free blocks or no free slot.
         """
         seq = self._seqs.get(seq_id)
-        if (seq is not None and not computed_blocks and self.snapshots is None
+        if (seq is not None and not computed_blocks
                 and len(seq.table) * self.block_size >= num_total_tokens):
             return True  # its blocks hold them already (a decode step, mostly)
         computed = list(computed_blocks or [])
@@ -178,8 +180,6 @@ class KVCacheManager:
             if self.snapshots is not None and computed:
                 self.snapshots.restore(seq_id, self.pool.blocks[computed[-1]].content_id)
         seq.table.extend(self.pool.allocate(num_new))
-        if self.snapshots is not None:
-            self.snapshots.reserve(seq_id, num_total_tokens)
         return True
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -190,17 +190,22 @@ class KVCacheManager:
         """seq_id's row in the recurrent layers' state tensors, or None (no such layers)."""
         return self.states.slot(seq_id) if self.states is not None else None
 
-    def step_end(self, start: int, end: int) -> int:
+    def step_end(self, start: int, end: int, num_prompt_tokens: int) -> int:
         """Where a step over token positions [start, end) ends: with state snapshots, on the
         last snapshot boundary inside it (a shorter step), so its state can be saved."""
-        return self.snapshots.cut(start, end) if self.snapshots is not None else end
+        if self.snapshots is None:
+            return end
+        return self.snapshots.cut(start, end, num_prompt_tokens)
 
-    def state_copies(self, seq_id: str, end: int) -> tuple[int | None, int | None]:
+    def state_copies(self, seq_id: str, end: int, num_prompt_tokens: int
+                     ) -> tuple[int | None, int | None]:
         """(the snapshot row seq_id's step resumes from, the row it saves its state to when
-        it ends at `end`); None where there is none."""
+        it ends at `end`: taken now, None where `end` is no boundary or no row is free);
+        call once the step's blocks are allocated."""
         if self.snapshots is None:
             return None, None
-        return self.snapshots.restoring(seq_id), self.snapshots.saving(seq_id, end)
+        return (self.snapshots.restoring(seq_id),
+                self.snapshots.reserve(seq_id, end, num_prompt_tokens))
 
     def window_table(self, seq_id: str) -> list[int | None] | None:
         """seq_id's blocks in the sliding-window layers' pool (None: released), or None
@@ -281,8 +286,8 @@ class KVCacheManager:
             self.window.free(seq_id)
         if self.states is not None:
             self.states.free(seq_id)
-        if self.snapshots is not None:
-            self.snapshots.release(seq_id)
+        if self.snapshots is not None:  # after its last step: its blocks are registered
+            self.snapshots.release(seq_id, seq.cached_links if seq is not None else [])
 
     def _check_still_cached(self, block_ids: list[int]) -> None:
         for block_id in block_ids:

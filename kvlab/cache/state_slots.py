@@ -15,7 +15,10 @@ next, so a slot's state never outlives its owner.
 
 For the prefix cache, StateSnapshots keeps states at block boundaries in rows of their own
 (after the slots' rows, in the same tensors): a repeated prefix resumes from the deepest
-snapshot instead of token 0.
+snapshot instead of token 0. A chat's next turn repeats the whole last turn, prompt and
+answer, so besides every k-th block a sequence saves its state at the last full block of its
+prompt and, while it decodes, at each block boundary into one row of its own (its tail),
+which becomes a snapshot when the sequence is done.
 """
 
 from __future__ import annotations
@@ -80,15 +83,23 @@ class StateSnapshots:
     """Recurrent states saved where a sequence's step ended on a snapshot boundary, found
     again by the content_id of the cached block that ends there (kvlab.cache.block_pool):
 
-        block          0    1    2    3    4    5        every_blocks = 2
-        boundary            ^         ^         ^       a step ending here saves its state
+        block          0    1    2    3    4    5    6    7      every_blocks = 2
+        prompt         p    p    p    p    p  p |                a 22-token prompt
+        boundary            ^         ^         ^ ^               every k-th block, and the
+                                                                  prompt's last full block
+        decode                                          t    t    tail: the last one reached
         prefix hit of 5 blocks -> resume from the snapshot after block 3 (4 blocks)
+
+    Steps are cut to end on those boundaries (`cut`); a decode step ends on each block
+    boundary in turn, and the sequence's tail row is overwritten there, so a finished
+    sequence leaves one snapshot at the deepest block it computed.
 
     A content_id is given once per registration, so a snapshot whose block was evicted (and
     maybe registered again with other KV) is never found: it is dead, and its row is the
     first taken when rows run out (least recently used first). A row being saved into is the
-    sequence's until its block is registered; a row being restored from is pinned until the
-    step that reads it has run.
+    sequence's until its block is registered (its tail until the sequence is released); a
+    row being restored from is pinned until the step that reads it has run. When no row can
+    be had, the state is not saved: a later hit resumes from a shallower snapshot.
     """
 
     def __init__(self, spec: SnapshotSpec, first_row: int, block_size: int) -> None:
@@ -100,19 +111,23 @@ class StateSnapshots:
         self._free: deque[int] = deque(range(first_row, first_row + spec.num_rows))
         self._rows: OrderedDict[int, int] = OrderedDict()  # content_id -> row, LRU first
         self._pending: dict[str, dict[int, int]] = {}  # seq -> {block index: row}
+        self._tail: dict[str, tuple[int, int]] = {}  # seq -> (row, block index it ends)
         self._pinned: dict[str, int] = {}  # seq -> the row it restores from
 
-    def cut(self, start: int, end: int) -> int:
-        """The end of a step over [start, end): the last boundary inside it, so the state
-        there can be saved, or `end` itself when that is one or none is inside."""
+    def cut(self, start: int, end: int, num_prompt_tokens: int) -> int:
+        """The end of a step over [start, end): the last boundary inside it (a multiple of
+        the stride, or the prompt's last full block), so the state there can be saved, or
+        `end` itself when that is one or none is inside."""
         last = end // self.stride * self.stride
+        prompt_end = num_prompt_tokens // self.block_size * self.block_size
+        if last < prompt_end < end:
+            last = prompt_end
         return last if start < last < end else end
 
     def usable(self, hit_content_ids: list[int]) -> int:
-        """How many blocks of a prefix hit can be resumed: the most, a multiple of
-        every_blocks, whose last block has a snapshot (0 when none has)."""
-        for n in range(len(hit_content_ids) // self.every_blocks * self.every_blocks, 0,
-                       -self.every_blocks):
+        """How many blocks of a prefix hit can be resumed: the most whose last block has a
+        snapshot (0 when none has)."""
+        for n in range(len(hit_content_ids), 0, -1):
             if hit_content_ids[n - 1] in self._rows:
                 return n
         return 0
@@ -124,12 +139,16 @@ class StateSnapshots:
         self._pinned[seq_id] = row
         return row
 
-    def reserve(self, seq_id: str, end: int) -> int | None:
+    def reserve(self, seq_id: str, end: int, num_prompt_tokens: int) -> int | None:
         """A row to save seq_id's state into when a step ends at `end`; None when `end` is
-        no boundary or no row can be had. The same row on every call for one boundary."""
-        if end <= 0 or end % self.stride:
+        no boundary or no row can be had. The same row on every call for one boundary; a
+        block boundary past the prompt's last full block takes the sequence's tail row."""
+        if end <= 0 or end % self.block_size:
             return None
-        block, pending = end // self.block_size - 1, self._pending.setdefault(seq_id, {})
+        block, prompt_end = end // self.block_size - 1, num_prompt_tokens // self.block_size
+        if end % self.stride and block + 1 != prompt_end:
+            return self._reserve_tail(seq_id, block) if block >= prompt_end else None
+        pending = self._pending.setdefault(seq_id, {})
         if block not in pending:
             row = self._take()
             if row is None:
@@ -137,11 +156,22 @@ class StateSnapshots:
             pending[block] = row
         return pending[block]
 
+    def _reserve_tail(self, seq_id: str, block: int) -> int | None:
+        tail = self._tail.get(seq_id)
+        row = tail[0] if tail is not None else self._take()
+        if row is not None:
+            self._tail[seq_id] = (row, block)
+        return row
+
     def saving(self, seq_id: str, end: int) -> int | None:
         """The row reserved for seq_id's state at `end`, if any."""
-        if end <= 0 or end % self.stride:
+        if end <= 0 or end % self.block_size:
             return None
-        return self._pending.get(seq_id, {}).get(end // self.block_size - 1)
+        block = end // self.block_size - 1
+        tail = self._tail.get(seq_id)
+        if tail is not None and tail[1] == block:
+            return tail[0]
+        return self._pending.get(seq_id, {}).get(block)
 
     def restoring(self, seq_id: str) -> int | None:
         """The row seq_id's first step resumes from, until that step has run."""
@@ -157,16 +187,21 @@ class StateSnapshots:
     def commit(self, seq_id: str, links: list[int], num_full: int) -> None:
         """After seq_id's step: a saved row whose block is now registered (its content_id in
         `links`) becomes that block's snapshot; one whose block is full but could not be
-        registered (a prefix-key collision) is given back. The restore row is unpinned."""
+        registered (a prefix-key collision) is given back. The restore row is unpinned.
+        The tail row stays the sequence's (see release)."""
         self._pinned.pop(seq_id, None)
         pending = self._pending.get(seq_id, {})
         for block in [b for b in pending if b < num_full]:
-            row = pending.pop(block)
-            content = links[block] if block < len(links) else None
-            if content is None or content in self._rows:  # not cached, or a duplicate's
-                self._free.append(row)
-            else:
-                self._rows[content] = row
+            self._keep(pending.pop(block), block, links)
+
+    def _keep(self, row: int, block: int, links: list[int]) -> None:
+        """The row's state ends `block`: that block's snapshot when it is registered (and
+        has none yet), else the row is free again."""
+        content = links[block] if block < len(links) else None
+        if content is None or content in self._rows:  # not cached, or a duplicate's
+            self._free.append(row)
+        else:
+            self._rows[content] = row
 
     @property
     def num_saved(self) -> int:
@@ -178,10 +213,15 @@ class StateSnapshots:
         """Rows not free: saved snapshots plus rows being saved into."""
         return self.num_rows - len(self._free)
 
-    def release(self, seq_id: str) -> None:
-        """seq_id is gone: rows it was saving into go back, its restore row is unpinned."""
+    def release(self, seq_id: str, links: list[int]) -> None:
+        """seq_id is gone: rows it was saving into go back, its restore row is unpinned, and
+        its tail becomes the snapshot of the block it ends when that block is registered
+        (a content_id in `links`; a step that never ran registered none)."""
         self._pinned.pop(seq_id, None)
         self._free.extend(self._pending.pop(seq_id, {}).values())
+        tail = self._tail.pop(seq_id, None)
+        if tail is not None:
+            self._keep(*tail, links)
 
 
 @dataclass(frozen=True)
