@@ -61,16 +61,17 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _loaded(out, quant: str, plan: bool):
-    loaded = load_model(open_checkpoint(out / "hf"), LoadOptions(quantize=quant))
+def _loaded(out, quant: str, plan: bool, source: str = "hf"):
+    loaded = load_model(open_checkpoint(out / source), LoadOptions(quantize=quant))
     assert loaded.model.c_plan is not None
     if not plan:
         loaded.model.c_plan = None
     return loaded
 
 
-def _runner(out, quant: str, plan: bool, kv_dtype: str = "f32") -> ModelRunner:
-    loaded = _loaded(out, quant, plan)
+def _runner(out, quant: str, plan: bool, kv_dtype: str = "f32",
+            source: str = "hf") -> ModelRunner:
+    loaded = _loaded(out, quant, plan, source)
     return ModelRunner(loaded.model, loaded.config, 64, 4, kv_dtype=kv_dtype)
 
 
@@ -106,12 +107,13 @@ def test_the_plan_takes_every_layer(tiny):
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
-def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps, kv_dtype):
+@pytest.mark.parametrize("source", ["hf", "model.gguf"])  # the GGUF as llama.cpp names it
+def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps, kv_dtype, source):
     hf, out, quant = tiny
     ids, table = _ids(14, 1), [9, 3, 17, 0]  # scattered, out-of-order blocks
     logits, kind = [], None
     for plan in (True, False):
-        runner = _runner(out, quant, plan, kv_dtype)
+        runner = _runner(out, quant, plan, kv_dtype, source)
         rows = [step(runner, ScheduledSeq("a", 0, ids[:5], table, True, 5))[0]]
         for pos in range(5, len(ids)):  # past the window of 4
             rows.append(step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))[0])
