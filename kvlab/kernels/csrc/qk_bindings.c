@@ -567,6 +567,12 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     if (fields != KV_PLAN_FIELDS)
         return PyErr_Format(PyExc_ValueError, "a layer plan has %lld fields, got %lld",
                             (long long)KV_PLAN_FIELDS, (long long)fields);
+    for (int64_t l = 0; l < layers && kv_kind == KV_CACHE_Q8_0; l++) {
+        const int64_t d = ((const kv_layer_plan *)plan)[l].head_dim;  /* a layer's own */
+        if (d % 32)
+            return PyErr_Format(PyExc_ValueError, "q8_0 KV with layer %lld's head dim %lld "
+                                "(valid: D %% 32 == 0)", (long long)l, (long long)d);
+    }
     if (KVH <= 0 || H % KVH)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
                             "heads", (long long)H, (long long)KVH);
