@@ -22,6 +22,7 @@ gets the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -42,13 +43,17 @@ class TokenIds:
 
     @classmethod
     def build(cls, rows: Sequence[Sequence[int]], device: torch.device | str) -> TokenIds:
-        width = max(1, max((len(r) for r in rows), default=0))
-        ids = [list(r) + [0] * (width - len(r)) for r in rows]
-        valid = [[1.0] * len(r) + [0.0] * (width - len(r)) for r in rows]
-        return cls(
-            ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            valid=torch.tensor(valid, dtype=torch.float32, device=device),
-        )
+        """The rows' ids copied through one flat buffer (no Python list per padded row)."""
+        lengths = [len(r) for r in rows]
+        width = max(1, max(lengths, default=0))
+        valid = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]
+        flat = array("q")
+        for r in rows:
+            flat.extend(r)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        if flat:
+            ids[valid] = torch.frombuffer(flat, dtype=torch.int64)
+        return cls(ids=ids.to(device), valid=valid.float().to(device))
 
     def counts(self, vocab_size: int) -> Tensor:
         """[B, V] float32: how many times each token id occurs in each row."""

@@ -9,6 +9,7 @@ from kvlab.request import SamplingParams
 from kvlab.sampler import (
     SamplingBatch,
     SamplingCache,
+    TokenIds,
     apply_min_p,
     apply_penalties,
     apply_presence_frequency_penalty,
@@ -328,3 +329,13 @@ def test_cache_builds_a_penalized_batch_every_step():
     got, again = _cached(cache, [0, 1], params, [1, 2], outputs=[[3, 3], []])
     assert how == ["row", "row", "whole"] and again == ["whole"]
     assert got.output_tokens.ids.tolist() == [[3, 3], [0, 0]]
+
+
+def test_token_ids_pad_ragged_rows():
+    rows = [[5, 1, 5], [], [7], [2, 2, 2, 2, 9]]
+    got = TokenIds.build(rows, "cpu")
+    assert got.ids.tolist() == [[5, 1, 5, 0, 0], [0] * 5, [7, 0, 0, 0, 0], [2, 2, 2, 2, 9]]
+    assert got.valid.tolist() == [[1, 1, 1, 0, 0], [0] * 5, [1, 0, 0, 0, 0], [1] * 5]
+    assert got.counts(10)[3].tolist() == [0, 0, 4, 0, 0, 0, 0, 0, 0, 1]
+    empty = TokenIds.build([[], []], "cpu")
+    assert empty.ids.tolist() == [[0], [0]] and empty.valid.tolist() == [[0], [0]]
