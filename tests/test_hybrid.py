@@ -249,7 +249,7 @@ def run_turn(e: Engine, request_id: str, prompt: list[int]):
     return [t for o in outs for t in o.new_token_ids], outs[-1].cached_tokens, logprobs
 
 
-def test_a_second_chat_turn_resumes_from_the_deepest_block_of_the_first(tiny):
+def test_a_second_chat_turn_resumes_from_a_snapshot_at_the_last_turns_deepest_block(tiny):
     """A 22-token first turn (5 full blocks of 4) and its 7-token answer, with snapshots
     every 16 blocks (never reached): the prompt's last full block (20) is saved, and each
     block boundary its decode reaches overwrites the sequence's tail snapshot, kept under the
