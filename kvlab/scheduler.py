@@ -115,6 +115,8 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
+            seq.draft = DraftState()
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
