@@ -33,7 +33,8 @@ conversations, each starting with its own number so that none reuses another's c
 
 Setups, one server up at a time, -t threads, one sequence: kvlab serve on the hybrid (its
 prefix cache resumes the recurrent state from the deepest snapshot inside the shared
-prefix, one every EngineConfig.state_snapshot_blocks blocks), llama-server on the same file
+prefix: every EngineConfig.state_snapshot_blocks blocks, at each prompt's last full block
+and at the deepest block a finished sequence computed), llama-server on the same file
 (prompt cache on, as by default: it reuses a recurrent state where the new prompt extends
 the cached one exactly, else restores a context checkpoint inside the shared part, and it
 takes one a few tokens before each prompt's end), kvlab serve on the dense model. Printed:

@@ -77,7 +77,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    # hybrid models' prefix cache: recurrent states saved every this many full blocks
+    # hybrid models' prefix cache: recurrent states saved every this many full blocks (and
+    # at each prompt's last full block and a finished sequence's deepest one)
     state_snapshot_blocks: int = 16
     keep_quantized: bool = True
     group_rows: bool = True  # CPU: legacy and Q4_K/Q6_K as 8-row groups (kernels.group_rows)
