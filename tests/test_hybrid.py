@@ -399,14 +399,18 @@ def test_granite_hybrid_with_rope_matches_transformers(tmp_path):
     """Granite hybrids whose attention rotates (position_embedding_type "rope", as Bamba-style
     checkpoints have): prefill then decode steps equal transformers'."""
     hf = build_hybrid("granitehybrid", tmp_path, position_embedding_type="rope")
-    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    _prefill_then_decode_match(hf, tmp_path / "hf", seed=4, table=[2, 0, 1], slot=1)
+
+
+def _prefill_then_decode_match(hf, path, seed: int, table: list[int], slot: int) -> None:
+    """8 tokens of prefill, then 4 decode steps, each row equal to transformers' logits."""
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref = reference_logits(hf, ids)
-    runner = runner_for(tmp_path / "hf")
-    table = [2, 0, 1]
-    logits = step(runner, seq("a", 0, ids[:8], table, slot=1))
+    runner = runner_for(path)
+    logits = step(runner, seq("a", 0, ids[:8], table, slot=slot))
     assert (logits[0] - ref[7]).abs().max() <= TOL
     for pos in range(8, 12):
-        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=1))
+        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=slot))
         assert (logits[0] - ref[pos]).abs().max() <= TOL
 
 
@@ -415,15 +419,7 @@ def test_nemotron_h_experts_in_a_latent_match_transformers(tmp_path):
     size (fc1_latent_proj in, fc2_latent_proj out), the router and shared expert on the
     hidden state; prefill then decode steps equal transformers'."""
     hf = build_hybrid("nemotron_h_moe", tmp_path, moe_latent_size=16)
-    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(5)).tolist()
-    ref = reference_logits(hf, ids)
-    runner = runner_for(tmp_path / "hf")
-    table = [1, 2, 0]
-    logits = step(runner, seq("a", 0, ids[:8], table, slot=0))
-    assert (logits[0] - ref[7]).abs().max() <= TOL
-    for pos in range(8, 12):
-        logits = step(runner, seq("a", pos, [ids[pos]], table, slot=0))
-        assert (logits[0] - ref[pos]).abs().max() <= TOL
+    _prefill_then_decode_match(hf, tmp_path / "hf", seed=5, table=[1, 2, 0], slot=0)
 
 
 def test_nemotron_h_mlp_layers_keep_neither_kv_nor_state(tiny):
