@@ -124,6 +124,7 @@ def main() -> None:
         profiler = cProfile.Profile(time.thread_time)  # CPU time: a busy machine blurs less
         decode_round(engine, args, batches[-1], profiler)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    engine.close()  # its KV pager's thread stops before the interpreter does
 
 
 if __name__ == "__main__":
