@@ -17,6 +17,9 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
     rope, vdim
 
+with, between shexp_ungated and head_dim, a recurrent layer's fields: mixer, rc_in (5),
+rc_out (5), conv, conv_k.
+
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
 `gate` picks gelu_tanh (Gemma's GeGLU) or silu (SwiGLU). Gemma 2's soft-cap on the
@@ -28,7 +31,8 @@ gates (not bit for bit). A shared expert (Qwen2-MoE's) is then the layer's gate_
 and shexp_gate its fp32 gate vector [hidden]: its output, scaled by sigmoid(shexp_gate . h),
 is added to the routed experts' sum. `sinks` (gpt-oss) is the layer's fp32 [H] sink logits,
 which the C attention folds into each head's softmax, and `o_bias` its o product's bias.
-The router scores as the family does (`scoring`): softmax over all experts; gpt-oss's top k
+The router scores as the family does (`scoring`): softmax over all experts (DeepSeek-V2:
+within the `top_groups` of `groups` whose best score is highest); gpt-oss's top k
 of the logits plus `router_bias`, softmax over those k; GLM-4.5's sigmoid scores, chosen by
 score + `router_bias` within the best `top_groups` of `groups`, weights times routed_scale
 (floats are held as their fp32 bits). gpt-oss's experts add their bias rows and run the
@@ -50,6 +54,14 @@ dense MLP in the shared expert's place (ungated, GeGLU as the model's gate) and 
 through their own norms: router_norm, experts_norm, each output normed (shexp_out_norm,
 experts_out_norm) before the sum; the chosen weights times expert_scale [E]; GeGLU experts
 (expert_gelu).
+
+Hybrid models (LFM2): a recurrent layer mixes its tokens by its state in attention's place
+(mixer, KV_MIX_SHORT_CONV: rc_in's b | c | u, c * conv(b * u) by the C short convolution on
+each sequence's conv state row, rc_out; conv fp32 [C, K]); the step's state tables (each
+layer's state tensors, each sequence's row) come in with the step as the KV stores do. A
+step of several tokens of one sequence (a speculative verify) is not a decode step: it
+takes the per-op path. Qwen3.5's Gated DeltaNet, Mamba-2 layers and recurrent layers with
+biases have no fields: their plans are refused (None).
 """
 
 from __future__ import annotations
@@ -64,23 +76,29 @@ from kvlab.kernels import QuantizedWeight, fused
 from kvlab.kernels.ops import _qk
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
 from kvlab.models.layers import Stacked, geglu
+from kvlab.models.state_store import LayerState, StateBatch
 
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
 SCORINGS = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}  # KV_ROUTE_*
+MIX_SHORT_CONV = 1  # KV_MIX_*
 # OLMo 2 has no attn_norm / mlp_norm (its norms come after the products: the post norms)
 _OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
              "post_mlp_norm")
 
 
 class Plan:
-    def __init__(self, weights: torch.Tensor, sources: list[int], ple_width: int) -> None:
+    def __init__(self, weights: torch.Tensor, sources: list[int | None], ple_width: int) -> None:
         self.weights = weights  # int64 [layers, fields]
-        self.sources = sources  # per layer, the layer whose K/V store it reads
+        # per layer, the layer whose K/V store it reads; None: a recurrent layer (no KV)
+        self.sources = sources
         self.ple_width = ple_width  # the per-layer inputs' row width run takes, 0: none
         self._caches: list[KVStore] | None = None
         self._table: torch.Tensor | None = None
         self.kv_kind = 0  # the checked stores: 0 fp32, 1 fp16, 2 q8_0
+        self.recurrent = None in sources
+        self._states: tuple[LayerState | None, ...] | None = None
+        self._state_table: torch.Tensor | None = None
 
     def caches(self, kv_caches: list[KVStore]) -> torch.Tensor | None:
         """int64 [layers, 4]: each layer's K and V store and (q8_0) their scales, or None when
@@ -88,15 +106,46 @@ class Plan:
         list (the runner's own). `kv_kind` tells which kind."""
         if kv_caches is not self._caches:
             ok = len(kv_caches) == self.weights.shape[0]
-            stores = [kv_caches[s].c_stores() for s in self.sources] if ok else []
-            kinds = {_kind(st) for st in stores}
+            stores = [None if s is None else kv_caches[s].c_stores()
+                      for s in self.sources] if ok else []
+            kinds = {_kind(st) for st, s in zip(stores, self.sources) if s is not None}
             ok = ok and len(kinds) == 1 and None not in kinds
             self._caches = kv_caches
             self._table = torch.tensor(
-                [[t.data_ptr() if t is not None else 0 for t in st] for st in stores],
-                dtype=torch.int64) if ok else None
+                [[0] * 4 if st is None else [t.data_ptr() if t is not None else 0 for t in st]
+                 for st in stores], dtype=torch.int64) if ok else None
             self.kv_kind = kinds.pop() if ok else 0
         return self._table
+
+    def states(self, states: StateBatch | None, rows: int) -> torch.Tensor | None:
+        """int64 [layers, 2]: each recurrent layer's conv and recurrent state tensors (0 for
+        attention layers and absent ones), built once per state list (the runner's own); None
+        when the step's states are not one fp32 CPU row per sequence of one token each."""
+        if states is None or not _one_token_rows(states, rows):
+            return None
+        if states.layers is not self._states:
+            ok = len(states.layers) == self.weights.shape[0] and all(
+                (st is None) == (src is not None) and (st is None or _state_ok(st))
+                for st, src in zip(states.layers, self.sources))
+            self._states = states.layers
+            self._state_table = torch.tensor(
+                [[0, 0] if st is None else [st.conv.data_ptr(), 0 if st.recurrent is None
+                                            else st.recurrent.data_ptr()]
+                 for st in states.layers], dtype=torch.int64) if ok else None
+        return self._state_table
+
+
+def _one_token_rows(states: StateBatch, rows: int) -> bool:
+    """One state row per sequence and one token each: a decode step (a verify step's several
+    tokens of one sequence are not)."""
+    slots, lens = states.slots, states.lens
+    return (slots.numel() == rows and lens.numel() == rows and _int64(slots) and _int64(lens)
+            and bool((lens == 1).all()))
+
+
+def _state_ok(st: LayerState) -> bool:
+    return all(t is None or (fused.fits(t) and t.is_contiguous())
+               for t in (st.conv, st.recurrent))
 
 
 def _kind(stores: tuple | None) -> int | None:
@@ -117,16 +166,21 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
             return None
         rows.append(row)
     weights = torch.tensor(rows, dtype=torch.int64)
-    sources = [config.kv_source(i) for i in range(len(layers))]
+    sources = [None if config.is_recurrent(i) else config.kv_source(i)
+               for i in range(len(layers))]
     ple_width = sum(layer["ple_gate"].shape[0] for layer in layers if "ple_gate" in layer)
     ok = weights.shape[1] == _qk.plan_fields()
     return Plan(weights, sources, ple_width) if ok else None
 
 
 def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
-    latent = config.mla is not None
-    attention = (_latent_attention_fields(layer) if latent
-                 else _attention_fields(layer, config))
+    latent, recurrent = config.mla is not None, config.is_recurrent(i)
+    if recurrent:
+        attention, mixer = _norm_fields(layer, _EMPTY), _short_conv_fields(layer, config)
+    else:
+        attention = (_latent_attention_fields(layer) if latent
+                     else _attention_fields(layer, config))
+        mixer = [0] * _MIXER_FIELDS
     post = _norm(layer.get("post_mlp_norm"))
     mla = _mla_fields(layer, config) if latent else [0] * _MLA_FIELDS
     if "router" in layer:
@@ -135,13 +189,32 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
     else:
         mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
         routing = [0] * 11
-    o_bias, own = _norm(layer.get("o_bias")), _layer_shape_fields(layer, config, i)
+    o_bias = _norm(layer.get("o_bias"))
+    own = [0] * 5 if recurrent else _layer_shape_fields(layer, config, i)
     tail, beside = _tail_fields(layer, i), _beside_fields(layer)
-    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside):
+    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside, mixer):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe, o_bias, *routing, *own, *tail, *beside, *mla]
+            *moe, o_bias, *routing, *mixer, *own, *tail, *beside, *mla]
+
+
+_MIXER_FIELDS = 13
+
+
+def _short_conv_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """mixer, rc_in, rc_out, conv, conv_k of an LFM2 convolution layer; None for another
+    recurrent kind, biases (the C layer has none) or channels other than the hidden size."""
+    rc = config.recurrent
+    if rc is None or rc.kind != "short_conv" or any(
+            n in layer for n in ("conv_in_bias", "conv_bias", "conv_out_bias")):
+        return None
+    rc_in, rc_out, conv = kernel_desc(layer["conv_in"]), kernel_desc(layer["conv_out"]), layer["conv"]
+    ok = (rc_in is not None and rc_out is not None and fused.fits(conv) and conv.is_contiguous()
+          and rc.conv_channels == config.hidden_size and rc_in[2] == 3 * rc.conv_channels
+          and rc_out[3] == rc.conv_channels
+          and tuple(conv.shape) == (rc.conv_channels, rc.conv_kernel))
+    return [MIX_SHORT_CONV, *rc_in, *rc_out, conv.data_ptr(), rc.conv_kernel] if ok else None
 
 
 def _layer_shape_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
@@ -202,9 +275,15 @@ def _attention_fields(layer: dict, config: ModelConfig) -> list[int] | None:
 
 def _latent_attention_fields(layer: dict) -> list[int] | None:
     """The attention fields of a latent-attention layer: its norms and o, no qkv."""
-    o, attn_norm, mlp_norm = kernel_desc(layer["o"]), _norm(layer.get("attn_norm")), _norm(
-        layer.get("mlp_norm"))
-    if None in (o, attn_norm, mlp_norm):
+    o = kernel_desc(layer["o"])
+    return None if o is None else _norm_fields(layer, o)
+
+
+def _norm_fields(layer: dict, o: list[int]) -> list[int] | None:
+    """The attention fields of a layer without qkv (latent attention, a recurrent layer):
+    its norms and o (or none)."""
+    attn_norm, mlp_norm = _norm(layer.get("attn_norm")), _norm(layer.get("mlp_norm"))
+    if None in (attn_norm, mlp_norm):
         return None
     return [attn_norm, 0, *_EMPTY * 3, 0, 0, 0, 0, *o, 0, mlp_norm]
 
@@ -268,7 +347,7 @@ def _routing_fields(layer: dict, config: ModelConfig) -> list[int] | None:
     # the C grouped top k needs whole groups, and the kept ones holding the k
     groups_fit = (moe.num_experts % moe.groups == 0 and 0 < moe.top_groups <= moe.groups
                   and moe.experts_per_token <= moe.top_groups * (moe.num_experts // moe.groups))
-    if moe.scoring == "sigmoid" and not groups_fit:
+    if (moe.scoring == "sigmoid" or moe.groups > 1) and not groups_fit:
         return None
     clamp = None if experts.gate in (None, geglu) else experts.gate  # gpt-oss's
     alpha, limit = (clamp.alpha, clamp.limit) if clamp is not None else (0.0, 0.0)
@@ -336,17 +415,22 @@ def _norm(w: torch.Tensor | None, optional: bool = True) -> int | None:
 
 def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVStore | None],
-        meta: AttentionMetadata, ple: torch.Tensor | None = None) -> bool:
+        meta: AttentionMetadata, ple: torch.Tensor | None = None,
+        states: StateBatch | None = None) -> bool:
     """All layers on x [T, hidden] in place; False (nothing done) when the step does not fit.
     ropes[True] is the cos/sin of the layers the plan marks for the second table: sliding
     ones, or (a model without a window) those without RoPE, whose table is the identity.
-    ple: the step's per-layer inputs fp32 [T, layers * dim] (Gemma 4), or None."""
+    ple: the step's per-layer inputs fp32 [T, layers * dim] (Gemma 4), or None. states: the
+    recurrent layers' rows (hybrid models), one per sequence."""
     full, local = _decode_group(meta.groups_full, x), _decode_group(meta.groups_sliding, x)
     caches = plan.caches(kv_caches)
     ple_ok = (plan.ple_width == 0 if ple is None else
               fused.fits(ple) and ple.is_contiguous() and tuple(ple.shape) == (
                   x.shape[0], plan.ple_width))
+    state_table = plan.states(states, x.shape[0]) if plan.recurrent else None
     if full is None or local is None or caches is None or not ple_ok or not _fits(x, ropes, meta):
+        return False
+    if plan.recurrent and state_table is None:
         return False
     (cos_g, sin_g), (cos_l, sin_l) = ropes[False], ropes[True]
     c, w = config, plan.weights
@@ -358,7 +442,9 @@ def run(plan: Plan, config: ModelConfig, x: torch.Tensor,
         full.slots.data_ptr(), full.slots.shape[1], full.lengths.data_ptr(),
         local.slots.data_ptr(), local.slots.shape[1], local.lengths.data_ptr(),
         caches.data_ptr(), plan.kv_kind, c.attn_logit_softcapping or 0.0,
-        0 if ple is None else ple.data_ptr(), 0 if ple is None else ple.shape[1])
+        0 if ple is None else ple.data_ptr(), 0 if ple is None else ple.shape[1],
+        0 if state_table is None else state_table.data_ptr(),
+        0 if state_table is None else states.slots.data_ptr())
     return True
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
-from kvlab.models import moe
+from kvlab.models import decode_c, moe
 from kvlab.models.attention import AttentionMetadata, KVStore
 from kvlab.models.layers import Weight, embed, linear, rms_norm, rope_cos_sin, swiglu
 from kvlab.models.sharding import SINGLE, TensorParallel
@@ -54,6 +54,8 @@ class HybridModel:
     states come in as arguments. `inv_freq` is set by the family (its RoPE)."""
 
     inv_freq: torch.Tensor
+    # decode steps' layers in one C call (decode_c), where the family builds a plan
+    c_plan: decode_c.Plan | None = None
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Any]], tp: TensorParallel = SINGLE) -> None:
@@ -73,6 +75,10 @@ class HybridModel:
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
         rope = rope_cos_sin(positions, self.inv_freq)
+        if self.c_plan is not None and trace is None and decode_c.run(
+                self.c_plan, self.config, x, {False: rope, True: rope}, kv_caches, meta,
+                states=states):
+            return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer["attn_norm"], eps)
             layer_state = states.layers[i]

@@ -28,7 +28,7 @@ import torch
 from kvlab.config import ModelConfig, MoeConfig, RecurrentConfig, RopeConfig, hf_layer_types
 from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import short_conv
-from kvlab.models import moe
+from kvlab.models import decode_c, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel
 from kvlab.models.layers import Weight, linear, norm_rope, rope_inv_freq, split
@@ -172,6 +172,8 @@ class Lfm2Model(HybridModel):
         for layer in layers:  # LFM2-MoE without expert bias: the choice is by score alone
             if "router" in layer and "router_bias" not in layer:
                 layer["router_bias"] = torch.zeros(layer["router"].shape[0])
+        if config.moe is None:  # LFM2-MoE's layers decode per op
+            self.c_plan = decode_c.build_plan(config, layers, "silu")
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:

@@ -541,11 +541,13 @@ static PyObject *py_mla_prefill(PyObject *self, PyObject *const *args, Py_ssize_
  *               scales, V scales), the stores fp32, fp16 or q8_0 (kv_kind 0, 1, 2; scales 0
  *               unless q8_0); softcap on every layer's attention scores as for
  *               attend_decode (0: none); ple, ple_width: the step's per-layer inputs fp32
- *               [B, ple_width] (Gemma 4), 0 for none */
+ *               [B, ple_width] (Gemma 4), 0 for none; states [layers, 2] (a recurrent
+ *               layer's conv and recurrent state addresses) and state_slots [B] (each
+ *               sequence's row in them), 0 where no layer is recurrent */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    NARGS(28);
-    void *plan, *x, *ptr[12], *ple;
+    NARGS(30);
+    void *plan, *x, *ptr[12], *ple, *states, *state_slots;
     int64_t layers, fields, B, hidden, H, KVH, D, Cf, Cl, kv_kind, ple_width;
     float eps, scale, softcap;
     if (!get_ptr(args[0], &plan) || !get_i64(args[1], &layers) || !get_i64(args[2], &fields) ||
@@ -558,7 +560,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
         !get_i64(args[18], &Cf) || !get_ptr(args[19], &ptr[6]) || !get_ptr(args[20], &ptr[7]) ||
         !get_i64(args[21], &Cl) || !get_ptr(args[22], &ptr[8]) || !get_ptr(args[23], &ptr[9]) ||
         !get_i64(args[24], &kv_kind) || !get_softcap(args[25], &softcap) ||
-        !get_ptr(args[26], &ple) || !get_i64(args[27], &ple_width))
+        !get_ptr(args[26], &ple) || !get_i64(args[27], &ple_width) ||
+        !get_ptr(args[28], &states) || !get_ptr(args[29], &state_slots))
         return NULL;
     if (kv_kind < KV_CACHE_F32 || kv_kind > KV_CACHE_Q8_0 || (kv_kind == KV_CACHE_Q8_0 && D % 32))
         return PyErr_Format(PyExc_ValueError, "KV cache kind %lld with head dim %lld (valid: "
@@ -576,12 +579,23 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     if (KVH <= 0 || H % KVH)
         return PyErr_Format(PyExc_ValueError, "%lld query heads do not split into %lld KV "
                             "heads", (long long)H, (long long)KVH);
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t mixer = ((const kv_layer_plan *)plan)[l].mixer;
+        if (mixer != KV_MIX_ATTENTION && mixer != KV_MIX_SHORT_CONV)
+            return PyErr_Format(PyExc_ValueError, "layer %lld's mixer %lld (valid: %d "
+                                "attention, %d short conv)", (long long)l, (long long)mixer,
+                                KV_MIX_ATTENTION, KV_MIX_SHORT_CONV);
+        if (mixer && !(states && state_slots))
+            return PyErr_Format(PyExc_ValueError, "layer %lld is recurrent but the step has "
+                                "no state rows", (long long)l);
+    }
     const kv_step step = {.B = B, .hidden = hidden, .H = H, .KVH = KVH, .D = D, .eps = eps,
                           .scale = scale, .softcap = softcap, .cos = {ptr[0], ptr[2]},
                           .sin = {ptr[1], ptr[3]}, .slot_mapping = {ptr[4], ptr[10]},
                           .slots = {ptr[5], ptr[7]}, .lengths = {ptr[6], ptr[8]},
                           .C = {Cf, Cl}, .caches = ptr[9], .kv_kind = (int)kv_kind,
-                          .ple = ple, .ple_width = ple_width};
+                          .ple = ple, .ple_width = ple_width, .states = states,
+                          .state_slots = state_slots};
     const int use_avx2 = kv_avx2_active();
     int rc;
     Py_BEGIN_ALLOW_THREADS
@@ -808,7 +822,7 @@ static PyMethodDef methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
      "decode_layers(plan, layers, fields, x, B, hidden, H, KVH, D, eps, scale, cos_g, sin_g, "
      "cos_l, sin_l, slot_mapping_f, slot_mapping_l, slots_f, C_f, lengths_f, slots_l, C_l, "
-     "lengths_l, caches, kv_kind, softcap)"},
+     "lengths_l, caches, kv_kind, softcap, ple, ple_width, states, state_slots)"},
     {"moe_experts", (PyCFunction)(void (*)(void))py_moe_experts, METH_FASTCALL,
      "moe_experts(experts, E, x, T, hidden, ids, weights, k, out, gate_up_bias, down_bias, "
      "act, alpha, limit): a layer's routed experts"},

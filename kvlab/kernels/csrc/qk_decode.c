@@ -31,6 +31,7 @@
 #include "qk_decode.h"
 #include "qk_mla.h"
 #include "qk_moe.h"
+#include "qk_recurrent.h"
 #include "qk_runtime.h"
 
 /* several weights sharing x, their outputs side by side in rows of `width` floats */
@@ -47,6 +48,7 @@ typedef struct {
     float *moe_in;            /* [B, hidden]: x through the router's or the experts' norm */
     float *logits, *route_w;  /* [B, E], [B, k]: router scores, the chosen experts' weights */
     int64_t *route_ids;       /* [B, k] */
+    int64_t *ones;            /* [B]: one token per sequence, the recurrent steps' lens */
 } kv_bufs;
 
 /* the residual add after attention or the MLP: with the block's output norm or without */
@@ -207,6 +209,37 @@ static int mla_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
     return 0;
 }
 
+/* LFM2's short convolution in attention's place, as the per-op path (kvlab/models/lfm2.py):
+ * rc_in's [b | c | u], b * u through the conv (qk_recurrent.c, its one-token form) on the
+ * sequence's state row, times c, then rc_out; the conv's output takes h's place (C is the
+ * hidden size, checked by the plan) */
+static int conv_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s, float *x,
+                     kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, C = L->rc_out.cols, W = 3 * C;
+    pre_norm(x, L->attn_norm, b->h, s);
+    if (kv_product(&L->rc_in, b->h, B, b->qkv, W)) return -1;
+    for (int64_t r = 0; r < B; r++)
+        for (int64_t i = 0; i < C; i++)
+            b->att[r * C + i] = b->qkv[r * W + i] * b->qkv[r * W + 2 * C + i];
+    const int isa = use_avx2 ? (kv_use_vnni() ? 2 : 1) : 0;
+    if (kv_short_conv(b->att, (const float *)(intptr_t)L->conv, NULL, (float *)(intptr_t)st[0],
+                      s->state_slots, b->ones, B, C, L->conv_k, 0, b->h, isa))
+        return -1;
+    for (int64_t r = 0; r < B; r++)
+        for (int64_t i = 0; i < C; i++) b->h[r * C + i] = b->qkv[r * W + C + i] * b->h[r * C + i];
+    if (kv_product(&L->rc_out, b->h, B, b->o, s->hidden)) return -1;
+    residual(x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
+/* the layer's token mixer: attention, latent attention or a recurrent step */
+static int mixer_half(const kv_layer_plan *L, int64_t l, const kv_step *s, float *x,
+                      kv_bufs *b, int use_avx2) {
+    if (L->mixer == KV_MIX_SHORT_CONV) return conv_half(L, s->states + 2 * l, s, x, b, use_avx2);
+    if (L->mla) return mla_half(L, s->caches + 4 * l, s, x, b, use_avx2);
+    return attention_half(L, s->caches + 4 * l, s, x, b, use_avx2);
+}
+
 /* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
  * shared expert of an MoE layer */
 static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
@@ -279,7 +312,7 @@ static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
         if (L->scoring == KV_ROUTE_TOPK_SOFTMAX)
             kv_moe_route_topk_softmax(logits, E, k, ids, w);
         else
-            kv_moe_route(logits, E, k, (int)L->norm_topk, ids, w);
+            kv_moe_route(logits, E, k, L->groups, L->top_groups, (int)L->norm_topk, ids, w);
         const float scale = plan_f32(L->routed_scale);  /* DeepSeek-V2 scales them */
         if (L->scoring == KV_ROUTE_SOFTMAX && scale != 1.0f)
             for (int64_t j = 0; j < k; j++) w[j] *= scale;
@@ -356,12 +389,12 @@ int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const 
         E = KV_MAX(E, L->n_experts);
         k = KV_MAX(k, L->top_k);
         const int64_t D = layer_dim(L, s);
-        qkv = KV_MAX(qkv, (s->H + 2 * layer_kv_heads(L, s)) * D);
-        att = KV_MAX(att, s->H * D);
+        qkv = KV_MAX(qkv, KV_MAX((s->H + 2 * layer_kv_heads(L, s)) * D, L->rc_in.rows));
+        att = KV_MAX(att, KV_MAX(s->H * D, L->rc_out.cols));
     }
     const int64_t B = s->B;
     float *mem = malloc((size_t)(B * (4 * s->hidden + qkv + att + gu + gu / 2 + E +
-                                      3 * k)) * sizeof(float));
+                                      3 * k + 2)) * sizeof(float));
     if (!mem) return -1;
     kv_bufs b = {.h = mem};
     b.qkv = b.h + B * s->hidden;
@@ -374,11 +407,12 @@ int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const 
     b.logits = b.moe_in + B * s->hidden;
     b.route_w = b.logits + B * E;
     b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
+    b.ones = b.route_ids + B * k;
+    for (int64_t r = 0; r < B; r++) b.ones[r] = 1;
     int rc = 0;
     for (int64_t l = 0; l < layers && !rc; l++)
-        rc = (plan[l].mla ? mla_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)
-                          : attention_half(&plan[l], s->caches + 4 * l, s, x, &b, use_avx2)) ||
-             mlp_half(&plan[l], s, x, &b) || layer_tail(&plan[l], s, x, &b);
+        rc = mixer_half(&plan[l], l, s, x, &b, use_avx2) || mlp_half(&plan[l], s, x, &b) ||
+             layer_tail(&plan[l], s, x, &b);
     free(mem);
     return rc ? -1 : 0;
 }

@@ -11,6 +11,9 @@ enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
 /* softmax over every expert then top k; top k of the logits then softmax over them; sigmoid
  * scores, grouped top k of score + bias, weights the scores (kvlab/models/moe.py) */
 enum { KV_ROUTE_SOFTMAX = 0, KV_ROUTE_TOPK_SOFTMAX = 1, KV_ROUTE_SIGMOID = 2 };
+/* what mixes a layer's tokens: attention over the KV cache, or a short convolution over the
+ * sequence's state row */
+enum { KV_MIX_ATTENTION = 0, KV_MIX_SHORT_CONV = 1 };
 
 typedef struct {
     int64_t attn_norm, n_qkv;          /* attn_norm (and mlp_norm) 0: no norm before (OLMo 2) */
@@ -40,6 +43,12 @@ typedef struct {
     int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
     int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
     int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
+    /* a recurrent layer in attention's place (KV_MIX_*; 0: attention). LFM2's short
+     * convolution: rc_in -> [b | c | u] each C wide, y = c * conv(b * u) over the sequence's
+     * conv state (its K - 1 inputs before this token), rc_out; conv fp32 [C, K] */
+    int64_t mixer;
+    kv_wdesc rc_in, rc_out;
+    int64_t conv, conv_k;
     /* Gemma 4: the layer's own head size and KV heads (0: the step's D and KVH); kv_shared
      * 1: no K/V of its own, it attends over the store its caches row names (an earlier
      * layer's, written this step); values_from_keys 1: q|k products only, v = k before k's
@@ -79,6 +88,9 @@ typedef struct {
     int kv_kind;                            /* KV_CACHE_*: fp32, fp16 or q8_0 (scaled) */
     const float *ple;                       /* [B, ple_width]: per-layer inputs, or NULL */
     int64_t ple_width;
+    const int64_t *states;                  /* [layers, 2]: a recurrent layer's conv and
+                                             * recurrent states [num_slots, ...], or NULL */
+    const int64_t *state_slots;             /* [B]: each sequence's row in them */
 } kv_step;
 
 /* Runs every layer of the plan on x [B, hidden] (the residual stream, updated in place),
