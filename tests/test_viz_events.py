@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from kvlab.engine import Engine, EngineConfig, KVView
 from kvlab.server.apis import front_ends
@@ -27,7 +25,7 @@ from kvlab.server.core.async_engine import AsyncEngine
 from kvlab.server.viz.events import kv_record
 from kvlab.server.viz.predict import this_machine
 
-from net import free_port
+from net import free_port, serving
 
 LONG = ("The paged KV cache keeps the keys and values of every token in fixed-size blocks, "
         "so that")  # 22 tokens: one full block can come from the prefix cache
@@ -37,18 +35,8 @@ LONG = ("The paged KV cache keeps the keys and values of every token in fixed-si
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     engine = Engine.from_model(None, EngineConfig(kv_cache_gib=0.25))
-    app = create_app(AsyncEngine(engine), front_ends())
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(15)
+    with serving(create_app(AsyncEngine(engine), front_ends())) as url:
+        yield url
 
 
 @pytest.fixture()

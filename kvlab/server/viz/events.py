@@ -57,6 +57,8 @@ class UserState:
     text: str = ""
     last_view: KVView | None = None
     done: bool = False
+    draft_tokens: int = 0  # speculative decoding: proposals verified so far
+    accepted_tokens: int = 0  # of which the model kept
 
 
 class LiveRequests:
@@ -239,10 +241,14 @@ class VizRun:
             await self._add(1)
 
     def _step_events(self, state: UserState, out: RequestOutput) -> list[dict[str, Any]]:
+        verify = self._verify_event(state, out)
+        accepted = verify["accepted"] if verify is not None else 0
         events = []
         for i, token in enumerate(out.new_token_ids):
             state.output_ids.append(token)
             events.append(self._token_event(state, out, token))
+            if i < accepted:  # a verify run's kept proposals lead the step's tokens
+                events[-1]["proposal"] = "accepted"
             if out.experts is not None and i == 0:  # the sampled token's routing (MoE)
                 events[-1]["experts"] = out.experts
             if out.allowed_tokens is not None:  # a structure: the first was sampled from
@@ -252,11 +258,30 @@ class VizRun:
         if events:  # the text that became final this step rides on its last token
             events[-1]["text_delta"] = out.text_delta
         state.text += out.text_delta
+        if verify is not None:
+            events.append({**verify, "index": len(state.output_ids) - 1})
         if out.finished:
             state.done = True
             self.live.users.pop(state.request_id, None)
             events.append(self._done_event(state, out))
         return events
+
+    def _verify_event(self, state: UserState, out: RequestOutput) -> dict[str, Any] | None:
+        """This step's verify run of the user's proposals, from the difference of the
+        cumulative counts; None when the step verified none.
+
+            proposals  d1 d2 d3 d4     accepted 2, rejected 2
+            tokens     d1 d2 t         t: the model's own token where d3 was
+        """
+        proposed = out.draft_tokens - state.draft_tokens
+        accepted = out.accepted_tokens - state.accepted_tokens
+        state.draft_tokens, state.accepted_tokens = out.draft_tokens, out.accepted_tokens
+        if not proposed:
+            return None
+        return {"event": "verify", "request_id": state.request_id, "user": state.user,
+                "proposed": proposed, "accepted": accepted, "rejected": proposed - accepted,
+                "draft_tokens": out.draft_tokens, "accepted_tokens": out.accepted_tokens,
+                "acceptance_rate": out.accepted_tokens / out.draft_tokens}
 
     def _token_event(self, state: UserState, out: RequestOutput, token: int) -> dict[str, Any]:
         k = len(state.output_ids)  # tokens generated so far, this one included
@@ -288,6 +313,7 @@ class VizRun:
                 "finish_reason": out.finish_reason.value if out.finish_reason else None,
                 "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
                 "output_tokens": out.output_tokens, "output_token_ids": state.output_ids,
+                "draft_tokens": out.draft_tokens, "accepted_tokens": out.accepted_tokens,
                 "text": state.text, "metrics": metrics,
                 "kv": kv_record(kv_tokens, out.cached_tokens, state.last_view, self.block_size,
                                 self.bytes_per_token)}
