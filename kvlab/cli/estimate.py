@@ -34,6 +34,13 @@ from kvlab.estimate.serving_replay import (
     serving_figures,
 )
 from kvlab.estimate.specs import load_model_spec, spec_from_description, spec_from_gguf
+from kvlab.estimate.speculative import (
+    DEFAULT_ACCEPTANCE,
+    SpecEstimate,
+    check_speculation,
+    predict_speculative,
+    step_seconds,
+)
 from kvlab.estimate.step_model import predict
 from kvlab.estimate.workload import DEFAULT_EFFICIENCY, KV_BYTES_PER_ELEMENT
 from kvlab.probe import resolve_hardware
@@ -59,6 +66,7 @@ def register(subparsers: Any) -> None:
     _add_hardware_args(p.add_argument_group("hardware"))
     _add_workload_args(p.add_argument_group("workload"))
     _add_parallel_args(p.add_argument_group("parallel configurations (predicted)"))
+    _add_speculative_args(p.add_argument_group("speculative decoding (predicted)"))
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the estimate as JSON")
     out.add_argument("--plot", metavar="FILE.png",
@@ -138,6 +146,18 @@ def _add_parallel_args(g: argparse._ArgumentGroup) -> None:
                    help="with --link-bandwidth: microseconds per all-reduce step (10)")
 
 
+def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--speculative", type=_positive_int, metavar="K",
+                   help="predict speculative decoding of K proposed tokens a step: tokens "
+                        "per verify step, tok/s and the speed-up over plain decode")
+    g.add_argument("--acceptance", type=float, metavar="A",
+                   help=f"with --speculative: each proposed token's acceptance rate, in "
+                        f"[0, 1) ({DEFAULT_ACCEPTANCE}; `kvlab bench --speculative` measures it)")
+    g.add_argument("--draft-model", metavar="FILE.gguf",
+                   help="with --speculative: the draft model that proposes (default: n-gram "
+                        "lookup, free)")
+
+
 def _parallel(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec,
               workload: Workload, single: Any) -> Any:
     """The tensor-parallel / replica prediction, when any of its flags asks for one."""
@@ -168,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         efficiency=(args.efficiency[0], args.efficiency[1]), compute_dtype=args.dtype)
     result = estimate(model, hw, workload)
     parallel = _parallel(args, model, hw, workload, result)
+    spec = _speculative(args, model, hw, workload)
     own = served = None
     if args.engine == "kvlab":
         kvlab_workload = replace(workload, concurrency=1, kv_dtype=args.kv_dtype or "f32")
@@ -179,17 +200,43 @@ def run(args: argparse.Namespace) -> int:
             out["kvlab"] = own.to_dict() | {"serving": served}
         if parallel is not None:
             out["parallel"] = asdict(parallel) | {"speedup": parallel.speedup}
+        if spec is not None:
+            out["speculative"] = spec.to_dict()
         print(json.dumps(out, indent=2))
     else:
         text = "" if own is None or served is None else own.format() + _serving_text(served)
         if parallel is not None:
             text += format_parallel(parallel)
+        if spec is not None:
+            text += spec.format()
         print(format_estimate(result) + text, end="")
     if args.plot:
         path = plot_estimate(result, args.plot)
         if not args.json:
             print(f"plot written to {path}")
     return 0
+
+
+def _speculative(args: argparse.Namespace, model: ModelSpec, hw: HardwareSpec,
+                 workload: Workload) -> SpecEstimate | None:
+    """Speculation against plain decode at batch 1 and at --concurrency, mid-reply."""
+    if args.speculative is None:
+        return None
+    acceptance = DEFAULT_ACCEPTANCE if args.acceptance is None else args.acceptance
+    check_speculation(args.speculative, acceptance)
+    context = workload.prompt_tokens + workload.output_tokens // 2
+    own = args.engine == "kvlab"
+    if own:  # kvlab's engine keeps an f32 cache unless told
+        workload = replace(workload, kv_dtype=args.kv_dtype or "f32")
+    step, source = step_seconds(model, hw, workload, context, own)
+    draft = proposer = None
+    if args.draft_model:
+        draft_spec = load_model_spec(args.draft_model)
+        draft, _ = step_seconds(draft_spec, hw, workload, context, own)
+        proposer = f"the draft {draft_spec.name or args.draft_model}"
+    return predict_speculative(step, args.speculative, acceptance, (1, args.concurrency),
+                               draft, proposer or "n-gram lookup", source,
+                               args.acceptance is not None)
 
 
 def predict_kvlab(model: ModelSpec, hw: HardwareSpec, workload: Workload) -> KvlabPrediction:
@@ -237,6 +284,9 @@ def _described(args: argparse.Namespace) -> list[str]:
 
 
 def _check_model_args(args: argparse.Namespace) -> None:
+    if args.speculative is None and (args.acceptance is not None or args.draft_model):
+        flag = "--acceptance" if args.acceptance is not None else "--draft-model"
+        raise KvlabError(f"{flag} applies with --speculative K (the tokens proposed a step)")
     if args.model and _described(args):
         raise KvlabError(f"give a model file or a description, not both (got {args.model} and "
                          f"{', '.join(_described(args))}); --bits may go with a config.json")
