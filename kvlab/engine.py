@@ -224,17 +224,15 @@ class Engine:
         self.model_name = model_name or loaded.config.name
         pools = self._pool_sizes(loaded.config, config)
         num_blocks = pools.num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 pools.window, pools.state_slots, pools.snapshots)
         # a multi-token-prediction proposer also reads every step's hidden states (_feed_mtp)
         self.mtp = (mtp_proposer(loaded, config.num_speculative, config.kv_dtype, num_blocks,
                                  config.device, config.speculative_adaptive)
                     if config.speculative == "mtp" else None)
         proposer = self.mtp or self._proposer(config, loaded.config.vocab_size)
-        if proposer is not None and self.kv.states is not None:
-            raise KvlabError(f"{loaded.config.name or loaded.config.architecture} has "
-                             "recurrent layers, whose state cannot take back rejected "
-                             "proposals: run it without --speculative")
+        # recurrent states take back rejected proposals from a backup row per slot
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 pools.window, pools.state_slots, pools.snapshots,
+                                 state_backups=proposer is not None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs,
                                                    config.max_num_batched_tokens), self.kv,
                                    proposer)
@@ -245,8 +243,7 @@ class Engine:
                 "graphs": config.decode_graphs if ranks is None else "off",
                 "max_batch": config.max_num_seqs,
                 "num_window_blocks": pools.window.num_blocks if pools.window else None,
-                "num_state_slots": pools.state_slots + (pools.snapshots.num_rows
-                                                        if pools.snapshots else 0)}
+                "num_state_slots": self.kv.num_state_rows}
         self.runner = (ModelRunner(loaded.model, loaded.config, **args) if ranks is None
                        else LeaderRunner(ranks, loaded.model, loaded.config, **args))
         # an encoder keeps no KV: its context is the model's, not the pool's

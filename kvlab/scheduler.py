@@ -23,6 +23,16 @@ step computes the last sampled token and the guesses together and asks for logit
 The engine verifies them; `settle` drops the rejected guesses and truncates the block table,
 and only then does `update` advance the counter and register full blocks, so the prefix
 cache never holds an unverified token.
+
+A recurrent layer's state cannot drop a token it has taken in, so a hybrid model's verify
+step first copies the sequence's state to its backup row (`state_backup`). When a guess is
+rejected, the sequence is rewound: its counter stays where the step began, and its next
+step restores the backup and computes the kept tokens again with the new ones:
+
+    step n:    o3 d1 d2 d3        d1 kept, d2 rejected, s sampled in its place
+    step n+1:  o3 d1 s e1 e2      from the state before o3; e1 e2 the next guesses
+
+A verify step saves no snapshot: its state may hold a rejected token.
 """
 
 from __future__ import annotations
@@ -88,6 +98,9 @@ class ScheduledSeq(NamedTuple):
     # logits rows it needs when needs_logits: its last num_logits positions (the last
     # sampled token and each proposed one)
     num_logits: int = 1
+    # a hybrid model's verify step: the row its state is copied to before the step (after
+    # any restore), restored from if a proposal is rejected
+    state_backup: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,9 @@ class Scheduler:
         self._blocks_only = kv.blocks_only  # a sequence's step needs its block table alone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # hybrid sequences whose verify step rejected a guess: their counter stays at the
+        # step's start, and their next step restores the state from the backup row
+        self._rewound: set[str] = set()
 
     def add(self, seq: Sequence) -> None:
         if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
@@ -144,7 +160,7 @@ class Scheduler:
                 self._drop_drafts(seq, min(over, seq.num_draft_tokens))
             n = min(len(seq.token_ids) - done, budget)
             if not self._blocks_only:  # a hybrid's step may end on a snapshot boundary
-                n = self.kv.step_end(done, done + n, seq.num_prompt_tokens) - done
+                n = self._step_end(seq, n)
             while not self.kv.allocate_slots(seq.seq_id, done + n):
                 if seq.num_draft_tokens:  # its guesses go before anyone's blocks do
                     n -= seq.num_draft_tokens
@@ -159,6 +175,18 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _step_end(self, seq: Sequence, n: int) -> int:
+        """How many of seq's next n tokens its step runs, ending on a snapshot boundary.
+        A boundary among its guesses drops them all: the state saved there must be verified,
+        and plain steps reach it."""
+        done, prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+        end = self.kv.step_end(done, done + n, prompt)
+        if end < done + n and seq.num_draft_tokens:
+            n -= seq.num_draft_tokens
+            self._drop_drafts(seq, seq.num_draft_tokens)
+            end = self.kv.step_end(done, done + n, prompt)
+        return end - done
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -186,12 +214,19 @@ class Scheduler:
                                 end == len(seq.token_ids),
                                 max(0, min(end, seq.num_prompt_tokens) - start),
                                 num_logits=1 + seq.num_draft_tokens)
-        restore, save = kv.state_copies(seq_id, end, seq.num_prompt_tokens)
+        backup = kv.state_backup(seq_id) if seq.num_draft_tokens else None
+        if seq_id in self._rewound:  # from the state before its last verify step
+            self._rewound.discard(seq_id)
+            restore, save = kv.state_backup(seq_id), None
+        elif backup is not None:
+            restore, save = None, None
+        else:
+            restore, save = kv.state_copies(seq_id, end, seq.num_prompt_tokens)
         return ScheduledSeq(  # positional: needs_logits, prefill_tokens, window_table, ...
             seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
             end == len(seq.token_ids), max(0, min(end, seq.num_prompt_tokens) - start),
             kv.window_table(seq_id), kv.state_slot(seq_id), restore, save,
-            1 + seq.num_draft_tokens)
+            1 + seq.num_draft_tokens, backup)
 
     def _propose(self) -> None:
         """Ask the proposer for each decoding sequence's next tokens and append them."""
@@ -221,8 +256,11 @@ class Scheduler:
 
     def settle(self, seq: Sequence, num_accepted: int) -> None:
         """After a verify step: keep the first num_accepted proposals (now computed), drop
-        the rest and release the KV blocks past the kept tokens. Call before update."""
+        the rest and release the KV blocks past the kept tokens. Call before update. A
+        hybrid sequence with a rejected guess is rewound (see the module docstring)."""
         proposed = seq.num_draft_tokens
+        if num_accepted < proposed and self.kv.state_backup(seq.seq_id) is not None:
+            self._rewound.add(seq.seq_id)
         if seq.draft is not None:
             seq.draft.acceptance.record(proposed, num_accepted)
         self._drop_drafts(seq, proposed - num_accepted)
@@ -231,6 +269,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_drafts(seq, seq.num_draft_tokens)
+        self._rewound.discard(seq.seq_id)  # recomputed from token 0 or a snapshot
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -243,7 +282,8 @@ class Scheduler:
         for s in output.scheduled:
             seq = seqs[s.seq_id]
             # min: rejected proposals were computed but are no longer tokens (settle)
-            seq.num_computed_tokens = done = min(s.start + len(s.token_ids), len(seq.token_ids))
+            done = min(s.start + len(s.token_ids), len(seq.token_ids))
+            seq.num_computed_tokens = done = s.start if s.seq_id in self._rewound else done
             kv.cache_full_blocks(seq.seq_id, seq.token_ids, done)
             if not self._blocks_only:
                 kv.release_out_of_window(seq.seq_id, done)
@@ -255,6 +295,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+        self._rewound.discard(seq.seq_id)
         self.kv.free(seq.seq_id)
         if self.proposer is not None and seq.draft is not None:
             self.proposer.forget(seq.draft)

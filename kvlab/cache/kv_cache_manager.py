@@ -65,10 +65,12 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  window: WindowSpec | None = None, state_slots: int = 0,
-                 snapshots: SnapshotSpec | None = None):
+                 snapshots: SnapshotSpec | None = None, state_backups: bool = False):
         """state_slots: how many sequences the recurrent layers can hold (0: no such
         layers); with any, the prefix cache needs `snapshots` (rows numbered after the
-        slots') and is off without them (see the module docstring)."""
+        slots') and is off without them (see the module docstring). state_backups: each
+        slot has a backup row too (after the snapshots' rows), which a speculative verify
+        step copies its state into first, to take back rejected proposals."""
         enable_prefix_caching = enable_prefix_caching and (state_slots == 0 or
                                                            snapshots is not None)
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
@@ -78,6 +80,10 @@ class KVCacheManager:
         self.snapshots = (StateSnapshots(snapshots, state_slots, block_size)
                           if state_slots and snapshots is not None and enable_prefix_caching
                           else None)
+        # rows: [slots | snapshot rows | backup rows, one per slot]
+        rows = state_slots + (snapshots.num_rows if snapshots is not None else 0)
+        self.num_state_rows = rows + (state_slots if state_backups else 0)
+        self._backup_base = rows if state_backups and state_slots else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_stats = PrefixStats()
@@ -189,6 +195,11 @@ class KVCacheManager:
     def state_slot(self, seq_id: str) -> int | None:
         """seq_id's row in the recurrent layers' state tensors, or None (no such layers)."""
         return self.states.slot(seq_id) if self.states is not None else None
+
+    def state_backup(self, seq_id: str) -> int | None:
+        """The backup row of seq_id's state slot, or None (no backups, or no slot)."""
+        slot = self.state_slot(seq_id)
+        return None if slot is None or self._backup_base is None else self._backup_base + slot
 
     def step_end(self, start: int, end: int, num_prompt_tokens: int) -> int:
         """Where a step over token positions [start, end) ends: with state snapshots, on the

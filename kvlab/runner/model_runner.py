@@ -7,8 +7,9 @@ stores have that many blocks instead, addressed through each sequence's window t
 
 A hybrid model's recurrent layers have no KV store (None in kv_caches); the runner holds
 their states (kvlab.models.state_store) with num_state_slots rows (the sequences' slots, then
-the prefix cache's snapshots), zeroes a sequence's row when it starts from token 0, copies a
-snapshot in or out where the step says, and passes the step's rows to the model.
+the prefix cache's snapshots, then with speculation a backup row per slot), zeroes a
+sequence's row when it starts from token 0, copies a snapshot or backup in or out where the
+step says, and passes the step's rows to the model.
 
 A step's input tensors come from the persistent batch (persistent_batch): block-table rows
 kept across steps, so a decode step's host work does not grow with each sequence's context.
@@ -232,7 +233,8 @@ class ModelRunner:
 
     def _step_states(self, out: SchedulerOutput) -> StateBatch:
         """The step's rows of the recurrent states; a sequence that starts from token 0
-        starts from a zero state, a prefix hit from its snapshot."""
+        starts from a zero state, a prefix hit from its snapshot, a rewound sequence from
+        its backup; a verify step backs its state up first."""
         assert self.states is not None
         missing = [s.seq_id for s in out.scheduled if s.state_slot is None]
         if missing:
@@ -241,6 +243,8 @@ class ModelRunner:
         self.states.zero([s.state_slot for s in out.scheduled if s.start == 0])
         restored = [s for s in out.scheduled if s.state_restore is not None]
         self.states.copy([s.state_restore for s in restored], [s.state_slot for s in restored])
+        verifying = [s for s in out.scheduled if s.state_backup is not None]
+        self.states.copy([s.state_slot for s in verifying], [s.state_backup for s in verifying])
         return self.states.batch([s.state_slot for s in out.scheduled],
                                  [len(s.token_ids) for s in out.scheduled])
 
