@@ -14,6 +14,7 @@ from kvlab.cli.common import (
 )
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
+from kvlab.estimate.speculative import SpecRun
 from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.metrics import RunCost
 from kvlab.probe import this_machine
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     _print(results, args.output, engine, accepted)
     if args.estimate:
         print_check(str(args.model or default_model_path()), results, args.threads,
-                    quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype)
+                    quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype,
+                    speculative=_spec_runs(results, accepted), draft_path=args.draft_model)
     return 0
 
 
@@ -110,6 +112,13 @@ def _parallel_note(size: int) -> str:
 def _since(before: SpecCounts, after: SpecCounts) -> SpecCounts:
     return SpecCounts(after.runs - before.runs, after.drafted - before.drafted,
                       after.accepted - before.accepted)
+
+
+def _spec_runs(results: list[BenchResult], counts: dict[str, SpecCounts]
+               ) -> dict[str, SpecRun]:
+    """Each speculative tg test's counts over the tokens its repetitions decoded."""
+    return {r.test: SpecRun(r.n_gen * len(r.samples), c.runs, c.drafted, c.accepted)
+            for r in results if (c := counts.get(r.test)) is not None}
 
 
 def _print(results: list[BenchResult], fmt: str, engine: Engine,

@@ -22,7 +22,9 @@ from kvlab.estimate.bench_check import (
 )
 from kvlab.estimate.hardware import GB, HardwareSpec
 from kvlab.estimate.kernel_steps import unsupported_reason
+from kvlab.estimate.speculative import SpecRun, check_run
 from kvlab.estimate.verdict import error_percent
+from kvlab.estimate.workload import Workload
 from kvlab.probe.cache import PROBE_VERSION, cache_path, read_probe, save_probe
 from kvlab.probe.machine import probe
 
@@ -48,9 +50,20 @@ def _hardware(threads: int | None, model_path: str | None = None) -> HardwareSpe
 
 
 def print_check(model_path: str, results: list[BenchFigure], threads: int | None,
-                quantized: bool, kv_dtype: str = KV_DTYPE) -> None:
+                quantized: bool, kv_dtype: str = KV_DTYPE,
+                speculative: dict[str, SpecRun] | None = None,
+                draft_path: str | None = None) -> None:
     hw = _hardware(threads, model_path)
     model = bench_model(model_path)
+    _print_figures(model, hw, results, quantized, kv_dtype)
+    if speculative:
+        _print_speculative(model, hw, results, speculative, kv_dtype, draft_path)
+
+
+def _print_figures(model: ModelSpec, hw: HardwareSpec, results: list[BenchFigure],
+                   quantized: bool, kv_dtype: str) -> None:
+    """Every measured figure against kvlab's step model, or the roofline where it does not
+    apply."""
     # a quantized model's prefill runs kvlab's integer kernels: their probed rate applies
     dtype = "int8" if quantized and "int8" in hw.flops else None
     reason = unsupported_reason(model, hw) or (
@@ -64,6 +77,28 @@ def print_check(model_path: str, results: list[BenchFigure], threads: int | None
     print("\nnotes")
     for line in notes(results, rows, hw):
         print(f"  {line}")
+
+
+def _print_speculative(model: ModelSpec, hw: HardwareSpec, results: list[BenchFigure],
+                       runs: dict[str, SpecRun], kv_dtype: str, draft_path: str | None) -> None:
+    """Each speculative tg test's decode predicted at the acceptance it measured."""
+    draft = bench_model(draft_path) if draft_path else None
+    print("\nspeculative decode, predicted at each test's measured acceptance (the decode rows "
+          "above predict plain decode)")
+    for r in results:
+        if r.test not in runs:
+            continue
+        run = runs[r.test]
+        workload = Workload(prompt_tokens=max(1, r.depth), output_tokens=r.n_gen,
+                            kv_dtype=kv_dtype)
+        c = check_run(model, hw, workload, run, draft)
+        point = c.estimate.points[0]
+        print(f"{r.test} speculative tok/s: predicted {c.tok_s:.3f}, measured "
+              f"{r.tok_s_mean:.3f}, error {error_percent(c.tok_s, r.tok_s_mean):+.1f}% "
+              f"(k {run.k}, acceptance {run.acceptance:.2f} a token from {run.accepted} of "
+              f"{run.drafted} proposed kept; {run.runs} verify steps of "
+              f"{point.tokens_per_step:.2f} tokens + {c.plain_steps:.0f} plain; plain decode "
+              f"{point.plain_tok_s:.3f}; {c.estimate.source})")
 
 
 def _print_rows(rows: list[CheckRow]) -> None:

@@ -164,17 +164,55 @@ def step_seconds(model: ModelSpec, hw: HardwareSpec, workload: Workload, context
             "the roofline's figures in the step model's shape")
 
 
-def measured_prediction(model: ModelSpec, hw: HardwareSpec, workload: Workload, k: int,
-                        drafted: int, accepted: int, draft: ModelSpec | None = None
-                        ) -> SpecEstimate:
-    """One sequence's speculative decode over `workload`'s reply at the acceptance a run
-    measured (`accepted` of `drafted` proposed tokens, `k` a verify run on average)."""
-    a = acceptance_from_ratio(accepted / drafted if drafted else 0.0, k)
+@dataclass(frozen=True)
+class SpecRun:
+    """What a run with speculation counted while decoding `tokens` tokens of one sequence."""
+
+    tokens: int
+    runs: int  # verify steps: steps where the sequence had proposals
+    drafted: int
+    accepted: int
+
+    @property
+    def k(self) -> int:
+        """Tokens proposed a verify step, on average."""
+        return max(1, round(self.drafted / self.runs)) if self.runs else 1
+
+    @property
+    def acceptance(self) -> float:
+        return acceptance_from_ratio(self.accepted / self.drafted if self.drafted else 0.0,
+                                     self.k)
+
+
+@dataclass(frozen=True)
+class SpecCheck:
+    """A run's decode predicted at its own acceptance and proposals: its verify steps at the
+    step model's price, each yielding the expected tokens, the rest plain decode steps."""
+
+    run: SpecRun
+    estimate: SpecEstimate  # one sequence, at the run's k and acceptance
+
+    @property
+    def plain_steps(self) -> float:
+        point = self.estimate.points[0]
+        return max(self.run.tokens - self.run.runs * point.tokens_per_step, 0.0)
+
+    @property
+    def tok_s(self) -> float:
+        p = self.estimate.points[0]
+        seconds = self.run.runs * (p.verify_step + p.propose) + self.plain_steps * p.plain_step
+        return self.run.tokens / seconds if seconds else p.plain_tok_s
+
+
+def check_run(model: ModelSpec, hw: HardwareSpec, workload: Workload, run: SpecRun,
+              draft: ModelSpec | None = None) -> SpecCheck:
+    """The decode tok/s a run with speculation should have reached over `workload`'s reply."""
     context = workload.prompt_tokens + workload.output_tokens // 2
     step, source = step_seconds(model, hw, workload, context)
     draft_step = None if draft is None else step_seconds(draft, hw, workload, context)[0]
     name = "n-gram lookup" if draft is None else f"the draft {draft.name}"
-    return predict_speculative(step, k, a, (1,), draft_step, name, source)
+    return SpecCheck(run, predict_speculative(step, run.k, run.acceptance, (1,), draft_step,
+                                              name, source))
 
 
 def step_model_seconds(sm: StepModel, context: int) -> StepSeconds:
