@@ -68,7 +68,9 @@ class MoeConfig:
     # the choice only (DeepSeek-V3's noaux_tc, GLM-4.5), or "topk_softmax": the top k of the
     # router's logits (with its bias), softmax over those k (gpt-oss)
     scoring: str = "softmax"
-    groups: int = 1  # sigmoid: experts in this many groups, the best `top_groups` kept
+    # experts in this many groups, the best `top_groups` kept: sigmoid ranks a group by its
+    # two best biased scores, softmax (DeepSeek-V2's group_limited_greedy) by its best one
+    groups: int = 1
     top_groups: int = 1
     routed_scale: float = 1.0  # the chosen experts' weights multiplied by this
     # (alpha, limit) of gpt-oss's clamped SwiGLU experts (moe.ClampedSwiglu); None: SwiGLU

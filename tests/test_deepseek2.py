@@ -29,7 +29,10 @@ from tiny_models import build_deepseek, convert_with_llama_cpp
 TOL = 1e-4
 # llama.cpp's built tools (llama-quantize): the folder KVLAB_LLAMA_BIN names, if any
 LLAMA_BIN = Path(os.environ.get("KVLAB_LLAMA_BIN", "llama.cpp-tools-not-given"))
+# v2_groups: V2's group_limited_greedy, three experts from the best two of four groups
 VARIANTS = {"v3": {}, "v3_plain_q": {"q_lora_rank": None}, "v2": {"v2": True},
+            "v2_groups": {"v2": True, "topk_method": "group_limited_greedy", "n_group": 4,
+                          "topk_group": 2, "num_experts_per_tok": 3},
             "v3_yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
                                             "factor": 4.0, "original_max_position_embeddings": 8,
                                             "mscale": 1.0, "mscale_all_dim": 1.0}}}

@@ -2,9 +2,10 @@
 one C call: latent attention (q_a and its norm or one q product, kv_a and its norm, the
 rotary part, the absorbed attention over the latent store, o), then the dense first layer
 or the routed experts (V3's sigmoid with its correction bias and grouped top k, V2's
-softmax, both times routed_scaling_factor) and the shared expert. Logits equal the per-op
-path's within fp32 rounding of the router and within cosine 0.999 of transformers'; alone,
-batched on scattered blocks, and through the engine with preemption."""
+softmax over all experts or within its best groups, both times routed_scaling_factor) and
+the shared expert. Logits equal the per-op path's within fp32 rounding of the router and
+within cosine 0.999 of transformers'; alone, batched on scattered blocks, and through the
+engine with preemption."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 
 import pytest
 import test_decode_c
+import test_deepseek2
 import torch
 from test_deepseek2 import LLAMA_BIN, _gguf
 from test_engine import run_all
@@ -29,7 +31,8 @@ from tiny_models import build_deepseek, convert_with_llama_cpp
 
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
-VARIANTS = {"v3": {}, "v3_plain_q": {"q_lora_rank": None}, "v2": {"v2": True}}
+VARIANTS = {"v3": {}, "v3_plain_q": {"q_lora_rank": None}, "v2": {"v2": True},
+            "v2_groups": test_deepseek2.VARIANTS["v2_groups"]}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -23,7 +23,7 @@ and W_UV are torch products around paged_attention.
 Rotary dims are stored in pair order (x0, x1 rotate together: transformers' rope_interleave,
 llama.cpp's NORM rope); both loaders lay them out as halves for kvlab's rotate-half RoPE.
 DeepSeek-V3 routes by sigmoid with a choice bias and grouped top-k (moe.route_sigmoid), V2
-by softmax; both scale the chosen weights by routed_scaling_factor and add shared experts.
+by softmax, its top k limited to the best groups in V2 and V2.5 (moe.route); all scale the chosen weights by routed_scaling_factor and add shared experts.
 The softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim) squared.
 Multi-token-prediction (nextn) layers after num_hidden_layers are left out of the main
 model; --speculative mtp runs the first as its proposer (kvlab.models.mtp).
@@ -79,18 +79,23 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _hf_moe(cfg: dict[str, Any]) -> MoeConfig | None:
-    """DeepSeek-V3's sigmoid routing (GLM-4.5's keys), or V2's softmax over all experts
-    (topk_method greedy: no groups, no renormalisation unless norm_topk_prob)."""
+    """DeepSeek-V3's sigmoid routing (GLM-4.5's keys), or V2's softmax over all experts (no
+    renormalisation unless norm_topk_prob), its top k over all of them (topk_method greedy)
+    or within the topk_group of n_group groups whose best score is highest
+    (group_limited_greedy: V2 and V2.5)."""
     if not cfg.get("n_routed_experts"):
         return None
     v2 = cfg.get("model_type") == "deepseek_v2"  # softmax routing; V3 and later: sigmoid
     if cfg.get("scoring_func", "softmax" if v2 else "sigmoid") == "sigmoid":
         return glm4moe.hf_sigmoid_moe(cfg)
-    if cfg.get("topk_method", "greedy") != "greedy":
-        raise ModelLoadError(f"DeepSeek-V2 topk_method {cfg.get('topk_method')!r} is not "
-                             "supported (valid: greedy, or noaux_tc with sigmoid scoring)")
-    return dataclasses.replace(glm4moe.hf_sigmoid_moe({**cfg, "n_group": 1}), scoring="softmax",
-                               groups=1, top_groups=1,
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ModelLoadError(f"DeepSeek-V2 topk_method {method!r} is not supported (valid: "
+                             "greedy, group_limited_greedy, or noaux_tc with sigmoid scoring)")
+    groups = int(cfg.get("n_group") or 1) if method == "group_limited_greedy" else 1
+    return dataclasses.replace(glm4moe.hf_sigmoid_moe({**cfg, "n_group": groups}),
+                               scoring="softmax",
+                               top_groups=int(cfg.get("topk_group") or 1) if groups > 1 else 1,
                                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
@@ -124,6 +129,9 @@ def _gguf_rope(g: Any) -> tuple[RopeConfig, float]:
 
 
 def _gguf_moe(meta: dict[str, Any], g: Any) -> MoeConfig | None:
+    """The experts of a GGUF; groups with softmax gating are V2's group_limited_greedy, each
+    group ranked by its best score as the checkpoint was trained (llama.cpp ranks every
+    family's groups by their two best)."""
     if not g("expert_count", 0):
         return None
     base = moe.moe_from_gguf(meta, "deepseek2", norm_topk_prob=False)
@@ -131,8 +139,7 @@ def _gguf_moe(meta: dict[str, Any], g: Any) -> MoeConfig | None:
     return dataclasses.replace(
         base, shared_intermediate_size=int(g("expert_shared_count", 0))
         * base.expert_intermediate_size, scoring="sigmoid" if sigmoid else "softmax",
-        groups=int(g("expert_group_count", 1)) if sigmoid else 1,
-        top_groups=int(g("expert_group_used_count", 1)) if sigmoid else 1,
+        groups=int(g("expert_group_count", 1)), top_groups=int(g("expert_group_used_count", 1)),
         routed_scale=float(g("expert_weights_scale", 1.0)))
 
 

@@ -172,13 +172,28 @@ def route(h: torch.Tensor, router: Weight, moe: MoeConfig) -> tuple[torch.Tensor
     """h [T, hidden] -> routing weights [T, k] (h's dtype) and expert ids [T, k] (int64).
 
     Softmax over all experts in fp32, then top-k, then (norm_topk_prob) renormalised over the
-    k: the order of every transformers MoE file kvlab loads."""
+    k: the order of every transformers MoE file kvlab loads. With groups (DeepSeek-V2's
+    group_limited_greedy) the top k is taken within the `top_groups` groups whose best
+    probability is highest."""
     logits = linear(h, router)
     probs = torch.softmax(logits.float(), dim=-1)
-    top, ids = torch.topk(probs, moe.experts_per_token, dim=-1)
+    choice = probs if moe.groups == 1 else keep_groups(probs, moe, lambda g: g.amax(dim=-1))
+    ids = torch.topk(choice, moe.experts_per_token, dim=-1).indices
+    top = probs.gather(1, ids)
     if moe.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return (top * moe.routed_scale).to(h.dtype), ids  # DeepSeek-V2 scales them
+
+
+def keep_groups(choice: torch.Tensor, moe: MoeConfig,
+                group_score: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """choice [T, E] with the experts outside the `top_groups` best of `groups` consecutive
+    groups set to -inf; group_score maps [T, groups, E / groups] -> [T, groups]."""
+    t, e = choice.shape
+    best = group_score(choice.view(t, moe.groups, e // moe.groups))  # [T, groups]
+    keep = torch.zeros_like(best, dtype=torch.bool)
+    keep.scatter_(1, best.topk(moe.top_groups, dim=-1, sorted=False).indices, True)
+    return choice.masked_fill(~keep.repeat_interleave(e // moe.groups, dim=1), float("-inf"))
 
 
 def route_topk_softmax(h: torch.Tensor, router: Weight, bias: torch.Tensor,
@@ -199,13 +214,7 @@ def route_sigmoid(h: torch.Tensor, router: Weight, bias: torch.Tensor,
     scores = torch.sigmoid(linear(h.float(), router).float())  # [T, E]
     choice = scores + bias
     if moe.groups > 1:
-        t, e = choice.shape
-        per_group = choice.view(t, moe.groups, e // moe.groups)
-        best = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, groups]
-        keep = torch.zeros_like(best, dtype=torch.bool)
-        keep.scatter_(1, best.topk(moe.top_groups, dim=-1, sorted=False).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // moe.groups, dim=1),
-                                    float("-inf"))
+        choice = keep_groups(choice, moe, lambda g: g.topk(2, dim=-1).values.sum(dim=-1))
     ids = torch.topk(choice, moe.experts_per_token, dim=-1, sorted=False).indices
     top = scores.gather(1, ids)
     if moe.norm_topk_prob:

@@ -278,27 +278,6 @@ int kv_moe_experts_opts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, c
     return 0;
 }
 
-void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
-                  float *weights) {
-    float m = logits[0], sum = 0;
-    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
-    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - m);
-    uint64_t taken[4] = {0, 0, 0, 0};  /* E <= 256 */
-    float top = 0;
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (!(taken[e / 64] >> (e % 64) & 1) && (best < 0 || logits[e] > logits[best]))
-                best = e;
-        taken[best / 64] |= (uint64_t)1 << (best % 64);
-        ids[j] = best;
-        weights[j] = expf(logits[best] - m) / sum;
-        top += weights[j];
-    }
-    if (norm)
-        for (int64_t j = 0; j < k; j++) weights[j] /= top;
-}
-
 /* the k largest of v [E] (E <= 256) not masked, descending, the first of equals first */
 static void top_k(const float *v, const uint64_t *masked, int64_t E, int64_t k, int64_t *ids) {
     uint64_t taken[4] = {0, 0, 0, 0};
@@ -322,9 +301,10 @@ void kv_moe_route_topk_softmax(const float *logits, int64_t E, int64_t k, int64_
     for (int64_t j = 0; j < k; j++) weights[j] /= sum;
 }
 
-/* the groups outside the top_groups best (by their two best choice values) masked */
+/* the groups outside the top_groups best masked: each group ranked by its best choice value
+ * (softmax: DeepSeek-V2's group_limited_greedy) or by its two best summed (sigmoid) */
 static void mask_groups(const float *choice, int64_t E, int64_t groups, int64_t top_groups,
-                        uint64_t *masked) {
+                        int by_best, uint64_t *masked) {
     const int64_t per = E / groups;
     float best[256];
     for (int64_t g = 0; g < groups; g++) {
@@ -333,7 +313,7 @@ static void mask_groups(const float *choice, int64_t E, int64_t groups, int64_t 
             if (choice[e] > a) b = a, a = choice[e];
             else if (choice[e] > b) b = choice[e];
         }
-        best[g] = a + b;
+        best[g] = by_best ? a : a + b;
     }
     int64_t keep[256];
     const uint64_t none[4] = {0, 0, 0, 0};
@@ -342,6 +322,21 @@ static void mask_groups(const float *choice, int64_t E, int64_t groups, int64_t 
     for (int64_t j = 0; j < top_groups; j++)
         for (int64_t e = keep[j] * per; e < (keep[j] + 1) * per; e++)
             masked[e / 64] &= ~((uint64_t)1 << (e % 64));
+}
+
+void kv_moe_route(const float *logits, int64_t E, int64_t k, int64_t groups,
+                  int64_t top_groups, int norm, int64_t *ids, float *weights) {
+    float m = logits[0], sum = 0;
+    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - m);
+    /* softmax is monotone: the logits rank the experts and the groups as the scores do */
+    uint64_t masked[4] = {0, 0, 0, 0};  /* E <= 256 */
+    if (groups > 1) mask_groups(logits, E, groups, top_groups, 1, masked);
+    top_k(logits, masked, E, k, ids);
+    float top = 0;
+    for (int64_t j = 0; j < k; j++) top += weights[j] = expf(logits[ids[j]] - m) / sum;
+    if (norm)
+        for (int64_t j = 0; j < k; j++) weights[j] /= top;
 }
 
 void kv_moe_route_sigmoid(float *logits, const float *bias, int64_t E, int64_t k,
@@ -353,7 +348,7 @@ void kv_moe_route_sigmoid(float *logits, const float *bias, int64_t E, int64_t k
         choice[e] = logits[e] + (bias ? bias[e] : 0.0f);
     }
     uint64_t masked[4] = {0, 0, 0, 0};
-    if (groups > 1) mask_groups(choice, E, groups, top_groups, masked);
+    if (groups > 1) mask_groups(choice, E, groups, top_groups, 0, masked);
     top_k(choice, masked, E, k, ids);
     float sum = 0;
     for (int64_t j = 0; j < k; j++) sum += weights[j] = logits[ids[j]];

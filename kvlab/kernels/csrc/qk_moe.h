@@ -8,9 +8,11 @@
 #include "qk.h"
 
 /* One token's routing from its router scores [E]: softmax in fp32, the k largest (the first
- * of equals first), in descending order, renormalized over the k when norm. */
-void kv_moe_route(const float *logits, int64_t E, int64_t k, int norm, int64_t *ids,
-                  float *weights);
+ * of equals first), in descending order, renormalized over the k when norm. groups > 1
+ * (DeepSeek-V2's group_limited_greedy): the k only from the top_groups of `groups`
+ * consecutive groups whose best score is highest. */
+void kv_moe_route(const float *logits, int64_t E, int64_t k, int64_t groups,
+                  int64_t top_groups, int norm, int64_t *ids, float *weights);
 /* gpt-oss's routing of one token: logits [E] (the router's bias already added), the k
  * largest, descending, weights their softmax in fp32 */
 void kv_moe_route_topk_softmax(const float *logits, int64_t E, int64_t k, int64_t *ids,
