@@ -142,3 +142,19 @@ def test_bench_estimate_checks_speculative_decode(tmp_path: Path,
     assert "tg32: speculative ngram" in out
     line = next(x for x in out.splitlines() if x.startswith("tg32 speculative tok/s"))
     assert "predicted" in line and "measured" in line and "%" in line
+
+
+def test_engine_kvlab_prices_the_steps_with_the_step_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from test_estimate_serving import _probe_with_steps
+
+    gguf = _probe_with_steps(tmp_path, monkeypatch)
+    assert run_cli(["estimate", str(gguf), "--engine", "kvlab", "--prompt", "40", "--output",
+                    "16", "--speculative", "4", "--acceptance", "0", "--concurrency", "8",
+                    "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)["speculative"]
+    assert spec["source"] == "kvlab's step model"
+    one, eight = spec["points"]
+    assert one["verify_step"] > one["plain_step"] and one["speedup"] < 1.0
+    assert eight["plain_step"] > one["plain_step"]

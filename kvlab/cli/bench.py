@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.estimate:
         print_check(str(args.model or default_model_path()), results, args.threads,
                     quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype,
-                    speculative=_spec_runs(results, accepted), draft_path=args.draft_model)
+                    speculative=_spec_runs(results, accepted), draft_path=args.draft_model, method=engine.config.speculative)
     return 0
 
 

@@ -52,12 +52,14 @@ def _hardware(threads: int | None, model_path: str | None = None) -> HardwareSpe
 def print_check(model_path: str, results: list[BenchFigure], threads: int | None,
                 quantized: bool, kv_dtype: str = KV_DTYPE,
                 speculative: dict[str, SpecRun] | None = None,
-                draft_path: str | None = None) -> None:
+                draft_path: str | None = None, method: str | None = None) -> None:
     hw = _hardware(threads, model_path)
     model = bench_model(model_path)
     _print_figures(model, hw, results, quantized, kv_dtype)
     if speculative:
         _print_speculative(model, hw, results, speculative, kv_dtype, draft_path)
+        if method == "mtp":
+            print("  the MTP layer's own passes are not priced: the prediction takes them as free")
 
 
 def _print_figures(model: ModelSpec, hw: HardwareSpec, results: list[BenchFigure],

@@ -11,6 +11,10 @@ in place of the roofline's 60-85 % (what `kvlab bench --estimate` checks against
 and kvlab serving `--concurrency` clients, each sending `--requests` / concurrency requests
 one after another (closed loop, as `kvlab loadtest` does): kvlab's scheduler replayed over
 the step model, with output tok/s, TTFT and ITL (what `kvlab loadtest --estimate` checks).
+
+`--speculative K [--acceptance A] [--draft-model FILE.gguf]` adds speculative decoding: a
+verify step of 1 + K rows a sequence yielding (1 - A^(K+1)) / (1 - A) tokens, its tok/s and
+speed-up over plain decode at batch 1 and at --concurrency (kvlab.estimate.speculative).
 """
 
 from __future__ import annotations
