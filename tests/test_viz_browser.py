@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,25 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
+    with kvlab_serve() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def spec_server() -> Iterator[str]:
+    # a fixed k: every step proposes wherever the prompt has a match, whatever the timings
+    with kvlab_serve("--speculative", "ngram", "--speculative-adaptive", "off") as url:
+        yield url
+
+
+@contextmanager
+def kvlab_serve(*flags: str) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvlab.cli.main", "serve", "--host", "127.0.0.1", "--port",
-         str(port), "--kv-cache-gib", "0.25", "--log-level", "warning"],
+         str(port), "--kv-cache-gib", "0.25", "--log-level", "warning", *flags],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -255,3 +269,39 @@ def test_second_tab_sees_the_first_tabs_blocks(browser: Any, server: str) -> Non
     b_prefill = b.evaluate("() => window.vizState.run.users[0].first.cached_tokens")
     assert b_prefill > 0  # tab B's prompt starts with tab A's: its first blocks were reused
     assert a.errors == [] and b.errors == []
+
+
+def test_speculative_proposals_are_marked(browser: Any, spec_server: str) -> None:
+    page = open_page(browser, spec_server)
+    # some of prompt lookup's continuations are right, some not
+    page.fill("#prompt", "The cat sat on the mat. The dog sat on the log. The bird sat on the")
+    page.fill("#max-tokens", "24")
+    events = run_in_page(page)
+    verifies = [e for e in events if e["event"] == "verify"]
+    done = of(events, "done")
+    accepted = sum(v["accepted"] for v in verifies)
+    rejected = sum(v["rejected"] for v in verifies)
+    assert accepted > 0 and rejected > 0 and accepted + rejected == done["draft_tokens"]
+    lane = '.lane[data-user="0"]'
+    assert chip_ids(page, f"{lane} .chip") == done["output_token_ids"]
+    marked = chip_ids(page, f"{lane} .chip.accepted")
+    assert marked == [e["token"]["id"] for e in events if e.get("proposal") == "accepted"]
+    assert len(marked) == accepted == done["accepted_tokens"]
+    # each rejected proposal is a mark right after the token the model put in its place
+    marks = page.eval_on_selector_all(f"{lane} .rej", """els => els.map(e => {
+        let p = e.previousElementSibling;
+        while (!p.classList.contains("chip")) p = p.previousElementSibling;
+        return [Number(e.dataset.index), Number(p.dataset.id)]; })""")
+    ids = done["output_token_ids"]
+    assert [tuple(m) for m in marks] == [(v["index"], ids[v["index"]]) for v in verifies
+                                         for _ in range(v["rejected"])]
+    head = page.inner_text(f"{lane} .lane-head")
+    shown = re.search(r"proposals: (\d+) of (\d+) accepted \((\d+) %\)", head)
+    assert shown, head
+    assert [int(g) for g in shown.groups()[:2]] == [done["accepted_tokens"],
+                                                    done["draft_tokens"]]
+    assert abs(int(shown.group(3)) - 100 * accepted / done["draft_tokens"]) <= 0.5
+    assert page.is_visible("#spec-legend")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "viz-speculative.png"), full_page=True)
+    assert page.errors == []

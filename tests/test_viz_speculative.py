@@ -19,8 +19,9 @@ from kvlab.server.core.async_engine import AsyncEngine
 
 from net import serving
 
-# a prompt that repeats itself, so prompt lookup finds the continuation in it
-REPEATS = "one two three four five six seven eight, " * 4 + "one two three"
+# a prompt that repeats itself, so prompt lookup finds continuations in it: some right,
+# some not
+REPEATS = "The cat sat on the mat. The dog sat on the log. The bird sat on the"
 COUNTERS = ("kvlab:spec_decode_num_drafts_total", "kvlab:spec_decode_num_draft_tokens_total",
             "kvlab:spec_decode_num_accepted_tokens_total")
 
@@ -77,7 +78,7 @@ def test_verify_events_sum_to_the_requests_counts(client: httpx.Client) -> None:
     before = counters(client)
     events = run(client, prompt=REPEATS, max_tokens=24, ignore_eos=True)
     runs, proposed, accepted = check_user(events, 0)
-    assert proposed > 0 and accepted > 0  # the repeats were proposed and kept
+    assert 0 < accepted < proposed  # repeats were proposed: some kept, some not
     after = counters(client)
     assert [a - b for a, b in zip(after, before)] == [runs, proposed, accepted]
     order = [e["event"] for e in events]

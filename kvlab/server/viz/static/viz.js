@@ -1,6 +1,6 @@
 /* kvlab visualiser. Reads the NDJSON events of POST /viz/api/run (see docs/viz.md) and
    draws them: prompt chips and prefill, decode chips with their latency, the request's KV
-   blocks, the paged pool, metrics beside the estimator's prediction, and a what-if replay.
+   blocks, speculative decoding's accepted and rejected proposals, the paged pool, metrics beside the estimator's prediction, and a what-if replay.
    Plain browser JavaScript, no libraries, no network access beyond this server. */
 "use strict";
 
@@ -189,6 +189,7 @@ function handle(ev) {
   switch (ev.event) {
     case "start": newRun(ev); break;
     case "prefill": case "decode": onToken(ev); break;
+    case "verify": onVerify(ev); break;
     case "pool": S.pool = ev; break;
     case "done": onDone(ev); break;
     case "end":
@@ -208,11 +209,12 @@ function newRun(ev) {
     promptKey: "",
     users: ev.request_ids.map((rid, i) => ({
       i, rid, color: COLORS[i % COLORS.length], out: [], first: null, kv: null, done: null,
-      itl: [], text: "", lastT: 0,
+      itl: [], text: "", lastT: 0, spec: null,
     })),
   };
   S.selected = 0;
   S.pool = ev.pool;
+  $("spec-legend").hidden = true;
   buildLanes();
   setStatus(`running: ${ev.users} user(s), prompt of ${ev.prompt.token_ids.length} tokens`);
 }
@@ -238,8 +240,29 @@ function onToken(ev) {
   } else if (ev.structure) {
     c.title += ` · sampled from the ${int(ev.structure.allowed)} tokens the structure allowed`;
   }
+  if (ev.proposal === "accepted") {
+    c.classList.add("accepted");
+    c.title += " · a speculative proposal the model accepted";
+  }
   u.lane.chips.append(c);
   for (const [id] of S.freed) if (ev.kv.block_table.includes(id)) S.freed.delete(id);
+}
+
+// A verify run: its kept proposals are the accepted chips before this step's last token;
+// each rejected one is a struck mark beside that token, which the model put in its place.
+function onVerify(ev) {
+  const u = S.run.users[ev.user];
+  u.spec = ev;
+  $("spec-legend").hidden = false;
+  for (let k = 0; k < ev.rejected; k++) {
+    const m = document.createElement("span");
+    m.className = "rej";
+    m.dataset.index = ev.index;
+    m.textContent = "✕";
+    m.title = `proposal rejected: ${ev.accepted} of ${ev.proposed} kept this step; ` +
+              `token ${ev.index} is the model's own`;
+    u.lane.chips.append(m);
+  }
 }
 
 function onDone(ev) {
@@ -313,8 +336,12 @@ function renderLanes() {
     const cached = u.first && u.first.cached_tokens
       ? ` · <span style="color:${REUSED}">♻ ${u.first.cached_tokens} prompt tokens from the prefix cache</span>`
       : "";
+    const spec = u.spec
+      ? ` · <span class="spec-rate">proposals: ${int(u.spec.accepted_tokens)} of ` +
+        `${int(u.spec.draft_tokens)} accepted (${fixed(100 * u.spec.acceptance_rate, 0)} %)</span>`
+      : "";
     u.lane.head.innerHTML = `<b style="color:${u.color}">user ${u.i + 1}</b> · ` +
-      `${laneState(u)}${cached}`;
+      `${laneState(u)}${cached}${spec}`;
     u.lane.text.textContent = u.text;
     u.lane.el.classList.toggle("selected", u.i === S.selected && S.run.users.length > 1);
   }
