@@ -88,6 +88,10 @@ def test_estimate_text_names_the_default_acceptance(capsys: pytest.CaptureFixtur
     assert "acceptance 0.7 is a stand-in" in out and "1 seq: plain" in out
     assert run_cli(["estimate", *DESCRIBED, "--speculative", "4", "--acceptance", "0"]) == 0
     assert "a slowdown: the verify rows cost more" in capsys.readouterr().out
+    assert run_cli(["estimate", *DESCRIBED, "--speculative", "4", "--concurrency", "256"]) == 0
+    assert "256 seq" in (out := capsys.readouterr().out) and "the batch is compute-bound" in out
+    assert run_cli(["estimate", *DESCRIBED, "--speculative", "4", "--concurrency", "16"]) == 0
+    assert "less than alone" in capsys.readouterr().out
 
 
 def test_a_draft_model_costs_its_passes(capsys: pytest.CaptureFixture[str]) -> None:

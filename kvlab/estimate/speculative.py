@@ -118,7 +118,7 @@ class SpecEstimate:
         tokens = expected_tokens(self.k, self.acceptance)
         lines = [(f"speculative decoding: {self.k} tokens proposed a step by {self.proposer}, "
                  f"acceptance {self.acceptance:.2f} a token -> {tokens:.2f} tokens a verify "
-                 f"step of {self.k + 1} rows ({self.source})")]
+                 f"step of {self.k + 1} rows ({self.source}; tok/s a sequence)")]
         if not self.acceptance_given:
             lines.append(f"  acceptance {DEFAULT_ACCEPTANCE} is a stand-in: give the rate your "
                          "text reaches with --acceptance (`kvlab bench --speculative` measures it)")
@@ -127,17 +127,20 @@ class SpecEstimate:
                 f"  {p.concurrency:>3} seq: plain {p.plain_tok_s:,.1f} tok/s "
                 f"({p.plain_step * 1e3:.2f} ms a step), speculative {p.tok_s:,.1f} tok/s "
                 f"(verify {p.verify_step * 1e3:.2f} ms + proposer {p.propose * 1e3:.2f} ms): "
-                f"x{p.speedup:.2f}{_verdict(p)}")
+                f"x{p.speedup:.2f}{_verdict(p, self.points[0])}")
         return "\n".join(lines) + "\n\n"
 
 
-def _verdict(p: SpecPoint) -> str:
+def _verdict(p: SpecPoint, alone: SpecPoint) -> str:
+    """Why a point gains less than one sequence alone, or loses."""
+    batch = p.concurrency > 1 and p.speedup < alone.speedup
     if p.speedup >= 1.0:
-        return ""
+        return (" - less than alone: the batch shares its weight read already, so the extra "
+                "rows' compute weighs more") if batch else ""
     if p.propose > p.verify_step - p.plain_step:
         return " - a slowdown: the draft's passes cost more than the kept tokens save"
-    if p.concurrency > 1:
-        return " - a slowdown: the batch's extra rows cost their full compute"
+    if batch:
+        return " - a slowdown: the batch is compute-bound, its extra rows cost in full"
     return " - a slowdown: the verify rows cost more than the kept tokens save"
 
 
