@@ -162,3 +162,19 @@ def test_engine_kvlab_prices_the_steps_with_the_step_model(
     one, eight = spec["points"]
     assert one["verify_step"] > one["plain_step"] and one["speedup"] < 1.0
     assert eight["plain_step"] > one["plain_step"]
+
+
+def test_a_run_without_proposals_is_predicted_as_plain_decode() -> None:
+    from kvlab.estimate.speculative import SpecCheck, SpecRun
+
+    none = SpecRun(tokens=64, runs=0, drafted=0, accepted=0)
+    plain = SpecCheck(none, predict_speculative(_steps(), none.k, none.acceptance, (1,)))
+    assert plain.plain_steps == 64 and plain.tok_s == pytest.approx(
+        plain.estimate.points[0].plain_tok_s)
+    run = SpecRun(tokens=64, runs=16, drafted=64, accepted=48)  # 4 a step, 3 of 4 kept
+    assert run.k == 4 and 0.75 < run.acceptance < 1.0
+    c = SpecCheck(run, predict_speculative(_steps(), run.k, run.acceptance, (1,)))
+    p = c.estimate.points[0]
+    assert p.tokens_per_step == pytest.approx(4.0, rel=1e-6)  # 1 + the 3 kept on average
+    assert c.plain_steps == pytest.approx(0.0, abs=1e-6)
+    assert c.tok_s == pytest.approx(64 / (16 * p.verify_step))
