@@ -2,8 +2,8 @@
 the recurrent state up, and a rejected proposal rewinds the sequence to it, so greedy output
 is the same as plain decoding alone, batched, chunked, after a prefix hit and after
 preemption, with n-gram proposals (repeating prompts: some kept, some rejected) and with a
-draft model (a random one of another family: mostly rejected); every state slot and block
-is free afterwards."""
+draft model (a random one of another family or of the same: mostly rejected; the model
+itself: all kept); every state slot and block is free afterwards."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ from test_hybrid import GREEDY, engine, run_all
 
 from kvlab.cache import KVCacheManager
 from kvlab.engine import Engine
+from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kvlab.spec.adaptive import DraftState
+from kvlab.spec.draft import DraftProposer
+from kvlab.spec.proposer import Candidate
+from kvlab.weights.checkpoint import open_checkpoint
 
 from tiny_models import build, build_hybrid
 
@@ -58,12 +63,36 @@ def test_ngram_alone_batched_and_chunked_equal_plain_decoding(tiny, alone):
     assert run_all(chunked, PROMPTS) == alone and all_free(chunked)
 
 
+def draft_engine(tiny, draft) -> Engine:
+    return engine(tiny, speculative="draft", draft_model=str(draft), num_speculative=3,
+                  speculative_adaptive=False)
+
+
 def test_draft_model_proposals_equal_plain_decoding(tiny, draft, alone):
-    e = engine(tiny, speculative="draft", draft_model=str(draft), num_speculative=3,
-               speculative_adaptive=False)
+    e = draft_engine(tiny, draft)
     assert run_all(e, PROMPTS) == alone
     counts = e.stats().speculative
     assert counts.drafted > counts.accepted  # another model's guesses: mostly rejected
+    assert all_free(e)
+
+
+def test_the_model_as_its_own_draft_is_accepted_and_exact(tiny, alone):
+    """A draft with recurrent layers: the target itself, whose guesses are all kept."""
+    e = draft_engine(tiny, tiny[2] / "hf")
+    assert run_all(e, PROMPTS) == alone
+    counts = e.stats().speculative
+    assert counts.drafted == counts.accepted > 0
+    assert all_free(e)
+
+
+def test_a_hybrid_draft_of_other_weights_rewinds_its_own_state(tiny, alone, tmp_path):
+    """Another random model of the same family: its state goes back past the guesses
+    the target rejected, and the output is still the target's."""
+    build_hybrid(tiny[0], tmp_path, seed=7)
+    e = draft_engine(tiny, tmp_path / "hf")
+    assert run_all(e, PROMPTS) == alone
+    counts = e.stats().speculative
+    assert counts.drafted > counts.accepted
     assert all_free(e)
 
 
@@ -132,3 +161,22 @@ def test_a_rejection_rewinds_to_the_backup_and_recomputes_the_kept_tokens():
     assert again.state_restore == backup and again.state_backup == backup
     assert again.state_save is None  # unverified tokens: no snapshot
 
+
+
+def test_a_draft_that_went_back_proposes_as_a_fresh_one(tiny):
+    """One guess kept, the next rejected: the draft restores its backup and computes the
+    kept guess again, so it proposes what a draft that never guessed proposes."""
+    loaded = load_model(open_checkpoint(tiny[2] / "hf"), LoadOptions())
+
+    def propose(p: DraftProposer, state: DraftState, tokens: list[int]) -> list[int]:
+        return p.propose([Candidate(state, tokens, 8)], 1)[0]
+
+    draft, state = DraftProposer(loaded, 3, "f32", 0.01, 4, adaptive=False), DraftState()
+    tokens = list(PROMPTS[1])
+    first = propose(draft, state, tokens)
+    assert len(first) == 3
+    tokens += [first[0], (first[1] + 1) % 96]
+    fresh = DraftProposer(loaded, 3, "f32", 0.01, 4, adaptive=False)
+    assert propose(draft, state, tokens) == propose(fresh, DraftState(), tokens)
+    draft.forget(state)
+    assert draft.kv.states is not None and draft.kv.states.num_free == draft.kv.states.num_slots

@@ -12,6 +12,11 @@ the tokens it lacks in one chunk and then one token per pass, all sequences batc
 
 Greedy, so its q is one-hot and kvlab.spec.verify applies unchanged.
 
+A draft with recurrent layers (the target itself, say) cannot release a token from its
+state, so its first proposal pass backs the state up (the state after the catch-up, at the
+sequence's last token); when a later step keeps fewer tokens than it holds, the draft goes
+back there, restores the backup and computes the kept proposals again in its catch-up.
+
 Each pass's rows before the last predict tokens the sequence already has; those the draft
 did not propose are shadow trials of its acceptance rate (kvlab.spec.adaptive), scored
 against what the target produced, and so is the last row's guess of a sequence that takes
@@ -62,6 +67,10 @@ class _Held:
     scored_to: int  # positions before this one are not scored (the prompt, scored ones)
     tokens: list[int] = field(default_factory=list)
     guess: int | None = None  # its unproposed next token after `tokens`
+    # recurrent layers: how many tokens the state in its backup row has taken in (None:
+    # no backup), and whether its next pass starts from that backup
+    backed_up: int | None = None
+    restore: bool = False
 
 
 class DraftProposer(CachingProposer):
@@ -71,17 +80,17 @@ class DraftProposer(CachingProposer):
         self.planner = Planner(num_speculative, adaptive, draft=True)
         self.max_k = num_speculative
         c = loaded.config
-        if c.recurrent is not None:
-            raise KvlabError(f"draft model {c.name or c.architecture} has recurrent layers, "
-                             "whose state cannot take back rejected proposals")
         budget = CacheBudget(kv_bytes_per_element(kv_dtype), BLOCK_SIZE, kv_cache_gib * 2**30,
                              max_num_seqs, 512)
-        blocks = pool_sizes(c, budget, False).num_blocks
+        pools = pool_sizes(c, budget, False)
+        blocks = pools.num_blocks
         self.vocab_size = c.vocab_size
-        self.kv = KVCacheManager(blocks, BLOCK_SIZE, enable_prefix_caching=False)
+        self.kv = KVCacheManager(blocks, BLOCK_SIZE, enable_prefix_caching=False,
+                                 state_slots=pools.state_slots, state_backups=True)
         quantized = any(t.qtype not in ("F32", "F16", "BF16") for t in loaded.tensors)
         self.runner = ModelRunner(loaded.model, c, blocks, BLOCK_SIZE, kv_dtype, device,
-                                  quantized, graphs="off", max_batch=max_num_seqs)
+                                  quantized, graphs="off", max_batch=max_num_seqs,
+                                  num_state_slots=self.kv.num_state_rows)
         self.held: dict[int, _Held] = {}  # by id() of the sequence's DraftState
         self._ids = itertools.count()
 
@@ -100,10 +109,10 @@ class DraftProposer(CachingProposer):
                 out[i].append(first)
             else:  # scored once its token comes
                 self.held[id(candidates[i].state)].guess = first
-        for _ in range(1, max((ks[i] for i in live), default=0)):
+        for n in range(1, max((ks[i] for i in live), default=0)):
             live = [i for i in live if len(out[i]) < ks[i]]
             work = [(self.held[id(candidates[i].state)], [out[i][-1]], 1) for i in live]
-            for i, token in zip(live, self._pass(work)):
+            for i, token in zip(live, self._pass(work, back_up=n == 1)):
                 out[i].append(token)
         self.drafting = time.perf_counter() - began
         return out
@@ -131,13 +140,26 @@ class DraftProposer(CachingProposer):
             held.state.acceptance.record(1, int(c.token_ids[same] == held.guess))
         held.guess = None
         same = min(same, len(c.token_ids) - 1)  # the last token is computed to draft from
+        same = self._rewind(held, same)
         del held.tokens[same:]
         self.kv.truncate(held.seq_id, same)
         if not self.kv.allocate_slots(held.seq_id, len(c.token_ids) + max(k - 1, 0)):
             self.kv.free(held.seq_id)
             held.tokens.clear()
+            held.backed_up, held.restore = None, False
             return False
         return True
+
+    def _rewind(self, held: _Held, same: int) -> int:
+        """How many tokens the draft keeps: `same`, or with recurrent layers, where it
+        drops any, as many as its backup holds (restored at its next pass), or none."""
+        if self.kv.states is None or same >= len(held.tokens):
+            return same
+        if held.backed_up is not None and held.backed_up <= same:
+            held.restore = True
+            return held.backed_up
+        held.backed_up, held.restore = None, False
+        return 0  # from a zero state
 
     def _catch_up(self, c: Candidate) -> tuple[_Held, list[int], int]:
         """A synced candidate's first pass: the tokens its draft lacks, and how many of
@@ -149,18 +171,15 @@ class DraftProposer(CachingProposer):
         held.scored_to = max(held.scored_to, end)  # the pass scores up to here
         return held, new, end - min(first, end - 1)
 
-    def _pass(self, work: list[tuple[_Held, list[int], int]]) -> list[int]:
+    def _pass(self, work: list[tuple[_Held, list[int], int]], back_up: bool = False
+              ) -> list[int]:
         """One draft forward pass, timed: each sequence's tokens past those it holds in,
         the greedy token after them out. Rows with logits before the last are guesses of
-        tokens the sequence has: each one scores its acceptance rate."""
+        tokens the sequence has: each one scores its acceptance rate. back_up: recurrent
+        states are backed up first (a first proposal pass)."""
         if not work:
             return []
-        scheduled = []
-        for held, new, rows in work:
-            scheduled.append(ScheduledSeq(held.seq_id, len(held.tokens), new,
-                                          self.kv.block_table(held.seq_id), True, 0,
-                                          num_logits=rows))
-            held.tokens.extend(new)
+        scheduled = [self._scheduled(held, new, rows, back_up) for held, new, rows in work]
         began = time.perf_counter()
         logits = self.runner.execute(SchedulerOutput(scheduled)).logits
         guesses = fused.argmax(logits.float()).tolist()
@@ -174,6 +193,23 @@ class DraftProposer(CachingProposer):
                 held.state.acceptance.record(1, int(guess == token))
             nexts.append(guesses[at - 1])
         return nexts
+
+
+    def _scheduled(self, held: _Held, new: list[int], rows: int, back_up: bool
+                   ) -> ScheduledSeq:
+        """One sequence's part of a pass; its tokens are held from now on."""
+        kv, seq_id = self.kv, held.seq_id
+        backup = kv.state_backup(seq_id)
+        restore = backup if held.restore else None
+        held.restore = False
+        if back_up and backup is not None:
+            held.backed_up = len(held.tokens)
+        else:
+            backup = None
+        s = ScheduledSeq(seq_id, len(held.tokens), new, kv.block_table(seq_id), True, 0,
+                         None, kv.state_slot(seq_id), restore, None, rows, backup)
+        held.tokens.extend(new)
+        return s
 
 
 def load_draft(path: str, num_speculative: int, target_vocab: int, kv_dtype: str,
