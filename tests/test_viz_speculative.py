@@ -94,3 +94,13 @@ def test_each_user_has_its_own_verify_events(client: httpx.Client) -> None:
     assert [a - b for a, b in zip(after, before)] == [sum(t[i] for t in totals)
                                                       for i in range(3)]
     assert all(t[1] > 0 for t in totals)
+
+
+def test_a_schema_run_keeps_proposals_before_forced_tokens(client: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"animal": {"type": "string"}},
+              "required": ["animal"]}
+    events = run(client, prompt=f'{REPEATS} mat. As JSON: {{"animal": "cat"}} {{"animal": "dog"}}',
+                 max_tokens=40, json_schema=schema)
+    check_user(events, 0)
+    (done,) = [e for e in events if e["event"] == "done"]
+    assert json.loads(done["text"])["animal"]

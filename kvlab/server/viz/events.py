@@ -243,7 +243,7 @@ class VizRun:
     def _step_events(self, state: UserState, out: RequestOutput) -> list[dict[str, Any]]:
         verify = self._verify_event(state, out)
         accepted = verify["accepted"] if verify is not None else 0
-        events = []
+        first, events = len(state.output_ids), []
         for i, token in enumerate(out.new_token_ids):
             state.output_ids.append(token)
             events.append(self._token_event(state, out, token))
@@ -259,7 +259,8 @@ class VizRun:
             events[-1]["text_delta"] = out.text_delta
         state.text += out.text_delta
         if verify is not None:
-            events.append({**verify, "index": len(state.output_ids) - 1})
+            # the model's own token: after the kept proposals, before any a structure forced
+            events.append({**verify, "index": min(first + accepted, len(state.output_ids) - 1)})
         if out.finished:
             state.done = True
             self.live.users.pop(state.request_id, None)

@@ -248,12 +248,13 @@ function onToken(ev) {
   for (const [id] of S.freed) if (ev.kv.block_table.includes(id)) S.freed.delete(id);
 }
 
-// A verify run: its kept proposals are the accepted chips before this step's last token;
-// each rejected one is a struck mark beside that token, which the model put in its place.
+// A verify run: its kept proposals are the accepted chips before the model's own token
+// (ev.index); each rejected one is a struck mark beside that token, which took its place.
 function onVerify(ev) {
   const u = S.run.users[ev.user];
   u.spec = ev;
   $("spec-legend").hidden = false;
+  const marks = [];
   for (let k = 0; k < ev.rejected; k++) {
     const m = document.createElement("span");
     m.className = "rej";
@@ -261,8 +262,11 @@ function onVerify(ev) {
     m.textContent = "✕";
     m.title = `proposal rejected: ${ev.accepted} of ${ev.proposed} kept this step; ` +
               `token ${ev.index} is the model's own`;
-    u.lane.chips.append(m);
+    marks.push(m);
   }
+  const own = u.lane.chips.querySelectorAll(".chip")[ev.index];
+  if (own) own.after(...marks);
+  else u.lane.chips.append(...marks);
 }
 
 function onDone(ev) {
