@@ -283,7 +283,7 @@ class Engine:
                              config.kv_cache_gib * 2**30, config.max_num_seqs,
                              config.max_num_batched_tokens,
                              config.max_num_seqs if config.enable_prefix_caching else 0,
-                             config.state_snapshot_blocks)
+                             config.state_snapshot_blocks, config.speculative is not None)
         if not model.causal:  # an encoder only embeds: one block stands for the pool
             return PoolSizes(1, None)
         graphs = config.decode_graphs == "eager" or (config.decode_graphs == "auto"

@@ -115,8 +115,9 @@ def test_prefix_hit_and_snapshots_hold_only_verified_tokens(tiny, alone):
 
 def test_preemption_with_proposals_loses_nothing(tiny, alone):
     c = engine(tiny).loaded.config
-    # room for 14 blocks of 4 tokens beside 16 sequences' states: the prompts grow to 24
-    gib = (16 * c.state_bytes_per_seq() + 14 * 4 * c.kv_bytes_per_token(4)) / 2**30
+    # room for 14 blocks of 4 tokens beside 16 sequences' states and their backups: the
+    # prompts grow to 24 blocks
+    gib = (32 * c.state_bytes_per_seq() + 14 * 4 * c.kv_bytes_per_token(4)) / 2**30
     e = engine(tiny, kv_cache_gib=gib, enable_prefix_caching=False, **NGRAM)
     assert e.kv.num_blocks == 14
     seqs: list = []

@@ -47,6 +47,7 @@ class CacheBudget:
     max_num_batched_tokens: int
     state_snapshots: int = 0  # hybrid models: snapshot rows wanted for the prefix cache
     snapshot_every_blocks: int = 16  # and how far apart, in full blocks
+    state_backups: bool = False  # speculation: a backup row per slot (KVCacheManager)
 
 
 def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> PoolSizes:
@@ -59,7 +60,8 @@ def pool_sizes(config: ModelConfig, budget: CacheBudget, windowed: bool) -> Pool
     if (slots + snaps) * per_seq > budget.memory_bytes / 2:
         snaps = 0
     spec = SnapshotSpec(snaps, budget.snapshot_every_blocks) if snaps else None
-    state_bytes = (slots + snaps) * per_seq
+    backups = slots if budget.state_backups else 0
+    state_bytes = (slots + snaps + backups) * per_seq
     if state_bytes >= budget.memory_bytes:
         raise KvlabError(
             f"the recurrent states of {slots} sequences take {state_bytes / 2**30:.3f} GiB, "

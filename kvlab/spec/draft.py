@@ -81,7 +81,7 @@ class DraftProposer(CachingProposer):
         self.max_k = num_speculative
         c = loaded.config
         budget = CacheBudget(kv_bytes_per_element(kv_dtype), BLOCK_SIZE, kv_cache_gib * 2**30,
-                             max_num_seqs, 512)
+                             max_num_seqs, 512, state_backups=True)
         pools = pool_sizes(c, budget, False)
         blocks = pools.num_blocks
         self.vocab_size = c.vocab_size
