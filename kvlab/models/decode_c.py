@@ -17,8 +17,9 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
     rope, vdim
 
-with, between shexp_ungated and head_dim, a recurrent layer's fields: mixer, rc_in (5),
-rc_out (5), conv, conv_k.
+with, between shexp_ungated and head_dim, a recurrent layer's fields and the gated
+attention's options: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a,
+dt_bias, rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary.
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
@@ -55,13 +56,17 @@ through their own norms: router_norm, experts_norm, each output normed (shexp_ou
 experts_out_norm) before the sum; the chosen weights times expert_scale [E]; GeGLU experts
 (expert_gelu).
 
-Hybrid models (LFM2): a recurrent layer mixes its tokens by its state in attention's place
-(mixer, KV_MIX_SHORT_CONV: rc_in's b | c | u, c * conv(b * u) by the C short convolution on
-each sequence's conv state row, rc_out; conv fp32 [C, K]); the step's state tables (each
-layer's state tensors, each sequence's row) come in with the step as the KV stores do. A
-step of several tokens of one sequence (a speculative verify) is not a decode step: it
-takes the per-op path. Qwen3.5's Gated DeltaNet, Mamba-2 layers and recurrent layers with
-biases have no fields: their plans are refused (None).
+Hybrid models (LFM2, Qwen3.5): a recurrent layer mixes its tokens by its state in
+attention's place (mixer): KV_MIX_SHORT_CONV, rc_in's b | c | u, c * conv(b * u) by the C
+short convolution on each sequence's conv state row, rc_out (conv fp32 [C, K]);
+KV_MIX_GATED_DELTA, Qwen3.5's Gated DeltaNet (rc_in its qkv | z | b | a products, the conv
+with SiLU, the C delta rule on the recurrent state row, the gated norm, rc_out). The step's
+state tables (each layer's state tensors, each sequence's row) come in with the step as
+the KV stores do. Qwen3.5's attention layers gate their output by sigmoid of a second half
+of each head's q product (q_gate) and rotate the first `rotary` dims of each head. A step
+of several tokens of one sequence (a speculative verify) is not a decode step: it takes
+the per-op path. Mamba-2 layers and recurrent layers with biases have no fields: their
+plans are refused (None).
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ from kvlab.models.state_store import LayerState, StateBatch
 _EMPTY = [0, 0, 0, 0, 0]
 GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
 SCORINGS = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}  # KV_ROUTE_*
-MIX_SHORT_CONV = 1  # KV_MIX_*
+MIX_SHORT_CONV, MIX_GATED_DELTA = 1, 2  # KV_MIX_*
 # OLMo 2 has no attn_norm / mlp_norm (its norms come after the products: the post norms)
 _OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
              "post_mlp_norm")
@@ -155,13 +160,16 @@ def _kind(stores: tuple | None) -> int | None:
     return {torch.float32: 0, torch.float16: 1, torch.int8: 2}[stores[0].dtype]
 
 
-def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | None:
-    """The plan, or None when some product or norm has no C path (dense or F32 weights)."""
+def build_plan(config: ModelConfig, layers: list[dict], gate: str,
+               output_gate: bool = False) -> Plan | None:
+    """The plan, or None when some product or norm has no C path (dense or F32 weights).
+    output_gate: the attention layers' q products give each head's query then its output
+    gate (Qwen3.5)."""
     if _qk is None or not layers or (config.no_rope_layers and config.sliding_window):
         return None  # layers without RoPE take the second table, which sliding ones need
     rows = []
     for i, layer in enumerate(layers):
-        row = _layer_row(layer, config, i, gate)
+        row = _layer_row(layer, config, i, gate, output_gate)
         if row is None:
             return None
         rows.append(row)
@@ -173,14 +181,15 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str) -> Plan | Non
     return Plan(weights, sources, ple_width) if ok else None
 
 
-def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int] | None:
+def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str,
+               output_gate: bool) -> list[int] | None:
     latent, recurrent = config.mla is not None, config.is_recurrent(i)
+    mixer = _mixer_fields(layer, config, i, output_gate)
     if recurrent:
-        attention, mixer = _norm_fields(layer, _EMPTY), _short_conv_fields(layer, config)
+        attention = _norm_fields(layer, _EMPTY)
     else:
         attention = (_latent_attention_fields(layer) if latent
                      else _attention_fields(layer, config))
-        mixer = [0] * _MIXER_FIELDS
     post = _norm(layer.get("post_mlp_norm"))
     mla = _mla_fields(layer, config) if latent else [0] * _MLA_FIELDS
     if "router" in layer:
@@ -199,22 +208,57 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str) -> list[int]
             *moe, o_bias, *routing, *mixer, *own, *tail, *beside, *mla]
 
 
-_MIXER_FIELDS = 13
+_MIXER_FIELDS = 39
+_NO_MIXER = [0] * (_MIXER_FIELDS - 2)  # all but q_gate and rotary
 
 
 def _short_conv_fields(layer: dict, config: ModelConfig) -> list[int] | None:
-    """mixer, rc_in, rc_out, conv, conv_k of an LFM2 convolution layer; None for another
-    recurrent kind, biases (the C layer has none) or channels other than the hidden size."""
+    """The mixer fields of an LFM2 convolution layer (rc_in, rc_out, conv, conv_k); None for
+    biases (the C layer has none) or channels other than the hidden size."""
     rc = config.recurrent
-    if rc is None or rc.kind != "short_conv" or any(
-            n in layer for n in ("conv_in_bias", "conv_bias", "conv_out_bias")):
+    if any(n in layer for n in ("conv_in_bias", "conv_bias", "conv_out_bias")):
         return None
     rc_in, rc_out, conv = kernel_desc(layer["conv_in"]), kernel_desc(layer["conv_out"]), layer["conv"]
     ok = (rc_in is not None and rc_out is not None and fused.fits(conv) and conv.is_contiguous()
           and rc.conv_channels == config.hidden_size and rc_in[2] == 3 * rc.conv_channels
           and rc_out[3] == rc.conv_channels
           and tuple(conv.shape) == (rc.conv_channels, rc.conv_kernel))
-    return [MIX_SHORT_CONV, *rc_in, *rc_out, conv.data_ptr(), rc.conv_kernel] if ok else None
+    if not ok:
+        return None
+    return [MIX_SHORT_CONV, 1, *rc_in, *_EMPTY * 3, *rc_out, conv.data_ptr(), rc.conv_kernel,
+            *[0] * 10]
+
+
+def _gated_delta_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """The mixer fields of a Qwen3.5 Gated DeltaNet layer: delta_in's four products, its
+    out-projection, conv, A, dt bias, output norm and head shapes."""
+    rc = config.recurrent
+    parts = layer["delta_in"].parts  # b and a are narrow: F32 where the loader left them
+    if len(parts) > 4:
+        return None
+    rc_in = [product_desc(p) for p in parts] + [_EMPTY] * (4 - len(parts))
+    rc_out, conv = kernel_desc(layer["delta_out"]), layer["conv"]
+    vectors = [_norm(layer[n], False) for n in ("ssm_a", "dt_bias", "delta_norm")]
+    if None in (*rc_in, rc_out, *vectors) or not (fused.fits(conv) and conv.is_contiguous()):
+        return None
+    return [MIX_GATED_DELTA, len(parts), *[v for d in rc_in for v in d], *rc_out, conv.data_ptr(),
+            rc.conv_kernel, *vectors, rc.num_k_heads, rc.num_v_heads, rc.k_head_dim,
+            rc.v_head_dim, int(rc.v_heads_tiled), 0, 0]
+
+
+def _mixer_fields(layer: dict, config: ModelConfig, i: int,
+                  output_gate: bool) -> list[int] | None:
+    """mixer, n_rc_in, rc_in[4], rc_out, conv, conv_k, ssm_a, dt_bias, rc_norm, k_heads,
+    v_heads, k_dim, v_dim, v_tiled, q_gate, rotary; None for a recurrent kind the C layers do
+    not run (Mamba-2)."""
+    if config.is_recurrent(i):
+        kind = config.recurrent.kind
+        fields = {"short_conv": _short_conv_fields,
+                  "gated_delta": _gated_delta_fields}.get(kind)
+        return None if fields is None else fields(layer, config)
+    if not output_gate:
+        return [*_NO_MIXER, 0, 0]
+    return [*_NO_MIXER, 1, round(config.head_dim * config.rope.partial)]
 
 
 def _layer_shape_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from kvlab.config import ModelConfig, RecurrentConfig, RopeConfig, hf_layer_types
 from kvlab.errors import ModelLoadError
 from kvlab.kernels.recurrent import gated_delta_rule, gated_rms_norm, short_conv
-from kvlab.models import llama, moe
+from kvlab.models import decode_c, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel, check_state_tensors
 from kvlab.models.layers import Stacked, Weight, apply_rope, linear, rms_norm, rope_inv_freq, split
@@ -167,6 +167,8 @@ class Qwen35Model(HybridModel):
         rotary = round(config.head_dim * config.rope.partial)  # rope_cos_sin: [T, 1, rotary]
         self.inv_freq = rope_inv_freq(RopeConfig(theta=config.rope.theta), rotary).to(
             weights["norm"].device)
+        if config.moe is None:  # Qwen3.5-MoE's layers decode per op
+            self.c_plan = decode_c.build_plan(config, self.layers, "silu", output_gate=True)
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:

@@ -581,10 +581,11 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                             "heads", (long long)H, (long long)KVH);
     for (int64_t l = 0; l < layers; l++) {
         const int64_t mixer = ((const kv_layer_plan *)plan)[l].mixer;
-        if (mixer != KV_MIX_ATTENTION && mixer != KV_MIX_SHORT_CONV)
+        if (mixer < KV_MIX_ATTENTION || mixer > KV_MIX_GATED_DELTA)
             return PyErr_Format(PyExc_ValueError, "layer %lld's mixer %lld (valid: %d "
-                                "attention, %d short conv)", (long long)l, (long long)mixer,
-                                KV_MIX_ATTENTION, KV_MIX_SHORT_CONV);
+                                "attention, %d short conv, %d gated delta)", (long long)l,
+                                (long long)mixer, KV_MIX_ATTENTION, KV_MIX_SHORT_CONV,
+                                KV_MIX_GATED_DELTA);
         if (mixer && !(states && state_slots))
             return PyErr_Format(PyExc_ValueError, "layer %lld is recurrent but the step has "
                                 "no state rows", (long long)l);

@@ -217,7 +217,7 @@ static int conv_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s
                      kv_bufs *b, int use_avx2) {
     const int64_t B = s->B, C = L->rc_out.cols, W = 3 * C;
     pre_norm(x, L->attn_norm, b->h, s);
-    if (kv_product(&L->rc_in, b->h, B, b->qkv, W)) return -1;
+    if (kv_product(&L->rc_in[0], b->h, B, b->qkv, W)) return -1;
     for (int64_t r = 0; r < B; r++)
         for (int64_t i = 0; i < C; i++)
             b->att[r * C + i] = b->qkv[r * W + i] * b->qkv[r * W + 2 * C + i];
@@ -232,10 +232,136 @@ static int conv_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s
     return 0;
 }
 
+/* q and k of each row L2-normed per key head in place (x / sqrt(sum x^2 + 1e-6)), then
+ * each into q2, k2 [B, n, k_dim]: n = v_heads, value head j's copy of key head j % k_heads
+ * where v_tiled, else n = k_heads as they are */
+static void delta_qk(const kv_layer_plan *L, int64_t B, int64_t C, float *conv, float *q2,
+                     float *k2) {
+    const int64_t Hk = L->k_heads, Dk = L->k_dim, Hv = L->v_heads;
+    for (int64_t r = 0; r < B; r++)
+        for (int64_t h = 0; h < 2 * Hk; h++) {
+            float *v = conv + r * C + h * Dk, sum = 0.0f;
+            for (int64_t i = 0; i < Dk; i++) sum += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(sum + 1e-6f);
+            for (int64_t i = 0; i < Dk; i++) v[i] *= inv;
+        }
+    const int64_t n = L->v_tiled ? Hv : Hk;  /* the heads the delta rule reads */
+    for (int64_t r = 0; r < B; r++)
+        for (int64_t j = 0; j < n; j++) {
+            const float *q = conv + r * C + (j % Hk) * Dk;
+            memcpy(q2 + (r * n + j) * Dk, q, (size_t)Dk * sizeof(float));
+            memcpy(k2 + (r * n + j) * Dk, q + Hk * Dk, (size_t)Dk * sizeof(float));
+        }
+}
+
+/* Qwen3.5's Gated DeltaNet in attention's place, as the per-op path (kvlab/models/
+ * qwen3_5.py): the conv, the delta rule and the gated norm are qk_recurrent.c's */
+static int delta_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s, float *x,
+                      kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, Hk = L->k_heads, Hv = L->v_heads, Dk = L->k_dim, Dv = L->v_dim;
+    const int64_t C = 2 * Hk * Dk + Hv * Dv, V = Hv * Dv, W = C + V + 2 * Hv;
+    float *in = malloc((size_t)(B * (W + 2 * C + 2 * Hv * Dk + 2 * Hv + 3 * V)) * sizeof(float));
+    if (!in) return -1;
+    float *cin = in + B * W, *cout = cin + B * C, *q = cout + B * C, *k = q + B * Hv * Dk;
+    float *g = k + B * Hv * Dk, *beta = g + B * Hv, *v = beta + B * Hv, *z = v + B * V;
+    float *o = z + B * V;
+    const int isa = use_avx2 ? (kv_use_vnni() ? 2 : 1) : 0;
+    const float *ssm_a = (const float *)(intptr_t)L->ssm_a;
+    const float *dt_bias = (const float *)(intptr_t)L->dt_bias;
+    pre_norm(x, L->attn_norm, b->h, s);
+    int rc = products(L->rc_in, L->n_rc_in, b->h, B, in, W);
+    for (int64_t r = 0; r < B && !rc; r++) {
+        const float *row = in + r * W;
+        memcpy(cin + r * C, row, (size_t)C * sizeof(float));
+        memcpy(z + r * V, row + C, (size_t)V * sizeof(float));
+        for (int64_t h = 0; h < Hv; h++) {
+            const float a = row[C + V + Hv + h] + dt_bias[h];
+            g[r * Hv + h] = ssm_a[h] * (a > 20.0f ? a : log1pf(expf(a)));
+            beta[r * Hv + h] = 1.0f / (1.0f + expf(-row[C + V + h]));
+        }
+    }
+    rc = rc || kv_short_conv(cin, (const float *)(intptr_t)L->conv, NULL,
+                             (float *)(intptr_t)st[0], s->state_slots, b->ones, B, C,
+                             L->conv_k, 1, cout, isa);
+    if (!rc) {
+        delta_qk(L, B, C, cout, q, k);
+        for (int64_t r = 0; r < B; r++)
+            memcpy(v + r * V, cout + r * C + 2 * Hk * Dk, (size_t)V * sizeof(float));
+        rc = kv_gated_delta_rule(q, k, v, g, beta, (float *)(intptr_t)st[1], s->state_slots,
+                                 b->ones, B, L->v_tiled ? Hv : Hk, Hv, Dk, Dv,
+                                 (float)pow((double)Dk, -0.5), o, isa) ||
+             kv_gated_rms_norm(o, z, (const float *)(intptr_t)L->rc_norm, v, B * Hv, Dv, Dv,
+                               s->eps, 1, isa) ||
+             kv_product(&L->rc_out, v, B, b->o, s->hidden);
+    }
+    free(in);
+    if (rc) return -1;
+    residual(x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
+/* a head's RMSNorm over all its dims, then RoPE on the first `rotary` of them, each row */
+static void norm_partial_rope(float *x, int64_t B, int64_t stride, int64_t heads,
+                              int64_t head_stride, int64_t D, int64_t rotary, int64_t norm,
+                              const kv_step *s) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *head = x + h * head_stride;
+        for (int64_t r = 0; r < B && norm; r++)
+            kv_rms_norm(head + r * stride, (const float *)(intptr_t)norm, head + r * stride, 1,
+                        D, s->eps);
+        kv_norm_rope(head, B, stride, 1, rotary, NULL, s->cos[0], s->sin[0], s->eps);
+    }
+}
+
+/* Qwen3.5's gated attention: q | gate per head, k, v from the products; QK-norm and partial
+ * RoPE; q, k, v side by side for the C attention; out * sigmoid(gate), then o */
+static int gated_attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
+                                float *x, kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, D = s->D, H = s->H, KVH = s->KVH, rotary = L->rotary;
+    const int64_t width = (2 * H + 2 * KVH) * D, packed = (H + 2 * KVH) * D;
+    float *qkv = malloc((size_t)(B * (packed + H * D)) * sizeof(float));
+    if (!qkv) return -1;
+    float *att = qkv + B * packed;
+    pre_norm(x, L->attn_norm, b->h, s);
+    int rc = products(L->qkv, L->n_qkv, b->h, B, b->qkv, width);
+    if (!rc) {
+        norm_partial_rope(b->qkv, B, width, H, 2 * D, D, rotary, L->q_norm, s);
+        norm_partial_rope(b->qkv + 2 * H * D, B, width, KVH, D, D, rotary, L->k_norm, s);
+        for (int64_t r = 0; r < B; r++) {
+            for (int64_t h = 0; h < H; h++)
+                memcpy(qkv + r * packed + h * D, b->qkv + r * width + h * 2 * D,
+                       (size_t)D * sizeof(float));
+            memcpy(qkv + r * packed + H * D, b->qkv + r * width + 2 * H * D,
+                   (size_t)(2 * KVH * D) * sizeof(float));
+        }
+        write_keys_values(kv, s, qkv, packed, H, KVH, D, 0);
+        void *kc = (void *)(intptr_t)kv[0], *vc = (void *)(intptr_t)kv[1];
+        kv_half *ks = (kv_half *)(intptr_t)kv[2], *vs = (kv_half *)(intptr_t)kv[3];
+        const kv_cache_ref ref = {.kind = s->kv_kind, .k = kc, .v = vc, .k_scale = ks,
+                                  .v_scale = vs};
+        rc = kv_attend_decode(qkv, packed, &ref, s->slots[0], s->lengths[0], B, s->C[0], H, KVH,
+                              D, s->scale, s->softcap, NULL, att, use_avx2);
+    }
+    for (int64_t r = 0; r < B && !rc; r++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *gate = b->qkv + r * width + h * 2 * D + D;
+            float *out = att + (r * H + h) * D;
+            for (int64_t i = 0; i < D; i++) out[i] *= 1.0f / (1.0f + expf(-gate[i]));
+        }
+    rc = rc || kv_product(&L->o, att, B, b->o, s->hidden);
+    free(qkv);
+    if (rc) return -1;
+    residual(x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
 /* the layer's token mixer: attention, latent attention or a recurrent step */
 static int mixer_half(const kv_layer_plan *L, int64_t l, const kv_step *s, float *x,
                       kv_bufs *b, int use_avx2) {
     if (L->mixer == KV_MIX_SHORT_CONV) return conv_half(L, s->states + 2 * l, s, x, b, use_avx2);
+    if (L->mixer == KV_MIX_GATED_DELTA)
+        return delta_half(L, s->states + 2 * l, s, x, b, use_avx2);
+    if (L->q_gate) return gated_attention_half(L, s->caches + 4 * l, s, x, b, use_avx2);
     if (L->mla) return mla_half(L, s->caches + 4 * l, s, x, b, use_avx2);
     return attention_half(L, s->caches + 4 * l, s, x, b, use_avx2);
 }
@@ -389,7 +515,8 @@ int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const 
         E = KV_MAX(E, L->n_experts);
         k = KV_MAX(k, L->top_k);
         const int64_t D = layer_dim(L, s);
-        qkv = KV_MAX(qkv, KV_MAX((s->H + 2 * layer_kv_heads(L, s)) * D, L->rc_in.rows));
+        qkv = KV_MAX(qkv, KV_MAX((s->H * (1 + L->q_gate) + 2 * layer_kv_heads(L, s)) * D,
+                                 L->rc_in[0].rows));
         att = KV_MAX(att, KV_MAX(s->H * D, L->rc_out.cols));
     }
     const int64_t B = s->B;

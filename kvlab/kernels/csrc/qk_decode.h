@@ -13,7 +13,7 @@ enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
 enum { KV_ROUTE_SOFTMAX = 0, KV_ROUTE_TOPK_SOFTMAX = 1, KV_ROUTE_SIGMOID = 2 };
 /* what mixes a layer's tokens: attention over the KV cache, or a short convolution over the
  * sequence's state row */
-enum { KV_MIX_ATTENTION = 0, KV_MIX_SHORT_CONV = 1 };
+enum { KV_MIX_ATTENTION = 0, KV_MIX_SHORT_CONV = 1, KV_MIX_GATED_DELTA = 2 };
 
 typedef struct {
     int64_t attn_norm, n_qkv;          /* attn_norm (and mlp_norm) 0: no norm before (OLMo 2) */
@@ -43,12 +43,23 @@ typedef struct {
     int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
     int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
     int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
-    /* a recurrent layer in attention's place (KV_MIX_*; 0: attention). LFM2's short
+    /* a recurrent layer in attention's place (KV_MIX_*; 0: attention), its input products
+     * side by side (n_rc_in of rc_in), rc_out after it; conv fp32 [C, K]. LFM2's short
      * convolution: rc_in -> [b | c | u] each C wide, y = c * conv(b * u) over the sequence's
-     * conv state (its K - 1 inputs before this token), rc_out; conv fp32 [C, K] */
-    int64_t mixer;
-    kv_wdesc rc_in, rc_out;
+     * conv state (its K - 1 inputs before this token). Qwen3.5's Gated DeltaNet: rc_in ->
+     * qkv | z | b | a; qkv through the conv and SiLU, q and k L2-normed (value head j reads
+     * key head j % k_heads where v_tiled, else j / (v_heads / k_heads)), the delta rule
+     * with g = ssm_a * softplus(a + dt_bias), beta = sigmoid(b) on the recurrent state,
+     * each head RMSNormed by rc_norm [v_dim] times silu(z) */
+    int64_t mixer, n_rc_in;
+    kv_wdesc rc_in[4], rc_out;
     int64_t conv, conv_k;
+    int64_t ssm_a, dt_bias, rc_norm;   /* fp32 [v_heads], [v_heads], [v_dim] */
+    int64_t k_heads, v_heads, k_dim, v_dim, v_tiled;
+    /* Qwen3.5's gated attention: q_gate 1: each head's q product is its query then its
+     * output gate (out * sigmoid(gate) before o); rotary: RoPE on each head's first dims
+     * (the step's tables are that wide), 0 all */
+    int64_t q_gate, rotary;
     /* Gemma 4: the layer's own head size and KV heads (0: the step's D and KVH); kv_shared
      * 1: no K/V of its own, it attends over the store its caches row names (an earlier
      * layer's, written this step); values_from_keys 1: q|k products only, v = k before k's
