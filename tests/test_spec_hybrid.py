@@ -1,4 +1,5 @@
-"""Speculative decoding on hybrid models (tiny random LFM2 and Qwen3.5): a verify step backs
+"""Speculative decoding on hybrid models (tiny random LFM2 and Qwen3.5; Granite 4 hybrid and
+Nemotron-H with n-gram proposals): a verify step backs
 the recurrent state up, and a rejected proposal rewinds the sequence to it, so greedy output
 is the same as plain decoding alone, batched, chunked, after a prefix hit and after
 preemption, with n-gram proposals (repeating prompts: some kept, some rejected) and with a
@@ -181,3 +182,15 @@ def test_a_draft_that_went_back_proposes_as_a_fresh_one(tiny):
     assert propose(draft, state, tokens) == propose(fresh, DraftState(), tokens)
     draft.forget(state)
     assert draft.kv.states is not None and draft.kv.states.num_free == draft.kv.states.num_slots
+
+
+@pytest.mark.parametrize("arch", ["granitehybrid", "nemotron_h"])
+def test_mamba2_families_with_ngram_equal_plain_decoding(arch, tmp_path):
+    """Mamba-2 layers (SSD scan) take back rejected proposals the same way."""
+    build_hybrid(arch, tmp_path)
+    tiny = (arch, None, tmp_path, None)
+    plain = run_all(engine(tiny), PROMPTS)
+    e = engine(tiny, **NGRAM)
+    assert run_all(e, PROMPTS) == plain
+    assert e.stats().speculative.drafted > 0  # mostly rejected: the state taken back
+    assert all_free(e)
