@@ -1,10 +1,10 @@
-"""Speculative decoding on hybrid models (tiny random LFM2 and Qwen3.5; Granite 4 hybrid and
-Nemotron-H with n-gram proposals): a verify step backs
-the recurrent state up, and a rejected proposal rewinds the sequence to it, so greedy output
-is the same as plain decoding alone, batched, chunked, after a prefix hit and after
-preemption, with n-gram proposals (repeating prompts: some kept, some rejected) and with a
-draft model (a random one of another family or of the same: mostly rejected; the model
-itself: all kept); every state slot and block is free afterwards."""
+"""Speculative decoding on hybrid models (tiny random LFM2 and Qwen3.5; Granite 4 hybrid
+and Nemotron-H with n-gram proposals): a verify step backs the recurrent state up, and a
+rejected proposal rewinds the sequence to it, so greedy output is the same as plain decoding
+alone, batched, chunked, after a prefix hit and after preemption, with n-gram proposals
+(repeating prompts: some kept, some rejected) and with a draft model (a random one of
+another family or of the same: mostly rejected; the model itself: all kept); every state
+slot and block is free afterwards."""
 
 from __future__ import annotations
 
