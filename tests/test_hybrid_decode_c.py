@@ -1,8 +1,8 @@
-"""Hybrid models (tiny random LFM2 and Qwen3.5, weights quantized at load) decode in the one
-C call: LFM2's short-convolution layers (in-projection, the C short conv on each sequence's
+"""Hybrid models (tiny random LFM2, LFM2-MoE and Qwen3.5, weights quantized at load) decode
+in the one C call: LFM2's short-convolution layers (in-projection, the C short conv on each sequence's
 state row, out-projection) beside QK-norm attention; Qwen3.5's Gated DeltaNet layers (the
 conv, the C delta rule on the recurrent state row, the gated norm) beside its gated
-attention with partial RoPE; SwiGLU MLPs. Every product and recurrent step is the per-op
+attention with partial RoPE; SwiGLU MLPs or LFM2-MoE's sigmoid-routed experts. Every product and recurrent step is the per-op
 path's own C call in the same order, and the few element-wise ops between them (L2 norm,
 softplus, sigmoid, RoPE) round alike on these inputs, so the logits are equal bit for bit:
 alone, batched at unequal depths, through the engine with preemption, and after a prefix
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C exten
 
 # name -> (build_hybrid overrides, quantization at load); 256 wide for Q4_K's blocks
 VARIANTS = {f"{arch}_{quant}": (arch, {"hidden_size": 256} if quant == "q4_k" else {}, quant)
-            for arch in ("lfm2", "qwen3_5") for quant in ("q8_0", "q4_k")}
+            for arch in ("lfm2", "lfm2_moe", "qwen3_5") for quant in ("q8_0", "q4_k")}
 # a plan row's recurrent fields, just before Gemma 4's and the latent-attention ones: mixer,
 # n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a, dt_bias, rc_norm, k_heads,
 # v_heads, k_dim, v_dim, v_tiled, q_gate, rotary
@@ -147,7 +147,8 @@ def _tolerance(tiny) -> float:
     inputs compute sigmoid, softplus, the L2 norm and RoPE in C where the per-op path uses
     torch (1e-7 apart); a later layer cuts its activations into 8-bit blocks (32 values for
     Q8_0 weights, 256 for Q4_K), where such a difference can move one value to the next
-    step: up to 5e-3 and 2e-2 there."""
+    step: up to 5e-3 and 2e-2 there. So can LFM2-MoE's router product, in C's fp32 order
+    where the per-op path's is torch's."""
     _, quant, arch = tiny
     if arch == "lfm2":
         return 0.0

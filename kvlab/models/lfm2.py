@@ -172,8 +172,7 @@ class Lfm2Model(HybridModel):
         for layer in layers:  # LFM2-MoE without expert bias: the choice is by score alone
             if "router" in layer and "router_bias" not in layer:
                 layer["router_bias"] = torch.zeros(layer["router"].shape[0])
-        if config.moe is None:  # LFM2-MoE's layers decode per op
-            self.c_plan = decode_c.build_plan(config, layers, "silu")
+        self.c_plan = decode_c.build_plan(config, layers, "silu")
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:
