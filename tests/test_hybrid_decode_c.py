@@ -26,7 +26,7 @@ from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvlab.tokenizer import load_gguf_tokenizer
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import build_hybrid
+from tiny_models import build_hybrid, convert_with_llama_cpp
 
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
@@ -231,6 +231,28 @@ def test_a_prefix_hit_restores_a_snapshot_then_decodes_in_the_one_c_call(tiny, c
     # the prompt's 25th token on the restored state is a one-token step too: every step ran
     # in the C call (the last sampled token is not computed)
     assert c_steps == [True] * len(tokens)
+
+
+def test_llama_cpp_gguf_with_tiled_value_heads(tmp_path, c_steps):
+    """Qwen3.5 converted by llama.cpp, where value head j reads key head j % Hk (the GGUF's
+    tiled order; keys as wide as values, as its converter takes them): the C call repeats
+    the key heads in that order, as the per-op path does."""
+    build_hybrid("qwen3_5", tmp_path, linear_key_head_dim=16)
+    skip = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "model.gguf")
+    if skip:
+        pytest.skip(skip)
+    ids, table, logits = _ids(10, 3), [4, 8, 1], []
+    for plan in (True, False):
+        loaded = load_model(open_checkpoint(tmp_path / "model.gguf"), LoadOptions(quantize="q8_0"))
+        assert loaded.config.recurrent.v_heads_tiled and loaded.model.c_plan is not None
+        if not plan:
+            loaded.model.c_plan = None
+        runner = ModelRunner(loaded.model, loaded.config, 16, 4, num_state_slots=2)
+        rows = [_step(runner, _seq("a", 0, ids[:4], table, 1))[0]]
+        rows += [_step(runner, _seq("a", pos, [ids[pos]], table, 1))[0] for pos in range(4, 10)]
+        logits.append(torch.stack(rows))
+    assert c_steps[:7] == [False] + [True] * 6
+    assert float((logits[0] - logits[1]).abs().max()) <= 5e-3
 
 
 def test_mamba2_layers_are_refused(tmp_path):
