@@ -22,9 +22,9 @@
  * then exact integers against kv_act256, isum = sum_g scale_g * (sum of q * x over group g)
  * (below 16 * 31 * 16 * 62 * 127 < 2^31), and acc += (d * unit * d_x) * isum per super-block,
  * the same for any number of x rows. The AVX2 kernels decode with vector lookups and run the
- * sums through maddubs (|q| unsigned, q's sign onto x; a pair is below 2 * 62 * 127 < 2^15)
- * and the scales through madd, or with AVX512-VNNI through vpdpwssd: the same integers, so
- * every path gives the same bits.
+ * sums through maddubs (the unsigned grid values against x with their signs; a pair is
+ * below 2 * 62 * 127 < 2^15) and the scales through madd, or with AVX512-VNNI through
+ * vpdpwssd: the same integers, so every path gives the same bits.
  */
 #include <string.h>
 
@@ -222,14 +222,15 @@ KV_IQ_GEMV(kv_gemv_iq3_s_generic, KV_IQ3_S)
 #ifdef KV_HAVE_AVX2_BUILD
 #include "qk_avx2.h"
 
-/* Sign masks, made by the preprocessor from their definition: byte j of mask[b] is 0xFF
- * where bit j of b is set (then q = (g ^ m) - m negates those values), and ksign_mask[k]
- * is mask[ksign(k)] for a 7-bit sign index k. */
+/* Signs as bytes, made by the preprocessor from their definition: byte j of KV_SM(b) is
+ * -1 (0xFF) where bit j of b is set, else +1, the operand of _mm256_sign_epi8 that puts the
+ * signs onto x (the grid values stay unsigned for maddubs); ksign_mask[k] is
+ * KV_SM(ksign(k)) for a 7-bit sign index k. */
 #define KV_SM(b)                                                                           \
-    (((b) & 1 ? 0xFFull : 0) | ((b) & 2 ? 0xFF00ull : 0) | ((b) & 4 ? 0xFF0000ull : 0) |    \
-     ((b) & 8 ? 0xFF000000ull : 0) | ((b) & 16 ? 0xFF00000000ull : 0) |                    \
-     ((b) & 32 ? 0xFF0000000000ull : 0) | ((b) & 64 ? 0xFF000000000000ull : 0) |           \
-     ((b) & 128 ? 0xFF00000000000000ull : 0))
+    ((((b) & 1 ? 0xFFull : 0) | ((b) & 2 ? 0xFF00ull : 0) | ((b) & 4 ? 0xFF0000ull : 0) |   \
+      ((b) & 8 ? 0xFF000000ull : 0) | ((b) & 16 ? 0xFF00000000ull : 0) |                   \
+      ((b) & 32 ? 0xFF0000000000ull : 0) | ((b) & 64 ? 0xFF000000000000ull : 0) |          \
+      ((b) & 128 ? 0xFF00000000000000ull : 0)) | 0x0101010101010101ull)
 #define KV_PAR7(k) (((k) ^ (k) >> 1 ^ (k) >> 2 ^ (k) >> 3 ^ (k) >> 4 ^ (k) >> 5 ^ (k) >> 6) & 1)
 #define KV_KSM(k) KV_SM((k) | KV_PAR7(k) << 7)
 #define KV_X2(f, n) f(n), f((n) + 1)
@@ -239,7 +240,6 @@ KV_IQ_GEMV(kv_gemv_iq3_s_generic, KV_IQ3_S)
 #define KV_X32(f, n) KV_X16(f, n), KV_X16(f, (n) + 16)
 #define KV_X64(f, n) KV_X32(f, n), KV_X32(f, (n) + 32)
 #define KV_X128(f, n) KV_X64(f, n), KV_X64(f, (n) + 64)
-static const uint64_t sign_mask[256] = {KV_X128(KV_SM, 0), KV_X128(KV_SM, 128)};
 static const uint64_t ksign_mask[128] = {KV_X128(KV_KSM, 0)};
 
 KV_INL uint64_t u64_of(const uint8_t *p) {
@@ -248,16 +248,18 @@ KV_INL uint64_t u64_of(const uint8_t *p) {
     return v;
 }
 
-/* grid values g with the signs of masks m: (g ^ m) - m */
-KV_INL __m256i signed_values(__m256i g, __m256i m) {
-    return _mm256_sub_epi8(_mm256_xor_si256(g, m), m);
-}
 KV_INL __m256i masks4(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
     return _mm256_setr_epi64x((int64_t)a, (int64_t)b, (int64_t)c, (int64_t)d);
 }
-KV_INL __m256i bytes_masks(uint32_t s4) {  /* four sign bytes */
-    return masks4(sign_mask[s4 & 255], sign_mask[s4 >> 8 & 255], sign_mask[s4 >> 16 & 255],
-                  sign_mask[s4 >> 24]);
+/* four sign bytes -> +-1 bytes in registers: byte j of s4 spread over bytes 8j .. 8j + 7,
+ * each tested against its own bit */
+KV_INL __m256i bytes_masks(uint32_t s4) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)s4),
+        _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll, 0x0303030303030303ll));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(m, _mm256_set1_epi8(1));
 }
 KV_INL __m256i ksign_masks(uint32_t aux) {  /* four 7-bit sign indices */
     return masks4(ksign_mask[aux & 127], ksign_mask[aux >> 7 & 127], ksign_mask[aux >> 14 & 127],
@@ -275,16 +277,24 @@ KV_INL __m256i rows4(const uint8_t (*grid)[4], const int idx[8]) {
                              (int)u32_at(grid[idx[6]]), (int)u32_at(grid[idx[7]]));
 }
 
-/* sub-block s (32 values) of a super-block as signed int8, and its two 16-groups' integer
- * scales (the portable decoders' sc[2s], sc[2s + 1]), per type */
-typedef struct { __m256i q; int sc0, sc1; } kv_iq_sub;
+/* sub-block s (32 values) of a super-block: its unsigned grid values g, their signs as
+ * +-1 bytes, and its two 16-groups' integer scales (the portable decoders' sc[2s],
+ * sc[2s + 1]), per type */
+typedef struct { __m256i g, sg, sc; int sc0, sc1; } kv_iq_sub;
+
+KV_INL kv_iq_sub sub32(__m256i g, __m256i sg, int sc) {  /* one scale per 32 */
+    return (kv_iq_sub){g, sg, _mm256_set1_epi16((short)sc), sc, sc};
+}
+KV_INL kv_iq_sub sub16(__m256i g, __m256i sg, int sc0, int sc1) {  /* one per 16 */
+    const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)sc0), _mm_set1_epi16((short)sc1));
+    return (kv_iq_sub){g, sg, sc, sc0, sc1};
+}
 
 KV_INL kv_iq_sub sub_iq2_xxs(const uint8_t *b, int s) {
     const uint8_t *p = b + 2 + 8 * s;
     const uint32_t aux = u32_at(p + 4);
     const int sc = 2 * (int)(aux >> 28) + 1;
-    return (kv_iq_sub){signed_values(rows8(grid_iq2xxs, p[0], p[1], p[2], p[3]), ksign_masks(aux)),
-                       sc, sc};
+    return sub32(rows8(grid_iq2xxs, p[0], p[1], p[2], p[3]), ksign_masks(aux), sc);
 }
 KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
     uint16_t v[4];
@@ -292,29 +302,28 @@ KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
     const __m256i g = rows8(grid_iq2xs, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
     const __m256i m = masks4(ksign_mask[v[0] >> 9], ksign_mask[v[1] >> 9], ksign_mask[v[2] >> 9],
                              ksign_mask[v[3] >> 9]);
-    return (kv_iq_sub){signed_values(g, m), 2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1};
+    return sub16(g, m, 2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1);
 }
 KV_INL kv_iq_sub sub_iq2_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 4 * s, qh = b[66 + s];
     const __m256i g = rows8(grid_iq2s, qs[0] | (qh & 3) << 8, qs[1] | (qh >> 2 & 3) << 8,
                             qs[2] | (qh >> 4 & 3) << 8, qs[3] | (qh >> 6 & 3) << 8);
-    return (kv_iq_sub){signed_values(g, bytes_masks(u32_at(b + 34 + 4 * s))),
-                       2 * (b[74 + s] & 15) + 1, 2 * (b[74 + s] >> 4) + 1};
+    return sub16(g, bytes_masks(u32_at(b + 34 + 4 * s)), 2 * (b[74 + s] & 15) + 1,
+                 2 * (b[74 + s] >> 4) + 1);
 }
 KV_INL kv_iq_sub sub_iq3_xxs(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s;
     const uint32_t aux = u32_at(b + 66 + 4 * s);
     const int idx[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
     const int sc = 2 * (int)(aux >> 28) + 1;
-    return (kv_iq_sub){signed_values(rows4(grid_iq3xxs, idx), ksign_masks(aux)), sc, sc};
+    return sub32(rows4(grid_iq3xxs, idx), ksign_masks(aux), sc);
 }
 KV_INL kv_iq_sub sub_iq3_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s, qh = b[66 + s];
     int idx[8];
     for (int k = 0; k < 8; k++) idx[k] = qs[k] | (qh >> k & 1) << 8;
     const int sc = 2 * (b[106 + s / 2] >> 4 * (s % 2) & 15) + 1;
-    return (kv_iq_sub){signed_values(rows4(grid_iq3s, idx), bytes_masks(u32_at(b + 74 + 4 * s))),
-                       sc, sc};
+    return sub32(rows4(grid_iq3s, idx), bytes_masks(u32_at(b + 74 + 4 * s)), sc);
 }
 
 KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
@@ -329,8 +338,8 @@ KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
 
-/* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (|q|, x
- * with q's sign) then the two groups' scales, STEP(isum, pairs, scales): madd and add, or
+/* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (g, x
+ * with the values' signs) then the two groups' scales, STEP(isum, pairs, scales): madd and add, or
  * with AVX512-VNNI the one vpdpwssd that does both (the same exact integer); per super-block
  * the portable kernel's integer and float step, so the same bits on every path */
 #define KV_IQ_ROW(name, tgt, STEP)                                                           \
@@ -344,12 +353,10 @@ KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                   \
             for (int s = 0; s < 8; s++) {                                                    \
                 const kv_iq_sub u = sub_of(qt, b, s);                                        \
-                const __m256i aq = _mm256_abs_epi8(u.q);                                     \
-                const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)u.sc0),           \
-                                                     _mm_set1_epi16((short)u.sc1));          \
                 for (int j = 0; j < nx; j++) {                                               \
                     const __m256i x = load256(((const kv_act256 *)(xq + j * xs) + i)->qs + 32 * s); \
-                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, u.q)), sc); \
+                    const __m256i xs_ = _mm256_sign_epi8(x, u.sg);                           \
+                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(u.g, xs_), u.sc);           \
                 }                                                                            \
             }                                                                                \
             const float d = half_at(b) * t.unit;                                             \
@@ -392,7 +399,7 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
         for (int s = 0; s < 8; s++, out += 32) {
             const kv_iq_sub u = sub_of(qt, w, s);
             int8_t q[32];
-            _mm256_storeu_si256((__m256i *)q, u.q);
+            _mm256_storeu_si256((__m256i *)q, _mm256_sign_epi8(u.g, u.sg));
             for (int h = 0; h < 4; h++) {
                 const __m256 db = _mm256_set1_ps(db_of(qt, d, h < 2 ? u.sc0 : u.sc1));
                 const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
