@@ -215,13 +215,12 @@ class Scheduler:
                                 max(0, min(end, seq.num_prompt_tokens) - start),
                                 num_logits=1 + seq.num_draft_tokens)
         backup = kv.state_backup(seq_id) if seq.num_draft_tokens else None
+        # a verify step saves no snapshot: its state may hold a rejected token
+        restore, save = (None, None) if backup is not None else kv.state_copies(
+            seq_id, end, seq.num_prompt_tokens)
         if seq_id in self._rewound:  # from the state before its last verify step
             self._rewound.discard(seq_id)
-            restore, save = kv.state_backup(seq_id), None
-        elif backup is not None:
-            restore, save = None, None
-        else:
-            restore, save = kv.state_copies(seq_id, end, seq.num_prompt_tokens)
+            restore = kv.state_backup(seq_id)
         return ScheduledSeq(  # positional: needs_logits, prefill_tokens, window_table, ...
             seq_id, start, seq.token_ids[start:end], kv.block_table(seq_id),
             end == len(seq.token_ids), max(0, min(end, seq.num_prompt_tokens) - start),
