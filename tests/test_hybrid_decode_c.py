@@ -1,4 +1,4 @@
-"""Hybrid models (tiny random LFM2, LFM2-MoE and Qwen3.5, weights quantized at load) decode
+"""Hybrid models (tiny random LFM2, LFM2-MoE, Qwen3.5 and Qwen3.5-MoE, weights quantized at load) decode
 in the one C call: LFM2's short-convolution layers (in-projection, the C short conv on each sequence's
 state row, out-projection) beside QK-norm attention; Qwen3.5's Gated DeltaNet layers (the
 conv, the C delta rule on the recurrent state row, the gated norm) beside its gated
@@ -30,9 +30,13 @@ from tiny_models import build_hybrid, convert_with_llama_cpp
 
 pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C extension")
 
-# name -> (build_hybrid overrides, quantization at load); 256 wide for Q4_K's blocks
-VARIANTS = {f"{arch}_{quant}": (arch, {"hidden_size": 256} if quant == "q4_k" else {}, quant)
-            for arch in ("lfm2", "lfm2_moe", "qwen3_5") for quant in ("q8_0", "q4_k")}
+# each family's build_hybrid overrides: a shared expert in whole 32-blocks (C products)
+ARCHS = {"lfm2": {}, "lfm2_moe": {}, "qwen3_5": {},
+         "qwen3_5_moe": {"shared_expert_intermediate_size": 64}}
+# name -> (family, build_hybrid overrides, quantization at load); 256 wide for Q4_K's blocks
+VARIANTS = {f"{arch}_{quant}": (arch, {**extra, **({"hidden_size": 256} if quant == "q4_k"
+                                                  else {})}, quant)
+            for arch, extra in ARCHS.items() for quant in ("q8_0", "q4_k")}
 # a plan row's recurrent fields, just before Gemma 4's and the latent-attention ones: mixer,
 # n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a, dt_bias, rc_norm, k_heads,
 # v_heads, k_dim, v_dim, v_tiled, q_gate, rotary
@@ -147,8 +151,8 @@ def _tolerance(tiny) -> float:
     inputs compute sigmoid, softplus, the L2 norm and RoPE in C where the per-op path uses
     torch (1e-7 apart); a later layer cuts its activations into 8-bit blocks (32 values for
     Q8_0 weights, 256 for Q4_K), where such a difference can move one value to the next
-    step: up to 5e-3 and 2e-2 there. So can LFM2-MoE's router product, in C's fp32 order
-    where the per-op path's is torch's."""
+    step: up to 5e-3 and 2e-2 there. So can the MoE families' router product, in C's fp32
+    order where the per-op path's is torch's."""
     _, quant, arch = tiny
     if arch == "lfm2":
         return 0.0

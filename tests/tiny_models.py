@@ -429,9 +429,9 @@ def hybrid_config(arch: str, **overrides):
     if arch == "qwen3_5":
         return tf.Qwen3_5TextConfig(**common, **delta)
     if arch == "qwen3_5_moe":
-        return tf.Qwen3_5MoeTextConfig(**common, **delta, num_experts=8, num_experts_per_tok=2,
-                                       moe_intermediate_size=32,
-                                       shared_expert_intermediate_size=48)
+        experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48}
+        return tf.Qwen3_5MoeTextConfig(**{**experts, **common}, **delta)
     if arch.startswith("granitehybrid"):
         return granite_hybrid_config(common, moe=arch.endswith("_moe"))
     if arch.startswith("nemotron_h"):
@@ -540,6 +540,33 @@ def build_hybrid(arch: str, out_dir: Path, seed: int = 0, **overrides):
     if arch.startswith("nemotron_h"):
         _nemotron_config_json(out_dir / "hf" / "config.json", moe=arch.endswith("_moe"))
     return model
+
+
+def build_qwen35_mtp(arch: str, out_dir: Path, seed: int = 0):
+    """A Qwen3.5 (arch "qwen3_5" or "qwen3_5_moe") of four main layers whose checkpoint also
+    carries a multi-token-prediction layer, as Qwen's do (transformers writes none): built
+    with a fifth, full-attention layer, which is moved to mtp.layers.0.*, beside random
+    mtp.fc and the 1 + w norms mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden and
+    mtp.norm; config.json says 4 layers and mtp_num_hidden_layers 1. Returns the
+    five-layer transformers model and the mtp.* tensors other than the layer's."""
+    from safetensors.torch import load_file, save_file
+
+    types = ["linear_attention"] * 3 + ["full_attention"] * 2
+    model = build_hybrid(arch, out_dir, seed, num_hidden_layers=5, layer_types=types)
+    torch.manual_seed(seed + 1)
+    hidden = model.config.hidden_size
+    own = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden) * 0.2,
+           **{f"mtp.{n}.weight": torch.randn(hidden) * 0.1
+              for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    (path,) = (out_dir / "hf").glob("*.safetensors")
+    prefix = "model.layers.4."
+    tensors = {("mtp.layers.0." + k[len(prefix):] if k.startswith(prefix) else k): v
+               for k, v in load_file(path).items()}
+    save_file({**tensors, **own}, path, metadata={"format": "pt"})
+    config = json.loads((out_dir / "hf" / "config.json").read_text())
+    config.update(num_hidden_layers=4, layer_types=types[:4], mtp_num_hidden_layers=1)
+    (out_dir / "hf" / "config.json").write_text(json.dumps(config))
+    return model, own
 
 
 def byte_tokenizer_metadata(vocab_size: int) -> dict:

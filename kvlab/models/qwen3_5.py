@@ -167,8 +167,7 @@ class Qwen35Model(HybridModel):
         rotary = round(config.head_dim * config.rope.partial)  # rope_cos_sin: [T, 1, rotary]
         self.inv_freq = rope_inv_freq(RopeConfig(theta=config.rope.theta), rotary).to(
             weights["norm"].device)
-        if config.moe is None:  # Qwen3.5-MoE's layers decode per op
-            self.c_plan = decode_c.build_plan(config, self.layers, "silu", output_gate=True)
+        self.c_plan = decode_c.build_plan(config, self.layers, "silu", output_gate=True)
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:
