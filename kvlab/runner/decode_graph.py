@@ -82,17 +82,20 @@ class DecodeGraphs:
                         for s in out.scheduled)
                 and max(s.start for s in out.scheduled) < self.max_width)
 
-    def run(self, out: SchedulerOutput, block_size: int, tables: torch.Tensor
-            ) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, block_size: int, tables: torch.Tensor,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(out.scheduled), vocab] fp32, rows in scheduled order. tables: [n, >= 1]
         int64 CPU, each sequence's block table in its row (entries past its end are never
-        read; the runner's persistent batch keeps them)."""
+        read; the runner's persistent batch keeps them). input_ids: [n] on the device, the
+        token ids in place of the ScheduledSeqs' (a step scheduled ahead)."""
         n = len(out.scheduled)
         key = (_round_up_pow2(n, 1), _round_up_pow2(max(s.start for s in out.scheduled) + 1,
                                                     MIN_WIDTH, self.max_width))
         with torch.inference_mode():
             bucket = self.buckets.get(key) or self._new_bucket(*key)
             self._fill(bucket, out, block_size, tables)
+            if input_ids is not None:  # after the upload, on the same stream
+                bucket.ids[:n].copy_(input_ids)
             if bucket.graph is None:
                 return self._forward(bucket)[:n]
             bucket.graph.replay()

@@ -140,16 +140,18 @@ class ModelRunner:
         return int(self.config.kv_bytes_per_token(kv_bytes_per_element(self.kv_dtype)))
 
     def execute(self, out: SchedulerOutput, record_experts: bool = False,
-                logits: bool = True, hidden: bool = False) -> StepLogits:
+                logits: bool = True, hidden: bool = False,
+                input_ids: torch.Tensor | None = None) -> StepLogits:
         """Run one step. With quantized weights, torch stays on one thread between wide
         steps: the C kernels bring their own threads, and torch's OpenMP workers would
         otherwise compete with them for the same cores. Wide (prefill) steps give torch all
         threads for their attention products. logits=False stops at the hidden states (a
         tensor-parallel rank other than 0): the result then has no rows. hidden=True also
-        returns every row's hidden state (StepLogits.hidden)."""
+        returns every row's hidden state (StepLogits.hidden). input_ids: [T] on the device,
+        the step's token ids in place of its ScheduledSeqs' (a step scheduled ahead)."""
         record = record_experts and self.config.moe is not None
         with self._torch_threads(out.num_tokens):
-            return self._execute(out, record, logits, hidden)
+            return self._execute(out, record, logits, hidden, input_ids)
 
     @contextmanager
     def _torch_threads(self, num_tokens: int) -> Iterator[None]:
@@ -198,14 +200,17 @@ class ModelRunner:
             self.pager.close()
 
     def _execute(self, out: SchedulerOutput, record_experts: bool,
-                 want_logits: bool = True, want_hidden: bool = False) -> StepLogits:
+                 want_logits: bool = True, want_hidden: bool = False,
+                 input_ids: torch.Tensor | None = None) -> StepLogits:
         if self.graphs is not None and not want_hidden and self.graphs.accepts(out):
-            logits = self.graphs.run(out, self.block_size, self.batch.tables(out))
+            logits = self.graphs.run(out, self.block_size, self.batch.tables(out), input_ids)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         began = time.perf_counter()
         step = self.batch.inputs(out)
         self.input_seconds += time.perf_counter() - began
         ids_t, pos_t, meta = step.ids, step.positions, step.meta
+        if input_ids is not None:
+            ids_t = input_ids
         trace: list[torch.Tensor] | None = [] if record_experts else None
         extra = {} if self.states is None else {"states": self._step_states(out)}
         with torch.inference_mode():
