@@ -43,6 +43,7 @@ from kvlab.request import (
 )
 from kvlab.runner import ModelRunner, StepLogits
 from kvlab.runner.decode_graph import GRAPH_MODES
+from kvlab.runner.inflight import InFlight, StepLauncher
 from kvlab.runner.ranks import LeaderRunner, Ranks, start_ranks
 from kvlab.sampler import (
     SampleResult,
@@ -100,6 +101,10 @@ class EngineConfig:
     # sizing proposals from acceptance and step costs (kvlab.spec.adaptive)
     speculative_adaptive: bool = True
     draft_model: str | None = None  # speculative "draft": the model that proposes
+    # schedule each decode step while the one before runs, its input ids taken from that
+    # step's sampled ids on the device (kvlab.runner.inflight); steps that need the host's
+    # decisions (prefill, structures, penalties, speculation) run synchronously
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         cuda = self.device.startswith("cuda")
@@ -260,6 +265,12 @@ class Engine:
         self.outputs = OutputProcessor(tokenizer)  # the requests' text, from core outputs
         self.structured = StructuredOutputs(tokenizer, loaded.config.vocab_size)
         self._compiling: dict[str, Future[Template]] = {}  # admitted once their grammar is
+        # async scheduling: the step whose sampled ids the host has not read yet
+        self._launcher = (StepLauncher(self.runner.device)
+                          if config.async_scheduling and ranks is None
+                          and self.kv.states is None and proposer is None
+                          and not config.record_experts else None)
+        self._inflight: InFlight | None = None
         self.runner.page_ahead(self.kv.high_water())  # a first request's pages, in the background
 
     @staticmethod
@@ -326,6 +337,9 @@ class Engine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        self._settle()
+        if self._launcher is not None:
+            self._launcher.close()
         self.runner.close()
 
     # ---- public API -------------------------------------------------------------------------
@@ -399,7 +413,8 @@ class Engine:
                 "forward": self._phases["execute"] - inputs, "sample": self._phases["sample"]}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return (self.scheduler.has_unfinished() or bool(self._compiling)
+                or self._inflight is not None)
 
     def reserve_kv_memory(self, tokens: int | None = None) -> None:
         """Make the whole KV pool resident now instead of as blocks are first written; with
@@ -454,6 +469,7 @@ class Engine:
             raise RequestError("embeddings run on one rank; start without tensor parallel")
         self._check_embed_prompts(prompts)
         check_dimensions(dimensions, self.loaded.config.hidden_size)
+        self._settle()  # the runner is free only once a step in flight has finished
         vectors = []
         for batch in token_batches(prompts, EMBED_BATCH_TOKENS):
             hidden = self.runner.final_hidden(batch)
@@ -514,7 +530,11 @@ class Engine:
         return processed.outputs
 
     def core_step(self) -> list[CoreOutput]:
+        """One step's token ids and finishes. With async scheduling, a decode step is
+        launched here and its ids come out of the next core_step (see _continue)."""
         outputs = self._admit_compiled()
+        if self._inflight is not None:
+            return outputs + self._continue(self._inflight)
         scheduling = time.perf_counter()  # proposing (a draft model's passes) is in the step
         sched = self.scheduler.schedule()
         self._phases["schedule"] += time.perf_counter() - scheduling
@@ -524,6 +544,16 @@ class Engine:
                              return_when="FIRST_COMPLETED")
             return outputs + self._stall_outputs()
         self.runner.page_ahead(self.kv.high_water())
+        if self._overlappable(sched):
+            seqs = [self.requests[s.seq_id].seq for s in sched.scheduled]
+            flight = self._launch(sched, seqs, None)
+            self.scheduler.update(sched, {seq.seq_id: seq for seq in seqs})
+            return outputs + self._continue(flight)
+        return outputs + self._run_sync(sched, scheduling)
+
+    def _run_sync(self, sched: SchedulerOutput, scheduling: float) -> list[CoreOutput]:
+        """Run a step and read its sampled ids at once (prefill, structures, proposals)."""
+        outputs: list[CoreOutput] = []
         start = time.perf_counter()
         step = self.runner.execute(sched, self.config.record_experts,
                                    hidden=self.mtp is not None)
@@ -553,6 +583,84 @@ class Engine:
                 out.experts = logits.experts[row].tolist()
             outputs.append(out)
         return outputs + [self._append_verified(v, now) for v in verified]
+
+    # ---- async scheduling (kvlab.runner.inflight) ---------------------------------------
+
+    def _overlappable(self, sched: SchedulerOutput) -> bool:
+        """A step whose sampled ids the host may read later: one-token decode rows only,
+        none constrained by a structure or penalized by the tokens it has produced."""
+        if self._launcher is None or sched.num_tokens != len(sched.scheduled):
+            return False
+        requests, structured = self.requests, self.structured
+        for s in sched.scheduled:
+            p = requests[s.seq_id].seq.params
+            if (not s.needs_logits or structured.constrained(s.seq_id)
+                    or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty):
+                return False
+        return True
+
+    def _continue(self, flight: InFlight) -> list[CoreOutput]:
+        """With `flight` launched: schedule the step after it, launch that one on the ids
+        `flight` sampled (on the device), then read flight's ids and emit them."""
+        scheduling = time.perf_counter()
+        ahead = (self.scheduler.schedule_ahead(flight.sched, self.max_model_len)
+                 if not self._compiling else None)
+        self._inflight = None
+        if ahead is not None:  # its sequences are flight's: overlappable as they were
+            seqs = [self.requests[s.seq_id].seq for s in ahead.scheduled]
+            self._phases["schedule"] += time.perf_counter() - scheduling
+            self.runner.page_ahead(self.kv.high_water())
+            self._inflight = self._launch(ahead, seqs, flight)
+            self.scheduler.update_ahead(ahead, seqs)
+        else:
+            flight.wait()
+        return self._emit(flight)
+
+    def _launch(self, sched: SchedulerOutput, seqs: list[Sequence],
+                after: InFlight | None) -> InFlight:
+        """Start a decode step; its input ids are `after`'s sampled ones where given."""
+        assert self._launcher is not None
+        batch = self._sampling_batch(seqs, None)
+        ids = None
+        if after is not None:
+            sampled = after.sampled().token_ids  # waits for `after` to have sampled
+            if after.seqs != seqs:  # some sequences left: each one's row of `after`
+                rows = {seq.seq_id: i for i, seq in enumerate(after.seqs)}
+                index = [rows[seq.seq_id] for seq in seqs]
+                sampled = sampled[torch.tensor(index, device=sampled.device)]
+            ids = sampled
+
+        def run() -> SampleResult:
+            start = time.perf_counter()
+            step = self.runner.execute(sched, input_ids=ids)
+            executed = time.perf_counter()
+            self._phases["execute"] += executed - start
+            result = sample(step.logits, batch)
+            self._phases["sample"] += time.perf_counter() - executed
+            return result
+
+        return self._launcher.launch(sched, seqs, run)
+
+    def _emit(self, flight: InFlight) -> list[CoreOutput]:
+        """A launched step's tokens, appended now; sequences that finished or were aborted
+        since it was launched are left out (their token is never shown nor counted)."""
+        tokens = flight.token_list()
+        now = time.perf_counter()
+        outputs, requests = [], self.requests
+        for row, seq in enumerate(flight.seqs):
+            req = requests.get(seq.seq_id)
+            if req is None or req.seq is not seq:
+                continue
+            logprobs = ([self._logprob(flight.sampled(), row, tokens[row])]
+                        if seq.params.logprobs is not None else [])
+            outputs.append(self._append(req, [tokens[row]], logprobs, now, complete=False))
+        return outputs
+
+    def _settle(self) -> None:
+        """Wait for a step in flight to finish (its ids are still emitted by core_step)."""
+        if self._inflight is not None:
+            self._inflight.wait()
 
     def _feed_mtp(self, sched: SchedulerOutput, hidden: torch.Tensor) -> None:
         """Hand the MTP proposer each sequence's hidden states of the tokens it kept (its
@@ -670,14 +778,18 @@ class Engine:
             return None, None
         seqs = [self.requests[i].seq for i in seq_ids]
         allowed = self.structured.bitmask(seq_ids, [s.params.ignore_eos for s in seqs])
-        batch = self._sampling.get(
-            seqs, lambda s: (s.params, self.requests[s.seq_id].generator),
+        return sample(logits, self._sampling_batch(seqs, allowed)), allowed
+
+    def _sampling_batch(self, seqs: list[Sequence], allowed: torch.Tensor | None
+                        ) -> SamplingBatch:
+        requests = self.requests
+        return self._sampling.get(
+            seqs, lambda s: (s.params, requests[s.seq_id].generator),
             lambda: SamplingBatch.build(
                 [s.params for s in seqs], [_penalty_ids(s, prompt=True) for s in seqs],
                 [_penalty_ids(s, prompt=False) for s in seqs],
-                [self.requests[i].generator for i in seq_ids], self.runner.device),
+                [requests[s.seq_id].generator for s in seqs], self.runner.device),
             self.runner.device, allowed)
-        return sample(logits, batch), allowed
 
     def _account(self, sched: SchedulerOutput, start: float, now: float) -> None:
         for s in sched.scheduled:

@@ -33,6 +33,17 @@ step restores the backup and computes the kept tokens again with the new ones:
     step n+1:  o3 d1 s e1 e2      from the state before o3; e1 e2 the next guesses
 
 A verify step saves no snapshot: its state may hold a rejected token.
+
+Async scheduling schedules a decode step while the one before still runs (schedule_ahead):
+each decoding sequence is assumed to gain exactly the one token that step samples, so its
+next position gets its slot before the host knows the token:
+
+    tokens:    [prompt ... o3]                 o4 sampled on the device, not read yet
+    computed:  [prompt ... o3]                 num_computed_tokens = num_tokens
+    ahead:     start = num_tokens, 1 token     its id comes from the device, not the host
+
+After the ahead step is launched the counter runs one past the known tokens until o4 is
+appended; a sequence that o4 ends is freed then, and the ahead step's row for it dropped.
 """
 
 from __future__ import annotations
@@ -77,13 +88,19 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+# the token ids of a step scheduled ahead (schedule_ahead): the host does not know them yet
+_STAND_IN: list[int] = [0]
+
+
 class ScheduledSeq(NamedTuple):
     """One sequence's part of a step. A named tuple: made for every running sequence at
     every step, it costs a third of a frozen dataclass to build."""
 
     seq_id: str
     start: int  # num_computed_tokens before this step
-    token_ids: list[int]  # the tokens computed this step: positions [start, start + len)
+    # the tokens computed this step: positions [start, start + len); in a step scheduled
+    # ahead, a stand-in for the one token the step before samples (schedule_ahead)
+    token_ids: list[int]
     block_table: list[int]
     needs_logits: bool  # this step reaches the end of its known tokens: sample one
     prefill_tokens: int  # how many of token_ids are prompt tokens
@@ -148,6 +165,52 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         return SchedulerOutput([self._describe(s, n) for s, n in scheduled], preempted)
+
+    def schedule_ahead(self, last: SchedulerOutput, max_len: int) -> SchedulerOutput | None:
+        """The step after `last`, scheduled while `last` still runs: each of its decoding
+        sequences gains exactly the one token `last` samples, which the host does not know
+        yet (async scheduling, see the module docstring). Its position gets a slot now; the
+        step's token ids are stand-ins, the runner takes the ids `last` sampled instead. A
+        sequence that token certainly ends (max_tokens, the context `max_len`) is left out.
+
+        None where the host must decide first (the synchronous path does): speculation,
+        recurrent states, a sequence still in prefill or not in `last`, a seat that a waiting
+        sequence could take, a block that is not free."""
+        kv = self.kv
+        if self.proposer is not None or kv.states is not None:
+            return None
+        prev = {s.seq_id: s for s in last.scheduled}
+        bs, windowed = kv.block_size, not self._blocks_only
+        scheduled: list[ScheduledSeq] = []
+        for seq in self.running:
+            s, start = prev.get(seq.seq_id), seq.num_computed_tokens
+            if s is None or start != len(seq.token_ids) or s.start + 1 != start:
+                return None
+            if (start + 1 - seq.num_prompt_tokens >= seq.params.max_tokens
+                    or start + 1 >= max_len):
+                continue  # its token from `last` ends it
+            # a new block only where the position starts one; else the table is last step's
+            table = s.block_table
+            if start % bs == 0 or windowed:
+                if not kv.allocate_slots(seq.seq_id, start + 1):
+                    return None
+                table = kv.block_table(seq.seq_id)
+            window = kv.window_table(seq.seq_id) if windowed else None
+            scheduled.append(ScheduledSeq(seq.seq_id, start, _STAND_IN, table, True, 0, window))
+        if (not scheduled or len(scheduled) > self.config.max_num_batched_tokens
+                or (self.waiting and len(scheduled) < self.config.max_num_seqs)):
+            return None
+        return SchedulerOutput(scheduled)
+
+    def update_ahead(self, output: SchedulerOutput, seqs: list[Sequence]) -> None:
+        """update() of a step from schedule_ahead (seqs: its sequences, in order): each has
+        computed one more position than it has known tokens until the step's token is read."""
+        kv = self.kv
+        for s, seq in zip(output.scheduled, seqs):
+            seq.num_computed_tokens = done = s.start + 1
+            kv.cache_full_blocks(seq.seq_id, seq.token_ids, done)  # its known tokens only
+            if not self._blocks_only:
+                kv.release_out_of_window(seq.seq_id, done)
 
     def _schedule_running(self, budget: int, scheduled: list[tuple[Sequence, int]],
                           preempted: list[str]) -> int:

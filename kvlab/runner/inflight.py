@@ -1,0 +1,92 @@
+"""A model step in flight: launched now, its sampled token ids read by the host one step
+later (the engine's async scheduling).
+
+    host:    schedule N+1 | wait N's ids (device) | launch N+1 (ids gathered from N's)
+             | read N's ids, emit N | schedule N+2 | ...
+    device:  ... forward + sample N | forward + sample N+1 | ...
+
+The next step's input ids are gathered from the sampled-id tensor on the device, so the
+host never has to know them before it launches that step. How a step overlaps the host's
+work differs by device:
+  - CUDA: kernels are queued on the stream; the sampled ids are copied to pinned host memory
+    without blocking and an event says when they have landed.
+  - CPU: the step (inputs, forward, sampling) runs on one worker thread; torch's ops and the
+    C kernels release the GIL, so the main thread emits the last step's tokens and
+    schedules the next one meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.sampler import SampleResult
+from kvlab.scheduler import SchedulerOutput, Sequence
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One launched step: its schedule, the sequences of its sampled rows (in row order),
+    and its sampling result once the device (or the worker) has made it."""
+
+    sched: SchedulerOutput
+    seqs: list[Sequence]
+    _result: Future[SampleResult]
+    _host_ids: torch.Tensor | None = None  # CUDA: [B] pinned, filled by a non-blocking copy
+    _landed: torch.cuda.Event | None = None  # recorded after that copy
+
+    def sampled(self) -> SampleResult:
+        """The step's sampling result; its tensors may still be on the device (waits for a
+        CPU worker to finish the step)."""
+        return self._result.result()
+
+    def token_list(self) -> list[int]:
+        """The sampled ids as Python ints: the one point where the host waits for them."""
+        if self._landed is None:
+            return self.sampled().token_list
+        self._landed.synchronize()
+        assert self._host_ids is not None
+        return self._host_ids.tolist()
+
+    def wait(self) -> None:
+        """Return once the step no longer runs (the runner is free for other work)."""
+        self._result.result()
+        if self._landed is not None:
+            self._landed.synchronize()
+
+
+class StepLauncher:
+    """Launches steps so that they overlap the host's work (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._worker: ThreadPoolExecutor | None = None
+        if device.type == "cpu":
+            threads = torch.get_num_threads()  # OpenMP's thread count is per thread
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvlab-step",
+                                              initializer=torch.set_num_threads,
+                                              initargs=(threads,))
+
+    def launch(self, sched: SchedulerOutput, seqs: list[Sequence],
+               run: Callable[[], SampleResult]) -> InFlight:
+        """Start run() (the step's forward and sampling) and return at once."""
+        if self._worker is not None:
+            return InFlight(sched, seqs, self._worker.submit(run))
+        done: Future[SampleResult] = Future()
+        result = run()  # queued on the stream: returns before the device has finished
+        done.set_result(result)
+        if self.device.type != "cuda":
+            return InFlight(sched, seqs, done)
+        host = torch.empty(result.token_ids.shape, dtype=result.token_ids.dtype,
+                           pin_memory=True)
+        host.copy_(result.token_ids, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        return InFlight(sched, seqs, done, host, landed)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

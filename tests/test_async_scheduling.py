@@ -1,0 +1,192 @@
+"""Async scheduling (EngineConfig.async_scheduling, kvlab.runner.inflight): a decode step is
+scheduled while the one before runs and reads its input ids from that step's sampled
+ids on the device. The text must be exactly what the synchronous engine makes: greedy and
+seeded, alone and batched, through stops, limits, aborts, preemption, a structured request
+beside plain ones, and the server's AsyncEngine; tiny random models and the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from kvlab.cache import KVCacheManager
+from kvlab.engine import Engine, EngineConfig
+from kvlab.request import FinishReason, SamplingParams, Structure
+from kvlab.scheduler import Scheduler, SchedulerConfig, Sequence
+from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
+
+from tiny_models import build
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+PROMPTS = [[3, 14, 15, 92, 65], list(range(20, 57)), [7] * 9, list(range(60, 90))]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def tiny(request, tmp_path_factory):
+    """gemma3: sliding-window layers with a pool of their own; llama: block tables alone."""
+    out = tmp_path_factory.mktemp(request.param)
+    build(request.param, out)
+    return out / "model.gguf"
+
+
+def engine(path, async_on: bool, **kw) -> Engine:
+    return Engine.from_model(str(path), EngineConfig(
+        **{"block_size": 4, "async_scheduling": async_on, **kw}))
+
+
+def run(e: Engine, jobs: list[tuple[list[int], SamplingParams]], abort_at: dict | None = None
+        ) -> tuple[dict[str, list[int]], dict[str, object], int]:
+    """Each request's tokens and finish reason, and how many steps ended with one in
+    flight. abort_at: {request id: step} aborts it before that step."""
+    for i, (prompt, params) in enumerate(jobs):
+        e.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    reasons: dict[str, object] = {}
+    overlapped = 0
+    for step in itertools.count():
+        if not e.has_unfinished():
+            break
+        for request_id, at in (abort_at or {}).items():
+            if at == step:
+                e.abort(request_id)
+                reasons[request_id] = "aborted"
+        for out in e.step():
+            assert out.request_id not in reasons, "an output after its request ended"
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+                assert out.output_tokens == len(tokens[out.request_id])
+        overlapped += e._inflight is not None
+    assert e.kv.num_free_blocks == e.kv.num_blocks, "blocks left behind"
+    return tokens, reasons, overlapped
+
+
+def both(path, jobs, abort_at=None, **kw):
+    off = run(engine(path, False, **kw), jobs, abort_at)
+    on = run(engine(path, True, **kw), jobs, abort_at)
+    assert off[2] == 0
+    return off, on
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_alone_and_batched_as_synchronous(tiny, params):
+    for jobs in ([(PROMPTS[0], params)], [(p, params) for p in PROMPTS]):
+        off, on = both(tiny, jobs)
+        assert on[:2] == off[:2]
+        assert on[2] > 0, "no step was scheduled ahead"
+
+
+def test_finishes_mid_batch_drop_the_extra_token(tiny):
+    """Stop tokens, EOS-like stop ids and max_tokens end requests at different steps while
+    the step after is already running for them."""
+    greedy = engine(tiny, False)
+    first = run(greedy, [(PROMPTS[1], GREEDY)])[0]["0"]
+    jobs = [(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+            (PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                        stop_token_ids=(first[4],))),
+            (PROMPTS[2], SamplingParams(max_tokens=7, temperature=0)),
+            (PROMPTS[3], SEEDED)]
+    off, on = both(tiny, jobs)
+    assert on[:2] == off[:2]
+    assert on[1]["1"] == FinishReason.STOP and on[0]["1"][-1] == first[4]
+    assert on[1]["0"] == FinishReason.LENGTH and len(on[0]["0"]) == 3
+
+
+def test_stop_strings_as_synchronous(tiny):
+    greedy = engine(tiny, False)
+    text = greedy.tokenizer.decode(run(greedy, [(PROMPTS[3], GREEDY)])[0]["0"])
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=(stop,))
+    jobs = [(p, params if i == 3 else GREEDY) for i, p in enumerate(PROMPTS)]
+    off, on = both(tiny, jobs)
+    assert on[:2] == off[:2] and on[1]["3"] == FinishReason.STOP
+
+
+def test_abort_mid_stream_frees_its_blocks(tiny):
+    jobs = [(p, GREEDY) for p in PROMPTS]
+    off, on = both(tiny, jobs, abort_at={"1": 5, "2": 8})
+    assert on[:2] == off[:2]
+    assert 0 < len(on[0]["1"]) < 12
+
+
+def test_preemption_as_synchronous(tiny):
+    # a pool of 16 blocks of 4: the four requests need 35, so some are preempted
+    per_token = engine(tiny, True, kv_dtype="f32").cost.kv_bytes_per_token
+    small = {"kv_dtype": "f32", "kv_cache_gib": 16 * 4 * per_token / 2**30}
+    off = run(engine(tiny, False, **small), [(p, GREEDY) for p in PROMPTS])
+    e = engine(tiny, True, **small)
+    preempted = []
+    preempt = e.scheduler._preempt
+    e.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    on = run(e, [(p, GREEDY) for p in PROMPTS])
+    assert on[:2] == off[:2]
+    assert e.kv.num_blocks == 16 and preempted and on[2] > 0
+
+
+def test_structured_request_beside_plain_ones(tiny):
+    regex = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                           structured=Structure("regex", "(ab|cd)+x"))
+    jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], regex), (PROMPTS[2], SEEDED)]
+    off, on = both(tiny, jobs)
+    assert on[:2] == off[:2]
+    assert on[2] > 0, "the plain requests never overlapped once the structured one ended"
+
+
+def test_through_the_async_engine(tiny):
+    """The server's loop: core steps on the engine thread, text on the output thread."""
+    async def serve(e: Engine) -> dict[str, list[int]]:
+        server = AsyncEngine(e)
+        await server.start()
+        try:
+            gen = await server.add([EngineRequest(str(i), p, GREEDY if i % 2 else SEEDED)
+                                    for i, p in enumerate(PROMPTS)])
+            got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+            async for out in gen:
+                got[out.request_id].extend(out.new_token_ids)
+            return got
+        finally:
+            await server.stop()
+
+    off = asyncio.run(serve(engine(tiny, False)))
+    on = asyncio.run(serve(engine(tiny, True)))
+    assert on == off and all(len(t) == 12 for t in on.values())
+
+
+def test_schedule_ahead_is_bookkeeping():
+    """The step after a decode step: one position further each, a block only where it
+    starts one, a certain finish left out, none while a waiting sequence could join."""
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), kv)
+    a = Sequence("a", list(range(7)), 7, GREEDY)
+    b = Sequence("b", list(range(3)), 3, SamplingParams(max_tokens=1))
+    for seq in (a, b):
+        sched.add(seq)
+    first = sched.schedule()
+    sched.update(first, {"a": a, "b": b})
+    a.token_ids.append(1)
+    b.token_ids.append(2)
+    decode = sched.schedule()
+    assert [(s.start, len(s.token_ids)) for s in decode.scheduled] == [(7, 1), (3, 1)]
+    sched.update(decode, {"a": a, "b": b})
+    ahead = sched.schedule_ahead(decode, max_len=100)
+    assert ahead is not None
+    # b reached max_tokens with the token in flight: left out; a's position 8 starts block 2
+    assert [(s.seq_id, s.start) for s in ahead.scheduled] == [("a", 8)]
+    assert len(ahead.scheduled[0].block_table) == 3
+    sched.update_ahead(ahead, [a])
+    assert a.num_computed_tokens == 9 and len(a.token_ids) == 8
+    sched.add(Sequence("c", [1, 2], 2, GREEDY))
+    a.token_ids.append(5)
+    assert sched.schedule_ahead(ahead, max_len=100) is None  # b leaves a seat for c
+
+
+@pytest.mark.slow
+def test_default_model_as_synchronous():
+    jobs = [(p, SamplingParams(max_tokens=16, temperature=0)) for p in PROMPTS[:3]]
+    jobs.append((PROMPTS[3], SamplingParams(max_tokens=16, temperature=0.8, seed=5)))
+    off = run(Engine.from_model(None, EngineConfig(async_scheduling=False)), jobs)
+    on = run(Engine.from_model(None, EngineConfig(async_scheduling=True)), jobs)
+    assert on[:2] == off[:2] and on[2] > 0
