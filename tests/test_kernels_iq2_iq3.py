@@ -84,6 +84,29 @@ def test_avx2_products_are_the_portable_bits(qtype):
     assert torch.equal(one, y[3:4])
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
+@pytest.mark.parametrize("n", [8, 9, 10, 11])
+def test_avx2_prefill_tiles_are_the_portable_bits(qtype, n):
+    """From 8 x rows the AVX2 kernels decode tiles of weight rows once (+64 offset taken off
+    through the x block sums): 4096 columns make several tiles over 23 rows, and n leaves a
+    last group of 4, 1, 2 or 3 x rows; each row's output is the portable C's and its own
+    alone."""
+    w = random_blocks(qtype, 23, 4096, seed=7)
+    x = torch.randn(n, 4096, generator=torch.Generator().manual_seed(n))
+    x[1] *= 1e-3  # another activation scale per row
+    try:
+        ops._qk.set_isa("generic")
+        y_c = qmatmul(x, w)
+        ops._qk.set_isa("avx2")
+        y = qmatmul(x, w)
+        last = qmatmul(x[-1:], w)
+    finally:
+        ops._qk.set_isa("auto")
+    assert torch.equal(y, y_c)
+    assert torch.equal(last, y[-1:])
+
+
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
 def test_products_are_exact_integers_on_8_bit_x(qtype, backend):  # noqa: F811
     """x already on the 8-bit grid the kernels round it to (one scale per 256, integers up

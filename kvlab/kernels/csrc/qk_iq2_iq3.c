@@ -26,6 +26,7 @@
  * below 2 * 62 * 127 < 2^15) and the scales through madd, or with AVX512-VNNI through
  * vpdpwssd: the same integers, so every path gives the same bits.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "qk.h"
@@ -392,6 +393,112 @@ KV_IQ_ROW(row_iq_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 KV_IQ_DRIVER(gemv_iq_avx2, KV_TGT, row_iq_avx2)
 KV_IQ_DRIVER(gemv_iq_vnni, KV_TGT_V, row_iq_vnni)
 
+/* ---------------- prefill: weight rows decoded once, then run against every x row -------
+ *
+ * For many x rows the row kernels above would decode each sub-block once per four x rows.
+ * Here a tile of weight rows is decoded once into a buffer and every group of four x rows
+ * runs over it. A decoded sub-block holds its signed grid values plus 64 (2 .. 126, the
+ * unsigned bytes maddubs takes; a pair against x stays below 2 * 126 * 127 < 2^15), and the
+ * 64 comes off through the x rows' per-16 sums, as Q6_K's offset does:
+ * isum = sum_g sc_g * (sum (q + 64) x - 64 * bsum_g), the row kernels' integer exactly. The
+ * float step per super-block is theirs too (four x rows' fmaf in one vector), so a row's
+ * output does not depend on n. */
+typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_iq_unp;  /* one super-block */
+
+KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp *u) {
+    const kv_iq_type t = iq_type(qt);
+    for (int64_t i = 0; i < nb; i++, b += t.bytes) {
+        int16_t sc[16];
+        for (int s = 0; s < 8; s++) {
+            const kv_iq_sub v = sub_of(qt, b, s);
+            u[i].q[s] = _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
+            sc[2 * s] = (int16_t)v.sc0, sc[2 * s + 1] = (int16_t)v.sc1;
+        }
+        u[i].sc16 = _mm256_loadu_si256((const __m256i *)sc);
+        u[i].d = half_at(b) * t.unit;
+    }
+}
+
+/* one decoded weight row against nx (1 to 4) x rows; STEP as in KV_IQ_ROW */
+#define KV_IQ_TILE_DOT(name, tgt, STEP)                                                      \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const kv_iq_unp *u, int64_t nb, const char *xq, int64_t xs, const int nx, float *y, \
+        int64_t ys) {                                                                        \
+        const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, \
+                                               2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3); \
+        __m128 acc = _mm_setzero_ps();                                                       \
+        for (int64_t i = 0; i < nb; i++) {                                                   \
+            const kv_act256 *a[KV_IQ_NX];                                                    \
+            __m256i sumi[KV_IQ_NX];                                                          \
+            float dx[KV_IQ_NX] = {0};                                                        \
+            for (int j = 0; j < KV_IQ_NX; j++) sumi[j] = _mm256_setzero_si256();             \
+            for (int j = 0; j < nx; j++) {                                                   \
+                a[j] = (const kv_act256 *)(xq + j * xs) + i;                                 \
+                dx[j] = a[j]->d;                                                             \
+                sumi[j] = _mm256_sub_epi32(                                                  \
+                    sumi[j], _mm256_slli_epi32(_mm256_madd_epi16(load256(a[j]->bsums), u[i].sc16), 6)); \
+            }                                                                                \
+            for (int s = 0; s < 8; s++) {                                                    \
+                const __m256i sc = _mm256_shuffle_epi8(                                      \
+                    _mm256_permutevar8x32_epi32(u[i].sc16, _mm256_set1_epi32(s)), split);    \
+                for (int j = 0; j < nx; j++)                                                 \
+                    sumi[j] = STEP(sumi[j],                                                  \
+                                   _mm256_maddubs_epi16(u[i].q[s], load256(a[j]->qs + 32 * s)), sc); \
+            }                                                                                \
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sumi[0], sumi[1]),         \
+                                                _mm256_hadd_epi32(sumi[2], sumi[3]));        \
+            const __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h),                      \
+                                             _mm256_extracti128_si256(h, 1));                \
+            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(u[i].d), _mm_loadu_ps(dx)),            \
+                               _mm_cvtepi32_ps(h4), acc);                                    \
+        }                                                                                    \
+        float out[4];                                                                        \
+        _mm_storeu_ps(out, acc);                                                             \
+        for (int j = 0; j < nx; j++) y[j * ys] = out[j];                                     \
+    }
+KV_IQ_TILE_DOT(tile_dot_avx2, KV_TGT, KV_IQ_MADD_ADD)
+KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
+
+#define KV_IQ_TILE_MIN_N 8      /* fewer x rows: the row kernels */
+#define KV_IQ_TILE_BYTES 32768  /* decoded weights per tile (rows of it, 1 to 16) */
+
+/* rows [r0, r1) in tiles: decode the tile's rows once, then each group of four x rows runs
+ * over all of them (the group's x blocks stay in L1 across the tile); NULL-buffer fallback:
+ * the row kernels */
+#define KV_IQ_TILED(name, tgt, dot, rows)                                                    \
+    static inline __attribute__((always_inline)) tgt void name(                             \
+        const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,          \
+        int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride) { \
+        const int64_t nb = cols / 256, ubytes = nb * (int64_t)sizeof(kv_iq_unp);             \
+        int64_t tr = ubytes > 0 ? KV_IQ_TILE_BYTES / ubytes : 16;                            \
+        tr = tr < 1 ? 1 : tr > 16 ? 16 : tr;                                                 \
+        tr = tr < r1 - r0 ? tr : r1 - r0;                                                    \
+        kv_iq_unp *buf = nb == 0 || tr < 1 ? NULL                                            \
+                         : (kv_iq_unp *)aligned_alloc(32, (size_t)(tr * ubytes));            \
+        if (!buf) {                                                                          \
+            rows(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);                \
+            return;                                                                          \
+        }                                                                                    \
+        for (int64_t r = r0; r < r1; r += tr) {                                              \
+            const int64_t nt = r1 - r < tr ? r1 - r : tr;                                    \
+            for (int64_t t = 0; t < nt; t++) unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb); \
+            for (int64_t j = 0; j < n; j += KV_IQ_NX) {                                      \
+                const char *xj = (const char *)xq + j * xstride;                             \
+                float *yj = y + j * ystride + r;                                             \
+                for (int64_t t = 0; t < nt; t++)                                             \
+                    switch (n - j >= KV_IQ_NX ? KV_IQ_NX : n - j) {                          \
+                        case 4: dot(buf + t * nb, nb, xj, xstride, 4, yj + t, ystride); break; \
+                        case 3: dot(buf + t * nb, nb, xj, xstride, 3, yj + t, ystride); break; \
+                        case 2: dot(buf + t * nb, nb, xj, xstride, 2, yj + t, ystride); break; \
+                        default: dot(buf + t * nb, nb, xj, xstride, 1, yj + t, ystride); break; \
+                    }                                                                        \
+            }                                                                                \
+        }                                                                                    \
+        free(buf);                                                                           \
+    }
+KV_IQ_TILED(tiled_iq_avx2, KV_TGT, tile_dot_avx2, gemv_iq_avx2)
+KV_IQ_TILED(tiled_iq_vnni, KV_TGT_V, tile_dot_vnni, gemv_iq_vnni)
+
 KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out) {
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < cols / 256; i++, w += t.bytes) {
@@ -413,10 +520,14 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
 /* per type: the VNNI kernel, and the AVX2 entry that takes it where AVX512-VNNI runs */
 #define KV_IQ_AVX2(gemv, vnni, deq, qt)                                                    \
     static KV_TGT_V KV_GEMV_DECL(vnni) {                                                   \
-        gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);          \
+        if (n >= KV_IQ_TILE_MIN_N)                                                         \
+            tiled_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
+        else gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
     }                                                                                      \
     KV_TGT KV_GEMV_DECL(gemv) {                                                            \
         if (kv_use_vnni()) vnni(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);   \
+        else if (n >= KV_IQ_TILE_MIN_N)                                                    \
+            tiled_iq_avx2(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
         else gemv_iq_avx2(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
     }                                                                                      \
     KV_TGT void deq(const uint8_t *w, int64_t cols, float *out) { deq_iq_avx2(qt, w, cols, out); }
