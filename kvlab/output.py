@@ -23,16 +23,19 @@ from dataclasses import dataclass, field
 
 from kvlab.request import CoreOutput, FinishReason, RequestOutput, RequestTimings, SamplingParams
 from kvlab.stop import StopStringFilter
-from kvlab.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvlab.tokenizer import IncrementalDetokenizer, Tokenizer, TokenTexts
 
 
 @dataclass(eq=False)
 class _State:
-    """One live request's text so far."""
+    """One live request's text so far. `plain`: a token whose text is known (TokenTexts)
+    is its delta as it stands: the detokenizer holds no partial character and is past the
+    first token's space, and there are no stop strings to hold text back."""
 
     detok: IncrementalDetokenizer
     stops: StopStringFilter
     timings: RequestTimings
+    plain: bool = False
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Processed:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)  # the tokens' own texts, shared by all requests
         self._states: dict[str, _State] = {}
         self._lock = threading.Lock()  # add/drop and process may run on different threads
 
@@ -65,20 +69,39 @@ class OutputProcessor:
 
     def process(self, core_outputs: list[CoreOutput]) -> Processed:
         """The RequestOutputs of one core step, in its order; outputs of requests already
-        finished here (a stop string) or dropped are left out."""
+        finished here (a stop string) or dropped are left out. A plain request's one new
+        token whose text is known (most decode steps) costs a table look-up; the others
+        go through the detokenizer and the stop strings."""
         done = Processed()
-        for core in core_outputs:
-            with self._lock:
-                state = self._states.get(core.request_id)
+        with self._lock:
+            get = self._states.get
+            states = [get(core.request_id) for core in core_outputs]
+        known = self.texts.known
+        outputs = done.outputs
+        for core, state in zip(core_outputs, states):
             if state is None:
                 continue
-            out = _output(state, core)
+            tokens = core.new_token_ids
+            if (state.plain and core.finish_reason is None and len(tokens) == 1
+                    and (delta := known.get(tokens[0]))):
+                outputs.append(_built(state.timings, core, delta, 1, None))
+                continue
+            out = self._output(state, core)
             if out.finished:
                 self.drop(core.request_id)
                 if core.finish_reason is None:  # the core still runs it
                     done.stopped.append(core.request_id)
-            done.outputs.append(out)
+            outputs.append(out)
         return done
+
+    def _output(self, state: _State, core: CoreOutput) -> RequestOutput:
+        delta, kept, reason = _text(state, core)
+        for token in core.new_token_ids[:kept]:  # learn the texts of the tokens met
+            self.texts.text(token)
+        state.plain = not state.stops.stops and state.detok.settled
+        if reason is not None:
+            state.timings.finished = time.perf_counter()
+        return _built(state.timings, core, delta, kept, reason)
 
 
 def _text(state: _State, core: CoreOutput) -> tuple[str, int, FinishReason | None]:
@@ -96,21 +119,20 @@ def _text(state: _State, core: CoreOutput) -> tuple[str, int, FinishReason | Non
     return delta, len(tokens), core.finish_reason
 
 
-def _output(state: _State, core: CoreOutput) -> RequestOutput:
-    delta, kept, reason = _text(state, core)
-    t = state.timings
+def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
+           reason: FinishReason | None) -> RequestOutput:
+    """The RequestOutput of `core` keeping its first `kept` tokens, its timings updated."""
     t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
+    ids, logprobs = core.new_token_ids, core.logprobs
+    if kept < len(ids):  # tokens after a stop string: never shown nor counted
+        ids, logprobs = ids[:kept], logprobs[:kept]
     if kept:
         t.token_times.extend([core.step_time] * kept)
         if t.first_token is None:
             t.first_token = core.step_time
-    if reason is not None:
-        t.finished = time.perf_counter()
+    # positional: the fields in RequestOutput's order (keywords cost twice as much)
     return RequestOutput(
-        request_id=core.request_id, new_token_ids=core.new_token_ids[:kept], text_delta=delta,
-        finished=reason is not None, finish_reason=reason, prompt_tokens=core.prompt_tokens,
-        cached_tokens=core.cached_tokens,
-        output_tokens=core.output_tokens - (len(core.new_token_ids) - kept),
-        logprobs=core.logprobs[:kept], timings=t, forced_tokens=core.forced_tokens,
-        draft_tokens=core.draft_tokens, accepted_tokens=core.accepted_tokens,
-        allowed_tokens=core.allowed_tokens, experts=core.experts)
+        core.request_id, ids, delta, reason is not None, reason, core.prompt_tokens,
+        core.cached_tokens, core.output_tokens - (len(core.new_token_ids) - kept), logprobs,
+        t, core.forced_tokens, core.draft_tokens, core.accepted_tokens, core.allowed_tokens,
+        core.experts)

@@ -7,6 +7,7 @@ thread."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ from kvlab.engine import Engine, EngineConfig
 from kvlab.output import OutputProcessor
 from kvlab.request import CoreOutput, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from kvlab.server.core.async_engine import AsyncEngine, EngineRequest, EngineStepError
+from kvlab.tokenizer import IncrementalDetokenizer
 
 TEXT = "Sure, here it is.\nUser: and then some more"
 STOP = "\nUser:"
@@ -115,6 +117,31 @@ def test_dropped_request_outputs_are_ignored(tok):
     proc.add("r", SamplingParams(), arrival=0.0)
     proc.drop("r")
     assert proc.process([core([5, 6], 0)]).outputs == []
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_known_token_texts_stream_as_the_detokenizer_does(tok, shown):
+    """Requests streamed a token a step, the later ones through texts the earlier ones
+    taught the processor: every delta is a fresh detokenizer's, partial characters held
+    back, the first token's space stripped, specials hidden unless shown."""
+    text = ("Hello 日本語 😀 mixed 👨‍👩‍👧 façade \U000e0041 <start_of_turn>user\nhi"
+            "<end_of_turn>\n  spaces")
+    ids = tok.encode(" " + text, add_special_tokens=False)
+    shown_ids = tuple(i for i in ids if tok.is_special(i)) if shown else ()
+    assert shown_ids or not shown
+    proc = OutputProcessor(tok)
+    for rid in ("a", "b", "c"):
+        proc.add(rid, SamplingParams(shown_special_ids=shown_ids), arrival=0.0)
+        detok = IncrementalDetokenizer(tok, shown=frozenset(shown_ids))
+        deltas = [proc.process([dataclasses.replace(core([t], n), request_id=rid)])
+                  .outputs[0].text_delta for n, t in enumerate(ids)]
+        assert deltas == [detok.push(t) for t in ids], rid
+    special = next(i for i in ids if tok.is_special(i))
+    fallback = tok.encode("\U000e0041", add_special_tokens=False)  # one byte a token
+    assert set(proc.texts.known) == set(ids)
+    assert proc.texts.known[special] == "" and proc.texts.known[fallback[0]] == ""
+    assert "".join(proc.texts.text(i) for i in tok.encode("Hello world", add_special_tokens=False)
+                   ) == "Hello world"
 
 
 # ---- on the real engine ---------------------------------------------------------------------

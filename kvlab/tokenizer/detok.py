@@ -3,6 +3,11 @@
 Bytes accumulate in an incremental UTF-8 decoder, so a character split across tokens (emoji,
 CJK, byte-fallback pieces) is held back until complete instead of printing as U+FFFD; the
 deltas concatenate to exactly `Tokenizer.decode(all ids)`.
+
+Most tokens' bytes are whole characters: once a detokenizer holds no partial character
+and is past its first token (`settled`), such a token's delta is its own text, the same
+for every request. `TokenTexts` keeps those texts, so that a caller streaming many
+requests can skip the decoder for them.
 """
 
 from __future__ import annotations
@@ -37,6 +42,37 @@ class IncrementalDetokenizer:
                 piece = piece[1:]
         return self._utf8.decode(piece)
 
+    @property
+    def settled(self) -> bool:
+        """Past the first token and holding no partial character: a token's delta is then
+        its TokenTexts text, where it has one."""
+        return not self._first and not self._utf8.getstate()[0]
+
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character becomes U+FFFD)."""
         return self._utf8.decode(b"", final=True)
+
+
+class TokenTexts:
+    """Token id -> the text it adds to a settled detokenizer's stream: its bytes decoded,
+    where they are whole UTF-8 characters and it is not a special token; "" for the others
+    (their delta depends on what came before, or on the request). Filled as tokens are met:
+    `known` holds the ids looked up so far."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.known: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self.known.get(token_id)
+        if text is None:
+            text = self.known[token_id] = self._own(token_id)
+        return text
+
+    def _own(self, token_id: int) -> str:
+        if self._tokenizer.is_special(token_id):
+            return ""
+        try:
+            return self._tokenizer.token_bytes(token_id).decode("utf-8")
+        except UnicodeDecodeError:  # part of a character: the decoder holds it back
+            return ""
