@@ -608,7 +608,9 @@ class Engine:
                  if not self._compiling else None)
         self._inflight = None
         if ahead is not None:  # its sequences are flight's: overlappable as they were
-            seqs = [self.requests[s.seq_id].seq for s in ahead.scheduled]
+            # ahead's sequences are flight's, in order, less those that end with it
+            seqs = (flight.seqs if len(ahead.scheduled) == len(flight.seqs) else
+                    [self.requests[s.seq_id].seq for s in ahead.scheduled])
             self._phases["schedule"] += time.perf_counter() - scheduling
             self.runner.page_ahead(self.kv.high_water())
             self._inflight = self._launch(ahead, seqs, flight)
@@ -647,14 +649,22 @@ class Engine:
         since it was launched are left out (their token is never shown nor counted)."""
         tokens = flight.token_list()
         now = time.perf_counter()
-        outputs, requests = [], self.requests
+        outputs, requests, eos = [], self.requests, self.tokenizer.eos_ids
         for row, seq in enumerate(flight.seqs):
             req = requests.get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue
-            logprobs = ([self._logprob(flight.sampled(), row, tokens[row])]
-                        if seq.params.logprobs is not None else [])
-            outputs.append(self._append(req, [tokens[row]], logprobs, now, complete=False))
+            token, p, ids = tokens[row], seq.params, seq.token_ids
+            if (p.logprobs is not None or token in p.stop_token_ids
+                    or (not p.ignore_eos and token in eos)
+                    or len(ids) + 1 >= min(seq.num_prompt_tokens + p.max_tokens,
+                                           self.max_model_len)):
+                logprobs = ([self._logprob(flight.sampled(), row, token)]
+                            if p.logprobs is not None else [])
+                outputs.append(self._append(req, [token], logprobs, now, complete=False))
+                continue
+            ids.append(token)  # what _append does where the token ends nothing
+            outputs.append(self._output(req, [token], None, [], now))
         return outputs
 
     def _settle(self) -> None:

@@ -131,6 +131,15 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class _Steady:
+    """The last step scheduled ahead, for the next one to follow it cheaply."""
+
+    output: SchedulerOutput
+    steps_left: int  # steps its sequences can all take before the first of them ends
+    changes: int  # Scheduler._running_changes when it was made
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -146,6 +155,8 @@ class Scheduler:
         # hybrid sequences whose verify step rejected a guess: their counter stays at the
         # step's start, and their next step restores the state from the backup row
         self._rewound: set[str] = set()
+        self._running_changes = 0  # sequences joined or left the running set
+        self._steady: _Steady | None = None  # the last step scheduled ahead
 
     def add(self, seq: Sequence) -> None:
         if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
@@ -176,40 +187,75 @@ class Scheduler:
         None where the host must decide first (the synchronous path does): speculation,
         recurrent states, a sequence still in prefill or not in `last`, a seat that a waiting
         sequence could take, a block that is not free."""
-        kv = self.kv
-        if self.proposer is not None or kv.states is not None:
+        if self.proposer is not None or self.kv.states is not None:
             return None
-        prev = {s.seq_id: s for s in last.scheduled}
+        steady = self._steady
+        if (steady is not None and steady.output is last and steady.steps_left > 1
+                and steady.changes == self._running_changes and self._blocks_only):
+            scheduled = self._advance(last)  # the same batch as last step: the fast path
+            steps_left = steady.steps_left - 1
+        else:
+            scheduled, steps_left = self._ahead(last, max_len)
+        if (scheduled is None or not scheduled
+                or len(scheduled) > self.config.max_num_batched_tokens
+                or (self.waiting and len(scheduled) < self.config.max_num_seqs)):
+            self._steady = None
+            return None
+        out = SchedulerOutput(scheduled)
+        self._steady = _Steady(out, steps_left, self._running_changes)
+        return out
+
+    def _ahead(self, last: SchedulerOutput, max_len: int
+               ) -> tuple[list[ScheduledSeq] | None, int]:
+        """schedule_ahead's steps for any running set, and how many more steps this set can
+        take before one of its sequences ends (the fast path's steps)."""
+        kv, prev = self.kv, {s.seq_id: s for s in last.scheduled}
         bs, windowed = kv.block_size, not self._blocks_only
         scheduled: list[ScheduledSeq] = []
+        steps_left = 1 << 62
         for seq in self.running:
             s, start = prev.get(seq.seq_id), seq.num_computed_tokens
             if s is None or start != len(seq.token_ids) or s.start + 1 != start:
-                return None
-            if (start + 1 - seq.num_prompt_tokens >= seq.params.max_tokens
-                    or start + 1 >= max_len):
+                return None, 0
+            # tokens it may hold: after `limit` tokens it has ended
+            limit = min(seq.num_prompt_tokens + seq.params.max_tokens, max_len)
+            if start + 1 >= limit:
                 continue  # its token from `last` ends it
+            steps_left = min(steps_left, limit - start - 1)
             # a new block only where the position starts one; else the table is last step's
             table = s.block_table
             if start % bs == 0 or windowed:
                 if not kv.allocate_slots(seq.seq_id, start + 1):
-                    return None
+                    return None, 0
                 table = kv.block_table(seq.seq_id)
             window = kv.window_table(seq.seq_id) if windowed else None
             scheduled.append(ScheduledSeq(seq.seq_id, start, _STAND_IN, table, True, 0, window))
-        if (not scheduled or len(scheduled) > self.config.max_num_batched_tokens
-                or (self.waiting and len(scheduled) < self.config.max_num_seqs)):
-            return None
-        return SchedulerOutput(scheduled)
+        return scheduled, steps_left
+
+    def _advance(self, last: SchedulerOutput) -> list[ScheduledSeq] | None:
+        """The step after a step scheduled ahead, of the same sequences, none of which can
+        end before it: each one position further, a new block where a position starts one."""
+        bs, kv = self.kv.block_size, self.kv
+        scheduled = [ScheduledSeq(s.seq_id, s.start + 1, _STAND_IN, s.block_table, True, 0)
+                     for s in last.scheduled]
+        for i in [i for i, s in enumerate(scheduled) if s.start % bs == 0]:
+            s = scheduled[i]
+            if not kv.allocate_slots(s.seq_id, s.start + 1):
+                return None
+            scheduled[i] = s._replace(block_table=kv.block_table(s.seq_id))
+        return scheduled
 
     def update_ahead(self, output: SchedulerOutput, seqs: list[Sequence]) -> None:
         """update() of a step from schedule_ahead (seqs: its sequences, in order): each has
         computed one more position than it has known tokens until the step's token is read."""
-        kv = self.kv
+        kv, bs = self.kv, self.kv.block_size
+        caching, blocks_only = kv.enable_prefix_caching, self._blocks_only
         for s, seq in zip(output.scheduled, seqs):
             seq.num_computed_tokens = done = s.start + 1
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, done)  # its known tokens only
-            if not self._blocks_only:
+            # a block fills with known tokens only where the step's position starts one
+            if caching and (s.start % bs == 0 or not blocks_only):
+                kv.cache_full_blocks(seq.seq_id, seq.token_ids, done)  # known tokens only
+            if not blocks_only:
                 kv.release_out_of_window(seq.seq_id, done)
 
     def _schedule_running(self, budget: int, scheduled: list[tuple[Sequence, int]],
@@ -230,6 +276,7 @@ class Scheduler:
                     self._drop_drafts(seq, seq.num_draft_tokens)
                     continue
                 victim = self.running.pop()  # the newest sequence gives its blocks back
+                self._running_changes += 1
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
@@ -266,6 +313,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._running_changes += 1
             scheduled.append((seq, n))
             budget -= n
 
@@ -354,6 +402,7 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self._running_changes += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -178,9 +178,23 @@ def test_schedule_ahead_is_bookkeeping():
     assert len(ahead.scheduled[0].block_table) == 3
     sched.update_ahead(ahead, [a])
     assert a.num_computed_tokens == 9 and len(a.token_ids) == 8
-    sched.add(Sequence("c", [1, 2], 2, GREEDY))
-    a.token_ids.append(5)
-    assert sched.schedule_ahead(ahead, max_len=100) is None  # b leaves a seat for c
+    sched.finish(b)  # as the engine does once it reads b's last token
+    blocks = []
+    for start in range(9, 18):  # the first from any running set, then the same batch's
+        a.token_ids.append(5)
+        if start == 14:  # a free seat: a waiting sequence goes first, synchronously
+            c = Sequence("c", [1, 2], 2, GREEDY)
+            sched.add(c)
+            assert sched.schedule_ahead(ahead, max_len=100) is None
+            sched.finish(c)
+        ahead = sched.schedule_ahead(ahead, max_len=100)
+        assert [(s.seq_id, s.start) for s in ahead.scheduled] == [("a", start)]
+        blocks.append(len(ahead.scheduled[0].block_table))
+        assert ahead.scheduled[0].block_table == kv.block_table("a")
+        sched.update_ahead(ahead, [a])
+    assert blocks == [3, 3, 3, 4, 4, 4, 4, 5, 5]
+    a.token_ids.append(5)  # its 19th token, the 12th of its output: nothing to schedule
+    assert sched.schedule_ahead(ahead, max_len=100) is None
 
 
 @pytest.mark.slow

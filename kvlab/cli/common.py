@@ -37,6 +37,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use in place of the model's own")
+    p.add_argument("--async-scheduling", choices=("on", "off"), default="on",
+                   help="on (default): schedule each decode step while the one before runs, "
+                        "its input ids taken from that step's sampled ids on the device (same "
+                        "output; prefill, structured output, penalties and speculation steps "
+                        "run synchronously); off: every step in turn")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -110,7 +115,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
               "keep_quantized": not args.dequantize, "quantize": args.quantize,
               "group_rows": not args.no_group_rows, "device": args.device,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "chat_template": read_text(args.chat_template, "--chat-template")}
+              "chat_template": read_text(args.chat_template, "--chat-template"),
+              "async_scheduling": args.async_scheduling == "on"}
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]
 
