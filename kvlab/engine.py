@@ -663,8 +663,11 @@ class Engine:
                             if p.logprobs is not None else [])
                 outputs.append(self._append(req, [token], logprobs, now, complete=False))
                 continue
-            ids.append(token)  # what _append does where the token ends nothing
-            outputs.append(self._output(req, [token], None, [], now))
+            ids.append(token)  # what _append and _output do where the token ends nothing
+            t, prompt = req.timings, seq.num_prompt_tokens
+            outputs.append(CoreOutput(seq.seq_id, [token], None, prompt, seq.num_cached_tokens,
+                                      len(ids) - prompt, now, [], False, t.scheduled,
+                                      t.prefill_seconds))
         return outputs
 
     def _settle(self) -> None:
