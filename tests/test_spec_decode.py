@@ -26,7 +26,6 @@ from kvlab.request import FinishReason, SamplingParams, Structure
 from kvlab.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from kvlab.server.core.prom import speculative_lines
 from kvlab.spec.adaptive import (
-    DRAFT_RATE_WEIGHT,
     EXPLORE_EVERY,
     Acceptance,
     DraftCost,
@@ -93,7 +92,7 @@ def test_acceptance_falls_on_rejections_and_counts_trials_to_the_first_one():
     low = a.rate
     a.record(4, 4)
     assert a.rate > low
-    assert Acceptance(rate=1.0).expected(3) == 3.0
+    assert Acceptance(prior=1.0).expected(3) == 3.0
 
 
 def test_planner_speculates_while_rows_are_cheap_and_not_when_compute_bound():
@@ -101,7 +100,7 @@ def test_planner_speculates_while_rows_are_cheap_and_not_when_compute_bound():
     for _ in range(50):  # memory-bound: rows cost little beside the weight pass
         planner.cost.observe(1, False, 0.010)
         planner.cost.observe(5, True, 0.0105)
-    good = DraftState(acceptance=Acceptance(rate=0.8))
+    good = DraftState(acceptance=Acceptance(prior=0.8))
     assert planner.plan([good], [4], 1) == [4]
     bound = Planner(4)
     for _ in range(50):  # compute-bound: each row costs as much as the fixed pass
@@ -133,15 +132,15 @@ def test_k_shrinks_to_zero_on_failures_and_grows_back_through_shadow_trials():
     assert state.acceptance.rate > 0.8
 
 
-def test_planner_explores_after_declining_many_steps():
+def test_planner_probes_one_proposal_after_declining_many_steps():
     planner = Planner(2)
     for _ in range(50):
         planner.cost.observe(1, False, 0.010)
         planner.cost.observe(3, True, 0.040)
-    state = DraftState(acceptance=Acceptance(rate=0.3))
+    state = DraftState(acceptance=Acceptance(prior=0.3))
     plans = [planner.plan([state], [2], 1) for _ in range(EXPLORE_EVERY + 1)]
     assert plans[:EXPLORE_EVERY] == [[0]] * EXPLORE_EVERY
-    assert plans[-1] == [2]
+    assert plans[-1] == [1]  # the likeliest one token: its cost is measured again
 
 
 def test_step_cost_fit_recovers_its_terms():
@@ -168,7 +167,7 @@ def _simulate_draft(rate: float, steps: int = 300) -> list[int]:
     10 ms + 0.2 ms a row (+ 0.5 ms with proposals), a draft pass 1.5 ms (0.15 of it) + 0.1
     ms a row; each draft token matches the target's with probability `rate`; a declined
     step's token is a shadow trial, its draft catching up every CATCH_UP_EVERY tokens."""
-    state = DraftState(acceptance=Acceptance(weight=DRAFT_RATE_WEIGHT))
+    state = DraftState(acceptance=Acceptance())
     planner, rng = Planner(4, draft=True), random.Random(0)
     plans, behind = [], 0
     for _ in range(steps):
@@ -707,7 +706,7 @@ def test_a_declined_draft_keeps_its_acceptance_rate_current(tiny, alone, tmp_pat
             proposer.planner.cost.observe(1, False, 0.010)
             proposer.planner.cost.observe(2, False, 0.020)
             proposer.planner.cost.observe(5, True, 0.060)
-        state = DraftState(acceptance=Acceptance(rate=start))
+        state = DraftState(acceptance=Acceptance(prior=start))
         tokens = PROMPTS[1] + alone[1][:1]
         for token in alone[1][1:]:
             assert proposer.propose([_candidate(state, tokens)], 1) == [[]]

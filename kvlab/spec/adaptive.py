@@ -2,29 +2,43 @@
 what the engine's own timed steps say a proposed token costs.
 
 Plain Python, no torch. A step's seconds are fitted online (recursive least squares with
-forgetting) to the shape kvlab's step model gives a decode step (kvlab.estimate.step_model):
+forgetting) to the shape kvlab's step model gives a decode step (kvlab.estimate.step_model),
+with a line of its own for steps where some sequence computes several rows:
 
-    seconds = fixed + per_row * rows + multi * [some sequence computes several rows]
+    seconds = fixed + per_row * rows + several * (switch + switch_row * rows)
 
 `fixed` is one pass over the weights, `per_row` what each row adds (the products' compute,
-its attention, its sampling), `multi` what a step where some sequence has several rows adds
-on top (proposing, verifying; forced tokens' chunks). The engine cannot import the
-estimator (it ranks above the engine), so it fits that shape to the decode and verify steps
-it times itself, from scheduling to the sampled tokens; no threshold is fixed in advance.
+its attention, its sampling). A step with proposals to verify (or forced tokens' chunks)
+runs other kernels and samples each verify row on the host, so it has its own fixed part
+and its own price per row, which grows with the batch: a constant surcharge would price a
+batch of 8's verify rows as plain ones and propose where they cost more than they keep. The
+engine cannot import the estimator (it ranks above the engine), so it fits that shape to
+the decode and verify steps it times itself, from scheduling to the sampled tokens; no
+threshold is fixed in advance.
 
 A sequence whose proposals are accepted at rate a gets, from k proposals, 1 + a + ... + a^k
 tokens in expectation (each is kept only if all before it were). The plan adds proposals one
 at a time where they are most likely kept and keeps the allocation that maximises expected
 tokens per second; when the batch is compute-bound, that is none. A sequence that proposes
 nothing still has its would-be proposal checked against the token that came (a shadow
-trial, free), so k grows back when the text starts repeating again.
+trial, free), so k grows back when the text starts repeating again: proposing tells no more
+about the rate than declining does, so the plan proposes only where it expects to gain. A
+rate starts at the pool's (every sequence of the proposer so far) and averages about the last
+MEMORY trials, so a few lucky guesses of a sequence that seldom guesses right do not make it
+propose.
+
+The verify line is only measured on steps that propose, and a noisy early timing could keep
+it too dear for good. After EXPLORE_EVERY declined steps the plan makes one proposal anyway,
+the likeliest (one row more, not every sequence's k); each such probe after which the plan
+still declines doubles the wait, so a workload where proposals never pay sees ever fewer of
+them (log2 of its steps).
 
 A draft model's proposals cost its own passes besides the verify rows: k passes for the
 longest proposal, each a fixed part (the draft's weights, its vocabulary head) and a part per
 row. The draft proposer times its passes apart from the step (DraftCost), and the step fit
 sees the step without them:
 
-    step seconds = fixed + per_row * rows + multi * [several rows]
+    step seconds = fixed + per_row * rows + several * (switch + switch_row * rows)
                  + passes * draft_fixed + drafted_rows * draft_per_row
 """
 
@@ -36,35 +50,63 @@ from dataclasses import dataclass, field
 
 from kvlab.spec.ngram import NgramIndex
 
-RATE_PRIOR = 0.5  # a new sequence's acceptance rate before any trial
-RATE_WEIGHT = 0.25  # weight of each new trial in the running rate (prompt lookup's)
-# a draft model's: its agreement with the target drifts slowly, and its shadow trials come
-# one a token, so its rate averages over more of them (about the last 20)
-DRAFT_RATE_WEIGHT = 0.05
+RATE_PRIOR = 0.5  # the rate before any trial of any sequence
+# a new sequence's rate starts at the pool's (all of the proposer's sequences so far), worth
+# this many trials: its own trials soon outweigh it
+PRIOR_TRIALS = 1
+# trials a sequence's rate averages over (older ones fade): short enough to follow the text
+# (a copy starts, a draft's agreement drifts), long enough that a few lucky guesses among
+# misses do not lift a low rate to where proposing pays; the pool's follows the workload
+MEMORY = 32
+POOL_MEMORY = 256
 FORGET = 0.97  # older steps' weight in the cost fit, per step
-EXPLORE_EVERY = 64  # declined steps after which one proposes anyway: re-measures its cost
+# declined steps after which one proposal (the likeliest) is made anyway, to re-measure its
+# cost; each probe after which the fit still declines doubles the wait
+EXPLORE_EVERY = 64
 DRAFT_PRIOR = 0.25  # a draft pass's seconds before one is timed, as a share of a decode step
 
 
 @dataclass
 class Acceptance:
     """A sequence's running rate of accepted proposals (each trial: one proposed token up
-    to and including the first rejected one). A trial's weight starts at RATE_WEIGHT and
-    falls as trials come, to `weight`: the prior is soon outweighed either way."""
+    to and including the first rejected one). It starts at its prior (`prior` where given,
+    else its pool's rate, else RATE_PRIOR), worth PRIOR_TRIALS trials; it is then the mean
+    of the prior and its trials until they number `memory`, after which older trials fade
+    (a running average over about the last `memory`)."""
 
-    rate: float = RATE_PRIOR
-    weight: float = RATE_WEIGHT  # the least weight of a new trial
+    prior: float | None = None
+    memory: int = MEMORY
     trials: int = 0
+    pool: Acceptance | None = None  # the proposer's sequences together
+    estimate: float = 0.0  # the rate once there are trials
 
     def record(self, proposed: int, accepted: int) -> None:
         for i in range(min(proposed, accepted + 1)):
-            w = max(self.weight, RATE_WEIGHT / (1.0 + self.trials * RATE_WEIGHT))
-            self.rate += w * (float(i < accepted) - self.rate)
-            self.trials += 1
+            self.trial(i < accepted)
+
+    def trial(self, hit: bool) -> None:
+        if self.trials == 0:
+            self.estimate = self.start()
+        w = max(1.0 / self.memory, 1.0 / (self.trials + PRIOR_TRIALS + 1))
+        self.estimate += w * (float(hit) - self.estimate)
+        self.trials += 1
+        if self.pool is not None:
+            self.pool.trial(hit)
+
+    def start(self) -> float:
+        """The rate before any trial."""
+        if self.prior is not None:
+            return self.prior
+        return RATE_PRIOR if self.pool is None else self.pool.rate
+
+    @property
+    def rate(self) -> float:
+        return self.estimate if self.trials else self.start()
 
     def expected(self, k: int) -> float:
         """Expected accepted tokens out of k proposals."""
-        return sum(self.rate ** i for i in range(1, k + 1))
+        rate = self.rate
+        return sum(rate ** i for i in range(1, k + 1))
 
 
 @dataclass
@@ -92,10 +134,14 @@ class DraftState:
 
 class OnlineFit:
     """Recursive least squares with forgetting: seconds = theta . x, in units of the first
-    observation's seconds (so the prior's variances mean the same at any speed)."""
+    observation's seconds (so the prior's variances mean the same at any speed). A term
+    that steps seldom excite (the verify path's, while proposals are declined) would have its
+    variance grow without bound under forgetting, and the next such step would then set it
+    from one noisy timing: no variance grows past its prior."""
 
     def __init__(self, prior: Sequence[float]) -> None:
         n = len(prior)
+        self.prior = list(prior)
         self.theta = [0.0] * n
         self.p = [[prior[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.unit = 0.0  # seconds of the first observation
@@ -111,30 +157,43 @@ class OnlineFit:
         gain = [v / denom for v in px]
         err = seconds - sum(t * v for t, v in zip(self.theta, x))
         self.theta = [t + g * err for t, g in zip(self.theta, gain)]
-        self.p = [[(self.p[i][j] - gain[i] * px[j]) / FORGET for j in range(n)]
-                  for i in range(n)]
+        p = [[(self.p[i][j] - gain[i] * px[j]) / FORGET for j in range(n)] for i in range(n)]
+        # D P D with D diagonal: still a covariance, each variance at most its prior's
+        d = [min(1.0, (self.prior[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0
+             for i in range(n)]
+        self.p = [[p[i][j] * d[i] * d[j] for j in range(n)] for i in range(n)]
         self.steps += 1
 
 
 class StepCost(OnlineFit):
-    """Online fit of a step's seconds: fixed + per_row * rows + multi * [several rows].
+    """Online fit of a step's seconds as two lines in the rows computed, one for steps where
+    every sequence computes one row and one for steps where some computes several (proposals
+    verified, forced tokens): their kernels, attention and sampling differ, and so may what
+    each row costs.
 
-    The prior says rows and the switch cost little beside the fixed pass (variance 1 against
-    1e4), so a run that has timed only one-token steps tries proposals and then learns their
-    cost; forgetting lets the data outweigh it."""
+        seconds = fixed + per_row * rows + several * (switch + switch_row * rows)
+
+    The prior says rows and the several-row terms cost little beside the fixed pass
+    (variance 1 against 1e4), so a run that has timed only one-token steps tries proposals
+    and then learns their cost; forgetting lets the data outweigh it. Slopes are at least 0
+    and a several-row step costs at least a plain one of as many rows: physical bounds a
+    noisy fit may cross."""
 
     def __init__(self) -> None:
-        super().__init__((1e4, 1.0, 1.0))
+        super().__init__((1e4, 1.0, 1.0, 1.0))
 
     def observe(self, rows: int, multi: bool, seconds: float) -> None:
         """One timed step of decodes (and proposals): rows computed, seconds taken."""
-        self.fit((1.0, float(rows), float(multi)), seconds)
+        m = float(multi)
+        self.fit((1.0, float(rows), m, m * rows), seconds)
 
     def seconds(self, rows: int, multi: bool) -> float:
-        fixed, per_row, switch = self.theta
+        fixed, per_row, switch, switch_row = self.theta
         unit = self.unit or 1.0  # before any step: only the terms' ratios matter
-        return unit * (max(fixed, 1e-6) + max(per_row, 0.0) * rows
-                       + (max(switch, 0.0) if multi else 0.0))
+        plain = max(fixed + max(per_row, 0.0) * rows, 1e-6)
+        if not multi:
+            return unit * plain
+        return unit * max(fixed + switch + max(per_row + switch_row, 0.0) * rows, plain)
 
 
 class DraftCost(OnlineFit):
@@ -165,34 +224,58 @@ class Planner:
         self.max_k, self.adaptive = max_k, adaptive
         self.cost = StepCost()
         self.draft_cost = DraftCost() if draft else None
+        self.pool = Acceptance(memory=POOL_MEMORY)  # every sequence's trials: the prior
         self.declined = 0  # steps in a row that had proposals and made none
+        self.explore_every = EXPLORE_EVERY
 
     def plan(self, states: Sequence[DraftState], caps: Sequence[int], rows: int) -> list[int]:
         """Proposals per sequence (at most its cap) for a step that computes `rows` rows
         without them."""
+        for s in states:
+            self.adopt(s.acceptance)
         if not self.adaptive:
             return [min(c, self.max_k) for c in caps]
-        ks = [0] * len(states)
-        heap = [(-s.acceptance.rate, i) for i, (s, c) in enumerate(zip(states, caps)) if c > 0]
+        rates = [s.acceptance.rate for s in states]
+        heap = [(-rates[i], i) for i, c in enumerate(caps) if c > 0]
         if not heap:
-            return ks
-        explore = self.declined >= EXPLORE_EVERY
+            return [0] * len(states)
         heapq.heapify(heap)
-        base = len(states) / self.cost.seconds(rows, False)
-        best, best_ks, tokens, added, passes = base, list(ks), float(len(states)), 0, 0
+        probe = [0] * len(states)
+        probe[heap[0][1]] = 1  # the likeliest single proposal
+        best_ks = self._best(rates, caps, heap, rows)
+        if any(best_ks):
+            self.declined, self.explore_every = 0, EXPLORE_EVERY
+            return best_ks
+        if self.declined >= self.explore_every:
+            self.declined, self.explore_every = 0, 2 * self.explore_every
+            return probe
+        self.declined += 1
+        return best_ks
+
+    def adopt(self, acceptance: Acceptance) -> None:
+        """A sequence's rate joins the pool, which is its prior."""
+        if acceptance.pool is None:
+            acceptance.pool = self.pool
+
+    def _best(self, rates: list[float], caps: Sequence[int],
+              heap: list[tuple[float, int]], rows: int) -> list[int]:
+        """Proposals added one at a time where most likely kept, each prefix priced by the
+        fit: the allocation with the most expected tokens per second (none proposed: the
+        plain step's)."""
+        ks = [0] * len(rates)
+        base = len(rates) / self.cost.seconds(rows, False)
+        best, best_ks, tokens, added, passes = base, list(ks), float(len(rates)), 0, 0
         while heap:
             gain, i = heapq.heappop(heap)
             ks[i] += 1
             added += 1
             passes = max(passes, ks[i])
             tokens += -gain  # rate ** ks[i]: kept only if all before it were
-            rate = states[i].acceptance.rate
             if ks[i] < caps[i]:
-                heapq.heappush(heap, (-rate ** (ks[i] + 1), i))
+                heapq.heappush(heap, (-rates[i] ** (ks[i] + 1), i))
             seconds = self.cost.seconds(rows + added, True) + self.drafting(passes, added)
-            if tokens / seconds > best or explore:
+            if tokens / seconds > best:
                 best, best_ks = tokens / seconds, list(ks)
-        self.declined = self.declined + 1 if not any(best_ks) else 0
         return best_ks
 
     def drafting(self, passes: int, rows: int) -> float:

@@ -22,7 +22,9 @@ did not propose are shadow trials of its acceptance rate (kvlab.spec.adaptive), 
 against what the target produced, and so is the last row's guess of a sequence that takes
 no proposal this step, once its token comes. A sequence the planner declines still catches
 up every CATCH_UP_EVERY tokens (one chunked pass, a fraction of one draft pass per step), so
-its rate stays current while it proposes nothing:
+its rate stays current while it proposes nothing. A catch-up whose guesses all missed doubles
+the wait before the next (to CATCH_UP_MOST tokens), and any hit brings it back: where the
+draft never agrees, its fixed pass and vocabulary-head rows are paid ever more seldom:
 
     held:   .. o4                 guess g5 (not proposed)
     now:    .. o4 o5 o6 o7 o8     catch-up o5 .. o8: g5 vs o5, rows o5 o6 o7 -> vs o6 o7 o8,
@@ -47,12 +49,13 @@ from kvlab.models.loader import LoadedModel, LoadOptions, load_model
 from kvlab.models.sharding import SINGLE
 from kvlab.runner import ModelRunner
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
-from kvlab.spec.adaptive import DRAFT_RATE_WEIGHT, DraftState, Planner
+from kvlab.spec.adaptive import DraftState, Planner
 from kvlab.spec.proposer import CachingProposer, Candidate
 from kvlab.weights.checkpoint import open_checkpoint
 
 BLOCK_SIZE = 16
 CATCH_UP_EVERY = 8  # tokens a declined sequence's draft falls behind before it catches up
+CATCH_UP_MOST = 128  # the longest wait, after catch-ups that guessed nothing right
 # most rows of one catch-up whose guesses are scored: each logits row costs the draft's whole
 # vocabulary head, which a batch that declines proposals for being compute-bound feels
 SCORED_ROWS = 4
@@ -67,6 +70,8 @@ class _Held:
     scored_to: int  # positions before this one are not scored (the prompt, scored ones)
     tokens: list[int] = field(default_factory=list)
     guess: int | None = None  # its unproposed next token after `tokens`
+    every: int = CATCH_UP_EVERY  # tokens it may fall behind while declined
+    hits: int = 0  # scored guesses that were right since its last catch-up
     # recurrent layers: how many tokens the state in its backup row has taken in (None:
     # no backup), and whether its next pass starts from that backup
     backed_up: int | None = None
@@ -105,10 +110,15 @@ class DraftProposer(CachingProposer):
                 if (k > 0 or self._behind(candidates[i])) and self._sync(candidates[i], k)]
         firsts = self._pass([self._catch_up(candidates[i]) for i in live])
         for i, first in zip(live, firsts):
+            held = self.held[id(candidates[i].state)]
             if ks[i]:
                 out[i].append(first)
+                held.every = CATCH_UP_EVERY
             else:  # scored once its token comes
-                self.held[id(candidates[i].state)].guess = first
+                held.guess = first
+                held.every = (CATCH_UP_EVERY if held.hits else
+                              min(2 * held.every, CATCH_UP_MOST))
+            held.hits = 0
         for n in range(1, max((ks[i] for i in live), default=0)):
             live = [i for i in live if len(out[i]) < ks[i]]
             work = [(self.held[id(candidates[i].state)], [out[i][-1]], 1) for i in live]
@@ -120,8 +130,8 @@ class DraftProposer(CachingProposer):
     def _behind(self, c: Candidate) -> bool:
         """Whether a declined candidate's draft catches up this step."""
         held = self.held.get(id(c.state))
-        done = 0 if held is None else len(held.tokens)
-        return self.planner.adaptive and len(c.token_ids) - done >= CATCH_UP_EVERY
+        done, every = (0, CATCH_UP_EVERY) if held is None else (len(held.tokens), held.every)
+        return self.planner.adaptive and len(c.token_ids) - done >= every
 
     def _sync(self, c: Candidate, k: int) -> bool:
         """Keep the draft cache's longest prefix shared with the sequence, scoring its
@@ -130,14 +140,13 @@ class DraftProposer(CachingProposer):
         if held is None:  # from its first output token on
             held = self.held[id(c.state)] = _Held(f"draft-{next(self._ids)}", c.state,
                                                   len(c.token_ids) - 1)
-            c.state.acceptance.weight = DRAFT_RATE_WEIGHT
         same = 0
         for a, b in zip(held.tokens, c.token_ids):
             if a != b:
                 break
             same += 1
         if held.guess is not None and same == len(held.tokens) < len(c.token_ids):
-            held.state.acceptance.record(1, int(c.token_ids[same] == held.guess))
+            self._score(held, held.guess, c.token_ids[same])
         held.guess = None
         same = min(same, len(c.token_ids) - 1)  # the last token is computed to draft from
         same = self._rewind(held, same)
@@ -190,10 +199,15 @@ class DraftProposer(CachingProposer):
             at += rows
             came = held.tokens[len(held.tokens) - rows + 1:]
             for guess, token in zip(guesses[at - rows:at - 1], came):
-                held.state.acceptance.record(1, int(guess == token))
+                self._score(held, guess, token)
             nexts.append(guesses[at - 1])
         return nexts
 
+    @staticmethod
+    def _score(held: _Held, guess: int, token: int) -> None:
+        """One shadow trial: the draft's unproposed guess against the token that came."""
+        held.state.acceptance.record(1, int(guess == token))
+        held.hits += guess == token
 
     def _scheduled(self, held: _Held, new: list[int], rows: int, back_up: bool
                    ) -> ScheduledSeq:
