@@ -17,6 +17,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -95,22 +97,43 @@ def _reference(model, nextn: dict, prompt: list[int], token: int, k: int, start:
                                     "first_k_dense_replace": 0})).eval()
     block.layers[0].load_state_dict(model.model.layers[LAYERS].state_dict())
     block.norm.weight.data.copy_(nextn["shared_head.norm.weight"])
-    embed = model.model.embed_tokens.weight
     with torch.no_grad():
         h = main(torch.tensor([prompt])).last_hidden_state[0]  # [P, hidden], normed
-        ids, prev, guesses = prompt[start:] + [token], list(h[start - 1:]), []
-        first = None
-        for _ in range(k):
-            e = _rms(embed[torch.tensor(ids)], nextn["enorm.weight"], eps)
-            hh = _rms(torch.stack(prev), nextn["hnorm.weight"], eps)
-            x = torch.cat([e, hh], dim=-1) @ nextn["eh_proj.weight"].T
-            positions = torch.arange(start, start + len(ids))[None]
-            out = block(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]
-            logits = out[-1] @ nextn["shared_head.head.weight"].T
-            first = logits if first is None else first
-            guesses.append(int(logits.argmax()))
-            ids.append(guesses[-1])
-            prev.append(out[-1])
+        return recursion(h, block, prompt, token, k, start, MtpRef(
+            model.model.embed_tokens.weight, nextn["enorm.weight"], nextn["hnorm.weight"],
+            nextn["eh_proj.weight"], nextn["shared_head.head.weight"], eps))
+
+
+@dataclass(frozen=True)
+class MtpRef:
+    """The reference's MTP tensors beside its block (norm weights as they multiply)."""
+
+    embed: torch.Tensor
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor
+    head: torch.Tensor
+    eps: float
+
+
+def recursion(h: torch.Tensor, block, prompt: list[int], token: int, k: int, start: int,
+              ref: MtpRef) -> tuple[torch.Tensor, list[int]]:
+    """The reference's MTP rows p = start .. P, from (x_p, h_{p-1}) (h: the main hidden
+    states [P, hidden], normed) and then from its own output: x = eh_proj([enorm(embed(x_p))
+    | hnorm(h)]) through `block`, a transformers model of the one decoder layer (its final
+    norm the MTP layer's), logits = head(out). The first guess's logits [vocab] and k greedy
+    guesses."""
+    ids, prev, guesses, first = prompt[start:] + [token], list(h[start - 1:]), [], None
+    for _ in range(k):
+        e = _rms(ref.embed[torch.tensor(ids)], ref.enorm, ref.eps)
+        x = torch.cat([e, _rms(torch.stack(prev), ref.hnorm, ref.eps)], dim=-1) @ ref.eh_proj.T
+        positions = torch.arange(start, start + len(ids))[None]
+        out = block(inputs_embeds=x[None], position_ids=positions).last_hidden_state[0]
+        logits = out[-1] @ ref.head.T
+        first = logits if first is None else first
+        guesses.append(int(logits.argmax()))
+        ids.append(guesses[-1])
+        prev.append(out[-1])
     return first, guesses
 
 
@@ -194,7 +217,7 @@ MTP = {"speculative": "mtp", "num_speculative": 3, "speculative_adaptive": False
 
 def _gguf(out: Path, family: str) -> Path:
     """llama.cpp's converter's GGUF of the checkpoint, its nextn layer kept."""
-    if family != "glm4moe":
+    if family == "deepseek2":
         pytest.skip("llama.cpp's converter writes no nextn layer for DeepSeek-V3")
     path = out / "mtp.gguf"
     if not path.exists():
@@ -212,13 +235,24 @@ def _gguf(out: Path, family: str) -> Path:
 def test_greedy_text_with_mtp_equals_plain_decoding(mtp_model, source):
     out = mtp_model[0]
     path = out / "hf" if source == "hf" else _gguf(out, mtp_model[3])
+    check_equal_to_plain(path, mtp_free)
+
+
+def mtp_free(engine: Engine) -> bool:
+    """The MTP proposer holds no sequence and its layer's blocks are free."""
+    return engine.mtp.held == {} and engine.mtp.kv.num_free_blocks == engine.mtp.kv.num_blocks
+
+
+def check_equal_to_plain(path: Path, free: Callable[[Engine], bool]) -> None:
+    """Greedy text with MTP proposals equals plain decoding's, alone and batched with other
+    sequences, with proposals made; `free`: everything is released after each run."""
     plain, _, _ = _generate(path, PROMPTS)
-    for batch in ([PROMPTS[0]], PROMPTS):  # alone, and batched with other sequences
+    for batch in ([PROMPTS[0]], PROMPTS):
         spec, engine, _ = _generate(path, batch, **MTP)
         assert spec == plain[:len(batch)]
         counts = engine.stats().speculative
         assert counts.drafted > 0 and counts.accepted <= counts.drafted
-        assert engine.mtp.held == {} and engine.mtp.kv.num_free_blocks == engine.mtp.kv.num_blocks
+        assert free(engine)
 
 
 def test_gguf_keeps_the_nextn_layer(mtp_model):
@@ -358,6 +392,21 @@ def _recorded(engine: Engine) -> list[tuple[list[int], list[int]]]:
     return proposals
 
 
+def _recorded_run(path: Path) -> tuple[Engine, list[tuple[list[int], list[int]]]]:
+    """An MTP engine's greedy run of PROMPTS, with some guesses accepted and some rejected,
+    and every proposal it made (_recorded)."""
+    engine = _engine(path, **MTP)
+    proposals = _recorded(engine)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    counts = engine.stats().speculative
+    assert 0 < counts.accepted < counts.drafted
+    assert len(proposals) > 10
+    return engine, proposals
+
+
 def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path):
     """Every proposal of a whole engine run equals the reference's greedy guesses over the
     tokens so far, through steps that accept guesses (the rows the MTP layer then catches up
@@ -377,16 +426,7 @@ def test_guesses_follow_the_reference_through_accepted_runs(mtp_model, tmp_path)
     tensors[f"model.layers.{LAYERS}.shared_head.head.weight"] = head
     save_file(tensors, path, metadata={"format": "pt"})
 
-    engine = _engine(tmp_path / "hf", **MTP)
-    proposals = _recorded(engine)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, GREEDY)
-    while engine.has_unfinished():
-        engine.step()
-    counts = engine.stats().speculative
-    assert 0 < counts.accepted < counts.drafted
-    assert len(proposals) > 10
-    for tokens, guesses in proposals:
+    for tokens, guesses in _recorded_run(tmp_path / "hf")[1]:
         assert guesses == _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses))[1]
 
 

@@ -32,7 +32,7 @@ from kvlab.metrics import RunCost
 from kvlab.models import find_arch
 from kvlab.models.layers import Stacked, Weight, packs_on
 from kvlab.models.moe import Experts
-from kvlab.models.mtp import MtpLayer, build_mtp, nextn_names
+from kvlab.models.mtp import MtpLayer, build_mtp, has_mtp, mtp_table
 from kvlab.models.pooling import gguf_pooling, hf_pooling
 from kvlab.models.sharding import (
     SINGLE,
@@ -214,10 +214,11 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
         ckpt.release_pages(src)  # w is built: the file's pages need not stay resident
         return w
 
-    def get_layer(i: int, stat: str = "layers") -> dict[str, Weight | tuple[Weight, ...]]:
+    def get_layer(i: int, stat: str = "layers", names_of: NameTable = table
+                  ) -> dict[str, Weight | tuple[Weight, ...]]:
         layer = {dst: get(src, dst, f"{stat}.{i}.{dst}")
-                 for src, dst in _layer_names(table, i, names)}
-        for srcs, dst in _expert_names(table, i, names):
+                 for src, dst in _layer_names(names_of, i, names)}
+        for srcs, dst in _expert_names(names_of, i, names):
             layer[dst] = tuple(get(src, dst, f"{stat}.{i}.{dst}.{e}")
                                for e, src in enumerate(srcs))
         return layer
@@ -229,11 +230,10 @@ def load_model(ckpt: Checkpoint, options: LoadOptions,
     model = spec.model_cls(config, weights,
                            _stack_all(layers, fused, spec.expert_activation), tp)
     mtp, n = None, config.num_layers  # the first MTP layer follows the main ones
-    nextn = _nextn_layer(table, nextn_names(gguf), n, names)
-    if options.mtp and nextn and tp.size == 1:  # its stats: "mtp.N.*", outside the layers
-        layer = {**get_layer(n, "mtp"), **{dst: get(src, dst, f"mtp.{n}.{dst}")
-                                           for src, dst in nextn}}
-        mtp = build_mtp(spec.model_cls, config, weights, _stack(layer, fused))
+    mtp_names = mtp_table(table, gguf, spec.hf_mtp_names)
+    if options.mtp and tp.size == 1 and has_mtp(mtp_names, n, names):  # stats: "mtp.N.*"
+        mtp = build_mtp(spec.model_cls, config, weights,
+                        _stack(get_layer(n, "mtp", mtp_names), fused))
     return LoadedModel(spec, config, model, tuple(stats), _pooling(ckpt, spec), mtp)
 
 
@@ -320,14 +320,6 @@ def _experts(layer: dict,
         gate_up = tuple(Stacked.of([g, u])
                         for g, u in zip(layer.pop("gate_exps"), layer.pop("up_exps")))
     return Experts(gate_up, layer.pop("down_exps"))
-
-
-def _nextn_layer(table: NameTable, nextn: dict[str, str], i: int,
-                 names: set[str]) -> list[tuple[str, str]]:
-    """The multi-token-prediction tensors of layer i (the first past the main layers), or
-    none where the checkpoint has no such layer."""
-    prefix = table.layer_prefix.format(i=i)
-    return [(prefix + src, dst) for src, dst in nextn.items() if prefix + src in names]
 
 
 def _layer_names(table: NameTable, i: int, names: set[str]) -> list[tuple[str, str]]:

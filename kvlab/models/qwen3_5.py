@@ -23,6 +23,11 @@ key head [k0: v0 v1, k1: v0 v1] to tiled [k0v0, k1v0, k0v1, k1v1] (every weight 
 along the value heads alike), so value head j reads key head j % Hk (v_heads_tiled): the key
 heads are repeated in that order, and quantized weights stay as stored.
 The multimodal checkpoints (Qwen3_5ForConditionalGeneration) load their text model alone.
+
+The multi-token-prediction layer (--speculative mtp, kvlab.models.mtp) is one gated attention
+layer with the model's MLP or experts: HF `mtp.*` (MTP_HF_NAMES, in both the text-only and
+the multimodal checkpoints), GGUF `blk.{N}.nextn.*` beside layer N's ordinary names (llama.cpp's
+converter keeps it unless told --no-mtp). Its norms are 1 + w too.
 """
 
 from __future__ import annotations
@@ -70,7 +75,16 @@ MULTIMODAL_HF_NAMES = NameTable(
     globals={"model.language_model.embed_tokens.weight": "embed",
              "model.language_model.norm.weight": "norm", "lm_head.weight": "lm_head"},
     layer_prefix="model.language_model.layers.{i}.", layer=_HF_LAYER, experts=moe.HF_EXPERTS)
-NORMS = {"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm"}  # 1 + w (not delta_norm)
+# the MTP layer apart from the main ones: fc, its two input norms and its final norm beside
+# one decoder layer named as the main layers' are
+MTP_HF_NAMES = NameTable(
+    globals={}, layer_prefix="mtp.",
+    layer={"fc.weight": "eh_proj", "pre_fc_norm_embedding.weight": "enorm",
+           "pre_fc_norm_hidden.weight": "hnorm", "norm.weight": "head_norm",
+           **{f"layers.0.{src}": dst for src, dst in _HF_LAYER.items()}},
+    experts={f"layers.0.{src}": dst for src, dst in moe.HF_EXPERTS.items()})
+# 1 + w (not delta_norm); enorm, hnorm, head_norm: the MTP layer's
+NORMS = {"norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "enorm", "hnorm", "head_norm"}
 
 
 def _config(arch: str, *, vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -257,7 +271,7 @@ SPEC = ArchSpec(
     name="qwen35", model_cls=Qwen35Model, config_from_gguf=config_from_gguf,
     config_from_hf=config_from_hf, gguf_names=GGUF_NAMES, hf_names=HF_NAMES,
     gguf_transform=_gguf_transform, hf_transform=_hf_transform,
-    hf_architectures=("Qwen3_5ForCausalLM", "qwen3_5_text"))
+    hf_architectures=("Qwen3_5ForCausalLM", "qwen3_5_text"), hf_mtp_names=MTP_HF_NAMES)
 MOE_SPEC = dataclasses.replace(
     SPEC, name="qwen35moe",
     config_from_gguf=lambda meta: config_from_gguf(meta, "qwen35moe"),

@@ -60,6 +60,9 @@ class ArchSpec:
     # how embeddings pool the final hidden states when the checkpoint does not say
     # (kvlab.models.pooling): decoders take the last token
     pooling: str = "last"
+    # HF names of the multi-token-prediction layer where the checkpoint stores it apart from
+    # the main layers (Qwen3.5's mtp.*); None: as layer num_layers (kvlab.models.mtp)
+    hf_mtp_names: NameTable | None = None
 
 
 def gguf_get(meta: dict[str, Any], arch: str) -> Callable[..., Any]:

@@ -19,6 +19,10 @@ starts its MTP rows there and the layer attends over the positions it has seen:
     positions      0 .. c-1 (cached) | c  c+1 ...
     MTP rows                         |    c+1 ...   local index = position - base, base c+1
 
+On a hybrid model (Qwen3.5) the MTP layer is one of its attention layers: its K/V lives here,
+beside the main model's recurrent state slots, which take back rejected guesses from their
+backup rows (kvlab.cache); observe only sees the kept rows' states.
+
 Greedy guesses: q is one-hot and kvlab.spec.verify applies unchanged.
 """
 
@@ -217,9 +221,10 @@ def mtp_proposer(loaded: LoadedModel, num_speculative: int, kv_dtype: str, num_b
     c = loaded.config
     if loaded.mtp is None or c.architecture not in FAMILIES:
         families = ", ".join(f"{v} ({k})" for k, v in FAMILIES.items())
+        what = (f"this {FAMILIES[c.architecture]} checkpoint ships no multi-token-prediction "
+                "layer" if c.architecture in FAMILIES else "has no multi-token-prediction layers")
         raise KvlabError(
-            f"{c.name or c.architecture} ({c.architecture}) has no multi-token-prediction "
-            f"layers: --speculative mtp needs a checkpoint that ships them ({families}; a "
-            "GGUF converted with its nextn layers kept), loaded with LoadOptions(mtp=True); "
-            "use --speculative ngram or draft")
+            f"{c.name or c.architecture} ({c.architecture}): {what}: --speculative mtp needs "
+            f"a checkpoint that ships them ({families}; a GGUF converted with its nextn layers "
+            "kept), loaded with LoadOptions(mtp=True); use --speculative ngram or draft")
     return MtpProposer(loaded.mtp, num_speculative, kv_dtype, num_blocks, device, adaptive)
