@@ -18,7 +18,8 @@ bench/families_vs_llamacpp.py.
 --speed: each family at a larger random size (--hidden, --layers), converted, quantized by
 llama-quantize (--quant), then `kvlab bench` and llama-bench on the same file (-p, -n):
 prefill and decode tok/s of each and kvlab's ratio to llama.cpp. Figures taken while other
-work shares the cores say little; run it on a quiet machine.
+work shares the cores say little; run it on a quiet machine. Published shapes (Qwen3.5-0.8B,
+LFM2-350M, granite-4.0-h-350m) with their real vocabularies: bench/shapes_vs_llamabench.py.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def _bench(cmd: list[str]) -> tuple[float, float]:
 
 def speed_shape(arch: str, hidden: int, layers: int) -> dict:
     """Config overrides of the --speed size: `hidden` wide, `layers` deep, each family's own
-    head and state shapes."""
+    head and state shapes, positions for any -p / -n (the tiny configs stop at 256)."""
     size = {"hidden_size": hidden, "num_hidden_layers": layers,
             "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64,
-            "num_key_value_heads": hidden // 256, "vocab_size": 96}
+            "num_key_value_heads": hidden // 256, "vocab_size": 96,
+            "max_position_embeddings": 1 << 17}
     if arch.startswith("granitehybrid"):  # Granite 4's shape: 64-wide SSM heads, 1 group
         size |= {"mamba_n_heads": hidden // 32, "mamba_d_head": 64, "mamba_n_groups": 1,
                  "mamba_d_state": 128, "mamba_chunk_size": 256,

@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,20 +160,29 @@ def _llama_metadata(w, s: LlamaShape) -> None:
 
 
 def _copy_tokenizer(w, vocab_file: Path, vocab: int) -> None:
-    """Every tokenizer.* key of llama.cpp's Llama 3 vocabulary file, with its GGUF types."""
+    """Every tokenizer.* key of a llama.cpp vocabulary file, with its GGUF types. A model
+    with more embedding rows than the file has tokens gets "[PAD<i>]" tokens (type UNUSED)
+    up to its size, as llama.cpp's converter pads a checkpoint's vocabulary."""
     from gguf import GGUFReader, GGUFValueType
 
     if not vocab_file.exists():
         raise SystemExit(f"no vocabulary file at {vocab_file}: pass --vocab (llama.cpp's "
-                         f"models/ggml-vocab-llama-bpe.gguf)")
+                         f"models/ggml-vocab-*.gguf)")
     reader = GGUFReader(str(vocab_file))
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    if len(tokens) != vocab:
-        raise SystemExit(f"{vocab_file} has {len(tokens)} tokens, the model needs {vocab}")
+    have = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    if have > vocab:
+        raise SystemExit(f"{vocab_file} has {have} tokens, more than the model's {vocab}")
+    padding = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(have, vocab)],
+               "tokenizer.ggml.token_type": [5] * (vocab - have),  # UNUSED
+               "tokenizer.ggml.scores": [-1000.0] * (vocab - have)}
     for key, f in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+            value = f.contents() + padding[key] if key in padding else f.contents()
+            w.add_key_value(key, value, f.types[0], sub_type=sub)
+
+
+copy_tokenizer = _copy_tokenizer
 
 
 def ensure_f16(workdir: Path, vocab_file: Path) -> Path:
@@ -192,12 +201,14 @@ class QuantizeFailed(Exception):
     pass
 
 
-def quantize(f16: Path, qtype: str, llama_bin: Path) -> Path:
+def quantize(f16: Path, qtype: str, llama_bin: Path, allow_requantize: bool = False) -> Path:
     """f16 (a name with "F16" in it) -> the same name with {qtype} beside it; llama-quantize's log goes beside
-    it too (.log), and the lines that warn are echoed."""
-    out = f16.with_name(f16.name.replace("F16", qtype))
-    cmd = [str(llama_bin / "llama-quantize"), str(f16), str(out.with_suffix(".part")), qtype,
-           str(os.cpu_count() or 1)]
+    it too (.log), and the lines that warn are echoed. `allow_requantize`: the source is
+    itself quantized (its name says Q8_0 where it says F16 here)."""
+    source_type = "Q8_0" if allow_requantize else "F16"
+    out = f16.with_name(f16.name.replace(source_type, qtype))
+    cmd = [str(llama_bin / "llama-quantize"), *(["--allow-requantize"] * allow_requantize),
+           str(f16), str(out.with_suffix(".part")), qtype, str(os.cpu_count() or 1)]
     if out.exists():
         print(f"# have {out}  ($ {shlex.join(cmd)})")
         return out
@@ -230,6 +241,9 @@ class Run:
     kvlab_bytes_per_token: float | None = None
     kvlab_gb_s: float | None = None
     kvlab_weights_read: float | None = None  # weight bytes per token counted in its kernels
+
+    def note(self) -> str:
+        return f"pp {self.pp:.1f}, tg {self.tg:.2f} tok/s"
 
 
 class EngineFailed(Exception):
@@ -309,11 +323,15 @@ class Series:
         return statistics.median(values) if values else None
 
 
-def bench_file(model: Path, engines: list[Engine], args: argparse.Namespace,
-               bandwidths: list[float] | None = None) -> dict[str, Series]:
+def bench_file(model: Path, engines: list, args: argparse.Namespace,
+               bandwidths: list[float] | None = None,
+               run_one: Callable[..., Run] | None = None) -> dict[str, Series]:
     """`args.r` rounds; each round runs every engine once, in turn. With `bandwidths`, each
     round first probes the read bandwidth and appends it: on a shared host it drifts over
-    minutes, and the decode ceiling is then read against the bandwidth of the same rounds."""
+    minutes, and the decode ceiling is then read against the bandwidth of the same rounds.
+    `run_one(engine, model, args)`: one repetition (default run_once); what it returns has
+    a note() for the progress line."""
+    run_one = run_one or run_once
     series = {e.name: Series() for e in engines}
     for rnd in range(1, args.r + 1):
         if bandwidths is not None and (gb_s := measure_bandwidth(args.t, quiet=True)):
@@ -324,9 +342,9 @@ def bench_file(model: Path, engines: list[Engine], args: argparse.Namespace,
                 continue
             start = time.perf_counter()
             try:
-                run = run_once(engine, model, args)
+                run = run_one(engine, model, args)
                 s.runs.append(run)
-                note = f"pp {run.pp:.1f}, tg {run.tg:.2f} tok/s"
+                note = run.note()
             except EngineFailed as e:
                 s.error = str(e)
                 note = f"FAILED {e}"

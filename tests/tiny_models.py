@@ -410,14 +410,15 @@ def hybrid_config(arch: str, **overrides):
     import transformers as tf
 
     common = {**_COMMON, "num_hidden_layers": 4, **overrides}
+    if arch in ("lfm2", "lfm2_moe"):  # conv / attention by turns over every layer asked for
+        n = common["num_hidden_layers"]
+        common.setdefault("layer_types", (["conv", "full_attention"] * n)[:n])
     if arch == "lfm2":
         return tf.Lfm2Config(**common, conv_L_cache=3, norm_eps=1e-5,
-                             layer_types=["conv", "full_attention", "conv", "full_attention"],
                              block_auto_adjust_ff_dim=False)
     if arch == "lfm2_moe":  # a dense first layer, then eight experts of which two run
         return tf.Lfm2MoeConfig(**{**common, "tie_word_embeddings": True}, conv_L_cache=3,
                                 norm_eps=1e-6,  # tied: llama.cpp's lfm2moe has no output
-                                layer_types=["conv", "full_attention", "conv", "full_attention"],
                                 num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=32)  # GGUF has no routed scale
     delta = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
