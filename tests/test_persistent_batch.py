@@ -119,6 +119,40 @@ def test_long_tables_widen_the_rows():
     check(batch, SchedulerOutput([decode("a", 117, table), decode("b", 4, [31, 32])]))
 
 
+def test_steps_one_position_on_follow_the_last_step():
+    """Decode steps of the same sequences, each one position on (built from the last
+    step's rows): blocks gained past the tensor's width, then steps that are not one
+    position on, a block of the past changed, the order changed, a sequence left."""
+    batch = PersistentBatch(BS, None, None, CPU)
+    starts = {"a": 3, "b": 8, "c": 8, "d": 13}
+    tables = {k: [10 * i + j for j in range(start // BS + 1)]
+              for i, (k, start) in enumerate(starts.items())}
+
+    def step(order: str = "abcd", preempted: tuple[str, ...] = ()) -> None:
+        for k in order:
+            if starts[k] // BS >= len(tables[k]):  # a new block where a position starts one
+                tables[k] = tables[k] + [50 + len(tables[k]) + 10 * "abcd".index(k)]
+        check(batch, SchedulerOutput([decode(k, starts[k], tables[k]) for k in order],
+                                     list(preempted)))
+        for k in order:
+            starts[k] += 1
+
+    for _ in range(30):  # d reaches 43 keys: 11 blocks, past the 8 columns rows start with
+        step()
+    starts["b"] += 2  # two proposals accepted
+    step()
+    step()
+    tables["c"] = [99] + tables["c"][1:]  # same length, another first block
+    step()
+    step()
+    step("badc")
+    step("badc")
+    step("bdc")
+    step("bdc")
+    step("bc", preempted=("d",))
+    step("bc")
+
+
 def test_sliding_window_shared_and_own_pool():
     shared = PersistentBatch(BS, 5, None, CPU)
     check(shared, SchedulerOutput([prefill("a", 0, 9, [3, 5, 9]), decode("b", 2, [8])]))

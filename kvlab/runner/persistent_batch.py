@@ -28,10 +28,19 @@ of one token is a decode row too:
     positions   7  8 |  9 | 10 | 11
     tokens     o3 f1 | d1 | d2 | d3     (o3 sampled, f1 forced, d1-d3 proposed)
     rows       7 + 2 | 9+1|10+1|11+1    (start + num_new; keys: positions < end)
+
+Most steps are the last decode step's sequences, each one position on. Such a step's
+inputs follow from the last one's (_LastDecode) without a pass over the block tables: the
+keys gain one column (the rows' first slots: padding), each row's new key slot goes in at
+its position, and only the rows whose table gained a block are written:
+
+    last keys   [B, W]      a: s0 s1 s2 s0      (a at position 2, padded to W = 4)
+    this step   [B, W + 1]  a: s0 s1 s2 s3 s0   (slot s3 of position 3 written in)
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +82,24 @@ class BlockRows:
         r.used = self.step
         return r.index
 
+    def extend(self, grown: list[tuple[str, list[int]]]) -> None:
+        """Write the blocks each (seq_id, table) gained, in one tensor op: its row holds the
+        table's first blocks already."""
+        width = max(len(table) for _, table in grown)
+        if width > self.tables.shape[1]:
+            self._grow(self.tables.shape[0], max(width, 2 * self.tables.shape[1]))
+        rows: list[int] = []
+        cols: list[int] = []
+        blocks: list[int] = []
+        for seq_id, table in grown:
+            r = self._rows[seq_id]
+            known = len(r.table)
+            rows += [r.index] * (len(table) - known)
+            cols += range(known, len(table))
+            blocks += table[known:]
+            r.table, r.used = list(table), self.step
+        self.tables[_long(rows), _long(cols)] = _long(blocks)
+
     def drop(self, seq_id: str) -> None:
         r = self._rows.pop(seq_id, None)
         if r is not None:
@@ -107,6 +134,27 @@ class BlockRows:
         self.tables = grown
 
 
+@dataclass(eq=False)
+class _LastDecode:
+    """A decode-only step's rows (one pool, no window), kept for the next step."""
+
+    seq_ids: list[str]
+    tables: list[list[int]]  # the block tables it was built from (never changed after)
+    index: torch.Tensor  # [B] their rows in BlockRows.tables
+    end: torch.Tensor  # [B] keys each row saw: its position + 1
+    keys: torch.Tensor  # [B, max(end)] DecodeRows.slots
+    packed: torch.Tensor  # [B] 0..B-1
+    lo: int  # min(end)
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    """[len(values)] int64 from a list of ints (through an array: torch.tensor reads a list
+    an element at a time)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     ids: torch.Tensor  # [T] token ids, the scheduled sequences' tokens packed in order
@@ -125,6 +173,7 @@ class PersistentBatch:
         self.full = BlockRows()
         self.windowed = BlockRows(window_scratch) if window_scratch is not None else None
         self._offsets = torch.arange(block_size)
+        self._last: _LastDecode | None = None  # the last step, where it was decode-only
 
     def inputs(self, out: SchedulerOutput) -> StepInputs:
         for seq_id in out.preempted:  # their blocks went back to the pool
@@ -134,6 +183,7 @@ class PersistentBatch:
             self.windowed.begin()
         elif out.scheduled and out.num_tokens == len(out.scheduled):
             return self._decode_only(out)
+        self._last = None
         ids: list[int] = []
         positions: list[int] = []
         spans: list[SeqSpan] = []
@@ -166,29 +216,60 @@ class PersistentBatch:
                 packed.append(len(ids) + pos - s.start)
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + n))
-        ids_t = torch.tensor(ids, dtype=torch.long)
+        ids_t = _long(ids)
         if len(at) == len(ids):  # decode rows only: the positions are theirs, packed in order
-            at_t = torch.tensor(at, dtype=torch.long)
-            decoded = self._decode_rows(rows, wrows, at_t, torch.arange(len(ids)))
+            at_t = _long(at)
+            decoded = self._decode_rows(_long(rows), wrows, at_t, torch.arange(len(ids)))
             positions_t = at_t
         else:
-            positions_t = torch.tensor(positions, dtype=torch.long)
-            decoded = (self._decode_rows(rows, wrows, torch.tensor(at, dtype=torch.long),
-                                         torch.tensor(packed, dtype=torch.long))
+            positions_t = _long(positions)
+            decoded = (self._decode_rows(_long(rows), wrows, _long(at), _long(packed))
                        if rows else None)
         meta = step_metadata(spans, offsets, decoded, len(ids), self.window, self.device)
         return StepInputs(ids_t.to(self.device), positions_t.to(self.device), meta)
 
     def _decode_only(self, out: SchedulerOutput) -> StepInputs:
         """inputs() of a step of one-token rows over one pool (most decode steps): the same
-        result, in a few list comprehensions."""
-        row, scheduled = self.full.row, out.scheduled
-        rows = [row(s.seq_id, s.block_table) for s in scheduled]
-        at = torch.tensor([s.start for s in scheduled], dtype=torch.long)
-        ids = torch.tensor([s.token_ids[0] for s in scheduled], dtype=torch.long)
-        decoded = self._decode_rows(rows, [None] * len(rows), at, torch.arange(len(rows)))
-        meta = step_metadata([], [], decoded, len(rows), self.window, self.device)
+        result, from the last step's where it can (_next_decode), else in a few list
+        comprehensions."""
+        scheduled = out.scheduled
+        ids = _long([s.token_ids[0] for s in scheduled])
+        at = _long([s.start for s in scheduled])
+        decoded = None if self.window else self._next_decode(scheduled, at)
+        if decoded is None:
+            row = self.full.row
+            index = _long([row(s.seq_id, s.block_table) for s in scheduled])
+            packed = torch.arange(len(scheduled))
+            decoded = self._decode_rows(index, [None] * len(scheduled), at, packed)
+            self._last = None if self.window else _LastDecode(
+                [s.seq_id for s in scheduled], [s.block_table for s in scheduled], index,
+                decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()))
+        meta = step_metadata([], [], decoded, len(scheduled), self.window, self.device)
         return StepInputs(ids.to(self.device), at.to(self.device), meta)
+
+    def _next_decode(self, scheduled: list[ScheduledSeq], at: torch.Tensor
+                     ) -> DecodeRows | None:
+        """The decode rows of a step of the last step's sequences, in its order, each one
+        position on and its block table as it was or grown (see the module's diagram);
+        None for any other step. The blocks tables gained are written (BlockRows.extend)."""
+        last = self._last
+        seq_ids = [s.seq_id for s in scheduled]
+        if last is None or seq_ids != last.seq_ids or not torch.equal(at, last.end):
+            return None
+        tables = [s.block_table for s in scheduled]
+        changed = [i for i, (t, u) in enumerate(zip(tables, last.tables))
+                   if t is not u and t != u]
+        if changed:
+            if any(tables[i][:len(last.tables[i])] != last.tables[i] for i in changed):
+                return None  # a table not only grown: its keys so far are others
+            self.full.extend([(seq_ids[i], tables[i]) for i in changed])
+        bs = self.block_size
+        write = self.full.tables[last.index, at // bs] * bs + at % bs
+        keys = torch.cat((last.keys, last.keys[:, :1]), 1)  # [B, W + 1], padded
+        keys.scatter_(1, at[:, None], write[:, None])
+        end, lo = at + 1, last.lo + 1
+        self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo)
+        return DecodeRows(last.packed, write, keys, end, uniform=lo == keys.shape[1])
 
     def tables(self, out: SchedulerOutput) -> torch.Tensor:
         """[n, blocks] the scheduled sequences' block tables, one row each in scheduled order
@@ -196,11 +277,13 @@ class PersistentBatch:
         for seq_id in out.preempted:
             self.forget(seq_id)
         self.full.begin()
+        self._last = None
         row = self.full.row
         index = [row(s.seq_id, s.block_table) for s in out.scheduled]
-        return self.full.tables.index_select(0, torch.tensor(index, dtype=torch.long))
+        return self.full.tables.index_select(0, _long(index))
 
     def forget(self, seq_id: str) -> None:
+        self._last = None
         self.full.drop(seq_id)
         if self.windowed is not None:
             self.windowed.drop(seq_id)
@@ -229,11 +312,10 @@ class PersistentBatch:
         table = tables.index_select(0, index)[:, :blocks]
         return (table[:, :, None] * self.block_size + self._offsets).flatten(1)[:, :end]
 
-    def _decode_rows(self, rows: list[int], wrows: list[int | None], at: torch.Tensor,
+    def _decode_rows(self, index: torch.Tensor, wrows: list[int | None], at: torch.Tensor,
                      packed: torch.Tensor) -> DecodeRows:
         """The decode rows of a step as whole-batch tensors (see DecodeRows): block-table
-        rows `rows` (and `wrows` in the window pool), positions `at`, packed offsets."""
-        index = torch.tensor(rows, dtype=torch.long)
+        rows `index` (and `wrows` in the window pool), positions `at`, packed offsets."""
         end = at + 1
         lo, width = int(end.min()), int(end.max())
         slots = self._slots(self.full.tables, index, width)  # [B, max end]
@@ -247,7 +329,7 @@ class PersistentBatch:
             assert self.windowed is not None
             if None in wrows:
                 raise ValueError("either every row has window slots or none has")
-            own = self._slots(self.windowed.tables, torch.tensor(wrows), width)
+            own = self._slots(self.windowed.tables, _long(wrows), width)
         wkeys, wlengths = _keys(slots if own is None else own, end, self.window)
         return DecodeRows(rows_t, write, keys, lengths, wkeys, wlengths,
                           None if own is None else own.gather(1, at[:, None]).squeeze(1),
