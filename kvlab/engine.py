@@ -413,8 +413,9 @@ class Engine:
                 "forward": self._phases["execute"] - inputs, "sample": self._phases["sample"]}
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._compiling)
-                or self._inflight is not None)
+        """Requests are running or waiting. A step still in flight for requests that have
+        all ended is not one: the next core_step reads it and drops its tokens."""
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def reserve_kv_memory(self, tokens: int | None = None) -> None:
         """Make the whole KV pool resident now instead of as blocks are first written; with
@@ -498,6 +499,7 @@ class Engine:
         """
         if self.has_unfinished():
             raise RequestError("teacher_forced_logprobs needs an idle engine")
+        self._settle()
         seq_id = "teacher-forced"
         chunks = [(0, ids[:prefill])] + [(p, [ids[p]]) for p in range(prefill, len(ids))]
         rows = []

@@ -93,6 +93,33 @@ def test_finishes_mid_batch_drop_the_extra_token(tiny):
     assert on[:2] == off[:2]
     assert on[1]["1"] == FinishReason.STOP and on[0]["1"][-1] == first[4]
     assert on[1]["0"] == FinishReason.LENGTH and len(on[0]["0"]) == 3
+    # the same ids again on one engine: a step left in flight for the ended ones is dropped
+    e = engine(tiny, True)
+    for _ in range(2):
+        assert run(e, jobs)[:2] == off[:2]
+
+
+def test_logprobs_and_penalties_beside_plain_requests(tiny):
+    """Logprobs are read a step later like the ids; a penalty reads the ids it produced, so
+    a step with a penalized request runs synchronously, and the others overlap once it ends."""
+    def collect(e: Engine, jobs) -> tuple[list, int]:
+        for i, (prompt, params) in enumerate(jobs):
+            e.add_request(str(i), prompt, params)
+        got, overlapped = [], 0
+        while e.has_unfinished():
+            got += [(o.request_id, o.new_token_ids, [(lp.token_id, round(lp.logprob, 5))
+                                                     for lp in o.logprobs or []])
+                    for o in e.step()]
+            overlapped += e._inflight is not None
+        return sorted(got, key=lambda g: g[0]), overlapped
+
+    logprobs = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    penalized = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                               repetition_penalty=2.0)
+    jobs = [(PROMPTS[0], logprobs), (PROMPTS[1], penalized), (PROMPTS[2], SEEDED)]
+    on, overlapped = collect(engine(tiny, True), jobs)
+    assert on == collect(engine(tiny, False), jobs)[0]
+    assert overlapped > 0 and all(lps for request_id, _, lps in on if request_id == "0")
 
 
 def test_stop_strings_as_synchronous(tiny):
