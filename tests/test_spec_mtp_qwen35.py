@@ -47,7 +47,7 @@ from kvlab.spec.mtp import HiddenSpan, MtpProposer
 from kvlab.spec.proposer import Candidate
 from kvlab.weights.checkpoint import open_checkpoint
 
-from tiny_models import build_hybrid, build_qwen35_mtp
+from tiny_models import build_hybrid, build_qwen35_mtp, convert_with_llama_cpp
 
 LAYERS = 4  # main layers; the checkpoint's mtp.layers.0 was built as layer 4
 
@@ -119,6 +119,8 @@ def test_mtp_logits_equal_the_reference_formula(qwen):
     out, model, own = qwen
     loaded = _load(out / "hf")
     assert loaded.config.num_layers == LAYERS and loaded.mtp is not None
+    # loaded only when asked
+    assert load_model(open_checkpoint(out / "hf"), LoadOptions()).mtp is None
     for prompt in PROMPTS:
         want, _ = _reference(model, own, prompt, 7, 1)
         got = _mtp_logits(loaded, prompt, 7)
@@ -223,9 +225,14 @@ def test_guesses_follow_the_reference_through_accepted_runs(qwen, tmp_path):
 
 
 def test_a_qwen35_checkpoint_without_mtp_refuses_mtp(tmp_path):
-    build_hybrid("qwen3_5", tmp_path)  # transformers writes no mtp.* tensors
-    loaded = load_model(open_checkpoint(tmp_path / "hf"), LoadOptions(mtp=True))
-    assert loaded.mtp is None
-    with pytest.raises(KvlabError, match=r"this Qwen3\.5 checkpoint ships no "
-                                         "multi-token-prediction layer"):
-        _engine(tmp_path / "hf", speculative="mtp")
+    """transformers writes no mtp.* tensors, and llama.cpp's converter told --no-mtp no
+    nextn ones: both refuse, saying the checkpoint ships no MTP layer."""
+    build_hybrid("qwen3_5", tmp_path)
+    paths = [tmp_path / "hf"]
+    if convert_with_llama_cpp(tmp_path / "hf", tmp_path / "no_mtp.gguf") is None:
+        paths.append(tmp_path / "no_mtp.gguf")
+    for path in paths:
+        assert load_model(open_checkpoint(path), LoadOptions(mtp=True)).mtp is None
+        with pytest.raises(KvlabError, match=r"this Qwen3\.5 checkpoint ships no "
+                                             "multi-token-prediction layer"):
+            _engine(path, speculative="mtp")
