@@ -12,6 +12,8 @@ import itertools
 import pytest
 
 from kvlab.cache import KVCacheManager
+from kvlab.cli.common import engine_config
+from kvlab.cli.main import build_parser
 from kvlab.engine import Engine, EngineConfig
 from kvlab.request import FinishReason, SamplingParams, Structure
 from kvlab.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -231,3 +233,10 @@ def test_default_model_as_synchronous():
     off = run(Engine.from_model(None, EngineConfig(async_scheduling=False)), jobs)
     on = run(Engine.from_model(None, EngineConfig(async_scheduling=True)), jobs)
     assert on[:2] == off[:2] and on[2] > 0
+
+
+@pytest.mark.parametrize("command", [["serve"], ["run", "hi"], ["bench"]])
+def test_flag_reaches_the_engine_config(command):
+    for flag, want in (([], True), (["--async-scheduling", "off"], False)):
+        argv = [*command, *flag]
+        assert engine_config(build_parser(argv).parse_args(argv)).async_scheduling is want
