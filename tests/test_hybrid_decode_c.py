@@ -1,13 +1,18 @@
-"""Hybrid models (tiny random LFM2, LFM2-MoE, Qwen3.5 and Qwen3.5-MoE, weights quantized at load) decode
-in the one C call: LFM2's short-convolution layers (in-projection, the C short conv on each sequence's
-state row, out-projection) beside QK-norm attention; Qwen3.5's Gated DeltaNet layers (the
-conv, the C delta rule on the recurrent state row, the gated norm) beside its gated
-attention with partial RoPE; SwiGLU MLPs or LFM2-MoE's sigmoid-routed experts. Every product and recurrent step is the per-op
-path's own C call in the same order, and the few element-wise ops between them (L2 norm,
-softplus, sigmoid, RoPE) round alike on these inputs, so the logits are equal bit for bit:
+"""Hybrid models (tiny random LFM2, LFM2-MoE, Qwen3.5, Qwen3.5-MoE, Granite 4 hybrid dense
+and MoE, Nemotron-H dense and MoE, weights quantized at load) decode in the one C call:
+LFM2's short-convolution layers (in-projection, the C short conv on each sequence's state
+row, out-projection) beside QK-norm attention; Qwen3.5's Gated DeltaNet layers (the conv,
+the C delta rule on the recurrent state row, the gated norm) beside its gated attention
+with partial RoPE; Mamba-2 layers (in_proj, the conv with its bias, the C SSD step, the
+grouped gated norm, out_proj) beside attention without RoPE, with Granite's residual
+multiplier and Nemotron-H's one-sublayer layers (relu2 MLP layers, mixer layers without
+an MLP); SwiGLU or relu2 MLPs, or routed experts (softmax, sigmoid with a choice bias)
+with a shared expert. Every product and recurrent step is the per-op path's own C call in
+the same order, so the dense LFM2, Granite and Nemotron-H logits are equal bit for bit
+(their few element-wise ops round alike), the others within fp32 rounding (_tolerance):
 alone, batched at unequal depths, through the engine with preemption, and after a prefix
 hit that restores a state snapshot. A step of several tokens of one sequence (a
-speculative verify) and Mamba-2 layers (no plan fields) stay per op."""
+speculative verify) stays per op."""
 
 from __future__ import annotations
 
@@ -32,16 +37,22 @@ pytestmark = pytest.mark.skipif(not fused.ENABLED, reason="needs kvlab's C exten
 
 # each family's build_hybrid overrides: a shared expert in whole 32-blocks (C products)
 ARCHS = {"lfm2": {}, "lfm2_moe": {}, "qwen3_5": {},
-         "qwen3_5_moe": {"shared_expert_intermediate_size": 64}}
-# name -> (family, build_hybrid overrides, quantization at load); 256 wide for Q4_K's blocks
-VARIANTS = {f"{arch}_{quant}": (arch, {**extra, **({"hidden_size": 256} if quant == "q4_k"
-                                                  else {})}, quant)
+         "qwen3_5_moe": {"shared_expert_intermediate_size": 64}, "granitehybrid": {},
+         "granitehybrid_moe": {"shared_intermediate_size": 64}, "nemotron_h": {},
+         "nemotron_h_moe": {"moe_shared_expert_intermediate_size": 64}}
+# 256 wide for Q4_K's blocks (Granite's Mamba-2 heads as wide as its expand of 2 asks)
+WIDE = {"hidden_size": 256}
+WIDER = {"granitehybrid": {"mamba_d_head": 64}, "granitehybrid_moe": {"mamba_d_head": 64}}
+# name -> (family, build_hybrid overrides, quantization at load)
+VARIANTS = {f"{arch}_{quant}": (arch, {**extra, **({**WIDE, **WIDER.get(arch, {})}
+                                                  if quant == "q4_k" else {})}, quant)
             for arch, extra in ARCHS.items() for quant in ("q8_0", "q4_k")}
-# a plan row's recurrent fields, just before Gemma 4's and the latent-attention ones: mixer,
-# n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a, dt_bias, rc_norm, k_heads,
-# v_heads, k_dim, v_dim, v_tiled, q_gate, rotary
-MIXER_FIELDS = slice(-24 - decode_c._MLA_FIELDS - decode_c._MIXER_FIELDS,
-                     -24 - decode_c._MLA_FIELDS)
+# a plan row's recurrent fields, just before Gemma 4's, the latent-attention ones and the
+# last ones: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a, dt_bias,
+# rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary
+_AFTER = 24 + decode_c._MLA_FIELDS + decode_c._LAST_FIELDS
+MIXER_FIELDS = slice(-_AFTER - decode_c._MIXER_FIELDS, -_AFTER)
+LAST_FIELDS = slice(-decode_c._LAST_FIELDS, None)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -88,35 +99,57 @@ def _seq(name: str, start: int, ids: list[int], table: list[int], slot: int) -> 
                         state_slot=slot)
 
 
+# each recurrent kind's mixer and its layer's in- and out-products
+RECURRENT_ROWS = {"short_conv": (decode_c.MIX_SHORT_CONV, "conv_in", "conv_out"),
+                  "gated_delta": (decode_c.MIX_GATED_DELTA, "delta_in", "delta_out"),
+                  "mamba2": (decode_c.MIX_MAMBA2, "in_proj", "out_proj")}
+
+
 def test_the_plan_takes_the_recurrent_layers(tiny):
-    """Recurrent layers read no K/V; their rows hold the in-products (LFM2: one; Qwen3.5:
-    delta_in's as the loader stacked them), the out-projection, the conv weight and width,
-    and (Gated DeltaNet) A, the dt bias, the output norm and the head shapes; Qwen3.5's
-    attention layers gate their output and rotate their first quarter."""
+    """Recurrent and MLP layers read no K/V; a recurrent row holds the in-products (LFM2 and
+    Mamba-2: one; Qwen3.5: delta_in's as the loader stacked them), the out-projection, the
+    conv weight and width, and (Gated DeltaNet, Mamba-2) A, the dt bias, the output norm
+    and the head shapes; Qwen3.5's attention layers gate their output and rotate their
+    first quarter; a Nemotron-H MLP layer mixes nothing (MIX_NONE)."""
     out, quant, _ = tiny
     model = _runner(out, quant, True).model
     config, rc = model.config, model.config.recurrent
-    assert model.c_plan.sources == [None if config.is_recurrent(i) else i
+    assert model.c_plan.sources == [i if config.is_attention(i) else None
                                     for i in range(config.num_layers)]
     delta = rc.kind == "gated_delta"
     for i, (row, layer) in enumerate(zip(model.c_plan.weights.tolist(), model.layers)):
         fields = row[MIXER_FIELDS]
         if not config.is_recurrent(i):
             gate = [1, config.head_dim // 4] if delta else [0, 0]
-            assert fields == [0] * (decode_c._MIXER_FIELDS - 2) + gate
+            kind = 0 if config.is_attention(i) else decode_c.MIX_NONE
+            assert fields == [kind] + [0] * (decode_c._MIXER_FIELDS - 3) + gate
             continue
-        ins = layer["delta_in"].parts if delta else [layer["conv_in"]]
-        kind = decode_c.MIX_GATED_DELTA if delta else decode_c.MIX_SHORT_CONV
+        kind, in_name, out_name = RECURRENT_ROWS[rc.kind]
+        ins = layer[in_name].parts if delta else [layer[in_name]]
         assert fields[:2] == [kind, len(ins)]
         assert fields[2:2 + 5 * len(ins)] == [v for w in ins for v in decode_c.product_desc(w)]
-        out_proj = layer["delta_out" if delta else "conv_out"]
-        assert fields[22:27] == list(out_proj.kernel_args)
+        assert fields[22:27] == list(layer[out_name].kernel_args)
         assert fields[27:29] == [layer["conv"].data_ptr(), rc.conv_kernel]
         if delta:
             assert fields[29:] == [layer["ssm_a"].data_ptr(), layer["dt_bias"].data_ptr(),
                                    layer["delta_norm"].data_ptr(), rc.num_k_heads,
                                    rc.num_v_heads, rc.k_head_dim, rc.v_head_dim,
                                    int(rc.v_heads_tiled), 0, 0]
+        if rc.kind == "mamba2":
+            _check_mamba2_fields(fields, row[LAST_FIELDS], layer, config)
+
+
+def _check_mamba2_fields(fields: list[int], last: list[int], layer: dict, config) -> None:
+    """A, dt bias, the gated norm, groups x state size, heads x head size; D and the conv
+    bias (these checkpoints' in and out products have none), dt in [0, inf); Granite's
+    residual multiplier as fp32 bits."""
+    rc = config.recurrent
+    assert fields[29:] == [layer["ssm_a"].data_ptr(), layer["dt_bias"].data_ptr(),
+                           layer["norm"].data_ptr(), rc.ssm_groups, rc.ssm_heads,
+                           rc.ssm_state_size, rc.ssm_head_dim, 0, 0, 0]
+    scale = 0 if config.residual_scale == 1.0 else decode_c._f32_bits(config.residual_scale)
+    assert last[:7] == [layer["D"].data_ptr(), 0, layer["conv_bias"].data_ptr(), 0,
+                        decode_c._f32_bits(0.0), decode_c._f32_bits(float("inf")), scale]
 
 
 def test_decode_in_the_one_c_call_equals_the_per_op_path(tiny, c_steps):
@@ -146,15 +179,16 @@ def test_batched_decode_in_the_one_c_call(tiny, c_steps):
 
 
 def _tolerance(tiny) -> float:
-    """How far the C call's logits may be from the per-op path's: not at all for LFM2, whose
-    every op between the products is the same C call. Qwen3.5's gated attention and DeltaNet
+    """How far the C call's logits may be from the per-op path's: not at all for LFM2,
+    Granite 4 hybrid and Nemotron-H, whose every op between the products is the same C call
+    (but Mamba-2's dt softplus, which rounds alike on these inputs). Qwen3.5's gated attention and DeltaNet
     inputs compute sigmoid, softplus, the L2 norm and RoPE in C where the per-op path uses
     torch (1e-7 apart); a later layer cuts its activations into 8-bit blocks (32 values for
     Q8_0 weights, 256 for Q4_K), where such a difference can move one value to the next
     step: up to 5e-3 and 2e-2 there. So can the MoE families' router product, in C's fp32
     order where the per-op path's is torch's."""
     _, quant, arch = tiny
-    if arch == "lfm2":
+    if arch in ("lfm2", "granitehybrid", "nemotron_h"):
         return 0.0
     return 2e-2 if quant == "q4_k" else 5e-3
 
@@ -259,10 +293,19 @@ def test_llama_cpp_gguf_with_tiled_value_heads(tmp_path, c_steps):
     assert float((logits[0] - logits[1]).abs().max()) <= 5e-3
 
 
-def test_mamba2_layers_are_refused(tmp_path):
-    """Granite 4's Mamba-2 layers have no plan fields: no plan, per-op decode."""
-    build_hybrid("granitehybrid", tmp_path)
-    loaded = load_model(open_checkpoint(tmp_path / "hf"), LoadOptions(quantize="q8_0"))
-    model = loaded.model
-    assert decode_c.build_plan(loaded.config, model.layers, "silu") is None
-    assert model.c_plan is None
+def test_nemotron_h_mlp_layers_and_mixer_layers(tmp_path):
+    """Nemotron-H's layers are one sublayer each: its MLP layers mix nothing and norm their
+    input by their one norm (attn_norm, as the plan's mlp_norm), down(relu(up)^2) with up
+    alone as gate_up; its Mamba-2 and attention layers have no MLP (n_gate_up 0)."""
+    build_hybrid("nemotron_h", tmp_path)
+    model = load_model(open_checkpoint(tmp_path / "hf"), LoadOptions(quantize="q8_0")).model
+    config, fields = model.config, 28  # attn_norm .. mlp_norm
+    for i, (row, layer) in enumerate(zip(model.c_plan.weights.tolist(), model.layers)):
+        attention, mlp = row[:fields], row[fields:fields + 17]
+        if config.layer_types[i] != "mlp":
+            assert mlp[0] == 0 and attention[-1] == 0
+            continue
+        assert row[MIXER_FIELDS][0] == decode_c.MIX_NONE
+        assert attention[0] == 0 and attention[-1] == layer["attn_norm"].data_ptr()
+        assert mlp == [1, *layer["up"].kernel_args, *[0] * 5, decode_c.GATES["relu2"],
+                       *layer["down"].kernel_args]

@@ -27,6 +27,7 @@ from kvlab.kernels.ops import _qk
 
 ENABLED = _qk is not None
 MOE_GELU = 2  # KV_MOE_GELU in csrc/qk_moe.h: the experts' gelu_tanh(gate) * up
+MOE_RELU2 = 3  # KV_MOE_RELU2: relu(up)^2 of experts without a gate product
 
 
 def fits(*tensors: torch.Tensor) -> bool:
@@ -274,7 +275,8 @@ def _sinks(sinks: torch.Tensor | None, heads: int) -> int:
 def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None,
-                clamp: tuple[float, float] | None = None, gelu: bool = False) -> torch.Tensor:
+                clamp: tuple[float, float] | None = None, gelu: bool = False,
+                relu2: bool = False) -> torch.Tensor:
     """sum over each token's k slots of weight * down_e(silu(gate_e) * up_e)(h): [T, hidden].
 
     h: [T, hidden] fp32; ids: [T, k] expert ids (checked); weights: [T, k] fp32; experts:
@@ -283,15 +285,17 @@ def moe_experts(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     so each chosen expert's weights are read once for all its tokens. gpt-oss's options:
     bias rows fp32 [E, 2 * inter] (gate | up) and [E, hidden] added to the products, and
     clamp = (alpha, limit) for its clamped SwiGLU in place of silu(gate) * up; gelu for
-    Gemma 4's gelu_tanh(gate) * up."""
+    Gemma 4's gelu_tanh(gate) * up; relu2 for Nemotron-H's relu(up)^2, its experts' up
+    alone in the table's first part (no gate)."""
     h, ids, weights = _c(h), _i64(ids), _c(weights)
     e, inter = experts.shape[0], int(experts[0, 2, 3])  # down's columns
+    act = MOE_RELU2 if relu2 else MOE_GELU if gelu else int(clamp is not None)
     out = torch.empty_like(h)
     alpha, limit = clamp if clamp is not None else (0.0, 0.0)
     _qk.moe_experts(experts.data_ptr(), e, h.data_ptr(), h.shape[0], h.shape[1],
                     ids.data_ptr(), weights.data_ptr(), ids.shape[1], out.data_ptr(),
                     _rows(gate_up_bias, e, 2 * inter), _rows(down_bias, e, h.shape[1]),
-                    MOE_GELU if gelu else int(clamp is not None), alpha, limit)
+                    act, alpha, limit)
     return out
 
 

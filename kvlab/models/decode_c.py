@@ -15,7 +15,8 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     kv_shared, values_from_keys, v_norm, ple_gate (5), ple_out (5), ple_col, ple_post_norm,
     layer_scalar, router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm,
     expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
-    rope, vdim
+    rope, vdim, ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max, residual_scale,
+    expert_relu2
 
 with, between shexp_ungated and head_dim, a recurrent layer's fields and the gated
 attention's options: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a,
@@ -56,17 +57,27 @@ through their own norms: router_norm, experts_norm, each output normed (shexp_ou
 experts_out_norm) before the sum; the chosen weights times expert_scale [E]; GeGLU experts
 (expert_gelu).
 
-Hybrid models (LFM2, Qwen3.5): a recurrent layer mixes its tokens by its state in
-attention's place (mixer): KV_MIX_SHORT_CONV, rc_in's b | c | u, c * conv(b * u) by the C
-short convolution on each sequence's conv state row, rc_out (conv fp32 [C, K]);
-KV_MIX_GATED_DELTA, Qwen3.5's Gated DeltaNet (rc_in its qkv | z | b | a products, the conv
-with SiLU, the C delta rule on the recurrent state row, the gated norm, rc_out). The step's
-state tables (each layer's state tensors, each sequence's row) come in with the step as
-the KV stores do. Qwen3.5's attention layers gate their output by sigmoid of a second half
-of each head's q product (q_gate) and rotate the first `rotary` dims of each head. A step
-of several tokens of one sequence (a speculative verify) is not a decode step: it takes
-the per-op path. Mamba-2 layers and recurrent layers with biases have no fields: their
-plans are refused (None).
+Hybrid models (LFM2, Qwen3.5, Granite 4 hybrid, Nemotron-H): a recurrent layer mixes its
+tokens by its state in attention's place (mixer): KV_MIX_SHORT_CONV, rc_in's b | c | u,
+c * conv(b * u) by the C short convolution on each sequence's conv state row, rc_out (conv
+fp32 [C, K]); KV_MIX_GATED_DELTA, Qwen3.5's Gated DeltaNet (rc_in its qkv | z | b | a
+products, the conv with SiLU, the C delta rule on the recurrent state row, the gated norm,
+rc_out); KV_MIX_MAMBA2 (rc_in its in_proj -> z | xBC | dt, the conv with its bias and SiLU,
+dt's softplus clamped to [dt_min, dt_max], the C SSD step with A and the skip ssm_d, the
+grouped gated norm, rc_out; k_heads, k_dim its groups and state size, v_heads, v_dim its
+heads and head size; its products' biases rc_in_bias, rc_out_bias). The step's state
+tables (each layer's state tensors, each sequence's row) come in with the step as the KV
+stores do. Qwen3.5's attention layers gate their output by sigmoid of a second half of
+each head's q product (q_gate) and rotate the first `rotary` dims of each head. Granite's
+residual multiplier is residual_scale (x += scale * out in one rounding, as torch's
+add_(alpha)); its shared MLP beside routed experts is their ungated shared expert.
+Nemotron-H's layers are one sublayer each: a Mamba-2 or attention layer has no MLP
+(n_gate_up 0), an MLP layer mixes nothing (KV_MIX_NONE) and reads x through its one norm
+(as mlp_norm); its MLPs and shared expert are down(relu(up)^2) (gate relu2, up alone as
+gate_up), its experts too (expert_relu2). A step of several tokens of one sequence (a
+speculative verify) is not a decode step: it takes the per-op path. LFM2 layers with
+biases, Nemotron-H's MLP biases and latent experts have no fields: their plans are
+refused (None).
 """
 
 from __future__ import annotations
@@ -80,28 +91,31 @@ from kvlab.config import ModelConfig
 from kvlab.kernels import QuantizedWeight, fused
 from kvlab.kernels.ops import _qk
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, KVStore
-from kvlab.models.layers import Stacked, geglu
+from kvlab.models.layers import Stacked, geglu, relu2
 from kvlab.models.state_store import LayerState, StateBatch
 
 _EMPTY = [0, 0, 0, 0, 0]
-GATES = {"gelu_tanh": 0, "silu": 1}  # KV_GATE_* in csrc/qk_decode.h
+GATES = {"gelu_tanh": 0, "silu": 1, "relu2": 2}  # KV_GATE_* in csrc/qk_decode.h
 SCORINGS = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}  # KV_ROUTE_*
-MIX_SHORT_CONV, MIX_GATED_DELTA = 1, 2  # KV_MIX_*
+MIX_SHORT_CONV, MIX_GATED_DELTA, MIX_MAMBA2, MIX_NONE = 1, 2, 3, 4  # KV_MIX_*
 # OLMo 2 has no attn_norm / mlp_norm (its norms come after the products: the post norms)
 _OPTIONAL = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "sinks", "post_attn_norm",
              "post_mlp_norm")
 
 
 class Plan:
-    def __init__(self, weights: torch.Tensor, sources: list[int | None], ple_width: int) -> None:
+    def __init__(self, weights: torch.Tensor, sources: list[int | None], ple_width: int,
+                 stateful: list[bool]) -> None:
         self.weights = weights  # int64 [layers, fields]
-        # per layer, the layer whose K/V store it reads; None: a recurrent layer (no KV)
+        # per layer, the layer whose K/V store it reads; None: a recurrent layer or an MLP
+        # layer (no KV)
         self.sources = sources
+        self.stateful = stateful  # per layer: whether it keeps a recurrent state
         self.ple_width = ple_width  # the per-layer inputs' row width run takes, 0: none
         self._caches: list[KVStore] | None = None
         self._table: torch.Tensor | None = None
         self.kv_kind = 0  # the checked stores: 0 fp32, 1 fp16, 2 q8_0
-        self.recurrent = None in sources
+        self.recurrent = any(stateful)
         self._states: tuple[LayerState | None, ...] | None = None
         self._state_table: torch.Tensor | None = None
 
@@ -130,8 +144,8 @@ class Plan:
             return None
         if states.layers is not self._states:
             ok = len(states.layers) == self.weights.shape[0] and all(
-                (st is None) == (src is not None) and (st is None or _state_ok(st))
-                for st, src in zip(states.layers, self.sources))
+                (st is not None) == stateful and (st is None or _state_ok(st))
+                for st, stateful in zip(states.layers, self.stateful))
             self._states = states.layers
             self._state_table = torch.tensor(
                 [[0, 0] if st is None else [st.conv.data_ptr(), 0 if st.recurrent is None
@@ -174,38 +188,68 @@ def build_plan(config: ModelConfig, layers: list[dict], gate: str,
             return None
         rows.append(row)
     weights = torch.tensor(rows, dtype=torch.int64)
-    sources = [None if config.is_recurrent(i) else config.kv_source(i)
+    sources = [config.kv_source(i) if config.is_attention(i) else None
                for i in range(len(layers))]
     ple_width = sum(layer["ple_gate"].shape[0] for layer in layers if "ple_gate" in layer)
     ok = weights.shape[1] == _qk.plan_fields()
-    return Plan(weights, sources, ple_width) if ok else None
+    stateful = [config.is_recurrent(i) for i in range(len(layers))]
+    return Plan(weights, sources, ple_width, stateful) if ok else None
 
 
 def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str,
                output_gate: bool) -> list[int] | None:
-    latent, recurrent = config.mla is not None, config.is_recurrent(i)
+    latent, attends = config.mla is not None, config.is_attention(i)
+    if config.layer_types[i] == "mlp":  # no mixer: its one norm feeds the MLP
+        layer = {n: w for n, w in layer.items() if n != "attn_norm"} | {
+            "mlp_norm": layer["attn_norm"]}
     mixer = _mixer_fields(layer, config, i, output_gate)
-    if recurrent:
+    if not attends:
         attention = _norm_fields(layer, _EMPTY)
     else:
         attention = (_latent_attention_fields(layer) if latent
                      else _attention_fields(layer, config))
     post = _norm(layer.get("post_mlp_norm"))
     mla = _mla_fields(layer, config) if latent else [0] * _MLA_FIELDS
-    if "router" in layer:
-        mlp, moe = _shared_expert_fields(layer, gate), _moe_fields(layer, config)
-        routing = _routing_fields(layer, config)
-    else:
-        mlp, moe = _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6
-        routing = [0] * 11
+    mlp, moe, routing = _mlp_fields(layer, config, i, gate)
     o_bias = _norm(layer.get("o_bias"))
-    own = [0] * 5 if recurrent else _layer_shape_fields(layer, config, i)
+    own = _layer_shape_fields(layer, config, i) if attends else [0] * 5
     tail, beside = _tail_fields(layer, i), _beside_fields(layer)
-    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside, mixer):
+    last = _last_fields(layer, config, i)
+    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside, mixer, last):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe, o_bias, *routing, *mixer, *own, *tail, *beside, *mla]
+            *moe, o_bias, *routing, *mixer, *own, *tail, *beside, *mla, *last]
+
+
+def _mlp_fields(layer: dict, config: ModelConfig, i: int,
+                gate: str) -> tuple[list[int] | None, list[int] | None, list[int] | None]:
+    """The dense MLP's (or shared expert's), the experts' and the routing fields; all 0 for
+    a layer without an MLP (Nemotron-H's mixer layers)."""
+    if "router" in layer:
+        return (_shared_expert_fields(layer, gate), _moe_fields(layer, config),
+                _routing_fields(layer, config))
+    if not config.has_mlp(i):
+        return [0, *_EMPTY * 2, 0, *_EMPTY], [0] * 6, [0] * 11
+    return _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6, [0] * 11
+
+
+_LAST_FIELDS = 8
+
+
+def _last_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
+    """ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max (a Mamba-2 layer's, else
+    0), residual_scale (0: 1), expert_relu2."""
+    scale = 0 if config.residual_scale == 1.0 else _f32_bits(config.residual_scale)
+    squared = int("experts" in layer and layer["experts"].gate is relu2)
+    if not (config.is_recurrent(i) and config.recurrent.kind == "mamba2"):
+        return [0] * 6 + [scale, squared]
+    vectors = [_norm(layer.get(n), n != "D") for n in
+               ("D", "in_proj_bias", "conv_bias", "out_proj_bias")]
+    if None in vectors:
+        return None
+    lo, hi = config.recurrent.time_step_limit
+    return [*vectors, _f32_bits(lo), _f32_bits(hi), scale, squared]
 
 
 _MIXER_FIELDS = 39
@@ -246,16 +290,33 @@ def _gated_delta_fields(layer: dict, config: ModelConfig) -> list[int] | None:
             rc.v_head_dim, int(rc.v_heads_tiled), 0, 0]
 
 
+def _mamba2_fields(layer: dict, config: ModelConfig) -> list[int] | None:
+    """The mixer fields of a Mamba-2 layer: in_proj, out_proj, conv, A, dt bias, the gated
+    norm's weight, and its shapes (k_heads: groups, k_dim: state size, v_heads: heads,
+    v_dim: head size); its D, biases and dt limits are among the last fields."""
+    rc = config.recurrent
+    rc_in, rc_out, conv = kernel_desc(layer["in_proj"]), kernel_desc(layer["out_proj"]), layer["conv"]
+    vectors = [_norm(layer[n], False) for n in ("ssm_a", "dt_bias", "norm")]
+    ok = (fused.fits(conv) and conv.is_contiguous()
+          and tuple(conv.shape) == (rc.conv_channels, rc.conv_kernel))
+    if None in (rc_in, rc_out, *vectors) or not ok:
+        return None
+    return [MIX_MAMBA2, 1, *rc_in, *_EMPTY * 3, *rc_out, conv.data_ptr(), rc.conv_kernel,
+            *vectors, rc.ssm_groups, rc.ssm_heads, rc.ssm_state_size, rc.ssm_head_dim, 0, 0, 0]
+
+
 def _mixer_fields(layer: dict, config: ModelConfig, i: int,
                   output_gate: bool) -> list[int] | None:
     """mixer, n_rc_in, rc_in[4], rc_out, conv, conv_k, ssm_a, dt_bias, rc_norm, k_heads,
     v_heads, k_dim, v_dim, v_tiled, q_gate, rotary; None for a recurrent kind the C layers do
-    not run (Mamba-2)."""
+    not run."""
     if config.is_recurrent(i):
         kind = config.recurrent.kind
-        fields = {"short_conv": _short_conv_fields,
-                  "gated_delta": _gated_delta_fields}.get(kind)
+        fields = {"short_conv": _short_conv_fields, "gated_delta": _gated_delta_fields,
+                  "mamba2": _mamba2_fields}.get(kind)
         return None if fields is None else fields(layer, config)
+    if not config.is_attention(i):  # an MLP layer
+        return [MIX_NONE, *_NO_MIXER[1:], 0, 0]
     if not output_gate:
         return [*_NO_MIXER, 0, 0]
     return [*_NO_MIXER, 1, round(config.head_dim * config.rope.partial)]
@@ -393,7 +454,7 @@ def _routing_fields(layer: dict, config: ModelConfig) -> list[int] | None:
                   and moe.experts_per_token <= moe.top_groups * (moe.num_experts // moe.groups))
     if (moe.scoring == "sigmoid" or moe.groups > 1) and not groups_fit:
         return None
-    clamp = None if experts.gate in (None, geglu) else experts.gate  # gpt-oss's
+    clamp = None if experts.gate in (None, geglu, relu2) else experts.gate  # gpt-oss's
     alpha, limit = (clamp.alpha, clamp.limit) if clamp is not None else (0.0, 0.0)
     ungated = "shexp_gate_up" in layer and "shexp_router" not in layer
     return [SCORINGS[moe.scoring], bias, moe.groups, moe.top_groups, _f32_bits(moe.routed_scale),

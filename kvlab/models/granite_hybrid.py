@@ -24,7 +24,7 @@ import torch
 
 from kvlab.config import ModelConfig, MoeConfig, RecurrentConfig, RopeConfig
 from kvlab.errors import ModelLoadError
-from kvlab.models import llama, moe
+from kvlab.models import decode_c, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel, check_state_tensors
 from kvlab.models.layers import Weight, apply_rope, linear, rope_inv_freq, split
@@ -164,6 +164,19 @@ class GraniteHybridModel(HybridModel):
         self.shape = mamba2_shape(config)
         check_mamba2_layers(config, layers, self.shape)
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
+        plan_layers = self.plan_layers()
+        if plan_layers is not None:
+            self.c_plan = decode_c.build_plan(config, plan_layers, self.plan_gate)
+
+    plan_gate = "silu"  # the C plan's MLP activation (decode_c.GATES)
+
+    def plan_layers(self) -> list[dict[str, Any]] | None:
+        """The layers as the C plan names them: beside routed experts, the shared MLP is the
+        ungated shared expert (added to their sum as mlp does)."""
+        return [layer if "router" not in layer else
+                {**{n: w for n, w in layer.items() if n not in ("gate_up", "down")},
+                 "shexp_gate_up": layer["gate_up"], "shexp_down": layer["down"]}
+                for layer in self.layers]
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:

@@ -76,8 +76,8 @@ class HybridModel:
             x = x * self.config.embedding_scale
         rope = rope_cos_sin(positions, self.inv_freq)
         if self.c_plan is not None and trace is None and decode_c.run(
-                self.c_plan, self.config, x, {False: rope, True: rope}, kv_caches, meta,
-                states=states):
+                self.c_plan, self.config, x, {False: rope, True: self._second_rope(rope)},
+                kv_caches, meta, states=states):
             return x
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = rms_norm(x, layer["attn_norm"], eps)
@@ -93,6 +93,14 @@ class HybridModel:
             if self.config.mlp_after_mixer:
                 x.add_(self.mlp(rms_norm(x, layer["mlp_norm"], eps), layer, trace), alpha=r)
         return x
+
+    def _second_rope(self, rope: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C plan's second table: the identity rotation (cos 1, sin 0: exact) where the
+        attention layers have no RoPE (Granite's "nope" checkpoints, Nemotron-H)."""
+        if self.config.no_rope_layers:
+            return torch.ones_like(rope[0]), torch.zeros_like(rope[1])
+        return rope
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
                   states: StateBatch) -> torch.Tensor:

@@ -309,6 +309,11 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
     return apply_rope(x if weight is None else rms_norm(x, weight, eps), cos, sin)
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (Nemotron-H's MLP and experts): relu(x)^2, no gate."""
+    return torch.relu(x).square()
+
+
 def geglu(y: torch.Tensor) -> torch.Tensor:
     """[T, 2 * inter] (gate | up, one Stacked product) -> gelu_tanh(gate) * up."""
     if fused.fits(y) and y.is_contiguous():

@@ -31,7 +31,7 @@ from kvlab.config import MoeConfig
 from kvlab.errors import ModelLoadError
 from kvlab.kernels import fused
 from kvlab.models.decode_c import kernel_desc
-from kvlab.models.layers import Stacked, Weight, geglu, linear, swiglu
+from kvlab.models.layers import Stacked, Weight, geglu, linear, relu2, swiglu
 from kvlab.models.llama import LlamaModel
 from kvlab.models.spec import gguf_get
 
@@ -143,11 +143,11 @@ class Experts:
 def _c_table(experts: Experts) -> torch.Tensor | None:
     """Each expert's gate|up (one or two parts) and down as the C products take them; None
     unless every expert has C kernels and the experts share their types and shapes (the
-    biases and clamped SwiGLU, gpt-oss's, and Gemma 4's GeGLU are options of the C call;
-    another gate is not)."""
+    biases and clamped SwiGLU, gpt-oss's, Gemma 4's GeGLU and Nemotron-H's relu2 of an up
+    product without a gate are options of the C call; another gate is not)."""
     if not fused.ENABLED or not experts.down:
         return None
-    if experts.gate not in (None, geglu) and not isinstance(experts.gate, ClampedSwiglu):
+    if experts.gate not in (None, geglu, relu2) and not isinstance(experts.gate, ClampedSwiglu):
         return None
     rows = [_c_row(gate_up, down) for gate_up, down in zip(experts.gate_up, experts.down)]
     if None in rows:
@@ -156,8 +156,11 @@ def _c_table(experts: Experts) -> torch.Tensor | None:
     shapes = table[:, :, [0, 2, 3, 4]]
     (_, _, gate_rows, gate_cols, _), (_, _, up_rows, up_cols, _), (_, _, hidden, inter, _) = (
         table[0].tolist())
-    fits = (gate_rows + up_rows == 2 * inter and gate_cols == hidden
-            and up_cols in (0, hidden) and (up_rows == 0 or gate_rows == inter))
+    if experts.gate is relu2:  # up alone: [inter, hidden]
+        fits = gate_rows == inter and gate_cols == hidden and up_rows == 0
+    else:
+        fits = (gate_rows + up_rows == 2 * inter and gate_cols == hidden
+                and up_cols in (0, hidden) and (up_rows == 0 or gate_rows == inter))
     return table if fits and not bool((shapes != shapes[0]).any()) else None
 
 
@@ -229,7 +232,8 @@ def run_experts(h: torch.Tensor, experts: Experts, weights: torch.Tensor,
         gate = experts.gate
         clamp = (gate.alpha, gate.limit) if isinstance(gate, ClampedSwiglu) else None
         return fused.moe_experts(h, ids, weights, experts.c_table, experts.gate_up_bias,
-                                 experts.down_bias, clamp, gelu=gate is geglu)
+                                 experts.down_bias, clamp, gelu=gate is geglu,
+                                 relu2=gate is relu2)
     return run_experts_each(h, experts, weights, ids)
 
 

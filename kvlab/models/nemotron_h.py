@@ -43,7 +43,7 @@ from kvlab.models.granite_hybrid import (
     mamba2_config,
     mamba2_hf_transform,
 )
-from kvlab.models.layers import linear
+from kvlab.models.layers import Stacked, linear, relu2
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get
 
 GGUF_NAMES = NameTable(
@@ -78,11 +78,6 @@ HF_NAMES = NameTable(
                ("fc2_latent_proj.weight", "latent_out"))}},
     experts={"mixer.experts.{e}.up_proj.weight": "up_exps",
              "mixer.experts.{e}.down_proj.weight": "down_exps"})
-
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU, Nemotron-H's MLP activation."""
-    return torch.relu(x).square()
 
 
 def _kinds(pattern: str | list[str]) -> tuple[tuple[str, ...], bool]:
@@ -181,6 +176,19 @@ class NemotronHModel(GraniteHybridModel):
     """Granite 4 hybrid's Mamba-2 and RoPE-less attention (kvlab.models.granite_hybrid; all
     its multipliers 1 here), one mixer per layer, and relu2 MLPs: dense, or routed experts
     beside a shared one."""
+
+    plan_gate = "relu2"
+
+    def plan_layers(self) -> list[dict[str, Any]] | None:
+        """The layers as the C plan names them (up alone as the MLP's and the shared
+        expert's gate_up); None where some layer has MLP biases or a latent for its experts,
+        which the plan has no fields for."""
+        if any(n in layer for layer in self.layers
+               for n in ("up_bias", "down_bias", "latent_in", "latent_out")):
+            return None
+        return [{**layer, **{f"{pre}gate_up": Stacked.of([layer[f"{pre}up"]])
+                             for pre in ("", "shexp_") if f"{pre}up" in layer}}
+                for layer in self.layers]
 
     def mlp(self, h: torch.Tensor, layer: dict[str, Any],
             trace: list[torch.Tensor] | None) -> torch.Tensor:

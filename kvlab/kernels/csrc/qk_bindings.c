@@ -581,12 +581,13 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
                             "heads", (long long)H, (long long)KVH);
     for (int64_t l = 0; l < layers; l++) {
         const int64_t mixer = ((const kv_layer_plan *)plan)[l].mixer;
-        if (mixer < KV_MIX_ATTENTION || mixer > KV_MIX_GATED_DELTA)
+        if (mixer < KV_MIX_ATTENTION || mixer > KV_MIX_NONE)
             return PyErr_Format(PyExc_ValueError, "layer %lld's mixer %lld (valid: %d "
-                                "attention, %d short conv, %d gated delta)", (long long)l,
-                                (long long)mixer, KV_MIX_ATTENTION, KV_MIX_SHORT_CONV,
-                                KV_MIX_GATED_DELTA);
-        if (mixer && !(states && state_slots))
+                                "attention, %d short conv, %d gated delta, %d mamba2, %d "
+                                "none)", (long long)l, (long long)mixer, KV_MIX_ATTENTION,
+                                KV_MIX_SHORT_CONV, KV_MIX_GATED_DELTA, KV_MIX_MAMBA2,
+                                KV_MIX_NONE);
+        if (mixer && mixer != KV_MIX_NONE && !(states && state_slots))
             return PyErr_Format(PyExc_ValueError, "layer %lld is recurrent but the step has "
                                 "no state rows", (long long)l);
     }
@@ -612,7 +613,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
  * alpha, limit): a layer's routed experts on x [T, hidden] into out [T, hidden]; experts
  * int64 [E, 3, 5] (gate|up part 0, part 1 or zeros, down: kv_wdesc each), ids int64 and
  * weights fp32 [T, k]; the biases fp32 [E, 2 * inter] and [E, hidden] or 0 for none, act
- * KV_MOE_SILU, KV_MOE_SWIGLU_CLAMP with its alpha and limit, or KV_MOE_GELU (qk_moe.c) */
+ * KV_MOE_SILU, KV_MOE_SWIGLU_CLAMP with its alpha and limit, KV_MOE_GELU or KV_MOE_RELU2
+ * (one up product per expert, no gate; qk_moe.c) */
 static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     NARGS(14);
@@ -625,10 +627,10 @@ static PyObject *py_moe_experts(PyObject *self, PyObject *const *args, Py_ssize_
         !get_ptr(args[9], &gu_bias) || !get_ptr(args[10], &down_bias) ||
         !get_i64(args[11], &act) || !get_f32(args[12], &alpha) || !get_f32(args[13], &limit))
         return NULL;
-    if (act != KV_MOE_SILU && act != KV_MOE_SWIGLU_CLAMP && act != KV_MOE_GELU)
+    if (act < KV_MOE_SILU || act > KV_MOE_RELU2)
         return PyErr_Format(PyExc_ValueError, "expert gate %lld (valid: %d silu, %d clamped "
-                            "SwiGLU, %d gelu_tanh)", (long long)act, KV_MOE_SILU,
-                            KV_MOE_SWIGLU_CLAMP, KV_MOE_GELU);
+                            "SwiGLU, %d gelu_tanh, %d relu2)", (long long)act, KV_MOE_SILU,
+                            KV_MOE_SWIGLU_CLAMP, KV_MOE_GELU, KV_MOE_RELU2);
     const kv_moe_opts opts = {.gate_up_bias = gu_bias, .down_bias = down_bias, .act = (int)act,
                               .alpha = alpha, .limit = limit};
     if (E < 1 || k < 1 || T < 0)

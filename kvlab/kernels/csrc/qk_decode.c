@@ -19,6 +19,10 @@
  * DeepSeek-V2/V3's multi-head latent attention takes the place of qkv where the plan says so
  * (mla): its products, norms and rotary part here, the absorbed attention over the latent
  * store in qk_mla.c, the same calls as the per-op path (kvlab/models/deepseek2.py).
+ * The hybrid families' recurrent layers (LFM2's short convolution, Qwen3.5's Gated DeltaNet,
+ * Mamba-2 of Granite 4 hybrid and Nemotron-H) call qk_recurrent.c's steps on each
+ * sequence's state rows; Nemotron-H's MLP layers mix nothing and its mixer layers have no
+ * MLP; its MLPs and experts are relu(up)^2 without a gate.
  * The plan is int64 [layers, KV_PLAN_FIELDS], built once by the model
  * (kvlab/models/decode_c.py).
  */
@@ -51,10 +55,25 @@ typedef struct {
     int64_t *ones;            /* [B]: one token per sequence, the recurrent steps' lens */
 } kv_bufs;
 
-/* the residual add after attention or the MLP: with the block's output norm or without */
-static void residual(float *x, const float *h, int64_t norm, const kv_step *s) {
+/* a float the plan holds as its fp32 bits */
+static float plan_f32(int64_t v) {
+    const int32_t bits = (int32_t)v;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* the residual add after attention or the MLP: with the block's output norm or without;
+ * Granite's x += scale * h in one rounding, as torch's add_(h, alpha=scale) */
+static void residual(const kv_layer_plan *L, float *x, const float *h, int64_t norm,
+                     const kv_step *s) {
     if (norm) {
         kv_add_rms_norm(x, h, (const float *)(intptr_t)norm, s->B, s->hidden, s->eps);
+        return;
+    }
+    if (L->residual_scale) {
+        const float scale = plan_f32(L->residual_scale);
+        for (int64_t i = 0; i < s->B * s->hidden; i++) x[i] = fmaf(h[i], scale, x[i]);
         return;
     }
     for (int64_t i = 0; i < s->B * s->hidden; i++) x[i] += h[i];
@@ -150,7 +169,7 @@ static int attention_half(const kv_layer_plan *L, const int64_t *kv, const kv_st
         return -1;
     if (kv_product(&L->o, b->att, B, b->o, s->hidden)) return -1;
     if (L->o_bias) add_bias(b->o, (const float *)(intptr_t)L->o_bias, B, s->hidden);
-    residual(x, b->o, L->post_attn_norm, s);
+    residual(L, x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
@@ -205,7 +224,7 @@ static int mla_half(const kv_layer_plan *L, const int64_t *kv, const kv_step *s,
     }
     free(qa);
     if (rc) return -1;
-    residual(x, b->o, L->post_attn_norm, s);
+    residual(L, x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
@@ -228,7 +247,7 @@ static int conv_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s
     for (int64_t r = 0; r < B; r++)
         for (int64_t i = 0; i < C; i++) b->h[r * C + i] = b->qkv[r * W + C + i] * b->h[r * C + i];
     if (kv_product(&L->rc_out, b->h, B, b->o, s->hidden)) return -1;
-    residual(x, b->o, L->post_attn_norm, s);
+    residual(L, x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
@@ -296,7 +315,75 @@ static int delta_half(const kv_layer_plan *L, const int64_t *st, const kv_step *
     }
     free(in);
     if (rc) return -1;
-    residual(x, b->o, L->post_attn_norm, s);
+    residual(L, x, b->o, L->post_attn_norm, s);
+    return 0;
+}
+
+/* z | xBC | dt of each row apart: z into z [B, d_inner], xBC into xbc [B, C], dt as
+ * softplus(dt + dt_bias) clamped, as the per-op path (kvlab/models/mamba2_layer.py) */
+static void mamba2_inputs(const kv_layer_plan *L, int64_t B, const float *in, float *z,
+                          float *xbc, float *dt) {
+    const int64_t H = L->v_heads, DI = H * L->v_dim, C = DI + 2 * L->k_heads * L->k_dim;
+    const int64_t W = DI + C + H;
+    const float *dt_bias = (const float *)(intptr_t)L->dt_bias;
+    const float lo = plan_f32(L->dt_min), hi = plan_f32(L->dt_max);
+    for (int64_t r = 0; r < B; r++) {
+        const float *row = in + r * W;
+        memcpy(z + r * DI, row, (size_t)DI * sizeof(float));
+        memcpy(xbc + r * C, row + DI, (size_t)C * sizeof(float));
+        for (int64_t h = 0; h < H; h++) {
+            const float a = row[DI + C + h] + dt_bias[h];
+            const float sp = a > 20.0f ? a : log1pf(expf(a));
+            dt[r * H + h] = fminf(fmaxf(sp, lo), hi);
+        }
+    }
+}
+
+/* the conv's output rows [B, C] split into x [B, d_inner], B and C [B, G * N] */
+static void mamba2_split(int64_t B, int64_t DI, int64_t GN, const float *conv, float *xs,
+                         float *bs, float *cs) {
+    const int64_t C = DI + 2 * GN;
+    for (int64_t r = 0; r < B; r++) {
+        memcpy(xs + r * DI, conv + r * C, (size_t)DI * sizeof(float));
+        memcpy(bs + r * GN, conv + r * C + DI, (size_t)GN * sizeof(float));
+        memcpy(cs + r * GN, conv + r * C + DI + GN, (size_t)GN * sizeof(float));
+    }
+}
+
+/* Mamba-2 in attention's place (Granite 4 hybrid, Nemotron-H), as the per-op path: the
+ * conv, the SSD step and the gated norm are qk_recurrent.c's */
+static int mamba2_half(const kv_layer_plan *L, const int64_t *st, const kv_step *s, float *x,
+                       kv_bufs *b, int use_avx2) {
+    const int64_t B = s->B, H = L->v_heads, P = L->v_dim, G = L->k_heads, N = L->k_dim;
+    const int64_t DI = H * P, GN = G * N, C = DI + 2 * GN, W = DI + C + H;
+    float *in = malloc((size_t)(B * (W + 3 * C + H + 3 * DI)) * sizeof(float));
+    if (!in) return -1;
+    float *xbc = in + B * W, *conv = xbc + B * C, *xs = conv + B * C, *bs = xs + B * DI;
+    float *cs = bs + B * GN, *dt = cs + B * GN, *z = dt + B * H, *y = z + B * DI;
+    float *normed = y + B * DI;
+    const int isa = use_avx2 ? (kv_use_vnni() ? 2 : 1) : 0;
+    pre_norm(x, L->attn_norm, b->h, s);
+    int rc = kv_product(&L->rc_in[0], b->h, B, in, W);
+    if (!rc) {
+        if (L->rc_in_bias) add_bias(in, (const float *)(intptr_t)L->rc_in_bias, B, W);
+        mamba2_inputs(L, B, in, z, xbc, dt);
+        rc = kv_short_conv(xbc, (const float *)(intptr_t)L->conv,
+                           (const float *)(intptr_t)L->conv_bias, (float *)(intptr_t)st[0],
+                           s->state_slots, b->ones, B, C, L->conv_k, 1, conv, isa);
+    }
+    if (!rc) {
+        mamba2_split(B, DI, GN, conv, xs, bs, cs);
+        rc = kv_ssd_scan(xs, dt, (const float *)(intptr_t)L->ssm_a, bs, cs,
+                         (const float *)(intptr_t)L->ssm_d, (float *)(intptr_t)st[1],
+                         s->state_slots, b->ones, B, H, P, G, N, y, isa) ||
+             kv_gated_rms_norm(y, z, (const float *)(intptr_t)L->rc_norm, normed, B, DI,
+                               DI / G, s->eps, 0, isa) ||
+             kv_product(&L->rc_out, normed, B, b->o, s->hidden);
+    }
+    free(in);
+    if (rc) return -1;
+    if (L->rc_out_bias) add_bias(b->o, (const float *)(intptr_t)L->rc_out_bias, B, s->hidden);
+    residual(L, x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
@@ -351,27 +438,33 @@ static int gated_attention_half(const kv_layer_plan *L, const int64_t *kv, const
     rc = rc || kv_product(&L->o, att, B, b->o, s->hidden);
     free(qkv);
     if (rc) return -1;
-    residual(x, b->o, L->post_attn_norm, s);
+    residual(L, x, b->o, L->post_attn_norm, s);
     return 0;
 }
 
-/* the layer's token mixer: attention, latent attention or a recurrent step */
+/* the layer's token mixer: attention, latent attention, a recurrent step or none */
 static int mixer_half(const kv_layer_plan *L, int64_t l, const kv_step *s, float *x,
                       kv_bufs *b, int use_avx2) {
     if (L->mixer == KV_MIX_SHORT_CONV) return conv_half(L, s->states + 2 * l, s, x, b, use_avx2);
     if (L->mixer == KV_MIX_GATED_DELTA)
         return delta_half(L, s->states + 2 * l, s, x, b, use_avx2);
+    if (L->mixer == KV_MIX_MAMBA2) return mamba2_half(L, s->states + 2 * l, s, x, b, use_avx2);
+    if (L->mixer == KV_MIX_NONE) return 0;
     if (L->q_gate) return gated_attention_half(L, s->caches + 4 * l, s, x, b, use_avx2);
     if (L->mla) return mla_half(L, s->caches + 4 * l, s, x, b, use_avx2);
     return attention_half(L, s->caches + 4 * l, s, x, b, use_avx2);
 }
 
 /* gate_up -> act(gate) * up -> down on b->h into y [B, hidden]: the dense MLP, or the
- * shared expert of an MoE layer */
+ * shared expert of an MoE layer; down(relu(up)^2) where gate_up is up alone (KV_GATE_RELU2) */
 static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float *y) {
     int64_t gu_rows = 0;
     for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
+    if (L->gate == KV_GATE_RELU2) {
+        kv_relu2(b->gu, b->gu, s->B * gu_rows);
+        return kv_product(&L->down, b->gu, s->B, y, s->hidden);
+    }
     if (L->gate == KV_GATE_SILU)
         kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);
     else
@@ -413,14 +506,6 @@ static int shared_expert(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     return 0;
 }
 
-/* a float the plan holds as its fp32 bits */
-static float plan_f32(int64_t v) {
-    const int32_t bits = (int32_t)v;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* each row's k experts and their weights from the router's logits, by the layer's scoring */
 static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     const int64_t E = L->n_experts, k = L->top_k;
@@ -457,8 +542,9 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
     route(L, s, b);
     const float *scale = (const float *)(intptr_t)L->expert_scale;
     for (int64_t j = 0; scale && j < s->B * k; j++) b->route_w[j] *= scale[b->route_ids[j]];
-    const int act = L->expert_gelu ? KV_MOE_GELU
-                                   : L->expert_clamp ? KV_MOE_SWIGLU_CLAMP : KV_MOE_SILU;
+    const int act = L->expert_relu2 ? KV_MOE_RELU2
+                    : L->expert_gelu ? KV_MOE_GELU
+                    : L->expert_clamp ? KV_MOE_SWIGLU_CLAMP : KV_MOE_SILU;
     const kv_moe_opts opts = {.gate_up_bias = (const float *)(intptr_t)L->gate_up_bias,
                               .down_bias = (const float *)(intptr_t)L->down_bias,
                               .act = act, .alpha = plan_f32(L->clamp_alpha),
@@ -469,15 +555,18 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
         return -1;
     norm_output(b->o, L->experts_out_norm, s);
     if ((L->shexp_gate || L->shexp_ungated) && shared_expert(L, s, b)) return -1;
-    residual(x, b->o, L->post_mlp_norm, s);
+    residual(L, x, b->o, L->post_mlp_norm, s);
     return 0;
 }
 
+/* the layer's MLP: routed experts, a dense MLP, or none (n_gate_up 0: Nemotron-H's mixer
+ * layers, whose MLPs are layers of their own) */
 static int mlp_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
     if (L->router) return moe_half(L, s, x, b);
+    if (!L->n_gate_up) return 0;
     pre_norm(x, L->mlp_norm, b->h, s);
     if (gated_mlp(L, s, b, b->o)) return -1;
-    residual(x, b->o, L->post_mlp_norm, s);
+    residual(L, x, b->o, L->post_mlp_norm, s);
     return 0;
 }
 
@@ -493,7 +582,7 @@ static int layer_tail(const kv_layer_plan *L, const kv_step *s, float *x, kv_buf
                    (size_t)dim * sizeof(float));
         kv_gelu_mul(b->gu, b->g, B, dim);
         if (kv_product(&L->ple_out, b->g, B, b->o, s->hidden)) return -1;
-        residual(x, b->o, L->ple_post_norm, s);
+        residual(L, x, b->o, L->ple_post_norm, s);
     }
     if (L->layer_scalar) {
         const float scalar = *(const float *)(intptr_t)L->layer_scalar;

@@ -7,13 +7,16 @@
 
 #include "qk.h"
 
-enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1 };
+/* gelu_tanh(gate) * up, silu(gate) * up, or relu(up)^2 of one ungated product (Nemotron-H) */
+enum { KV_GATE_GELU_TANH = 0, KV_GATE_SILU = 1, KV_GATE_RELU2 = 2 };
 /* softmax over every expert then top k; top k of the logits then softmax over them; sigmoid
  * scores, grouped top k of score + bias, weights the scores (kvlab/models/moe.py) */
 enum { KV_ROUTE_SOFTMAX = 0, KV_ROUTE_TOPK_SOFTMAX = 1, KV_ROUTE_SIGMOID = 2 };
-/* what mixes a layer's tokens: attention over the KV cache, or a short convolution over the
- * sequence's state row */
-enum { KV_MIX_ATTENTION = 0, KV_MIX_SHORT_CONV = 1, KV_MIX_GATED_DELTA = 2 };
+/* what mixes a layer's tokens: attention over the KV cache, a recurrent step on the
+ * sequence's state row (a short convolution, Gated DeltaNet, Mamba-2), or nothing (a layer
+ * that is its MLP alone: Nemotron-H's) */
+enum { KV_MIX_ATTENTION = 0, KV_MIX_SHORT_CONV = 1, KV_MIX_GATED_DELTA = 2, KV_MIX_MAMBA2 = 3,
+       KV_MIX_NONE = 4 };
 
 typedef struct {
     int64_t attn_norm, n_qkv;          /* attn_norm (and mlp_norm) 0: no norm before (OLMo 2) */
@@ -84,6 +87,16 @@ typedef struct {
     int64_t q_a_norm, kv_a_norm;
     int64_t w_uk, w_uv_t;              /* fp32 [H, nope, rank], [H, rank, vdim] */
     int64_t rank, rope, vdim;
+    /* Mamba-2 (KV_MIX_MAMBA2): rc_in[0] gives z | xBC | dt (plus rc_in_bias), xBC through
+     * the conv (conv_bias) and SiLU on the conv state row, x | B | C; dt softplus(dt +
+     * dt_bias) clamped to [dt_min, dt_max]; the SSD step on the recurrent state row with A
+     * ssm_a [H] and the skip ssm_d [H]; y * silu(z) RMSNormed in k_heads groups times
+     * rc_norm [H * P]; rc_out (plus rc_out_bias). Its shapes: v_heads H heads of v_dim P,
+     * k_heads groups of B and C, each k_dim wide (the state size N) */
+    int64_t ssm_d, rc_in_bias, conv_bias, rc_out_bias;
+    int64_t dt_min, dt_max;            /* fp32 bits */
+    int64_t residual_scale;            /* fp32 bits: x += scale * out (Granite); 0: 1 */
+    int64_t expert_relu2;              /* 1: ungated relu(up)^2 experts (KV_MOE_RELU2) */
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))

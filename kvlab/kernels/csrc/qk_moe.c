@@ -210,9 +210,18 @@ static void add_bias(float *y, int64_t width, const int64_t *first, int64_t E,
             for (int64_t i = 0; i < width; i++) y[r * width + i] += bias[e * width + i];
 }
 
+void kv_relu2(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float r = x[i] > 0.0f ? x[i] : 0.0f;
+        y[i] = r * r;
+    }
+}
+
 static void gate_rows(const float *GU, float *G, int64_t pairs, int64_t inter,
                       const kv_moe_opts *o) {
-    if (o && o->act == KV_MOE_SWIGLU_CLAMP)
+    if (o && o->act == KV_MOE_RELU2)
+        kv_relu2(GU, G, pairs * inter);
+    else if (o && o->act == KV_MOE_SWIGLU_CLAMP)
         kv_swiglu_clamp_mul(GU, G, pairs, inter, o->alpha, o->limit);
     else if (o && o->act == KV_MOE_GELU)
         kv_gelu_mul(GU, G, pairs, inter);
@@ -233,7 +242,7 @@ int kv_moe_experts_opts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, c
     moe_shape s = {.E = E, .T = T, .k = k, .hidden = hidden,
                    .gu_rows = experts[0].rows + experts[1].rows,
                    .nparts = experts[1].rows ? 2 : 1};
-    s.inter = s.gu_rows / 2;
+    s.inter = opts && opts->act == KV_MOE_RELU2 ? s.gu_rows : s.gu_rows / 2;  /* no gate */
     for (int p = 0; p < 3; p++) {
         s.kind[p] = isa->act_kind[experts[p].qt];
         const int unused = p == 1 && s.nparts == 1;  /* no second gate|up part */

@@ -34,14 +34,19 @@ int kv_moe_experts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const 
 
 /* An expert's options beyond SwiGLU without biases (gpt-oss): fp32 bias rows added to the
  * gate|up product ([E, 2 * inter], gate | up halves) and to down's ([E, hidden]), NULL for
- * none; the gate silu(gate) * up, the clamped SwiGLU (kv_swiglu_clamp_mul) or
- * gelu_tanh(gate) * up (Gemma 4) */
-enum { KV_MOE_SILU = 0, KV_MOE_SWIGLU_CLAMP = 1, KV_MOE_GELU = 2 };
+ * none; the gate silu(gate) * up, the clamped SwiGLU (kv_swiglu_clamp_mul),
+ * gelu_tanh(gate) * up (Gemma 4), or relu(up)^2 of an expert with one up product
+ * [inter, hidden] and no gate (Nemotron-H) */
+enum { KV_MOE_SILU = 0, KV_MOE_SWIGLU_CLAMP = 1, KV_MOE_GELU = 2, KV_MOE_RELU2 = 3 };
 typedef struct {
     const float *gate_up_bias, *down_bias;
     int act;
     float alpha, limit;
 } kv_moe_opts;
+
+/* y[i] = relu(x[i])^2 over n values (x == y allowed): one rounding, as torch's
+ * relu(x).square() */
+void kv_relu2(const float *x, float *y, int64_t n);
 
 /* kv_moe_experts with those options (NULL: kv_moe_experts') */
 int kv_moe_experts_opts(const kv_isa *isa, const kv_wdesc *experts, int64_t E, const float *x,
