@@ -21,7 +21,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvlab.request import CoreOutput, FinishReason, RequestOutput, RequestTimings, SamplingParams
+from kvlab.request import (
+    CoreOutput,
+    FinishReason,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprob,
+)
 from kvlab.stop import StopStringFilter
 from kvlab.tokenizer import IncrementalDetokenizer, Tokenizer, TokenTexts
 
@@ -84,7 +91,11 @@ class OutputProcessor:
             tokens = core.new_token_ids
             if (state.plain and core.finish_reason is None and len(tokens) == 1
                     and (delta := known.get(tokens[0]))):
-                outputs.append(_built(state.timings, core, delta, 1, None))
+                t = state.timings  # its first token, before `plain`, set first_token
+                t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
+                t.token_times.append(core.step_time)
+                outputs.append(_made(core, tokens, delta, None, core.output_tokens,
+                                     core.logprobs, t))
                 continue
             out = self._output(state, core)
             if out.finished:
@@ -130,9 +141,15 @@ def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
         t.token_times.extend([core.step_time] * kept)
         if t.first_token is None:
             t.first_token = core.step_time
-    # positional: the fields in RequestOutput's order (keywords cost twice as much)
+    return _made(core, ids, delta, reason, core.output_tokens - (len(core.new_token_ids) - kept),
+                 logprobs, t)
+
+
+def _made(core: CoreOutput, ids: list[int], delta: str, reason: FinishReason | None,
+          output_tokens: int, logprobs: list[TokenLogprob], t: RequestTimings) -> RequestOutput:
+    """core as a RequestOutput with these tokens, text and counts; positional, in the
+    fields' order (keywords cost twice as much)."""
     return RequestOutput(
         core.request_id, ids, delta, reason is not None, reason, core.prompt_tokens,
-        core.cached_tokens, core.output_tokens - (len(core.new_token_ids) - kept), logprobs,
-        t, core.forced_tokens, core.draft_tokens, core.accepted_tokens, core.allowed_tokens,
-        core.experts)
+        core.cached_tokens, output_tokens, logprobs, t, core.forced_tokens, core.draft_tokens,
+        core.accepted_tokens, core.allowed_tokens, core.experts)

@@ -373,8 +373,10 @@ def exponential_noise(like: Tensor, batch: SamplingBatch) -> Tensor:
     q = torch.empty_like(like)
     if batch.any_unseeded_sampled:
         q.exponential_()
-    for row, generator in batch.seeded_rows:
-        q[row].exponential_(generator=generator)
+    if batch.seeded_rows:
+        rows = q.unbind(0)  # the row views at once: an index per row costs as much again
+        for row, generator in batch.seeded_rows:
+            rows[row].exponential_(generator=generator)
     return q.clamp_min_(torch.finfo(q.dtype).tiny)  # a 0 draw would divide 0 probs by 0
 
 
