@@ -157,6 +157,7 @@ class Scheduler:
         self._rewound: set[str] = set()
         self._running_changes = 0  # sequences joined or left the running set
         self._steady: _Steady | None = None  # the last step scheduled ahead
+        self._last_decode: SchedulerOutput | None = None  # the last all-decode schedule()
 
     def add(self, seq: Sequence) -> None:
         if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
@@ -167,6 +168,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        decode = self._same_decode_batch()
+        if decode is not None:
+            return decode
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[str] = []
@@ -175,7 +179,48 @@ class Scheduler:
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        return SchedulerOutput([self._describe(s, n) for s, n in scheduled], preempted)
+        out = SchedulerOutput([self._describe(s, n) for s, n in scheduled], preempted)
+        self._last_decode = out if self._all_decode(out) else None
+        return out
+
+    def _all_decode(self, out: SchedulerOutput) -> bool:
+        """`out` is one decode row of every running sequence, in running order."""
+        return (self.proposer is None and self._blocks_only and not out.preempted
+                and len(out.scheduled) == len(self.running) == out.num_tokens
+                and all(s.needs_logits for s in out.scheduled))
+
+    def _same_decode_batch(self) -> SchedulerOutput | None:
+        """schedule() where the last step was one decode row of every running sequence and
+        each has gained exactly one token since (the steady state): each one position
+        further, a new block only where a position starts one. None: the general pass."""
+        last, running, c = self._last_decode, self.running, self.config
+        self._last_decode = None
+        if (last is None or len(last.scheduled) != len(running)
+                or len(running) > c.max_num_batched_tokens
+                or (self.waiting and len(running) < c.max_num_seqs)):
+            return None
+        pairs = list(zip(last.scheduled, running))
+        if any(s.seq_id != seq.seq_id or seq.num_computed_tokens != s.start + 1
+               or len(seq.token_ids) != s.start + 2 for s, seq in pairs):
+            return None
+        scheduled = [ScheduledSeq(s.seq_id, s.start + 1, seq.token_ids[-1:], s.block_table,
+                                  True, 0) for s, seq in pairs]
+        if not self._grow_tables(scheduled):
+            return None  # the general pass preempts (the blocks taken are its own)
+        out = SchedulerOutput(scheduled)
+        self._last_decode = out
+        return out
+
+    def _grow_tables(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Give a block to each one-token step whose position starts one, in place; False
+        where the pool has none left."""
+        bs, kv = self.kv.block_size, self.kv
+        for i in [i for i, s in enumerate(scheduled) if s.start % bs == 0]:
+            s = scheduled[i]
+            if not kv.allocate_slots(s.seq_id, s.start + 1):
+                return False
+            scheduled[i] = s._replace(block_table=kv.block_table(s.seq_id))
+        return True
 
     def schedule_ahead(self, last: SchedulerOutput, max_len: int) -> SchedulerOutput | None:
         """The step after `last`, scheduled while `last` still runs: each of its decoding
@@ -235,15 +280,9 @@ class Scheduler:
     def _advance(self, last: SchedulerOutput) -> list[ScheduledSeq] | None:
         """The step after a step scheduled ahead, of the same sequences, none of which can
         end before it: each one position further, a new block where a position starts one."""
-        bs, kv = self.kv.block_size, self.kv
         scheduled = [ScheduledSeq(s.seq_id, s.start + 1, _STAND_IN, s.block_table, True, 0)
                      for s in last.scheduled]
-        for i in [i for i, s in enumerate(scheduled) if s.start % bs == 0]:
-            s = scheduled[i]
-            if not kv.allocate_slots(s.seq_id, s.start + 1):
-                return None
-            scheduled[i] = s._replace(block_table=kv.block_table(s.seq_id))
-        return scheduled
+        return scheduled if self._grow_tables(scheduled) else None
 
     def update_ahead(self, output: SchedulerOutput, seqs: list[Sequence]) -> None:
         """update() of a step from schedule_ahead (seqs: its sequences, in order): each has

@@ -240,3 +240,32 @@ def test_flag_reaches_the_engine_config(command):
     for flag, want in (([], True), (["--async-scheduling", "off"], False)):
         argv = [*command, *flag]
         assert engine_config(build_parser(argv).parse_args(argv)).async_scheduling is want
+
+
+@pytest.mark.parametrize("num_blocks", [64, 8])  # 8: preemptions
+def test_steady_decode_schedule_equals_the_general_pass(num_blocks):
+    """schedule()'s shortcut for the same decode batch as last step gives what the general
+    pass gives, through arrivals, finishes and preemptions."""
+    def trace(shortcut: bool) -> list:
+        kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=True)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32), kv)
+        if not shortcut:
+            sched._same_decode_batch = lambda: None
+        seqs, steps = {}, []
+        for step in range(60):
+            if step % 3 == 0:  # an arrival
+                seq = seqs[f"s{step}"] = Sequence(f"s{step}", [step % 7] * (3 + step % 5),
+                                                   3 + step % 5, GREEDY)
+                sched.add(seq)
+            out = sched.schedule()
+            steps.append([(s.seq_id, s.start, list(s.token_ids), list(s.block_table),
+                           s.needs_logits) for s in out.scheduled] + out.preempted)
+            sched.update(out, seqs)
+            for s in out.scheduled:
+                if s.needs_logits:
+                    seqs[s.seq_id].token_ids.append(len(steps) % 11)
+                    if len(seqs[s.seq_id].output_ids) >= 6 + int(s.seq_id[1:]) % 9:
+                        sched.finish(seqs[s.seq_id])
+        return steps
+
+    assert trace(True) == trace(False)
