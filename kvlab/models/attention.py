@@ -35,9 +35,10 @@ class AttentionGroup:
     rows:    [n] indices into the packed token batch
     slots:   [B, C] slot of each attended key (padding repeats a real slot, masked out)
     mask:    [B, Q, C] True where the query may attend to the key; None when every query
-             sees every key (decode without padding), and for a prefill until `key_mask`
-             builds it (the C path needs none)
+             sees every key (decode without padding), and for a prefill or a `padded`
+             decode until `key_mask` builds it (the C path needs none)
     lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
+    padded:  decode rows whose lengths differ, without a mask: `key_mask` builds it from them
     fresh:   a prefill whose keys are exactly its own new tokens, causally (no cached
              prefix, the window wider than the chunk): attention may read them as computed
     prefill: a prefill chunk of one sequence (queries causal among themselves)
@@ -56,10 +57,15 @@ class AttentionGroup:
     start: int = 0
     first: int = 0
     window: int | None = None
+    padded: bool = False
 
     @cached_property
     def key_mask(self) -> torch.Tensor | None:
-        """`mask`, built for a prefill group on first use: causal, inside the window."""
+        """`mask`, built on first use for a prefill group (causal, inside the window) and a
+        padded decode group (each row's first lengths[b] keys)."""
+        if self.padded and self.lengths is not None:
+            keys = torch.arange(self.slots.shape[1], device=self.lengths.device)
+            return (keys[None, :] < self.lengths[:, None])[:, None].to(self.slots.device)
         if not self.prefill:
             return self.mask
         k_pos = torch.arange(self.first, self.start + self.queries_per_seq)
@@ -174,12 +180,11 @@ def _packed_mapping(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows
 
 def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                 device: torch.device, uniform: bool = False) -> AttentionGroup:
-    """The decode group over laid-out rows; no mask when every row sees all W keys."""
-    width = slots.shape[1]
-    unpadded = uniform or bool((lengths == width).all())
-    mask = None if unpadded else (torch.arange(width)[None, :] < lengths[:, None])[:, None]
-    return AttentionGroup(rows.to(device), slots.to(device),
-                          None if mask is None else mask.to(device), len(rows), 1, lengths)
+    """The decode group over laid-out rows; its mask (where some row sees fewer than all W
+    keys) is built where it is read: the C attention reads the lengths instead."""
+    padded = not uniform and not bool((lengths == slots.shape[1]).all())
+    return AttentionGroup(rows.to(device), slots.to(device), None, len(rows), 1, lengths,
+                          padded=padded)
 
 
 def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.device
