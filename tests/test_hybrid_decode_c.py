@@ -279,10 +279,43 @@ def test_llama_cpp_gguf_with_tiled_value_heads(tmp_path, c_steps):
     skip = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "model.gguf")
     if skip:
         pytest.skip(skip)
+    config = load_model(open_checkpoint(tmp_path / "model.gguf"),
+                        LoadOptions(quantize="q8_0")).config
+    assert config.recurrent.v_heads_tiled
+    fast, slow = _decode_seven(tmp_path / "model.gguf", c_steps)
+    assert float((fast - slow).abs().max()) <= 5e-3
+
+
+@pytest.mark.parametrize("arch", ["granitehybrid_moe", "nemotron_h_moe"])
+def test_llama_cpp_gguf_with_mamba2_layers(tmp_path, c_steps, arch):
+    """Granite 4 hybrid and Nemotron-H converted by llama.cpp (A stored as -exp(A_log), D
+    and the gated norm's weight flattened from [H, 1] and [G, d/G], the shared MLP as
+    *_shexp): the plan takes their layers, and the C call decodes as the per-op path."""
+    build_hybrid(arch, tmp_path, **ARCHS[arch])
+    skip = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "model.gguf")
+    if skip:
+        pytest.skip(skip)
+    fast, slow = _decode_seven(tmp_path / "model.gguf", c_steps)
+    assert float((fast - slow).abs().max()) <= 5e-3
+
+
+def test_mamba2_products_with_biases(tmp_path, c_steps):
+    """Granite 4 hybrid with biases on its Mamba-2 in_proj and out_proj (mamba_proj_bias):
+    the plan adds them (rc_in_bias, rc_out_bias) where the per-op path does, bit for bit."""
+    build_hybrid("granitehybrid", tmp_path, mamba_proj_bias=True)
+    fast, slow = _decode_seven(tmp_path / "hf", c_steps)
+    row = _loaded(tmp_path, "q8_0", True).model.c_plan.weights[0, LAST_FIELDS].tolist()
+    assert row[1] != 0 and row[3] != 0
+    assert torch.equal(fast, slow)
+
+
+def _decode_seven(path, c_steps: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a 4-token prefill then 6 decode steps at Q8_0, with the plan and
+    without; every decode step ran in the C call."""
     ids, table, logits = _ids(10, 3), [4, 8, 1], []
     for plan in (True, False):
-        loaded = load_model(open_checkpoint(tmp_path / "model.gguf"), LoadOptions(quantize="q8_0"))
-        assert loaded.config.recurrent.v_heads_tiled and loaded.model.c_plan is not None
+        loaded = load_model(open_checkpoint(path), LoadOptions(quantize="q8_0"))
+        assert loaded.model.c_plan is not None
         if not plan:
             loaded.model.c_plan = None
         runner = ModelRunner(loaded.model, loaded.config, 16, 4, num_state_slots=2)
@@ -290,7 +323,7 @@ def test_llama_cpp_gguf_with_tiled_value_heads(tmp_path, c_steps):
         rows += [_step(runner, _seq("a", pos, [ids[pos]], table, 1))[0] for pos in range(4, 10)]
         logits.append(torch.stack(rows))
     assert c_steps[:7] == [False] + [True] * 6
-    assert float((logits[0] - logits[1]).abs().max()) <= 5e-3
+    return logits[0], logits[1]
 
 
 def test_nemotron_h_mlp_layers_and_mixer_layers(tmp_path):
