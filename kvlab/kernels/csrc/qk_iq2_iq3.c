@@ -21,10 +21,13 @@
  * float steps are gguf's, (d * (0.5 + s)) * 0.25 etc., and come out the same). A product is
  * then exact integers against kv_act256, isum = sum_g scale_g * (sum of q * x over group g)
  * (below 16 * 31 * 16 * 62 * 127 < 2^31), and acc += (d * unit * d_x) * isum per super-block,
- * the same for any number of x rows. The AVX2 kernels decode with vector lookups and run the
- * sums through maddubs (the unsigned grid values against x with their signs; a pair is
- * below 2 * 62 * 127 < 2^15) and the scales through madd, or with AVX512-VNNI through
- * vpdpwssd: the same integers, so every path gives the same bits.
+ * the same for any number of x rows. The AVX2 kernels decode with one load per grid row (8
+ * values of an IQ2 grid, 4 of an IQ3 one), sign bytes from a table or spread in registers,
+ * a super-block's 16 scales made once in one register, and run the sums through maddubs
+ * (the unsigned grid values against x with their signs; a pair is below 2 * 62 * 127 <
+ * 2^15) and the scales through madd, or with AVX512-VNNI through vpdpwssd; from 8 x rows a
+ * tile of decoded weight rows serves every x row. The same integers, so every path gives
+ * the same bits.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -278,24 +281,13 @@ KV_INL __m256i rows4(const uint8_t (*grid)[4], const int idx[8]) {
                              (int)u32_at(grid[idx[6]]), (int)u32_at(grid[idx[7]]));
 }
 
-/* sub-block s (32 values) of a super-block: its unsigned grid values g, their signs as
- * +-1 bytes, and its two 16-groups' integer scales (the portable decoders' sc[2s],
- * sc[2s + 1]), per type */
-typedef struct { __m256i g, sg, sc; int sc0, sc1; } kv_iq_sub;
-
-KV_INL kv_iq_sub sub32(__m256i g, __m256i sg, int sc) {  /* one scale per 32 */
-    return (kv_iq_sub){g, sg, _mm256_set1_epi16((short)sc), sc, sc};
-}
-KV_INL kv_iq_sub sub16(__m256i g, __m256i sg, int sc0, int sc1) {  /* one per 16 */
-    const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16((short)sc0), _mm_set1_epi16((short)sc1));
-    return (kv_iq_sub){g, sg, sc, sc0, sc1};
-}
+/* sub-block s (32 values) of a super-block: its unsigned grid values g and their signs as
+ * +-1 bytes, per type (the scales: sb_scales below) */
+typedef struct { __m256i g, sg; } kv_iq_sub;
 
 KV_INL kv_iq_sub sub_iq2_xxs(const uint8_t *b, int s) {
     const uint8_t *p = b + 2 + 8 * s;
-    const uint32_t aux = u32_at(p + 4);
-    const int sc = 2 * (int)(aux >> 28) + 1;
-    return sub32(rows8(grid_iq2xxs, p[0], p[1], p[2], p[3]), ksign_masks(aux), sc);
+    return (kv_iq_sub){rows8(grid_iq2xxs, p[0], p[1], p[2], p[3]), ksign_masks(u32_at(p + 4))};
 }
 KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
     uint16_t v[4];
@@ -303,28 +295,24 @@ KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
     const __m256i g = rows8(grid_iq2xs, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
     const __m256i m = masks4(ksign_mask[v[0] >> 9], ksign_mask[v[1] >> 9], ksign_mask[v[2] >> 9],
                              ksign_mask[v[3] >> 9]);
-    return sub16(g, m, 2 * (b[66 + s] & 15) + 1, 2 * (b[66 + s] >> 4) + 1);
+    return (kv_iq_sub){g, m};
 }
 KV_INL kv_iq_sub sub_iq2_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 4 * s, qh = b[66 + s];
     const __m256i g = rows8(grid_iq2s, qs[0] | (qh & 3) << 8, qs[1] | (qh >> 2 & 3) << 8,
                             qs[2] | (qh >> 4 & 3) << 8, qs[3] | (qh >> 6 & 3) << 8);
-    return sub16(g, bytes_masks(u32_at(b + 34 + 4 * s)), 2 * (b[74 + s] & 15) + 1,
-                 2 * (b[74 + s] >> 4) + 1);
+    return (kv_iq_sub){g, bytes_masks(u32_at(b + 34 + 4 * s))};
 }
 KV_INL kv_iq_sub sub_iq3_xxs(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s;
-    const uint32_t aux = u32_at(b + 66 + 4 * s);
     const int idx[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
-    const int sc = 2 * (int)(aux >> 28) + 1;
-    return sub32(rows4(grid_iq3xxs, idx), ksign_masks(aux), sc);
+    return (kv_iq_sub){rows4(grid_iq3xxs, idx), ksign_masks(u32_at(b + 66 + 4 * s))};
 }
 KV_INL kv_iq_sub sub_iq3_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 8 * s, qh = b[66 + s];
-    int idx[8];
-    for (int k = 0; k < 8; k++) idx[k] = qs[k] | (qh >> k & 1) << 8;
-    const int sc = 2 * (b[106 + s / 2] >> 4 * (s % 2) & 15) + 1;
-    return sub32(rows4(grid_iq3s, idx), bytes_masks(u32_at(b + 74 + 4 * s)), sc);
+    int idx[8];  /* qs[k] plus bit k of qh as 256 */
+    for (int k = 0; k < 8; k++) idx[k] = qs[k] + (qh << (8 - k) & 256);
+    return (kv_iq_sub){rows4(grid_iq3s, idx), bytes_masks(u32_at(b + 74 + 4 * s))};
 }
 
 KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
@@ -335,6 +323,45 @@ KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
         case KV_IQ3_XXS: return sub_iq3_xxs(b, s);
         default: return sub_iq3_s(b, s);
     }
+}
+
+/* a super-block's 16 integer scales (2s + 1) as int16, per 16 elements (the per-32 types'
+ * twice), made in registers once per super-block */
+KV_INL __m256i odd16(__m128i bytes) {  /* 16 scale nibbles s as bytes -> 2 s + 1 as int16 */
+    const __m256i v = _mm256_cvtepu8_epi16(bytes);
+    return _mm256_or_si256(_mm256_add_epi16(v, v), _mm256_set1_epi16(1));
+}
+KV_INL __m128i nibbles(__m128i v) {  /* bytes -> low nibble, high nibble, in order */
+    const __m128i m = _mm_set1_epi8(15);
+    return _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m));
+}
+KV_INL __m256i odd32(__m256i s32) {  /* 8 scale nibbles s as int32 -> 2 s + 1, two int16 each */
+    const __m256i twice = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+    return _mm256_or_si256(_mm256_add_epi16(twice, twice), _mm256_set1_epi16(1));
+}
+KV_INL __m256i sb_scales(const int qt, const uint8_t *b) {
+    switch (qt) {
+        case KV_IQ2_XXS: {  /* the top 4 bits of the odd 32-bit words of qs */
+            const __m256i lo = _mm256_srli_epi32(load256(b + 2), 28);
+            const __m256i hi = _mm256_srli_epi32(load256(b + 34), 28);
+            const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+            return odd32(_mm256_blend_epi32(_mm256_permutevar8x32_epi32(lo, odd),
+                                            _mm256_permutevar8x32_epi32(hi, odd), 0xF0));
+        }
+        case KV_IQ2_XS: return odd16(nibbles(_mm_loadl_epi64((const __m128i *)(b + 66))));
+        case KV_IQ2_S: return odd16(nibbles(_mm_loadl_epi64((const __m128i *)(b + 74))));
+        case KV_IQ3_XXS: return odd32(_mm256_srli_epi32(load256(b + 66), 28));
+        default: {  /* IQ3_S: 8 nibbles at 106, one per 32 */
+            const __m128i s8 = nibbles(_mm_cvtsi32_si128((int)u32_at(b + 106)));
+            return odd16(_mm_unpacklo_epi8(s8, s8));
+        }
+    }
+}
+/* sub-block s's scales for maddubs' 16 pair sums: sc[2s] in the low 8, sc[2s + 1] above */
+KV_INL __m256i scales_of(__m256i sc16, int s) {
+    const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), split);
 }
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
@@ -352,12 +379,15 @@ KV_INL kv_iq_sub sub_of(const int qt, const uint8_t *b, int s) {
         for (int64_t i = 0; i < nb; i++, b += t.bytes) {                                     \
             __m256i isum[KV_IQ_NX];                                                          \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                   \
+            const __m256i sc16 = sb_scales(qt, b);                                           \
             for (int s = 0; s < 8; s++) {                                                    \
                 const kv_iq_sub u = sub_of(qt, b, s);                                        \
+                const __m256i sc = scales_of(sc16, s);                                       \
                 for (int j = 0; j < nx; j++) {                                               \
-                    const __m256i x = load256(((const kv_act256 *)(xq + j * xs) + i)->qs + 32 * s); \
+                    const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;               \
+                    const __m256i x = load256(a->qs + 32 * s);                               \
                     const __m256i xs_ = _mm256_sign_epi8(x, u.sg);                           \
-                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(u.g, xs_), u.sc);           \
+                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(u.g, xs_), sc);           \
                 }                                                                            \
             }                                                                                \
             const float d = half_at(b) * t.unit;                                             \
@@ -408,13 +438,11 @@ typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_iq_unp;  /* one super
 KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp *u) {
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < nb; i++, b += t.bytes) {
-        int16_t sc[16];
         for (int s = 0; s < 8; s++) {
             const kv_iq_sub v = sub_of(qt, b, s);
             u[i].q[s] = _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
-            sc[2 * s] = (int16_t)v.sc0, sc[2 * s + 1] = (int16_t)v.sc1;
         }
-        u[i].sc16 = _mm256_loadu_si256((const __m256i *)sc);
+        u[i].sc16 = sb_scales(qt, b);
         u[i].d = half_at(b) * t.unit;
     }
 }
@@ -424,8 +452,6 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
     static inline __attribute__((always_inline)) tgt void name(                             \
         const kv_iq_unp *u, int64_t nb, const char *xq, int64_t xs, const int nx, float *y, \
         int64_t ys) {                                                                        \
-        const __m256i split = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, \
-                                               2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3); \
         __m128 acc = _mm_setzero_ps();                                                       \
         for (int64_t i = 0; i < nb; i++) {                                                   \
             const kv_act256 *a[KV_IQ_NX];                                                    \
@@ -435,15 +461,15 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
             for (int j = 0; j < nx; j++) {                                                   \
                 a[j] = (const kv_act256 *)(xq + j * xs) + i;                                 \
                 dx[j] = a[j]->d;                                                             \
-                sumi[j] = _mm256_sub_epi32(                                                  \
-                    sumi[j], _mm256_slli_epi32(_mm256_madd_epi16(load256(a[j]->bsums), u[i].sc16), 6)); \
+                const __m256i bsum = _mm256_madd_epi16(load256(a[j]->bsums), u[i].sc16);    \
+                sumi[j] = _mm256_sub_epi32(sumi[j], _mm256_slli_epi32(bsum, 6));             \
             }                                                                                \
             for (int s = 0; s < 8; s++) {                                                    \
-                const __m256i sc = _mm256_shuffle_epi8(                                      \
-                    _mm256_permutevar8x32_epi32(u[i].sc16, _mm256_set1_epi32(s)), split);    \
-                for (int j = 0; j < nx; j++)                                                 \
-                    sumi[j] = STEP(sumi[j],                                                  \
-                                   _mm256_maddubs_epi16(u[i].q[s], load256(a[j]->qs + 32 * s)), sc); \
+                const __m256i sc = scales_of(u[i].sc16, s);                                  \
+                for (int j = 0; j < nx; j++) {                                               \
+                    const __m256i x = load256(a[j]->qs + 32 * s);                            \
+                    sumi[j] = STEP(sumi[j], _mm256_maddubs_epi16(u[i].q[s], x), sc);         \
+                }                                                                            \
             }                                                                                \
             const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sumi[0], sumi[1]),         \
                                                 _mm256_hadd_epi32(sumi[2], sumi[3]));        \
@@ -481,7 +507,8 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
         }                                                                                    \
         for (int64_t r = r0; r < r1; r += tr) {                                              \
             const int64_t nt = r1 - r < tr ? r1 - r : tr;                                    \
-            for (int64_t t = 0; t < nt; t++) unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb); \
+            for (int64_t t = 0; t < nt; t++)                                                 \
+                unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb);                \
             for (int64_t j = 0; j < n; j += KV_IQ_NX) {                                      \
                 const char *xj = (const char *)xq + j * xstride;                             \
                 float *yj = y + j * ystride + r;                                             \
@@ -503,12 +530,14 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < cols / 256; i++, w += t.bytes) {
         const float d = half_at(w);
+        int16_t sc[16];
+        _mm256_storeu_si256((__m256i *)sc, sb_scales(qt, w));
         for (int s = 0; s < 8; s++, out += 32) {
             const kv_iq_sub u = sub_of(qt, w, s);
             int8_t q[32];
             _mm256_storeu_si256((__m256i *)q, _mm256_sign_epi8(u.g, u.sg));
             for (int h = 0; h < 4; h++) {
-                const __m256 db = _mm256_set1_ps(db_of(qt, d, h < 2 ? u.sc0 : u.sc1));
+                const __m256 db = _mm256_set1_ps(db_of(qt, d, sc[2 * s + h / 2]));
                 const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
                 _mm256_storeu_ps(out + 8 * h,
                                  _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
