@@ -434,7 +434,17 @@ def test_guesses_after_a_prefix_hit_follow_the_reference_from_there(mtp_model):
     """A request whose prompt the prefix cache serves up to position c: its MTP rows start
     at c + 1, and each of its proposals equals the reference whose rows start there."""
     out, model, nextn, _ = mtp_model
-    engine = _engine(out / "hf", **MTP)
+    cached, proposals = proposals_after_a_hit(_engine(out / "hf", **MTP))
+    assert cached >= 24
+    for tokens, guesses in proposals:
+        want = _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses),
+                          start=cached + 1)[1]
+        assert guesses == want
+
+
+def proposals_after_a_hit(engine: Engine) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    """A 30-token prompt run to its end, then a request whose first 26 tokens are the
+    same: how many tokens of its prompt the prefix cache served, and its proposals."""
     long = [(i * 7 + 3) % 90 for i in range(30)]
     _one(engine, long)
     proposals = _recorded(engine)
@@ -442,8 +452,5 @@ def test_guesses_after_a_prefix_hit_follow_the_reference_from_there(mtp_model):
     seq = engine.requests["hit"].seq
     while engine.has_unfinished():
         engine.step()
-    assert seq.num_cached_tokens >= 24 and len(proposals) > 3
-    for tokens, guesses in proposals:
-        want = _reference(model, nextn, tokens[:-1], tokens[-1], len(guesses),
-                          start=seq.num_cached_tokens + 1)[1]
-        assert guesses == want
+    assert len(proposals) > 3
+    return seq.num_cached_tokens, proposals

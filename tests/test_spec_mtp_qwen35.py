@@ -32,6 +32,7 @@ from test_spec_mtp import (
     _recorded_run,
     check_equal_to_plain,
     mtp_free,
+    proposals_after_a_hit,
     recursion,
 )
 
@@ -221,6 +222,20 @@ def test_guesses_follow_the_reference_through_accepted_runs(qwen, tmp_path):
     engine, proposals = _recorded_run(tmp_path / "hf")
     for tokens, guesses in proposals:
         assert guesses == _reference(model, own, tokens[:-1], tokens[-1], len(guesses))[1]
+    assert all_free(engine)
+
+
+def test_guesses_after_a_prefix_hit_follow_the_reference_from_there(qwen):
+    """A request whose prompt the prefix cache serves up to position c (a chunk's end state
+    saved there): its MTP rows start at c + 1, and each of its proposals equals the
+    reference whose rows start there."""
+    out, model, own = qwen
+    engine = _engine(out / "hf", state_snapshot_blocks=2, max_num_batched_tokens=16, **MTP)
+    cached, proposals = proposals_after_a_hit(engine)
+    assert cached == 16
+    for tokens, guesses in proposals:
+        want = _reference(model, own, tokens[:-1], tokens[-1], len(guesses), start=cached + 1)
+        assert guesses == want[1]
     assert all_free(engine)
 
 
