@@ -206,7 +206,8 @@ def test_the_step_fit_sees_the_step_without_the_draft_passes(tiny):
     target.observe(3, True, 0.006)
     proposer.observe_step(1, False, 0.005)  # drafting counts once
     target.observe(1, False, 0.005)
-    assert proposer.planner.cost.theta == target.theta
+    for rows, multi in ((1, False), (3, True), (5, True)):
+        assert proposer.planner.cost.seconds(rows, multi) == target.seconds(rows, multi)
 
 
 def _candidate(state, tokens, cap=4):

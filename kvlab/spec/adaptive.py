@@ -1,18 +1,18 @@
 """How many tokens to propose: per sequence from its running acceptance rate, per step from
 what the engine's own timed steps say a proposed token costs.
 
-Plain Python, no torch. A step's seconds are fitted online (recursive least squares with
-forgetting) to the shape kvlab's step model gives a decode step (kvlab.estimate.step_model),
-with a line of its own for steps where some sequence computes several rows:
+Plain Python, no torch. A step's seconds are fitted online (least squares with forgetting)
+to the shape kvlab's step model gives a decode step (kvlab.estimate.step_model), with terms
+of their own for steps where some sequence computes several rows:
 
     seconds = fixed + per_row * rows + several * (switch + switch_row * rows)
 
 `fixed` is one pass over the weights, `per_row` what each row adds (the products' compute,
 its attention, its sampling). A step with proposals to verify (or forced tokens' chunks)
-runs other kernels and samples each verify row on the host, so it has its own fixed part
-and its own price per row, which grows with the batch: a constant surcharge would price a
-batch of 8's verify rows as plain ones and propose where they cost more than they keep. The
-engine cannot import the estimator (it ranks above the engine), so it fits that shape to
+runs other kernels and samples each verify row on the host, so it has a fixed part of its
+own (`switch`) and a price per row of its own (`switch_row`): a constant surcharge would
+price a batch of 8's verify rows as plain ones and propose where they cost more than they
+keep. The engine cannot import the estimator (it ranks above the engine), so it fits that shape to
 the decode and verify steps it times itself, from scheduling to the sampled tokens; no
 threshold is fixed in advance.
 
@@ -59,7 +59,8 @@ PRIOR_TRIALS = 1
 # misses do not lift a low rate to where proposing pays; the pool's follows the workload
 MEMORY = 32
 POOL_MEMORY = 256
-FORGET = 0.97  # older steps' weight in the cost fit, per step
+FORGET = 0.97  # an older timing's weight in the cost fit, per newer one of its kind
+RIDGE = 1e-4  # the cost fit's pull of each term but the fixed one toward 0, per timing
 # declined steps after which one proposal (the likeliest) is made anyway, to re-measure its
 # cost; each probe after which the fit still declines doubles the wait
 EXPLORE_EVERY = 64
@@ -132,60 +133,81 @@ class DraftState:
         self.shadow = []
 
 
-class OnlineFit:
-    """Recursive least squares with forgetting: seconds = theta . x, in units of the first
-    observation's seconds (so the prior's variances mean the same at any speed). A term
-    that steps seldom excite (the verify path's, while proposals are declined) would have its
-    variance grow without bound under forgetting, and the next such step would then set it
-    from one noisy timing: no variance grows past its prior."""
+class CostFit:
+    """Least squares of seconds = theta . x over timed observations of a few kinds, with
+    forgetting: each observation weighs FORGET times the next of its kind, so a kind seldom
+    observed (verify steps while proposals are declined) keeps what it showed instead of
+    fading, and nothing grows without bound. Seconds are in units of the first observation;
+    every term but the first (the fixed part) has a weak ridge toward 0, worth RIDGE of its
+    square per observation, which only decides what the data cannot (a slope where rows
+    never varied): there the least-norm split."""
 
-    def __init__(self, prior: Sequence[float]) -> None:
-        n = len(prior)
-        self.prior = list(prior)
+    def __init__(self, n: int, kinds: int) -> None:
+        self.n = n
+        self.a = [[[0.0] * n for _ in range(n)] for _ in range(kinds)]  # sum w x x^T
+        self.b = [[0.0] * n for _ in range(kinds)]  # sum w x y
+        self.weight = [0.0] * kinds  # sum w
+        self.counts = [0] * kinds
         self.theta = [0.0] * n
-        self.p = [[prior[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.unit = 0.0  # seconds of the first observation
-        self.steps = 0
 
-    def fit(self, x: Sequence[float], seconds: float) -> None:
+    @property
+    def steps(self) -> int:
+        return sum(self.counts)
+
+    def fit(self, x: Sequence[float], seconds: float, kind: int = 0) -> None:
         if self.unit <= 0.0:
             self.unit = max(seconds, 1e-9)
-        seconds /= self.unit
-        n = len(x)
-        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = FORGET + sum(x[i] * px[i] for i in range(n))
-        gain = [v / denom for v in px]
-        err = seconds - sum(t * v for t, v in zip(self.theta, x))
-        self.theta = [t + g * err for t, g in zip(self.theta, gain)]
-        p = [[(self.p[i][j] - gain[i] * px[j]) / FORGET for j in range(n)] for i in range(n)]
-        # D P D with D diagonal: still a covariance, each variance at most its prior's
-        d = [min(1.0, (self.prior[i] / p[i][i]) ** 0.5) if p[i][i] > 0 else 1.0
-             for i in range(n)]
-        self.p = [[p[i][j] * d[i] * d[j] for j in range(n)] for i in range(n)]
-        self.steps += 1
+        y, n, f = seconds / self.unit, self.n, FORGET
+        a, b = self.a[kind], self.b[kind]
+        for i in range(n):
+            b[i] = b[i] * f + x[i] * y
+            for j in range(n):
+                a[i][j] = a[i][j] * f + x[i] * x[j]
+        self.weight[kind] = self.weight[kind] * f + 1.0
+        self.counts[kind] += 1
+        self.theta = self._solve()
+
+    def _solve(self) -> list[float]:
+        """theta of (sum of the kinds' a + ridge) theta = sum of their b (Gauss-Jordan)."""
+        n = self.n
+        # the fixed part is free, yet the system stays solvable
+        ridge = [RIDGE * sum(self.weight) * (1e-9 if i == 0 else 1.0) for i in range(n)]
+        m = [[sum(a[i][j] for a in self.a) + (ridge[i] if i == j else 0.0) for j in range(n)]
+             + [sum(b[i] for b in self.b)] for i in range(n)]
+        for c in range(n):
+            pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+            m[c], m[pivot] = m[pivot], m[c]
+            for r in range(n):
+                if r != c and m[c][c]:
+                    k = m[r][c] / m[c][c]
+                    m[r] = [u - k * v for u, v in zip(m[r], m[c])]
+        return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
 
 
-class StepCost(OnlineFit):
-    """Online fit of a step's seconds as two lines in the rows computed, one for steps where
-    every sequence computes one row and one for steps where some computes several (proposals
-    verified, forced tokens): their kernels, attention and sampling differ, and so may what
-    each row costs.
+class StepCost(CostFit):
+    """Online fit of a step's seconds: a line in the rows computed, with a fixed part and a
+    price per row of its own for steps where some sequence computes several rows (proposals
+    verified, forced tokens), whose kernels, attention and sampling differ:
 
         seconds = fixed + per_row * rows + several * (switch + switch_row * rows)
 
-    The prior says rows and the several-row terms cost little beside the fixed pass
-    (variance 1 against 1e4), so a run that has timed only one-token steps tries proposals
-    and then learns their cost; forgetting lets the data outweigh it. Slopes are at least 0
-    and a several-row step costs at least a plain one of as many rows: physical bounds a
-    noisy fit may cross."""
+    Plain and several-row steps are the fit's two kinds. The ridge keeps the several-row
+    terms near 0 until such steps are timed, so a run tries proposals and then learns what
+    they cost. Slopes are at least 0 and a several-row step costs at least a plain one of as
+    many rows: physical bounds a noisy fit may cross."""
 
     def __init__(self) -> None:
-        super().__init__((1e4, 1.0, 1.0, 1.0))
+        super().__init__(4, 2)
+
+    @property
+    def plain_steps(self) -> int:
+        return self.counts[0]
 
     def observe(self, rows: int, multi: bool, seconds: float) -> None:
         """One timed step of decodes (and proposals): rows computed, seconds taken."""
         m = float(multi)
-        self.fit((1.0, float(rows), m, m * rows), seconds)
+        self.fit((1.0, float(rows), m, m * rows), seconds, int(multi))
 
     def seconds(self, rows: int, multi: bool) -> float:
         fixed, per_row, switch, switch_row = self.theta
@@ -196,12 +218,11 @@ class StepCost(OnlineFit):
         return unit * max(fixed + switch + max(per_row + switch_row, 0.0) * rows, plain)
 
 
-class DraftCost(OnlineFit):
-    """Online fit of a draft model's pass: fixed + per_row * rows. Its first timed pass is
-    often a catch-up chunk of many rows, so neither term is favoured a priori."""
+class DraftCost(CostFit):
+    """Online fit of a draft model's pass: fixed + per_row * rows."""
 
     def __init__(self) -> None:
-        super().__init__((1e4, 1e4))
+        super().__init__(2, 1)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One timed draft pass: rows computed (all sequences), seconds taken."""
@@ -237,7 +258,7 @@ class Planner:
             return [min(c, self.max_k) for c in caps]
         rates = [s.acceptance.rate for s in states]
         heap = [(-rates[i], i) for i, c in enumerate(caps) if c > 0]
-        if not heap:
+        if not heap or not self.cost.plain_steps:  # what proposals save is timed first
             return [0] * len(states)
         heapq.heapify(heap)
         probe = [0] * len(states)

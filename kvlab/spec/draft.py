@@ -71,7 +71,8 @@ class _Held:
     tokens: list[int] = field(default_factory=list)
     guess: int | None = None  # its unproposed next token after `tokens`
     every: int = CATCH_UP_EVERY  # tokens it may fall behind while declined
-    hits: int = 0  # scored guesses that were right since its last catch-up
+    scored: int = 0  # guesses scored since its last catch-up
+    hits: int = 0  # of which right
     # recurrent layers: how many tokens the state in its backup row has taken in (None:
     # no backup), and whether its next pass starts from that backup
     backed_up: int | None = None
@@ -116,9 +117,8 @@ class DraftProposer(CachingProposer):
                 held.every = CATCH_UP_EVERY
             else:  # scored once its token comes
                 held.guess = first
-                held.every = (CATCH_UP_EVERY if held.hits else
-                              min(2 * held.every, CATCH_UP_MOST))
-            held.hits = 0
+                held.every = self._wait(held)
+            held.scored = held.hits = 0
         for n in range(1, max((ks[i] for i in live), default=0)):
             live = [i for i in live if len(out[i]) < ks[i]]
             work = [(self.held[id(candidates[i].state)], [out[i][-1]], 1) for i in live]
@@ -132,6 +132,15 @@ class DraftProposer(CachingProposer):
         held = self.held.get(id(c.state))
         done, every = (0, CATCH_UP_EVERY) if held is None else (len(held.tokens), held.every)
         return self.planner.adaptive and len(c.token_ids) - done >= every
+
+    @staticmethod
+    def _wait(held: _Held) -> int:
+        """Tokens a declined sequence's draft may fall behind before its next catch-up:
+        twice as many as last time after guesses that all missed, back to CATCH_UP_EVERY
+        after a hit."""
+        if held.hits:
+            return CATCH_UP_EVERY
+        return min(2 * held.every, CATCH_UP_MOST) if held.scored else held.every
 
     def _sync(self, c: Candidate, k: int) -> bool:
         """Keep the draft cache's longest prefix shared with the sequence, scoring its
@@ -207,6 +216,7 @@ class DraftProposer(CachingProposer):
     def _score(held: _Held, guess: int, token: int) -> None:
         """One shadow trial: the draft's unproposed guess against the token that came."""
         held.state.acceptance.record(1, int(guess == token))
+        held.scored += 1
         held.hits += guess == token
 
     def _scheduled(self, held: _Held, new: list[int], rows: int, back_up: bool
