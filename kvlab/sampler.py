@@ -47,12 +47,12 @@ class TokenIds:
         lengths = [len(r) for r in rows]
         width = max(1, max(lengths, default=0))
         valid = torch.arange(width)[None, :] < torch.tensor(lengths, dtype=torch.int64)[:, None]
-        flat = array("q")
-        for r in rows:
-            flat.extend(r)
+        flat: list[int] = []
+        for r in rows:  # one list, then one array: array.extend converts item by item
+            flat += r
         ids = torch.zeros(len(rows), width, dtype=torch.int64)
         if flat:
-            ids[valid] = torch.frombuffer(flat, dtype=torch.int64)
+            ids[valid] = torch.frombuffer(array("q", flat), dtype=torch.int64)
         return cls(ids=ids.to(device), valid=valid.float().to(device))
 
     def counts(self, vocab_size: int) -> Tensor:
