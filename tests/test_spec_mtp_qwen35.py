@@ -15,6 +15,7 @@ MTP layer under mtp.* (tiny_models.build_qwen35_mtp):
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -166,6 +167,26 @@ def test_gguf_keeps_the_mtp_layer(qwen):
     assert torch.equal(gguf.mtp.eh_proj, hf.mtp.eh_proj)
     got, want = (_mtp_logits(m, PROMPTS[0], 7) for m in (gguf, hf))
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_multimodal_checkpoint_loads_its_mtp_layer(qwen, tmp_path):
+    """Qwen3_5(Moe)ForConditionalGeneration checkpoints keep mtp.* at the top beside the
+    text model's model.language_model.*: renamed so, the checkpoint loads the same MTP
+    layer (the same logits)."""
+    out = qwen[0]
+    (src,) = (out / "hf").glob("*.safetensors")
+    (tmp_path / "hf").mkdir()
+    save_file({("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(src).items()}, tmp_path / "hf" / src.name,
+              metadata={"format": "pt"})
+    text = json.loads((out / "hf" / "config.json").read_text())
+    wrapper = text["architectures"][0].replace("ForCausalLM", "ForConditionalGeneration")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"architectures": [wrapper], "text_config": text, "tie_word_embeddings": False}))
+    multimodal, plain = _load(tmp_path / "hf"), _load(out / "hf")
+    assert multimodal.spec.name.endswith("_multimodal") and multimodal.mtp is not None
+    got, want = (_mtp_logits(m, PROMPTS[0], 7) for m in (multimodal, plain))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_preempted_sequences_keep_greedy_text(qwen):
