@@ -75,8 +75,8 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram proposes the tokens that followed the "
                         "last few tokens' earlier occurrence in the prompt or output, draft "
                         "those a smaller model (--draft-model) decodes, mtp those the model's "
-                        "own multi-token-prediction layer guesses (GLM-4.5, DeepSeek-V3 "
-                        "checkpoints that ship it); the model verifies them in one step "
+                        "own multi-token-prediction layer guesses (GLM-4.5, DeepSeek-V3, "
+                        "Qwen3.5 checkpoints that ship it); the model verifies them in one step "
                         "(output unchanged)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="with --speculative draft: a .gguf file or HF directory of a model "
