@@ -160,25 +160,29 @@ def _llama_metadata(w, s: LlamaShape) -> None:
 
 
 def _copy_tokenizer(w, vocab_file: Path, vocab: int) -> None:
-    """Every tokenizer.* key of a llama.cpp vocabulary file, with its GGUF types. A model
-    with more embedding rows than the file has tokens gets "[PAD<i>]" tokens (type UNUSED)
-    up to its size, as llama.cpp's converter pads a checkpoint's vocabulary."""
+    """Every tokenizer.* key of a llama.cpp vocabulary file, with its GGUF types, sized to
+    the model's `vocab` embedding rows: "[PAD<i>]" tokens (type UNUSED) added, as llama.cpp's
+    converter pads a checkpoint's vocabulary, or the file's own trailing ones dropped."""
     from gguf import GGUFReader, GGUFValueType
 
     if not vocab_file.exists():
         raise SystemExit(f"no vocabulary file at {vocab_file}: pass --vocab (llama.cpp's "
                          f"models/ggml-vocab-*.gguf)")
     reader = GGUFReader(str(vocab_file))
-    have = len(reader.fields["tokenizer.ggml.tokens"].contents())
-    if have > vocab:
-        raise SystemExit(f"{vocab_file} has {have} tokens, more than the model's {vocab}")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    real = len(tokens)
+    while real and tokens[real - 1].startswith("[PAD"):
+        real -= 1
+    if real > vocab:
+        raise SystemExit(f"{vocab_file} has {real} tokens, more than the model's {vocab}")
+    have = len(tokens)
     padding = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(have, vocab)],
                "tokenizer.ggml.token_type": [5] * (vocab - have),  # UNUSED
                "tokenizer.ggml.scores": [-1000.0] * (vocab - have)}
     for key, f in reader.fields.items():
         if key.startswith("tokenizer."):
             sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-            value = f.contents() + padding[key] if key in padding else f.contents()
+            value = (f.contents() + padding[key])[:vocab] if key in padding else f.contents()
             w.add_key_value(key, value, f.types[0], sub_type=sub)
 
 

@@ -196,7 +196,12 @@ with torch.inference_mode():
 """
 
 
-def convert_f16(hf_dir: Path, out: Path, vocab: Path) -> None:
+def convert_f16(hf_dir: Path, out: Path, vocab: Path, vocab_size: int) -> None:
+    """hf_dir -> out (F16). A tokenizer.json of vocab_size placeholder entries goes beside
+    the weights first: the Gemma converters count the vocabulary they keep in it."""
+    names = {f"<{i}>": i for i in range(vocab_size)}
+    (hf_dir / "tokenizer.json").write_text(json.dumps({"model": {"vocab": names},
+                                                       "added_tokens": []}))
     part = out.with_suffix(".part")
     cmd = [sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(hf_dir), str(part),
            str(Path(__file__).resolve().parent), str(vocab)]
@@ -323,10 +328,12 @@ def ensure_file(shape: Shape, args: argparse.Namespace) -> Path:
     else:
         hf_dir, f16 = work / f"{shape.name}-hf", work / f"{shape.name}-F16.gguf"
         if not f16.exists():
-            print(f"# building {hf_dir} (transformers, random bf16)", flush=True)
-            build_hf_checkpoint(shape, hf_dir)
+            if not hf_dir.exists():
+                print(f"# building {hf_dir} (transformers, random bf16)", flush=True)
+                build_hf_checkpoint(shape, hf_dir.with_suffix(".part"))
+                hf_dir.with_suffix(".part").rename(hf_dir)
             print(f"# converting to {f16} (llama.cpp's convert_hf_to_gguf.py)", flush=True)
-            convert_f16(hf_dir, f16, vocab)
+            convert_f16(hf_dir, f16, vocab, shape.config["vocab_size"])
             shutil.rmtree(hf_dir)
         final = _quantize(f16, shape, args)
     print(f"#   {final.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s")
