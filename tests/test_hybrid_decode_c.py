@@ -309,6 +309,19 @@ def test_mamba2_products_with_biases(tmp_path, c_steps):
     assert torch.equal(fast, slow)
 
 
+def test_nemotron_h_experts_in_a_latent(tmp_path, c_steps):
+    """Nemotron-3 Super's experts run in a latent narrower than the hidden size: the plan
+    puts latent_in before them and latent_out after, as the per-op path."""
+    build_hybrid("nemotron_h_moe", tmp_path, moe_latent_size=32,
+                 **ARCHS["nemotron_h_moe"])
+    fast, slow = _decode_seven(tmp_path / "hf", c_steps)
+    model = _loaded(tmp_path, "q8_0", True).model
+    (i, layer), = [(i, w) for i, w in enumerate(model.layers) if "latent_in" in w]
+    last = model.c_plan.weights[i, LAST_FIELDS].tolist()
+    assert last[8:] == [*layer["latent_in"].kernel_args, *layer["latent_out"].kernel_args]
+    assert float((fast - slow).abs().max()) <= 5e-3
+
+
 def _decode_seven(path, c_steps: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of a 4-token prefill then 6 decode steps at Q8_0, with the plan and
     without; every decode step ran in the C call."""

@@ -16,7 +16,7 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     layer_scalar, router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm,
     expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
     rope, vdim, ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max, residual_scale,
-    expert_relu2
+    expert_relu2, latent_in (5), latent_out (5)
 
 with, between shexp_ungated and head_dim, a recurrent layer's fields and the gated
 attention's options: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a,
@@ -74,10 +74,10 @@ add_(alpha)); its shared MLP beside routed experts is their ungated shared exper
 Nemotron-H's layers are one sublayer each: a Mamba-2 or attention layer has no MLP
 (n_gate_up 0), an MLP layer mixes nothing (KV_MIX_NONE) and reads x through its one norm
 (as mlp_norm); its MLPs and shared expert are down(relu(up)^2) (gate relu2, up alone as
-gate_up), its experts too (expert_relu2). A step of several tokens of one sequence (a
-speculative verify) is not a decode step: it takes the per-op path. LFM2 layers with
-biases, Nemotron-H's MLP biases and latent experts have no fields: their plans are
-refused (None).
+gate_up), its experts too (expert_relu2), Nemotron-3 Super's in a latent (latent_in
+before them, latent_out after). A step of several tokens of one sequence (a speculative
+verify) is not a decode step: it takes the per-op path. LFM2 layers with biases and
+Nemotron-H's MLP biases have no fields: their plans are refused (None).
 """
 
 from __future__ import annotations
@@ -234,22 +234,27 @@ def _mlp_fields(layer: dict, config: ModelConfig, i: int,
     return _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6, [0] * 11
 
 
-_LAST_FIELDS = 8
+_LAST_FIELDS = 18
 
 
 def _last_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
     """ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max (a Mamba-2 layer's, else
-    0), residual_scale (0: 1), expert_relu2."""
+    0), residual_scale (0: 1), expert_relu2, latent_in (5), latent_out (5)."""
     scale = 0 if config.residual_scale == 1.0 else _f32_bits(config.residual_scale)
     squared = int("experts" in layer and layer["experts"].gate is relu2)
+    latent = ([kernel_desc(layer["latent_in"]), kernel_desc(layer["latent_out"])]
+              if "latent_in" in layer else [_EMPTY, _EMPTY])
+    if None in latent:
+        return None
+    experts = [scale, squared, *latent[0], *latent[1]]
     if not (config.is_recurrent(i) and config.recurrent.kind == "mamba2"):
-        return [0] * 6 + [scale, squared]
+        return [0] * 6 + experts
     vectors = [_norm(layer.get(n), n != "D") for n in
                ("D", "in_proj_bias", "conv_bias", "out_proj_bias")]
     if None in vectors:
         return None
     lo, hi = config.recurrent.time_step_limit
-    return [*vectors, _f32_bits(lo), _f32_bits(hi), scale, squared]
+    return [*vectors, _f32_bits(lo), _f32_bits(hi), *experts]
 
 
 _MIXER_FIELDS = 39

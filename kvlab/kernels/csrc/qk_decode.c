@@ -530,6 +530,25 @@ static void route(const kv_layer_plan *L, const kv_step *s, kv_bufs *b) {
     }
 }
 
+/* the chosen experts on `in` into b->o [B, hidden]: in the layer's latent where it has one
+ * (latent_in before them, latent_out after), as the per-op path (kvlab/models/nemotron_h.py) */
+static int routed_experts(const kv_layer_plan *L, const kv_step *s, kv_bufs *b,
+                          const float *in, const kv_moe_opts *opts) {
+    const kv_wdesc *experts = (const kv_wdesc *)(intptr_t)L->experts;
+    if (!L->latent_in.ptr)
+        return kv_moe_experts_opts(kv_active_isa(), experts, L->n_experts, in, s->B, s->hidden,
+                                   b->route_ids, b->route_w, L->top_k, opts, b->o);
+    const int64_t B = s->B, width = L->latent_in.rows;
+    float *lat = malloc((size_t)(2 * B * width) * sizeof(float));
+    if (!lat) return -1;
+    int rc = kv_product(&L->latent_in, in, B, lat, width) ||
+             kv_moe_experts_opts(kv_active_isa(), experts, L->n_experts, lat, B, width,
+                                 b->route_ids, b->route_w, L->top_k, opts, lat + B * width) ||
+             kv_product(&L->latent_out, lat + B * width, B, b->o, s->hidden);
+    free(lat);
+    return rc ? -1 : 0;
+}
+
 /* the router's scores, each row's top k, then the chosen experts (qk_moe.c) and the shared
  * expert (Gemma 4: the dense MLP) where the layer has one */
 static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs *b) {
@@ -550,9 +569,7 @@ static int moe_half(const kv_layer_plan *L, const kv_step *s, float *x, kv_bufs 
                               .act = act, .alpha = plan_f32(L->clamp_alpha),
                               .limit = plan_f32(L->clamp_limit)};
     in = norm_input(x, L->experts_norm, s, b, b->moe_in);
-    if (kv_moe_experts_opts(kv_active_isa(), (const kv_wdesc *)(intptr_t)L->experts, E, in,
-                            s->B, s->hidden, b->route_ids, b->route_w, k, &opts, b->o))
-        return -1;
+    if (routed_experts(L, s, b, in, &opts)) return -1;
     norm_output(b->o, L->experts_out_norm, s);
     if ((L->shexp_gate || L->shexp_ungated) && shared_expert(L, s, b)) return -1;
     residual(L, x, b->o, L->post_mlp_norm, s);

@@ -97,6 +97,9 @@ typedef struct {
     int64_t dt_min, dt_max;            /* fp32 bits */
     int64_t residual_scale;            /* fp32 bits: x += scale * out (Granite); 0: 1 */
     int64_t expert_relu2;              /* 1: ungated relu(up)^2 experts (KV_MOE_RELU2) */
+    /* experts in a latent narrower than hidden (Nemotron-3 Super): their input through
+     * latent_in, their weighted sum through latent_out; ptr 0: none */
+    kv_wdesc latent_in, latent_out;
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
