@@ -609,8 +609,7 @@ class Engine:
         ahead = (self.scheduler.schedule_ahead(flight.sched, self.max_model_len)
                  if not self._compiling else None)
         self._inflight = None
-        if ahead is not None:  # its sequences are flight's: overlappable as they were
-            # ahead's sequences are flight's, in order, less those that end with it
+        if ahead is not None:  # flight's sequences, in order, less those that end with it
             seqs = (flight.seqs if len(ahead.scheduled) == len(flight.seqs) else
                     [self.requests[s.seq_id].seq for s in ahead.scheduled])
             self._phases["schedule"] += time.perf_counter() - scheduling
