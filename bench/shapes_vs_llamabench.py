@@ -18,6 +18,11 @@ its output exists in --workdir (/tmp/kvlab-shapes):
   gpt-oss    bench/moe_families_peers.py's writer: MXFP4 experts, Q8_0 elsewhere (llama.cpp's
              MXFP4_MOE file type, the form gpt-oss is released and converted in), timed as
              written.
+Vocabularies: Gemma 4 E2B (gemma-4) and DeepSeek-V2-Lite (deepseek-llm) have their own;
+Qwen3.5 has the qwen35 file's 151936 tokens padded to 248320; the others' are not among
+llama.cpp's files, so a BPE vocabulary of near size stands in: LFM2 falcon's 65024 padded to
+65536, granite deepseek-llm's 100015 (its padding dropped) padded to 100352, gpt-oss Llama 3's
+128256 padded to 201088. The embedding and output matrices have the published sizes.
 Then, on every file, `kvlab bench` and llama-bench run alternately, one repetition each per
 round (bench/quant_peers.py's scheme), and the table prints median pp/tg tok/s and the
 ratio kvlab / llama.cpp against the targets. Hybrids also run tg at --depth (16000) tokens
