@@ -47,12 +47,14 @@ WIDER = {"granitehybrid": {"mamba_d_head": 64}, "granitehybrid_moe": {"mamba_d_h
 VARIANTS = {f"{arch}_{quant}": (arch, {**extra, **({**WIDE, **WIDER.get(arch, {})}
                                                   if quant == "q4_k" else {})}, quant)
             for arch, extra in ARCHS.items() for quant in ("q8_0", "q4_k")}
-# a plan row's recurrent fields, just before Gemma 4's, the latent-attention ones and the
-# last ones: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a, dt_bias,
-# rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary
-_AFTER = 24 + decode_c._MLA_FIELDS + decode_c._LAST_FIELDS
-MIXER_FIELDS = slice(-_AFTER - decode_c._MIXER_FIELDS, -_AFTER)
-LAST_FIELDS = slice(-decode_c._LAST_FIELDS, None)
+# a plan row's recurrent fields, then the other hybrid ones, just before Gemma 4's and the
+# latent-attention ones: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a,
+# dt_bias, rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary; ssm_d,
+# rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max, residual_scale, expert_relu2,
+# latent_in (5), latent_out (5)
+_END = -24 - decode_c._MLA_FIELDS
+AFTER_MIXER_FIELDS = slice(_END - decode_c._AFTER_MIXER_FIELDS, _END)
+MIXER_FIELDS = slice(AFTER_MIXER_FIELDS.start - decode_c._MIXER_FIELDS, AFTER_MIXER_FIELDS.start)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -136,7 +138,7 @@ def test_the_plan_takes_the_recurrent_layers(tiny):
                                    rc.num_v_heads, rc.k_head_dim, rc.v_head_dim,
                                    int(rc.v_heads_tiled), 0, 0]
         if rc.kind == "mamba2":
-            _check_mamba2_fields(fields, row[LAST_FIELDS], layer, config)
+            _check_mamba2_fields(fields, row[AFTER_MIXER_FIELDS], layer, config)
 
 
 def _check_mamba2_fields(fields: list[int], last: list[int], layer: dict, config) -> None:
@@ -304,7 +306,7 @@ def test_mamba2_products_with_biases(tmp_path, c_steps):
     the plan adds them (rc_in_bias, rc_out_bias) where the per-op path does, bit for bit."""
     build_hybrid("granitehybrid", tmp_path, mamba_proj_bias=True)
     fast, slow = _decode_seven(tmp_path / "hf", c_steps)
-    row = _loaded(tmp_path, "q8_0", True).model.c_plan.weights[0, LAST_FIELDS].tolist()
+    row = _loaded(tmp_path, "q8_0", True).model.c_plan.weights[0, AFTER_MIXER_FIELDS].tolist()
     assert row[1] != 0 and row[3] != 0
     assert torch.equal(fast, slow)
 
@@ -317,7 +319,7 @@ def test_nemotron_h_experts_in_a_latent(tmp_path, c_steps):
     fast, slow = _decode_seven(tmp_path / "hf", c_steps)
     model = _loaded(tmp_path, "q8_0", True).model
     (i, layer), = [(i, w) for i, w in enumerate(model.layers) if "latent_in" in w]
-    last = model.c_plan.weights[i, LAST_FIELDS].tolist()
+    last = model.c_plan.weights[i, AFTER_MIXER_FIELDS].tolist()
     assert last[8:] == [*layer["latent_in"].kernel_args, *layer["latent_out"].kernel_args]
     assert float((fast - slow).abs().max()) <= 5e-3
 

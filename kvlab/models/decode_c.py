@@ -15,12 +15,13 @@ its weights as int64 [layers, fields] (the K/V store addresses are added per cac
     kv_shared, values_from_keys, v_norm, ple_gate (5), ple_out (5), ple_col, ple_post_norm,
     layer_scalar, router_norm, experts_norm, expert_scale, shexp_out_norm, experts_out_norm,
     expert_gelu, mla, q_a (5), q_b (5), kv_a (5), q_a_norm, kv_a_norm, w_uk, w_uv_t, rank,
-    rope, vdim, ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max, residual_scale,
-    expert_relu2, latent_in (5), latent_out (5)
+    rope, vdim
 
 with, between shexp_ungated and head_dim, a recurrent layer's fields and the gated
 attention's options: mixer, n_rc_in, rc_in[4] (5 each), rc_out (5), conv, conv_k, ssm_a,
-dt_bias, rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary.
+dt_bias, rc_norm, k_heads, v_heads, k_dim, v_dim, v_tiled, q_gate, rotary, then Mamba-2's
+and the other hybrid families' own: ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min,
+dt_max, residual_scale, expert_relu2, latent_in (5), latent_out (5).
 
 A norm the family does not have is 0 (Llama: no QK-norm, residual adds without post norms;
 OLMo 2: no norm before attention and MLP, only after);
@@ -214,12 +215,12 @@ def _layer_row(layer: dict, config: ModelConfig, i: int, gate: str,
     o_bias = _norm(layer.get("o_bias"))
     own = _layer_shape_fields(layer, config, i) if attends else [0] * 5
     tail, beside = _tail_fields(layer, i), _beside_fields(layer)
-    last = _last_fields(layer, config, i)
-    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside, mixer, last):
+    after = _after_mixer_fields(layer, config, i)
+    if None in (attention, mlp, moe, post, o_bias, routing, mla, own, tail, beside, mixer, after):
         return None
     # the one flag picks the second RoPE table and the sliding window's attention
     return [*attention, *mlp, post, int(config.second_rope(i)), int(config.qk_norm_whole),
-            *moe, o_bias, *routing, *mixer, *own, *tail, *beside, *mla, *last]
+            *moe, o_bias, *routing, *mixer, *after, *own, *tail, *beside, *mla]
 
 
 def _mlp_fields(layer: dict, config: ModelConfig, i: int,
@@ -234,10 +235,10 @@ def _mlp_fields(layer: dict, config: ModelConfig, i: int,
     return _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6, [0] * 11
 
 
-_LAST_FIELDS = 18
+_AFTER_MIXER_FIELDS = 18
 
 
-def _last_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
+def _after_mixer_fields(layer: dict, config: ModelConfig, i: int) -> list[int] | None:
     """ssm_d, rc_in_bias, conv_bias, rc_out_bias, dt_min, dt_max (a Mamba-2 layer's, else
     0), residual_scale (0: 1), expert_relu2, latent_in (5), latent_out (5)."""
     scale = 0 if config.residual_scale == 1.0 else _f32_bits(config.residual_scale)

@@ -63,6 +63,19 @@ typedef struct {
      * output gate (out * sigmoid(gate) before o); rotary: RoPE on each head's first dims
      * (the step's tables are that wide), 0 all */
     int64_t q_gate, rotary;
+    /* Mamba-2 (KV_MIX_MAMBA2): rc_in[0] gives z | xBC | dt (plus rc_in_bias), xBC through
+     * the conv (conv_bias) and SiLU on the conv state row, x | B | C; dt softplus(dt +
+     * dt_bias) clamped to [dt_min, dt_max]; the SSD step on the recurrent state row with A
+     * ssm_a [H] and the skip ssm_d [H]; y * silu(z) RMSNormed in k_heads groups times
+     * rc_norm [H * P]; rc_out (plus rc_out_bias). Its shapes: v_heads H heads of v_dim P,
+     * k_heads groups of B and C, each k_dim wide (the state size N) */
+    int64_t ssm_d, rc_in_bias, conv_bias, rc_out_bias;
+    int64_t dt_min, dt_max;            /* fp32 bits */
+    int64_t residual_scale;            /* fp32 bits: x += scale * out (Granite); 0: 1 */
+    int64_t expert_relu2;              /* 1: ungated relu(up)^2 experts (KV_MOE_RELU2) */
+    /* experts in a latent narrower than hidden (Nemotron-3 Super): their input through
+     * latent_in, their weighted sum through latent_out; ptr 0: none */
+    kv_wdesc latent_in, latent_out;
     /* Gemma 4: the layer's own head size and KV heads (0: the step's D and KVH); kv_shared
      * 1: no K/V of its own, it attends over the store its caches row names (an earlier
      * layer's, written this step); values_from_keys 1: q|k products only, v = k before k's
@@ -87,19 +100,6 @@ typedef struct {
     int64_t q_a_norm, kv_a_norm;
     int64_t w_uk, w_uv_t;              /* fp32 [H, nope, rank], [H, rank, vdim] */
     int64_t rank, rope, vdim;
-    /* Mamba-2 (KV_MIX_MAMBA2): rc_in[0] gives z | xBC | dt (plus rc_in_bias), xBC through
-     * the conv (conv_bias) and SiLU on the conv state row, x | B | C; dt softplus(dt +
-     * dt_bias) clamped to [dt_min, dt_max]; the SSD step on the recurrent state row with A
-     * ssm_a [H] and the skip ssm_d [H]; y * silu(z) RMSNormed in k_heads groups times
-     * rc_norm [H * P]; rc_out (plus rc_out_bias). Its shapes: v_heads H heads of v_dim P,
-     * k_heads groups of B and C, each k_dim wide (the state size N) */
-    int64_t ssm_d, rc_in_bias, conv_bias, rc_out_bias;
-    int64_t dt_min, dt_max;            /* fp32 bits */
-    int64_t residual_scale;            /* fp32 bits: x += scale * out (Granite); 0: 1 */
-    int64_t expert_relu2;              /* 1: ungated relu(up)^2 experts (KV_MOE_RELU2) */
-    /* experts in a latent narrower than hidden (Nemotron-3 Super): their input through
-     * latent_in, their weighted sum through latent_out; ptr 0: none */
-    kv_wdesc latent_in, latent_out;
 } kv_layer_plan;
 
 #define KV_PLAN_FIELDS ((int64_t)(sizeof(kv_layer_plan) / sizeof(int64_t)))
