@@ -13,6 +13,8 @@ attention_multiplier, not head_dim ** -0.5; the "nope" checkpoints (position_emb
 not "rope"; in GGUF rope.scaling.finetuned false) rotate nothing. Which layers are Mamba:
 HF's `layer_types` ("mamba" / "attention", or transformers' "linear_attention" /
 "full_attention"); in GGUF, the layers whose `attention.head_count_kv` entry is 0.
+Decode steps run all layers in one C call (kvlab.models.decode_c) where every product has
+a C kernel: plan_layers names the layers as the plan reads them.
 """
 
 from __future__ import annotations
