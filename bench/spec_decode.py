@@ -7,7 +7,7 @@ changed, answer by quoting a passage, fix a typo in a paragraph, continue a JSON
 where proposals are kept; free-generation prompts (nothing to look up) show what speculation
 costs where it cannot help: their ratio should stay >= 0.95, as the adaptive sizing turns
 proposals off once they keep failing. Figures are meaningless while other work shares the
-cores.
+cores; the kept/proposed counts (over all repetitions) say what the planner did.
 
     .venv/bin/python bench/spec_decode.py [-n 128] [-t 2] [-k 4] [-r 2] [--prompts N]
         [--draft-model PATH | --draft-pair DIR] [--fixed-k]
@@ -156,7 +156,7 @@ def report(name: str, plain: LLM, spec: LLM, prompts: list[str], params: Samplin
            reps: int) -> list[float]:
     print(f"\n{name}")
     print(f"{'#':>3} {'plain t/s':>10} {'spec t/s':>10} {'ratio':>6} {'accept':>7} "
-          f"{'same':>5}  prompt")
+          f"{'kept/proposed':>13} {'same':>5}  prompt")
     ratios, proposed, kept = [], 0, 0
     for i, prompt in enumerate(prompts):
         r0, r1, same, d, a = measure(plain, spec, prompt, params, reps)
@@ -165,7 +165,7 @@ def report(name: str, plain: LLM, spec: LLM, prompts: list[str], params: Samplin
         accept = f"{100 * a / d:.0f} %" if d else "-"
         match = ("yes" if same else "NO") if params.greedy else "-"  # sampled: same seed
         print(f"{i:>3} {r0:>10.1f} {r1:>10.1f} {r1 / r0:>6.2f} {accept:>7} "
-              f"{match:>5}  {prompt[:48]!r}")
+              f"{f'{a}/{d}':>13} {match:>5}  {prompt[:48]!r}")
     rate = f" ({100 * kept / proposed:.0f} %)" if proposed else ""
     print(f"geometric mean ratio {statistics.geometric_mean(ratios):.2f}, "
           f"min {min(ratios):.2f}; {kept} of {proposed} proposed tokens accepted{rate}")

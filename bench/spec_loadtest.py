@@ -10,13 +10,17 @@ speculative, or the other way round on odd rounds, loads it with `kvlab loadtest
 --endpoint completions --ignore-eos` (loadtest's built-in prompts: free generation, where
 proposals seldom hold, so this measures what speculation costs where it cannot help) and
 stops it; one server is up at a time. Prints each run's output tok/s, the medians and the
-ratio. Figures are meaningless while other work shares the cores.
+ratio, and beside each speculative run the server's own counts (/metrics): verify runs,
+tokens proposed and accepted, which say what the planner did whatever the timings. Figures
+are meaningless while other work shares the cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import urllib.request
 
 from moe_serving import loadtest  # the sibling scripts' helpers, by path
 from server_soak import start_server
@@ -27,14 +31,33 @@ from kvlab.weights.default_model import default_model_path
 TARGET = 0.95
 
 
-def serve_and_load(flags: list[str], args: argparse.Namespace) -> float:
-    """Output tok/s of one loadtest against a fresh kvlab serve with `flags`."""
+COUNTS = {"verify runs": "kvlab:spec_decode_num_drafts_total",
+          "proposed": "kvlab:spec_decode_num_draft_tokens_total",
+          "accepted": "kvlab:spec_decode_num_accepted_tokens_total"}
+
+
+def spec_counts(port: int) -> str:
+    """The server's speculative counters, as one line."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    got = {}
+    for name, metric in COUNTS.items():
+        pattern = rf"^{re.escape(metric)}\{{[^}}]*\}} ([0-9.e+]+)$"
+        found = re.search(pattern, text, re.MULTILINE)
+        got[name] = int(float(found.group(1))) if found else 0
+    return ", ".join(f"{v} {k}" for k, v in got.items())
+
+
+def serve_and_load(flags: list[str], args: argparse.Namespace) -> tuple[float, str]:
+    """Output tok/s of one loadtest against a fresh kvlab serve with `flags`, and its
+    speculative counts (warm-up requests included)."""
     port = free_port()
     proc = start_server(port, ["--model", args.model, "--threads", str(args.t),
                                "--max-num-seqs", str(args.c), *flags])
     try:
-        return loadtest(port, argparse.Namespace(sweep=str(args.c), n=args.n,
+        rate = loadtest(port, argparse.Namespace(sweep=str(args.c), n=args.n,
                                                  max_tokens=args.max_tokens))[args.c]
+        return rate, spec_counts(port) if flags else ""
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -59,8 +82,10 @@ def main() -> int:
     flags = {"plain": [], "speculative": [*method, "--num-speculative", str(args.k)]}
     for r in range(args.r):
         for name in ("plain", "speculative") if r % 2 == 0 else ("speculative", "plain"):
-            runs[name].append(serve_and_load(flags[name], args))
-            print(f"round {r + 1}: {name:<11} {runs[name][-1]:8.1f} output tok/s", flush=True)
+            rate, counts = serve_and_load(flags[name], args)
+            runs[name].append(rate)
+            print(f"round {r + 1}: {name:<11} {rate:8.1f} output tok/s"
+                  + (f"  ({counts})" if counts else ""), flush=True)
     plain, spec = (statistics.median(runs[k]) for k in ("plain", "speculative"))
     ratio = spec / plain
     print(f"\nconcurrency {args.c}, {args.n} requests of {args.max_tokens} tokens, median of "

@@ -23,14 +23,21 @@ from torch import Tensor
 from kvlab.kernels import fused
 
 
-def draw(probs: Tensor, greedy: bool, generator: torch.Generator) -> int:
-    """One token from probs [V] (need not sum to 1): its argmax on a greedy row, else the
-    exponential race the sampler runs (argmax of probs / q, q ~ Exp(1))."""
+def draw(probs: Tensor, greedy: bool, generator: torch.Generator,
+         exclude: int | None = None) -> int:
+    """One token from probs [V] (need not sum to 1), never `exclude`: its argmax on a
+    greedy row, else the exponential race the sampler runs (argmax of probs / q, q ~
+    Exp(1)). A greedy row is one-hot, so a token it excludes (a rejected proposal) already
+    has probability 0; a sampled row's race is run in the noise's own buffer, the excluded
+    token's score zeroed there (the residual distribution without a copy of probs)."""
     if greedy:
         return int(fused.argmax(probs[None])[0])
     q = torch.empty_like(probs).exponential_(generator=generator)
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return int(fused.argmax((probs / q)[None])[0])
+    torch.div(probs, q, out=q)
+    if exclude is not None:
+        q[exclude] = 0.0
+    return int(fused.argmax(q[None])[0])
 
 
 def judge(probs: Tensor, proposed: int | None, greedy: bool,
@@ -47,6 +54,4 @@ def judge(probs: Tensor, proposed: int | None, greedy: bool,
         keep = u < p
     if keep:
         return proposed, True
-    residual = probs.clone()
-    residual[proposed] = 0.0
-    return draw(residual, greedy, generator), False
+    return draw(probs, greedy, generator, exclude=proposed), False
