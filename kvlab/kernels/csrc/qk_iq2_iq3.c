@@ -299,8 +299,8 @@ KV_INL kv_iq_sub sub_iq2_xs(const uint8_t *b, int s) {
 }
 KV_INL kv_iq_sub sub_iq2_s(const uint8_t *b, int s) {
     const uint8_t *qs = b + 2 + 4 * s, qh = b[66 + s];
-    const __m256i g = rows8(grid_iq2s, qs[0] | (qh & 3) << 8, qs[1] | (qh >> 2 & 3) << 8,
-                            qs[2] | (qh >> 4 & 3) << 8, qs[3] | (qh >> 6 & 3) << 8);
+    const __m256i g = rows8(grid_iq2s, qs[0] + (qh << 8 & 768), qs[1] + (qh << 6 & 768),
+                            qs[2] + (qh << 4 & 768), qs[3] + (qh << 2 & 768));
     return (kv_iq_sub){g, bytes_masks(u32_at(b + 34 + 4 * s))};
 }
 KV_INL kv_iq_sub sub_iq3_xxs(const uint8_t *b, int s) {
