@@ -1,6 +1,7 @@
 """Kernel figures on the default model, read against this machine's ceilings.
 
     python bench/kernels_bench.py [--model FILE.gguf] [--threads 1,2] [--quick] [--types-only]
+                                  [--rounds N]
 
 Prints, in one run:
   * memory read bandwidth (torch sum over a 1 GiB fp32 tensor), per thread count;
