@@ -56,9 +56,10 @@ RATE_PRIOR = 0.5  # the rate before any trial of any sequence
 PRIOR_TRIALS = 1
 # trials a sequence's rate averages over (older ones fade): short enough to follow the text
 # (a copy starts, a draft's agreement drifts), long enough that a few lucky guesses among
-# misses do not lift a low rate to where proposing pays; the pool's follows the workload
+# misses do not lift a low rate to where proposing pays; the pool's follows the recent
+# workload (a run of greedy copies then sampled prose: the prose soon sets the prior)
 MEMORY = 32
-POOL_MEMORY = 256
+POOL_MEMORY = 64
 FORGET = 0.97  # an older timing's weight in the cost fit, per newer one of its kind
 RIDGE = 1e-4  # the cost fit's pull of each term but the fixed one toward 0, per timing
 # declined steps after which one proposal (the likeliest) is made anyway, to re-measure its
