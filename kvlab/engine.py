@@ -207,6 +207,10 @@ class _Request:
     forced_tokens: int = 0  # output tokens its structure appended without sampling
     draft_tokens: int = 0  # tokens proposed for it (speculative decoding)
     accepted_tokens: int = 0  # of which the model kept
+    # for _emit's plain tokens, fixed at add_request: the ids that end it (stop ids, EOS
+    # unless ignored) and the token count at which it has ended (max_tokens, the context)
+    ends: frozenset[int] = frozenset()
+    limit: int = 0
 
 
 @dataclass(eq=False)
@@ -361,7 +365,10 @@ class Engine:
         seq = Sequence(request_id, ids, len(ids), params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        req = self.requests[request_id] = _Request(seq, gen)
+        ends = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.tokenizer.eos_ids)
+        limit = min(len(ids) + params.max_tokens, self.max_model_len)
+        req = self.requests[request_id] = _Request(seq, gen, ends=ends, limit=limit)
         self.outputs.add(request_id, params, req.timings.arrival)
         if grammar is None:
             self.structured.start(request_id, None, params.reasoning)  # a budget alone
@@ -650,25 +657,24 @@ class Engine:
         since it was launched are left out (their token is never shown nor counted)."""
         tokens = flight.token_list()
         now = time.perf_counter()
-        outputs, requests, eos = [], self.requests, self.tokenizer.eos_ids
+        outputs: list[CoreOutput] = []
+        emitted, get = outputs.append, self.requests.get
         for row, seq in enumerate(flight.seqs):
-            req = requests.get(seq.seq_id)
+            req = get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue
-            token, p, ids = tokens[row], seq.params, seq.token_ids
-            if (p.logprobs is not None or token in p.stop_token_ids
-                    or (not p.ignore_eos and token in eos)
-                    or len(ids) + 1 >= min(seq.num_prompt_tokens + p.max_tokens,
-                                           self.max_model_len)):
+            token, ids = tokens[row], seq.token_ids
+            if (token in req.ends or len(ids) + 1 >= req.limit
+                    or seq.params.logprobs is not None):
                 logprobs = ([self._logprob(flight.sampled(), row, token)]
-                            if p.logprobs is not None else [])
-                outputs.append(self._append(req, [token], logprobs, now, complete=False))
+                            if seq.params.logprobs is not None else [])
+                emitted(self._append(req, [token], logprobs, now, complete=False))
                 continue
             ids.append(token)  # what _append and _output do where the token ends nothing
             t, prompt = req.timings, seq.num_prompt_tokens
-            outputs.append(CoreOutput(seq.seq_id, [token], None, prompt, seq.num_cached_tokens,
-                                      len(ids) - prompt, now, [], False, t.scheduled,
-                                      t.prefill_seconds))
+            emitted(CoreOutput(seq.seq_id, [token], None, prompt, seq.num_cached_tokens,
+                               len(ids) - prompt, now, [], False, t.scheduled,
+                               t.prefill_seconds))
         return outputs
 
     def _settle(self) -> None:
