@@ -442,7 +442,8 @@ def llama_kv_bytes(model: Path, args: argparse.Namespace) -> str:
     if not found:
         return f"no 'llama_kv_cache: size' line (exit {proc.returncode})"
     mib, cells = float(found[1]), int(found[2])
-    return f"{mib * 2**20 / cells:.0f} bytes/token ({mib} MiB over {cells} cells, f16)"
+    return (f"about {mib * 2**20 / cells:.0f} bytes/token ({mib} MiB, as its log rounds it, "
+            f"over {cells} cells, f16)")
 
 
 # ---------------------------------------------------------------- the report
