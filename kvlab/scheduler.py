@@ -88,6 +88,9 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+# a ScheduledSeq from a tuple of all its fields, without the named tuple's keyword layer
+_new = tuple.__new__
+
 # the token ids of a step scheduled ahead (schedule_ahead): the host does not know them yet
 _STAND_IN: list[int] = [0]
 
@@ -124,9 +127,19 @@ class ScheduledSeq(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[str] = field(default_factory=list)
+    # every row is one token of a decoding sequence and needs logits (num_tokens rows)
+    decode: bool = False
+    # the steady state, for the runner to follow its last step cheaply: `follows` is the
+    # serial of the step this one repeats (the same sequences in the same order, each one
+    # position on), and `grown` the rows whose block table gained a block since
+    serial: int | None = None
+    follows: int | None = None
+    grown: tuple[int, ...] = ()
 
     @cached_property
     def num_tokens(self) -> int:
+        if self.decode:
+            return len(self.scheduled)
         return sum(len(s.token_ids) for s in self.scheduled)
 
 
@@ -158,6 +171,7 @@ class Scheduler:
         self._running_changes = 0  # sequences joined or left the running set
         self._steady: _Steady | None = None  # the last step scheduled ahead
         self._last_decode: SchedulerOutput | None = None  # the last all-decode schedule()
+        self._serial = 0  # of the last decode step made by the paths above (SchedulerOutput)
 
     def add(self, seq: Sequence) -> None:
         if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
@@ -180,7 +194,10 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         out = SchedulerOutput([self._describe(s, n) for s, n in scheduled], preempted)
-        self._last_decode = out if self._all_decode(out) else None
+        if not self._all_decode(out):
+            return out
+        self._serial += 1
+        self._last_decode = out = SchedulerOutput(out.scheduled, [], True, self._serial)
         return out
 
     def _all_decode(self, out: SchedulerOutput) -> bool:
@@ -203,24 +220,34 @@ class Scheduler:
         if any(s.seq_id != seq.seq_id or seq.num_computed_tokens != s.start + 1
                or len(seq.token_ids) != s.start + 2 for s, seq in pairs):
             return None
-        scheduled = [ScheduledSeq(s.seq_id, s.start + 1, seq.token_ids[-1:], s.block_table,
-                                  True, 0) for s, seq in pairs]
-        if not self._grow_tables(scheduled):
+        scheduled = [_new(ScheduledSeq, (s[0], s[1] + 1, seq.token_ids[-1:], s[3], True, 0,
+                                         None, None, None, None, 1, None))
+                     for s, seq in pairs]
+        grown = self._grow_tables(scheduled)
+        if grown is None:
             return None  # the general pass preempts (the blocks taken are its own)
-        out = SchedulerOutput(scheduled)
+        out = self._following(last, scheduled, grown)
         self._last_decode = out
         return out
 
-    def _grow_tables(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Give a block to each one-token step whose position starts one, in place; False
-        where the pool has none left."""
+    def _following(self, last: SchedulerOutput, scheduled: list[ScheduledSeq],
+                   grown: tuple[int, ...]) -> SchedulerOutput:
+        """The decode step that repeats `last` one position on (see SchedulerOutput)."""
+        self._serial += 1
+        follows = last.serial if last.decode else None
+        return SchedulerOutput(scheduled, [], True, self._serial, follows, grown)
+
+    def _grow_tables(self, scheduled: list[ScheduledSeq]) -> tuple[int, ...] | None:
+        """Give a block to each one-token step whose position starts one, in place; the rows
+        that got one, or None where the pool has none left."""
         bs, kv = self.kv.block_size, self.kv
-        for i in [i for i, s in enumerate(scheduled) if s.start % bs == 0]:
+        grown = tuple(i for i, s in enumerate(scheduled) if s[1] % bs == 0)
+        for i in grown:
             s = scheduled[i]
             if not kv.allocate_slots(s.seq_id, s.start + 1):
-                return False
+                return None
             scheduled[i] = s._replace(block_table=kv.block_table(s.seq_id))
-        return True
+        return grown
 
     def schedule_ahead(self, last: SchedulerOutput, max_len: int) -> SchedulerOutput | None:
         """The step after `last`, scheduled while `last` still runs: each of its decoding
@@ -237,16 +264,20 @@ class Scheduler:
         steady = self._steady
         if (steady is not None and steady.output is last and steady.steps_left > 1
                 and steady.changes == self._running_changes and self._blocks_only):
-            scheduled = self._advance(last)  # the same batch as last step: the fast path
+            scheduled, grown = self._advance(last)  # the same batch as last step: fast
             steps_left = steady.steps_left - 1
         else:
-            scheduled, steps_left = self._ahead(last, max_len)
+            (scheduled, steps_left), grown = self._ahead(last, max_len), None
         if (scheduled is None or not scheduled
                 or len(scheduled) > self.config.max_num_batched_tokens
                 or (self.waiting and len(scheduled) < self.config.max_num_seqs)):
             self._steady = None
             return None
-        out = SchedulerOutput(scheduled)
+        if grown is None:
+            self._serial += 1
+            out = SchedulerOutput(scheduled, [], True, self._serial)
+        else:
+            out = self._following(last, scheduled, grown)
         self._steady = _Steady(out, steps_left, self._running_changes)
         return out
 
@@ -277,12 +308,16 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq.seq_id, start, _STAND_IN, table, True, 0, window))
         return scheduled, steps_left
 
-    def _advance(self, last: SchedulerOutput) -> list[ScheduledSeq] | None:
+    def _advance(self, last: SchedulerOutput
+                 ) -> tuple[list[ScheduledSeq] | None, tuple[int, ...]]:
         """The step after a step scheduled ahead, of the same sequences, none of which can
-        end before it: each one position further, a new block where a position starts one."""
-        scheduled = [ScheduledSeq(s.seq_id, s.start + 1, _STAND_IN, s.block_table, True, 0)
+        end before it: each one position further, a new block where a position starts one
+        (and the rows that got one)."""
+        scheduled = [_new(ScheduledSeq, (s[0], s[1] + 1, _STAND_IN, s[3], True, 0,
+                                         None, None, None, None, 1, None))
                      for s in last.scheduled]
-        return scheduled if self._grow_tables(scheduled) else None
+        grown = self._grow_tables(scheduled)
+        return (None, ()) if grown is None else (scheduled, grown)
 
     def update_ahead(self, output: SchedulerOutput, seqs: list[Sequence]) -> None:
         """update() of a step from schedule_ahead (seqs: its sequences, in order): each has

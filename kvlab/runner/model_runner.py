@@ -206,11 +206,9 @@ class ModelRunner:
             logits = self.graphs.run(out, self.block_size, self.batch.tables(out), input_ids)
             return StepLogits([s.seq_id for s in out.scheduled], logits)
         began = time.perf_counter()
-        step = self.batch.inputs(out)
+        step = self.batch.inputs(out, input_ids)
         self.input_seconds += time.perf_counter() - began
         ids_t, pos_t, meta = step.ids, step.positions, step.meta
-        if input_ids is not None:
-            ids_t = input_ids
         trace: list[torch.Tensor] | None = [] if record_experts else None
         extra = {} if self.states is None else {"states": self._step_states(out)}
         with torch.inference_mode():
@@ -257,7 +255,8 @@ class ModelRunner:
 def _logit_rows(out: SchedulerOutput) -> tuple[list[int] | None, list[str], list[int]]:
     """The packed rows that need logits (None: every row, one per sequence, as in a
     decode step), the sequences they belong to and how many rows each has."""
-    if out.num_tokens == len(out.scheduled) and all(s.needs_logits for s in out.scheduled):
+    if out.decode or (out.num_tokens == len(out.scheduled)
+                       and all(s.needs_logits for s in out.scheduled)):
         return None, [s.seq_id for s in out.scheduled], []
     rows, seq_ids, counts, row = [], [], [], 0
     for s in out.scheduled:

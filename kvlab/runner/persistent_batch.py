@@ -145,6 +145,7 @@ class _LastDecode:
     keys: torch.Tensor  # [B, max(end)] DecodeRows.slots
     packed: torch.Tensor  # [B] 0..B-1
     lo: int  # min(end)
+    serial: int | None  # SchedulerOutput.serial of the step
 
 
 def _long(values: list[int]) -> torch.Tensor:
@@ -175,14 +176,17 @@ class PersistentBatch:
         self._offsets = torch.arange(block_size)
         self._last: _LastDecode | None = None  # the last step, where it was decode-only
 
-    def inputs(self, out: SchedulerOutput) -> StepInputs:
+    def inputs(self, out: SchedulerOutput, input_ids: torch.Tensor | None = None
+               ) -> StepInputs:
+        """The step's input tensors; `input_ids`: its token ids, already on the device, where its
+        ScheduledSeqs hold stand-ins (a step scheduled ahead)."""
         for seq_id in out.preempted:  # their blocks went back to the pool
             self.forget(seq_id)
         self.full.begin()
         if self.windowed is not None:
             self.windowed.begin()
         elif out.scheduled and out.num_tokens == len(out.scheduled):
-            return self._decode_only(out)
+            return self._decode_only(out, input_ids)
         self._last = None
         ids: list[int] = []
         positions: list[int] = []
@@ -226,16 +230,24 @@ class PersistentBatch:
             decoded = (self._decode_rows(_long(rows), wrows, _long(at), _long(packed))
                        if rows else None)
         meta = step_metadata(spans, offsets, decoded, len(ids), self.window, self.device)
-        return StepInputs(ids_t.to(self.device), positions_t.to(self.device), meta)
+        return StepInputs(ids_t.to(self.device) if input_ids is None else input_ids,
+                          positions_t.to(self.device), meta)
 
-    def _decode_only(self, out: SchedulerOutput) -> StepInputs:
+    def _decode_only(self, out: SchedulerOutput, ids: torch.Tensor | None) -> StepInputs:
         """inputs() of a step of one-token rows over one pool (most decode steps): the same
-        result, from the last step's where it can (_next_decode), else in a few list
-        comprehensions."""
-        scheduled = out.scheduled
-        ids = _long([s.token_ids[0] for s in scheduled])
-        at = _long([s.start for s in scheduled])
-        decoded = None if self.window else self._next_decode(scheduled, at)
+        result, from the last step's where it can (_follow, _next_decode), else in a few
+        list comprehensions."""
+        scheduled, last = out.scheduled, self._last
+        if ids is None:
+            ids = _long([s.token_ids[0] for s in scheduled]).to(self.device)
+        decoded = None
+        if last is not None and out.follows is not None and out.follows == last.serial:
+            at = last.end  # the same sequences, each one position on
+            decoded = self._follow(out, last)
+        else:
+            at = _long([s.start for s in scheduled])
+            if not self.window:
+                decoded = self._next_decode(out, at)
         if decoded is None:
             row = self.full.row
             index = _long([row(s.seq_id, s.block_table) for s in scheduled])
@@ -243,16 +255,28 @@ class PersistentBatch:
             decoded = self._decode_rows(index, [None] * len(scheduled), at, packed)
             self._last = None if self.window else _LastDecode(
                 [s.seq_id for s in scheduled], [s.block_table for s in scheduled], index,
-                decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()))
+                decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()), out.serial)
         meta = step_metadata([], [], decoded, len(scheduled), self.window, self.device)
-        return StepInputs(ids.to(self.device), at.to(self.device), meta)
+        return StepInputs(ids, at.to(self.device), meta)
 
-    def _next_decode(self, scheduled: list[ScheduledSeq], at: torch.Tensor
-                     ) -> DecodeRows | None:
+    def _follow(self, out: SchedulerOutput, last: _LastDecode) -> DecodeRows | None:
+        """_next_decode of a step that says it repeats the last one (SchedulerOutput.follows):
+        only the rows whose table grew are looked at."""
+        tables = last.tables
+        if out.grown:
+            tables = list(tables)
+            for i in out.grown:
+                tables[i] = out.scheduled[i].block_table
+            if any(tables[i][:len(last.tables[i])] != last.tables[i] for i in out.grown):
+                return None  # a table not only grown: its keys so far are others
+            self.full.extend([(last.seq_ids[i], tables[i]) for i in out.grown])
+        return self._advance(last, last.seq_ids, tables, last.end, out.serial)
+
+    def _next_decode(self, out: SchedulerOutput, at: torch.Tensor) -> DecodeRows | None:
         """The decode rows of a step of the last step's sequences, in its order, each one
         position on and its block table as it was or grown (see the module's diagram);
         None for any other step. The blocks tables gained are written (BlockRows.extend)."""
-        last = self._last
+        last, scheduled = self._last, out.scheduled
         seq_ids = [s.seq_id for s in scheduled]
         if last is None or seq_ids != last.seq_ids or not torch.equal(at, last.end):
             return None
@@ -263,12 +287,18 @@ class PersistentBatch:
             if any(tables[i][:len(last.tables[i])] != last.tables[i] for i in changed):
                 return None  # a table not only grown: its keys so far are others
             self.full.extend([(seq_ids[i], tables[i]) for i in changed])
+        return self._advance(last, seq_ids, tables, at, out.serial)
+
+    def _advance(self, last: _LastDecode, seq_ids: list[str], tables: list[list[int]],
+                 at: torch.Tensor, serial: int | None) -> DecodeRows:
+        """The decode rows of `last`'s sequences at positions `at` (last's ends): one more
+        key column each, its new slot written in."""
         bs = self.block_size
         write = self.full.tables[last.index, at // bs] * bs + at % bs
         keys = torch.cat((last.keys, last.keys[:, :1]), 1)  # [B, W + 1], padded
         keys.scatter_(1, at[:, None], write[:, None])
         end, lo = at + 1, last.lo + 1
-        self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo)
+        self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo, serial)
         return DecodeRows(last.packed, write, keys, end, uniform=lo == keys.shape[1])
 
     def tables(self, out: SchedulerOutput) -> torch.Tensor:
