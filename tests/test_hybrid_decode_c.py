@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_hybrid import byte_tokenizer_metadata
 
 from kvlab.engine import Engine, EngineConfig
@@ -305,10 +306,33 @@ def test_mamba2_products_with_biases(tmp_path, c_steps):
     """Granite 4 hybrid with biases on its Mamba-2 in_proj and out_proj (mamba_proj_bias):
     the plan adds them (rc_in_bias, rc_out_bias) where the per-op path does, bit for bit."""
     build_hybrid("granitehybrid", tmp_path, mamba_proj_bias=True)
+    _random_biases(tmp_path / "hf")
     fast, slow = _decode_seven(tmp_path / "hf", c_steps)
     row = _loaded(tmp_path, "q8_0", True).model.c_plan.weights[0, AFTER_MIXER_FIELDS].tolist()
     assert row[1] != 0 and row[3] != 0
     assert torch.equal(fast, slow)
+
+
+def test_nemotron_h_mlp_biases(tmp_path, c_steps):
+    """Nemotron-H with biases on its relu2 MLPs (mlp_bias): the plan adds them, bit for bit
+    as the per-op path."""
+    build_hybrid("nemotron_h", tmp_path, mlp_bias=True)
+    _random_biases(tmp_path / "hf")
+    fast, slow = _decode_seven(tmp_path / "hf", c_steps)
+    assert torch.equal(fast, slow)
+
+
+def _random_biases(hf_dir) -> None:
+    """The checkpoint's bias vectors (transformers initialises them to 0) made random, so
+    that a bias the C call left out shows."""
+    (path,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(path)
+    biases = [n for n in tensors if n.endswith("proj.bias")]
+    assert biases
+    gen = torch.Generator().manual_seed(7)
+    for n in biases:
+        tensors[n] = torch.randn(tensors[n].shape, generator=gen) * 0.3
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def test_nemotron_h_experts_in_a_latent(tmp_path, c_steps):

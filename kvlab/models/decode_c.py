@@ -77,8 +77,9 @@ Nemotron-H's layers are one sublayer each: a Mamba-2 or attention layer has no M
 (as mlp_norm); its MLPs and shared expert are down(relu(up)^2) (gate relu2, up alone as
 gate_up), its experts too (expert_relu2), Nemotron-3 Super's in a latent (latent_in
 before them, latent_out after). A step of several tokens of one sequence (a speculative
-verify) is not a decode step: it takes the per-op path. LFM2 layers with biases and
-Nemotron-H's MLP biases have no fields: their plans are refused (None).
+verify) is not a decode step: it takes the per-op path; its dense MLP's biases are the
+experts' bias fields (gate_up_bias, down_bias: one row). LFM2 layers with biases have no
+fields: their plans are refused (None).
 """
 
 from __future__ import annotations
@@ -232,7 +233,12 @@ def _mlp_fields(layer: dict, config: ModelConfig, i: int,
                 _routing_fields(layer, config))
     if not config.has_mlp(i):
         return [0, *_EMPTY * 2, 0, *_EMPTY], [0] * 6, [0] * 11
-    return _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6, [0] * 11
+    # biases (Nemotron-H's relu2 MLP's) in the experts' bias fields, a dense layer's one row
+    biases = [_norm(layer.get(n)) for n in ("up_bias", "down_bias")]
+    if any(biases) and gate != "relu2" or None in biases:
+        return None, None, None
+    routing = [0] * 5 + biases + [0] * 4
+    return _dense_fields(layer.get("gate_up"), layer.get("down"), gate), [0] * 6, routing
 
 
 _AFTER_MIXER_FIELDS = 18

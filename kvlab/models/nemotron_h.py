@@ -181,10 +181,7 @@ class NemotronHModel(GraniteHybridModel):
 
     def plan_layers(self) -> list[dict[str, Any]] | None:
         """The layers as the C plan names them (up alone as the MLP's and the shared
-        expert's gate_up); None where some layer has MLP biases, which the plan has no
-        fields for."""
-        if any(n in layer for layer in self.layers for n in ("up_bias", "down_bias")):
-            return None
+        expert's gate_up)."""
         return [{**layer, **{f"{pre}gate_up": Stacked.of([layer[f"{pre}up"]])
                              for pre in ("", "shexp_") if f"{pre}up" in layer}}
                 for layer in self.layers]

@@ -462,8 +462,14 @@ static int gated_mlp(const kv_layer_plan *L, const kv_step *s, kv_bufs *b, float
     for (int64_t p = 0; p < L->n_gate_up; p++) gu_rows += L->gate_up[p].rows;
     if (products(L->gate_up, L->n_gate_up, b->h, s->B, b->gu, gu_rows)) return -1;
     if (L->gate == KV_GATE_RELU2) {
+        /* a dense layer's biases (Nemotron-H's mlp_bias) are its one row of these fields */
+        const float *up_bias = L->router ? NULL : (const float *)(intptr_t)L->gate_up_bias;
+        const float *down_bias = L->router ? NULL : (const float *)(intptr_t)L->down_bias;
+        if (up_bias) add_bias(b->gu, up_bias, s->B, gu_rows);
         kv_relu2(b->gu, b->gu, s->B * gu_rows);
-        return kv_product(&L->down, b->gu, s->B, y, s->hidden);
+        if (kv_product(&L->down, b->gu, s->B, y, s->hidden)) return -1;
+        if (down_bias) add_bias(y, down_bias, s->B, s->hidden);
+        return 0;
     }
     if (L->gate == KV_GATE_SILU)
         kv_silu_mul(b->gu, b->g, s->B, gu_rows / 2);

@@ -42,7 +42,8 @@ typedef struct {
                                         * (sigmoid: the correction bias); 0: none */
     int64_t groups, top_groups;        /* sigmoid: the best top_groups of groups kept */
     int64_t routed_scale;              /* fp32 bits: the chosen weights times this */
-    int64_t gate_up_bias, down_bias;   /* fp32 [E, 2 * inter], [E, hidden]: expert biases */
+    int64_t gate_up_bias, down_bias;   /* fp32 [E, 2 * inter], [E, hidden]: expert biases;
+                                        * a dense relu2 MLP's [inter], [hidden] (no router) */
     int64_t expert_clamp;              /* 1: the clamped SwiGLU (gpt-oss); 0: silu */
     int64_t clamp_alpha, clamp_limit;  /* its alpha and limit, fp32 bits */
     int64_t shexp_ungated;             /* 1: the shared expert added as it is (GLM-4.5) */
