@@ -166,13 +166,11 @@ class GraniteHybridModel(HybridModel):
         self.shape = mamba2_shape(config)
         check_mamba2_layers(config, layers, self.shape)
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
-        plan_layers = self.plan_layers()
-        if plan_layers is not None:
-            self.c_plan = decode_c.build_plan(config, plan_layers, self.plan_gate)
+        self.c_plan = decode_c.build_plan(config, self.plan_layers(), self.plan_gate)
 
     plan_gate = "silu"  # the C plan's MLP activation (decode_c.GATES)
 
-    def plan_layers(self) -> list[dict[str, Any]] | None:
+    def plan_layers(self) -> list[dict[str, Any]]:
         """The layers as the C plan names them: beside routed experts, the shared MLP is the
         ungated shared expert (added to their sum as mlp does)."""
         return [layer if "router" not in layer else

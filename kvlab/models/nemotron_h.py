@@ -179,7 +179,7 @@ class NemotronHModel(GraniteHybridModel):
 
     plan_gate = "relu2"
 
-    def plan_layers(self) -> list[dict[str, Any]] | None:
+    def plan_layers(self) -> list[dict[str, Any]]:
         """The layers as the C plan names them (up alone as the MLP's and the shared
         expert's gate_up)."""
         return [{**layer, **{f"{pre}gate_up": Stacked.of([layer[f"{pre}up"]])
