@@ -208,7 +208,8 @@ class _Request:
     draft_tokens: int = 0  # tokens proposed for it (speculative decoding)
     accepted_tokens: int = 0  # of which the model kept
     # for _emit's plain tokens, fixed at add_request: the ids that end it (stop ids, EOS
-    # unless ignored) and the token count at which it has ended (max_tokens, the context)
+    # unless ignored), and the token count from which a token takes _append's full path:
+    # where it has ended (max_tokens, the context), or 0 where it wants logprobs
     ends: frozenset[int] = frozenset()
     limit: int = 0
 
@@ -367,7 +368,8 @@ class Engine:
         gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         ends = frozenset(params.stop_token_ids).union(
             () if params.ignore_eos else self.tokenizer.eos_ids)
-        limit = min(len(ids) + params.max_tokens, self.max_model_len)
+        limit = (0 if params.logprobs is not None else
+                 min(len(ids) + params.max_tokens, self.max_model_len))
         req = self.requests[request_id] = _Request(seq, gen, ends=ends, limit=limit)
         self.outputs.add(request_id, params, req.timings.arrival)
         if grammar is None:
@@ -664,17 +666,17 @@ class Engine:
             if req is None or req.seq is not seq:
                 continue
             token, ids = tokens[row], seq.token_ids
-            if (token in req.ends or len(ids) + 1 >= req.limit
-                    or seq.params.logprobs is not None):
+            n = len(ids) + 1  # its tokens with this one
+            if token in req.ends or n >= req.limit:
                 logprobs = ([self._logprob(flight.sampled(), row, token)]
                             if seq.params.logprobs is not None else [])
                 emitted(self._append(req, [token], logprobs, now, complete=False))
                 continue
             ids.append(token)  # what _append and _output do where the token ends nothing
-            t, prompt = req.timings, seq.num_prompt_tokens
-            emitted(CoreOutput(seq.seq_id, [token], None, prompt, seq.num_cached_tokens,
-                               len(ids) - prompt, now, [], False, t.scheduled,
-                               t.prefill_seconds))
+            t = req.timings
+            emitted(CoreOutput(seq.seq_id, [token], None, seq.num_prompt_tokens,
+                               seq.num_cached_tokens, n - seq.num_prompt_tokens, now, [],
+                               False, t.scheduled, t.prefill_seconds))
         return outputs
 
     def _settle(self) -> None:

@@ -176,3 +176,39 @@ def test_tables_for_the_decode_graphs():
         tables = batch.tables(SchedulerOutput(scheduled))
         assert [t[:len(s.block_table)] for s, t in zip(scheduled, tables.tolist())] == [
             s.block_table for s in scheduled]
+
+
+def test_steps_that_say_they_follow_the_last_step():
+    """A decode step that names the step it repeats one position on (serial, follows) and
+    the rows whose table grew is built from those rows alone; one that names a step the
+    batch did not build last is built the usual way. Its device ids, where given, are its
+    ids."""
+    batch = PersistentBatch(BS, None, None, CPU)
+    starts, tables = {"a": 6, "b": 3}, {"a": [3, 5], "b": [8]}
+    serial = 0
+
+    def step(follows: int | None) -> SchedulerOutput:
+        nonlocal serial
+        grown = []
+        for i, k in enumerate("ab"):
+            if starts[k] // BS >= len(tables[k]):
+                tables[k] = tables[k] + [20 + len(tables[k]) + 10 * i]
+                grown.append(i)
+        serial += 1
+        out = SchedulerOutput([decode(k, starts[k], tables[k]) for k in "ab"], [], True,
+                              serial, follows, tuple(grown))
+        check(batch, out)
+        for k in "ab":
+            starts[k] += 1
+        return out
+
+    last = step(None)
+    for _ in range(9):  # both sequences cross block boundaries on the way
+        last = step(last.serial)
+    check(batch, SchedulerOutput([prefill("c", 0, 3, [40])]))  # another step between
+    last = step(last.serial)  # names a step the batch did not build last
+    last = step(last.serial)
+    ids = torch.tensor([4, 9])
+    out = SchedulerOutput([decode(k, starts[k], tables[k]) for k in "ab"], [], True,
+                          serial + 1, last.serial)
+    assert batch.inputs(out, ids).ids is ids
