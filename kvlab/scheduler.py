@@ -241,7 +241,7 @@ class Scheduler:
         """Give a block to each one-token step whose position starts one, in place; the rows
         that got one, or None where the pool has none left."""
         bs, kv = self.kv.block_size, self.kv
-        grown = tuple(i for i, s in enumerate(scheduled) if s[1] % bs == 0)
+        grown = tuple([i for i, s in enumerate(scheduled) if s[1] % bs == 0])
         for i in grown:
             s = scheduled[i]
             if not kv.allocate_slots(s.seq_id, s.start + 1):
