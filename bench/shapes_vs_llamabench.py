@@ -38,6 +38,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -52,8 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_families_peers as mfp  # the sibling scripts' helpers, by path
 import quant_peers as qp
 
-LLAMA_CPP = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp")
-LLAMA_BIN = Path("/work/peers/build/bin")
+# llama.cpp's converter and vocabulary files: the tree `make test` unpacks from the
+# llama-cpp-python sdist, or KVLAB_LLAMA_CONVERTER; its binaries: KVLAB_LLAMA_BIN or --llama-bin
+LLAMA_CPP = Path(os.environ.get("KVLAB_LLAMA_CONVERTER", Path(__file__).resolve().parent.parent
+                                / ".cache" / "llama_cpp_python-0.3.36"))
+LLAMA_BIN = Path(os.environ.get("KVLAB_LLAMA_BIN", qp.LLAMA_BIN))
 TARGETS = {"pp": 1.2, "tg": 1.1}  # kvlab / llama.cpp
 DEPTH_TARGET = 0.9  # tg at depth over tg at depth 0
 
