@@ -123,7 +123,9 @@ def test_second_run_reuses_the_prompt_blocks(client: httpx.Client) -> None:
 
 
 def test_staggered_users_share_prefix_blocks_in_the_pool(client: httpx.Client) -> None:
-    events = run(client, prompt="Test four. " + LONG, users=3, max_tokens=5)
+    # long enough replies that a user still decodes when the next one's prefill lands: the
+    # engine runs ahead of the token events the next arrival waits for
+    events = run(client, prompt="Test four. " + LONG, users=3, max_tokens=24)
     assert len(of(events, "done")) == 3
     prefills = sorted(of(events, "prefill"), key=lambda e: e["user"])
     assert prefills[0]["cached_tokens"] == 0
