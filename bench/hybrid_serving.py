@@ -99,8 +99,8 @@ def hybrid_model(args: argparse.Namespace) -> tuple[Path, int]:
     model = out / f"{args.quant.lower()}.gguf"
     count = out / "parameters"
     if not model.exists():
-        built = build_hybrid(args.arch, out, **speed_shape(args.arch, args.hidden, args.layers),
-                             max_position_embeddings=CONTEXT)
+        built = build_hybrid(args.arch, out, **{**speed_shape(args.arch, args.hidden, args.layers),
+                                                "max_position_embeddings": CONTEXT})
         count.write_text(str(_parameters(built)))
         quantized_gguf(out, args.quant)
     return model, int(count.read_text())
@@ -108,8 +108,8 @@ def hybrid_model(args: argparse.Namespace) -> tuple[Path, int]:
 
 def dense_config(args: argparse.Namespace, layers: int) -> tf.Qwen3Config:
     """Qwen3 with the hybrid's width, heads and MLP (bench/hybrid_vs_llamacpp.py's shape)."""
-    shape = speed_shape("qwen3", args.hidden, layers)
-    return tf.Qwen3Config(**shape, head_dim=64, max_position_embeddings=CONTEXT,
+    shape = {**speed_shape("qwen3", args.hidden, layers), "max_position_embeddings": CONTEXT}
+    return tf.Qwen3Config(**shape, head_dim=64,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
 
 
