@@ -1,4 +1,5 @@
-"""`kvlab bench -p 512 -n 128 -r 5 [-d 1024,4096] [-o md|json|csv] [--estimate]`."""
+"""`kvlab bench -p 512 -n 128 -r 5 [-d 1024,4096] [-o md|json|csv] [--estimate]
+[--profile-layers]`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvlab.cli.common import (
 from kvlab.engine import Engine
 from kvlab.errors import KvlabError
 from kvlab.estimate.speculative import SpecRun
+from kvlab.harness.decode_split import LayerSplit, format_splits, profiled_tg
 from kvlab.harness.llama_bench import BenchResult, bench_pp, bench_tg, format_table, weight_check
 from kvlab.metrics import RunCost
 from kvlab.probe import this_machine
@@ -47,6 +49,10 @@ def register(subs: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     p.add_argument("--estimate", action="store_true",
                    help="print the estimator's prediction beside each measurement")
+    p.add_argument("--profile-layers", action="store_true",
+                   help="time the one-call C decode's layers by kind (attention, recurrent "
+                        "mixer, MLP) in each tg test and print ms per token of each, the rest "
+                        "of the step as head/other")
     add_model_flags(p)
     add_speculative_flags(p)
     p.set_defaults(func=run)
@@ -66,13 +72,22 @@ def run(args: argparse.Namespace) -> int:
     _run_one_warmup(engine, max(args.n_prompt, default=0))
     results = [bench_pp(engine, p, args.repetitions) for p in args.n_prompt if p]
     accepted: dict[str, SpecCounts] = {}  # per tg test, its proposals (speculative runs)
+    splits: list[LayerSplit] = []  # --profile-layers: per tg test, its time by layer kind
     for d in args.depth:
         for n in filter(None, args.n_gen):
             before = engine.stats().speculative
-            results.append(bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth))
+            if args.profile_layers:
+                result, split = profiled_tg(engine, n, args.repetitions, d, bandwidth)
+                splits += [split] if split else []
+            else:
+                result = bench_tg(engine, n, args.repetitions, d, bandwidth_gb_s=bandwidth)
+            results.append(result)
             if engine.config.speculative:
                 accepted[results[-1].test] = _since(before, engine.stats().speculative)
-    _print(results, args.output, engine, accepted)
+    _print(results, args.output, engine, accepted, splits)
+    if args.profile_layers and args.output != "json":
+        print(format_splits(splits) if splits else
+              "layer profile: no decode step ran in the one C call (it times only that path)")
     if args.estimate:
         print_check(str(args.model or default_model_path()), results, args.threads,
                     quantized=engine.runner.kernel_decode, kv_dtype=engine.config.kv_dtype,
@@ -122,11 +137,13 @@ def _spec_runs(results: list[BenchResult], counts: dict[str, SpecCounts]
 
 
 def _print(results: list[BenchResult], fmt: str, engine: Engine,
-           accepted: dict[str, SpecCounts]) -> None:
+           accepted: dict[str, SpecCounts], splits: list[LayerSplit]) -> None:
     if fmt == "json":
+        layer_ms = {s.test: {"layer_ms": s.ms, "layer_steps": s.steps} for s in splits}
         rows = [{**r.as_dict(), **({"drafted_tokens": accepted[r.test].drafted,
                                     "accepted_tokens": accepted[r.test].accepted}
-                                   if r.test in accepted else {})} for r in results]
+                                   if r.test in accepted else {}),
+                 **layer_ms.get(r.test, {})} for r in results]
         print(json.dumps({"model": engine.model_name, "results": rows}, indent=2))
         return
     print(f"model: {engine.model_name}, weights {engine.loaded.weight_bytes / 1e6:.1f} MB, "

@@ -659,6 +659,39 @@ static PyObject *py_plan_fields(PyObject *self, PyObject *unused) {
     return PyLong_FromLongLong(KV_PLAN_FIELDS);
 }
 
+/* decode_profile(on): decode_layers' time split per layer kind on (True) or off */
+static PyObject *py_decode_profile(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS  /* the job lock: a decode call may hold it */
+    kv_decode_profile_enable(on);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_profile_reset(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    kv_decode_profile_reset();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* decode_profile_read() -> (calls, attention, recurrent, mlp, tail, call): nanoseconds each */
+static PyObject *py_decode_profile_read(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    int64_t ns[KV_PROF_KINDS], calls;
+    Py_BEGIN_ALLOW_THREADS
+    calls = kv_decode_profile_read(ns);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(LLLLLL)", (long long)calls, (long long)ns[KV_PROF_ATTENTION],
+                         (long long)ns[KV_PROF_RECURRENT], (long long)ns[KV_PROF_MLP],
+                         (long long)ns[KV_PROF_TAIL], (long long)ns[KV_PROF_CALL]);
+}
+
 /* argmax_rows(x, rows, cols, out): out[rows] int64, torch.argmax(x, -1) on fp32 rows */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -830,6 +863,12 @@ static PyMethodDef methods[] = {
      "moe_experts(experts, E, x, T, hidden, ids, weights, k, out, gate_up_bias, down_bias, "
      "act, alpha, limit): a layer's routed experts"},
     {"plan_fields", py_plan_fields, METH_NOARGS, "int64 fields of one layer's decode plan"},
+    {"decode_profile", py_decode_profile, METH_O,
+     "decode_profile(on): time decode_layers' stages per layer kind, or stop"},
+    {"decode_profile_reset", py_decode_profile_reset, METH_NOARGS,
+     "decode_profile_reset(): the sums and call count to 0"},
+    {"decode_profile_read", py_decode_profile_read, METH_NOARGS,
+     "decode_profile_read() -> (calls, attention, recurrent, mlp, tail, call) ns"},
     {"mask_logits_rows", (PyCFunction)(void (*)(void))py_mask_logits_rows, METH_FASTCALL,
      "mask_logits_rows(x, rows, cols, mask, words): -inf where a token's bit is 0"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL,

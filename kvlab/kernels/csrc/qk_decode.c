@@ -25,11 +25,15 @@
  * MLP; its MLPs and experts are relu(up)^2 without a gate.
  * The plan is int64 [layers, KV_PLAN_FIELDS], built once by the model
  * (kvlab/models/decode_c.py).
+ * An opt-in profile (kv_decode_profile_*) times each layer's stages on the calling thread,
+ * around the stage functions and not inside the kernels, so that a step's time splits by
+ * layer kind; off, a call pays one branch.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "qk.h"
 #include "qk_decode.h"
@@ -614,10 +618,85 @@ static int layer_tail(const kv_layer_plan *L, const kv_step *s, float *x, kv_buf
     return 0;
 }
 
+/* the profile's sums: touched only under the job lock (by the calls and by enable, reset
+ * and read), so plain integers */
+static struct {
+    int on;
+    int64_t calls;
+    int64_t ns[KV_PROF_KINDS];
+} profile;
+
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void kv_decode_profile_enable(int on) {
+    kv_job_lock();
+    profile.on = on != 0;
+    kv_job_unlock();
+}
+
+void kv_decode_profile_reset(void) {
+    kv_job_lock();
+    profile.calls = 0;
+    memset(profile.ns, 0, sizeof profile.ns);
+    kv_job_unlock();
+}
+
+int64_t kv_decode_profile_read(int64_t ns[KV_PROF_KINDS]) {
+    kv_job_lock();
+    memcpy(ns, profile.ns, sizeof profile.ns);
+    const int64_t calls = profile.calls;
+    kv_job_unlock();
+    return calls;
+}
+
+/* the time since `since` added to `kind`; returns now, the next stage's start */
+static int64_t lap(int kind, int64_t since) {
+    const int64_t now = monotonic_ns();
+    profile.ns[kind] += now - since;
+    return now;
+}
+
+static int mixer_kind(const kv_layer_plan *L) {
+    if (L->mixer == KV_MIX_NONE) return KV_PROF_TAIL;  /* nothing mixed: a few branches */
+    return L->mixer == KV_MIX_ATTENTION ? KV_PROF_ATTENTION : KV_PROF_RECURRENT;
+}
+
+static int run_layers(const kv_layer_plan *plan, int64_t layers, const kv_step *s, float *x,
+                      kv_bufs *b, int use_avx2) {
+    int rc = 0;
+    for (int64_t l = 0; l < layers && !rc; l++)
+        rc = mixer_half(&plan[l], l, s, x, b, use_avx2) || mlp_half(&plan[l], s, x, b) ||
+             layer_tail(&plan[l], s, x, b);
+    return rc;
+}
+
+/* run_layers with each stage's wall time added to its kind */
+static int run_layers_timed(const kv_layer_plan *plan, int64_t layers, const kv_step *s,
+                            float *x, kv_bufs *b, int use_avx2) {
+    int rc = 0;
+    int64_t t = monotonic_ns();
+    for (int64_t l = 0; l < layers && !rc; l++) {
+        const kv_layer_plan *L = &plan[l];
+        rc = mixer_half(L, l, s, x, b, use_avx2);
+        t = lap(mixer_kind(L), t);
+        rc = rc || mlp_half(L, s, x, b);
+        t = lap(KV_PROF_MLP, t);
+        rc = rc || layer_tail(L, s, x, b);
+        t = lap(KV_PROF_TAIL, t);
+    }
+    return rc;
+}
+
 #define KV_MAX(a, b) ((a) > (b) ? (a) : (b))
 
 int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const kv_step *s,
                      int use_avx2) {
+    const int timed = profile.on;
+    const int64_t start = timed ? monotonic_ns() : 0;
     int64_t gu = 0, qkv = (s->H + 2 * s->KVH) * s->D, att = s->H * s->D, E = 0, k = 0;
     for (int64_t l = 0; l < layers; l++) {
         const kv_layer_plan *L = &plan[l];
@@ -648,10 +727,12 @@ int kv_decode_layers(const kv_layer_plan *plan, int64_t layers, float *x, const 
     b.route_ids = (int64_t *)(b.route_w + B * k);  /* 2k floats per row: 8-byte aligned */
     b.ones = b.route_ids + B * k;
     for (int64_t r = 0; r < B; r++) b.ones[r] = 1;
-    int rc = 0;
-    for (int64_t l = 0; l < layers && !rc; l++)
-        rc = mixer_half(&plan[l], l, s, x, &b, use_avx2) || mlp_half(&plan[l], s, x, &b) ||
-             layer_tail(&plan[l], s, x, &b);
+    const int rc = timed ? run_layers_timed(plan, layers, s, x, &b, use_avx2)
+                         : run_layers(plan, layers, s, x, &b, use_avx2);
     free(mem);
+    if (timed) {
+        lap(KV_PROF_CALL, start);
+        profile.calls++;
+    }
     return rc ? -1 : 0;
 }

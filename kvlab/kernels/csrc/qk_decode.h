@@ -121,6 +121,18 @@ typedef struct {
     const int64_t *state_slots;             /* [B]: each sequence's row in them */
 } kv_step;
 
+/* The opt-in time split of kv_decode_layers: the calling thread's wall time (monotonic
+ * clock) around each layer's stages, summed over calls by what the stage is: attention
+ * (latent and gated too), a recurrent mixer, the MLP or experts, the layer's tail (Gemma 4's
+ * per-layer input and scale); KV_PROF_CALL is each whole call (its buffers too). Off until
+ * enabled; enable, reset and read hold the job lock, as the calls do. */
+enum { KV_PROF_ATTENTION = 0, KV_PROF_RECURRENT = 1, KV_PROF_MLP = 2, KV_PROF_TAIL = 3,
+       KV_PROF_CALL = 4, KV_PROF_KINDS = 5 };
+void kv_decode_profile_enable(int on);
+void kv_decode_profile_reset(void);
+/* the nanoseconds per KV_PROF_* into ns; returns the calls they were summed over */
+int64_t kv_decode_profile_read(int64_t ns[KV_PROF_KINDS]);
+
 /* Runs every layer of the plan on x [B, hidden] (the residual stream, updated in place),
  * writing each layer's new K/V into its caches; 0, -1 out of memory. Callers hold the job
  * lock (qk_runtime.h). */
