@@ -11,6 +11,9 @@ Steps, each skipped when its output already exists in --workdir:
      tokens where OLMoE has 50304: the embedding and head are larger than the real model's);
      --layers writes fewer layers (the F16 file is ~13 GB at 16);
   2. quantize it with llama-quantize to each of --types.
+The writer (MoeShape, write_moe_gguf) also writes qwen2moe (shared expert and its sigmoid
+gate, q/k/v bias), qwen3moe (per-head QK-norm, GQA) and Mixtral (`llama` with experts)
+layouts: bench/shapes_vs_llamabench.py's `moe` area builds those published shapes with it.
 Then `kvlab bench` and `llama-bench` run alternately on each file, as bench/quant_peers.py
 does (its helpers are imported), and the report prints median pp/tg tok/s, the ratio and the
 decode ceiling: bandwidth over the bytes a batch-1 step reads as stored (attention, routers,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -33,33 +37,51 @@ import quant_peers as qp  # the sibling script's helpers, by path
 
 
 @dataclass(frozen=True)
-class OlmoeShape:
-    """OLMoE-1B-7B-0924's config.json, the fields a GGUF carries (vocab: the tokenizer's)."""
+class MoeShape:
+    """A mixture-of-experts checkpoint's config.json, the fields a GGUF carries (vocab: the
+    tokenizer's); the defaults are OLMoE-1B-7B-0924's. `arch` is the GGUF architecture
+    llama.cpp's converter writes (Mixtral: `llama` with experts)."""
 
+    arch: str = "olmoe"
+    name: str = "olmoe-1b-7b"
     layers: int = 16
     hidden: int = 2048
     heads: int = 16
+    kv_heads: int = 16
     head_dim: int = 128
     experts: int = 64
     experts_used: int = 8
     expert_ffn: int = 1024
+    ffn: int = 1024  # intermediate_size: the converter's feed_forward_length
+    shared_ffn: int = 0  # a shared expert every token runs, scaled by a sigmoid gate
+    qk_norm: str = "whole"  # "whole": over the q/k projections; "head": per head; "": none
+    qkv_bias: bool = False
     vocab: int = 128256
     context: int = 4096
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
 
 
-def olmoe_tensors(s: OlmoeShape) -> list[tuple[str, tuple[int, ...]]]:
+def moe_tensors(s: MoeShape) -> list[tuple[str, tuple[int, ...]]]:
     """(GGUF name, numpy shape) of every tensor, in llama.cpp's names; experts stacked
-    [experts, out, in]."""
-    d, e, f = s.hidden, s.experts, s.expert_ffn
+    [experts, out, in]; the shared expert's gate is a vector [hidden], as llama.cpp loads it."""
+    d, e, f, sf = s.hidden, s.experts, s.expert_ffn, s.shared_ffn
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = [("attn_norm.weight", (d,)), ("attn_q.weight", (q, d)), ("attn_k.weight", (kv, d)),
+             ("attn_v.weight", (kv, d)), ("attn_output.weight", (d, q))]
+    if s.qkv_bias:
+        layer += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
+    if s.qk_norm:
+        q_len, k_len = (q, kv) if s.qk_norm == "whole" else (s.head_dim, s.head_dim)
+        layer += [("attn_q_norm.weight", (q_len,)), ("attn_k_norm.weight", (k_len,))]
+    layer += [("ffn_norm.weight", (d,)), ("ffn_gate_inp.weight", (e, d)),
+              ("ffn_gate_exps.weight", (e, f, d)), ("ffn_up_exps.weight", (e, f, d)),
+              ("ffn_down_exps.weight", (e, d, f))]
+    if sf:
+        layer += [("ffn_gate_inp_shexp.weight", (d,)), ("ffn_gate_shexp.weight", (sf, d)),
+                  ("ffn_up_shexp.weight", (sf, d)), ("ffn_down_shexp.weight", (d, sf))]
     tensors = [("token_embd.weight", (s.vocab, d))]
-    for i in range(s.layers):
-        tensors += [(f"blk.{i}.{name}.weight", shape) for name, shape in (
-            ("attn_norm", (d,)), ("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)),
-            ("attn_output", (d, d)), ("attn_q_norm", (d,)), ("attn_k_norm", (d,)),
-            ("ffn_norm", (d,)), ("ffn_gate_inp", (e, d)), ("ffn_gate_exps", (e, f, d)),
-            ("ffn_up_exps", (e, f, d)), ("ffn_down_exps", (e, d, f)))]
+    tensors += [(f"blk.{i}.{name}", shape) for i in range(s.layers) for name, shape in layer]
     return tensors + [("output_norm.weight", (d,)), ("output.weight", (s.vocab, d))]
 
 
@@ -69,23 +91,25 @@ def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
 
 def tensor_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     """Norms 1.0; matrices N(0, 0.02) in f16 (stacked experts one expert at a time); routers
-    N(0, 0.02) in f32."""
+    (the shared expert's gate vector too) and biases N(0, 0.02) in f32."""
     if len(shape) == 3:
         return np.stack([qp.tensor_values(name, shape[1:], qp.LlamaShape(), seed * 1000 + e)
                          for e in range(shape[0])])
+    if len(shape) == 1 and "norm" not in name:
+        return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * 0.02
     values = qp.tensor_values(name, shape, qp.LlamaShape(), seed)
     return values.astype(np.float32) if _is_f32(name, shape) else values
 
 
-def write_olmoe_gguf(path: Path, vocab_file: Path, s: OlmoeShape) -> None:
+def write_moe_gguf(path: Path, vocab_file: Path, s: MoeShape) -> None:
     """Stream the F16 model to `path` one tensor at a time, via a .part file."""
     import gguf
 
     part = path.with_suffix(".part")
-    w = gguf.GGUFWriter(str(part), "olmoe")
-    _olmoe_metadata(w, s)
-    qp._copy_tokenizer(w, vocab_file, s.vocab)
-    specs = olmoe_tensors(s)
+    w = gguf.GGUFWriter(str(part), s.arch)
+    _moe_metadata(w, s)
+    qp.copy_tokenizer(w, vocab_file, s.vocab)
+    specs = moe_tensors(s)
     for name, shape in specs:
         dtype = np.dtype(np.float32 if _is_f32(name, shape) else np.float16)
         w.add_tensor_info(name, shape, dtype, math.prod(shape) * dtype.itemsize)
@@ -98,31 +122,46 @@ def write_olmoe_gguf(path: Path, vocab_file: Path, s: OlmoeShape) -> None:
     part.rename(path)
 
 
-def _olmoe_metadata(w, s: OlmoeShape) -> None:
-    w.add_string("general.name", f"OLMoE-1B-7B-shaped, {s.layers} layers (random weights)")
+def _moe_metadata(w, s: MoeShape) -> None:
+    """The keys llama.cpp's converter writes for the family (file type 1: mostly F16); the
+    expert FFN lengths only where they differ from intermediate_size, as it does."""
+    w.add_string("general.name", f"{s.name}-shaped, {s.layers} layers (random weights)")
     w.add_uint32("general.file_type", 1)
-    for key, value in (("block_count", s.layers), ("context_length", s.context),
-                       ("embedding_length", s.hidden), ("feed_forward_length", s.expert_ffn),
-                       ("attention.head_count", s.heads), ("attention.head_count_kv", s.heads),
-                       ("attention.key_length", s.head_dim),
-                       ("attention.value_length", s.head_dim),
-                       ("rope.dimension_count", s.head_dim), ("vocab_size", s.vocab),
-                       ("expert_count", s.experts), ("expert_used_count", s.experts_used)):
-        w.add_uint32(f"olmoe.{key}", value)
-    w.add_float32("olmoe.rope.freq_base", s.rope_theta)
-    w.add_float32("olmoe.attention.layer_norm_rms_epsilon", s.rms_eps)
+    keys = [("block_count", s.layers), ("context_length", s.context),
+            ("embedding_length", s.hidden), ("feed_forward_length", s.ffn),
+            ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
+            ("attention.key_length", s.head_dim), ("attention.value_length", s.head_dim),
+            ("rope.dimension_count", s.head_dim), ("vocab_size", s.vocab),
+            ("expert_count", s.experts), ("expert_used_count", s.experts_used)]
+    if s.expert_ffn != s.ffn:
+        keys.append(("expert_feed_forward_length", s.expert_ffn))
+    if s.shared_ffn:
+        keys.append(("expert_shared_feed_forward_length", s.shared_ffn))
+    for key, value in keys:
+        w.add_uint32(f"{s.arch}.{key}", value)
+    w.add_float32(f"{s.arch}.rope.freq_base", s.rope_theta)
+    w.add_float32(f"{s.arch}.attention.layer_norm_rms_epsilon", s.rms_eps)
 
 
-def ensure_f16(workdir: Path, vocab_file: Path, s: OlmoeShape) -> Path:
-    path = workdir / f"olmoe-1b-7b-shape-{s.layers}L-F16.gguf"
+def f16_bytes(s: MoeShape) -> int:
+    return sum(math.prod(shape) * (4 if _is_f32(name, shape) else 2)
+               for name, shape in moe_tensors(s))
+
+
+def ensure_f16(path: Path, vocab_file: Path, s: MoeShape) -> Path:
+    """The F16 file at `path`, written unless it exists; refused when the disk lacks room
+    for it and for a quantized copy of a third of its size."""
     if path.exists():
         print(f"# have {path}")
         return path
-    params = sum(math.prod(shape) for _, shape in olmoe_tensors(s))
-    print(f"# writing {path} ({params / 1e9:.2f} B random parameters, "
-          f"~{2 * params / 1e9:.1f} GB)", flush=True)
+    need, free = f16_bytes(s), shutil.disk_usage(path.parent).free
+    if free < need * 4 // 3:
+        raise qp.QuantizeFailed(f"{path.name} needs ~{need * 4 / 3e9:.1f} GB with its "
+                                f"quantized copy; {path.parent} has {free / 1e9:.1f} GB free")
+    print(f"# writing {path} ({s.layers} layers, ~{need / 1e9:.1f} GB of random weights)",
+          flush=True)
     start = time.perf_counter()
-    write_olmoe_gguf(path, vocab_file, s)
+    write_moe_gguf(path, vocab_file, s)
     print(f"#   done in {time.perf_counter() - start:.0f} s")
     return path
 
@@ -163,8 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     engines: list[qp.Engine] = [qp.KvlabBench(), qp.LlamaBench("llama.cpp", args.llama_bin)]
     bandwidth = qp.print_header(engines, args)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    f16 = ensure_f16(args.workdir, args.vocab, OlmoeShape(layers=args.layers))
+    f16 = args.workdir / f"olmoe-1b-7b-shape-{args.layers}L-F16.gguf"
     files = []
+    try:
+        ensure_f16(f16, args.vocab, MoeShape(layers=args.layers))
+    except qp.QuantizeFailed as e:
+        raise SystemExit(str(e)) from None
     for qtype in (t.strip() for t in args.types.split(",") if t.strip()):
         try:
             files.append(qp.quantize(f16, qtype, args.llama_bin))

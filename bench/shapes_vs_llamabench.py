@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/shapes_vs_llamabench.py hybrids  [-t 2] [-r 3] [-p 512] [-n 128]
     .venv/bin/python bench/shapes_vs_llamabench.py families [-t 2] [-r 3] [-p 512] [-n 128]
+    .venv/bin/python bench/shapes_vs_llamabench.py moe --workdir /tmp/kvlab-moe-shapes [-r 3]
     .venv/bin/python bench/shapes_vs_llamabench.py hybrids --build-only   (files, no timings)
     .venv/bin/python bench/shapes_vs_llamabench.py families --smoke       (-p 16 -n 4, once each)
 
@@ -17,11 +18,19 @@ its output exists in --workdir (/tmp/kvlab-shapes):
              llama-quantize --allow-requantize makes the Q4_K_M file;
   gpt-oss    bench/moe_families_peers.py's writer: MXFP4 experts, Q8_0 elsewhere (llama.cpp's
              MXFP4_MOE file type, the form gpt-oss is released and converted in), timed as
-             written.
+             written;
+  moe        bench/moe_peers.py's writer: random F16 tensors straight from numpy under
+             llama.cpp's converter's names and keys for olmoe, qwen2moe, qwen3moe and Mixtral
+             (`llama` with experts), then llama-quantize makes the Q4_K_M file. The larger
+             checkpoints keep fewer layers than published, so that each Q4_K_M file stays
+             under ~5 GB and its F16 under ~15 GB (the report says how many): per-layer
+             figures keep their meaning, the embedding and output matrices weigh more.
 Vocabularies: Gemma 4 E2B (gemma-4) and DeepSeek-V2-Lite (deepseek-llm) have their own;
-Qwen3.5 has the qwen35 file's 151936 tokens padded to 248320; the others' are not among
-llama.cpp's files, so a BPE vocabulary of near size stands in: LFM2 falcon's 65024 padded to
-65536, granite deepseek-llm's 100015 (its padding dropped) padded to 100352, gpt-oss Llama 3's
+Qwen3.5 has the qwen35 file's 151936 tokens padded to 248320; the Qwen MoE shapes the qwen2
+file's 151936, Mixtral llama-spm's 32000, OLMoE gpt-neox's 50277 (its padding dropped)
+padded to 50304 (OLMoE's tokenizer is a GPT-NeoX BPE); the others' are not among llama.cpp's
+files, so a BPE vocabulary of near size stands in: LFM2 falcon's 65024 padded to 65536,
+granite deepseek-llm's 100015 (its padding dropped) padded to 100352, gpt-oss Llama 3's
 128256 padded to 201088. The embedding and output matrices have the published sizes.
 Then, on every file, `kvlab bench` and llama-bench run alternately, one repetition each per
 round (bench/quant_peers.py's scheme), and the table prints median pp/tg tok/s and the
@@ -51,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_families_peers as mfp  # the sibling scripts' helpers, by path
+import moe_peers as mp
 import quant_peers as qp
 
 # llama.cpp's converter and vocabulary files: the tree `make test` unpacks from the
@@ -67,14 +77,15 @@ class Shape:
     """A published checkpoint's shape and how its benchmark file is made."""
 
     name: str
-    area: str  # "hybrids" | "families"
-    source: str  # "hf" | "deepseek2" | "gpt-oss"
+    area: str  # "hybrids" | "families" | "moe"
+    source: str  # "hf" | "deepseek2" | "gpt-oss" | "moe"
     vocab: str  # llama.cpp's models/ggml-vocab-<vocab>.gguf
     config: dict = field(default_factory=dict)
     config_class: str = ""  # transformers' config and model classes (source "hf")
     model_class: str = ""
     saved: dict = field(default_factory=dict)  # config.json fields as the checkpoint writes them
     quant: str | None = "Q4_K_M"  # None: timed as written
+    published_layers: int = 0  # the checkpoint's, where the file has fewer; 0: all of them
 
 
 def _every(period: int, layers: int, kind: str, other: str, offset: int = 0) -> list[str]:
@@ -149,6 +160,27 @@ SHAPES = [
         "experts": 64, "experts_used": 6, "shared": 2, "dense_layers": 1,
         "context": 163840, "rope_theta": 10000.0, "yarn_factor": 40.0,
         "yarn_original": 4096, "yarn_log_mul": 0.0707, "rms_eps": 1e-6}),
+    # config: bench/moe_peers.py's MoeShape fields, from each checkpoint's config.json
+    Shape("olmoe-1b-7b", "moe", "moe", "gpt-neox", config={
+        "arch": "olmoe", "layers": 16, "hidden": 2048, "heads": 16, "kv_heads": 16,
+        "head_dim": 128, "experts": 64, "experts_used": 8, "expert_ffn": 1024, "ffn": 1024,
+        "qk_norm": "whole", "vocab": 50304, "context": 4096, "rope_theta": 1e4,
+        "rms_eps": 1e-5}),
+    Shape("qwen1.5-moe-a2.7b-12L", "moe", "moe", "qwen2", published_layers=24, config={
+        "arch": "qwen2moe", "layers": 12, "hidden": 2048, "heads": 16, "kv_heads": 16,
+        "head_dim": 128, "experts": 60, "experts_used": 4, "expert_ffn": 1408, "ffn": 5632,
+        "shared_ffn": 5632, "qk_norm": "", "qkv_bias": True, "vocab": 151936,
+        "context": 8192, "rope_theta": 1e6, "rms_eps": 1e-6}),
+    Shape("qwen3-30b-a3b-11L", "moe", "moe", "qwen2", published_layers=48, config={
+        "arch": "qwen3moe", "layers": 11, "hidden": 2048, "heads": 32, "kv_heads": 4,
+        "head_dim": 128, "experts": 128, "experts_used": 8, "expert_ffn": 768, "ffn": 6144,
+        "qk_norm": "head", "vocab": 151936, "context": 40960, "rope_theta": 1e6,
+        "rms_eps": 1e-6}),
+    Shape("mixtral-8x7b-5L", "moe", "moe", "llama-spm", published_layers=32, config={
+        "arch": "llama", "layers": 5, "hidden": 4096, "heads": 32, "kv_heads": 8,
+        "head_dim": 128, "experts": 8, "experts_used": 2, "expert_ffn": 14336,
+        "ffn": 14336, "qk_norm": "", "vocab": 32000, "context": 32768, "rope_theta": 1e6,
+        "rms_eps": 1e-5}),
 ]
 
 
@@ -334,6 +366,10 @@ def ensure_file(shape: Shape, args: argparse.Namespace) -> Path:
         print(f"# writing {source} (random Q8_0 blocks)", flush=True)
         write_deepseek2_q8_0(source, vocab, shape.config)
         final = _quantize(source, shape, args)
+    elif shape.source == "moe":
+        f16 = work / f"{shape.name}-F16.gguf"
+        mp.ensure_f16(f16, vocab, mp.MoeShape(name=shape.name, **shape.config))
+        final = _quantize(f16, shape, args)
     else:
         hf_dir, f16 = work / f"{shape.name}-hf", work / f"{shape.name}-F16.gguf"
         if not f16.exists():
@@ -455,7 +491,9 @@ def llama_kv_bytes(model: Path, args: argparse.Namespace) -> str:
 
 def report(shape: Shape, model: Path, series: dict[str, qp.Series],
            args: argparse.Namespace, depth: int) -> None:
-    print(f"\n== {shape.name}: {model.name} ({model.stat().st_size / 1e9:.2f} GB; "
+    layers = (f"{shape.config['layers']} of {shape.published_layers} layers; "
+              if shape.published_layers else "")
+    print(f"\n== {shape.name}: {model.name} ({model.stat().st_size / 1e9:.2f} GB; {layers}"
           f"{args.t} threads, median of {args.r} alternating rounds, tok/s)")
     tests = [(f"pp{args.p}", "pp", TARGETS["pp"]), (f"tg{args.n}", "tg", TARGETS["tg"])]
     if depth:
@@ -498,7 +536,7 @@ def smoke(model: Path, engines: list[Engine], args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("area", choices=("hybrids", "families"))
+    ap.add_argument("area", choices=("hybrids", "families", "moe"))
     qp.add_run_args(ap, "Q4_K_M", "/tmp/kvlab-shapes")
     ap.set_defaults(llama_bin=LLAMA_BIN)
     ap.add_argument("--shapes", default="", help="comma-separated names (default: the area's)")
