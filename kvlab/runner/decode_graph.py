@@ -42,19 +42,11 @@ class _Bucket:
         if device.type == "cuda":
             self.staging = self.staging.pin_memory()
         self.packed = torch.empty(batch, 4 + width, dtype=torch.long, device=device)
-        self.scratch_slot = scratch_slot
-        self.clear_staging()
+        pad_rows(self.staging, 0, scratch_slot)
         self.packed.copy_(self.staging)
         self.uploaded: torch.cuda.Event | None = None  # the last upload out of `staging`
         self.logits: torch.Tensor | None = None  # [B, vocab] the graph's output
         self.graph: torch.cuda.CUDAGraph | None = None
-
-    def clear_staging(self, first: int = 0) -> None:
-        """Rows from `first` on become padding: token 0 at position 0, one key, all slots
-        scratch."""
-        self.staging[first:, :2] = 0
-        self.staging[first:, 2] = 1
-        self.staging[first:, 3:] = self.scratch_slot
 
     ids = property(lambda self: self.packed[:, 0])  # [B] token ids
     positions = property(lambda self: self.packed[:, 1])  # [B]
@@ -130,33 +122,16 @@ class DecodeGraphs:
 
     def _fill(self, bucket: _Bucket, out: SchedulerOutput, block_size: int,
               tables: torch.Tensor) -> None:
-        """Write this step's rows into the bucket's inputs (as whole-batch tensor ops: the
-        host work should not grow with batch x width in Python); padding rows point at
-        scratch. The upload is asynchronous: staging is reused only once the last one has
-        landed (a caller that never reads results back would otherwise overwrite it)."""
+        """Write this step's rows into the bucket's inputs (decode_rows) and upload them. The
+        upload is asynchronous: staging is reused only once the last one has landed (a
+        caller that never reads results back would otherwise overwrite it)."""
         if bucket.uploaded is not None:
             bucket.uploaded.synchronize()
-        n, width = len(out.scheduled), bucket.staging.shape[1] - 4
-        blocks = -(-width // block_size)
-        if tables.shape[1] < blocks:  # the positions past them are masked below
-            tables = torch.cat([tables, tables[:, :1].expand(n, blocks - tables.shape[1])], 1)
-        tables = tables[:, :blocks]
-        slots = (tables[:, :, None] * block_size
-                 + torch.arange(block_size)).flatten(1)[:, :width]  # [n, W]
         starts = torch.tensor([s.start for s in out.scheduled], dtype=torch.long)
-        # keys past a row's own token are masked; point them at its first (written) slot
-        slots = torch.where(torch.arange(width) <= starts[:, None], slots, slots[:, :1])
-        rows = bucket.staging
-        rows[:n, 0] = torch.tensor([s.token_ids[0] for s in out.scheduled], dtype=torch.long)
-        rows[:n, 1] = starts
-        rows[:n, 2] = starts + 1
-        rows[:n, 3] = slots.gather(1, starts[:, None]).squeeze(1)
-        rows[:n, 4:] = slots
-        bucket.clear_staging(first=n)
-        bucket.packed.copy_(rows, non_blocking=True)
-        if self.device.type == "cuda":
-            bucket.uploaded = torch.cuda.Event()
-            bucket.uploaded.record()
+        ids = torch.tensor([s.token_ids[0] for s in out.scheduled], dtype=torch.long)
+        decode_rows(bucket.staging, ids, starts, tables, block_size, self.scratch_slot)
+        bucket.packed.copy_(bucket.staging, non_blocking=True)
+        bucket.uploaded = _landed_event(self.device)
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         """The decode pass over the bucket's buffers; masks are computed in the graph."""
@@ -173,6 +148,52 @@ class DecodeGraphs:
         meta = AttentionMetadata(bucket.slot_mapping, groups_full, groups_sliding)
         hidden = self.model.forward(bucket.ids, bucket.positions, self.kv_caches, meta)
         return self.model.logits(hidden)
+
+
+def decode_rows(rows: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor,
+                tables: torch.Tensor, block_size: int, scratch_slot: int) -> None:
+    """A bucket's packed inputs rows [B, 4 + W] for n = len(ids) decode rows (as whole-batch
+    tensor ops: the host work should not grow with batch x width in Python). tables: [n,
+    >= 1] each row's block table (entries past its end are never read).
+
+        row b < n:  ids[b] | starts[b] | starts[b] + 1 | slot(starts[b]) | slot(0) .. slot(W-1)
+        row b >= n: 0      | 0         | 1             | scratch         | scratch ...
+
+    slot(k) = tables[b, k // block_size] * block_size + k % block_size for the keys k <=
+    starts[b]; the keys past it are masked and repeat slot(0), a slot of the row's own."""
+    n, width = len(ids), rows.shape[1] - 4
+    blocks = -(-width // block_size)
+    if tables.shape[1] < blocks:  # the positions past them are masked below
+        tables = torch.cat([tables, tables[:, :1].expand(n, blocks - tables.shape[1])], 1)
+    tables = tables[:, :blocks]
+    slots = (tables[:, :, None] * block_size
+             + torch.arange(block_size)).flatten(1)[:, :width]  # [n, W]
+    slots = torch.where(torch.arange(width) <= starts[:, None], slots, slots[:, :1])
+    rows[:n, 0] = ids
+    rows[:n, 1] = starts
+    rows[:n, 2] = starts + 1
+    rows[:n, 3] = slots.gather(1, starts[:, None]).squeeze(1)
+    rows[:n, 4:] = slots
+    pad_rows(rows, n, scratch_slot)
+
+
+def pad_rows(rows: torch.Tensor, first: int, scratch_slot: int) -> None:
+    """Rows from `first` on become padding: token 0 at position 0, one key, all slots
+    scratch (outside the block pool: they never touch a sequence's cache)."""
+    rows[first:, :2] = 0
+    rows[first:, 2] = 1
+    rows[first:, 3:] = scratch_slot
+
+
+def _landed_event(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded after the work queued so far (the host waits on it before
+    it writes that work's pinned source again); None elsewhere, where copies are done when
+    they return."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _round_up_pow2(n: int, low: int, high: int | None = None) -> int:
