@@ -3,7 +3,8 @@ runner and sampler.
 
 One `core_step()` = schedule (plain Python) -> run the model on the packed batch -> sample
 the sequences that reached the end of their known tokens -> CoreOutputs: token ids and the
-finishes tokens decide. The output processor (kvlab.output) makes them text (detokenizing,
+finishes tokens decide (a decode step's tokens that end nothing as one DecodeTokens, by
+column). The output processor (kvlab.output) makes them text (detokenizing,
 stop strings); `step()` runs both, the server runs the processor on a thread of its own.
 Not thread-safe: one thread drives it (the server runs it in a worker).
 """
@@ -34,10 +35,12 @@ from kvlab.models.sharding import SINGLE, check_split
 from kvlab.output import OutputProcessor
 from kvlab.request import (
     CoreOutput,
+    DecodeTokens,
     FinishReason,
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    StepItem,
     Structure,
     TokenLogprob,
 )
@@ -540,9 +543,11 @@ class Engine:
             self.abort(request_id)
         return processed.outputs
 
-    def core_step(self) -> list[CoreOutput]:
-        """One step's token ids and finishes. With async scheduling, a decode step is
-        launched here and its ids come out of the next core_step (see _continue)."""
+    def core_step(self) -> list[StepItem]:
+        """One step's token ids and finishes: a CoreOutput per request, or for a decode
+        step's tokens that end nothing, DecodeTokens columns (_emit). With async scheduling,
+        a decode step is launched here and its ids come out of the next core_step (see
+        _continue)."""
         outputs = self._admit_compiled()
         if self._inflight is not None:
             return outputs + self._continue(self._inflight)
@@ -611,7 +616,7 @@ class Engine:
                 return False
         return True
 
-    def _continue(self, flight: InFlight) -> list[CoreOutput]:
+    def _continue(self, flight: InFlight) -> list[StepItem]:
         """With `flight` launched: schedule the step after it, launch that one on the ids
         `flight` sampled (on the device), then read flight's ids and emit them."""
         scheduling = time.perf_counter()
@@ -654,30 +659,34 @@ class Engine:
 
         return self._launcher.launch(sched, seqs, run)
 
-    def _emit(self, flight: InFlight) -> list[CoreOutput]:
+    def _emit(self, flight: InFlight) -> list[StepItem]:
         """A launched step's tokens, appended now; sequences that finished or were aborted
-        since it was launched are left out (their token is never shown nor counted)."""
+        since it was launched are left out (their token is never shown nor counted). The
+        tokens that end nothing go out as DecodeTokens, a run of them between the outputs of
+        rows that take _append's full path (a finish, logprobs), in row order."""
         tokens = flight.token_list()
         now = time.perf_counter()
-        outputs: list[CoreOutput] = []
-        emitted, get = outputs.append, self.requests.get
+        items: list[StepItem] = []
+        plain: list[_Request] = []  # the current run of rows whose token ends nothing
+        get = self.requests.get
         for row, seq in enumerate(flight.seqs):
             req = get(seq.seq_id)
             if req is None or req.seq is not seq:
                 continue
             token, ids = tokens[row], seq.token_ids
-            n = len(ids) + 1  # its tokens with this one
-            if token in req.ends or n >= req.limit:
+            if token in req.ends or len(ids) + 1 >= req.limit:
+                if plain:
+                    items.append(_decode_tokens(plain, now))
+                    plain = []
                 logprobs = ([self._logprob(flight.sampled(), row, token)]
                             if seq.params.logprobs is not None else [])
-                emitted(self._append(req, [token], logprobs, now, complete=False))
+                items.append(self._append(req, [token], logprobs, now, complete=False))
                 continue
-            ids.append(token)  # what _append and _output do where the token ends nothing
-            t = req.timings
-            emitted(CoreOutput(seq.seq_id, [token], None, seq.num_prompt_tokens,
-                               seq.num_cached_tokens, n - seq.num_prompt_tokens, now, [],
-                               False, t.scheduled, t.prefill_seconds))
-        return outputs
+            ids.append(token)  # what _append does where the token ends nothing
+            plain.append(req)
+        if plain:
+            items.append(_decode_tokens(plain, now))
+        return items
 
     def _settle(self) -> None:
         """Wait for a step in flight to finish (its ids are still emitted by core_step)."""
@@ -891,6 +900,18 @@ class Engine:
             logprobs=logprobs, stop_token=stop_token, scheduled=t.scheduled,
             prefill_seconds=t.prefill_seconds, forced_tokens=req.forced_tokens,
             draft_tokens=req.draft_tokens, accepted_tokens=req.accepted_tokens)
+
+
+def _decode_tokens(reqs: list[_Request], now: float) -> DecodeTokens:
+    """The columns of requests whose last token, made at `now`, ended nothing (as _output
+    would make each one's CoreOutput)."""
+    seqs = [r.seq for r in reqs]
+    times = [r.timings for r in reqs]
+    return DecodeTokens(
+        [s.seq_id for s in seqs], [s.token_ids[-1] for s in seqs],
+        [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
+        [s.num_prompt_tokens for s in seqs], [s.num_cached_tokens for s in seqs],
+        [t.scheduled for t in times], [t.prefill_seconds for t in times], now)
 
 
 def token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:

@@ -6,6 +6,8 @@ counts and timings cut where the text ends.
     CoreOutput: new ids, logprobs,    ->    IncrementalDetokenizer -> StopStringFilter
     finishes tokens decide                  -> RequestOutput: text_delta, finish_reason,
     (EOS, stop ids, length, abort)             usage, logprobs, timings
+    DecodeTokens: a decode step's     ->    a token whose text is known: a table look-up,
+    tokens that end nothing, columns        its RequestOutput built when first read
 
 A stop string is found here, possibly after the core has made more tokens for the request:
 the processor finishes the request at the stop (finish reason "stop", the text cut as
@@ -23,10 +25,12 @@ from dataclasses import dataclass, field
 
 from kvlab.request import (
     CoreOutput,
+    DecodeTokens,
     FinishReason,
     RequestOutput,
     RequestTimings,
     SamplingParams,
+    StepItem,
     TokenLogprob,
 )
 from kvlab.stop import StopStringFilter
@@ -45,10 +49,50 @@ class _State:
     plain: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
+class _PlainText:
+    """Text of a DecodeTokens run's rows that took the table look-up: row rows[i] of
+    `tokens`, its delta and its request's timings. Its RequestOutputs are built when read."""
+
+    tokens: DecodeTokens
+    rows: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    timings: list[RequestTimings] = field(default_factory=list)
+
+    def outputs(self) -> list[RequestOutput]:
+        """As _made makes them from each row's CoreOutput; positional, in the fields' order."""
+        b = self.tokens
+        ids, tokens, prompt, cached, n_out = (b.request_ids, b.token_ids, b.prompt_tokens,
+                                              b.cached_tokens, b.output_tokens)
+        return [RequestOutput(ids[i], [tokens[i]], delta, False, None, prompt[i], cached[i],
+                              n_out[i], [], t, 0, 0, 0, None, None)
+                for i, delta, t in zip(self.rows, self.deltas, self.timings)]
+
+
 class Processed:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    stopped: list[str] = field(default_factory=list)  # ended at a stop string: abort in the core
+    """One core step's RequestOutputs (`outputs`, in its order) and the requests that ended
+    at a stop string (`stopped`: abort them in the core). The outputs of plain decode tokens
+    are built when `outputs` is first read, so a caller that reads only `stopped` pays for
+    no per-request object."""
+
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+        self._parts: list[RequestOutput | _PlainText] = []
+        self._outputs: list[RequestOutput] | None = None
+
+    def add(self, part: RequestOutput | _PlainText) -> None:
+        self._parts.append(part)
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        if self._outputs is None:
+            self._outputs = []
+            for part in self._parts:
+                if type(part) is _PlainText:
+                    self._outputs += part.outputs()
+                else:
+                    self._outputs.append(part)
+        return self._outputs
 
 
 class OutputProcessor:
@@ -74,7 +118,7 @@ class OutputProcessor:
     def num_live(self) -> int:
         return len(self._states)
 
-    def process(self, core_outputs: list[CoreOutput]) -> Processed:
+    def process(self, items: list[StepItem]) -> Processed:
         """The RequestOutputs of one core step, in its order; outputs of requests already
         finished here (a stop string) or dropped are left out. A plain request's one new
         token whose text is known (most decode steps) costs a table look-up; the others
@@ -82,28 +126,59 @@ class OutputProcessor:
         done = Processed()
         with self._lock:
             get = self._states.get
-            states = [get(core.request_id) for core in core_outputs]
+            states = [[get(r) for r in item.request_ids] if type(item) is DecodeTokens
+                      else get(item.request_id) for item in items]
+        for item, state in zip(items, states):
+            if type(item) is DecodeTokens:
+                self._decoded(item, state, done)
+            elif state is not None:
+                self._core(item, state, done)
+        return done
+
+    def _decoded(self, tokens: DecodeTokens, states: list[_State | None],
+                 done: Processed) -> None:
+        """A DecodeTokens run: its rows whose text is a table hit in columns, the others
+        as their CoreOutputs."""
         known = self.texts.known
-        outputs = done.outputs
-        for core, state in zip(core_outputs, states):
+        text = _PlainText(tokens)
+        rows, deltas, timings = text.rows.append, text.deltas.append, text.timings.append
+        ids, scheduled, prefill = tokens.token_ids, tokens.scheduled, tokens.prefill_seconds
+        step_time = tokens.step_time
+        for i, state in enumerate(states):
             if state is None:
                 continue
-            tokens = core.new_token_ids
-            if (state.plain and core.finish_reason is None and len(tokens) == 1
-                    and (delta := known.get(tokens[0]))):
+            if state.plain and (delta := known.get(ids[i])):
                 t = state.timings  # its first token, before `plain`, set first_token
-                t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
-                t.token_times.append(core.step_time)
-                outputs.append(_made(core, tokens, delta, None, core.output_tokens,
-                                     core.logprobs, t))
+                t.scheduled, t.prefill_seconds = scheduled[i], prefill[i]
+                t.token_times.append(step_time)
+                rows(i)
+                deltas(delta)
+                timings(t)
                 continue
-            out = self._output(state, core)
-            if out.finished:
-                self.drop(core.request_id)
-                if core.finish_reason is None:  # the core still runs it
-                    done.stopped.append(core.request_id)
-            outputs.append(out)
-        return done
+            if text.rows:  # the rows so far go before this one
+                done.add(text)
+                text = _PlainText(tokens)
+                rows, deltas, timings = text.rows.append, text.deltas.append, text.timings.append
+            self._core(tokens.row(i), state, done)
+        if text.rows:
+            done.add(text)
+
+    def _core(self, core: CoreOutput, state: _State, done: Processed) -> None:
+        tokens = core.new_token_ids
+        if (state.plain and core.finish_reason is None and len(tokens) == 1
+                and (delta := self.texts.known.get(tokens[0]))):
+            t = state.timings
+            t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
+            t.token_times.append(core.step_time)
+            done.add(_made(core, tokens, delta, None, core.output_tokens,
+                                     core.logprobs, t))
+            return
+        out = self._output(state, core)
+        if out.finished:
+            self.drop(core.request_id)
+            if core.finish_reason is None:  # the core still runs it
+                done.stopped.append(core.request_id)
+        done.add(out)
 
     def _output(self, state: _State, core: CoreOutput) -> RequestOutput:
         delta, kept, reason = _text(state, core)

@@ -193,6 +193,36 @@ class CoreOutput:
     experts: list[list[int]] | None = None
 
 
+@dataclass(eq=False)
+class DecodeTokens:
+    """A decode step's tokens that end nothing, by column: row i gave request_ids[i] the one
+    new token token_ids[i], with no finish, logprobs or forced / proposed tokens; `row(i)` is
+    the CoreOutput it stands for. The engine emits one of these for the plain rows of an
+    async decode step in place of a CoreOutput per request, whose building was most of a
+    large batch's host time; the output processor reads the columns."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    output_tokens: list[int]  # generated so far, this token included
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    scheduled: list[float | None]
+    prefill_seconds: list[float]
+    step_time: float  # perf_counter when the step made the tokens
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def row(self, i: int) -> CoreOutput:
+        return CoreOutput(self.request_ids[i], [self.token_ids[i]], None, self.prompt_tokens[i],
+                          self.cached_tokens[i], self.output_tokens[i], self.step_time, [],
+                          False, self.scheduled[i], self.prefill_seconds[i])
+
+
+# one core step's results, in row order: a request's own output, or a run of plain tokens
+StepItem = CoreOutput | DecodeTokens
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request."""
