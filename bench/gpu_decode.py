@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import signal
@@ -141,13 +142,23 @@ def hf_generate_tok_s(model, prompt: list[int], n: int, device: str) -> tuple[fl
 
 
 def kvlab_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    engine.add_request("greedy", prompt, SamplingParams(max_tokens=n, temperature=0,
-                                                        ignore_eos=True))
-    got: list[int] = []
+    return generate(engine, [(prompt, greedy(n))])[0]
+
+
+def greedy(n: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                          stop_token_ids=stop_token_ids)
+
+
+def generate(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Each request's tokens, the requests run side by side."""
+    for i, (prompt, params) in enumerate(jobs):
+        engine.add_request(f"gen{i}", prompt, params)
+    got: dict[str, list[int]] = {f"gen{i}": [] for i in range(len(jobs))}
     while engine.has_unfinished():
         for out in engine.step():
-            got.extend(out.new_token_ids)
-    return got
+            got[out.request_id].extend(out.new_token_ids)
+    return list(got.values())
 
 
 def batch_tok_s(engine: Engine, batch: int, n: int, prompt: int) -> float:
@@ -158,7 +169,7 @@ def batch_tok_s(engine: Engine, batch: int, n: int, prompt: int) -> float:
 
 
 def _batch_round(engine: Engine, batch: int, n: int, prompt: int) -> float:
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    params = greedy(n)
     for b in range(batch):
         engine.add_request(f"b{b}", [100 + (b * 7 + i) % 1000 for i in range(prompt)], params)
     started: set[str] = set()
@@ -231,6 +242,29 @@ def report_logprobs(engine: Engine, model) -> None:
           f"top-10 {gap:.3f}, top-1 agreement {agree:.0%}", flush=True)
 
 
+def report_async_check(engine: Engine, args: argparse.Namespace) -> None:
+    """Async scheduling against the synchronous engine on the same weights: three greedy
+    requests in a padded graph bucket (four rows), the first ended by a stop token that no
+    limit foresees (the step already launched carries its row, dropped), the second by its
+    limit, the third running on alone. Tokens may part where a changed batch shape rounds a
+    near-tie differently; an error here is a bug of the async path."""
+    config = dataclasses.replace(engine.config, async_scheduling=False, kv_cache_gib=1.0)
+    sync_engine = Engine(engine.loaded, engine.tokenizer, config, model_name="synchronous")
+    prompts = [[100 + (b * 11 + i * 37) % 5000 for i in range(args.prompt // (b + 1))]
+               for b in range(3)]
+    first = kvlab_greedy(sync_engine, prompts[0], 24)
+    stop = next((t for i, t in enumerate(first) if i >= 4 and t not in first[:i]), first[4])
+    jobs = [(prompts[0], greedy(24, (stop,))), (prompts[1], greedy(9)),
+            (prompts[2], greedy(24))]
+    want, got = generate(sync_engine, jobs), generate(engine, jobs)
+    sync_engine.close()
+    same = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+            for w, g in zip(want, got)]
+    print(f"async scheduling vs synchronous, 3 requests ending at different steps: "
+          f"{sum(w == g for w, g in zip(want, got))} of 3 equal (lengths {[len(g) for g in got]}"
+          f" vs {[len(w) for w in want]}, equal prefixes {same})", flush=True)
+
+
 def report_batches(engine: Engine, args: argparse.Namespace) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         rate = batch_tok_s(engine, batch, min(64, args.gen), args.prompt)
@@ -247,7 +281,7 @@ def _step_split(engine: Engine, args: argparse.Namespace, batch: int) -> None:
     """Where a decode step goes: graph replay alone against a whole engine step, and the
     kernels of one step (the static pass run eagerly under the profiler)."""
     graphs = engine.runner.graphs
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    params = greedy(60)
     for b in range(batch):
         engine.add_request(f"split{b}", [100 + (b * 7 + i) % 1000 for i in range(args.prompt)],
                            params)
@@ -509,6 +543,7 @@ def run_bf16(args: argparse.Namespace, bw: float, parts: set[str],
     if "bf16" in parts:
         tok_s = section("batch 1", report_batch1, engine, model, args, bw)
         section("log-probs", report_logprobs, engine, model)
+        section("async check", report_async_check, engine, args)
         section("step split", report_step_split, engine, args)
         section("batches", report_batches, engine, args)
         if dev.startswith("cuda"):
