@@ -161,3 +161,16 @@ def test_abort_under_a_launched_padded_step(tiny, inline):
     want = run(_engine(tiny, False, "off"), jobs, {"1": 4})
     got = run(_engine(tiny, True, "eager", inline), jobs, {"1": 4})
     assert got[:2] == want[:2] and got[2] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_captured_graphs_pinned_ids_and_events(tiny):
+    """The same on a GPU: captured graphs, ids copied to pinned memory behind an event, the
+    next step's ids gathered on the device; fp32, so the CPU's synchronous tokens hold."""
+    jobs = _jobs(tiny)
+    want = run(_engine(tiny, False, "off"), jobs)
+    e = _engine(tiny, True, "auto", device="cuda", dtype="float32", kv_dtype="f32")
+    got = run(e, jobs)
+    assert e.runner.graphs is not None and e.runner.graphs.capture
+    assert got[:2] == want[:2] and got[2] > 0
+    assert {b for b, _ in e.runner.graphs.buckets} == {1, 2, 4}
