@@ -175,7 +175,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if self.proposer is not None:  # from the start: an MTP proposer follows its prefill
-            seq.draft = DraftState()
+            seq.draft = DraftState.of(seq.params)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -423,7 +423,7 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_prompt_tokens or seq.num_draft_tokens:
                 continue
             if seq.draft is None:
-                seq.draft = DraftState()
+                seq.draft = DraftState.of(seq.params)
             seqs.append(seq)
             candidates.append(Candidate(seq.draft, seq.token_ids, left))
         if not candidates:

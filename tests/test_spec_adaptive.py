@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from kvlab.engine import Engine, EngineConfig
-from kvlab.spec.adaptive import EXPLORE_EVERY, Acceptance, DraftState, Planner, StepCost
+from kvlab.request import SamplingParams
+from kvlab.spec.adaptive import (
+    EXPLORE_EVERY,
+    RATE_PRIOR,
+    Acceptance,
+    DraftState,
+    Planner,
+    StepCost,
+)
 from kvlab.spec.draft import CATCH_UP_EVERY
 from kvlab.spec.proposer import Candidate
 
@@ -131,7 +139,7 @@ def test_a_new_sequence_starts_from_the_pool_and_its_own_trials_soon_outweigh_it
     planner = Planner(4)
     replay(batch_1, [0.02] * 2, 300, planner=planner)
     fresh = DraftState()
-    planner.adopt(fresh.acceptance)
+    planner.adopt(fresh)
     assert fresh.acceptance.rate < 0.1  # where the others stand
     for _ in range(6):
         fresh.acceptance.record(4, 4)
@@ -147,6 +155,81 @@ def test_a_long_run_of_plain_steps_leaves_the_fit_sound():
     for rows in (2, 3, 4, 5) * 3:
         cost.observe(rows, True, batch_1(rows, True))
     assert cost.seconds(3, True) == pytest.approx(batch_1(3, True), rel=0.05)
+
+
+def alone(rows: int, several: bool) -> float:
+    """One sequence's steps, recorded under kvlab serve: plain 46 ms, a verify step 57 ..
+    90 ms at 2 .. 5 rows."""
+    return 0.035 + 0.011 * rows if several else 0.036 + 0.0105 * rows
+
+
+def eight(rows: int, several: bool) -> float:
+    """The same server's steps of 8 sequences (loadtest -c 8): plain 120 ms, a verify step
+    153 ms at 9 rows and 390 ms at 23: compute-bound, a verify row 17 ms."""
+    return 0.017 * rows if several else 0.036 + 0.0105 * rows
+
+
+def test_a_new_sequence_first_proposes_one_token_then_reaches_twice_as_far():
+    plans = replay(batch_1, [0.95], 6)
+    assert plans == [[0], [1], [3], [4], [4], [4]]  # verify steps of 2, 4, then 5 rows
+
+
+def test_a_larger_batch_proposes_little_before_its_verify_steps_are_timed():
+    """Verify rows timed alone (cheap) say nothing of a batch of 8's (dear): the batch's
+    first verify step reaches twice the rows timed (10), and once it is timed the plan
+    declines; without the reach it would have proposed 32 tokens at once."""
+    planner = Planner(4)
+    Replay(alone, [0.95], 100, planner=planner)
+    assert planner.cost.verify_rows == 5
+    plans = [sum(ks) for ks in replay(eight, [0.95] * 8, 400, planner=planner)]
+    proposing = [k for k in plans if k]
+    assert proposing[0] == 2  # 8 + 2 rows: twice the 5 timed alone
+    assert proposing[1:] == [1] * len(proposing[1:])  # probes only
+    assert len(proposing) <= 4
+
+
+def test_one_sequences_verify_line_keeps_its_price_per_row():
+    """Plain steps of one row place only fixed + per_row; where the verify steps' fixed
+    part stands well above the plain step's, the unbounded fit took a negative per_row
+    (the plain step then priced too dear); the plain slope is held at 0 instead."""
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(1, False, 0.050)
+        for rows in (2, 3, 4, 5):
+            cost.observe(rows, True, 0.070 + 0.005 * rows)
+    assert cost.theta[1] >= 0.0
+    assert cost.seconds(1, False) == pytest.approx(0.050, rel=0.01)
+    for rows in (2, 5):
+        assert cost.seconds(rows, True) == pytest.approx(0.070 + 0.005 * rows, rel=0.01)
+
+
+def _finish(planner: Planner, params: SamplingParams, kept: int) -> None:
+    """Three sequences of `params` whose 20 proposals of 4 tokens each kept `kept`."""
+    for _ in range(3):
+        state = DraftState.of(params)
+        planner.adopt(state)
+        for _ in range(20):
+            state.acceptance.record(4, kept)
+
+
+def test_sampled_and_greedy_sequences_start_from_pools_of_their_own():
+    planner = Planner(4)
+    for _ in range(40):  # one sequence alone, as its plans were timed
+        planner.cost.observe(1, False, batch_1(1, False))
+        for rows in (2, 3, 4, 5):
+            planner.cost.observe(rows, True, batch_1(rows, True))
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
+    _finish(planner, greedy, kept=4)  # greedy copies: every guess kept
+    fresh = DraftState.of(sampled)
+    planner.adopt(fresh)
+    assert fresh.acceptance.rate == RATE_PRIOR  # no sampled trial yet: neutral, not ~1
+    _finish(planner, sampled, kept=0)  # sampled prose: no guess holds
+    late = DraftState.of(sampled)
+    planner.adopt(late)
+    assert late.acceptance.rate < 0.1  # the sampled pool's, not the greedy copies' (~1)
+    assert planner.plan([late], [4], 1) == [0]
+    assert planner.plan([DraftState.of(greedy)], [4], 1) == [4]
+    assert DraftState.of(SamplingParams(temperature=0.7)).kind != fresh.kind
 
 
 @pytest.fixture(scope="module")

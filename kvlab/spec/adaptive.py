@@ -23,9 +23,16 @@ tokens per second; when the batch is compute-bound, that is none. A sequence tha
 nothing still has its would-be proposal checked against the token that came (a shadow
 trial, free), so k grows back when the text starts repeating again: proposing tells no more
 about the rate than declining does, so the plan proposes only where it expects to gain. A
-rate starts at the pool's (every sequence of the proposer so far) and averages about the last
-MEMORY trials, so a few lucky guesses of a sequence that seldom guesses right do not make it
+rate starts at its pool's (the proposer's recent sequences of its kind: greedy, or sampled at
+its temperature, whose guesses are kept far less often) and averages about the last MEMORY
+trials, so a few lucky guesses of a sequence that seldom guesses right do not make it
 propose.
+
+The fit is a line, and a line is only known where it was timed: one sequence's verify rows
+cost less than a batch of 8's, whose steps are compute-bound. A plan reaches at most twice
+the rows of the largest verify step timed so far (one proposal where none was), so the
+first verify steps of a larger batch are small and their timings place the line before the
+batch proposes much.
 
 The verify line is only measured on steps that propose, and a noisy early timing could keep
 it too dear for good. After EXPLORE_EVERY declined steps the plan makes one proposal anyway,
@@ -48,16 +55,17 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvlab.request import SamplingParams
 from kvlab.spec.ngram import NgramIndex
 
-RATE_PRIOR = 0.5  # the rate before any trial of any sequence
-# a new sequence's rate starts at the pool's (all of the proposer's sequences so far), worth
-# this many trials: its own trials soon outweigh it
+RATE_PRIOR = 0.5  # the rate before any trial of any sequence of a kind
+# a new sequence's rate starts at its pool's (the proposer's sequences of its kind so far),
+# worth this many trials: its own trials soon outweigh it
 PRIOR_TRIALS = 1
 # trials a sequence's rate averages over (older ones fade): short enough to follow the text
 # (a copy starts, a draft's agreement drifts), long enough that a few lucky guesses among
-# misses do not lift a low rate to where proposing pays; the pool's follows the recent
-# workload (a run of greedy copies then sampled prose: the prose soon sets the prior)
+# misses do not lift a low rate to where proposing pays; a pool's follows the recent
+# workload of its kind (a run of copies then free prose: the prose soon sets the prior)
 MEMORY = 32
 POOL_MEMORY = 64
 FORGET = 0.97  # an older timing's weight in the cost fit, per newer one of its kind
@@ -111,15 +119,29 @@ class Acceptance:
         return sum(rate ** i for i in range(1, k + 1))
 
 
+def pool_kind(params: SamplingParams) -> str:
+    """The pool a sequence's rate starts from. A greedy sequence keeps a guess where it is
+    the argmax, a sampled one with the probability the target gives it, lower the hotter it
+    samples: a pool of greedy copies would start sampled prose far too high."""
+    return "greedy" if params.greedy else f"temperature {params.temperature:g}"
+
+
 @dataclass
 class DraftState:
     """One sequence's proposer state: its n-gram index, acceptance rate, and the proposal it
-    did not make last step (checked against what came instead)."""
+    did not make last step (checked against what came instead); `kind` names the pool its
+    rate starts from (pool_kind)."""
 
+    kind: str = "greedy"
     index: NgramIndex = field(default_factory=NgramIndex)
     acceptance: Acceptance = field(default_factory=Acceptance)
     shadow: list[int] = field(default_factory=list)
     shadow_at: int = 0  # position the shadow proposal would have started at
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> DraftState:
+        """The state of a sequence sampled with `params`."""
+        return cls(kind=pool_kind(params))
 
     def check_shadow(self, token_ids: Sequence[int]) -> None:
         """Score last step's unmade proposal against the tokens that came since."""
@@ -169,13 +191,15 @@ class CostFit:
         self.counts[kind] += 1
         self.theta = self._solve()
 
-    def _solve(self) -> list[float]:
-        """theta of (sum of the kinds' a + ridge) theta = sum of their b (Gauss-Jordan)."""
-        n = self.n
+    def _solve(self, pinned: frozenset[int] = frozenset()) -> list[float]:
+        """theta of (sum of the kinds' a + ridge) theta = sum of their b (Gauss-Jordan), the
+        `pinned` terms held at 0 (the others fitted without them)."""
+        free = [i for i in range(self.n) if i not in pinned]
+        n = len(free)
         # the fixed part is free, yet the system stays solvable
-        ridge = [RIDGE * sum(self.weight) * (1e-9 if i == 0 else 1.0) for i in range(n)]
-        m = [[sum(a[i][j] for a in self.a) + (ridge[i] if i == j else 0.0) for j in range(n)]
-             + [sum(b[i] for b in self.b)] for i in range(n)]
+        ridge = [RIDGE * sum(self.weight) * (1e-9 if i == 0 else 1.0) for i in free]
+        m = [[sum(a[i][j] for a in self.a) + (ridge[r] if i == j else 0.0) for j in free]
+             + [sum(b[i] for b in self.b)] for r, i in enumerate(free)]
         for c in range(n):
             pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
             m[c], m[pivot] = m[pivot], m[c]
@@ -183,7 +207,10 @@ class CostFit:
                 if r != c and m[c][c]:
                     k = m[r][c] / m[c][c]
                     m[r] = [u - k * v for u, v in zip(m[r], m[c])]
-        return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
+        theta = [0.0] * self.n
+        for r, i in enumerate(free):
+            theta[i] = m[r][n] / m[r][r] if m[r][r] else 0.0
+        return theta
 
 
 class StepCost(CostFit):
@@ -200,6 +227,7 @@ class StepCost(CostFit):
 
     def __init__(self) -> None:
         super().__init__(4, 2)
+        self.verify_rows = 0  # the most rows a timed several-row step computed
 
     @property
     def plain_steps(self) -> int:
@@ -208,7 +236,17 @@ class StepCost(CostFit):
     def observe(self, rows: int, multi: bool, seconds: float) -> None:
         """One timed step of decodes (and proposals): rows computed, seconds taken."""
         m = float(multi)
+        if multi:
+            self.verify_rows = max(self.verify_rows, rows)
         self.fit((1.0, float(rows), m, m * rows), seconds, int(multi))
+
+    def _solve(self, pinned: frozenset[int] = frozenset()) -> list[float]:
+        """The fit with the plain slope held at 0 where it would come out below: one
+        sequence's plain steps all compute one row, so only the verify steps place the
+        plain line, and a negative slope there (its fixed part too high) would flatten
+        the verify line's price per row to nothing."""
+        theta = super()._solve(pinned)
+        return theta if theta[1] >= 0.0 else super()._solve(pinned | {1})
 
     def seconds(self, rows: int, multi: bool) -> float:
         fixed, per_row, switch, switch_row = self.theta
@@ -246,7 +284,8 @@ class Planner:
         self.max_k, self.adaptive = max_k, adaptive
         self.cost = StepCost()
         self.draft_cost = DraftCost() if draft else None
-        self.pool = Acceptance(memory=POOL_MEMORY)  # every sequence's trials: the prior
+        # each kind's sequences' trials together (pool_kind): a new one's prior
+        self.pools: dict[str, Acceptance] = {}
         self.declined = 0  # steps in a row that had proposals and made none
         self.explore_every = EXPLORE_EVERY
 
@@ -254,7 +293,7 @@ class Planner:
         """Proposals per sequence (at most its cap) for a step that computes `rows` rows
         without them."""
         for s in states:
-            self.adopt(s.acceptance)
+            self.adopt(s)
         if not self.adaptive:
             return [min(c, self.max_k) for c in caps]
         rates = [s.acceptance.rate for s in states]
@@ -274,10 +313,13 @@ class Planner:
         self.declined += 1
         return best_ks
 
-    def adopt(self, acceptance: Acceptance) -> None:
-        """A sequence's rate joins the pool, which is its prior."""
-        if acceptance.pool is None:
-            acceptance.pool = self.pool
+    def adopt(self, state: DraftState) -> None:
+        """A sequence's rate joins its kind's pool, which is its prior."""
+        if state.acceptance.pool is None:
+            pool = self.pools.get(state.kind)
+            if pool is None:
+                pool = self.pools[state.kind] = Acceptance(memory=POOL_MEMORY)
+            state.acceptance.pool = pool
 
     def _best(self, rates: list[float], caps: Sequence[int],
               heap: list[tuple[float, int]], rows: int) -> list[int]:
@@ -287,7 +329,7 @@ class Planner:
         ks = [0] * len(rates)
         base = len(rates) / self.cost.seconds(rows, False)
         best, best_ks, tokens, added, passes = base, list(ks), float(len(rates)), 0, 0
-        while heap:
+        while heap and rows + added < self.reach(rows):
             gain, i = heapq.heappop(heap)
             ks[i] += 1
             added += 1
@@ -299,6 +341,13 @@ class Planner:
             if tokens / seconds > best:
                 best, best_ks = tokens / seconds, list(ks)
         return best_ks
+
+    def reach(self, rows: int) -> int:
+        """The most rows a verify step may compute: twice the most a timed one did, at
+        least one past the step's own. The verify line is fitted where it was timed; past
+        that it is a guess (a batch of 8's verify rows cost more than one sequence's), so a
+        step reaches at most twice as far, and its timing places the line there."""
+        return max(2 * self.cost.verify_rows, rows + 1)
 
     def drafting(self, passes: int, rows: int) -> float:
         """Seconds of the draft passes a proposal takes (none without a draft model)."""
