@@ -364,6 +364,195 @@ KV_INL __m256i scales_of(__m256i sc16, int s) {
     return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), split);
 }
 
+/* ---------------- decode: a super-block's signs, scales and grid indices made once ------
+ *
+ * For one to four x rows each weight is read once, so decoding is the product's cost, and
+ * on the CPUs measured the vector ports are what it runs out of (a lane-crossing permute
+ * costs several). So per super-block, in a few vector steps and with one lane-crossing
+ * permute: the 32 sign bytes (the 7-bit ones with their parity bit), laid out so that one
+ * byte shuffle spreads a sub-block's four over its 32 values; the scales as int16 pairs on
+ * the stack, a sub-block's taken by broadcast loads; the grid indices that are not plain
+ * bytes of the block as uint16. Per sub-block what is left: one load per grid row (8 bytes
+ * of IQ2, 4 of IQ3), four vector steps for the signs, and the products. */
+typedef struct {
+    __m256i sgn;       /* sign bytes: sub-block s's groups 0, 1 at bytes 2 pos(s), 2 pos(s) + 1
+                        * of the low lane, its groups 2, 3 at the same bytes of the high lane */
+    int32_t sc[16];    /* scale of group g (16 values) in both int16 halves, at sc_at(g) */
+    uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S) values */
+} kv_iq_dec;
+
+/* where sub-block s's sign bytes sit: the XXS types' and IQ2_XS's vector steps leave the
+ * sub-blocks in the order 0 1 4 5 2 3 6 7 (in-lane shuffles), the others in block order */
+KV_INL int sign_pos(const int qt, int s) {
+    return qt == KV_IQ2_XXS || qt == KV_IQ2_XS ? (s & 1) | (s & 2) << 1 | (s & 4) >> 1 : s;
+}
+/* where group g's scale sits in kv_iq_dec.sc after scales_to (in-lane unpacks) */
+KV_INL int sc_at(int g) { return (g & 3) | (g & 8) >> 1 | (g & 4) << 1; }
+
+/* 16 scales as int16 (group order) -> kv_iq_dec.sc */
+KV_INL void scales_to(int32_t *sc, __m256i sc16) {
+    _mm256_storeu_si256((__m256i *)sc, _mm256_unpacklo_epi16(sc16, sc16));
+    _mm256_storeu_si256((__m256i *)(sc + 8), _mm256_unpackhi_epi16(sc16, sc16));
+}
+/* 8 per-32 scales as int32, sub-block s's at sign_pos(s) -> kv_iq_dec.sc, where the
+ * per-32 types read group 2s's entry for both groups */
+KV_INL void scales32_to(const int qt, int32_t *sc, __m256i s32) {
+    int32_t t[8];
+    _mm256_storeu_si256((__m256i *)t, odd32(s32));
+    for (int s = 0; s < 8; s++) sc[sc_at(2 * s)] = t[sign_pos(qt, s)];
+}
+
+/* 32 sign bytes, dword p holding a sub-block's four -> kv_iq_dec.sgn */
+KV_INL __m256i signs_by_half(__m256i r) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, pick), 0xD8);
+}
+/* bytes of 7 sign bits -> 8, the 8th their parity (ksign) */
+KV_INL __m256i with_parity(__m256i b7) {
+    const __m256i par = _mm256_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128,
+                                         0, -128, -128, 0, 0, -128, -128, 0, -128, 0, 0, -128,
+                                         -128, 0, 0, -128, 0, -128, -128, 0);
+    const __m256i nib = _mm256_and_si256(_mm256_xor_si256(b7, _mm256_srli_epi16(b7, 4)),
+                                         _mm256_set1_epi8(15));
+    return _mm256_or_si256(b7, _mm256_shuffle_epi8(par, nib));
+}
+/* 32-bit words of four 7-bit sign indices (bits 0 .. 27) -> one sign byte each */
+KV_INL __m256i ksigns_of(__m256i a) {
+    const __m256i m = _mm256_set1_epi32(0x7F);
+    const __m256i b01 = _mm256_or_si256(_mm256_and_si256(a, m),
+                                        _mm256_and_si256(_mm256_slli_epi32(a, 1),
+                                                         _mm256_slli_epi32(m, 8)));
+    const __m256i b23 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(a, 2),
+                                                         _mm256_slli_epi32(m, 16)),
+                                        _mm256_and_si256(_mm256_slli_epi32(a, 3),
+                                                         _mm256_slli_epi32(m, 24)));
+    return with_parity(_mm256_or_si256(b01, b23));
+}
+/* 16 uint16 grid indices: bytes lo, plus the high bits of (hi_rep bytes * mul) & top */
+KV_INL __m256i index16(__m128i lo, __m128i hi_rep, __m256i mul, int top) {
+    const __m256i h = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(hi_rep), mul);
+    return _mm256_or_si256(_mm256_cvtepu8_epi16(lo), _mm256_and_si256(h, _mm256_set1_epi16(top)));
+}
+
+KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
+    switch (qt) {
+        case KV_IQ2_XXS: {  /* sign and scale words: the odd 32-bit words of qs */
+            const __m256i a = _mm256_castps_si256(
+                _mm256_shuffle_ps(_mm256_castsi256_ps(load256(b + 2)),
+                                  _mm256_castsi256_ps(load256(b + 34)), 0xDD));
+            scales32_to(qt, u->sc, _mm256_srli_epi32(a, 28));
+            u->sgn = signs_by_half(ksigns_of(a));
+            break;
+        }
+        case KV_IQ2_XS: {  /* qs: 9-bit index, 7 sign bits */
+            const __m256i lo = load256(b + 2), hi = load256(b + 34);
+            const __m256i m = _mm256_set1_epi16(511);
+            _mm256_storeu_si256((__m256i *)u->idx, _mm256_and_si256(lo, m));
+            _mm256_storeu_si256((__m256i *)(u->idx + 16), _mm256_and_si256(hi, m));
+            u->sgn = signs_by_half(with_parity(
+                _mm256_packus_epi16(_mm256_srli_epi16(lo, 9), _mm256_srli_epi16(hi, 9))));
+            scales_to(u->sc, sb_scales(qt, b));
+            break;
+        }
+        case KV_IQ2_S: {  /* index: qs byte, 2 bits of qh (a byte per 4 groups) above */
+            const __m128i qh = _mm_loadl_epi64((const __m128i *)(b + 66));
+            const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4,
+                                                  256, 64, 16, 4, 256, 64, 16, 4);
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_si256(
+                    (__m256i *)(u->idx + 16 * h),
+                    index16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)),
+                            _mm_shuffle_epi8(qh, _mm_add_epi8(rep, _mm_set1_epi8((char)(4 * h)))),
+                            mul, 0x300));
+            u->sgn = signs_by_half(load256(b + 34));
+            scales_to(u->sc, sb_scales(qt, b));
+            break;
+        }
+        case KV_IQ3_XXS: {
+            const __m256i a = load256(b + 66);
+            scales32_to(qt, u->sc, _mm256_srli_epi32(a, 28));
+            u->sgn = signs_by_half(ksigns_of(a));
+            break;
+        }
+        default: {  /* IQ3_S: index: qs byte, 1 bit of qh (a byte per sub-block) above */
+            const __m128i qh = _mm_loadl_epi64((const __m128i *)(b + 66));
+            const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            const __m256i mul = _mm256_setr_epi16(256, 128, 64, 32, 16, 8, 4, 2,
+                                                  256, 128, 64, 32, 16, 8, 4, 2);
+            for (int c = 0; c < 4; c++)
+                _mm256_storeu_si256(
+                    (__m256i *)(u->idx + 16 * c),
+                    index16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)),
+                            _mm_shuffle_epi8(qh, _mm_add_epi8(rep, _mm_set1_epi8((char)(2 * c)))),
+                            mul, 0x100));
+            u->sgn = signs_by_half(load256(b + 74));
+            const __m128i s8 = nibbles(_mm_cvtsi32_si128((int)u32_at(b + 106)));
+            scales32_to(qt, u->sc, _mm256_cvtepu8_epi32(s8));
+            break;
+        }
+    }
+}
+
+/* grid rows: four of 8 bytes, eight of 4, one load each */
+KV_INL __m256i grid8(const uint8_t (*grid)[8], unsigned i0, unsigned i1, unsigned i2,
+                     unsigned i3) {
+    const __m128d lo = _mm_loadh_pd(_mm_load_sd((const double *)grid[i0]), (const double *)grid[i1]);
+    const __m128d hi = _mm_loadh_pd(_mm_load_sd((const double *)grid[i2]), (const double *)grid[i3]);
+    return _mm256_castpd_si256(_mm256_insertf128_pd(_mm256_castpd128_pd256(lo), hi, 1));
+}
+KV_INL __m128 grid4x4(const uint8_t (*grid)[4], unsigned i0, unsigned i1, unsigned i2,
+                      unsigned i3) {
+    __m128 v = _mm_load_ss((const float *)grid[i0]);
+    v = _mm_insert_ps(v, _mm_load_ss((const float *)grid[i1]), 0x10);
+    v = _mm_insert_ps(v, _mm_load_ss((const float *)grid[i2]), 0x20);
+    return _mm_insert_ps(v, _mm_load_ss((const float *)grid[i3]), 0x30);
+}
+#define KV_GRID4(grid, i)                                                                    \
+    _mm256_castps_si256(_mm256_insertf128_ps(                                              \
+        _mm256_castps128_ps256(grid4x4(grid, (i)[0], (i)[1], (i)[2], (i)[3])),              \
+        grid4x4(grid, (i)[4], (i)[5], (i)[6], (i)[7]), 1))
+
+/* sub-block s's unsigned grid values */
+KV_INL __m256i dec_grid(const int qt, const uint8_t *b, const kv_iq_dec *u, int s) {
+    switch (qt) {
+        case KV_IQ2_XXS: {
+            const uint32_t v = u32_at(b + 2 + 8 * s);  /* one load for the four indices */
+            return grid8(grid_iq2xxs, v & 255, v >> 8 & 255, v >> 16 & 255, v >> 24);
+        }
+        case KV_IQ2_XS: {
+            const uint16_t *p = u->idx + 4 * s;
+            return grid8(grid_iq2xs, p[0], p[1], p[2], p[3]);
+        }
+        case KV_IQ2_S: {
+            const uint16_t *p = u->idx + 4 * s;
+            return grid8(grid_iq2s, p[0], p[1], p[2], p[3]);
+        }
+        case KV_IQ3_XXS: return KV_GRID4(grid_iq3xxs, b + 2 + 8 * s);
+        default: return KV_GRID4(grid_iq3s, u->idx + 8 * s);
+    }
+}
+
+/* x with sub-block s's signs: each 8 values' sign byte spread over them (byte 2 pos(s) of
+ * each lane over its low 8 bytes, 2 pos(s) + 1 over its high 8), each byte's own bit
+ * taken, and moved to the top by an add (bit j of 1 << j plus 128 - (1 << j), or 1 for
+ * j = 7), so sign_epi8 negates where it is set (the byte is never 0) */
+KV_INL __m256i dec_signs(__m256i sgn, int p) {
+    const __m256i spread = _mm256_add_epi8(
+        _mm256_setr_epi64x(0, 0x0101010101010101ll, 0, 0x0101010101010101ll),
+        _mm256_set1_epi8((char)(2 * p)));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    const __m256i top = _mm256_set1_epi64x((int64_t)0x01406070787C7E7Full);
+    return _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(sgn, spread), bit), top);
+}
+/* sub-block s's scales for maddubs' pair sums: group 2s in the low lane, 2s + 1 above */
+KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
+    const __m256i lo = _mm256_set1_epi32(u->sc[sc_at(2 * s)]);
+    if (qt == KV_IQ2_XXS || qt == KV_IQ3_XXS || qt == KV_IQ3_S) return lo;
+    return _mm256_blend_epi32(lo, _mm256_set1_epi32(u->sc[sc_at(2 * s + 1)]), 0xF0);
+}
+
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
 
 /* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (g, x
@@ -376,18 +565,22 @@ KV_INL __m256i scales_of(__m256i sc16, int s) {
         float *y, int64_t ys) {                                                              \
         const kv_iq_type t = iq_type(qt);                                                    \
         float acc[KV_IQ_NX] = {0};                                                           \
+        kv_iq_dec dec[2];                                                                    \
+        if (nb > 0) dec_prep(qt, b, &dec[0]);                                                \
         for (int64_t i = 0; i < nb; i++, b += t.bytes) {                                     \
             __m256i isum[KV_IQ_NX];                                                          \
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                   \
-            const __m256i sc16 = sb_scales(qt, b);                                           \
-            for (int s = 0; s < 8; s++) {                                                    \
-                const kv_iq_sub u = sub_of(qt, b, s);                                        \
-                const __m256i sc = scales_of(sc16, s);                                       \
+            const kv_iq_dec *u = &dec[i & 1];                                                \
+            if (i + 1 < nb) dec_prep(qt, b + t.bytes, &dec[(i + 1) & 1]);                    \
+            _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {                            \
+                const __m256i g = dec_grid(qt, b, u, s);                                     \
+                const __m256i sg = dec_signs(u->sgn, sign_pos(qt, s));                       \
+                const __m256i sc = dec_scales(qt, u, s);                                     \
                 for (int j = 0; j < nx; j++) {                                               \
                     const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;               \
                     const __m256i x = load256(a->qs + 32 * s);                               \
-                    const __m256i xs_ = _mm256_sign_epi8(x, u.sg);                           \
-                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(u.g, xs_), sc);           \
+                    const __m256i xs_ = _mm256_sign_epi8(x, sg);                             \
+                    isum[j] = STEP(isum[j], _mm256_maddubs_epi16(g, xs_), sc);               \
                 }                                                                            \
             }                                                                                \
             const float d = half_at(b) * t.unit;                                             \
