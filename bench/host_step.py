@@ -5,6 +5,9 @@ tokens are prefilled, then decode-only steps are timed in steady state, in the l
 server runs (--loop server: Engine.core_step on this thread, the output processor's text on
 a thread of its own, as kvlab.server.core.async_engine does; the time ends once the last
 step's text is made) or in Engine.step() (--loop engine: both on one thread, as `kvlab run`).
+A decode step's plain tokens reach the processor as columns and their RequestOutputs are
+built only when read: the server loop reads none unless --read-outputs (the server reads
+all, on its output thread, to hand them to the clients), Engine.step() reads all.
 What is left is the engine's own bookkeeping: scheduling, building the step's input tensors,
 sampling and emitting outputs. On a GPU this is the time that starves the device; on the
 CPU it is pure overhead. Beside the wall-clock time per step: the process's CPU time per
@@ -15,6 +18,7 @@ overlap the rest, so the split adds up to more than the step).
     python bench/host_step.py                       # batches 1, 16, 64, 256
     python bench/host_step.py --async-scheduling off --rounds 3   # on/off alternately
     python bench/host_step.py --batches 64 -n 50 --profile    # and a cProfile of 64
+    python bench/host_step.py --batches 256 --read-outputs    # the server's output objects too
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --async-scheduling both: on/off alternations")
     ap.add_argument("--loop", choices=("server", "engine"), default="server")
+    ap.add_argument("--read-outputs", action="store_true",
+                    help="server loop: the output thread also reads each step's "
+                         "RequestOutputs (building them), as the server does for its clients")
     return ap.parse_args()
 
 
@@ -84,10 +91,12 @@ def params(args: argparse.Namespace, b: int, max_tokens: int) -> SamplingParams:
 
 
 class ServerLoop:
-    """The server's loop without the server: core steps here, text on an output thread."""
+    """The server's loop without the server: core steps here, text on an output thread
+    (and there each step's RequestOutputs where `read` asks, as the server hands them to
+    its clients)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, read: bool) -> None:
+        self.engine, self.read = engine, read
         self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="kvlab-outputs", daemon=True)
         self.thread.start()
@@ -97,8 +106,12 @@ class ServerLoop:
             job()
 
     def step(self) -> None:
-        outputs = self.engine.core_step()
-        self.jobs.put(lambda: self.engine.outputs.process(outputs) and None)
+        items = self.engine.core_step()
+        self.jobs.put(lambda: self._text(items))
+
+    def _text(self, items: list) -> object:
+        processed = self.engine.outputs.process(items)
+        return processed.outputs if self.read else None  # reading them builds them
 
     def drain(self) -> None:
         """Wait until the text of every step so far is made."""
@@ -123,7 +136,7 @@ def decode_round(engine: Engine, args: argparse.Namespace, batch: int,
     started: set[str] = set()
     while len(started) < batch:  # the prefills, chunked under the token budget
         started.update(o.request_id for o in engine.step())
-    loop = ServerLoop(engine) if args.loop == "server" else None
+    loop = ServerLoop(engine, args.read_outputs) if args.loop == "server" else None
     step = engine.step if loop is None else loop.step
     for _ in range(warm):
         step()
