@@ -19,12 +19,14 @@ its output exists in --workdir (/tmp/kvlab-shapes):
   gpt-oss    bench/moe_families_peers.py's writer: MXFP4 experts, Q8_0 elsewhere (llama.cpp's
              MXFP4_MOE file type, the form gpt-oss is released and converted in), timed as
              written;
-  moe        bench/moe_peers.py's writer: random F16 tensors straight from numpy under
-             llama.cpp's converter's names and keys for olmoe, qwen2moe, qwen3moe and Mixtral
-             (`llama` with experts), then llama-quantize makes the Q4_K_M file. The larger
-             checkpoints keep fewer layers than published, so that each Q4_K_M file stays
-             under ~5 GB and its F16 under ~15 GB (the report says how many): per-layer
-             figures keep their meaning, the embedding and output matrices weigh more.
+  moe        bench/moe_peers.py's writer, under llama.cpp's converter's names and keys for
+             olmoe, qwen2moe, qwen3moe and Mixtral (`llama` with experts): llama-quantize
+             --dry-run on a sparse F16 skeleton picks each tensor's Q4_K_M type, then the
+             file is written straight from numpy as random blocks of those types (an F16
+             copy of ~15 GB and llama-quantize's hour on two cores avoided). The larger
+             checkpoints keep fewer layers than published, so that each file stays under
+             ~5 GB (the report says how many): per-layer figures keep their meaning, the
+             embedding and output matrices weigh more.
 Vocabularies: Gemma 4 E2B (gemma-4) and DeepSeek-V2-Lite (deepseek-llm) have their own;
 Qwen3.5 has the qwen35 file's 151936 tokens padded to 248320; the Qwen MoE shapes the qwen2
 file's 151936, Mixtral llama-spm's 32000, OLMoE gpt-neox's 50277 (its padding dropped)
@@ -367,9 +369,8 @@ def ensure_file(shape: Shape, args: argparse.Namespace) -> Path:
         write_deepseek2_q8_0(source, vocab, shape.config)
         final = _quantize(source, shape, args)
     elif shape.source == "moe":
-        f16 = work / f"{shape.name}-F16.gguf"
-        mp.ensure_f16(f16, vocab, mp.MoeShape(name=shape.name, **shape.config))
-        final = _quantize(f16, shape, args)
+        mp.ensure_quantized(final, vocab, mp.MoeShape(name=shape.name, **shape.config),
+                            shape.quant, args.llama_bin)
     else:
         hf_dir, f16 = work / f"{shape.name}-hf", work / f"{shape.name}-F16.gguf"
         if not f16.exists():
