@@ -16,9 +16,9 @@ Prints, in one run:
     4096x4096 shape, as stored and in 8-row groups where the loader groups it: decode n=1
     and n=8 GB/s and weights/s, each next to Q4_K's in the same layout (random blocks: a
     product's speed does not depend on the values); then with --types-only each type's
-    decode (n=1) and prefill (n=64) time against Q4_K's, one thread, the types taking turns
-    for --rounds calls and the fastest call of each kept, so a machine shared with other work
-    still gives fair ratios. --types-only prints just these.
+    decode (n=1, ns per row) and prefill (n=64) time against Q4_K's, one thread, the types
+    taking turns for --rounds calls, median and fastest call of each, so a machine shared
+    with other work still gives fair ratios. --types-only prints just these.
 """
 
 from __future__ import annotations
@@ -145,35 +145,41 @@ def type_rows(reps: int, bw: float) -> None:
                       f"{gw:6.1f} Gweights/s ({gw / ref[1]:5.2f}x Q4_K)")
 
 
-def interleaved_min(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Seconds of the fastest of `rounds` calls of each function, the functions taking turns:
-    on a shared machine the load then falls on each alike, and the fastest call is the least
-    disturbed one."""
+def interleaved_times(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of `rounds` calls of each function, the functions taking turns: on a
+    shared machine the load then falls on each alike."""
     for fn in fns.values():
         fn()
-    best = dict.fromkeys(fns, float("inf"))
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def type_speeds(rounds: int) -> None:
     """Each type's product against Q4_K's on the same shape, one thread, weights in cache,
-    interleaved: decode n=1 (time per row of equal width) and prefill n=64 (GFLOP/s)."""
+    interleaved: decode n=1 (time per row of equal width; Q4_K also in the 8-row groups the
+    loader makes of it) and prefill n=64 (GFLOP/s). Median and fastest call of each: the
+    fastest is the least disturbed on a shared machine."""
     rows, cols = TYPE_SHAPE
     set_num_threads(1)
     ws = {q.name: random_weight(q, rows, cols) for q in TYPES}
-    print(f"\nper type against Q4_K, {rows}x{cols} in cache, 1 thread, fastest of interleaved "
-          "calls (>1: faster than Q4_K)")
+    ws = {T.Q4_K.name: ws[T.Q4_K.name], "Q4_Kx8": group_rows(ws[T.Q4_K.name])} | ws
+    print(f"\nper type against Q4_K, {rows}x{cols} in cache, 1 thread, interleaved calls: median "
+          "(fastest) (>1: faster than Q4_K)")
     for n, turns in ((1, rounds), (64, max(3, rounds // 8))):
         x = torch.randn(n, cols)
-        best = interleaved_min({name: partial(qmatmul, x, w) for name, w in ws.items()}, turns)
-        for name, t in best.items():
-            print(f"  {name:9s} n={n:<3d} {t * 1e3:7.2f} ms  {2.0 * n * rows * cols / t / 1e9:6.1f} "
-                  f"GFLOP/s  {best[T.Q4_K.name] / t:5.2f}x Q4_K")
+        times = interleaved_times({name: partial(qmatmul, x, w) for name, w in ws.items()
+                                   if n == 1 or not w.grouped}, turns)
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        for name, ts in times.items():
+            t, best = med[name], min(ts)
+            print(f"  {name:9s} n={n:<3d} {t * 1e9 / rows:7.1f} ns/row ({best * 1e9 / rows:7.1f})  "
+                  f"{2.0 * n * rows * cols / t / 1e9:6.1f} GFLOP/s  "
+                  f"{med[T.Q4_K.name] / t:5.2f}x Q4_K")
 
 
 def main() -> None:

@@ -22,12 +22,14 @@
  * then exact integers against kv_act256, isum = sum_g scale_g * (sum of q * x over group g)
  * (below 16 * 31 * 16 * 62 * 127 < 2^31), and acc += (d * unit * d_x) * isum per super-block,
  * the same for any number of x rows. The AVX2 kernels decode with one load per grid row (8
- * values of an IQ2 grid, 4 of an IQ3 one), sign bytes from a table or spread in registers,
- * a super-block's 16 scales made once in one register, and run the sums through maddubs
- * (the unsigned grid values against x with their signs; a pair is below 2 * 62 * 127 <
- * 2^15) and the scales through madd, or with AVX512-VNNI through vpdpwssd; from 8 x rows a
- * tile of decoded weight rows serves every x row. The same integers, so every path gives
- * the same bits.
+ * values of an IQ2 grid, 4 of an IQ3 one). For one to four x rows (decode) a super-block's
+ * signs, scales and wide grid indices are made once in a few vector steps, and the float
+ * steps of 8 super-blocks follow one joint reduction of their sums; tiles and the
+ * dequantizer take sign bytes from a table or spread them in registers. The sums run
+ * through maddubs (the unsigned grid values against x with their signs; a pair is below
+ * 2 * 62 * 127 < 2^15) and the scales through madd, or with AVX512-VNNI through vpdpwssd;
+ * from 8 x rows a tile of decoded weight rows serves every x row. The same integers and
+ * float steps, so every path gives the same bits.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -502,17 +504,16 @@ KV_INL __m256i grid8(const uint8_t (*grid)[8], unsigned i0, unsigned i1, unsigne
     const __m128d hi = _mm_loadh_pd(_mm_load_sd((const double *)grid[i2]), (const double *)grid[i3]);
     return _mm256_castpd_si256(_mm256_insertf128_pd(_mm256_castpd128_pd256(lo), hi, 1));
 }
-KV_INL __m128 grid4x4(const uint8_t (*grid)[4], unsigned i0, unsigned i1, unsigned i2,
+KV_INL __m128i grid4x4(const uint8_t (*grid)[4], unsigned i0, unsigned i1, unsigned i2,
                       unsigned i3) {
-    __m128 v = _mm_load_ss((const float *)grid[i0]);
-    v = _mm_insert_ps(v, _mm_load_ss((const float *)grid[i1]), 0x10);
-    v = _mm_insert_ps(v, _mm_load_ss((const float *)grid[i2]), 0x20);
-    return _mm_insert_ps(v, _mm_load_ss((const float *)grid[i3]), 0x30);
+    __m128i v = _mm_cvtsi32_si128((int)u32_at(grid[i0]));
+    v = _mm_insert_epi32(v, (int)u32_at(grid[i1]), 1);
+    v = _mm_insert_epi32(v, (int)u32_at(grid[i2]), 2);
+    return _mm_insert_epi32(v, (int)u32_at(grid[i3]), 3);
 }
 #define KV_GRID4(grid, i)                                                                    \
-    _mm256_castps_si256(_mm256_insertf128_ps(                                              \
-        _mm256_castps128_ps256(grid4x4(grid, (i)[0], (i)[1], (i)[2], (i)[3])),              \
-        grid4x4(grid, (i)[4], (i)[5], (i)[6], (i)[7]), 1))
+    _mm256_inserti128_si256(_mm256_castsi128_si256(grid4x4(grid, (i)[0], (i)[1], (i)[2], (i)[3])), \
+                            grid4x4(grid, (i)[4], (i)[5], (i)[6], (i)[7]), 1)
 
 /* sub-block s's unsigned grid values */
 KV_INL __m256i dec_grid(const int qt, const uint8_t *b, const kv_iq_dec *u, int s) {
@@ -555,6 +556,25 @@ KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
 
+/* The float steps of up to 8 super-blocks, in order (the portable kernel's), after their 8
+ * integer sums are reduced together: v[k] the vector sum of super-block k, dw[k] its
+ * d * unit, a[k] its x block. */
+KV_INL void sb_floats(__m256i *v, int m, const float *dw, const kv_act256 *a, float *acc) {
+    for (int k = m; k < 8; k++) v[k] = _mm256_setzero_si256();
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                         _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                         _mm256_hadd_epi32(v[6], v[7]));
+    int32_t s[8];
+    _mm_storeu_si128((__m128i *)s, _mm_add_epi32(_mm256_castsi256_si128(h0),
+                                                 _mm256_extracti128_si256(h0, 1)));
+    _mm_storeu_si128((__m128i *)(s + 4), _mm_add_epi32(_mm256_castsi256_si128(h1),
+                                                       _mm256_extracti128_si256(h1, 1)));
+    float r = *acc;
+    for (int k = 0; k < m; k++) r = fmaf(dw[k] * a[k].d, (float)s[k], r);
+    *acc = r;
+}
+
 /* nx x rows against one weight row: per sub-block, decoded in registers, maddubs (g, x
  * with the values' signs) then the two groups' scales, STEP(isum, pairs, scales): madd and add, or
  * with AVX512-VNNI the one vpdpwssd that does both (the same exact integer); per super-block
@@ -564,7 +584,8 @@ KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
         const int qt, const uint8_t *b, int64_t nb, const char *xq, int64_t xs, const int nx, \
         float *y, int64_t ys) {                                                              \
         const kv_iq_type t = iq_type(qt);                                                    \
-        float acc[KV_IQ_NX] = {0};                                                           \
+        float acc[KV_IQ_NX] = {0}, dw[8];                                                    \
+        __m256i keep[KV_IQ_NX][8];                                                           \
         kv_iq_dec dec[2];                                                                    \
         if (nb > 0) dec_prep(qt, b, &dec[0]);                                                \
         for (int64_t i = 0; i < nb; i++, b += t.bytes) {                                     \
@@ -583,10 +604,13 @@ KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
                     isum[j] = STEP(isum[j], _mm256_maddubs_epi16(g, xs_), sc);               \
                 }                                                                            \
             }                                                                                \
-            const float d = half_at(b) * t.unit;                                             \
-            for (int j = 0; j < nx; j++)                                                     \
-                acc[j] = fmaf(d * ((const kv_act256 *)(xq + j * xs) + i)->d,                 \
-                              (float)hsum_epi32(isum[j]), acc[j]);                           \
+            const int k = (int)(i & 7);                                                      \
+            dw[k] = half_at(b) * t.unit;                                                     \
+            for (int j = 0; j < nx; j++) keep[j][k] = isum[j];                               \
+            if (k == 7 || i + 1 == nb)                                                       \
+                for (int j = 0; j < nx; j++)                                                 \
+                    sb_floats(keep[j], k + 1, dw, (const kv_act256 *)(xq + j * xs) + i - k,  \
+                              &acc[j]);                                                      \
         }                                                                                    \
         for (int j = 0; j < nx; j++) y[j * ys] = acc[j];                                     \
     }
