@@ -5,7 +5,7 @@ layer's stages to the stage's kind: attention (latent and gated attention too), 
 mixer (short convolution, Gated DeltaNet, Mamba-2), the MLP or experts, and the layer's tail
 (Gemma 4's per-layer input); the whole call is summed too, so what lies between the stages
 (the call's buffers) is its remainder. Steps that take the per-op path are not counted. The
-timers sit around the stages, not inside the kernels: off, a call pays one branch.
+timers sit around the stages, not inside the kernels: off, a call tests one flag.
 """
 
 from __future__ import annotations
