@@ -51,13 +51,11 @@ class _State:
 
 @dataclass(eq=False)
 class _PlainText:
-    """Text of a DecodeTokens run's rows that took the table look-up: row rows[i] of
+    """Text of a DecodeTokens run's rows that took the table look-up: per row, its index in
     `tokens`, its delta and its request's timings. Its RequestOutputs are built when read."""
 
     tokens: DecodeTokens
-    rows: list[int] = field(default_factory=list)
-    deltas: list[str] = field(default_factory=list)
-    timings: list[RequestTimings] = field(default_factory=list)
+    rows: list[tuple[int, str, RequestTimings]] = field(default_factory=list)
 
     def outputs(self) -> list[RequestOutput]:
         """As _made makes them from each row's CoreOutput; positional, in the fields' order."""
@@ -66,7 +64,7 @@ class _PlainText:
                                               b.cached_tokens, b.output_tokens)
         return [RequestOutput(ids[i], [tokens[i]], delta, False, None, prompt[i], cached[i],
                               n_out[i], [], t, 0, 0, 0, None, None)
-                for i, delta, t in zip(self.rows, self.deltas, self.timings)]
+                for i, delta, t in self.rows]
 
 
 class Processed:
@@ -141,7 +139,7 @@ class OutputProcessor:
         as their CoreOutputs."""
         known = self.texts.known
         text = _PlainText(tokens)
-        rows, deltas, timings = text.rows.append, text.deltas.append, text.timings.append
+        kept = text.rows.append
         ids, scheduled, prefill = tokens.token_ids, tokens.scheduled, tokens.prefill_seconds
         step_time = tokens.step_time
         for i, state in enumerate(states):
@@ -151,14 +149,12 @@ class OutputProcessor:
                 t = state.timings  # its first token, before `plain`, set first_token
                 t.scheduled, t.prefill_seconds = scheduled[i], prefill[i]
                 t.token_times.append(step_time)
-                rows(i)
-                deltas(delta)
-                timings(t)
+                kept((i, delta, t))
                 continue
             if text.rows:  # the rows so far go before this one
                 done.add(text)
                 text = _PlainText(tokens)
-                rows, deltas, timings = text.rows.append, text.deltas.append, text.timings.append
+                kept = text.rows.append
             self._core(tokens.row(i), state, done)
         if text.rows:
             done.add(text)
