@@ -108,3 +108,16 @@ def test_pagers_stop_before_the_interpreter_exits():
     pager.follow([4])
     kv_pager._stop_all()
     assert not pager._thread.is_alive()
+
+
+def test_close_returns_once_the_thread_has_ended():
+    """The caller's reference to the pager then outlives the thread, so the thread never
+    frees the KV tensors (their storage's deleter would take the GIL back on a thread the
+    interpreter may be finalizing under)."""
+    from kvlab.runner import kv_pager
+
+    pager = KVPager([stores(8 * 16)], [8 * 16], 16)
+    pager.follow([8])  # work under way as it is closed
+    pager.close()
+    assert not pager._thread.is_alive()
+    assert pager._thread not in kv_pager._THREADS

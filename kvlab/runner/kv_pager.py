@@ -29,19 +29,24 @@ import torch
 
 from kvlab.kernels import hugepages
 
-# pagers whose thread may still run, stopped and joined before the interpreter finalizes: a
-# daemon thread that takes the GIL back during finalization is ended by unwinding its stack,
-# and where that stack holds C++ frames the process aborts ("terminate called without an
-# active exception", seen once at the exit of `kvlab kv-quality`, whose engines' pagers were
-# still at work)
+# pagers whose thread may still run, and the threads themselves, stopped and joined before the
+# interpreter finalizes: a daemon thread that takes the GIL back during finalization is ended
+# by unwinding its stack, and where that stack holds C++ frames the process aborts ("terminate
+# called without an active exception"). A thread that holds the last reference to its pager
+# frees the KV tensors as it ends, and their storage's deleter takes the GIL back: seen to
+# abort so when the interpreter had started finalizing meanwhile (a pager being freed has
+# already left _LIVE). So close() waits for its thread, and the exit hook joins the threads
+# themselves
 _LIVE: weakref.WeakSet[KVPager] = weakref.WeakSet()
+_THREADS: set[threading.Thread] = set()
 
 
 @atexit.register
 def _stop_all() -> None:
     for pager in list(_LIVE):
         pager.close()
-        pager._thread.join(timeout=5)
+    for thread in list(_THREADS):
+        thread.join(timeout=5)
 
 
 class KVPager:
@@ -61,6 +66,7 @@ class KVPager:
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="kvlab-kv-pager", daemon=True)
         _LIVE.add(self)
+        _THREADS.add(self._thread)
         self._thread.start()
 
     def follow(self, blocks: list[int]) -> None:
@@ -78,9 +84,15 @@ class KVPager:
         return self._idle.wait(timeout)
 
     def close(self) -> None:
+        """Stop the thread and wait until it has ended (on any thread but its own), so that
+        it never holds the last reference to the KV tensors."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)  # at most one margin of pages to finish
+            if not self._thread.is_alive():
+                _THREADS.discard(self._thread)
 
     def _run(self) -> None:
         # the last block of each store takes padding rows and positions behind a window
