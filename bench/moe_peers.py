@@ -13,7 +13,9 @@ Steps, each skipped when its output already exists in --workdir:
   2. quantize it with llama-quantize to each of --types.
 The writer (MoeShape, write_moe_gguf) also writes qwen2moe (shared expert and its sigmoid
 gate, q/k/v bias), qwen3moe (per-head QK-norm, GQA) and Mixtral (`llama` with experts)
-layouts: bench/shapes_vs_llamabench.py's `moe` area builds those published shapes with it.
+layouts, and (ensure_quantized) a quantized file directly as random blocks of the types
+llama-quantize --dry-run picks: bench/shapes_vs_llamabench.py's `moe` area builds the
+published shapes that way.
 Then `kvlab bench` and `llama-bench` run alternately on each file, as bench/quant_peers.py
 does (its helpers are imported), and the report prints median pp/tg tok/s, the ratio and the
 decode ceiling: bandwidth over the bytes a batch-1 step reads as stored (attention, routers,
@@ -259,8 +261,8 @@ def ensure_quantized(path: Path, vocab_file: Path, s: MoeShape, ftype: str,
                      llama_bin: Path) -> Path:
     """The `ftype` file at `path` written directly as random blocks, each tensor of the type
     llama-quantize would give it (its dry run on a sparse F16 skeleton): the file a
-    quantized checkpoint of this shape has, without an F16 copy on disk or the hour that
-    quantizing one takes on two cores."""
+    quantized checkpoint of this shape has, without an F16 copy on disk or llama-quantize's
+    pass over it (~35 min for OLMoE on two busy cores)."""
     if path.exists():
         print(f"# have {path} ({path.stat().st_size / 1e9:.2f} GB)")
         return path

@@ -22,11 +22,11 @@ its output exists in --workdir (/tmp/kvlab-shapes):
   moe        bench/moe_peers.py's writer, under llama.cpp's converter's names and keys for
              olmoe, qwen2moe, qwen3moe and Mixtral (`llama` with experts): llama-quantize
              --dry-run on a sparse F16 skeleton picks each tensor's Q4_K_M type, then the
-             file is written straight from numpy as random blocks of those types (an F16
-             copy of ~15 GB and llama-quantize's hour on two cores avoided). The larger
-             checkpoints keep fewer layers than published, so that each file stays under
-             ~5 GB (the report says how many): per-layer figures keep their meaning, the
-             embedding and output matrices weigh more.
+             file is written straight from numpy as random blocks of those types (saving
+             an F16 copy of ~15 GB and llama-quantize's pass over it, ~35 min a file on two
+             busy cores). The larger checkpoints keep fewer layers than published, so that
+             each file stays under ~5 GB (the report says how many): per-layer figures keep
+             their meaning, the embedding and output matrices weigh more.
 Vocabularies: Gemma 4 E2B (gemma-4) and DeepSeek-V2-Lite (deepseek-llm) have their own;
 Qwen3.5 has the qwen35 file's 151936 tokens padded to 248320; the Qwen MoE shapes the qwen2
 file's 151936, Mixtral llama-spm's 32000, OLMoE gpt-neox's 50277 (its padding dropped)
