@@ -523,15 +523,21 @@ KV_INL __m256i dec_grid(const int qt, const uint8_t *b, const kv_iq_dec *u, int 
             return grid8(grid_iq2xxs, v & 255, v >> 8 & 255, v >> 16 & 255, v >> 24);
         }
         case KV_IQ2_XS: {
-            const uint16_t *p = u->idx + 4 * s;
-            return grid8(grid_iq2xs, p[0], p[1], p[2], p[3]);
+            const uint64_t v = u64_of((const uint8_t *)(u->idx + 4 * s));
+            return grid8(grid_iq2xs, v & 0xFFFF, v >> 16 & 0xFFFF, v >> 32 & 0xFFFF, v >> 48);
         }
         case KV_IQ2_S: {
-            const uint16_t *p = u->idx + 4 * s;
-            return grid8(grid_iq2s, p[0], p[1], p[2], p[3]);
+            const uint64_t v = u64_of((const uint8_t *)(u->idx + 4 * s));
+            return grid8(grid_iq2s, v & 0xFFFF, v >> 16 & 0xFFFF, v >> 32 & 0xFFFF, v >> 48);
         }
         case KV_IQ3_XXS: return KV_GRID4(grid_iq3xxs, b + 2 + 8 * s);
-        default: return KV_GRID4(grid_iq3s, u->idx + 8 * s);
+        default: {
+            const uint64_t v = u64_of((const uint8_t *)(u->idx + 8 * s));
+            const uint64_t w = u64_of((const uint8_t *)(u->idx + 8 * s + 4));
+            const unsigned i[8] = {v & 0xFFFF, v >> 16 & 0xFFFF, v >> 32 & 0xFFFF, v >> 48,
+                                   w & 0xFFFF, w >> 16 & 0xFFFF, w >> 32 & 0xFFFF, w >> 48};
+            return KV_GRID4(grid_iq3s, i);
+        }
     }
 }
 
