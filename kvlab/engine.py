@@ -27,6 +27,7 @@ from kvlab.config import ModelConfig
 from kvlab.cost import ModelSpec
 from kvlab.errors import KvlabError, RequestError
 from kvlab.kernels import set_num_threads, weight_bytes_read
+from kvlab.kernels.transfer import upload
 from kvlab.metrics import GenerationMetrics, RunCost
 from kvlab.models.kv_store import KV_DTYPES, kv_bytes_per_element
 from kvlab.models.loader import LoadedModel, LoadOptions, load_model, read_config
@@ -645,7 +646,7 @@ class Engine:
             if after.seqs != seqs:  # some sequences left: each one's row of `after`
                 rows = {seq.seq_id: i for i, seq in enumerate(after.seqs)}
                 index = [rows[seq.seq_id] for seq in seqs]
-                sampled = sampled[torch.tensor(index, device=sampled.device)]
+                sampled = sampled[upload(torch.tensor(index), sampled.device)]
             ids = sampled
 
         def run() -> SampleResult:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from kvlab.kernels import fused
+from kvlab.kernels.transfer import upload
 from kvlab.request import SamplingParams
 
 
@@ -216,7 +217,7 @@ class SamplingCache:
         greedy = cols[:, 0].bool()
 
         def column(i: int, used: bool, dtype: torch.dtype = torch.float32) -> Tensor | None:
-            return cols[:, i].to(dtype).to(device) if used else None
+            return upload(cols[:, i].to(dtype), device) if used else None
 
         all_greedy = bool(low[0])
         rows = [self._rows[i] for i in slots] if not all_greedy or high[11] else []
@@ -227,7 +228,7 @@ class SamplingCache:
                     seeded += [(r, g)] if g is not None else []
                     unseeded = unseeded or g is None
         return SamplingBatch(
-            greedy=greedy.to(device), temperature=column(1, True), top_k=column(
+            greedy=upload(greedy, device), temperature=column(1, True), top_k=column(
                 2, high[2] > 0, torch.int64), top_p=column(3, low[3] < 1),
             min_p=column(4, high[4] > 0), repetition_penalty=None, seen_tokens=None,
             presence_penalty=None, frequency_penalty=None, output_tokens=None,
@@ -264,7 +265,7 @@ class SamplingCache:
 def _column(
     values: Sequence[float], device: torch.device | str, dtype: torch.dtype = torch.float32
 ) -> Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    return upload(torch.tensor(values, dtype=dtype), device)
 
 
 def _column_if(

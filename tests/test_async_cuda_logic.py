@@ -12,6 +12,7 @@ import torch
 from test_async_scheduling import engine, run
 
 from kvlab.engine import Engine
+from kvlab.kernels.transfer import upload
 from kvlab.models.loader import LoadOptions, load_model
 from kvlab.request import SamplingParams
 from kvlab.runner import ModelRunner
@@ -174,3 +175,13 @@ def test_on_cuda_captured_graphs_pinned_ids_and_events(tiny):
     assert e.runner.graphs is not None and e.runner.graphs.capture
     assert got[:2] == want[:2] and got[2] > 0
     assert {b for b, _ in e.runner.graphs.buckets} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_upload_gives_the_values_on_the_device(device):
+    host = torch.arange(7, dtype=torch.int64) * 3
+    sent = upload(host, device)
+    assert sent.device.type == device and sent.dtype == torch.int64
+    assert sent.cpu().tolist() == [3 * i for i in range(7)]
+    assert upload(torch.tensor([True, False]), device).cpu().tolist() == [True, False]
