@@ -250,7 +250,7 @@ def report_async_check(engine: Engine, args: argparse.Namespace) -> None:
     near-tie differently; an error here is a bug of the async path."""
     config = dataclasses.replace(engine.config, async_scheduling=False, kv_cache_gib=1.0)
     sync_engine = Engine(engine.loaded, engine.tokenizer, config, model_name="synchronous")
-    prompts = [[100 + (b * 11 + i * 37) % 5000 for i in range(args.prompt // (b + 1))]
+    prompts = [[100 + (b * 11 + i * 37) % 5000 for i in range(max(1, args.prompt // (b + 1)))]
                for b in range(3)]
     first = kvlab_greedy(sync_engine, prompts[0], 24)
     stop = next((t for i, t in enumerate(first) if i >= 4 and t not in first[:i]), first[4])

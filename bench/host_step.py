@@ -6,8 +6,8 @@ server runs (--loop server: Engine.core_step on this thread, the output processo
 a thread of its own, as kvlab.server.core.async_engine does; the time ends once the last
 step's text is made) or in Engine.step() (--loop engine: both on one thread, as `kvlab run`).
 A decode step's plain tokens reach the processor as columns and their RequestOutputs are
-built only when read: the server loop reads none unless --read-outputs (the server reads
-all, on its output thread, to hand them to the clients), Engine.step() reads all.
+built only when read: the server loop reads them all on its output thread, as the server
+does to hand them to the clients (--no-read-outputs leaves them unbuilt), Engine.step() too.
 What is left is the engine's own bookkeeping: scheduling, building the step's input tensors,
 sampling and emitting outputs. On a GPU this is the time that starves the device; on the
 CPU it is pure overhead. Beside the wall-clock time per step: the process's CPU time per
@@ -18,7 +18,7 @@ overlap the rest, so the split adds up to more than the step).
     python bench/host_step.py                       # batches 1, 16, 64, 256
     python bench/host_step.py --async-scheduling off --rounds 3   # on/off alternately
     python bench/host_step.py --batches 64 -n 50 --profile    # and a cProfile of 64
-    python bench/host_step.py --batches 256 --read-outputs    # the server's output objects too
+    python bench/host_step.py --batches 256 --no-read-outputs  # without the output objects
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --async-scheduling both: on/off alternations")
     ap.add_argument("--loop", choices=("server", "engine"), default="server")
-    ap.add_argument("--read-outputs", action="store_true",
-                    help="server loop: the output thread also reads each step's "
-                         "RequestOutputs (building them), as the server does for its clients")
+    ap.add_argument("--no-read-outputs", dest="read_outputs", action="store_false",
+                    help="server loop: the output thread leaves each step's RequestOutputs "
+                         "unread (unbuilt), where the server reads them all for its clients")
     return ap.parse_args()
 
 

@@ -108,14 +108,21 @@ def test_a_tg_test_split_by_layer_kind(tiny, profile):
     """kvlab bench --profile-layers' tg test on the engine: one profiled C call per decode
     step after the per-op prefill, each kind's ms per token, the rest of the step
     head/other; the profile is off afterwards. A model without the C plan has no split."""
-    result, split = profiled_tg(_engine(tiny, "q8_0", True), 5, 2, depth=6)
-    assert split is not None and split.test == result.test == "tg5@d6"
-    assert split.steps == 2 * 5
-    # each sample is 5 / (its repetition's seconds): a token's ms is 1000 / sample's mean
-    assert split.step_ms == pytest.approx(1e3 * statistics.fmean(1 / s for s in result.samples))
-    assert all(split.ms[k] > 0 for k in ("attention", "recurrent", "mlp"))
-    assert sum(split.ms.values()) == pytest.approx(split.step_ms)
-    assert profile.read().calls == split.steps
-    bench_tg(_engine(tiny, "q8_0", True), 3, 1, depth=6)
-    assert profile.read().calls == split.steps  # off after the test
-    assert profiled_tg(_engine(tiny, "q8_0", False), 3, 1, depth=6)[1] is None
+    engines = [_engine(tiny, "q8_0", True), _engine(tiny, "q8_0", True),
+               _engine(tiny, "q8_0", False)]
+    try:
+        result, split = profiled_tg(engines[0], 5, 2, depth=6)
+        assert split is not None and split.test == result.test == "tg5@d6"
+        assert split.steps == 2 * 5
+        # each sample is 5 / (its repetition's seconds): a token's ms is 1000 / sample's mean
+        assert split.step_ms == pytest.approx(
+            1e3 * statistics.fmean(1 / s for s in result.samples))
+        assert all(split.ms[k] > 0 for k in ("attention", "recurrent", "mlp"))
+        assert split.ms["head/other"] > 0  # the head and sampling are outside the layers
+        assert profile.read().calls == split.steps
+        bench_tg(engines[1], 3, 1, depth=6)
+        assert profile.read().calls == split.steps  # off after the test
+        assert profiled_tg(engines[2], 3, 1, depth=6)[1] is None
+    finally:
+        for e in engines:
+            e.close()

@@ -230,6 +230,8 @@ def test_sampled_and_greedy_sequences_start_from_pools_of_their_own():
     assert planner.plan([late], [4], 1) == [0]
     assert planner.plan([DraftState.of(greedy)], [4], 1) == [4]
     assert DraftState.of(SamplingParams(temperature=0.7)).kind != fresh.kind
+    # temperatures share a pool by tenths: a server's pools stay few
+    assert DraftState.of(SamplingParams(temperature=1.04)).kind == fresh.kind
 
 
 @pytest.fixture(scope="module")

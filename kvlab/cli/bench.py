@@ -51,7 +51,7 @@ def register(subs: argparse._SubParsersAction) -> None:
                    help="print the estimator's prediction beside each measurement")
     p.add_argument("--profile-layers", action="store_true",
                    help="time the one-call C decode's layers by kind (attention, recurrent "
-                        "mixer, MLP) in each tg test and print ms per token of each, the rest "
+                        "mixer, MLP, tail) in each tg test and print ms per token of each, the rest "
                         "of the step as head/other")
     add_model_flags(p)
     add_speculative_flags(p)
@@ -61,6 +61,9 @@ def register(subs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.repetitions < 1 or args.batch_size < 1:
         raise KvlabError(f"-r and -b must be >= 1, got {args.repetitions} and {args.batch_size}")
+    if args.profile_layers and args.speculative:
+        raise KvlabError("--profile-layers times plain decode steps (speculative verify steps "
+                         "leave the one C call): run it without --speculative")
     # a pp test generates one token after its prompt, a tg test n after its depth
     longest = max([p + 1 for p in args.n_prompt] + [d + max(args.n_gen) + 1 for d in args.depth])
     config = engine_config(args, enable_prefix_caching=False, max_num_seqs=1,

@@ -1,9 +1,11 @@
 """`kvlab bench --profile-layers`: a tg test's decode time per token split by layer kind.
 
 The one-call C decode's profile (kvlab.kernels.decode_profile) sums the wall time of each
-layer's attention, recurrent mixer and MLP (or experts) over the test's decode steps; the
-rest of a step, from its inter-token latency, is "head/other": the embedding, the final norm
-and output head, sampling, the engine's own work, and what the C call does between layers.
+layer's attention, recurrent mixer, MLP (or experts) and tail (what a layer does after them:
+Gemma 4's per-layer input, a layer without a mixer's residual) over the test's decode steps;
+the rest of a step, from its inter-token latency, is "head/other": the embedding, the final
+norm and output head, sampling, the engine's own work. Speculative decoding is refused: its
+verify steps leave the one C call, so a token's time would mix two paths.
 A hybrid model's recurrent layers read a state of fixed size, so their time per token should
 not grow with depth while the attention layers' does; this split shows each apart.
 """
@@ -16,7 +18,7 @@ from kvlab.engine import Engine
 from kvlab.harness.llama_bench import BenchResult, bench_tg
 from kvlab.kernels import decode_profile
 
-KINDS = ("attention", "recurrent", "mlp", "head/other")
+KINDS = ("attention", "recurrent", "mlp", "tail", "head/other")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ def profiled_tg(engine: Engine, n_gen: int, reps: int, depth: int = 0,
                 bandwidth_gb_s: float | None = None) -> tuple[BenchResult, LayerSplit | None]:
     """bench_tg with the decode profile on; the split is None where no step ran in the one
     C call (a model or step the C decode does not take)."""
+    if engine.config.speculative:
+        raise ValueError("--profile-layers times plain decode steps; run it without "
+                         f"--speculative (got {engine.config.speculative!r})")
     decode_profile.reset()
     decode_profile.enable(True)
     try:
@@ -53,7 +58,7 @@ def split_of(result: BenchResult, profile: decode_profile.DecodeProfile) -> Laye
         result.n_gen * len(result.samples))
     per_call = profile.per_call_ms()
     layers = {"attention": per_call["attention"], "recurrent": per_call["recurrent"],
-              "mlp": per_call["mlp"]}
+              "mlp": per_call["mlp"], "tail": per_call["tail"]}
     other = step_ms - sum(layers.values())
     return LayerSplit(result.test, result.depth, profile.calls, step_ms,
                       {**layers, "head/other": other})

@@ -122,8 +122,9 @@ class Acceptance:
 def pool_kind(params: SamplingParams) -> str:
     """The pool a sequence's rate starts from. A greedy sequence keeps a guess where it is
     the argmax, a sampled one with the probability the target gives it, lower the hotter it
-    samples: a pool of greedy copies would start sampled prose far too high."""
-    return "greedy" if params.greedy else f"temperature {params.temperature:g}"
+    samples: a pool of greedy copies would start sampled prose far too high. Temperatures
+    share a pool by tenths, so a server's pools stay few however many values clients send."""
+    return "greedy" if params.greedy else f"temperature {round(params.temperature, 1):g}"
 
 
 @dataclass
