@@ -58,7 +58,10 @@ class _PlainText:
     rows: list[tuple[int, str, RequestTimings]] = field(default_factory=list)
 
     def outputs(self) -> list[RequestOutput]:
-        """As _made makes them from each row's CoreOutput; positional, in the fields' order."""
+        """As _made makes them from each row's CoreOutput, without building that
+        CoreOutput (the columns exist to spare it). Positional, so its arguments must follow
+        RequestOutput's field order; tests/test_decode_tokens.py compares it with one built
+        by keyword."""
         b = self.tokens
         ids, tokens, prompt, cached, n_out = (b.request_ids, b.token_ids, b.prompt_tokens,
                                               b.cached_tokens, b.output_tokens)
@@ -146,10 +149,8 @@ class OutputProcessor:
             if state is None:
                 continue
             if state.plain and (delta := known.get(ids[i])):
-                t = state.timings  # its first token, before `plain`, set first_token
-                t.scheduled, t.prefill_seconds = scheduled[i], prefill[i]
-                t.token_times.append(step_time)
-                kept((i, delta, t))
+                # its first token, before `plain`, set first_token
+                kept((i, delta, _timed(state.timings, scheduled[i], prefill[i], step_time)))
                 continue
             if text.rows:  # the rows so far go before this one
                 done.add(text)
@@ -160,14 +161,13 @@ class OutputProcessor:
             done.add(text)
 
     def _core(self, core: CoreOutput, state: _State, done: Processed) -> None:
+        """One request's CoreOutput: a table look-up for a plain one-token delta, else
+        the detokenizer and the stop strings."""
         tokens = core.new_token_ids
         if (state.plain and core.finish_reason is None and len(tokens) == 1
                 and (delta := self.texts.known.get(tokens[0]))):
-            t = state.timings
-            t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
-            t.token_times.append(core.step_time)
-            done.add(_made(core, tokens, delta, None, core.output_tokens,
-                                     core.logprobs, t))
+            t = _timed(state.timings, core.scheduled, core.prefill_seconds, core.step_time)
+            done.add(_made(core, tokens, delta, None, core.output_tokens, core.logprobs, t))
             return
         out = self._output(state, core)
         if out.finished:
@@ -201,6 +201,15 @@ def _text(state: _State, core: CoreOutput) -> tuple[str, int, FinishReason | Non
     return delta, len(tokens), core.finish_reason
 
 
+def _timed(t: RequestTimings, scheduled: float | None, prefill_seconds: float,
+           step_time: float) -> RequestTimings:
+    """t with a plain token's step recorded: when the request was scheduled, its prefill
+    time, and the step that made the token."""
+    t.scheduled, t.prefill_seconds = scheduled, prefill_seconds
+    t.token_times.append(step_time)
+    return t
+
+
 def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
            reason: FinishReason | None) -> RequestOutput:
     """The RequestOutput of `core` keeping its first `kept` tokens, its timings updated."""
@@ -218,8 +227,8 @@ def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
 
 def _made(core: CoreOutput, ids: list[int], delta: str, reason: FinishReason | None,
           output_tokens: int, logprobs: list[TokenLogprob], t: RequestTimings) -> RequestOutput:
-    """core as a RequestOutput with these tokens, text and counts; positional, in the
-    fields' order (keywords cost twice as much)."""
+    """core as a RequestOutput with these tokens, text and counts. Positional (keywords
+    cost twice as much), so its arguments must follow RequestOutput's field order."""
     return RequestOutput(
         core.request_id, ids, delta, reason is not None, reason, core.prompt_tokens,
         core.cached_tokens, output_tokens, logprobs, t, core.forced_tokens, core.draft_tokens,

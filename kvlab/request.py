@@ -198,8 +198,9 @@ class DecodeTokens:
     """A decode step's tokens that end nothing, by column: row i gave request_ids[i] the one
     new token token_ids[i], with no finish, logprobs or forced / proposed tokens; `row(i)` is
     the CoreOutput it stands for. The engine emits one of these for the plain rows of an
-    async decode step in place of a CoreOutput per request, whose building was most of a
-    large batch's host time; the output processor reads the columns."""
+    async decode step: one object per step, not one per request, since building an object
+    per request would dominate a large batch's host time; the output processor reads the
+    columns."""
 
     request_ids: list[str]
     token_ids: list[int]
@@ -214,6 +215,8 @@ class DecodeTokens:
         return len(self.request_ids)
 
     def row(self, i: int) -> CoreOutput:
+        """Row i as its CoreOutput. Positional, so its arguments must follow CoreOutput's
+        field order; tests/test_decode_tokens.py compares it with one built by keyword."""
         return CoreOutput(self.request_ids[i], [self.token_ids[i]], None, self.prompt_tokens[i],
                           self.cached_tokens[i], self.output_tokens[i], self.step_time, [],
                           False, self.scheduled[i], self.prefill_seconds[i])

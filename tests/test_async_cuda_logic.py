@@ -144,13 +144,33 @@ def _jobs(path) -> list[tuple[list[int], SamplingParams]]:
             (PROMPTS[2], GREEDY)]
 
 
+def _in_flight_at_end(e: Engine, request_id: str) -> list[list[str] | None]:
+    """Wraps e.step: at each step where request_id finishes, the request ids of the step
+    then in flight (None: none)."""
+    seen: list[list[str] | None] = []
+    step = e.step
+
+    def observed():
+        outs = step()
+        if any(o.request_id == request_id and o.finished for o in outs):
+            flight = e._inflight
+            seen.append(None if flight is None else [s.seq_id for s in flight.seqs])
+        return outs
+
+    e.step = observed
+    return seen
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["worker", "inline"])
 def test_sequence_ended_under_a_launched_padded_step(tiny, inline):
     jobs = _jobs(tiny)
     want = run(_engine(tiny, False, "off"), jobs)
     e = _engine(tiny, True, "eager", inline)
+    ended = _in_flight_at_end(e, "0")
     got = run(e, jobs)
     assert got[:2] == want[:2] and got[2] > 0
+    # request 0 ended with a step of three rows (a bucket of four) in flight holding its row
+    assert ended == [["0", "1", "2"]]
     assert {b for b, _ in e.runner.graphs.buckets} == {1, 2, 4}
     # again on the same engine: the step left in flight for the ended ones is dropped
     assert run(e, jobs)[:2] == want[:2]

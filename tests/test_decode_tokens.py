@@ -44,6 +44,37 @@ def view(outs: list[RequestOutput]) -> list[tuple]:
              o.timings.token_times, o.timings.prefill_seconds) for o in outs]
 
 
+def test_a_row_is_the_core_output_built_by_keyword():
+    """row() builds positionally: a field added to CoreOutput out of its order breaks this."""
+    tokens = DecodeTokens(["a", "b"], [7, 8], [2, 5], [3, 4], [1, 0], [1.5, None], [0.25, 0.0],
+                          6.0)
+    assert tokens.row(1) == CoreOutput(
+        request_id="b", new_token_ids=[8], finish_reason=None, prompt_tokens=4,
+        cached_tokens=0, output_tokens=5, step_time=6.0, logprobs=[], stop_token=False,
+        scheduled=None, prefill_seconds=0.0, forced_tokens=0, draft_tokens=0,
+        accepted_tokens=0, allowed_tokens=None, experts=None)
+
+
+def test_plain_outputs_are_the_request_outputs_built_by_keyword():
+    """A table hit's RequestOutput, from columns and from a CoreOutput, both built
+    positionally: a field added to RequestOutput out of their order breaks this."""
+    tok = default_tokenizer()
+    hello = tok.encode(" hello")[-1]
+    proc = fresh(tok)
+    first_tokens(proc, [hello] * 4)
+    assert proc.texts.known.get(hello) == " hello"  # both take the table look-up
+    got = [proc.process([columns(["plain"], [hello], 2, 3.0)]).outputs[0],
+           proc.process([CoreOutput("plain", [hello], None, 3, 1, 3, 4.0, scheduled=1.5,
+                                    prefill_seconds=0.25)]).outputs[0]]
+    t = proc._states["plain"].timings
+    assert got == [RequestOutput(
+        request_id="plain", new_token_ids=[hello], text_delta=" hello", finished=False,
+        finish_reason=None, prompt_tokens=3, cached_tokens=1, output_tokens=n, logprobs=[],
+        timings=t, forced_tokens=0, draft_tokens=0, accepted_tokens=0, allowed_tokens=None,
+        experts=None) for n in (2, 3)]
+    assert (t.scheduled, t.prefill_seconds, t.token_times) == (1.5, 0.25, [2.0, 3.0, 4.0])
+
+
 def by_rows(items: list) -> list[CoreOutput]:
     return [c for item in items for c in
             ([item.row(i) for i in range(len(item))] if isinstance(item, DecodeTokens)

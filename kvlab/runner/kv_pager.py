@@ -31,12 +31,11 @@ from kvlab.kernels import hugepages
 
 # pagers whose thread may still run, and the threads themselves, stopped and joined before the
 # interpreter finalizes: a daemon thread that takes the GIL back during finalization is ended
-# by unwinding its stack, and where that stack holds C++ frames the process aborts ("terminate
-# called without an active exception"). A thread that holds the last reference to its pager
-# frees the KV tensors as it ends, and their storage's deleter takes the GIL back: seen to
-# abort so when the interpreter had started finalizing meanwhile (a pager being freed has
-# already left _LIVE). So close() waits for its thread, and the exit hook joins the threads
-# themselves
+# by unwinding its stack, and where that stack holds C++ frames the process aborts. A pager
+# thread must never drop the last reference to its pager: freeing the KV tensors runs their
+# storage's deleter, which takes the GIL back, possibly during finalization (a pager being
+# freed has already left _LIVE). So close() joins its thread and is required of every owner,
+# and the exit hook joins any thread left
 _LIVE: weakref.WeakSet[KVPager] = weakref.WeakSet()
 _THREADS: set[threading.Thread] = set()
 

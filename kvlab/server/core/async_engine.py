@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from kvlab.engine import Engine, EngineSnapshot, EngineStats
 from kvlab.errors import RequestError
 from kvlab.metrics import GenerationMetrics
-from kvlab.request import CoreOutput, FinishReason, RequestOutput, SamplingParams, Structure
+from kvlab.request import FinishReason, RequestOutput, SamplingParams, StepItem, Structure
 from kvlab.server.core.prom import ServerMetrics
 
 log = logging.getLogger("kvlab.server")
@@ -323,10 +323,10 @@ class AsyncEngine:
             job()
         log.info("output thread stopped")
 
-    def _make_text(self, core_outputs: list[CoreOutput]) -> None:
+    def _make_text(self, items: list[StepItem]) -> None:
         assert self._outputs is not None
         try:
-            processed = self._outputs.process(core_outputs)
+            processed = self._outputs.process(items)
         except Exception as e:  # as a failed step: fail the requests in flight
             log.exception("making the step's text failed; aborting the requests in flight")
             self._post(self._fail, EngineStepError(f"engine step failed: {e}"))
