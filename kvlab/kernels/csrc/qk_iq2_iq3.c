@@ -383,8 +383,9 @@ typedef struct {
     uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S) values */
 } kv_iq_dec;
 
-/* where sub-block s's sign bytes sit: the XXS types' and IQ2_XS's vector steps leave the
- * sub-blocks in the order 0 1 4 5 2 3 6 7 (in-lane shuffles), the others in block order */
+/* where sub-block s's sign bytes sit: IQ2_XXS's and IQ2_XS's vector steps join two loads
+ * with in-lane shuffles, leaving the sub-blocks in the order 0 1 4 5 2 3 6 7; IQ3_XXS and
+ * the S types load theirs in block order */
 KV_INL int sign_pos(const int qt, int s) {
     return qt == KV_IQ2_XXS || qt == KV_IQ2_XS ? (s & 1) | (s & 2) << 1 | (s & 4) >> 1 : s;
 }
@@ -436,6 +437,17 @@ KV_INL __m256i index16(__m128i lo, __m128i hi_rep, __m256i mul, int top) {
     const __m256i h = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(hi_rep), mul);
     return _mm256_or_si256(_mm256_cvtepu8_epi16(lo), _mm256_and_si256(h, _mm256_set1_epi16(top)));
 }
+/* n x 16 grid indices -> idx: 16 qs bytes each, chunk c's high bits from the qh bytes
+ * rep + step c */
+KV_INL void indices_to(uint16_t *idx, const uint8_t *qs, __m128i qh, __m128i rep, int step,
+                       __m256i mul, int top, int n) {
+    for (int c = 0; c < n; c++)
+        _mm256_storeu_si256(
+            (__m256i *)(idx + 16 * c),
+            index16(_mm_loadu_si128((const __m128i *)(qs + 16 * c)),
+                    _mm_shuffle_epi8(qh, _mm_add_epi8(rep, _mm_set1_epi8((char)(step * c)))),
+                    mul, top));
+}
 
 KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
     switch (qt) {
@@ -462,12 +474,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
             const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4,
                                                   256, 64, 16, 4, 256, 64, 16, 4);
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_si256(
-                    (__m256i *)(u->idx + 16 * h),
-                    index16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)),
-                            _mm_shuffle_epi8(qh, _mm_add_epi8(rep, _mm_set1_epi8((char)(4 * h)))),
-                            mul, 0x300));
+            indices_to(u->idx, b + 2, qh, rep, 4, mul, 0x300, 2);
             u->sgn = signs_by_half(load256(b + 34));
             scales_to(u->sc, sb_scales(qt, b));
             break;
@@ -483,12 +490,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             const __m256i mul = _mm256_setr_epi16(256, 128, 64, 32, 16, 8, 4, 2,
                                                   256, 128, 64, 32, 16, 8, 4, 2);
-            for (int c = 0; c < 4; c++)
-                _mm256_storeu_si256(
-                    (__m256i *)(u->idx + 16 * c),
-                    index16(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)),
-                            _mm_shuffle_epi8(qh, _mm_add_epi8(rep, _mm_set1_epi8((char)(2 * c)))),
-                            mul, 0x100));
+            indices_to(u->idx, b + 2, qh, rep, 2, mul, 0x100, 4);
             u->sgn = signs_by_half(load256(b + 74));
             const __m128i s8 = nibbles(_mm_cvtsi32_si128((int)u32_at(b + 106)));
             scales32_to(qt, u->sc, _mm256_cvtepu8_epi32(s8));
