@@ -327,14 +327,15 @@ class AsyncEngine:
         assert self._outputs is not None
         try:
             processed = self._outputs.process(items)
+            outputs = processed.outputs  # built here, when first read
         except Exception as e:  # as a failed step: fail the requests in flight
             log.exception("making the step's text failed; aborting the requests in flight")
             self._post(self._fail, EngineStepError(f"engine step failed: {e}"))
             return
         for request_id in processed.stopped:  # ended at a stop string: the core stops it too
             self._send(_abort(request_id))
-        if processed.outputs:
-            self._post(self._dispatch, processed.outputs)
+        if outputs:
+            self._post(self._dispatch, outputs)
 
     def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
         assert self._loop is not None
