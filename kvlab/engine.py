@@ -679,7 +679,7 @@ class Engine:
                 if plain:
                     items.append(_decode_tokens(plain, now))
                     plain = []
-                logprobs = ([self._logprob(flight.sampled(), row, token)]
+                logprobs = ([self._logprob(flight.host(), row, token)]
                             if seq.params.logprobs is not None else [])
                 items.append(self._append(req, [token], logprobs, now, complete=False))
                 continue

@@ -197,6 +197,26 @@ def test_on_cuda_captured_graphs_pinned_ids_and_events(tiny):
     assert {b for b, _ in e.runner.graphs.buckets} == {1, 2, 4}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_logprobs_from_the_pinned_copies(tiny):
+    """Logprobs read a step later on a GPU come from the host copies behind the step's event
+    (reading the device's would wait for the step launched after it): a synchronous
+    engine's, token for token."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+
+    def logprobs(e: Engine) -> list[tuple[int, float]]:
+        e.add_request("0", PROMPTS[0], params)
+        got = []
+        while e.has_unfinished():
+            got += [(lp.token_id, round(lp.logprob, 4))
+                    for o in e.step() for lp in o.logprobs or []]
+        return got
+
+    cuda = {"device": "cuda", "dtype": "float32", "kv_dtype": "f32"}
+    want = logprobs(_engine(tiny, False, "auto", **cuda))
+    assert len(want) == 8 and logprobs(_engine(tiny, True, "auto", **cuda)) == want
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_upload_gives_the_values_on_the_device(device):

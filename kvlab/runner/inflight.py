@@ -8,8 +8,10 @@ later (the engine's async scheduling).
 The next step's input ids are gathered from the sampled-id tensor on the device, so the
 host never has to know them before it launches that step. How a step overlaps the host's
 work differs by device:
-  - CUDA: kernels are queued on the stream; the sampled ids are copied to pinned host memory
-    without blocking and an event says when they have landed.
+  - CUDA: kernels are queued on the stream (of the engine's device, made current while a
+    step is launched: Triton launches on the current device); the sampling result (ids and
+    any logprobs) is copied to pinned host memory without blocking and an event says when
+    it has landed, so reading it never waits for the step launched after it.
   - CPU: the step (inputs, forward, sampling) runs on one worker thread; torch's ops and the
     C kernels release the GIL, so the main thread emits the last step's tokens and
     schedules the next one meanwhile.
@@ -35,21 +37,26 @@ class InFlight:
     sched: SchedulerOutput
     seqs: list[Sequence]
     _result: Future[SampleResult]
-    _host_ids: torch.Tensor | None = None  # CUDA: [B] pinned, filled by a non-blocking copy
-    _landed: torch.cuda.Event | None = None  # recorded after that copy
+    _host: SampleResult | None = None  # CUDA: pinned copies, filled without blocking
+    _landed: torch.cuda.Event | None = None  # recorded after those copies
 
     def sampled(self) -> SampleResult:
         """The step's sampling result; its tensors may still be on the device (waits for a
         CPU worker to finish the step)."""
         return self._result.result()
 
-    def token_list(self) -> list[int]:
-        """The sampled ids as Python ints: the one point where the host waits for them."""
+    def host(self) -> SampleResult:
+        """The sampling result on the host (ids, logprobs): the one point where the host
+        waits for it."""
         if self._landed is None:
-            return self.sampled().token_list
+            return self.sampled()
         self._landed.synchronize()
-        assert self._host_ids is not None
-        return self._host_ids.tolist()
+        assert self._host is not None
+        return self._host
+
+    def token_list(self) -> list[int]:
+        """The sampled ids as Python ints."""
+        return self.host().token_list
 
     def wait(self) -> None:
         """Return once the step no longer runs (the runner is free for other work)."""
@@ -76,17 +83,24 @@ class StepLauncher:
         if self._worker is not None:
             return InFlight(sched, seqs, self._worker.submit(run))
         done: Future[SampleResult] = Future()
-        result = run()  # queued on the stream: returns before the device has finished
-        done.set_result(result)
         if self.device.type != "cuda":
+            done.set_result(run())
             return InFlight(sched, seqs, done)
-        host = torch.empty(result.token_ids.shape, dtype=result.token_ids.dtype,
-                           pin_memory=True)
-        host.copy_(result.token_ids, non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record()
+        with torch.cuda.device(self.device):
+            result = run()  # queued on the stream: returns before the device has finished
+            host = SampleResult(*(_pinned_copy(t) for t in (
+                result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)))
+            landed = torch.cuda.Event()
+            landed.record()
+        done.set_result(result)
         return InFlight(sched, seqs, done, host, landed)
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that t (on the device) is copied into once the stream gets there."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
