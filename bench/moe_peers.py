@@ -27,10 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
-import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant_peers as qp  # the sibling script's helpers, by path
+import quant_peers as qp  # the sibling scripts' helpers, by path
+from planned_gguf import add_file_type, ensure_planned, write_gguf
 
 
 @dataclass(frozen=True)
@@ -109,115 +107,23 @@ def tensor_values(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 def write_moe_gguf(path: Path, vocab_file: Path, s: MoeShape, ftype: str = "F16",
                    types: dict[str, str] | None = None, sparse: bool = False) -> None:
-    """Stream the model to `path` one tensor at a time, via a .part file: F16 matrices, or
-    with `types` (tensor name -> ggml type name, as quantize_plan gives them for the file type
-    `ftype`) random blocks of each tensor's type. `sparse`: the tensor data is left a hole of
-    zeros (no disk, no time), enough for llama-quantize --dry-run."""
-    import gguf
+    """Stream the model to `path` (planned_gguf.write_gguf): F16 matrices, or with `types`
+    (tensor name -> ggml type name, a plan for the file type `ftype`) random blocks of each
+    tensor's type; `sparse`: a skeleton for llama-quantize --dry-run."""
 
-    part = path.with_suffix(".part")
-    w = gguf.GGUFWriter(str(part), s.arch)
-    _moe_metadata(w, s, ftype)
-    qp.copy_tokenizer(w, vocab_file, s.vocab)
-    specs = [(name, shape, _stored_type(name, shape, types)) for name, shape in moe_tensors(s)]
-    for name, shape, qtype in specs:
-        w.add_tensor_info(name, shape, np.dtype(np.float32), _stored_bytes(shape, qtype),
-                          raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    if sparse:
-        size = w.ggml_pad(w.fout[0].tell(), w.data_alignment) + sum(
-            w.ggml_pad(_stored_bytes(shape, qtype), w.data_alignment) for _, shape, qtype in specs)
-        w.close()
-        os.truncate(part, size)
-    else:
-        for seed, (name, shape, qtype) in enumerate(specs):
-            w.write_tensor_data(tensor_values(name, shape, seed) if qtype.name in ("F16", "F32")
-                                else random_blocks(qtype, shape, seed))
-        w.close()
-    part.rename(path)
+    def add_keys(w) -> None:
+        _moe_metadata(w, s, ftype)
+        qp.copy_tokenizer(w, vocab_file, s.vocab)
 
-
-def _stored_type(name: str, shape: tuple[int, ...], types: dict[str, str] | None):
-    from gguf import GGMLQuantizationType
-
-    if types is None:
-        return GGMLQuantizationType.F32 if _is_f32(name, shape) else GGMLQuantizationType.F16
-    return GGMLQuantizationType[types[name].upper()]
-
-
-def _stored_bytes(shape: tuple[int, ...], qtype) -> int:
-    from gguf import GGML_QUANT_SIZES
-
-    block, size = GGML_QUANT_SIZES[qtype]
-    return math.prod(shape) // block * size
-
-
-# Each block type's f16 scale fields (byte offset, multiple of d): where a block also holds a
-# min, it is set to cancel the codes' mean (mins and scales are drawn alike), so the weights
-# are centred as trained ones are; Q4_1/Q5_1's min is added, not subtracted.
-_SCALES = {"Q4_0": ((0, 1),), "Q4_1": ((0, 1), (2, -7.5)), "Q5_0": ((0, 1),),
-           "Q5_1": ((0, 1), (2, -15.5)), "Q8_0": ((0, 1),), "Q2_K": ((80, 1), (82, 1.5)),
-           "Q3_K": ((108, 1),), "Q4_K": ((0, 1), (2, 7.5)), "Q5_K": ((0, 1), (2, 15.5)),
-           "Q6_K": ((208, 1),)}
-
-
-def random_blocks(qtype, shape: tuple[int, ...], seed: int, std: float = 0.02) -> np.ndarray:
-    """Random `qtype` blocks for a [..., in] tensor as uint8 [..., in / block * bytes]: random
-    codes and sub-block scales, the f16 scales set so that the weights' std is about `std`."""
-    from gguf import GGML_QUANT_SIZES
-
-    if qtype.name not in _SCALES:
-        raise ValueError(f"no random-block layout for {qtype.name}; valid: {sorted(_SCALES)}")
-    block, size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
-    for offset, factor in _SCALES[qtype.name]:
-        value = np.float16(_unit_scale(qtype) * std * factor)
-        blocks[..., offset:offset + 2] = np.frombuffer(value.tobytes(), np.uint8)
-    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
-
-
-@functools.cache
-def _unit_scale(qtype) -> float:
-    """The d that makes random `qtype` blocks' weights of std 1 (gguf's dequantizer)."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
-
-    size = GGML_QUANT_SIZES[qtype][1]
-    blocks = np.random.default_rng(0).integers(0, 256, (64, size), dtype=np.uint8)
-    for offset, factor in _SCALES[qtype.name]:
-        blocks[:, offset:offset + 2] = np.frombuffer(np.float16(factor).tobytes(), np.uint8)
-    return 1.0 / float(dequantize(blocks, qtype).std())
-
-
-_PLAN_LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- .*type =\s*(\w+),.*?(?:\((\w+)\))?\s*$")
-
-
-def quantize_plan(skeleton: Path, qtype: str, llama_bin: Path) -> dict[str, str]:
-    """Tensor name -> the ggml type llama-quantize gives it for `qtype` (its --dry-run, which
-    reads names and shapes only: a sparse file does)."""
-    cmd = [str(llama_bin / "llama-quantize"), "--dry-run", str(skeleton), qtype]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    plan = {m[1]: m[3] or m[2] for line in (proc.stdout + proc.stderr).splitlines()
-            if (m := _PLAN_LINE.match(line))}
-    if proc.returncode != 0 or not plan:
-        raise qp.QuantizeFailed(f"llama-quantize --dry-run {qtype} exited {proc.returncode}: "
-                                f"{qp._error_line(proc.stdout + proc.stderr)}")
-    return plan
+    write_gguf(path, s.arch, add_keys, moe_tensors(s), _is_f32, tensor_values, types, sparse)
 
 
 def _moe_metadata(w, s: MoeShape, ftype: str) -> None:
     """The keys llama.cpp's converter writes for the family (and llama-quantize's for a
     quantized `ftype`); the expert FFN lengths only where they differ from
     intermediate_size, as the converter does."""
-    from gguf import LlamaFileType
-
     w.add_string("general.name", f"{s.name}-shaped, {s.layers} layers (random weights)")
-    w.add_uint32("general.file_type", LlamaFileType[f"MOSTLY_{ftype}"].value)
-    if ftype != "F16":
-        w.add_uint32("general.quantization_version", 2)
+    add_file_type(w, ftype)
     keys = [("block_count", s.layers), ("context_length", s.context),
             ("embedding_length", s.hidden), ("feed_forward_length", s.ffn),
             ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
@@ -260,30 +166,11 @@ def ensure_f16(path: Path, vocab_file: Path, s: MoeShape) -> Path:
 def ensure_quantized(path: Path, vocab_file: Path, s: MoeShape, ftype: str,
                      llama_bin: Path) -> Path:
     """The `ftype` file at `path` written directly as random blocks, each tensor of the type
-    llama-quantize would give it (its dry run on a sparse F16 skeleton): the file a
-    quantized checkpoint of this shape has, without an F16 copy on disk or llama-quantize's
-    pass over it (~35 min for OLMoE on two busy cores)."""
-    if path.exists():
-        print(f"# have {path} ({path.stat().st_size / 1e9:.2f} GB)")
-        return path
-    skeleton = path.with_name(f"{path.stem}-skeleton-F16.gguf")
-    write_moe_gguf(skeleton, vocab_file, s, sparse=True)
-    try:
-        plan = quantize_plan(skeleton, ftype, llama_bin)
-    finally:
-        skeleton.unlink()
-    need = sum(_stored_bytes(shape, _stored_type(name, shape, plan))
-               for name, shape in moe_tensors(s))
-    if (free := shutil.disk_usage(path.parent).free) < need:
-        raise qp.QuantizeFailed(f"{path.name} needs ~{need / 1e9:.1f} GB; {path.parent} has "
-                                f"{free / 1e9:.1f} GB free")
-    kinds = sorted(set(plan.values()))
-    print(f"# writing {path} ({s.layers} layers, ~{need / 1e9:.2f} GB of random {ftype} "
-          f"blocks: {', '.join(kinds)})", flush=True)
-    start = time.perf_counter()
-    write_moe_gguf(path, vocab_file, s, ftype, plan)
-    print(f"#   done in {time.perf_counter() - start:.0f} s")
-    return path
+    llama-quantize would give it (bench/planned_gguf.py): the file a quantized checkpoint of
+    this shape has, without an F16 copy on disk or llama-quantize's pass over it (~35 min
+    for OLMoE on two busy cores)."""
+    write = functools.partial(write_moe_gguf, vocab_file=vocab_file, s=s)
+    return ensure_planned(path, ftype, llama_bin, moe_tensors(s), write, _is_f32)
 
 
 def moe_step_bytes(model: Path, context: int, arch: str = "olmoe") -> float:

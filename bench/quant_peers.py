@@ -2,14 +2,28 @@
 
     .venv/bin/python bench/quant_peers.py [-t 2] [-r 3] [-p 512] [-n 128]
         [--types Q4_K_M,Q3_K_M,Q2_K,IQ4_XS] [--workdir /tmp/kvlab-quant-peers]
-        [--llama-bin DIR] [--ik-llama-bin DIR] [--models A.gguf B.gguf] [--skip-gemma]
+        [--llama-bin DIR] [--vocab FILE] [--ik-llama-bin DIR] [--models A.gguf B.gguf]
+        [--skip-gemma] [--random-blocks]
+
+The IQ2/IQ3 mixes (IQ2_M is llama.cpp's name for the IQ2_S mix, IQ3_M the IQ3_S one's):
+
+    .venv/bin/python bench/quant_peers.py --types IQ2_XXS,IQ2_XS,IQ2_M,IQ3_XXS,IQ3_M \
+        --llama-bin /work/peers/build/bin \
+        --vocab /work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf \
+        -t 2 -r 3 -p 512 -n 128 --skip-gemma
 
 Steps, each skipped when its output already exists in --workdir:
-  1. write a random-weight F16 GGUF with Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8
-     heads of 64, FFN 8192, tied output, rope theta 500000 with llama3 scaling baked into
-     rope_freqs.weight as llama.cpp's converter does) and the real Llama 3 tokenizer copied
-     from llama.cpp's vocabulary file;
-  2. quantize it with llama.cpp's llama-quantize to each of --types.
+  1. llama-quantize --dry-run on a sparse F16 skeleton of the model below gives each tensor's
+     ggml type for the mix (bench/planned_gguf.py);
+  2. a mix llama-quantize needs an importance matrix for (IQ1, IQ2 and, in this llama.cpp,
+     IQ3_XXS, whose q/k projections are IQ2_S) is planned again with a stand-in imatrix
+     file given to --dry-run (so the plan is the one an imatrix quantization gets) and
+     written directly as random blocks of the planned types, weights of std ~0.02; so is
+     every mix with --random-blocks;
+  3. otherwise: write a random-weight F16 GGUF with Llama-3.2-1B's shape (16 layers, hidden
+     2048, 32/8 heads of 64, FFN 8192, tied output, rope theta 500000 with llama3 scaling
+     baked into rope_freqs.weight as llama.cpp's converter does) and the real Llama 3
+     tokenizer copied from llama.cpp's vocabulary file, and quantize it with llama-quantize.
 Then, for every quantized file, the default Gemma 3 model and any --models, it runs `kvlab
 bench` and llama.cpp's `llama-bench` (and ik_llama.cpp's, if given) as separate processes,
 alternating, one repetition each per round, so machine noise hits all engines alike and each
@@ -24,6 +38,7 @@ first line of its error; the other files still run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -37,6 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from planned_gguf import (
+    QuantizeFailed,
+    add_file_type,
+    skeleton_plan,
+    write_gguf,
+    write_planned,
+)
+from planned_gguf import error_line as _error_line
 
 LLAMA_BIN = Path("/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin")
 VOCAB_FILE = Path("/tmp/vocab/ggml-vocab-llama-bpe.gguf")
@@ -122,32 +145,30 @@ def tensor_values(name: str, shape: tuple[int, ...], s: LlamaShape, seed: int,
     return out
 
 
-def write_llama_gguf(path: Path, vocab_file: Path, s: LlamaShape = LlamaShape()) -> None:
-    """Stream the F16 model to `path` one tensor at a time (via a .part file, renamed when
-    complete, so an interrupted run is never taken for a finished one)."""
-    import gguf
+def write_llama_gguf(path: Path, vocab_file: Path, s: LlamaShape = LlamaShape(),
+                     ftype: str = "F16", types: dict[str, str] | None = None,
+                     sparse: bool = False) -> None:
+    """Stream the model to `path` (planned_gguf.write_gguf): F16 matrices, or with `types`
+    (a plan for the file type `ftype`) random blocks of each tensor's type; `sparse`: a
+    skeleton for llama-quantize --dry-run."""
 
-    part = path.with_suffix(".part")
-    w = gguf.GGUFWriter(str(part), "llama")
-    _llama_metadata(w, s)
-    _copy_tokenizer(w, vocab_file, s.vocab)
-    specs = llama_tensors(s)
-    for name, shape in specs:
-        dtype = np.float32 if len(shape) == 1 else np.float16
-        w.add_tensor_info(name, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for seed, (name, shape) in enumerate(specs):
-        w.write_tensor_data(tensor_values(name, shape, s, seed))
-    w.close()
-    part.rename(path)
+    def add_keys(w) -> None:
+        _llama_metadata(w, s, ftype)
+        _copy_tokenizer(w, vocab_file, s.vocab)
+
+    write_gguf(path, "llama", add_keys, llama_tensors(s), _is_f32,
+               lambda name, shape, seed: tensor_values(name, shape, s, seed), types, sparse)
 
 
-def _llama_metadata(w, s: LlamaShape) -> None:
-    """The keys llama.cpp's converter writes for Llama-3.2-1B (file type 1: mostly F16)."""
+def _is_f32(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 1  # the converter keeps norms and rope factors F32
+
+
+def _llama_metadata(w, s: LlamaShape, ftype: str = "F16") -> None:
+    """The keys llama.cpp's converter writes for Llama-3.2-1B (and llama-quantize's for a
+    quantized `ftype`)."""
     w.add_string("general.name", "Llama-3.2-1B-shaped (random weights)")
-    w.add_uint32("general.file_type", 1)
+    add_file_type(w, ftype)
     for key, value in (("block_count", s.layers), ("context_length", s.context),
                        ("embedding_length", s.hidden), ("feed_forward_length", s.ffn),
                        ("attention.head_count", s.heads), ("attention.head_count_kv", s.kv_heads),
@@ -199,10 +220,6 @@ def ensure_f16(workdir: Path, vocab_file: Path) -> Path:
     write_llama_gguf(path, vocab_file)
     print(f"#   done in {time.perf_counter() - start:.0f} s")
     return path
-
-
-class QuantizeFailed(Exception):
-    pass
 
 
 def quantize(f16: Path, qtype: str, llama_bin: Path, allow_requantize: bool = False) -> Path:
@@ -305,14 +322,6 @@ def run_once(engine: Engine, model: Path, args: argparse.Namespace) -> Run:
         return engine.parse(proc.stdout, args)
     except (ValueError, KeyError, IndexError) as e:
         raise EngineFailed(f"unreadable output ({e!r}): {proc.stdout[-300:]!r}") from None
-
-
-def _error_line(output: str) -> str:
-    """The line that says what went wrong: kvlab's 'error:' line, else the last line (a
-    traceback's exception, llama.cpp's final complaint)."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    return (errors or lines or ["(no output)"])[0 if errors else -1]
 
 
 @dataclass
@@ -552,6 +561,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ik_llama.cpp's build/bin: its llama-bench runs as a third engine")
     ap.add_argument("--models", type=Path, nargs="+", default=[], help="extra GGUF files")
     ap.add_argument("--skip-gemma", action="store_true", help="leave out the default Gemma 3")
+    ap.add_argument("--random-blocks", action="store_true",
+                    help="write every type as random blocks of llama-quantize's plan, not "
+                         "only the mixes it needs an imatrix for (no F16 file, no quantizing)")
     args = ap.parse_args(argv)
     check_run_args(ap, args, [args.ik_llama_bin / "llama-bench"] if args.ik_llama_bin else [])
     return args
@@ -559,7 +571,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_files(args: argparse.Namespace) -> Iterator[Path]:
     """Gemma first (small: a broken setup shows in seconds), then each quant type, then
-    --models. A type llama-quantize refuses is reported and left out."""
+    --models. A type that cannot be made is reported and left out."""
     if not args.skip_gemma:
         from kvlab.weights.default_model import default_model_path
 
@@ -567,13 +579,28 @@ def model_files(args: argparse.Namespace) -> Iterator[Path]:
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     if types:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        f16 = ensure_f16(args.workdir, args.vocab)
     for qtype in types:
         try:
-            yield quantize(f16, qtype, args.llama_bin)
+            yield quantized(args, qtype)
         except QuantizeFailed as e:
             print(f"# {e}")
     yield from args.models
+
+
+def quantized(args: argparse.Namespace, qtype: str) -> Path:
+    """The Llama-shaped `qtype` file: llama-quantize's pass over the F16 file, or, for a mix
+    llama-quantize needs an imatrix for (or every mix, with --random-blocks), random blocks
+    of the types its dry run plans (bench/planned_gguf.py)."""
+    out = args.workdir / F16_NAME.replace("F16", qtype)
+    if out.exists():
+        print(f"# have {out} ({out.stat().st_size / 1e9:.2f} GB)")
+        return out
+    write = functools.partial(write_llama_gguf, vocab_file=args.vocab)
+    plan, imatrix = skeleton_plan(out, qtype, args.llama_bin, write)
+    if imatrix or args.random_blocks:
+        return write_planned(out, qtype, plan, imatrix, llama_tensors(LlamaShape()), write,
+                             _is_f32)
+    return quantize(ensure_f16(args.workdir, args.vocab), qtype, args.llama_bin)
 
 
 def main(argv: list[str] | None = None) -> None:
