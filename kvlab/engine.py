@@ -219,6 +219,38 @@ class _Request:
 
 
 @dataclass(eq=False)
+class _PlainRun:
+    """The columns of a DecodeTokens run that stay as they are while the same requests
+    decode step after step (ids, prompt and cached counts, when scheduled, prefill time):
+    kept from the last run, so a steady batch's step makes only its token and count
+    columns. Only a synchronous step (a prefill, a preemption's recompute) changes them."""
+
+    reqs: list[_Request]
+    seqs: list[Sequence]
+    request_ids: list[str]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    scheduled: list[float | None]
+    prefill_seconds: list[float]
+
+    @classmethod
+    def of(cls, reqs: list[_Request]) -> _PlainRun:
+        seqs = [r.seq for r in reqs]
+        times = [r.timings for r in reqs]
+        return cls(reqs, seqs, [s.seq_id for s in seqs], [s.num_prompt_tokens for s in seqs],
+                   [s.num_cached_tokens for s in seqs], [t.scheduled for t in times],
+                   [t.prefill_seconds for t in times])
+
+    def tokens(self, now: float) -> DecodeTokens:
+        """The run's DecodeTokens: each request's last token, made at `now`."""
+        seqs = self.seqs
+        return DecodeTokens(
+            self.request_ids, [s.token_ids[-1] for s in seqs],
+            [len(s.token_ids) - p for s, p in zip(seqs, self.prompt_tokens)],
+            self.prompt_tokens, self.cached_tokens, self.scheduled, self.prefill_seconds, now)
+
+
+@dataclass(eq=False)
 class _Verified:
     """One sequence's proposals checked against the model: the accepted ones, then the
     token drawn after them (and any its structure forced), as _append takes them."""
@@ -280,6 +312,7 @@ class Engine:
                           and self.kv.states is None and proposer is None
                           and not config.record_experts else None)
         self._inflight: InFlight | None = None
+        self._plain: _PlainRun | None = None  # the last DecodeTokens run's kept columns
         self.runner.page_ahead(self.kv.high_water())  # a first request's pages, in the background
 
     @staticmethod
@@ -572,6 +605,7 @@ class Engine:
         """Run a step and read its sampled ids at once (prefill, structures, proposals)."""
         outputs: list[CoreOutput] = []
         start = time.perf_counter()
+        self._plain = None  # the step may change the kept columns (_account)
         step = self.runner.execute(sched, self.config.record_experts,
                                    hidden=self.mtp is not None)
         logits, checks = _split_rows(step)
@@ -667,6 +701,8 @@ class Engine:
         rows that take _append's full path (a finish, logprobs), in row order."""
         tokens = flight.token_list()
         now = time.perf_counter()
+        if flight.sched.follows is None:  # not the last step's batch one position on
+            self._plain = None
         items: list[StepItem] = []
         plain: list[_Request] = []  # the current run of rows whose token ends nothing
         get = self.requests.get
@@ -677,7 +713,7 @@ class Engine:
             token, ids = tokens[row], seq.token_ids
             if token in req.ends or len(ids) + 1 >= req.limit:
                 if plain:
-                    items.append(_decode_tokens(plain, now))
+                    items.append(self._decode_tokens(plain, now))
                     plain = []
                 logprobs = ([self._logprob(flight.host(), row, token)]
                             if seq.params.logprobs is not None else [])
@@ -686,8 +722,16 @@ class Engine:
             ids.append(token)  # what _append does where the token ends nothing
             plain.append(req)
         if plain:
-            items.append(_decode_tokens(plain, now))
+            items.append(self._decode_tokens(plain, now))
         return items
+
+    def _decode_tokens(self, reqs: list[_Request], now: float) -> DecodeTokens:
+        """The columns of requests whose last token, made at `now`, ended nothing (as _output
+        would make each one's CoreOutput); the last run's kept ones where it had the same
+        requests (the lists compare by identity first: no per-request work)."""
+        if self._plain is None or self._plain.reqs != reqs:
+            self._plain = _PlainRun.of(reqs)
+        return self._plain.tokens(now)
 
     def _settle(self) -> None:
         """Wait for a step in flight to finish (its ids are still emitted by core_step)."""
@@ -901,18 +945,6 @@ class Engine:
             logprobs=logprobs, stop_token=stop_token, scheduled=t.scheduled,
             prefill_seconds=t.prefill_seconds, forced_tokens=req.forced_tokens,
             draft_tokens=req.draft_tokens, accepted_tokens=req.accepted_tokens)
-
-
-def _decode_tokens(reqs: list[_Request], now: float) -> DecodeTokens:
-    """The columns of requests whose last token, made at `now`, ended nothing (as _output
-    would make each one's CoreOutput)."""
-    seqs = [r.seq for r in reqs]
-    times = [r.timings for r in reqs]
-    return DecodeTokens(
-        [s.seq_id for s in seqs], [s.token_ids[-1] for s in seqs],
-        [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
-        [s.num_prompt_tokens for s in seqs], [s.num_cached_tokens for s in seqs],
-        [t.scheduled for t in times], [t.prefill_seconds for t in times], now)
 
 
 def token_batches(prompts: list[list[int]], limit: int) -> list[list[list[int]]]:

@@ -118,12 +118,13 @@ class DecodeRows:
     rows:          [B] their offsets in the packed token batch, ascending
     write:         [B] slot where each row's new K/V go
     slots:         [B, W] slot of each key a row attends to, in position order; past
-                   lengths[b], repeats the row's first key slot (masked, never NaN)
+                   lengths[b], repeats the row's first key slot (masked, never NaN);
+                   W >= max(lengths) (the caller may keep spare columns)
     lengths:       [B] keys each row sees
     window_*:      the same for sliding-window layers (their keys inside the window, and
                    their own pool's slots where they have one); None without such layers
     window_write:  [B] where those layers write, in their own pool; None: `write`
-    uniform:       every row is at the same position (one row, say): no padding, no mask
+    uniform:       every row sees all W keys (lengths all W): no padding, no mask
     """
 
     rows: torch.Tensor
@@ -145,11 +146,11 @@ def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows |
     own_pool = decode.window_write is not None if decode is not None else any(own)
     if spans and (any(own) != all(own) or all(own) != own_pool):
         raise ValueError("either every row has window slots or none has")
-    mapping = _packed_mapping(spans, offsets, decode, None, num_tokens).to(device)
+    mapping = on_device(_packed_mapping(spans, offsets, decode, None, num_tokens), device)
     full = tuple(_prefill_group(s, o, None, device) for s, o in zip(spans, offsets))
     if decode is not None:
         full += (_rows_group(decode.rows, decode.slots, decode.lengths, device,
-                             decode.uniform),)
+                             not decode.uniform),)
     if not window:
         return AttentionMetadata(mapping, full, full)
     wspans = [dataclasses.replace(s, slots=s.window_slots) for s in spans] if own_pool else spans
@@ -157,7 +158,7 @@ def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows |
     if decode is not None:
         assert decode.window_slots is not None and decode.window_lengths is not None
         sliding += (_rows_group(decode.rows, decode.window_slots, decode.window_lengths,
-                                device, decode.uniform),)
+                                device, False if decode.uniform else None),)
     window_mapping = (_packed_mapping(wspans, offsets, decode, decode and decode.window_write,
                                       num_tokens).to(device) if own_pool else None)
     return AttentionMetadata(mapping, full, sliding, window_mapping)
@@ -179,12 +180,20 @@ def _packed_mapping(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows
 
 
 def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                device: torch.device, uniform: bool = False) -> AttentionGroup:
+                device: torch.device, padded: bool | None) -> AttentionGroup:
     """The decode group over laid-out rows; its mask (where some row sees fewer than all W
-    keys) is built where it is read: the C attention reads the lengths instead."""
-    padded = not uniform and not bool((lengths == slots.shape[1]).all())
-    return AttentionGroup(rows.to(device), slots.to(device), None, len(rows), 1, lengths,
-                          padded=padded)
+    keys: `padded`, None to find out) is built where it is read: the C attention reads the
+    lengths instead."""
+    if padded is None:
+        padded = not bool((lengths == slots.shape[1]).all())
+    return AttentionGroup(on_device(rows, device), on_device(slots, device), None, len(rows),
+                          1, lengths, padded=padded)
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`: itself where it is there already (a no-op .to still costs a dispatch,
+    several per step)."""
+    return t if t.device == device else t.to(device)
 
 
 def build_metadata(spans: list[SeqSpan], window: int | None, device: torch.device
@@ -279,7 +288,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         g = groups[0]
         out = (_attend_fresh(q, k, v, scale) if _reads_fresh(g, cache, q, k, softcap, sinks)
                else _attend(q, cache, g, scale, softcap, sinks))
-        return out[..., :head_dim].reshape(num_tokens, num_heads * head_dim)
+        if out.shape[-1] != head_dim:
+            out = out[..., :head_dim]
+        return out.reshape(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for g in groups:
         qg = q.index_select(0, g.rows)

@@ -100,7 +100,7 @@ def linear(x: torch.Tensor, w: Weight | Stacked, bias: torch.Tensor | None = Non
     elif isinstance(w, Stacked):
         y = torch.cat([linear(x, part) for part in w.parts], dim=-1)
     elif isinstance(w, torch.Tensor):
-        y = F.linear(x.to(w.dtype), w)
+        y = F.linear(as_dtype(x, w.dtype), w)
     elif isinstance(w, PackedWeight):
         y = quant_matmul.linear(x, w)
     else:
@@ -120,6 +120,11 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()  # a no-op .float() costs ~0.5 µs
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: itself where it is already (a no-op .to still costs a dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def split(y: torch.Tensor, w: Stacked) -> tuple[torch.Tensor, ...]:
     """The output of a Stacked product, back into one tensor per original matrix."""
     return y.split_with_sizes(w.sizes, dim=-1)
@@ -128,7 +133,7 @@ def split(y: torch.Tensor, w: Stacked) -> tuple[torch.Tensor, ...]:
 def embed(ids: torch.Tensor, w: Weight) -> torch.Tensor:
     """Rows of the embedding matrix: reads only the rows asked for."""
     if isinstance(w, torch.Tensor):
-        return w.index_select(0, ids).float()
+        return _fp32(w.index_select(0, ids))
     if isinstance(w, PackedWeight):
         return quant_matmul.dequantize_rows(w, ids)
     return dequantize_rows(w, ids)
@@ -276,11 +281,47 @@ class ScaledRope:
         return cos * self.scale, sin * self.scale
 
 
+class RopeTable:
+    """A rotation (inverse frequencies, ScaledRope or LongRopeTable) whose cos/sin are kept
+    for positions 0..P-1 and grown (doubling) as positions pass P: a CPU step takes its rows
+    with one index_select instead of computing cos and sin of every position again. Row p
+    holds rope_cos_sin's values of position p (each is a function of its position alone).
+    On other devices cos/sin are computed per step: the size check would wait for the
+    device, and a captured graph must compute them itself."""
+
+    def __init__(self, rotation: torch.Tensor | LongRopeTable | ScaledRope) -> None:
+        self.rotation = rotation
+        frequencies = (rotation.short if isinstance(rotation, LongRopeTable) else
+                       rotation.inv_freq if isinstance(rotation, ScaledRope) else rotation)
+        self.on_cpu = frequencies.is_cpu
+        self._rows: torch.Tensor | None = None  # [2, P, 1, head_dim]: cos, sin (CPU)
+
+    def to(self, device: torch.device) -> RopeTable:
+        return RopeTable(self.rotation.to(device))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (positions.is_cpu and self.on_cpu):
+            return rope_cos_sin(positions, self.rotation)
+        rows = self._rows
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        if rows is None or rows.shape[1] < needed:
+            rows = self._grow(needed)
+        cos, sin = rows.index_select(1, positions)
+        return cos, sin
+
+    def _grow(self, needed: int) -> torch.Tensor:
+        """The table over at least `needed` positions (a power of two, 256 at least)."""
+        size = max(256, 1 << (needed - 1).bit_length())
+        rows = torch.stack(rope_cos_sin(torch.arange(size), self.rotation))
+        self._rows = rows  # replaced whole: a reader holds the old one or the new one
+        return rows
+
+
 def rope_cos_sin(positions: torch.Tensor,
-                 inv_freq: torch.Tensor | LongRopeTable | ScaledRope
+                 inv_freq: torch.Tensor | LongRopeTable | ScaledRope | RopeTable
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [T, 1, head_dim] for the given positions (half-rotation layout)."""
-    if isinstance(inv_freq, LongRopeTable | ScaledRope):
+    if isinstance(inv_freq, LongRopeTable | ScaledRope | RopeTable):
         return inv_freq.cos_sin(positions)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]

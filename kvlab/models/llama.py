@@ -16,9 +16,11 @@ from kvlab.models import decode_c, decode_gpu
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
     LongRopeTable,
+    RopeTable,
     ScaledRope,
     Weight,
     add_rms_norm,
+    as_dtype,
     embed,
     linear,
     norm_rope,
@@ -123,10 +125,11 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
-        self.inv_freq = _rotary(config, weights).to(weights["norm"].device)
+        # the rotations, their cos/sin kept by position (RopeTable)
+        self.inv_freq = RopeTable(_rotary(config, weights).to(weights["norm"].device))
         local = config.local_rope  # sliding layers' own RoPE (OLMo 3: no YaRN there)
-        self.inv_freq_local = (None if local is None else ScaledRope.build(
-            local, rope_inv_freq(local, config.head_dim)).to(weights["norm"].device))
+        self.inv_freq_local = (None if local is None else RopeTable(ScaledRope.build(
+            local, rope_inv_freq(local, config.head_dim)).to(weights["norm"].device)))
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
@@ -146,7 +149,7 @@ class LlamaModel:
         MoE layer (for a caller that asks; dense layers add nothing)."""
         c = self.config
         x = embed(ids, self.weights["embed"])
-        cos, sin = (t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
+        cos, sin = (as_dtype(t, self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq))
         ropes = {False: (cos, sin), True: self._second_rope(positions, cos, sin)}
         q_scale = _query_temperature(c, positions)
         if self.c_plan is not None and trace is None and q_scale is None and decode_c.run(
@@ -174,7 +177,8 @@ class LlamaModel:
             return torch.ones_like(cos), torch.zeros_like(sin)
         if self.inv_freq_local is None:
             return cos, sin
-        return tuple(t.to(self.rope_dtype) for t in rope_cos_sin(positions, self.inv_freq_local))
+        return tuple(as_dtype(t, self.rope_dtype)
+                     for t in rope_cos_sin(positions, self.inv_freq_local))
 
     def _residual(self, x: torch.Tensor, h: torch.Tensor,
                   post_norm: torch.Tensor | None) -> torch.Tensor:
@@ -222,7 +226,7 @@ class LlamaModel:
         """[N, hidden] -> [N, vocab] fp32, for the positions whose next token is needed."""
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
         head = self.weights.get("lm_head", self.weights["embed"])
-        return linear(h, head).float()
+        return as_dtype(linear(h, head), torch.float32)
 
 
 def _query_temperature(config: ModelConfig, positions: torch.Tensor) -> torch.Tensor | None:

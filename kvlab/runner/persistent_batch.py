@@ -30,12 +30,13 @@ of one token is a decode row too:
     rows       7 + 2 | 9+1|10+1|11+1    (start + num_new; keys: positions < end)
 
 Most steps are the last decode step's sequences, each one position on. Such a step's
-inputs follow from the last one's (_LastDecode) without a pass over the block tables: the
-keys gain one column (the rows' first slots: padding), each row's new key slot goes in at
-its position, and only the rows whose table gained a block are written:
+inputs follow from the last one's (_LastDecode) without a pass over the block tables: each
+row's new key slot is written in place at its position into keys kept with spare columns
+(padded with the rows' first slots; doubled when a row reaches the last one), and only the
+rows whose table gained a block are written:
 
-    last keys   [B, W]      a: s0 s1 s2 s0      (a at position 2, padded to W = 4)
-    this step   [B, W + 1]  a: s0 s1 s2 s3 s0   (slot s3 of position 3 written in)
+    last keys   [B, C]      a: s0 s1 s2 s0 s0 s0   (a at position 2, C = 6 columns)
+    this step   [B, C]      a: s0 s1 s2 s3 s0 s0   (slot s3 of position 3 written in)
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.models.attention import AttentionMetadata, DecodeRows, SeqSpan, step_metadata
+from kvlab.models.attention import (
+    AttentionMetadata,
+    DecodeRows,
+    SeqSpan,
+    on_device,
+    step_metadata,
+)
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -142,9 +149,10 @@ class _LastDecode:
     tables: list[list[int]]  # the block tables it was built from (never changed after)
     index: torch.Tensor  # [B] their rows in BlockRows.tables
     end: torch.Tensor  # [B] keys each row saw: its position + 1
-    keys: torch.Tensor  # [B, max(end)] DecodeRows.slots
+    keys: torch.Tensor  # [B, C >= hi] DecodeRows.slots, written in place by the next step
     packed: torch.Tensor  # [B] 0..B-1
     lo: int  # min(end)
+    hi: int  # max(end)
     serial: int | None  # SchedulerOutput.serial of the step
 
 
@@ -255,9 +263,10 @@ class PersistentBatch:
             decoded = self._decode_rows(index, [None] * len(scheduled), at, packed)
             self._last = None if self.window else _LastDecode(
                 [s.seq_id for s in scheduled], [s.block_table for s in scheduled], index,
-                decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()), out.serial)
+                decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()),
+                decoded.slots.shape[1], out.serial)
         meta = step_metadata([], [], decoded, len(scheduled), self.window, self.device)
-        return StepInputs(ids, at.to(self.device), meta)
+        return StepInputs(ids, on_device(at, self.device), meta)
 
     def _follow(self, out: SchedulerOutput, last: _LastDecode) -> DecodeRows | None:
         """_next_decode of a step that says it repeats the last one (SchedulerOutput.follows):
@@ -292,13 +301,17 @@ class PersistentBatch:
     def _advance(self, last: _LastDecode, seq_ids: list[str], tables: list[list[int]],
                  at: torch.Tensor, serial: int | None) -> DecodeRows:
         """The decode rows of `last`'s sequences at positions `at` (last's ends): one more
-        key column each, its new slot written in."""
+        key each, its new slot written in place into last's keys (their spare columns
+        doubled first where a row reaches past them). Last's rows are not read again."""
         bs = self.block_size
         write = self.full.tables[last.index, at // bs] * bs + at % bs
-        keys = torch.cat((last.keys, last.keys[:, :1]), 1)  # [B, W + 1], padded
+        keys, lo, hi = last.keys, last.lo + 1, last.hi + 1
+        if hi > keys.shape[1]:  # padded with each row's first slot
+            keys = torch.cat((keys, keys[:, :1].expand(-1, keys.shape[1])), 1)
         keys.scatter_(1, at[:, None], write[:, None])
-        end, lo = at + 1, last.lo + 1
-        self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo, serial)
+        end = at + 1
+        self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo, hi,
+                                 serial)
         return DecodeRows(last.packed, write, keys, end, uniform=lo == keys.shape[1])
 
     def tables(self, out: SchedulerOutput) -> torch.Tensor:
