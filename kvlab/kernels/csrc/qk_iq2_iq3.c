@@ -379,7 +379,8 @@ KV_INL __m256i scales_of(__m256i sc16, int s) {
 typedef struct {
     __m256i sgn;       /* sign bytes: sub-block s's groups 0, 1 at bytes 2 pos(s), 2 pos(s) + 1
                         * of the low lane, its groups 2, 3 at the same bytes of the high lane */
-    int32_t sc[16];    /* scale of group g (16 values) in both int16 halves, at sc_at(g) */
+    int32_t sc[16];    /* scale of group g (16 values) in both int16 halves, at sc_at(g); the
+                        * per-32 types': sub-block s's at sign_pos(s) */
     uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S) values */
 } kv_iq_dec;
 
@@ -397,12 +398,9 @@ KV_INL void scales_to(int32_t *sc, __m256i sc16) {
     _mm256_storeu_si256((__m256i *)sc, _mm256_unpacklo_epi16(sc16, sc16));
     _mm256_storeu_si256((__m256i *)(sc + 8), _mm256_unpackhi_epi16(sc16, sc16));
 }
-/* 8 per-32 scales as int32, sub-block s's at sign_pos(s) -> kv_iq_dec.sc, where the
- * per-32 types read group 2s's entry for both groups */
-KV_INL void scales32_to(const int qt, int32_t *sc, __m256i s32) {
-    int32_t t[8];
-    _mm256_storeu_si256((__m256i *)t, odd32(s32));
-    for (int s = 0; s < 8; s++) sc[sc_at(2 * s)] = t[sign_pos(qt, s)];
+/* 8 per-32 scales as int32, sub-block s's at sign_pos(s) -> kv_iq_dec.sc, in place */
+KV_INL void scales32_to(int32_t *sc, __m256i s32) {
+    _mm256_storeu_si256((__m256i *)sc, odd32(s32));
 }
 
 /* 32 sign bytes, dword p holding a sub-block's four -> kv_iq_dec.sgn */
@@ -455,7 +453,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             const __m256i a = _mm256_castps_si256(
                 _mm256_shuffle_ps(_mm256_castsi256_ps(load256(b + 2)),
                                   _mm256_castsi256_ps(load256(b + 34)), 0xDD));
-            scales32_to(qt, u->sc, _mm256_srli_epi32(a, 28));
+            scales32_to(u->sc, _mm256_srli_epi32(a, 28));
             u->sgn = signs_by_half(ksigns_of(a));
             break;
         }
@@ -481,7 +479,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
         }
         case KV_IQ3_XXS: {
             const __m256i a = load256(b + 66);
-            scales32_to(qt, u->sc, _mm256_srli_epi32(a, 28));
+            scales32_to(u->sc, _mm256_srli_epi32(a, 28));
             u->sgn = signs_by_half(ksigns_of(a));
             break;
         }
@@ -493,7 +491,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             indices_to(u->idx, b + 2, qh, rep, 2, mul, 0x100, 4);
             u->sgn = signs_by_half(load256(b + 74));
             const __m128i s8 = nibbles(_mm_cvtsi32_si128((int)u32_at(b + 106)));
-            scales32_to(qt, u->sc, _mm256_cvtepu8_epi32(s8));
+            scales32_to(u->sc, _mm256_cvtepu8_epi32(s8));
             break;
         }
     }
@@ -532,7 +530,12 @@ KV_INL __m256i dec_grid(const int qt, const uint8_t *b, const kv_iq_dec *u, int 
             const uint64_t v = u64_of((const uint8_t *)(u->idx + 4 * s));
             return grid8(grid_iq2s, v & 0xFFFF, v >> 16 & 0xFFFF, v >> 32 & 0xFFFF, v >> 48);
         }
-        case KV_IQ3_XXS: return KV_GRID4(grid_iq3xxs, b + 2 + 8 * s);
+        case KV_IQ3_XXS: {  /* one load for the eight indices: loads are what it runs short of */
+            const uint64_t v = u64_of(b + 2 + 8 * s);
+            const unsigned i[8] = {v & 255, v >> 8 & 255, v >> 16 & 255, v >> 24 & 255,
+                                   v >> 32 & 255, v >> 40 & 255, v >> 48 & 255, v >> 56};
+            return KV_GRID4(grid_iq3xxs, i);
+        }
         default: {
             const uint64_t v = u64_of((const uint8_t *)(u->idx + 8 * s));
             const uint64_t w = u64_of((const uint8_t *)(u->idx + 8 * s + 4));
@@ -557,9 +560,10 @@ KV_INL __m256i dec_signs(__m256i sgn, int p) {
 }
 /* sub-block s's scales for maddubs' pair sums: group 2s in the low lane, 2s + 1 above */
 KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
-    const __m256i lo = _mm256_set1_epi32(u->sc[sc_at(2 * s)]);
-    if (qt == KV_IQ2_XXS || qt == KV_IQ3_XXS || qt == KV_IQ3_S) return lo;
-    return _mm256_blend_epi32(lo, _mm256_set1_epi32(u->sc[sc_at(2 * s + 1)]), 0xF0);
+    if (qt == KV_IQ2_XXS || qt == KV_IQ3_XXS || qt == KV_IQ3_S)
+        return _mm256_set1_epi32(u->sc[sign_pos(qt, s)]);
+    return _mm256_blend_epi32(_mm256_set1_epi32(u->sc[sc_at(2 * s)]),
+                              _mm256_set1_epi32(u->sc[sc_at(2 * s + 1)]), 0xF0);
 }
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
