@@ -42,6 +42,7 @@ def check(batch: PersistentBatch, out: SchedulerOutput) -> None:
     step = batch.inputs(out)
     ids, positions, meta = fresh(out, batch.window)
     assert step.ids.tolist() == ids and step.positions.tolist() == positions
+    assert step.seq_ids is None or step.seq_ids == [s.seq_id for s in out.scheduled]
     got, want = step.meta, meta
     assert torch.equal(got.slot_mapping, want.slot_mapping)
     for mine, theirs in ((got.slot_mapping_sliding, want.slot_mapping_sliding),):

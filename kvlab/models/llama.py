@@ -198,12 +198,7 @@ class LlamaModel:
                   sin: torch.Tensor, cache: KVStore, meta: AttentionMetadata,
                   sliding: bool, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
-        q, k, v = split(linear(h, layer["qkv"], layer.get("qkv_bias")), layer["qkv"])
-        if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
-            q, k = self._whole_norm(q, layer["q_norm"]), self._whole_norm(k, layer["k_norm"])
-        q = q.reshape(-1, c.num_heads, c.head_dim)
-        k = k.reshape(-1, c.num_kv_heads, c.head_dim)
-        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        q, k, v = self._heads(linear(h, layer["qkv"], layer.get("qkv_bias")), layer)
         # qk_norm: per head, where the layer has the weights (GLM-4.5's are optional)
         q_norm, k_norm = (layer.get("q_norm"), layer.get("k_norm")) if c.qk_norm else (None, None)
         q = norm_rope(q, q_norm, cos, sin, c.rms_norm_eps)
@@ -214,6 +209,20 @@ class LlamaModel:
                               sinks=layer.get("sinks"))  # gpt-oss: a sink logit per head
         out = self.tp.all_reduce(linear(out, layer["o"]))
         return out if "o_bias" not in layer else out + layer["o_bias"]  # once, after the sum
+
+    def _heads(self, qkv: torch.Tensor, layer: dict[str, Weight]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv product [T, (H + 2 KVH) * D] as q [T, H, D], k and v [T, KVH, D]: views,
+        by heads first and then split (two ops a layer, not four)."""
+        c = self.config
+        if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
+            q, k, v = split(qkv, layer["qkv"])
+            q, k = self._whole_norm(q, layer["q_norm"]), self._whole_norm(k, layer["k_norm"])
+            return (q.reshape(-1, c.num_heads, c.head_dim),
+                    k.reshape(-1, c.num_kv_heads, c.head_dim),
+                    v.reshape(-1, c.num_kv_heads, c.head_dim))
+        heads = qkv.reshape(qkv.shape[0], -1, c.head_dim)
+        return heads.split_with_sizes((c.num_heads, c.num_kv_heads, c.num_kv_heads), dim=1)
 
     def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over all heads as one vector; under tensor parallel, over all ranks' heads."""

@@ -219,7 +219,8 @@ class ModelRunner:
             if self.states is not None:  # the states at snapshot boundaries, for prefix hits
                 saved = [s for s in out.scheduled if s.state_save is not None]
                 self.states.copy([s.state_slot for s in saved], [s.state_save for s in saved])
-            rows, seq_ids, counts = _logit_rows(out) if want_logits else ([], [], [])
+            rows, seq_ids, counts = (_logit_rows(out, step.seq_ids) if want_logits
+                                     else ([], [], []))
             kept = hidden if want_hidden else None
             if not seq_ids:
                 return StepLogits([], hidden.new_empty(0, self.config.vocab_size), hidden=kept)
@@ -252,12 +253,14 @@ class ModelRunner:
                                  [len(s.token_ids) for s in out.scheduled])
 
 
-def _logit_rows(out: SchedulerOutput) -> tuple[list[int] | None, list[str], list[int]]:
+def _logit_rows(out: SchedulerOutput, seq_ids: list[str] | None = None
+                ) -> tuple[list[int] | None, list[str], list[int]]:
     """The packed rows that need logits (None: every row, one per sequence, as in a
-    decode step), the sequences they belong to and how many rows each has."""
+    decode step), the sequences they belong to and how many rows each has. `seq_ids`: the
+    scheduled sequences' ids in order, where the caller has them."""
     if out.decode or (out.num_tokens == len(out.scheduled)
                        and all(s.needs_logits for s in out.scheduled)):
-        return None, [s.seq_id for s in out.scheduled], []
+        return None, seq_ids or [s.seq_id for s in out.scheduled], []
     rows, seq_ids, counts, row = [], [], [], 0
     for s in out.scheduled:
         row += len(s.token_ids)

@@ -169,6 +169,9 @@ class StepInputs:
     ids: torch.Tensor  # [T] token ids, the scheduled sequences' tokens packed in order
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
+    # a step of one-token rows: the scheduled sequences' ids in order, where the batch kept
+    # them (the last step's list, shared); None otherwise
+    seq_ids: list[str] | None = None
 
 
 class PersistentBatch:
@@ -266,7 +269,8 @@ class PersistentBatch:
                 decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()),
                 decoded.slots.shape[1], out.serial)
         meta = step_metadata([], [], decoded, len(scheduled), self.window, self.device)
-        return StepInputs(ids, on_device(at, self.device), meta)
+        seq_ids = None if self._last is None else self._last.seq_ids
+        return StepInputs(ids, on_device(at, self.device), meta, seq_ids)
 
     def _follow(self, out: SchedulerOutput, last: _LastDecode) -> DecodeRows | None:
         """_next_decode of a step that says it repeats the last one (SchedulerOutput.follows):
