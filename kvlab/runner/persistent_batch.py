@@ -308,7 +308,7 @@ class PersistentBatch:
         key each, its new slot written in place into last's keys (their spare columns
         doubled first where a row reaches past them). Last's rows are not read again."""
         bs = self.block_size
-        write = self.full.tables[last.index, at // bs] * bs + at % bs
+        write = (at % bs).add_(self.full.tables[last.index, at // bs], alpha=bs)  # slot
         keys, lo, hi = last.keys, last.lo + 1, last.hi + 1
         if hi > keys.shape[1]:  # padded with each row's first slot
             keys = torch.cat((keys, keys[:, :1].expand(-1, keys.shape[1])), 1)
