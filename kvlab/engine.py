@@ -692,7 +692,7 @@ class Engine:
             self._phases["sample"] += time.perf_counter() - executed
             return result
 
-        return self._launcher.launch(sched, seqs, run)
+        return self._launcher.launch(sched, seqs, run, batch.want_logprobs)
 
     def _emit(self, flight: InFlight) -> list[StepItem]:
         """A launched step's tokens, appended now; sequences that finished or were aborted

@@ -214,7 +214,16 @@ def test_on_cuda_logprobs_from_the_pinned_copies(tiny):
 
     cuda = {"device": "cuda", "dtype": "float32", "kv_dtype": "f32"}
     want = logprobs(_engine(tiny, False, "auto", **cuda))
-    assert len(want) == 8 and logprobs(_engine(tiny, True, "auto", **cuda)) == want
+    e = _engine(tiny, True, "auto", **cuda)
+    read, seen = e._logprob, []
+
+    def observed(sampled, row, token):
+        seen.append((sampled.logprobs.is_pinned(), sampled.top_ids.is_pinned()))
+        return read(sampled, row, token)
+
+    e._logprob = observed
+    assert len(want) == 8 and logprobs(e) == want
+    assert seen and all(pinned == (True, True) for pinned in seen[1:])  # the first: prefill
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -78,8 +78,9 @@ class StepLauncher:
                                               initargs=(threads,))
 
     def launch(self, sched: SchedulerOutput, seqs: list[Sequence],
-               run: Callable[[], SampleResult]) -> InFlight:
-        """Start run() (the step's forward and sampling) and return at once."""
+               run: Callable[[], SampleResult], logprobs: bool = False) -> InFlight:
+        """Start run() (the step's forward and sampling) and return at once. logprobs: some
+        row wants them (on CUDA they are then copied to the host with the ids)."""
         if self._worker is not None:
             return InFlight(sched, seqs, self._worker.submit(run))
         done: Future[SampleResult] = Future()
@@ -88,8 +89,10 @@ class StepLauncher:
             return InFlight(sched, seqs, done)
         with torch.cuda.device(self.device):
             result = run()  # queued on the stream: returns before the device has finished
-            host = SampleResult(*(_pinned_copy(t) for t in (
-                result.token_ids, result.logprobs, result.top_ids, result.top_logprobs)))
+            # the logprob columns stay on the device where no row reads them
+            lps = (result.logprobs, result.top_ids, result.top_logprobs)
+            host = SampleResult(_pinned_copy(result.token_ids),
+                                *(map(_pinned_copy, lps) if logprobs else lps))
             landed = torch.cuda.Event()
             landed.record()
         done.set_result(result)
@@ -104,3 +107,4 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that t (on the device) is copied into once the stream gets there."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
