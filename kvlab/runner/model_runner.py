@@ -155,7 +155,13 @@ class ModelRunner:
 
     @contextmanager
     def _torch_threads(self, num_tokens: int) -> Iterator[None]:
-        """All threads for torch while a wide step runs (see execute), one otherwise."""
+        """All threads for torch while a wide step runs (see execute), one otherwise; on
+        CUDA the runner's device is made current (Triton launches on the current device,
+        which need not be this runner's)."""
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                yield
+            return
         if not self.kernel_decode or num_tokens < WIDE_STEP_TOKENS:
             yield
             return
