@@ -229,3 +229,21 @@ def test_steps_that_say_they_follow_the_last_step():
     out = SchedulerOutput([decode(k, starts[k], tables[k]) for k in "ab"], [], True,
                           serial + 1, last.serial)
     assert batch.inputs(out, ids).ids is ids
+
+
+def test_decode_group_off_the_c_path_reads_only_used_columns():
+    """One sequence decoding step after step: the key table keeps spare columns for the C
+    attention, but a device whose attention reads every column it is given (here "meta",
+    standing for CUDA) gets exactly the sequence's keys, unpadded (SDPA without a mask)."""
+    for device, spare in ((torch.device("meta"), False), (CPU, True)):
+        batch = PersistentBatch(BS, None, None, device)
+        table, widths = [1], []
+        for start in range(3, 12):
+            if start // BS >= len(table):
+                table = table + [len(table) + 1]
+            step = batch.inputs(SchedulerOutput([decode("a", start, table)]))
+            (g,) = step.meta.groups(False)
+            widths.append(g.slots.shape[1])
+            if not spare:
+                assert g.slots.shape == (1, start + 1) and not g.padded
+        assert any(w > s + 1 for w, s in zip(widths, range(3, 12))) == spare

@@ -119,18 +119,20 @@ class DecodeRows:
     write:         [B] slot where each row's new K/V go
     slots:         [B, W] slot of each key a row attends to, in position order; past
                    lengths[b], repeats the row's first key slot (masked, never NaN);
-                   W >= max(lengths) (the caller may keep spare columns)
+                   W >= width (the caller may keep spare columns, contiguous for C)
     lengths:       [B] keys each row sees
+    width:         max(lengths): the columns any row reads
     window_*:      the same for sliding-window layers (their keys inside the window, and
                    their own pool's slots where they have one); None without such layers
     window_write:  [B] where those layers write, in their own pool; None: `write`
-    uniform:       every row sees all W keys (lengths all W): no padding, no mask
+    uniform:       every row sees all `width` keys (lengths all equal): no padding, no mask
     """
 
     rows: torch.Tensor
     write: torch.Tensor
     slots: torch.Tensor
     lengths: torch.Tensor
+    width: int
     window_slots: torch.Tensor | None = None
     window_lengths: torch.Tensor | None = None
     window_write: torch.Tensor | None = None
@@ -149,8 +151,7 @@ def step_metadata(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows |
     mapping = on_device(_packed_mapping(spans, offsets, decode, None, num_tokens), device)
     full = tuple(_prefill_group(s, o, None, device) for s, o in zip(spans, offsets))
     if decode is not None:
-        full += (_rows_group(decode.rows, decode.slots, decode.lengths, device,
-                             not decode.uniform),)
+        full += (_full_rows_group(decode, device),)
     if not window:
         return AttentionMetadata(mapping, full, full)
     wspans = [dataclasses.replace(s, slots=s.window_slots) for s in spans] if own_pool else spans
@@ -177,6 +178,24 @@ def _packed_mapping(spans: list[SeqSpan], offsets: list[int], decode: DecodeRows
     if decode is not None and write is not None:
         mapping[decode.rows] = write
     return mapping
+
+
+def _full_rows_group(decode: DecodeRows, device: torch.device) -> AttentionGroup:
+    """The decode group of the full-attention layers. The C attention reads each row's
+    lengths over the whole contiguous table (spare columns included, never read); the torch
+    and Triton paths read every column they are given, so they get the first `width` only
+    (padded only where some row sees fewer)."""
+    slots = decode.slots
+    if slots.shape[1] > decode.width and not _c_reads_lengths(device):
+        slots = slots[:, :decode.width]
+    padded = not decode.uniform or slots.shape[1] > decode.width
+    return _rows_group(decode.rows, slots, decode.lengths, device, padded)
+
+
+def _c_reads_lengths(device: torch.device) -> bool:
+    """A decode step on `device` runs the C attention, which reads each row's lengths (the
+    torch and Triton paths read a key table's every column instead)."""
+    return device.type == "cpu" and fused.ENABLED
 
 
 def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

@@ -316,7 +316,7 @@ class PersistentBatch:
         end = at + 1
         self._last = _LastDecode(seq_ids, tables, last.index, end, keys, last.packed, lo, hi,
                                  serial)
-        return DecodeRows(last.packed, write, keys, end, uniform=lo == keys.shape[1])
+        return DecodeRows(last.packed, write, keys, end, hi, uniform=lo == hi)
 
     def tables(self, out: SchedulerOutput) -> torch.Tensor:
         """[n, blocks] the scheduled sequences' block tables, one row each in scheduled order
@@ -370,7 +370,7 @@ class PersistentBatch:
         write = slots.gather(1, at[:, None]).squeeze(1)
         rows_t = packed
         if not self.window:
-            return DecodeRows(rows_t, write, keys, lengths, uniform=lo == width)
+            return DecodeRows(rows_t, write, keys, lengths, width, uniform=lo == width)
         own = None
         if wrows[0] is not None:  # the window layers' own pool (all rows, or none, have one)
             assert self.windowed is not None
@@ -378,7 +378,7 @@ class PersistentBatch:
                 raise ValueError("either every row has window slots or none has")
             own = self._slots(self.windowed.tables, _long(wrows), width)
         wkeys, wlengths = _keys(slots if own is None else own, end, self.window)
-        return DecodeRows(rows_t, write, keys, lengths, wkeys, wlengths,
+        return DecodeRows(rows_t, write, keys, lengths, width, wkeys, wlengths,
                           None if own is None else own.gather(1, at[:, None]).squeeze(1),
                           lo == width)
 
