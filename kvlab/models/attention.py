@@ -38,7 +38,9 @@ class AttentionGroup:
              sees every key (decode without padding), and for a prefill or a `padded`
              decode until `key_mask` builds it (the C path needs none)
     lengths: [B] keys each decode row sees (its first lengths[b] slots); None for prefill
-    padded:  decode rows whose lengths differ, without a mask: `key_mask` builds it from them
+    padded:  a decode group whose slots have columns some row must not see (rows of unequal
+             lengths, or spare columns past the longest row), without a mask: `key_mask`
+             builds it from the lengths
     fresh:   a prefill whose keys are exactly its own new tokens, causally (no cached
              prefix, the window wider than the chunk): attention may read them as computed
     prefill: a prefill chunk of one sequence (queries causal among themselves)
