@@ -372,15 +372,17 @@ KV_INL __m256i scales_of(__m256i sc16, int s) {
  * on the CPUs measured the vector ports are what it runs out of (a lane-crossing permute
  * costs several). So per super-block, in a few vector steps and with one lane-crossing
  * permute: the 32 sign bytes (the 7-bit ones with their parity bit), laid out so that one
- * byte shuffle spreads a sub-block's four over its 32 values; the scales as int16 pairs on
- * the stack, a sub-block's taken by broadcast loads; the grid indices that are not plain
+ * byte shuffle spreads a sub-block's four over its 32 values; the per-16 scales as int16
+ * laid out the same way (one byte shuffle a sub-block), the per-32 ones as int16 pairs on
+ * the stack, a sub-block's taken by a broadcast load; the grid indices that are not plain
  * bytes of the block as uint16. Per sub-block what is left: one load per grid row (8 bytes
  * of IQ2, 4 of IQ3), four vector steps for the signs, and the products. */
 typedef struct {
     __m256i sgn;       /* sign bytes: sub-block s's groups 0, 1 at bytes 2 pos(s), 2 pos(s) + 1
                         * of the low lane, its groups 2, 3 at the same bytes of the high lane */
-    int32_t sc[16];    /* scale of group g (16 values) in both int16 halves, at sc_at(g); the
-                        * per-32 types': sub-block s's at sign_pos(s) */
+    __m256i sc16;      /* per-16 scales (IQ2_XS, IQ2_S) as int16: sub-block s's groups 0, 1
+                        * at element s of the low and the high lane */
+    int32_t sc[8];     /* per-32 scales: sub-block s's in both int16 halves, at sign_pos(s) */
     uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S) values */
 } kv_iq_dec;
 
@@ -390,20 +392,13 @@ typedef struct {
 KV_INL int sign_pos(const int qt, int s) {
     return qt == KV_IQ2_XXS || qt == KV_IQ2_XS ? (s & 1) | (s & 2) << 1 | (s & 4) >> 1 : s;
 }
-/* where group g's scale sits in kv_iq_dec.sc after scales_to (in-lane unpacks) */
-KV_INL int sc_at(int g) { return (g & 3) | (g & 8) >> 1 | (g & 4) << 1; }
-
-/* 16 scales as int16 (group order) -> kv_iq_dec.sc */
-KV_INL void scales_to(int32_t *sc, __m256i sc16) {
-    _mm256_storeu_si256((__m256i *)sc, _mm256_unpacklo_epi16(sc16, sc16));
-    _mm256_storeu_si256((__m256i *)(sc + 8), _mm256_unpackhi_epi16(sc16, sc16));
-}
 /* 8 per-32 scales as int32, sub-block s's at sign_pos(s) -> kv_iq_dec.sc, in place */
 KV_INL void scales32_to(int32_t *sc, __m256i s32) {
     _mm256_storeu_si256((__m256i *)sc, odd32(s32));
 }
 
-/* 32 sign bytes, dword p holding a sub-block's four -> kv_iq_dec.sgn */
+/* dword p of r (a sub-block's four sign bytes, or its two int16 scales): its low two bytes
+ * to bytes 2p, 2p + 1 of the low lane, its high two to the same bytes of the high lane */
 KV_INL __m256i signs_by_half(__m256i r) {
     const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -464,7 +459,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             _mm256_storeu_si256((__m256i *)(u->idx + 16), _mm256_and_si256(hi, m));
             u->sgn = signs_by_half(with_parity(
                 _mm256_packus_epi16(_mm256_srli_epi16(lo, 9), _mm256_srli_epi16(hi, 9))));
-            scales_to(u->sc, sb_scales(qt, b));
+            u->sc16 = signs_by_half(sb_scales(qt, b));  /* even groups low, odd high */
             break;
         }
         case KV_IQ2_S: {  /* index: qs byte, 2 bits of qh (a byte per 4 groups) above */
@@ -474,7 +469,7 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
                                                   256, 64, 16, 4, 256, 64, 16, 4);
             indices_to(u->idx, b + 2, qh, rep, 4, mul, 0x300, 2);
             u->sgn = signs_by_half(load256(b + 34));
-            scales_to(u->sc, sb_scales(qt, b));
+            u->sc16 = signs_by_half(sb_scales(qt, b));  /* even groups low, odd high */
             break;
         }
         case KV_IQ3_XXS: {
@@ -562,8 +557,7 @@ KV_INL __m256i dec_signs(__m256i sgn, int p) {
 KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
     if (qt == KV_IQ2_XXS || qt == KV_IQ3_XXS || qt == KV_IQ3_S)
         return _mm256_set1_epi32(u->sc[sign_pos(qt, s)]);
-    return _mm256_blend_epi32(_mm256_set1_epi32(u->sc[sc_at(2 * s)]),
-                              _mm256_set1_epi32(u->sc[sc_at(2 * s + 1)]), 0xF0);
+    return _mm256_shuffle_epi8(u->sc16, _mm256_set1_epi16((short)(2 * s | (2 * s + 1) << 8)));
 }
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
