@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.models.layers import ScaledRope, rope_cos_sin, rope_inv_freq
+from kvlab.models.layers import LongRopeTable, RopeTable, ScaledRope, rope_cos_sin, rope_inv_freq
 from kvlab.models.spec import gguf_get, gguf_rope, hf_rope
 
 CASES = [
@@ -63,3 +63,23 @@ def test_partial_rotary_leaves_the_other_dimensions_unrotated():
     assert inv.shape == (8,) and torch.equal(inv[4:], torch.zeros(4))
     full8 = rope_inv_freq(RopeConfig(theta=1e4), 8)
     assert torch.equal(inv[:4], full8)
+
+
+@pytest.mark.parametrize("kind", ["scaled", "longrope"])
+def test_rope_table_rows_are_rope_cos_sin(kind):
+    """A RopeTable's rows equal rope_cos_sin's values as it grows, across longrope's
+    `original` (short factors below, long from there on) and past its limit (computed
+    directly); a wide step (a prefill chunk) builds no table, and none exceeds the limit."""
+    inv = 1.0 / (1e4 ** (torch.arange(0, 16, 2) / 16))
+    rotation = (ScaledRope(inv, 1.3) if kind == "scaled"
+                else LongRopeTable(inv, inv / torch.linspace(1, 4, 8), 500, 1.2))
+    table = RopeTable(rotation, 1000)
+    wide = torch.arange(0, 900)
+    assert all(torch.equal(a, b) for a, b in zip(table.cos_sin(wide), rope_cos_sin(wide, rotation)))
+    assert table._rows is None
+    for step in ([3, 200], [3, 255], [300, 499, 500, 501], [700, 999], [998, 1000, 5000]):
+        positions = torch.tensor(step)
+        got, want = table.cos_sin(positions), rope_cos_sin(positions, rotation)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        assert table._rows is not None and table._rows.shape[1] <= 1000
+    assert table._rows.shape[1] == 1000

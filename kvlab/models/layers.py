@@ -283,35 +283,41 @@ class ScaledRope:
 
 class RopeTable:
     """A rotation (inverse frequencies, ScaledRope or LongRopeTable) whose cos/sin are kept
-    for positions 0..P-1 and grown (doubling) as positions pass P: a CPU step takes its rows
-    with one index_select instead of computing cos and sin of every position again. Row p
+    for positions 0..P-1, P growing by doubling up to the model's `limit` positions
+    (max_position_embeddings): a CPU decode step takes its rows with one index_select. Row p
     holds rope_cos_sin's values of position p (each is a function of its position alone).
-    On other devices cos/sin are computed per step: the size check would wait for the
-    device, and a captured graph must compute them itself."""
+    Wider steps (prefill chunks) and positions past `limit` are computed directly, so a long
+    prompt builds no table. On other devices cos/sin are computed per step: the size check
+    would wait for the device, and a captured graph must compute them itself."""
 
-    def __init__(self, rotation: torch.Tensor | LongRopeTable | ScaledRope) -> None:
-        self.rotation = rotation
+    NARROW = 256  # most positions a step takes from the table: a decode batch's rows
+
+    def __init__(self, rotation: torch.Tensor | LongRopeTable | ScaledRope, limit: int) -> None:
+        self.rotation, self.limit = rotation, limit
         frequencies = (rotation.short if isinstance(rotation, LongRopeTable) else
                        rotation.inv_freq if isinstance(rotation, ScaledRope) else rotation)
         self.on_cpu = frequencies.is_cpu
         self._rows: torch.Tensor | None = None  # [2, P, 1, head_dim]: cos, sin (CPU)
 
     def to(self, device: torch.device) -> RopeTable:
-        return RopeTable(self.rotation.to(device))
+        return RopeTable(self.rotation.to(device), self.limit)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (positions.is_cpu and self.on_cpu):
+        if not (positions.is_cpu and self.on_cpu) or not 0 < positions.numel() <= self.NARROW:
             return rope_cos_sin(positions, self.rotation)
         rows = self._rows
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        needed = int(positions.max()) + 1
         if rows is None or rows.shape[1] < needed:
+            if needed > self.limit:
+                return rope_cos_sin(positions, self.rotation)
             rows = self._grow(needed)
         cos, sin = rows.index_select(1, positions)
         return cos, sin
 
     def _grow(self, needed: int) -> torch.Tensor:
-        """The table over at least `needed` positions (a power of two, 256 at least)."""
-        size = max(256, 1 << (needed - 1).bit_length())
+        """The table over at least `needed` <= limit positions (a power of two, 256 at
+        least, or `limit`)."""
+        size = min(self.limit, max(256, 1 << (needed - 1).bit_length()))
         rows = torch.stack(rope_cos_sin(torch.arange(size), self.rotation))
         self._rows = rows  # replaced whole: a reader holds the old one or the new one
         return rows

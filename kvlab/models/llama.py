@@ -126,10 +126,11 @@ class LlamaModel:
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
         # the rotations, their cos/sin kept by position (RopeTable)
-        self.inv_freq = RopeTable(_rotary(config, weights).to(weights["norm"].device))
+        limit, device = config.max_position_embeddings, weights["norm"].device
+        self.inv_freq = RopeTable(_rotary(config, weights).to(device), limit)
         local = config.local_rope  # sliding layers' own RoPE (OLMo 3: no YaRN there)
         self.inv_freq_local = (None if local is None else RopeTable(ScaledRope.build(
-            local, rope_inv_freq(local, config.head_dim)).to(weights["norm"].device)))
+            local, rope_inv_freq(local, config.head_dim)).to(device), limit))
         # on GPUs, RoPE runs in the dense products' dtype (as transformers does): q and k
         # then reach the cache and attention without a cast kernel per layer
         first = layers[0]["qkv"].parts[0] if layers else None
