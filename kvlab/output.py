@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.request import (
@@ -149,19 +150,16 @@ class OutputProcessor:
             if state is None:
                 continue
             if state.plain and (delta := known.get(ids[i])):
-                # _timed's updates, inline: a call per row costs a tenth of this loop's
-                # time (its first token, before `plain`, set first_token)
-                t = state.timings
-                t.scheduled, t.prefill_seconds = scheduled[i], prefill[i]
-                t.token_times.append(step_time)
-                kept((i, delta, t))
+                kept((i, delta, state.timings))  # timed by run below: no call per row
                 continue
             if text.rows:  # the rows so far go before this one
+                _timed(text.rows, scheduled, prefill, step_time)
                 done.add(text)
                 text = _PlainText(tokens)
                 kept = text.rows.append
             self._core(tokens.row(i), state, done)
         if text.rows:
+            _timed(text.rows, scheduled, prefill, step_time)
             done.add(text)
 
     def _core(self, core: CoreOutput, state: _State, done: Processed) -> None:
@@ -170,7 +168,8 @@ class OutputProcessor:
         tokens = core.new_token_ids
         if (state.plain and core.finish_reason is None and len(tokens) == 1
                 and (delta := self.texts.known.get(tokens[0]))):
-            t = _timed(state.timings, core.scheduled, core.prefill_seconds, core.step_time)
+            t = state.timings
+            _timed([(0, delta, t)], (core.scheduled,), (core.prefill_seconds,), core.step_time)
             done.add(_made(core, tokens, delta, None, core.output_tokens, core.logprobs, t))
             return
         out = self._output(state, core)
@@ -205,26 +204,27 @@ def _text(state: _State, core: CoreOutput) -> tuple[str, int, FinishReason | Non
     return delta, len(tokens), core.finish_reason
 
 
-def _timed(t: RequestTimings, scheduled: float | None, prefill_seconds: float,
-           step_time: float) -> RequestTimings:
-    """t with a plain token's step recorded: when the request was scheduled, its prefill
-    time, and the step that made the token."""
-    t.scheduled, t.prefill_seconds = scheduled, prefill_seconds
-    t.token_times.append(step_time)
-    return t
+def _timed(rows: list[tuple[int, str, RequestTimings]], scheduled: Sequence[float | None],
+           prefill_seconds: Sequence[float], step_time: float, tokens: int = 1) -> None:
+    """Each row (i, _, t) of a step, recorded in its timings t: when the request was
+    scheduled (scheduled[i]), its prefill time (prefill_seconds[i]) and the `tokens` tokens
+    the step kept of it (the first one its first token)."""
+    times = [step_time] * tokens
+    for i, _, t in rows:
+        t.scheduled, t.prefill_seconds = scheduled[i], prefill_seconds[i]
+        if tokens:
+            t.token_times += times
+            if t.first_token is None:
+                t.first_token = step_time
 
 
 def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
            reason: FinishReason | None) -> RequestOutput:
     """The RequestOutput of `core` keeping its first `kept` tokens, its timings updated."""
-    t.scheduled, t.prefill_seconds = core.scheduled, core.prefill_seconds
+    _timed([(0, delta, t)], (core.scheduled,), (core.prefill_seconds,), core.step_time, kept)
     ids, logprobs = core.new_token_ids, core.logprobs
     if kept < len(ids):  # tokens after a stop string: never shown nor counted
         ids, logprobs = ids[:kept], logprobs[:kept]
-    if kept:
-        t.token_times.extend([core.step_time] * kept)
-        if t.first_token is None:
-            t.first_token = core.step_time
     return _made(core, ids, delta, reason, core.output_tokens - (len(core.new_token_ids) - kept),
                  logprobs, t)
 

@@ -96,7 +96,7 @@ def linear(x: torch.Tensor, w: Weight | Stacked, bias: torch.Tensor | None = Non
     if isinstance(w, Stacked) and len(w.parts) == 1:
         y = linear(x, w.parts[0], transient=transient)
     elif isinstance(w, Stacked) and w.all_quantized:
-        y = qmatmul_stacked(_fp32(x), w.parts)  # decode: no torch.cat
+        y = qmatmul_stacked(as_dtype(x, torch.float32), w.parts)  # decode: no torch.cat
     elif isinstance(w, Stacked):
         y = torch.cat([linear(x, part) for part in w.parts], dim=-1)
     elif isinstance(w, torch.Tensor):
@@ -105,7 +105,7 @@ def linear(x: torch.Tensor, w: Weight | Stacked, bias: torch.Tensor | None = Non
         y = quant_matmul.linear(x, w)
     else:
         out = scratch.take(x.shape[0], w.shape[0]) if transient and x.dim() == 2 else None
-        y = qmatmul(_fp32(x), w, out)
+        y = qmatmul(as_dtype(x, torch.float32), w, out)
     return y if bias is None else y + bias
 
 
@@ -114,10 +114,6 @@ def packs_on(w: QuantizedWeight, device: str | torch.device) -> bool:
     present (triton installed) and a type they multiply (kvlab.kernels.packed)."""
     return (quant_matmul is not None and torch.device(device).type == "cuda"
             and w.qtype in PACKED_TYPES and not w.grouped)
-
-
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float32 else x.float()  # a no-op .float() costs ~0.5 µs
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +129,7 @@ def split(y: torch.Tensor, w: Stacked) -> tuple[torch.Tensor, ...]:
 def embed(ids: torch.Tensor, w: Weight) -> torch.Tensor:
     """Rows of the embedding matrix: reads only the rows asked for."""
     if isinstance(w, torch.Tensor):
-        return _fp32(w.index_select(0, ids))
+        return as_dtype(w.index_select(0, ids), torch.float32)
     if isinstance(w, PackedWeight):
         return quant_matmul.dequantize_rows(w, ids)
     return dequantize_rows(w, ids)
