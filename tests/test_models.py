@@ -176,3 +176,15 @@ def test_phi3_longrope_matches_transformers_decoding_past_the_original_context(t
     for i, pos in enumerate(range(10, 22)):
         logits = step(runner, ScheduledSeq("a", pos, [ids[pos]], table, True, 0))
         assert (logits[0] - ref[i + 1]).abs().max() <= TOL, f"decode at {pos}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmoe"])
+def test_qkv_of_no_tokens_splits_into_heads(arch, tmp_path):
+    """A qkv product of T = 0 rows still reads as q [0, H, D], k and v [0, KVH, D]."""
+    build(arch, tmp_path)
+    model = runner_for(tmp_path / "hf").model
+    c = model.config
+    qkv = torch.empty(0, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+    q, k, v = model._heads(qkv, model.layers[0])
+    assert q.shape == (0, c.num_heads, c.head_dim)
+    assert k.shape == v.shape == (0, c.num_kv_heads, c.head_dim)

@@ -222,7 +222,7 @@ class LlamaModel:
             return (q.reshape(-1, c.num_heads, c.head_dim),
                     k.reshape(-1, c.num_kv_heads, c.head_dim),
                     v.reshape(-1, c.num_kv_heads, c.head_dim))
-        heads = qkv.reshape(qkv.shape[0], -1, c.head_dim)
+        heads = qkv.reshape(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         return heads.split_with_sizes((c.num_heads, c.num_kv_heads, c.num_kv_heads), dim=1)
 
     def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
