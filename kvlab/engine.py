@@ -728,7 +728,7 @@ class Engine:
     def _decode_tokens(self, reqs: list[_Request], now: float) -> DecodeTokens:
         """The columns of requests whose last token, made at `now`, ended nothing (as _output
         would make each one's CoreOutput); the last run's kept ones where it had the same
-        requests (the lists compare by identity first: no per-request work)."""
+        requests (the lists compare by identity first, in C: no Python work per request)."""
         if self._plain is None or self._plain.reqs != reqs:
             self._plain = _PlainRun.of(reqs)
         return self._plain.tokens(now)

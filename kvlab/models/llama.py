@@ -214,7 +214,7 @@ class LlamaModel:
     def _heads(self, qkv: torch.Tensor, layer: dict[str, Weight]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The qkv product [T, (H + 2 KVH) * D] as q [T, H, D], k and v [T, KVH, D]: views,
-        by heads first and then split (two ops a layer, not four)."""
+        by heads first and then split."""
         c = self.config
         if c.qk_norm_whole:  # OLMoE: one norm over all heads, before the split into heads
             q, k, v = split(qkv, layer["qkv"])
