@@ -587,19 +587,34 @@ def model_files(args: argparse.Namespace) -> Iterator[Path]:
     yield from args.models
 
 
+# the mixes llama-quantize refuses without an imatrix: some of their tensors are IQ1, IQ2,
+# IQ3_XXS, or Q2_K within Q2_K_S (llama-quant.cpp's tensor_requires_imatrix)
+IMATRIX_MIXES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M",
+                           "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
+
+
 def quantized(args: argparse.Namespace, qtype: str) -> Path:
     """The Llama-shaped `qtype` file: llama-quantize's pass over the F16 file, or, for a mix
     llama-quantize needs an imatrix for (or every mix, with --random-blocks), random blocks
-    of the types its dry run plans (bench/planned_gguf.py)."""
+    of the types its dry run plans (bench/planned_gguf.py). Only those take a dry run, and a
+    mix that needs no imatrix is quantized where the dry run fails (a llama-quantize without
+    --dry-run)."""
     out = args.workdir / F16_NAME.replace("F16", qtype)
     if out.exists():
         print(f"# have {out} ({out.stat().st_size / 1e9:.2f} GB)")
         return out
-    write = functools.partial(write_llama_gguf, vocab_file=args.vocab)
-    plan, imatrix = skeleton_plan(out, qtype, args.llama_bin, write)
-    if imatrix or args.random_blocks:
-        return write_planned(out, qtype, plan, imatrix, llama_tensors(LlamaShape()), write,
-                             _is_f32)
+    if args.random_blocks or qtype in IMATRIX_MIXES:
+        write = functools.partial(write_llama_gguf, vocab_file=args.vocab)
+        try:
+            plan, imatrix = skeleton_plan(out, qtype, args.llama_bin, write)
+        except QuantizeFailed as e:
+            if qtype in IMATRIX_MIXES:
+                raise
+            print(f"# {e}: {qtype} quantized instead")
+        else:
+            if imatrix or args.random_blocks:
+                return write_planned(out, qtype, plan, imatrix, llama_tensors(LlamaShape()),
+                                     write, _is_f32)
     return quantize(ensure_f16(args.workdir, args.vocab), qtype, args.llama_bin)
 
 
