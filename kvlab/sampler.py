@@ -153,6 +153,15 @@ class SamplingBatch:
             logit_bias=LogitBias.build(params, device),
         )
 
+    @cached_property
+    def no_logprobs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """SampleResult's logprob columns where no row asked for them: NaN [B], and [B, 0]
+        ids and log-probs; made once for every step of this batch (nothing writes them)."""
+        rows, device = self.greedy.shape[0], self.greedy.device
+        return (torch.full((rows,), float("nan"), device=device),
+                torch.empty(rows, 0, dtype=torch.long, device=device),
+                torch.empty(rows, 0, device=device))
+
     @property
     def penalized(self) -> bool:
         """Some row's penalties read its token ids."""
@@ -395,7 +404,8 @@ def adjusted_logits(logits: Tensor, batch: SamplingBatch, keep_raw: bool) -> Ten
 
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row. logits: [B, V]; nothing here syncs with the host."""
-    logits = logits.float()
+    if logits.dtype != torch.float32:  # a no-op .float() still costs a dispatch
+        logits = logits.float()
     penalized = adjusted_logits(logits, batch, keep_raw=batch.want_logprobs)
     token_ids = fused.argmax(penalized)
     if not batch.all_greedy:
@@ -420,9 +430,7 @@ def raw_logprobs(logits: Tensor, token_ids: Tensor, batch: SamplingBatch) -> Sam
     """token_ids with their log-probs and each row's top alternatives under the raw
     distribution (NaN and none when no row asked for logprobs)."""
     if not batch.want_logprobs:  # a pass over the whole vocabulary saved per step
-        empty = logits.new_empty(logits.shape[0], 0)
-        return SampleResult(token_ids, logits.new_full(token_ids.shape, float("nan")),
-                            empty.long(), empty)
+        return SampleResult(token_ids, *batch.no_logprobs)
     # log-probs of the raw distribution without materializing a [B, V] log_softmax
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     top_logits, top_ids = logits.topk(batch.num_logprobs, dim=-1)

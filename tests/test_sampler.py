@@ -187,7 +187,19 @@ def test_logprobs_are_of_the_raw_distribution():
 def test_no_logprobs_requested_gives_empty_top():
     result = sample(random_logits(2, 10), make_batch([SamplingParams(temperature=0)] * 2))
     assert result.top_ids.shape == (2, 0) and result.top_logprobs.shape == (2, 0)
+    assert result.top_ids.dtype == torch.int64 and result.top_logprobs.dtype == torch.float32
+    assert result.logprobs.shape == (2,) and result.logprobs.isnan().all()
     assert result.token_ids.dtype == torch.int64
+
+
+def test_steps_of_a_kept_batch_without_logprobs_make_no_logprob_columns():
+    """A batch kept across steps (the engine's) gives every step the same empty columns."""
+    batch = make_batch([SamplingParams(temperature=0), SamplingParams(temperature=0.7)],
+                       seeds=[0, 1])
+    first, second = (sample(random_logits(2, 10), batch) for _ in range(2))
+    assert all(a is b for a, b in zip(
+        (first.logprobs, first.top_ids, first.top_logprobs),
+        (second.logprobs, second.top_ids, second.top_logprobs)))
 
 
 def test_sample_does_not_modify_logits():
