@@ -383,7 +383,8 @@ typedef struct {
     __m256i sc16;      /* per-16 scales (IQ2_XS, IQ2_S) as int16: sub-block s's groups 0, 1
                         * at element s of the low and the high lane */
     int32_t sc[8];     /* per-32 scales: sub-block s's in both int16 halves, at sign_pos(s) */
-    uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S) values */
+    uint16_t idx[64];  /* grid row per 8 (IQ2_XS, IQ2_S) or 4 (IQ3_S: sub-block s's eight
+                        * at 8 idx3_pos(s)) values */
 } kv_iq_dec;
 
 /* where sub-block s's sign bytes sit: IQ2_XXS's and IQ2_XS's vector steps join two loads
@@ -392,6 +393,9 @@ typedef struct {
 KV_INL int sign_pos(const int qt, int s) {
     return qt == KV_IQ2_XXS || qt == KV_IQ2_XS ? (s & 1) | (s & 2) << 1 | (s & 4) >> 1 : s;
 }
+/* where IQ3_S's sub-block s's indices sit: the in-lane byte unpacks that join a qs byte and
+ * its high bit leave each four sub-blocks in the order 0 2 1 3 */
+KV_INL int idx3_pos(int s) { return (s & 4) | (s & 1) << 1 | (s & 2) >> 1; }
 /* 8 per-32 scales as int32, sub-block s's at sign_pos(s) -> kv_iq_dec.sc, in place */
 KV_INL void scales32_to(int32_t *sc, __m256i s32) {
     _mm256_storeu_si256((__m256i *)sc, odd32(s32));
@@ -479,11 +483,19 @@ KV_INL void dec_prep(const int qt, const uint8_t *b, kv_iq_dec *u) {
             break;
         }
         default: {  /* IQ3_S: index: qs byte, 1 bit of qh (a byte per sub-block) above */
-            const __m128i qh = _mm_loadl_epi64((const __m128i *)(b + 66));
-            const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-            const __m256i mul = _mm256_setr_epi16(256, 128, 64, 32, 16, 8, 4, 2,
-                                                  256, 128, 64, 32, 16, 8, 4, 2);
-            indices_to(u->idx, b + 2, qh, rep, 2, mul, 0x100, 4);
+            const __m256i qh = _mm256_set1_epi64x((long long)u64_of(b + 66));
+            const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+            for (int c = 0; c < 2; c++) {  /* sub-blocks 4c .. 4c + 3: a high bit as 0 or 1 */
+                const __m256i rep = _mm256_add_epi8(
+                    _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll,
+                                       0x0303030303030303ll), _mm256_set1_epi8((char)(4 * c)));
+                const __m256i hb = _mm256_min_epu8(
+                    _mm256_and_si256(_mm256_shuffle_epi8(qh, rep), bit), _mm256_set1_epi8(1));
+                const __m256i qs = load256(b + 2 + 32 * c);
+                _mm256_storeu_si256((__m256i *)(u->idx + 32 * c), _mm256_unpacklo_epi8(qs, hb));
+                _mm256_storeu_si256((__m256i *)(u->idx + 32 * c + 16),
+                                    _mm256_unpackhi_epi8(qs, hb));
+            }
             u->sgn = signs_by_half(load256(b + 74));
             const __m128i s8 = nibbles(_mm_cvtsi32_si128((int)u32_at(b + 106)));
             scales32_to(u->sc, _mm256_cvtepu8_epi32(s8));
@@ -532,8 +544,9 @@ KV_INL __m256i dec_grid(const int qt, const uint8_t *b, const kv_iq_dec *u, int 
             return KV_GRID4(grid_iq3xxs, i);
         }
         default: {
-            const uint64_t v = u64_of((const uint8_t *)(u->idx + 8 * s));
-            const uint64_t w = u64_of((const uint8_t *)(u->idx + 8 * s + 4));
+            const uint16_t *q = u->idx + 8 * idx3_pos(s);
+            const uint64_t v = u64_of((const uint8_t *)q);
+            const uint64_t w = u64_of((const uint8_t *)(q + 4));
             const unsigned i[8] = {v & 0xFFFF, v >> 16 & 0xFFFF, v >> 32 & 0xFFFF, v >> 48,
                                    w & 0xFFFF, w >> 16 & 0xFFFF, w >> 32 & 0xFFFF, w >> 48};
             return KV_GRID4(grid_iq3s, i);
