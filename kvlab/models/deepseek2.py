@@ -42,7 +42,15 @@ from kvlab.kernels import QuantizedWeight, dequantize, fused
 from kvlab.models import decode_c, glm4moe, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.kv_store import LatentKV
-from kvlab.models.layers import ScaledRope, Weight, apply_rope, linear, rms_norm, rope_inv_freq
+from kvlab.models.layers import (
+    RopeTable,
+    ScaledRope,
+    Weight,
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_inv_freq,
+)
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
 
@@ -203,8 +211,9 @@ class DeepseekModel(moe.MoeModel):
         self.config, self.weights, self.tp = config, weights, tp
         self.layers = [{**layer, **_absorbed(config, layer)} for layer in layers]
         rope = config.rope
-        self.inv_freq = ScaledRope.build(rope, rope_inv_freq(rope, config.mla.qk_rope_head_dim)
-                                         ).to(weights["norm"].device)
+        self.inv_freq = RopeTable(ScaledRope.build(
+            rope, rope_inv_freq(rope, config.mla.qk_rope_head_dim)).to(weights["norm"].device),
+            config.max_position_embeddings)
         self.inv_freq_local, self.rope_dtype = None, torch.float32
         self.c_plan = decode_c.build_plan(config, self.layers, "silu")
         self.gpu_plan = None  # the fused GPU layers take per-head K/V

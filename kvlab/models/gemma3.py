@@ -22,6 +22,7 @@ from kvlab.config import (
 from kvlab.models import decode_c, decode_gpu
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.layers import (
+    RopeTable,
     Weight,
     add_rms_norm,
     embed,
@@ -124,9 +125,11 @@ class Gemma3Model:
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
         self.config, self.weights, self.layers, self.tp = config, weights, layers, tp
         device = weights["norm"].device
-        self.inv_freq_global = rope_inv_freq(config.rope, config.head_dim).to(device)
-        self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
-                                            config.head_dim).to(device)
+        limit = config.max_position_embeddings  # cos/sin kept by position (RopeTable)
+        self.inv_freq_global = RopeTable(rope_inv_freq(config.rope, config.head_dim).to(device),
+                                         limit)
+        self.inv_freq_local = RopeTable(rope_inv_freq(config.local_rope or config.rope,
+                                                      config.head_dim).to(device), limit)
         self.embed_scale = config.hidden_size ** 0.5
         # decode layers in one C call (Gemma 2's soft-cap included)
         self.c_plan = None if tp.size > 1 else decode_c.build_plan(config, layers, "gelu_tanh")

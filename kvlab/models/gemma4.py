@@ -33,6 +33,7 @@ from kvlab.models import decode_c
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.gemma3 import Gemma3Model
 from kvlab.models.layers import (
+    RopeTable,
     Stacked,
     Weight,
     add_rms_norm,
@@ -248,9 +249,10 @@ class Gemma4Model(Gemma3Model):
         if "rope_freqs" in weights:  # GGUF: 1e30 past the rotated pairs -> 0
             full = torch.where(weights["rope_freqs"].cpu() >= 1e29, 0.0,
                                full / weights["rope_freqs"].float().cpu())
-        self.inv_freq_global = full.to(device)
-        self.inv_freq_local = rope_inv_freq(config.local_rope or config.rope,
-                                            config.head_dim).to(device)
+        limit = config.max_position_embeddings  # cos/sin kept by position (RopeTable)
+        self.inv_freq_global = RopeTable(full.to(device), limit)
+        self.inv_freq_local = RopeTable(rope_inv_freq(config.local_rope or config.rope,
+                                                      config.head_dim).to(device), limit)
         self.embed_scale = config.hidden_size ** 0.5
         # the value norm has no weights: a multiplier of ones per head size
         self.unit = {d: torch.ones(d, device=device)

@@ -29,7 +29,7 @@ from kvlab.errors import ModelLoadError
 from kvlab.models import decode_c, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel, check_state_tensors
-from kvlab.models.layers import Weight, apply_rope, linear, rope_inv_freq, split
+from kvlab.models.layers import RopeTable, Weight, apply_rope, linear, rope_inv_freq, split
 from kvlab.models.mamba2_layer import Mamba2Shape, mamba2_mixer
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, hf_rope
@@ -165,7 +165,8 @@ class GraniteHybridModel(HybridModel):
         super().__init__(config, weights, layers, tp)
         self.shape = mamba2_shape(config)
         check_mamba2_layers(config, layers, self.shape)
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
+        self.inv_freq = RopeTable(rope_inv_freq(config.rope, config.head_dim).to(
+            weights["norm"].device), config.max_position_embeddings)
         self.c_plan = decode_c.build_plan(config, self.plan_layers(), self.plan_gate)
 
     plan_gate = "silu"  # the C plan's MLP activation (decode_c.GATES)

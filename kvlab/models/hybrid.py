@@ -26,7 +26,7 @@ from kvlab.config import ModelConfig
 from kvlab.errors import ModelLoadError
 from kvlab.models import decode_c, moe
 from kvlab.models.attention import AttentionMetadata, KVStore
-from kvlab.models.layers import Weight, embed, linear, rms_norm, rope_cos_sin, swiglu
+from kvlab.models.layers import RopeTable, Weight, embed, linear, rms_norm, rope_cos_sin, swiglu
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.state_store import LayerState, StateBatch
 
@@ -53,7 +53,7 @@ class HybridModel:
     """Weights (frozen after load) plus the forward pass; the KV caches and the recurrent
     states come in as arguments. `inv_freq` is set by the family (its RoPE)."""
 
-    inv_freq: torch.Tensor
+    inv_freq: RopeTable  # cos/sin kept by position
     # decode steps' layers in one C call (decode_c), where the family builds a plan
     c_plan: decode_c.Plan | None = None
 

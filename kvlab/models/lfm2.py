@@ -31,7 +31,7 @@ from kvlab.kernels.recurrent import short_conv
 from kvlab.models import decode_c, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel
-from kvlab.models.layers import Weight, linear, norm_rope, rope_inv_freq, split
+from kvlab.models.layers import RopeTable, Weight, linear, norm_rope, rope_inv_freq, split
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 from kvlab.models.state_store import LayerState, StateBatch
@@ -167,7 +167,8 @@ class Lfm2Model(HybridModel):
     def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  layers: list[dict[str, Weight]], tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, weights, layers, tp)
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["norm"].device)
+        self.inv_freq = RopeTable(rope_inv_freq(config.rope, config.head_dim).to(
+            weights["norm"].device), config.max_position_embeddings)
         _check_conv_layers(config, layers)
         for layer in layers:  # LFM2-MoE without expert bias: the choice is by score alone
             if "router" in layer and "router_bias" not in layer:

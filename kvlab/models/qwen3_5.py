@@ -44,7 +44,16 @@ from kvlab.kernels.recurrent import gated_delta_rule, gated_rms_norm, short_conv
 from kvlab.models import decode_c, llama, moe
 from kvlab.models.attention import AttentionMetadata, KVStore, paged_attention
 from kvlab.models.hybrid import HybridModel, check_state_tensors
-from kvlab.models.layers import Stacked, Weight, apply_rope, linear, rms_norm, rope_inv_freq, split
+from kvlab.models.layers import (
+    RopeTable,
+    Stacked,
+    Weight,
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_inv_freq,
+    split,
+)
 from kvlab.models.sharding import SINGLE, TensorParallel
 from kvlab.models.spec import ArchSpec, NameTable, gguf_get, multimodal_text_config
 from kvlab.models.state_store import LayerState, StateBatch
@@ -179,8 +188,8 @@ class Qwen35Model(HybridModel):
                                            if config.is_recurrent(i) else layer
                                            for i, layer in enumerate(layers)], tp)
         rotary = round(config.head_dim * config.rope.partial)  # rope_cos_sin: [T, 1, rotary]
-        self.inv_freq = rope_inv_freq(RopeConfig(theta=config.rope.theta), rotary).to(
-            weights["norm"].device)
+        self.inv_freq = RopeTable(rope_inv_freq(RopeConfig(theta=config.rope.theta), rotary).to(
+            weights["norm"].device), config.max_position_embeddings)
         self.c_plan = decode_c.build_plan(config, self.layers, "silu", output_gate=True)
 
     def recurrent(self, h: torch.Tensor, layer: dict[str, Any], state: LayerState,
