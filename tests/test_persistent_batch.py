@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.kernels import fused
 from kvlab.models.attention import AttentionGroup, AttentionMetadata, SeqSpan, build_metadata
 from kvlab.runner.persistent_batch import PersistentBatch
 from kvlab.scheduler import ScheduledSeq, SchedulerOutput
@@ -235,7 +236,7 @@ def test_decode_group_off_the_c_path_reads_only_used_columns():
     """One sequence decoding step after step: the key table keeps spare columns for the C
     attention, but a device whose attention reads every column it is given (here "meta",
     standing for CUDA) gets exactly the sequence's keys, unpadded (SDPA without a mask)."""
-    for device, spare in ((torch.device("meta"), False), (CPU, True)):
+    for device, spare in ((torch.device("meta"), False), (CPU, fused.ENABLED)):
         batch = PersistentBatch(BS, None, None, device)
         table, widths = [1], []
         for start in range(3, 12):

@@ -208,7 +208,7 @@ def _rows_group(rows: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
     if padded is None:
         padded = not bool((lengths == slots.shape[1]).all())
     return AttentionGroup(on_device(rows, device), on_device(slots, device), None, len(rows),
-                          1, lengths, padded=padded)
+                          1, on_device(lengths, device), padded=padded)
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -279,17 +279,20 @@ class ScaledRope:
 
 class RopeTable:
     """A rotation (inverse frequencies, ScaledRope or LongRopeTable) whose cos/sin are kept
-    for positions 0..P-1, P growing by doubling up to the model's `limit` positions
-    (max_position_embeddings): a CPU decode step takes its rows with one index_select. Row p
-    holds rope_cos_sin's values of position p (each is a function of its position alone).
-    Wider steps (prefill chunks) and positions past `limit` are computed directly, so a long
-    prompt builds no table. On other devices cos/sin are computed per step: the size check
-    would wait for the device, and a captured graph must compute them itself."""
+    for positions 0..P-1, P growing by doubling up to `limit` positions (the model's
+    max_position_embeddings, at most MAX_ROWS: a table stays a few MiB even for 512-wide
+    heads): a CPU decode step takes its rows with one index_select. Row p holds
+    rope_cos_sin's values of position p (each is a function of its position alone). Wider
+    steps (prefill chunks) and positions past `limit` are computed directly, so a long
+    prompt builds no table; past MAX_ROWS a step's attention outweighs its cos/sin anyway.
+    On other devices cos/sin are computed per step: the size check would wait for the
+    device, and a captured graph must compute them itself."""
 
     NARROW = 256  # most positions a step takes from the table: a decode batch's rows
+    MAX_ROWS = 8192
 
     def __init__(self, rotation: torch.Tensor | LongRopeTable | ScaledRope, limit: int) -> None:
-        self.rotation, self.limit = rotation, limit
+        self.rotation, self.limit = rotation, min(limit, self.MAX_ROWS)
         frequencies = (rotation.short if isinstance(rotation, LongRopeTable) else
                        rotation.inv_freq if isinstance(rotation, ScaledRope) else rotation)
         self.on_cpu = frequencies.is_cpu

@@ -46,8 +46,8 @@ class InFlight:
         return self._result.result()
 
     def host(self) -> SampleResult:
-        """The sampling result on the host (ids, logprobs): the one point where the host
-        waits for it."""
+        """The sampling result with its ids on the host (and its logprob columns, where a
+        row wants them): the one point where the host waits for it."""
         if self._landed is None:
             return self.sampled()
         self._landed.synchronize()
@@ -107,4 +107,3 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that t (on the device) is copied into once the stream gets there."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
-

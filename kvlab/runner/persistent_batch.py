@@ -267,7 +267,7 @@ class PersistentBatch:
             self._last = None if self.window else _LastDecode(
                 [s.seq_id for s in scheduled], [s.block_table for s in scheduled], index,
                 decoded.lengths, decoded.slots, packed, int(decoded.lengths.min()),
-                decoded.slots.shape[1], out.serial)
+                decoded.width, out.serial)
         meta = step_metadata([], [], decoded, len(scheduled), self.window, self.device)
         seq_ids = None if self._last is None else self._last.seq_ids
         return StepInputs(ids, on_device(at, self.device), meta, seq_ids)
