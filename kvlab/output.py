@@ -169,7 +169,7 @@ class OutputProcessor:
         if (state.plain and core.finish_reason is None and len(tokens) == 1
                 and (delta := self.texts.known.get(tokens[0]))):
             t = state.timings
-            _timed([(0, delta, t)], (core.scheduled,), (core.prefill_seconds,), core.step_time)
+            _timed_one(t, core, 1)
             done.add(_made(core, tokens, delta, None, core.output_tokens, core.logprobs, t))
             return
         out = self._output(state, core)
@@ -218,10 +218,15 @@ def _timed(rows: list[tuple[int, str, RequestTimings]], scheduled: Sequence[floa
                 t.first_token = step_time
 
 
+def _timed_one(t: RequestTimings, core: CoreOutput, tokens: int) -> None:
+    """One request's CoreOutput recorded in its timings t, keeping `tokens` of its tokens."""
+    _timed([(0, "", t)], (core.scheduled,), (core.prefill_seconds,), core.step_time, tokens)
+
+
 def _built(t: RequestTimings, core: CoreOutput, delta: str, kept: int,
            reason: FinishReason | None) -> RequestOutput:
     """The RequestOutput of `core` keeping its first `kept` tokens, its timings updated."""
-    _timed([(0, delta, t)], (core.scheduled,), (core.prefill_seconds,), core.step_time, kept)
+    _timed_one(t, core, kept)
     ids, logprobs = core.new_token_ids, core.logprobs
     if kept < len(ids):  # tokens after a stop string: never shown nor counted
         ids, logprobs = ids[:kept], logprobs[:kept]

@@ -16,6 +16,7 @@ from kvlab.cli.common import engine_config
 from kvlab.cli.main import build_parser
 from kvlab.engine import Engine, EngineConfig
 from kvlab.request import FinishReason, SamplingParams, Structure
+from kvlab.runner import inflight
 from kvlab.scheduler import Scheduler, SchedulerConfig, Sequence
 from kvlab.server.core.async_engine import AsyncEngine, EngineRequest
 
@@ -24,6 +25,14 @@ from tiny_models import build
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
 PROMPTS = [[3, 14, 15, 92, 65], list(range(20, 57)), [7] * 9, list(range(60, 90))]
+
+
+@pytest.fixture(autouse=True, params=["worker", "inline"])
+def handoff(request, monkeypatch):
+    """A CPU step runs on the launcher's worker thread from CPU_OVERLAP_MIN_ROWS rows, inline
+    below: every test runs each way (these batches are smaller than the default bound)."""
+    monkeypatch.setattr(inflight, "CPU_OVERLAP_MIN_ROWS", 1 if request.param == "worker" else 10**9)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=["gemma3", "llama"])
