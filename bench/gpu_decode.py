@@ -206,10 +206,16 @@ def section(name: str, fn, *args):
         return None
 
 
+def prompt_ids(n: int, vocab: int, offset: int = 0) -> list[int]:
+    """n token ids spread over the vocabulary's first 5100 (fewer for a small one)."""
+    span = min(5000, vocab - 100)
+    return [100 + (offset + i * 37) % span for i in range(n)]
+
+
 def batch1_tok_s(engine: Engine, args: argparse.Namespace, bw: float) -> float:
     """Batch-1 decode tok/s (llama-bench's tg at the prompt's depth), printed against the
     copy-bandwidth ceiling of the bytes one step reads."""
-    prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
+    prompt = prompt_ids(args.prompt, args.vocab)
     kvlab_greedy(engine, prompt, 8)  # warm-up and graph capture for batch 1
     tg = bench_tg(engine, args.gen, args.reps, depth=args.prompt, bandwidth_gb_s=bw / 1e9)
     per_token = engine.cost.decode_bytes(args.prompt + args.gen // 2)
@@ -224,7 +230,7 @@ def batch1_tok_s(engine: Engine, args: argparse.Namespace, bw: float) -> float:
 def report_batch1(engine: Engine, model, args: argparse.Namespace, bw: float) -> float:
     print(f"\nbatch 1, {args.prompt}-token prompt, {args.gen} generated, {args.reps} reps")
     tok_s = batch1_tok_s(engine, args, bw)
-    prompt = [100 + (i * 37) % 5000 for i in range(args.prompt)]
+    prompt = prompt_ids(args.prompt, args.vocab)
     ours = kvlab_greedy(engine, prompt, args.gen)
     hf_tok_s, theirs = hf_generate_tok_s(model, prompt, args.gen, args.device)
     same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
@@ -236,7 +242,7 @@ def report_batch1(engine: Engine, model, args: argparse.Namespace, bw: float) ->
 
 
 def report_logprobs(engine: Engine, model) -> None:
-    ids = [100 + (i * 37) % 5000 for i in range(48)]
+    ids = prompt_ids(48, model.config.vocab_size)
     gap, agree = logprob_gap(engine, model, ids, 16)
     print(f"log-probs vs transformers (prefill 16, then 32 decode steps): max |d| over "
           f"top-10 {gap:.3f}, top-1 agreement {agree:.0%}", flush=True)
@@ -250,8 +256,7 @@ def report_async_check(engine: Engine, args: argparse.Namespace) -> None:
     near-tie differently; an error here is a bug of the async path."""
     config = dataclasses.replace(engine.config, async_scheduling=False, kv_cache_gib=1.0)
     sync_engine = Engine(engine.loaded, engine.tokenizer, config, model_name="synchronous")
-    prompts = [[100 + (b * 11 + i * 37) % 5000 for i in range(max(1, args.prompt // (b + 1)))]
-               for b in range(3)]
+    prompts = [prompt_ids(max(1, args.prompt // (b + 1)), args.vocab, b * 11) for b in range(3)]
     first = kvlab_greedy(sync_engine, prompts[0], 24)
     stop = next((t for i, t in enumerate(first) if i >= 4 and t not in first[:i]), first[4])
     jobs = [(prompts[0], greedy(24, (stop,))), (prompts[1], greedy(9)),
