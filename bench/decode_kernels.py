@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as T
 
-from kvlab.kernels import QuantizedWeight, kernel_backend, qmatmul, set_num_threads
+from kvlab.kernels import QuantizedWeight, kernel_backend_detail, qmatmul, set_num_threads
 from kvlab.kernels.ops import can_group, group_rows
 from kvlab.probe.machine import measure_bandwidth
 from kvlab.weights.gguf_file import GGUFFile
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     by_type = matrices_by_type(GGUFFile(args.model))
-    print(f"kernels: {kernel_backend()}   model: {args.model}")
+    print(f"kernels: {kernel_backend_detail()}   model: {args.model}")
     for nt in [int(v) for v in args.threads.split(",")]:
         set_num_threads(nt)
         torch.set_num_threads(nt)

@@ -38,7 +38,7 @@ from kvlab.kernels import (
     can_group,
     dequantize,
     group_rows,
-    kernel_backend,
+    kernel_backend_detail,
     qmatmul,
     set_num_threads,
 )
@@ -194,7 +194,7 @@ def main() -> None:
     args = ap.parse_args()
     reps = 3 if args.quick else 7
     if args.types_only:
-        print(f"kernels: {kernel_backend()}")
+        print(f"kernels: {kernel_backend_detail()}")
         for nt in [int(v) for v in args.threads.split(",")]:
             set_num_threads(nt)
             bw = memory_bandwidth(reps)
@@ -213,7 +213,7 @@ def main() -> None:
     sets = {q.name: dram_copies(ws) for q, ws in by_type.items()}
     step = decode_step_products(file)
     step_bytes = sum(w.nbytes for w in step)
-    print(f"kernels: {kernel_backend()}   model: {args.model}")
+    print(f"kernels: {kernel_backend_detail()}   model: {args.model}")
     for nt in [int(v) for v in args.threads.split(",")]:
         set_num_threads(nt)
         bw = memory_bandwidth(reps)

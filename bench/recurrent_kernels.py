@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels import recurrent as rc
-from kvlab.kernels.ops import kernel_backend, set_num_threads
+from kvlab.kernels.ops import kernel_backend_detail, set_num_threads
 
 F32 = 4
 
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="also time the torch implementation")
     args = ap.parse_args()
     set_num_threads(args.threads)
-    print(f"kernels: {kernel_backend()}, C recurrent kernels: {rc._use_c(torch.zeros(1))}, "
+    print(f"kernels: {kernel_backend_detail()}, C recurrent kernels: {rc._use_c(torch.zeros(1))}, "
           f"threads: {args.threads}")
     pick = (lambda c, t: {"C": c, "torch": t}) if args.torch else (lambda c, t: {"C": c})
     gdr = pick(rc.gated_delta_rule, rc.gated_delta_rule_torch)

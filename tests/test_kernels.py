@@ -12,6 +12,8 @@ float weight types get the fp32 term alone.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -668,3 +670,21 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
         assert len(out) == len(outs[0]) > 0
         for a, b in zip(outs[0], out):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not ISAS, reason="C extension not built")
+def test_backend_detail_names_the_vnni_paths_this_cpu_takes():
+    """Reports say 'AVX512-VNNI paths' exactly where the AVX2 set takes them: a CPU with
+    AVX512-VNNI, VL and BW, unless KVLAB_NO_VNNI is set; the portable set never does."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
+    vnni = ({"avx512_vnni", "avx512vl", "avx512bw"} <= set(flags)
+            and not os.environ.get("KVLAB_NO_VNNI"))
+    try:
+        for isa in ISAS:
+            ops._qk.set_isa(isa)
+            detail = ops.kernel_backend_detail()
+            assert detail.startswith(ops.kernel_backend())
+            assert ("AVX512-VNNI" in detail) == (vnni and ops.kernel_backend() == "avx2"), detail
+    finally:
+        ops._qk.set_isa("auto")

@@ -44,6 +44,13 @@ def kernel_backend() -> str:
     return _qk.isa() if _qk is not None else "torch"
 
 
+def kernel_backend_detail() -> str:
+    """kernel_backend(), with ' (AVX512-VNNI paths)' where the AVX2 set takes them on this
+    CPU (it does unless KVLAB_NO_VNNI=1): for reports, so a figure names the code it ran."""
+    name = kernel_backend()
+    return name + " (AVX512-VNNI paths)" if _qk is not None and _qk.uses_vnni() else name
+
+
 def set_num_threads(n: int) -> None:
     """Threads for the kernels and for torch's intra-op pool (the same count, so that the
     two never oversubscribe the cores between them)."""

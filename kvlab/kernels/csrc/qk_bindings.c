@@ -779,6 +779,17 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(kv_active_isa()->name);
 }
 
+/* whether the AVX2 kernel set, where active, takes its AVX512-VNNI paths */
+static PyObject *py_uses_vnni(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#ifdef KV_HAVE_AVX2_BUILD
+    return PyBool_FromLong(kv_avx2_active() && kv_use_vnni());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* set_isa("auto" | "generic" | "avx2"): tests pin the portable path with this */
 static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
     (void)self;
@@ -881,6 +892,8 @@ static PyMethodDef methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): worker spin before sleeping"},
     {"isa", py_isa, METH_NOARGS, "isa() -> name of the active kernel set"},
+    {"uses_vnni", py_uses_vnni, METH_NOARGS,
+     "uses_vnni() -> the active kernels take their AVX512-VNNI paths"},
     {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'generic' | 'avx2')"},
     {NULL, NULL, 0, NULL},
 };
