@@ -76,8 +76,14 @@ def run(e: Engine, jobs: list[tuple[list[int], SamplingParams]], abort_at: dict 
 
 
 def both(path, jobs, abort_at=None, **kw):
-    off = run(engine(path, False, **kw), jobs, abort_at)
-    on = run(engine(path, True, **kw), jobs, abort_at)
+    results = []
+    for async_on in (False, True):
+        e = engine(path, async_on, **kw)
+        for _, params in jobs:  # compiled before they arrive, as the server does
+            if params.structured is not None:
+                e.prepare_structure(params.structured)
+        results.append(run(e, jobs, abort_at))
+    off, on = results
     assert off[2] == 0
     return off, on
 
@@ -165,9 +171,13 @@ def test_preemption_as_synchronous(tiny):
 
 
 def test_structured_request_beside_plain_ones(tiny):
+    """The structured request is admitted at once (its grammar compiled before) and ends by
+    its 12th token; the plain ones run on to 24, overlapped once it has ended."""
     regex = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                            structured=Structure("regex", "(ab|cd)+x"))
-    jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], regex), (PROMPTS[2], SEEDED)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True)
+    jobs = [(PROMPTS[0], greedy), (PROMPTS[1], regex), (PROMPTS[2], seeded)]
     off, on = both(tiny, jobs)
     assert on[:2] == off[:2]
     assert on[2] > 0, "the plain requests never overlapped once the structured one ended"

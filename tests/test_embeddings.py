@@ -328,7 +328,8 @@ def test_decoder_last_token_matches_transformers(qwen3):
     torch.testing.assert_close(engine.embed(prompts), F.normalize(want, dim=-1), atol=1e-5,
                                rtol=0)
     alone = torch.cat([engine.embed([p], normalize=False) for p in prompts])
-    torch.testing.assert_close(alone, got, atol=1e-6, rtol=0)
+    # fp32 products of other shapes may round otherwise (AVX-512 GEMM kernels go by shape)
+    torch.testing.assert_close(alone, got, atol=1e-6, rtol=1e-6)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # no block was taken
 
 

@@ -54,6 +54,7 @@ def _run_one(engine: Engine, prompt: list[int],
     """(prefill seconds, decode inter-token latencies, weight bytes the kernels read per
     decode step) of one request: the steps after its first token are one decode each."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start_read = engine.stats().weight_bytes_read
     engine.add_request("bench", prompt, params)
     last, first_read, decodes = None, None, 0
     while engine.has_unfinished():
@@ -64,7 +65,14 @@ def _run_one(engine: Engine, prompt: list[int],
         elif first_read is not None:
             decodes += 1
     assert last is not None and last.timings is not None
-    read = (engine.stats().weight_bytes_read - first_read) / decodes if decodes else 0.0
+    end_read = engine.stats().weight_bytes_read
+    # A one-token prompt's forward is a decode step like the rest, and async scheduling may
+    # have run the next step by the time the first token is out: count every forward. A
+    # longer prompt's prefill runs alone (synchronously) and is left out.
+    if len(prompt) == 1:
+        read = (end_read - start_read) / (decodes + 1)
+    else:
+        read = (end_read - first_read) / decodes if decodes else 0.0
     return last.timings.prefill_seconds, last.timings.inter_token_latencies, read
 
 
