@@ -5,6 +5,7 @@ is quantized, with or without --random-blocks; one that needs an imatrix is refu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import quant_peers
 from planned_gguf import QuantizeFailed
 
-VOCAB = Path("/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/models/"
-             "ggml-vocab-llama-bpe.gguf")
+# llama.cpp's vocabulary files: the folder `make test` unpacks and names in KVLAB_LLAMA_VOCABS
+VOCAB = Path(os.environ.get("KVLAB_LLAMA_VOCABS", "/nonexistent")) / "ggml-vocab-llama-bpe.gguf"
 
 # llama-quantize without --dry-run: refuses it; else writes its output (argument 2)
 NO_DRY_RUN = """#!/bin/sh
@@ -49,7 +50,7 @@ def test_a_mix_without_imatrix_is_quantized_without_a_dry_run(tmp_path):
     assert not any("--dry-run" in c for c in calls(args))
 
 
-@pytest.mark.skipif(not VOCAB.exists(), reason=f"no Llama vocabulary GGUF at {VOCAB}")
+@pytest.mark.skipif(not VOCAB.exists(), reason=f"no Llama vocabulary GGUF at {VOCAB} (set KVLAB_LLAMA_VOCABS)")
 def test_random_blocks_fall_back_to_quantizing_where_the_dry_run_fails(tmp_path):
     args = setup(tmp_path, random_blocks=True)
     assert quant_peers.quantized(args, "Q4_K_M").exists()
