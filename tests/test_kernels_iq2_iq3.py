@@ -107,6 +107,30 @@ def test_avx2_prefill_tiles_are_the_portable_bits(qtype, n):
     assert torch.equal(last, y[-1:])
 
 
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
+def test_prefill_byte_rows_are_the_portable_bits(qtype):
+    """From 32 x rows the AVX512-VNNI kernels decode 16 weight rows at a time into byte rows
+    (one pass over x of 300 rows at 4096 columns is two passes; 37 rows leave 5 to the tiles
+    in one thread's range or another's): every row's output is the portable C's and its own
+    alone. Without AVX512-VNNI the same call runs the AVX2 tiles, to the same bits."""
+    w = random_blocks(qtype, 37, 4096, seed=11)
+    x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(12))
+    x[5] *= 1e-3
+    try:
+        ops._qk.set_isa("generic")
+        y_c = qmatmul(x, w)
+        ops._qk.set_isa("avx2")
+        y = qmatmul(x, w)
+        one = qmatmul(x[5:6], w)
+        some = qmatmul(x[:33], w)
+    finally:
+        ops._qk.set_isa("auto")
+    assert torch.equal(y, y_c)
+    assert torch.equal(one, y[5:6])
+    assert torch.equal(some, y[:33])
+
+
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
 def test_products_are_exact_integers_on_8_bit_x(qtype, backend):  # noqa: F811
     """x already on the 8-bit grid the kernels round it to (one scale per 256, integers up

@@ -762,6 +762,138 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 KV_IQ_TILED(tiled_iq_avx2, KV_TGT, tile_dot_avx2, gemv_iq_avx2)
 KV_IQ_TILED(tiled_iq_vnni, KV_TGT_V, tile_dot_vnni, gemv_iq_vnni)
 
+/* ---------------- prefill on AVX512-VNNI: 16 weight rows as bytes ----------------
+ *
+ * The tiles above multiply one weight row per instruction. With AVX512-VNNI and from
+ * KV_BYTES_MIN_N x rows on, 16 rows at a time are decoded once per pass over x into
+ * qk_zmm.h's byte rows (lane r = row r; chunk 4g + c = values 16g + 4c .. 16g + 4c + 3, each
+ * + 64 as in the tiles above), with the rows' scales of each 16-value group as int32 lanes
+ * and their d * unit. Every x row then runs, per group, a chain of 4 vpdpbusd from -64 * (x's
+ * group sum) and one vpmulld by the 16 rows' scales: 16 rows per instruction, and the exact
+ * integer of the row kernels, so the same bits. A row range's last rows short of 16 take
+ * the tiles above. */
+#include "qk_zmm.h"
+
+#define KV_IQB_PER 81  /* zmm per super-block of 16 rows: 64 of bytes, 16 of scales, 1 of d */
+
+/* rows v[0..7] of 8 dwords -> v[t] = dword t of each row, row k in lane k */
+KV_INL_Z void t8x8_epi32(__m256i v[8]) {
+    __m256i a[8], b[8];
+    for (int k = 0; k < 8; k += 2) {
+        a[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);
+        a[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int h = 0; h < 2; h++) {
+            b[k + 2 * h] = _mm256_unpacklo_epi64(a[k + h], a[k + 2 + h]);
+            b[k + 2 * h + 1] = _mm256_unpackhi_epi64(a[k + h], a[k + 2 + h]);
+        }
+    /* b[k + m] (k = 0, 4) holds rows k..k+3 of dwords m (low lane) and m + 4 (high) */
+    for (int m = 0; m < 4; m++) {
+        v[m] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x20);
+        v[m + 4] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x31);
+    }
+}
+
+/* super-block i of the 16 rows from w -> out[KV_IQB_PER] */
+KV_INL_Z void iq_bytes_block(const int qt, const uint8_t *w, int64_t row_bytes, int64_t i,
+                             __m512i *out) {
+    const kv_iq_type t = iq_type(qt);
+    const uint8_t *b0 = w + i * t.bytes;
+    for (int s = 0; s < 8; s++) {
+        __m256i q[2][8];
+        for (int r = 0; r < 16; r++) {
+            const kv_iq_sub v = sub_of(qt, b0 + r * row_bytes, s);
+            q[r / 8][r % 8] = _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
+        }
+        t8x8_epi32(q[0]), t8x8_epi32(q[1]);
+        for (int k = 0; k < 8; k++)  /* dword k of sub-block s: group 2s + k / 4, chunk k % 4 */
+            _mm512_store_si512(out + 8 * s + k,
+                               _mm512_inserti64x4(_mm512_castsi256_si512(q[0][k]), q[1][k], 1));
+    }
+    int32_t *sc = (int32_t *)(out + 64);
+    float *d = (float *)(out + 80);
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *b = b0 + r * row_bytes;
+        int16_t s16[16];
+        _mm256_storeu_si256((__m256i *)s16, sb_scales(qt, b));
+        for (int g = 0; g < 16; g++) sc[16 * g + r] = s16[g];
+        d[r] = half_at(b) * t.unit;
+    }
+}
+
+/* the 16 rows' bytes (w, KV_IQB_PER per super-block) against nx x rows; `span` groups of 16
+ * share a chain and a vpmulld: 2 where the type's scales are per 32 (the pair's scales are
+ * equal), else 1 */
+KV_INL_Z void tile_iq_bytes(const __m512i *w, int64_t nb, const char *xq, int64_t xs,
+                            const int nx, float *y, int64_t ys, const int span) {
+    __m512 acc[KV_GROUP_NX];
+    for (int j = 0; j < nx; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++, w += KV_IQB_PER) {
+        __m512i isum[KV_GROUP_NX];
+        for (int j = 0; j < nx; j++) isum[j] = _mm512_setzero_si512();
+        for (int g = 0; g < 16; g += span) {
+            __m512i q[8];
+            for (int c = 0; c < 4 * span; c++) q[c] = _mm512_load_si512(w + 4 * g + c);
+            const __m512i sc = _mm512_load_si512(w + 64 + g);
+            for (int j = 0; j < nx; j++) {
+                const kv_act256 *a = (const kv_act256 *)(xq + j * xs) + i;
+                const int bsum = span == 2 ? a->bsums[g] + a->bsums[g + 1] : a->bsums[g];
+                __m512i p = _mm512_set1_epi32(-64 * bsum);
+                for (int c = 0; c < 4 * span; c++) {
+                    int32_t x4;
+                    memcpy(&x4, a->qs + 16 * g + 4 * c, 4);
+                    p = _mm512_dpbusd_epi32(p, q[c], _mm512_set1_epi32(x4));
+                }
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(p, sc));
+            }
+        }
+        const __m512 dw = _mm512_loadu_ps((const float *)(w + 80));
+        for (int j = 0; j < nx; j++) {
+            const __m512 dx = _mm512_set1_ps(((const kv_act256 *)(xq + j * xs) + i)->d);
+            acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(isum[j]), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) _mm512_storeu_ps(y + j * ys, acc[j]);
+}
+KV_INL_Z void tile_iq_bytes16(const __m512i *w, int64_t nb, const char *xq, int64_t xs,
+                              const int nx, float *y, int64_t ys) {
+    tile_iq_bytes(w, nb, xq, xs, nx, y, ys, 1);
+}
+KV_INL_Z void tile_iq_bytes32(const __m512i *w, int64_t nb, const char *xq, int64_t xs,
+                              const int nx, float *y, int64_t ys) {
+    tile_iq_bytes(w, nb, xq, xs, nx, y, ys, 2);
+}
+
+/* rows [r0, r1): x in passes of about KV_BYTES_XBYTES, each pass against every 16 rows made
+ * bytes; the rows short of 16 (or all, without memory for the bytes) through the tiles */
+KV_INL_Z void bytes_iq(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                       int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                       float *y, int64_t ystride) {
+    const int64_t nb = cols / 256, rows = KV_BYTES_XBYTES / xstride / KV_GROUP_NX;
+    const int64_t step = rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;
+    const int64_t r16 = r0 + (r1 - r0) / 16 * 16;
+    __m512i *buf = r16 > r0 && nb > 0
+                       ? aligned_alloc(64, (size_t)nb * KV_IQB_PER * sizeof(__m512i)) : NULL;
+    const int64_t tiled = buf ? r16 : r0;
+    for (int64_t c = 0; buf && c < n; c += step) {
+        const char *x = (const char *)xq + c * xstride;
+        const int64_t m = n - c < step ? n - c : step;
+        for (int64_t r = r0; r < r16; r += 16) {
+            for (int64_t i = 0; i < nb; i++)
+                iq_bytes_block(qt, w + r * row_bytes, row_bytes, i, buf + KV_IQB_PER * i);
+            float *yr = y + c * ystride + r;
+            if (qt == KV_IQ2_XS || qt == KV_IQ2_S) {
+                KV_GROUP_TILES(tile_iq_bytes16, buf, nb, x, xstride, m, yr, ystride);
+            } else {
+                KV_GROUP_TILES(tile_iq_bytes32, buf, nb, x, xstride, m, yr, ystride);
+            }
+        }
+    }
+    free(buf);
+    if (tiled < r1) tiled_iq_vnni(qt, w, row_bytes, tiled, r1, cols, xq, xstride, n, y, ystride);
+}
+
 KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out) {
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < cols / 256; i++, w += t.bytes) {
@@ -784,8 +916,13 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
 
 /* per type: the VNNI kernel, and the AVX2 entry that takes it where AVX512-VNNI runs */
 #define KV_IQ_AVX2(gemv, vnni, deq, qt)                                                    \
+    static KV_TGT_Z KV_GEMV_DECL(vnni##_bytes) {                                           \
+        bytes_iq(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);              \
+    }                                                                                      \
     static KV_TGT_V KV_GEMV_DECL(vnni) {                                                   \
-        if (n >= KV_IQ_TILE_MIN_N)                                                         \
+        if (n >= KV_BYTES_MIN_N)                                                           \
+            vnni##_bytes(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);          \
+        else if (n >= KV_IQ_TILE_MIN_N)                                                    \
             tiled_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
         else gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
     }                                                                                      \
