@@ -27,7 +27,7 @@ QK_SOURCES = [f"{CSRC}/{name}.c" for name in (
     "qk_bindings", "qk_decode", "qk_moe", "qk_runtime", "qk_pool", "qk_generic", "qk_avx2",
     "qk_quant", "qk_fused", "qk_attn", "qk_flash", "qk_mla", "qk_q2k_q3k", "qk_iq4",
     "qk_group8_q8_0", "qk_group8_q5_0", "qk_group8_q4k_q6k", "qk_group8_q5k", "qk_group8_q2k_q3k",
-    "qk_group8_iq4", "qk_iq2_iq3", "qk_recurrent", "qk_recurrent_bindings")]
+    "qk_group8_iq4", "qk_iq2_iq3", "qk_iq_planes", "qk_recurrent", "qk_recurrent_bindings")]
 QK_DEPENDS = [f"{CSRC}/{name}" for name in (
     "qk.h", "qk_pool.h", "qk_runtime.h", "qk_moe.h", "qk_decode.h", "qk_mla.h", "qk_avx2.h",
     "qk_zmm.h", "qk_dequant.inc", "qk_emu512.h", "qk_recurrent.h")]

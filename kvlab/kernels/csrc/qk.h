@@ -359,6 +359,13 @@ KV_IQ_DECLS(iq3_s)
     void kv_deq_##t##_avx2(const uint8_t *w, int64_t cols, float *out);
 KV_IQ_DECLS_AVX2(iq2_xxs) KV_IQ_DECLS_AVX2(iq2_xs) KV_IQ_DECLS_AVX2(iq2_s)
 KV_IQ_DECLS_AVX2(iq3_xxs) KV_IQ_DECLS_AVX2(iq3_s)
+/* IQ2_XXS and IQ3_XXS with AVX512-VBMI, in value planes (qk_iq_planes.c): the planes made
+ * from a grid (kv_set_grid passes it on), and the product for 1 to 7 x rows, which returns 0
+ * where it does not run (another type, no AVX512-VBMI, no memory) */
+void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes);
+int kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                      int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                      int64_t ystride);
 #endif
 
 /* ---- Q2_K and Q3_K in their file layout (qk_q2k_q3k.c) ---- */

@@ -109,4 +109,14 @@ static inline simde__m512 kv_emu_cvtph_ps(__m256i a) {
 #define _mm512_ternarylogic_epi32 simde_mm512_ternarylogic_epi32
 #define _mm512_xor_si512 simde_mm512_xor_si512
 
+/* AVX512-VBMI and byte masks (qk_iq_planes.c) */
+#define _mm512_extracti64x4_epi64 simde_mm512_extracti64x4_epi64
+#define _mm512_mask_blend_epi8 simde_mm512_mask_blend_epi8
+#define _mm512_mask_sub_epi8 simde_mm512_mask_sub_epi8
+#define _mm512_movepi8_mask simde_mm512_movepi8_mask
+#define _mm512_multishift_epi64_epi8 simde_mm512_multishift_epi64_epi8
+#define _mm512_permutex2var_epi8 simde_mm512_permutex2var_epi8
+#define _mm512_permutexvar_epi8 simde_mm512_permutexvar_epi8
+#define _mm512_test_epi8_mask simde_mm512_test_epi8_mask
+
 #endif

@@ -49,6 +49,9 @@ int kv_set_grid(int qtype, const uint8_t *values, int64_t bytes) {
                        : qtype == KV_IQ2_S ? 8192 : qtype == KV_IQ3_XXS ? 1024 : 2048;
     if (!dst || bytes != size) return -1;
     memcpy(dst, values, (size_t)bytes);
+#ifdef KV_HAVE_AVX2_BUILD
+    kv_iq_planes_set(qtype, values, bytes);
+#endif
     return 0;
 }
 
@@ -574,6 +577,9 @@ KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
 }
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
+/* weight bytes prefetched ahead of the super-block read (on into the next row): the
+ * hardware's stream prefetch alone left a decode step's IQ products short of memory's pace */
+#define KV_IQ_AHEAD 1024
 
 /* The float steps of up to 8 super-blocks, in order (the portable kernel's), after their 8
  * integer sums are reduced together: v[k] the vector sum of super-block k, dw[k] its
@@ -612,6 +618,8 @@ KV_INL void sb_floats(__m256i *v, int m, const float *dw, const kv_act256 *a, fl
             for (int j = 0; j < nx; j++) isum[j] = _mm256_setzero_si256();                   \
             const kv_iq_dec *u = &dec[i & 1];                                                \
             if (i + 1 < nb) dec_prep(qt, b + t.bytes, &dec[(i + 1) & 1]);                    \
+            _mm_prefetch((const char *)b + KV_IQ_AHEAD, _MM_HINT_T0);                        \
+            _mm_prefetch((const char *)b + KV_IQ_AHEAD + 64, _MM_HINT_T0);                   \
             _Pragma("GCC unroll 8") for (int s = 0; s < 8; s++) {                            \
                 const __m256i g = dec_grid(qt, b, u, s);                                     \
                 const __m256i sg = dec_signs(u->sgn, sign_pos(qt, s));                       \
@@ -924,7 +932,9 @@ KV_INL void deq_iq_avx2(const int qt, const uint8_t *w, int64_t cols, float *out
             vnni##_bytes(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);          \
         else if (n >= KV_IQ_TILE_MIN_N)                                                    \
             tiled_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
-        else gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
+        else if (!kv_gemv_iq_planes(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y,     \
+                                    ystride))                                              \
+            gemv_iq_vnni(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);      \
     }                                                                                      \
     KV_TGT KV_GEMV_DECL(gemv) {                                                            \
         if (kv_use_vnni()) vnni(w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);   \

@@ -1,0 +1,312 @@
+/* IQ2_XXS, IQ3_XXS and IQ3_S decode (fewer than 8 x rows) in value planes, with AVX512-VBMI.
+ *
+ * These types pick each run of 8 (IQ2_XXS) or 4 (IQ3_XXS, IQ3_S) values as a row of a
+ * 256-row grid by an index byte, or of a 512-row one by a byte and a ninth bit (IQ3_S;
+ * qk_iq2_iq3.c has the formats). The row kernels there load one grid row
+ * per index, and those loads and inserts are what a decode step spends its time on. Here 64
+ * indices are looked up at once per value position p (plane p: value p of each grid row):
+ * a grid's plane is 256 bytes, which two vpermt2b and a blend on the index's top bit read
+(IQ3_S's 512: that twice, and a blend on the ninth bit).
+ *
+ * Byte k of plane p is value p of grid row k, so x is reordered once per call to match:
+ * xp[p][k] = x[P k + p] (P = values per grid row). A dword lane L of a plane holds grid rows
+ * 4L .. 4L + 3, which lie in one sub-block (IQ2_XXS: lane L = sub-block L of the pair of
+ * super-blocks a register holds; IQ3_XXS, IQ3_S: lanes 2s, 2s + 1 = sub-block s). So the planes'
+ * vpdpbusd (unsigned grid values against x with the values' signs) leave each sub-block's
+ * sum in its own lanes, and one vpmulld applies the scales (2 s + 1). The sum per
+ * super-block is the row kernels' exact integer and the float steps are theirs, in order,
+ * so every path gives the same bits.
+ *
+ * Signs: IQ2_XXS and IQ3_XXS give a 7-bit index per 8 values whose parity is the 8th sign,
+ * IQ3_S a bit per value;
+ * byte k of the sign vector holds grid row k's signs (its 8, or its 4 in the low nibble),
+ * and bit p of it negates plane p's x at byte k (a masked subtract: vpdpbusd takes the
+ * weights unsigned).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "qk.h"
+
+#ifdef KV_HAVE_AVX2_BUILD
+#include "qk_avx2.h"
+
+#ifdef KV_EMULATE_512
+#define KV_ISA_VBMI KV_ISA_ZMM
+#else
+#define KV_ISA_VBMI KV_ISA_ZMM ",avx512vbmi"
+#endif
+#define KV_INL_B static inline __attribute__((always_inline, target(KV_ISA_VBMI)))
+
+/* plane p of each grid, 64-byte aligned for the lookups */
+static uint8_t planes_iq2xxs[8][256] __attribute__((aligned(64)));
+static uint8_t planes_iq3xxs[4][256] __attribute__((aligned(64)));
+static uint8_t planes_iq3s[4][512] __attribute__((aligned(64)));
+static int planes_set[3];  /* IQ2_XXS, IQ3_XXS, IQ3_S */
+
+/* the type's planes: P of `rows` bytes each; NULL for the others */
+static uint8_t *planes_of(int qt, int *P, int *rows, int *slot) {
+    *P = qt == KV_IQ2_XXS ? 8 : 4, *rows = qt == KV_IQ3_S ? 512 : 256;
+    *slot = qt == KV_IQ2_XXS ? 0 : qt == KV_IQ3_XXS ? 1 : 2;
+    return qt == KV_IQ2_XXS ? planes_iq2xxs[0] : qt == KV_IQ3_XXS ? planes_iq3xxs[0]
+         : qt == KV_IQ3_S ? planes_iq3s[0] : NULL;
+}
+
+void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes) {
+    int P, rows, slot;
+    uint8_t *dst = planes_of(qtype, &P, &rows, &slot);
+    if (!dst || bytes != (int64_t)rows * P) return;
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < P; p++) dst[p * rows + r] = grid[P * r + p];
+    planes_set[slot] = 1;
+}
+
+static int use_vbmi(void) {
+    static int vbmi = -1;  /* racy first call: every thread computes the same answer */
+    if (vbmi < 0)
+#ifdef KV_EMULATE_512
+        vbmi = kv_use_vnni() && !getenv("KVLAB_NO_VBMI");
+#else
+        vbmi = kv_use_vnni() && !getenv("KVLAB_NO_VBMI") && __builtin_cpu_supports("avx512vbmi");
+#endif
+    return vbmi;
+}
+
+#define KV_PL_NX 4  /* x rows per pass over a weight row */
+#define KV_PL_AHEAD 1024  /* bytes of weights prefetched ahead of the ones read */
+
+/* ---- x in planes: per 64 grid rows (a register of indices), P planes of 64 bytes ---- */
+
+/* IQ2_XXS: super-blocks 2m, 2m + 1 -> pair m (512 bytes; plane p's bytes 32h + k = value
+ * 8k + p of super-block 2m + h; a missing second super-block's half is 0) */
+KV_INL_B void x_planes_iq2(const kv_act256 *a, int64_t nb, int8_t *xp) {
+    const __m512i t = _mm512_setr_epi32(  /* byte 8p + r <- byte 8r + p */
+        0x18100800, 0x38302820, 0x19110901, 0x39312921, 0x1A120A02, 0x3A322A22, 0x1B130B03,
+        0x3B332B23, 0x1C140C04, 0x3C342C24, 0x1D150D05, 0x3D352D25, 0x1E160E06, 0x3E362E26,
+        0x1F170F07, 0x3F372F27);
+    if (nb % 2) memset(xp + 512 * (nb / 2), 0, 512);
+    for (int64_t i = 0; i < nb; i++) {
+        int8_t *dst = xp + 512 * (i / 2) + 32 * (i % 2);
+        for (int q = 0; q < 4; q++) {  /* grid rows 8q .. 8q + 7 */
+            const __m512i v = _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q));
+            int8_t part[64] __attribute__((aligned(64)));
+            _mm512_store_si512(part, v);
+            for (int p = 0; p < 8; p++) memcpy(dst + 64 * p + 8 * q, part + 8 * p, 8);
+        }
+    }
+}
+
+/* IQ3_XXS: super-block i -> 256 bytes; plane p's byte k = value 4k + p */
+KV_INL_B void x_planes_iq3(const kv_act256 *a, int64_t nb, int8_t *xp) {
+    const __m512i t = _mm512_setr_epi32(  /* byte 16p + r <- byte 4r + p */
+        0x0C080400, 0x1C181410, 0x2C282420, 0x3C383430, 0x0D090501, 0x1D191511, 0x2D292521,
+        0x3D393531, 0x0E0A0602, 0x1E1A1612, 0x2E2A2622, 0x3E3A3632, 0x0F0B0703, 0x1F1B1713,
+        0x2F2B2723, 0x3F3B3733);
+    for (int64_t i = 0; i < nb; i++) {
+        int8_t *dst = xp + 256 * i;
+        for (int q = 0; q < 4; q++) {  /* grid rows 16q .. 16q + 15 */
+            const __m512i v = _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q));
+            int8_t part[64] __attribute__((aligned(64)));
+            _mm512_store_si512(part, v);
+            for (int p = 0; p < 4; p++) memcpy(dst + 64 * p + 16 * q, part + 16 * p, 16);
+        }
+    }
+}
+
+/* ---- a register of 64 indices: grid values per plane, signs, scales ---- */
+
+/* bytes of 7 sign bits -> with their parity as bit 7 (ksign) */
+KV_INL_B __m512i with_parity512(__m512i b7) {
+    const __m512i par = _mm512_broadcast_i32x4(_mm_setr_epi8(  /* a nibble's parity, at bit 7 */
+        0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m512i nib = _mm512_and_si512(_mm512_xor_si512(b7, _mm512_srli_epi16(b7, 4)),
+                                         _mm512_set1_epi8(15));
+    return _mm512_or_si512(b7, _mm512_shuffle_epi8(par, nib));
+}
+
+/* the 7-bit fields of each 64-bit lane of v at the bit offsets of ctl's bytes, as ksigns */
+KV_INL_B __m512i ksigns512(__m512i v, long long ctl) {
+    return with_parity512(_mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctl), v),
+                                           _mm512_set1_epi8(0x7F)));
+}
+
+/* 2 s + 1 from the scale nibble s in each lane's top 4 bits */
+KV_INL_B __m512i odd_scales(__m512i aux) {
+    const __m512i s = _mm512_srli_epi32(aux, 28);
+    return _mm512_or_si512(_mm512_add_epi32(s, s), _mm512_set1_epi32(1));
+}
+
+typedef struct { __m512i idx, signs, sc; __mmask64 ninth; } kv_pl_regs;  /* ninth: IQ3_S */
+
+/* IQ2_XXS super-blocks A and B (NULL: none, its lanes 0): byte k of idx and signs = grid row
+ * k (B's from 32), lane L of sc = sub-block L's scale (B's from 8) */
+KV_INL_B kv_pl_regs regs_iq2(const uint8_t *A, const uint8_t *B) {
+    const __m512i qa = _mm512_loadu_si512(A + 2);
+    const __m512i qb = B ? _mm512_loadu_si512(B + 2) : _mm512_setzero_si512();
+    const __m512i pick = _mm512_setr_epi32(  /* index bytes: bytes 0-3 of each 8 */
+        0x03020100, 0x0B0A0908, 0x13121110, 0x1B1A1918, 0x23222120, 0x2B2A2928, 0x33323130,
+        0x3B3A3938, 0x43424140, 0x4B4A4948, 0x53525150, 0x5B5A5958, 0x63626160, 0x6B6A6968,
+        0x73727170, 0x7B7A7978);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                          29, 31);
+    const __m512i aux = _mm512_permutex2var_epi32(qa, odd, qb);  /* lane L: sub-block L's word */
+    return (kv_pl_regs){_mm512_permutex2var_epi8(qa, pick, qb),
+                        ksigns512(aux, 0x352E2720150E0700ll),  /* fields 0-3 of each word */
+                        odd_scales(aux), 0};
+}
+
+/* byte pairs (s_2m, s_2m+1) of ks -> low nibble of s_2m, high nibble of s_2m+1, each in
+ * its byte's low 4 bits: grid rows 2m and 2m + 1's signs, where one byte holds both */
+KV_INL_B __m512i nibble_signs(__m512i ks) {
+    return _mm512_or_si512(_mm512_and_si512(ks, _mm512_set1_epi16(0x000F)),
+                           _mm512_and_si512(_mm512_srli_epi16(ks, 4), _mm512_set1_epi16(0x0F00)));
+}
+
+/* IQ3_XXS super-block A: byte k of idx = grid row k; its signs in the low nibble of byte k
+ * (grid rows 2l, 2l + 1 of a sub-block share sign byte l: low nibble, then high); lanes 2s,
+ * 2s + 1 of sc = sub-block s's scale */
+KV_INL_B kv_pl_regs regs_iq3(const uint8_t *A) {
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i aux = _mm512_permutexvar_epi32(
+        dup, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + 66))));
+    const __m512i ks = ksigns512(aux, 0x15150E0E07070000ll);  /* fields 0 0 1 1 2 2 3 3 */
+    return (kv_pl_regs){_mm512_loadu_si512(A + 2), nibble_signs(ks), odd_scales(aux), 0};
+}
+
+/* IQ3_S super-block A: idx the indices' low bytes, ninth their bit 8 (qh: bit k for grid row
+ * k); sign byte m (a bit per value) holds grid rows 2m, 2m + 1; sub-block s's scale nibble s
+ * of the word at 106 */
+KV_INL_B kv_pl_regs regs_iq3s(const uint8_t *A) {
+    const __m512i half = _mm512_setr_epi32(  /* byte k <- byte k / 2 */
+        0x01010000, 0x03030202, 0x05050404, 0x07070606, 0x09090808, 0x0B0B0A0A, 0x0D0D0C0C,
+        0x0F0F0E0E, 0x11111010, 0x13131212, 0x15151414, 0x17171616, 0x19191818, 0x1B1B1A1A,
+        0x1D1D1C1C, 0x1F1F1E1E);
+    const __m512i sg = _mm512_permutexvar_epi8(
+        half, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + 74))));
+    uint32_t nib;
+    uint64_t ninth;
+    memcpy(&nib, A + 106, 4);
+    memcpy(&ninth, A + 66, 8);
+    const __m512i shift = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
+                                            28, 28);
+    const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)nib), shift),
+                                       _mm512_set1_epi32(15));
+    return (kv_pl_regs){_mm512_loadu_si512(A + 2), nibble_signs(sg),
+                        _mm512_or_si512(_mm512_add_epi32(s, s), _mm512_set1_epi32(1)), ninth};
+}
+
+/* plane p of a grid (256 bytes) at 64 indices; top: the indices' bit 7 */
+KV_INL_B __m512i plane_at(const uint8_t *plane, __m512i idx, __mmask64 top) {
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(plane), idx,
+                                                _mm512_load_si512(plane + 64));
+    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(plane + 128), idx,
+                                                _mm512_load_si512(plane + 192));
+    return _mm512_mask_blend_epi8(top, lo, hi);
+}
+
+/* plane p of a 512-row grid: rows 0-255, then 256-511, picked by the ninth bit */
+KV_INL_B __m512i plane512_at(const uint8_t *plane, __m512i idx, __mmask64 top, __mmask64 ninth) {
+    return _mm512_mask_blend_epi8(ninth, plane_at(plane, idx, top), plane_at(plane + 256, idx, top));
+}
+
+/* one weight row (nb super-blocks at b) against nx x rows: xp[j] row j's planes, a[j] its
+ * blocks; per super-block the row kernels' integer, then acc = fma(d * unit * d_x, isum, acc)
+ * in super-block order */
+KV_INL_B void row_planes(const int qt, const uint8_t *b, int64_t nb, int8_t *const *xp,
+                         const kv_act256 *const *a, const int nx, float *y, int64_t ys) {
+    const int iq2 = qt == KV_IQ2_XXS, P = iq2 ? 8 : 4, spz = iq2 ? 2 : 1;
+    const int bytes = iq2 ? 66 : qt == KV_IQ3_XXS ? 98 : 110;
+    const float unit = iq2 ? 0.125f : qt == KV_IQ3_XXS ? 0.25f : 1.0f;
+    const uint8_t *planes = iq2 ? planes_iq2xxs[0] : qt == KV_IQ3_XXS ? planes_iq3xxs[0]
+                                                                      : planes_iq3s[0];
+    float acc[KV_PL_NX] = {0};
+    for (int64_t i = 0; i < nb; i += spz) {
+        const uint8_t *A = b + i * bytes, *B = iq2 && i + 1 < nb ? A + bytes : NULL;
+        _mm_prefetch((const char *)A + KV_PL_AHEAD, _MM_HINT_T0);  /* the stream runs on */
+        _mm_prefetch((const char *)A + KV_PL_AHEAD + 64, _MM_HINT_T0);  /* into the next row */
+        if (!iq2) _mm_prefetch((const char *)A + KV_PL_AHEAD + 128, _MM_HINT_T0);
+        const kv_pl_regs u = iq2 ? regs_iq2(A, B) : qt == KV_IQ3_XXS ? regs_iq3(A) : regs_iq3s(A);
+        const __mmask64 top = _mm512_movepi8_mask(u.idx);
+        const int64_t off = i / spz * 64 * P;
+        __m512i s[KV_PL_NX][2];
+        for (int j = 0; j < nx; j++) s[j][0] = s[j][1] = _mm512_setzero_si512();
+        for (int p = 0; p < P; p++) {
+            const __m512i w = qt == KV_IQ3_S ? plane512_at(planes + 512 * p, u.idx, top, u.ninth)
+                                             : plane_at(planes + 256 * p, u.idx, top);
+            const __mmask64 neg = _mm512_test_epi8_mask(u.signs, _mm512_set1_epi8((char)(1 << p)));
+            for (int j = 0; j < nx; j++) {
+                const __m512i x = _mm512_loadu_si512(xp[j] + off + 64 * p);
+                const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                s[j][p & 1] = _mm512_dpbusd_epi32(s[j][p & 1], w, xs);
+            }
+        }
+        const float dA = kv_h2f_table[A[0] | A[1] << 8] * unit;
+        const float dB = B ? kv_h2f_table[B[0] | B[1] << 8] * unit : 0.0f;
+        for (int j = 0; j < nx; j++) {
+            const __m512i t = _mm512_mullo_epi32(_mm512_add_epi32(s[j][0], s[j][1]), u.sc);
+            const __m256i lo = _mm512_extracti64x4_epi64(t, 0), hi = _mm512_extracti64x4_epi64(t, 1);
+            if (!iq2) {
+                acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(_mm256_add_epi32(lo, hi)), acc[j]);
+                continue;
+            }
+            acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(lo), acc[j]);
+            if (B) acc[j] = fmaf(dB * a[j][i + 1].d, (float)hsum_epi32(hi), acc[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) y[j * ys] = acc[j];
+}
+
+/* rows [r0, r1) against n x rows (their planes made once), KV_PL_NX x rows per pass; 0
+ * without memory for the planes */
+KV_INL_B int gemv_planes(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                         int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
+                         float *y, int64_t ystride) {
+    const int64_t nb = cols / 256;
+    const int64_t per = qt == KV_IQ2_XXS ? 512 * ((nb + 1) / 2) : 256 * nb;
+    int8_t *buf = nb > 0 ? aligned_alloc(64, (size_t)(n * per)) : NULL;
+    if (!buf) return 0;
+    int8_t *xp[8];
+    const kv_act256 *a[8];
+    for (int64_t j = 0; j < n; j++) {
+        a[j] = (const kv_act256 *)((const char *)xq + j * xstride);
+        xp[j] = buf + j * per;
+        if (qt == KV_IQ2_XXS) x_planes_iq2(a[j], nb, xp[j]);
+        else x_planes_iq3(a[j], nb, xp[j]);  /* IQ3_S's grid rows are IQ3_XXS's 4 values */
+    }
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t j = 0; j < n; j += KV_PL_NX) {
+            const uint8_t *b = w + r * row_bytes;
+            float *yj = y + j * ystride + r;
+            switch (n - j >= KV_PL_NX ? KV_PL_NX : n - j) {
+                case 4: row_planes(qt, b, nb, xp + j, a + j, 4, yj, ystride); break;
+                case 3: row_planes(qt, b, nb, xp + j, a + j, 3, yj, ystride); break;
+                case 2: row_planes(qt, b, nb, xp + j, a + j, 2, yj, ystride); break;
+                default: row_planes(qt, b, nb, xp + j, a + j, 1, yj, ystride); break;
+            }
+        }
+    free(buf);
+    return 1;
+}
+
+#define KV_PL_GEMV(name, qt)                                                                \
+    static __attribute__((target(KV_ISA_VBMI))) int name(                                   \
+        const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,          \
+        const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride) {            \
+        return gemv_planes(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
+    }
+KV_PL_GEMV(gemv_planes_iq2xxs, KV_IQ2_XXS)
+KV_PL_GEMV(gemv_planes_iq3xxs, KV_IQ3_XXS)
+KV_PL_GEMV(gemv_planes_iq3s, KV_IQ3_S)
+
+int kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                      int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                      int64_t ystride) {
+    int P, rows, slot;
+    if (n < 1 || n > 7 || !planes_of(qt, &P, &rows, &slot) || !planes_set[slot] || !use_vbmi())
+        return 0;
+    return (qt == KV_IQ2_XXS ? gemv_planes_iq2xxs : qt == KV_IQ3_XXS ? gemv_planes_iq3xxs
+                                                                     : gemv_planes_iq3s)(
+        w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);
+}
+
+#endif /* KV_HAVE_AVX2_BUILD */
