@@ -25,11 +25,12 @@ def path_envs() -> list[dict[str, str]]:
     return envs + [EMULATED_512] if emulated_512_built() else envs
 
 
-def outputs_on_every_path(script: str, out_dir: Path, *args: str) -> list:
+def outputs_on_every_path(script: str, out_dir: Path, *args: str,
+                          extra: tuple[dict[str, str], ...] = ()) -> list:
     """What `script` saves (torch.save to its first argument; `args` follow it) when run under
-    each of path_envs(), in that order."""
+    each of path_envs() and then each `extra` environment, in that order."""
     outs = []
-    for env in path_envs():
+    for env in [*path_envs(), *extra]:
         path = out_dir / f"out{len(outs)}.pt"
         subprocess.run([sys.executable, "-c", script, str(path), *args], check=True,
                        env={**os.environ, **env})

@@ -10,10 +10,13 @@ for a type kvlab still lacks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from kernel_paths import outputs_on_every_path
 from test_kernels import (
     ISAS,
     assert_blocks_equal,
@@ -127,6 +130,27 @@ def test_decode_value_planes_are_the_portable_bits(qtype, cols):
         finally:
             ops._qk.set_isa("auto")
         assert torch.equal(y, y_c), n
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
+def test_every_simd_path_gives_the_same_bits(tmp_path):
+    """Decode (1 and 3 x rows), the tiles (9) and the byte rows (40) of every type, on this
+    CPU's paths, the AVX2 one (KVLAB_NO_VNNI), the AVX512-VNNI row kernels without the value
+    planes (KVLAB_NO_VBMI) and, where built, the emulated AVX-512 kernels."""
+    script = (
+        "import sys, torch\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_kernels_iq2_iq3 import GRID_TYPES, random_blocks\n"
+        "from kvlab.kernels import qmatmul\n"
+        "x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(15))\n"
+        "torch.save([qmatmul(x[:n].contiguous(), random_blocks(q, 19, 1280, seed=16))\n"
+        "            for q in GRID_TYPES for n in (1, 3, 9, 40)], sys.argv[1])\n")
+    outs = outputs_on_every_path(script, tmp_path, str(Path(__file__).parent),
+                                 extra=({"KVLAB_NO_VBMI": "1"},))
+    for out in outs[1:]:
+        assert len(out) == len(outs[0]) == 4 * len(GRID_TYPES)
+        for a, b in zip(outs[0], out):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
