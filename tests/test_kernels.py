@@ -675,16 +675,22 @@ def test_q8_0_paths_with_and_without_vnni_agree(tmp_path):
 @pytest.mark.skipif(not ISAS, reason="C extension not built")
 def test_backend_detail_names_the_vnni_paths_this_cpu_takes():
     """Reports say 'AVX512-VNNI paths' exactly where the AVX2 set takes them: a CPU with
-    AVX512-VNNI, VL and BW, unless KVLAB_NO_VNNI is set; the portable set never does."""
+    AVX512-VNNI, VL and BW, unless KVLAB_NO_VNNI is set; 'VBMI value planes' where it also has
+    AVX512-VBMI, unless KVLAB_NO_VBMI is set (the emulated test build takes both on any
+    CPU); the portable set never does either."""
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
-    vnni = ({"avx512_vnni", "avx512vl", "avx512bw"} <= set(flags)
+    emulated = bool(os.environ.get("KVLAB_EMULATE_512"))  # every AVX-512 path, as AVX2 code
+    vnni = ((emulated or {"avx512_vnni", "avx512vl", "avx512bw"} <= set(flags))
             and not os.environ.get("KVLAB_NO_VNNI"))
+    vbmi = vnni and (emulated or "avx512vbmi" in flags) and not os.environ.get("KVLAB_NO_VBMI")
     try:
         for isa in ISAS:
             ops._qk.set_isa(isa)
             detail = ops.kernel_backend_detail()
+            avx2 = ops.kernel_backend() == "avx2"
             assert detail.startswith(ops.kernel_backend())
-            assert ("AVX512-VNNI" in detail) == (vnni and ops.kernel_backend() == "avx2"), detail
+            assert ("AVX512-VNNI" in detail) == (vnni and avx2), detail
+            assert ("VBMI value planes" in detail) == (vbmi and avx2), detail
     finally:
         ops._qk.set_isa("auto")

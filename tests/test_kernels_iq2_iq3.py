@@ -1,5 +1,5 @@
-"""IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (kernels/csrc/qk_iq2_iq3.c) against gguf's
-dequantizer, on every path.
+"""IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (kernels/csrc/qk_iq2_iq3.c, and the value
+planes of kernels/csrc/qk_iq_planes.c) against gguf's dequantizer, on every path.
 
 test_kernels.py runs its per-type checks (dequantize, qmatmul's error bound, exactness on the
 8-bit activations, AVX2 against portable C, batch invariance) over SUPPORTED_TYPES, these
@@ -157,8 +157,8 @@ def test_every_simd_path_gives_the_same_bits(tmp_path):
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
 def test_prefill_byte_rows_are_the_portable_bits(qtype):
     """From 32 x rows the AVX512-VNNI kernels decode 16 weight rows at a time into byte rows
-    (one pass over x of 300 rows at 4096 columns is two passes; 37 rows leave 5 to the tiles
-    in one thread's range or another's): every row's output is the portable C's and its own
+    (x of 300 rows at 4096 columns is two passes; of 37 rows, 32 are two such 16, the last 5
+    run through the tiles): every row's output is the portable C's and its own
     alone. Without AVX512-VNNI the same call runs the AVX2 tiles, to the same bits."""
     w = random_blocks(qtype, 37, 4096, seed=11)
     x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(12))

@@ -46,9 +46,13 @@ def kernel_backend() -> str:
 
 def kernel_backend_detail() -> str:
     """kernel_backend(), with ' (AVX512-VNNI paths)' where the AVX2 set takes them on this
-    CPU (it does unless KVLAB_NO_VNNI=1): for reports, so a figure names the code it ran."""
+    CPU (it does unless KVLAB_NO_VNNI=1), and ', VBMI value planes' where its lattice-type
+    decode does too (unless KVLAB_NO_VBMI=1): for reports, so a figure names the code it ran."""
     name = kernel_backend()
-    return name + " (AVX512-VNNI paths)" if _qk is not None and _qk.uses_vnni() else name
+    if _qk is None or not _qk.uses_vnni():
+        return name
+    return name + (" (AVX512-VNNI paths, VBMI value planes)" if _qk.uses_vbmi()
+                   else " (AVX512-VNNI paths)")
 
 
 def set_num_threads(n: int) -> None:

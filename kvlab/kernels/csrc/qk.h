@@ -16,7 +16,9 @@
  *     qk_<types>.c            GGUF row layout of types with their own file: qk_q2k_q3k.c
  *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS, MXFP4: MXFP4
  *                             runs IQ4_NL's kernels on its own table and scales),
- *                             qk_iq2_iq3.c (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
+ *                             qk_iq2_iq3.c (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S),
+ *                             qk_iq_planes.c (their AVX512-VBMI decode: IQ2_XXS, IQ3_XXS,
+ *                             IQ3_S)
  *     qk_group8_<types>.c     kvlab's 8-row group layouts (<TYPE>x8: 8 weight rows
  *                             interleaved, one register lane per row): conversion from GGUF
  *                             rows, row dequantizers, portable, AVX2 and AVX-512 kernels.
@@ -36,6 +38,7 @@
 #define KVLAB_QK_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -75,6 +78,11 @@ enum {
 };
 /* whether type id qt is one of kvlab's 8-row group layouts */
 static inline int kv_is_grouped(int64_t qt) { return qt >= KV_Q8_0X8 && qt != KV_MXFP4; }
+/* the lattice ("i-quant") types with grids: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S */
+static inline int kv_is_lattice(int64_t qt) {
+    return qt == KV_IQ2_XXS || qt == KV_IQ2_XS || qt == KV_IQ2_S || qt == KV_IQ3_XXS
+        || qt == KV_IQ3_S;
+}
 
 typedef uint16_t kv_half;
 
@@ -359,13 +367,19 @@ KV_IQ_DECLS(iq3_s)
     void kv_deq_##t##_avx2(const uint8_t *w, int64_t cols, float *out);
 KV_IQ_DECLS_AVX2(iq2_xxs) KV_IQ_DECLS_AVX2(iq2_xs) KV_IQ_DECLS_AVX2(iq2_s)
 KV_IQ_DECLS_AVX2(iq3_xxs) KV_IQ_DECLS_AVX2(iq3_s)
-/* IQ2_XXS and IQ3_XXS with AVX512-VBMI, in value planes (qk_iq_planes.c): the planes made
- * from a grid (kv_set_grid passes it on), and the product for 1 to 7 x rows, which returns 0
- * where it does not run (another type, no AVX512-VBMI, no memory) */
-void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes);
-int kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                      int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                      int64_t ystride);
+/* IQ2_XXS, IQ3_XXS and IQ3_S with AVX512-VBMI, in value planes (qk_iq_planes.c): the planes
+ * made from a grid, with the type's super-block bytes and unit (kv_set_grid passes them on);
+ * the product for 1 to 7 x rows, which says whether it ran (not for another type, without
+ * AVX512-VBMI or without memory); whether the planes serve all three types here */
+void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes, int block_bytes,
+                      float unit);
+bool kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                       int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                       int64_t ystride);
+int kv_iq_planes_active(void);
+/* weight bytes the IQ decode kernels prefetch ahead of the super-block they read (on into
+ * the next row): the hardware's stream prefetch alone left them short of memory's pace */
+#define KV_IQ_AHEAD 1024
 #endif
 
 /* ---- Q2_K and Q3_K in their file layout (qk_q2k_q3k.c) ---- */

@@ -779,6 +779,18 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(kv_active_isa()->name);
 }
 
+/* whether the AVX2 kernel set, where active, decodes the lattice types in value planes
+ * (AVX512-VBMI, qk_iq_planes.c) */
+static PyObject *py_uses_vbmi(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#ifdef KV_HAVE_AVX2_BUILD
+    return PyBool_FromLong(kv_avx2_active() && kv_iq_planes_active());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 /* whether the AVX2 kernel set, where active, takes its AVX512-VNNI paths */
 static PyObject *py_uses_vnni(PyObject *self, PyObject *unused) {
     (void)self;
@@ -894,6 +906,8 @@ static PyMethodDef methods[] = {
     {"isa", py_isa, METH_NOARGS, "isa() -> name of the active kernel set"},
     {"uses_vnni", py_uses_vnni, METH_NOARGS,
      "uses_vnni() -> the active kernels take their AVX512-VNNI paths"},
+    {"uses_vbmi", py_uses_vbmi, METH_NOARGS,
+     "uses_vbmi() -> the active kernels decode IQ2_XXS, IQ3_XXS, IQ3_S in value planes"},
     {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'generic' | 'avx2')"},
     {NULL, NULL, 0, NULL},
 };

@@ -41,20 +41,6 @@
 static uint8_t grid_iq2xxs[256][8], grid_iq2xs[512][8], grid_iq2s[1024][8];
 static uint8_t grid_iq3xxs[256][4], grid_iq3s[512][4];
 
-int kv_set_grid(int qtype, const uint8_t *values, int64_t bytes) {
-    void *dst = qtype == KV_IQ2_XXS ? (void *)grid_iq2xxs : qtype == KV_IQ2_XS ? (void *)grid_iq2xs
-              : qtype == KV_IQ2_S ? (void *)grid_iq2s : qtype == KV_IQ3_XXS ? (void *)grid_iq3xxs
-              : qtype == KV_IQ3_S ? (void *)grid_iq3s : NULL;
-    const int64_t size = qtype == KV_IQ2_XXS ? 2048 : qtype == KV_IQ2_XS ? 4096
-                       : qtype == KV_IQ2_S ? 8192 : qtype == KV_IQ3_XXS ? 1024 : 2048;
-    if (!dst || bytes != size) return -1;
-    memcpy(dst, values, (size_t)bytes);
-#ifdef KV_HAVE_AVX2_BUILD
-    kv_iq_planes_set(qtype, values, bytes);
-#endif
-    return 0;
-}
-
 /* 7 sign bits and their parity as the 8th: an even number of minus signs */
 static inline uint8_t ksign(uint32_t i) {
     return (uint8_t)(i | (uint32_t)__builtin_parity(i) << 7);
@@ -155,6 +141,20 @@ static inline kv_iq_type iq_type(int qt) {
         case KV_IQ3_XXS: return (kv_iq_type){98, dec_iq3_xxs, 0.25f};
         default: return (kv_iq_type){110, dec_iq3_s, 1.0f};
     }
+}
+
+int kv_set_grid(int qtype, const uint8_t *values, int64_t bytes) {
+    void *dst = qtype == KV_IQ2_XXS ? (void *)grid_iq2xxs : qtype == KV_IQ2_XS ? (void *)grid_iq2xs
+              : qtype == KV_IQ2_S ? (void *)grid_iq2s : qtype == KV_IQ3_XXS ? (void *)grid_iq3xxs
+              : qtype == KV_IQ3_S ? (void *)grid_iq3s : NULL;
+    const int64_t size = qtype == KV_IQ2_XXS ? 2048 : qtype == KV_IQ2_XS ? 4096
+                       : qtype == KV_IQ2_S ? 8192 : qtype == KV_IQ3_XXS ? 1024 : 2048;
+    if (!dst || bytes != size) return -1;
+    memcpy(dst, values, (size_t)bytes);
+#ifdef KV_HAVE_AVX2_BUILD
+    kv_iq_planes_set(qtype, values, bytes, iq_type(qtype).bytes, iq_type(qtype).unit);
+#endif
+    return 0;
 }
 
 /* ---------------- dequantizers ---------------- */
@@ -577,9 +577,6 @@ KV_INL __m256i dec_scales(const int qt, const kv_iq_dec *u, int s) {
 }
 
 #define KV_IQ_NX 4  /* x rows per pass over a weight row */
-/* weight bytes prefetched ahead of the super-block read (on into the next row): the
- * hardware's stream prefetch alone left a decode step's IQ products short of memory's pace */
-#define KV_IQ_AHEAD 1024
 
 /* The float steps of up to 8 super-blocks, in order (the portable kernel's), after their 8
  * integer sums are reduced together: v[k] the vector sum of super-block k, dw[k] its

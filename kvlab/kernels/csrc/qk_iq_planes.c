@@ -6,7 +6,7 @@
  * per index, and those loads and inserts are what a decode step spends its time on. Here 64
  * indices are looked up at once per value position p (plane p: value p of each grid row):
  * a grid's plane is 256 bytes, which two vpermt2b and a blend on the index's top bit read
-(IQ3_S's 512: that twice, and a blend on the ninth bit).
+ * (IQ3_S's 512: that twice, and a blend on the ninth bit).
  *
  * Byte k of plane p is value p of grid row k, so x is reordered once per call to match:
  * xp[p][k] = x[P k + p] (P = values per grid row). A dword lane L of a plane holds grid rows
@@ -18,11 +18,11 @@
  * so every path gives the same bits.
  *
  * Signs: IQ2_XXS and IQ3_XXS give a 7-bit index per 8 values whose parity is the 8th sign,
- * IQ3_S a bit per value;
- * byte k of the sign vector holds grid row k's signs (its 8, or its 4 in the low nibble),
- * and bit p of it negates plane p's x at byte k (a masked subtract: vpdpbusd takes the
- * weights unsigned).
+ * IQ3_S a bit per value; byte k of the sign vector holds grid row k's signs (its 8, or its 4
+ * in the low nibble), and bit p of it negates plane p's x at byte k (a masked subtract:
+ * vpdpbusd takes the weights unsigned).
  */
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,27 +38,31 @@
 #endif
 #define KV_INL_B static inline __attribute__((always_inline, target(KV_ISA_VBMI)))
 
-/* plane p of each grid, 64-byte aligned for the lookups */
-static uint8_t planes_iq2xxs[8][256] __attribute__((aligned(64)));
-static uint8_t planes_iq3xxs[4][256] __attribute__((aligned(64)));
-static uint8_t planes_iq3s[4][512] __attribute__((aligned(64)));
-static int planes_set[3];  /* IQ2_XXS, IQ3_XXS, IQ3_S */
+/* A type's planes (plane p: pl_rows bytes, value p of each grid row), and what the kernels
+ * take from qk_iq2_iq3.c, which owns the formats: the super-block's bytes and unit (value =
+ * d * unit * scale * grid value) */
+typedef struct { uint8_t *planes; int bytes; float unit; int ready; } kv_pl_type;
+static uint8_t planes_iq2xxs[8 * 256] __attribute__((aligned(64)));
+static uint8_t planes_iq3xxs[4 * 256] __attribute__((aligned(64)));
+static uint8_t planes_iq3s[4 * 512] __attribute__((aligned(64)));
+static kv_pl_type pl_types[3] = {{planes_iq2xxs, 0, 0, 0}, {planes_iq3xxs, 0, 0, 0},
+                                 {planes_iq3s, 0, 0, 0}};
 
-/* the type's planes: P of `rows` bytes each; NULL for the others */
-static uint8_t *planes_of(int qt, int *P, int *rows, int *slot) {
-    *P = qt == KV_IQ2_XXS ? 8 : 4, *rows = qt == KV_IQ3_S ? 512 : 256;
-    *slot = qt == KV_IQ2_XXS ? 0 : qt == KV_IQ3_XXS ? 1 : 2;
-    return qt == KV_IQ2_XXS ? planes_iq2xxs[0] : qt == KV_IQ3_XXS ? planes_iq3xxs[0]
-         : qt == KV_IQ3_S ? planes_iq3s[0] : NULL;
+static inline kv_pl_type *pl_type(int qt) {
+    return qt == KV_IQ2_XXS ? &pl_types[0] : qt == KV_IQ3_XXS ? &pl_types[1]
+         : qt == KV_IQ3_S ? &pl_types[2] : NULL;
 }
+static inline int pl_P(int qt) { return qt == KV_IQ2_XXS ? 8 : 4; }  /* values a grid row */
+static inline int pl_rows(int qt) { return qt == KV_IQ3_S ? 512 : 256; }
 
-void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes) {
-    int P, rows, slot;
-    uint8_t *dst = planes_of(qtype, &P, &rows, &slot);
-    if (!dst || bytes != (int64_t)rows * P) return;
+void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes, int block_bytes,
+                      float unit) {
+    kv_pl_type *t = pl_type(qtype);
+    const int P = pl_P(qtype), rows = pl_rows(qtype);
+    if (!t || bytes != (int64_t)rows * P) return;
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < P; p++) dst[p * rows + r] = grid[P * r + p];
-    planes_set[slot] = 1;
+        for (int p = 0; p < P; p++) t->planes[p * rows + r] = grid[P * r + p];
+    t->bytes = block_bytes, t->unit = unit, t->ready = 1;
 }
 
 static int use_vbmi(void) {
@@ -72,43 +76,35 @@ static int use_vbmi(void) {
     return vbmi;
 }
 
-#define KV_PL_NX 4  /* x rows per pass over a weight row */
-#define KV_PL_AHEAD 1024  /* bytes of weights prefetched ahead of the ones read */
-
-/* ---- x in planes: per 64 grid rows (a register of indices), P planes of 64 bytes ---- */
-
-/* IQ2_XXS: super-blocks 2m, 2m + 1 -> pair m (512 bytes; plane p's bytes 32h + k = value
- * 8k + p of super-block 2m + h; a missing second super-block's half is 0) */
-KV_INL_B void x_planes_iq2(const kv_act256 *a, int64_t nb, int8_t *xp) {
-    const __m512i t = _mm512_setr_epi32(  /* byte 8p + r <- byte 8r + p */
-        0x18100800, 0x38302820, 0x19110901, 0x39312921, 0x1A120A02, 0x3A322A22, 0x1B130B03,
-        0x3B332B23, 0x1C140C04, 0x3C342C24, 0x1D150D05, 0x3D352D25, 0x1E160E06, 0x3E362E26,
-        0x1F170F07, 0x3F372F27);
-    if (nb % 2) memset(xp + 512 * (nb / 2), 0, 512);
-    for (int64_t i = 0; i < nb; i++) {
-        int8_t *dst = xp + 512 * (i / 2) + 32 * (i % 2);
-        for (int q = 0; q < 4; q++) {  /* grid rows 8q .. 8q + 7 */
-            const __m512i v = _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q));
-            int8_t part[64] __attribute__((aligned(64)));
-            _mm512_store_si512(part, v);
-            for (int p = 0; p < 8; p++) memcpy(dst + 64 * p + 8 * q, part + 8 * p, 8);
-        }
-    }
+int kv_iq_planes_active(void) {
+    return use_vbmi() && pl_types[0].ready && pl_types[1].ready && pl_types[2].ready;
 }
 
-/* IQ3_XXS: super-block i -> 256 bytes; plane p's byte k = value 4k + p */
-KV_INL_B void x_planes_iq3(const kv_act256 *a, int64_t nb, int8_t *xp) {
-    const __m512i t = _mm512_setr_epi32(  /* byte 16p + r <- byte 4r + p */
+#define KV_PL_NX 4     /* x rows per pass over a weight row */
+#define KV_PL_MAX_N 7  /* the most x rows (from 8 qk_iq2_iq3.c's prefill tiles run) */
+
+/* ---- x in planes: per register of 64 grid rows, P planes of 64 bytes ----
+ * IQ2_XXS: super-blocks 2m, 2m + 1 -> register m (plane p's byte 32h + k = value 8k + p of
+ * super-block 2m + h; a missing second super-block's half is 0); IQ3_XXS, IQ3_S: super-block
+ * i -> register i (plane p's byte k = value 4k + p). A 64-value chunk of x is R = 64 / P grid
+ * rows, put in plane order by one vpermb and copied out plane by plane. */
+KV_INL_B void x_planes(const int P, const kv_act256 *a, int64_t nb, int8_t *xp) {
+    const __m512i t = P == 8 ? _mm512_setr_epi32(  /* byte 8p + r <- byte 8r + p */
+        0x18100800, 0x38302820, 0x19110901, 0x39312921, 0x1A120A02, 0x3A322A22, 0x1B130B03,
+        0x3B332B23, 0x1C140C04, 0x3C342C24, 0x1D150D05, 0x3D352D25, 0x1E160E06, 0x3E362E26,
+        0x1F170F07, 0x3F372F27)
+        : _mm512_setr_epi32(  /* byte 16p + r <- byte 4r + p */
         0x0C080400, 0x1C181410, 0x2C282420, 0x3C383430, 0x0D090501, 0x1D191511, 0x2D292521,
         0x3D393531, 0x0E0A0602, 0x1E1A1612, 0x2E2A2622, 0x3E3A3632, 0x0F0B0703, 0x1F1B1713,
         0x2F2B2723, 0x3F3B3733);
+    const int R = 64 / P, spz = P == 8 ? 2 : 1;
+    if (nb % spz) memset(xp + 64 * P * (nb / spz), 0, (size_t)(64 * P));
     for (int64_t i = 0; i < nb; i++) {
-        int8_t *dst = xp + 256 * i;
-        for (int q = 0; q < 4; q++) {  /* grid rows 16q .. 16q + 15 */
-            const __m512i v = _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q));
+        int8_t *dst = xp + 64 * P * (i / spz) + 32 * (i % spz);
+        for (int q = 0; q < 4; q++) {  /* grid rows R q .. R q + R - 1 */
             int8_t part[64] __attribute__((aligned(64)));
-            _mm512_store_si512(part, v);
-            for (int p = 0; p < 4; p++) memcpy(dst + 64 * p + 16 * q, part + 16 * p, 16);
+            _mm512_store_si512(part, _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q)));
+            for (int p = 0; p < P; p++) memcpy(dst + 64 * p + R * q, part + R * p, (size_t)R);
         }
     }
 }
@@ -130,11 +126,12 @@ KV_INL_B __m512i ksigns512(__m512i v, long long ctl) {
                                            _mm512_set1_epi8(0x7F)));
 }
 
-/* 2 s + 1 from the scale nibble s in each lane's top 4 bits */
-KV_INL_B __m512i odd_scales(__m512i aux) {
-    const __m512i s = _mm512_srli_epi32(aux, 28);
+/* 2 s + 1 for a scale nibble s in each lane */
+KV_INL_B __m512i odd_of(__m512i s) {
     return _mm512_or_si512(_mm512_add_epi32(s, s), _mm512_set1_epi32(1));
 }
+/* the scales of a lane's word whose top 4 bits are the nibble */
+KV_INL_B __m512i odd_scales(__m512i aux) { return odd_of(_mm512_srli_epi32(aux, 28)); }
 
 typedef struct { __m512i idx, signs, sc; __mmask64 ninth; } kv_pl_regs;  /* ninth: IQ3_S */
 
@@ -191,8 +188,7 @@ KV_INL_B kv_pl_regs regs_iq3s(const uint8_t *A) {
                                             28, 28);
     const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)nib), shift),
                                        _mm512_set1_epi32(15));
-    return (kv_pl_regs){_mm512_loadu_si512(A + 2), nibble_signs(sg),
-                        _mm512_or_si512(_mm512_add_epi32(s, s), _mm512_set1_epi32(1)), ninth};
+    return (kv_pl_regs){_mm512_loadu_si512(A + 2), nibble_signs(sg), odd_of(s), ninth};
 }
 
 /* plane p of a grid (256 bytes) at 64 indices; top: the indices' bit 7 */
@@ -214,25 +210,23 @@ KV_INL_B __m512i plane512_at(const uint8_t *plane, __m512i idx, __mmask64 top, _
  * in super-block order */
 KV_INL_B void row_planes(const int qt, const uint8_t *b, int64_t nb, int8_t *const *xp,
                          const kv_act256 *const *a, const int nx, float *y, int64_t ys) {
-    const int iq2 = qt == KV_IQ2_XXS, P = iq2 ? 8 : 4, spz = iq2 ? 2 : 1;
-    const int bytes = iq2 ? 66 : qt == KV_IQ3_XXS ? 98 : 110;
-    const float unit = iq2 ? 0.125f : qt == KV_IQ3_XXS ? 0.25f : 1.0f;
-    const uint8_t *planes = iq2 ? planes_iq2xxs[0] : qt == KV_IQ3_XXS ? planes_iq3xxs[0]
-                                                                      : planes_iq3s[0];
+    const kv_pl_type *t = pl_type(qt);
+    const int iq2 = qt == KV_IQ2_XXS, P = pl_P(qt), spz = iq2 ? 2 : 1, bytes = t->bytes;
+    const float unit = t->unit;
     float acc[KV_PL_NX] = {0};
     for (int64_t i = 0; i < nb; i += spz) {
         const uint8_t *A = b + i * bytes, *B = iq2 && i + 1 < nb ? A + bytes : NULL;
-        _mm_prefetch((const char *)A + KV_PL_AHEAD, _MM_HINT_T0);  /* the stream runs on */
-        _mm_prefetch((const char *)A + KV_PL_AHEAD + 64, _MM_HINT_T0);  /* into the next row */
-        if (!iq2) _mm_prefetch((const char *)A + KV_PL_AHEAD + 128, _MM_HINT_T0);
+        for (int c = 0; c < spz * bytes + 63; c += 64)  /* the stream runs on into the next row */
+            _mm_prefetch((const char *)A + KV_IQ_AHEAD + c, _MM_HINT_T0);
         const kv_pl_regs u = iq2 ? regs_iq2(A, B) : qt == KV_IQ3_XXS ? regs_iq3(A) : regs_iq3s(A);
         const __mmask64 top = _mm512_movepi8_mask(u.idx);
         const int64_t off = i / spz * 64 * P;
         __m512i s[KV_PL_NX][2];
         for (int j = 0; j < nx; j++) s[j][0] = s[j][1] = _mm512_setzero_si512();
         for (int p = 0; p < P; p++) {
-            const __m512i w = qt == KV_IQ3_S ? plane512_at(planes + 512 * p, u.idx, top, u.ninth)
-                                             : plane_at(planes + 256 * p, u.idx, top);
+            const uint8_t *plane = t->planes + pl_rows(qt) * p;
+            const __m512i w = qt == KV_IQ3_S ? plane512_at(plane, u.idx, top, u.ninth)
+                                             : plane_at(plane, u.idx, top);
             const __mmask64 neg = _mm512_test_epi8_mask(u.signs, _mm512_set1_epi8((char)(1 << p)));
             for (int j = 0; j < nx; j++) {
                 const __m512i x = _mm512_loadu_si512(xp[j] + off + 64 * p);
@@ -256,22 +250,22 @@ KV_INL_B void row_planes(const int qt, const uint8_t *b, int64_t nb, int8_t *con
     for (int j = 0; j < nx; j++) y[j * ys] = acc[j];
 }
 
-/* rows [r0, r1) against n x rows (their planes made once), KV_PL_NX x rows per pass; 0
- * without memory for the planes */
-KV_INL_B int gemv_planes(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
+/* rows [r0, r1) against n x rows (their planes made once), KV_PL_NX x rows per pass;
+ * whether it ran (not without memory for the planes) */
+KV_INL_B bool gemv_planes(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
                          int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
                          float *y, int64_t ystride) {
     const int64_t nb = cols / 256;
-    const int64_t per = qt == KV_IQ2_XXS ? 512 * ((nb + 1) / 2) : 256 * nb;
+    const int spz = qt == KV_IQ2_XXS ? 2 : 1;
+    const int64_t per = 64 * pl_P(qt) * ((nb + spz - 1) / spz);
     int8_t *buf = nb > 0 ? aligned_alloc(64, (size_t)(n * per)) : NULL;
-    if (!buf) return 0;
-    int8_t *xp[8];
-    const kv_act256 *a[8];
+    if (!buf) return false;
+    int8_t *xp[KV_PL_MAX_N];
+    const kv_act256 *a[KV_PL_MAX_N];
     for (int64_t j = 0; j < n; j++) {
         a[j] = (const kv_act256 *)((const char *)xq + j * xstride);
         xp[j] = buf + j * per;
-        if (qt == KV_IQ2_XXS) x_planes_iq2(a[j], nb, xp[j]);
-        else x_planes_iq3(a[j], nb, xp[j]);  /* IQ3_S's grid rows are IQ3_XXS's 4 values */
+        x_planes(pl_P(qt), a[j], nb, xp[j]);
     }
     for (int64_t r = r0; r < r1; r++)
         for (int64_t j = 0; j < n; j += KV_PL_NX) {
@@ -285,11 +279,11 @@ KV_INL_B int gemv_planes(const int qt, const uint8_t *w, int64_t row_bytes, int6
             }
         }
     free(buf);
-    return 1;
+    return true;
 }
 
 #define KV_PL_GEMV(name, qt)                                                                \
-    static __attribute__((target(KV_ISA_VBMI))) int name(                                   \
+    static __attribute__((target(KV_ISA_VBMI))) bool name(                                  \
         const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t cols,          \
         const void *xq, int64_t xstride, int64_t n, float *y, int64_t ystride) {            \
         return gemv_planes(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);     \
@@ -298,12 +292,11 @@ KV_PL_GEMV(gemv_planes_iq2xxs, KV_IQ2_XXS)
 KV_PL_GEMV(gemv_planes_iq3xxs, KV_IQ3_XXS)
 KV_PL_GEMV(gemv_planes_iq3s, KV_IQ3_S)
 
-int kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                      int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
-                      int64_t ystride) {
-    int P, rows, slot;
-    if (n < 1 || n > 7 || !planes_of(qt, &P, &rows, &slot) || !planes_set[slot] || !use_vbmi())
-        return 0;
+bool kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
+                       int64_t cols, const void *xq, int64_t xstride, int64_t n, float *y,
+                       int64_t ystride) {
+    const kv_pl_type *t = pl_type(qt);
+    if (n < 1 || n > KV_PL_MAX_N || !t || !t->ready || !use_vbmi()) return false;
     return (qt == KV_IQ2_XXS ? gemv_planes_iq2xxs : qt == KV_IQ3_XXS ? gemv_planes_iq3xxs
                                                                      : gemv_planes_iq3s)(
         w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);

@@ -154,12 +154,14 @@ static void gemv_rows(const rows_job *job, int64_t r0, int64_t r1) {
 /* One part per thread (a single one below 64 KiB of work: waking a worker costs more).
  * The 8-row group types split only between groups, and between pairs of groups for a
  * product with several x rows, whose tiles take two groups at once (a lone group, as at
- * 8192 Q3_K columns where 16 KiB is one group, would take the one-group tile). */
+ * 8192 Q3_K columns where 16 KiB is one group, would take the one-group tile). The lattice
+ * types split between 16 rows for several x rows: their prefill decodes 16 rows at once. */
 static void run_rows(rows_job *job, int64_t bytes_per_row) {
     const int nt = job->rows * bytes_per_row < 65536 ? 1 : kv_pool_threads();
-    const int64_t align = !kv_is_grouped(job->qtype)            ? 1
-                          : job->fn == gemv_rows && job->n > 1 ? 16
-                                                                : 8;
+    const int many = job->fn == gemv_rows && job->n > 1;
+    const int64_t align = kv_is_grouped(job->qtype) ? (many ? 16 : 8)
+                          : kv_is_lattice(job->qtype) && many ? 16
+                                                                : 1;
     const int64_t groups = job->rows / align;
     job->nparts = nt < KV_MAX_PARTS ? nt : KV_MAX_PARTS;
     job->unit = (16384 / (bytes_per_row > 0 ? bytes_per_row : 1) / align + 1) * align;
