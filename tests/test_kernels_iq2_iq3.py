@@ -111,13 +111,14 @@ def test_avx2_prefill_tiles_are_the_portable_bits(qtype, n):
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.IQ3_XXS, T.IQ3_S], ids=ids)
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
 @pytest.mark.parametrize("cols", [1280, 2048])
 def test_decode_value_planes_are_the_portable_bits(qtype, cols):
-    """With AVX512-VBMI, IQ2_XXS, IQ3_XXS and IQ3_S decode (1 to 7 x rows) looks up 64 grid rows
-    per value position at once: an odd number of super-blocks (1280 columns: IQ2_XXS's last
-    register holds one) and an even one, x rows in passes of 4 and a remainder, every row's
-    output the portable C's. Elsewhere the same calls run the row kernels, to the same bits."""
+    """With AVX512-VBMI, decode (1 to 7 x rows) of IQ2_XXS, IQ2_XS, IQ3_XXS and IQ3_S looks up
+    64 grid rows per value position at once (IQ2_S runs its row kernel): an odd number of
+    super-blocks (1280 columns: an IQ2 type's last register holds one) and an even one, x rows
+    in passes of 4 and a remainder, every row's output the portable C's. Elsewhere the same
+    calls run the row kernels, to the same bits."""
     w = random_blocks(qtype, 21, cols, seed=13)
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(14))
     x[2] *= 1e-3

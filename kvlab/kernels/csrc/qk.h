@@ -17,8 +17,8 @@
  *                             (Q2_K, Q3_K), qk_iq4.c (IQ4_NL, IQ4_XS, MXFP4: MXFP4
  *                             runs IQ4_NL's kernels on its own table and scales),
  *                             qk_iq2_iq3.c (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S),
- *                             qk_iq_planes.c (their AVX512-VBMI decode: IQ2_XXS, IQ3_XXS,
- *                             IQ3_S)
+ *                             qk_iq_planes.c (their AVX512-VBMI decode: IQ2_XXS, IQ2_XS,
+ *                             IQ3_XXS, IQ3_S)
  *     qk_group8_<types>.c     kvlab's 8-row group layouts (<TYPE>x8: 8 weight rows
  *                             interleaved, one register lane per row): conversion from GGUF
  *                             rows, row dequantizers, portable, AVX2 and AVX-512 kernels.
@@ -367,10 +367,10 @@ KV_IQ_DECLS(iq3_s)
     void kv_deq_##t##_avx2(const uint8_t *w, int64_t cols, float *out);
 KV_IQ_DECLS_AVX2(iq2_xxs) KV_IQ_DECLS_AVX2(iq2_xs) KV_IQ_DECLS_AVX2(iq2_s)
 KV_IQ_DECLS_AVX2(iq3_xxs) KV_IQ_DECLS_AVX2(iq3_s)
-/* IQ2_XXS, IQ3_XXS and IQ3_S with AVX512-VBMI, in value planes (qk_iq_planes.c): the planes
- * made from a grid, with the type's super-block bytes and unit (kv_set_grid passes them on);
- * the product for 1 to 7 x rows, which says whether it ran (not for another type, without
- * AVX512-VBMI or without memory); whether the planes serve all three types here */
+/* IQ2_XXS, IQ2_XS, IQ3_XXS and IQ3_S with AVX512-VBMI, in value planes (qk_iq_planes.c): the
+ * planes made from a grid, with the type's super-block bytes and unit (kv_set_grid passes them
+ * on); the product for 1 to 7 x rows, which says whether it ran (not for another type, without
+ * AVX512-VBMI or without memory); whether the planes serve all four types here */
 void kv_iq_planes_set(int qtype, const uint8_t *grid, int64_t bytes, int block_bytes,
                       float unit);
 bool kv_gemv_iq_planes(int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,

@@ -110,7 +110,10 @@ static inline simde__m512 kv_emu_cvtph_ps(__m256i a) {
 #define _mm512_xor_si512 simde_mm512_xor_si512
 
 /* AVX512-VBMI and byte masks (qk_iq_planes.c) */
+#define _mm512_add_epi8 simde_mm512_add_epi8
+#define _mm512_cvtepi8_epi16 simde_mm512_cvtepi8_epi16
 #define _mm512_extracti64x4_epi64 simde_mm512_extracti64x4_epi64
+#define _mm512_maddubs_epi16 simde_mm512_maddubs_epi16
 #define _mm512_mask_blend_epi8 simde_mm512_mask_blend_epi8
 #define _mm512_mask_sub_epi8 simde_mm512_mask_sub_epi8
 #define _mm512_movepi8_mask simde_mm512_movepi8_mask
