@@ -68,6 +68,18 @@ def test_dequantize_reaches_every_grid_row_and_scale(qtype, backend):  # noqa: F
     assert_blocks_equal(dequantize(w).numpy(), reference_dequant(w), qtype)
 
 
+def portable_and_simd(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """qmatmul(x, w) on the portable C, then on the AVX2 set (with the AVX-512 paths it takes
+    on this CPU)."""
+    try:
+        ops._qk.set_isa("generic")
+        y_c = qmatmul(x, w)
+        ops._qk.set_isa("avx2")
+        return y_c, qmatmul(x, w)
+    finally:
+        ops._qk.set_isa("auto")
+
+
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
 def test_avx2_products_are_the_portable_bits(qtype):
@@ -75,16 +87,9 @@ def test_avx2_products_are_the_portable_bits(qtype):
     float steps as the portable C, for one x row and for tiles of them."""
     w = random_blocks(qtype, 13, 1280, seed=3)
     x = torch.randn(11, 1280, generator=torch.Generator().manual_seed(4))
-    try:
-        ops._qk.set_isa("generic")
-        y_c = qmatmul(x, w)
-        ops._qk.set_isa("avx2")
-        y = qmatmul(x, w)
-        one = qmatmul(x[3:4], w)
-    finally:
-        ops._qk.set_isa("auto")
+    y_c, y = portable_and_simd(x, w)
     assert torch.equal(y, y_c)
-    assert torch.equal(one, y[3:4])
+    assert torch.equal(portable_and_simd(x[3:4], w)[1], y[3:4])
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
@@ -98,16 +103,9 @@ def test_avx2_prefill_tiles_are_the_portable_bits(qtype, n):
     w = random_blocks(qtype, 23, 4096, seed=7)
     x = torch.randn(n, 4096, generator=torch.Generator().manual_seed(n))
     x[1] *= 1e-3  # another activation scale per row
-    try:
-        ops._qk.set_isa("generic")
-        y_c = qmatmul(x, w)
-        ops._qk.set_isa("avx2")
-        y = qmatmul(x, w)
-        last = qmatmul(x[-1:], w)
-    finally:
-        ops._qk.set_isa("auto")
+    y_c, y = portable_and_simd(x, w)
     assert torch.equal(y, y_c)
-    assert torch.equal(last, y[-1:])
+    assert torch.equal(portable_and_simd(x[-1:], w)[1], y[-1:])
 
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
@@ -123,13 +121,7 @@ def test_decode_value_planes_are_the_portable_bits(qtype, cols):
     x = torch.randn(7, cols, generator=torch.Generator().manual_seed(14))
     x[2] *= 1e-3
     for n in (1, 2, 5, 7):
-        try:
-            ops._qk.set_isa("generic")
-            y_c = qmatmul(x[:n], w)
-            ops._qk.set_isa("avx2")
-            y = qmatmul(x[:n], w)
-        finally:
-            ops._qk.set_isa("auto")
+        y_c, y = portable_and_simd(x[:n], w)
         assert torch.equal(y, y_c), n
 
 
@@ -164,18 +156,10 @@ def test_prefill_byte_rows_are_the_portable_bits(qtype):
     w = random_blocks(qtype, 37, 4096, seed=11)
     x = torch.randn(300, 4096, generator=torch.Generator().manual_seed(12))
     x[5] *= 1e-3
-    try:
-        ops._qk.set_isa("generic")
-        y_c = qmatmul(x, w)
-        ops._qk.set_isa("avx2")
-        y = qmatmul(x, w)
-        one = qmatmul(x[5:6], w)
-        some = qmatmul(x[:33], w)
-    finally:
-        ops._qk.set_isa("auto")
+    y_c, y = portable_and_simd(x, w)
     assert torch.equal(y, y_c)
-    assert torch.equal(one, y[5:6])
-    assert torch.equal(some, y[:33])
+    assert torch.equal(portable_and_simd(x[5:6], w)[1], y[5:6])
+    assert torch.equal(portable_and_simd(x[:33], w)[1], y[:33])
 
 
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)

@@ -64,7 +64,7 @@ static inline int pl_rows(int qt) { return qt == KV_IQ3_S || qt == KV_IQ2_XS ? 5
 static inline int pl_codes(int qt) { return qt == KV_IQ2_XS; }
 static const uint8_t kv_iq2_levels[4] = {8, 25, 43, 0};
 
-/* grid row r's planes (or codes) into t; 0 where a value has no code */
+/* a grid's planes (or codes) into dst; 0 where an IQ2_XS value has no code */
 static int pl_fill(int qtype, const uint8_t *grid, uint8_t *dst) {
     const int P = pl_P(qtype), rows = pl_rows(qtype);
     for (int r = 0; r < rows; r++) {
@@ -111,7 +111,7 @@ int kv_iq_planes_active(void) {
 #define KV_PL_MAX_N 7  /* the most x rows (from 8 qk_iq2_iq3.c's prefill tiles run) */
 
 /* ---- x in planes: per register of 64 grid rows, P planes of 64 bytes ----
- * IQ2_XXS: super-blocks 2m, 2m + 1 -> register m (plane p's byte 32h + k = value 8k + p of
+ * IQ2 types: super-blocks 2m, 2m + 1 -> register m (plane p's byte 32h + k = value 8k + p of
  * super-block 2m + h; a missing second super-block's half is 0); IQ3_XXS, IQ3_S: super-block
  * i -> register i (plane p's byte k = value 4k + p). A 64-value chunk of x is R = 64 / P grid
  * rows, put in plane order by one vpermb and copied out plane by plane. */
@@ -130,7 +130,8 @@ KV_INL_B void x_planes(const int P, const kv_act256 *a, int64_t nb, int8_t *xp) 
         int8_t *dst = xp + 64 * P * (i / spz) + 32 * (i % spz);
         for (int q = 0; q < 4; q++) {  /* grid rows R q .. R q + R - 1 */
             int8_t part[64] __attribute__((aligned(64)));
-            _mm512_store_si512(part, _mm512_permutexvar_epi8(t, _mm512_loadu_si512(a[i].qs + 64 * q)));
+            const __m512i chunk = _mm512_loadu_si512(a[i].qs + 64 * q);
+            _mm512_store_si512(part, _mm512_permutexvar_epi8(t, chunk));
             for (int p = 0; p < P; p++) memcpy(dst + 64 * p + R * q, part + R * p, (size_t)R);
         }
     }
@@ -261,7 +262,8 @@ KV_INL_B __m512i plane_at(const uint8_t *plane, __m512i idx, __mmask64 top) {
 
 /* plane p of a 512-row grid: rows 0-255, then 256-511, picked by the ninth bit */
 KV_INL_B __m512i plane512_at(const uint8_t *plane, __m512i idx, __mmask64 top, __mmask64 ninth) {
-    return _mm512_mask_blend_epi8(ninth, plane_at(plane, idx, top), plane_at(plane + 256, idx, top));
+    return _mm512_mask_blend_epi8(ninth, plane_at(plane, idx, top),
+                                  plane_at(plane + 256, idx, top));
 }
 
 /* a byte table of `rows` (256 or 512) at a register's indices */
@@ -300,7 +302,8 @@ KV_INL_B void row_planes(const int qt, const uint8_t *b, int64_t nb, int8_t *con
         const __m512i lo = codes ? table_at(t->planes, rows, &u, top) : _mm512_setzero_si512();
         const __m512i hi = codes ? table_at(t->planes + rows, rows, &u, top) : lo;
         for (int p = 0; p < P; p++) {
-            const __m512i w = codes ? code_plane(lo, hi, p) : table_at(t->planes + rows * p, rows, &u, top);
+            const __m512i w = codes ? code_plane(lo, hi, p)
+                                    : table_at(t->planes + rows * p, rows, &u, top);
             const __mmask64 neg = _mm512_test_epi8_mask(u.signs, _mm512_set1_epi8((char)(1 << p)));
             for (int j = 0; j < nx; j++) {
                 const __m512i x = _mm512_loadu_si512(xp[j] + off + 64 * p);
@@ -314,14 +317,15 @@ KV_INL_B void row_planes(const int qt, const uint8_t *b, int64_t nb, int8_t *con
         const float dB = B ? kv_h2f_table[B[0] | B[1] << 8] * unit : 0.0f;
         for (int j = 0; j < nx; j++) {
             const __m512i sum = _mm512_add_epi32(s[j][0], s[j][1]);
-            const __m512i t = codes ? sum : _mm512_mullo_epi32(sum, u.sc);
-            const __m256i lo = _mm512_extracti64x4_epi64(t, 0), hi = _mm512_extracti64x4_epi64(t, 1);
+            const __m512i v = codes ? sum : _mm512_mullo_epi32(sum, u.sc);  /* lanes: sub-blocks */
+            const __m256i va = _mm512_extracti64x4_epi64(v, 0);
+            const __m256i vb = _mm512_extracti64x4_epi64(v, 1);
             if (!iq2) {
-                acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(_mm256_add_epi32(lo, hi)), acc[j]);
+                acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(_mm256_add_epi32(va, vb)), acc[j]);
                 continue;
             }
-            acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(lo), acc[j]);
-            if (B) acc[j] = fmaf(dB * a[j][i + 1].d, (float)hsum_epi32(hi), acc[j]);
+            acc[j] = fmaf(dA * a[j][i].d, (float)hsum_epi32(va), acc[j]);
+            if (B) acc[j] = fmaf(dB * a[j][i + 1].d, (float)hsum_epi32(vb), acc[j]);
         }
     }
     for (int j = 0; j < nx; j++) y[j * ys] = acc[j];
