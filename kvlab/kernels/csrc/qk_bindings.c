@@ -907,7 +907,7 @@ static PyMethodDef methods[] = {
     {"uses_vnni", py_uses_vnni, METH_NOARGS,
      "uses_vnni() -> the active kernels take their AVX512-VNNI paths"},
     {"uses_vbmi", py_uses_vbmi, METH_NOARGS,
-     "uses_vbmi() -> the active kernels decode IQ2_XXS, IQ3_XXS, IQ3_S in value planes"},
+     "uses_vbmi() -> the active kernels decode IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S in value planes"},
     {"set_isa", py_set_isa, METH_O, "set_isa('auto' | 'generic' | 'avx2')"},
     {NULL, NULL, 0, NULL},
 };

@@ -676,13 +676,15 @@ KV_IQ_DRIVER(gemv_iq_vnni, KV_TGT_V, row_iq_vnni)
  * output does not depend on n. */
 typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_iq_unp;  /* one super-block */
 
+/* a sub-block's signed values + 64: the unsigned bytes maddubs and vpdpbusd take */
+KV_INL __m256i plus64(kv_iq_sub v) {
+    return _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
+}
+
 KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp *u) {
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < nb; i++, b += t.bytes) {
-        for (int s = 0; s < 8; s++) {
-            const kv_iq_sub v = sub_of(qt, b, s);
-            u[i].q[s] = _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
-        }
+        for (int s = 0; s < 8; s++) u[i].q[s] = plus64(sub_of(qt, b, s));
         u[i].sc16 = sb_scales(qt, b);
         u[i].d = half_at(b) * t.unit;
     }
@@ -808,8 +810,7 @@ KV_INL_Z void iq_bytes_block(const int qt, const uint8_t *w, int64_t row_bytes, 
     for (int s = 0; s < 8; s++) {
         __m256i q[2][8];
         for (int r = 0; r < 16; r++) {
-            const kv_iq_sub v = sub_of(qt, b0 + r * row_bytes, s);
-            q[r / 8][r % 8] = _mm256_add_epi8(_mm256_sign_epi8(v.g, v.sg), _mm256_set1_epi8(64));
+            q[r / 8][r % 8] = plus64(sub_of(qt, b0 + r * row_bytes, s));
         }
         t8x8_epi32(q[0]), t8x8_epi32(q[1]);
         for (int k = 0; k < 8; k++)  /* dword k of sub-block s: group 2s + k / 4, chunk k % 4 */
@@ -875,8 +876,7 @@ KV_INL_Z void tile_iq_bytes32(const __m512i *w, int64_t nb, const char *xq, int6
 KV_INL_Z void bytes_iq(const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, int64_t cols, const void *xq, int64_t xstride, int64_t n,
                        float *y, int64_t ystride) {
-    const int64_t nb = cols / 256, rows = KV_BYTES_XBYTES / xstride / KV_GROUP_NX;
-    const int64_t step = rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;
+    const int64_t nb = cols / 256, step = kv_bytes_pass_rows(xstride);
     const int64_t r16 = r0 + (r1 - r0) / 16 * 16;
     __m512i *buf = r16 > r0 && nb > 0
                        ? aligned_alloc(64, (size_t)nb * KV_IQB_PER * sizeof(__m512i)) : NULL;

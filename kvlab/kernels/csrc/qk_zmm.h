@@ -182,6 +182,12 @@ KV_INL_Z void zsub32(const uint8_t (*v)[8], __m512i w[4]) {
 #define KV_BYTES_XBYTES (1024 * 1024)
 typedef struct { const __m512i *w; const void *b; } kv_bytes;  /* a pair's bytes, its blocks */
 
+/* x rows a pass takes: about KV_BYTES_XBYTES of them, a multiple of KV_GROUP_NX */
+static inline int64_t kv_bytes_pass_rows(int64_t xstride) {
+    const int64_t rows = KV_BYTES_XBYTES / xstride / KV_GROUP_NX;
+    return rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;
+}
+
 /* int32 lanes (small) -> the value in both int16 halves */
 KV_INL_Z __m512i zdup16(__m512i s32) {
     return _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
@@ -194,8 +200,7 @@ KV_INL_Z __m512i zdup16(__m512i s32) {
     static KV_TGT_Z void name(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,    \
                               int64_t cols, const void *xq, int64_t xstride, int64_t n,      \
                               float *y, int64_t ystride) {                                   \
-        const int64_t nb = cols / 256, rows = KV_BYTES_XBYTES / xstride / KV_GROUP_NX;       \
-        const int64_t step = rows > 0 ? rows * KV_GROUP_NX : KV_GROUP_NX;                    \
+        const int64_t nb = cols / 256, step = kv_bytes_pass_rows(xstride);                   \
         __m512i *buf = aligned_alloc(64, (size_t)nb * (per) * sizeof(__m512i));              \
         for (int64_t c = 0; c < n; c += step) {                                              \
             const char *x = (const char *)xq + c * xstride;                                  \
