@@ -94,11 +94,11 @@ def test_avx2_products_are_the_portable_bits(qtype):
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=ids)
-@pytest.mark.parametrize("n", [8, 9, 10, 11])
+@pytest.mark.parametrize("n", [8, 9, 14, 15])
 def test_avx2_prefill_tiles_are_the_portable_bits(qtype, n):
     """From 8 x rows the AVX2 kernels decode tiles of weight rows once (+64 offset taken off
     through the x block sums): 4096 columns make several tiles over 23 rows, and n leaves a
-    last group of 4, 1, 2 or 3 x rows; each row's output is the portable C's and its own
+    last group of 8, 1, 6 or 7 x rows; each row's output is the portable C's and its own
     alone."""
     w = random_blocks(qtype, 23, 4096, seed=7)
     x = torch.randn(n, 4096, generator=torch.Generator().manual_seed(n))
@@ -127,21 +127,25 @@ def test_decode_value_planes_are_the_portable_bits(qtype, cols):
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
 def test_every_simd_path_gives_the_same_bits(tmp_path):
-    """Decode (1 and 3 x rows), the tiles (9) and the byte rows (40) of every type, on this
-    CPU's paths, the AVX2 one (KVLAB_NO_VNNI), the AVX512-VNNI row kernels without the value
-    planes (KVLAB_NO_VBMI) and, where built, the emulated AVX-512 kernels."""
+    """Decode (1 and 3 x rows), the tiles (9) and the byte rows (40) of every type, and 130 x
+    rows of 4096 columns (on the AVX2 path, tiles over x in three chunks), on this CPU's
+    paths, the AVX2 one (KVLAB_NO_VNNI), the AVX512-VNNI row kernels without the value planes
+    (KVLAB_NO_VBMI) and, where built, the emulated AVX-512 kernels."""
     script = (
         "import sys, torch\n"
         "sys.path.insert(0, sys.argv[2])\n"
         "from test_kernels_iq2_iq3 import GRID_TYPES, random_blocks\n"
         "from kvlab.kernels import qmatmul\n"
         "x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(15))\n"
+        "wide = torch.randn(130, 4096, generator=torch.Generator().manual_seed(17))\n"
         "torch.save([qmatmul(x[:n].contiguous(), random_blocks(q, 19, 1280, seed=16))\n"
-        "            for q in GRID_TYPES for n in (1, 3, 9, 40)], sys.argv[1])\n")
+        "            for q in GRID_TYPES for n in (1, 3, 9, 40)]\n"
+        "           + [qmatmul(wide, random_blocks(q, 7, 4096, seed=18)) for q in GRID_TYPES],\n"
+        "           sys.argv[1])\n")
     outs = outputs_on_every_path(script, tmp_path, str(Path(__file__).parent),
                                  extra=({"KVLAB_NO_VBMI": "1"},))
     for out in outs[1:]:
-        assert len(out) == len(outs[0]) == 4 * len(GRID_TYPES)
+        assert len(out) == len(outs[0]) == 5 * len(GRID_TYPES)
         for a, b in zip(outs[0], out):
             assert torch.equal(a, b)
 

@@ -690,17 +690,20 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
     }
 }
 
-/* one decoded weight row against nx (1 to 4) x rows; STEP as in KV_IQ_ROW */
+/* one decoded weight row against nx (1 to KV_IQ_TILE_NX) x rows; STEP as in KV_IQ_ROW. Eight
+ * x rows per pass share each decoded sub-block's load and its scales' shuffle, and a
+ * super-block's 8 sums are reduced together (4 x rows per reduction, as in sb_floats) */
+#define KV_IQ_TILE_NX 8
 #define KV_IQ_TILE_DOT(name, tgt, STEP)                                                      \
     static inline __attribute__((always_inline)) tgt void name(                             \
         const kv_iq_unp *u, int64_t nb, const char *xq, int64_t xs, const int nx, float *y, \
         int64_t ys) {                                                                        \
-        __m128 acc = _mm_setzero_ps();                                                       \
+        __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};                                \
         for (int64_t i = 0; i < nb; i++) {                                                   \
-            const kv_act256 *a[KV_IQ_NX];                                                    \
-            __m256i sumi[KV_IQ_NX];                                                          \
-            float dx[KV_IQ_NX] = {0};                                                        \
-            for (int j = 0; j < KV_IQ_NX; j++) sumi[j] = _mm256_setzero_si256();             \
+            const kv_act256 *a[KV_IQ_TILE_NX];                                               \
+            __m256i sumi[KV_IQ_TILE_NX];                                                     \
+            float dx[KV_IQ_TILE_NX] = {0};                                                   \
+            for (int j = 0; j < KV_IQ_TILE_NX; j++) sumi[j] = _mm256_setzero_si256();        \
             for (int j = 0; j < nx; j++) {                                                   \
                 a[j] = (const kv_act256 *)(xq + j * xs) + i;                                 \
                 dx[j] = a[j]->d;                                                             \
@@ -708,21 +711,25 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
                 sumi[j] = _mm256_sub_epi32(sumi[j], _mm256_slli_epi32(bsum, 6));             \
             }                                                                                \
             for (int s = 0; s < 8; s++) {                                                    \
-                const __m256i sc = scales_of(u[i].sc16, s);                                  \
+                const __m256i q = u[i].q[s], sc = scales_of(u[i].sc16, s);                   \
                 for (int j = 0; j < nx; j++) {                                               \
                     const __m256i x = load256(a[j]->qs + 32 * s);                            \
-                    sumi[j] = STEP(sumi[j], _mm256_maddubs_epi16(u[i].q[s], x), sc);         \
+                    sumi[j] = STEP(sumi[j], _mm256_maddubs_epi16(q, x), sc);                 \
                 }                                                                            \
             }                                                                                \
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(sumi[0], sumi[1]),         \
-                                                _mm256_hadd_epi32(sumi[2], sumi[3]));        \
-            const __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h),                      \
-                                             _mm256_extracti128_si256(h, 1));                \
-            acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(u[i].d), _mm_loadu_ps(dx)),            \
-                               _mm_cvtepi32_ps(h4), acc);                                    \
+            for (int h = 0; h < 2 && 4 * h < nx; h++) {                                      \
+                const __m256i *v = sumi + 4 * h;                                             \
+                const __m256i s8 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),          \
+                                                     _mm256_hadd_epi32(v[2], v[3]));         \
+                const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8),                 \
+                                                 _mm256_extracti128_si256(s8, 1));           \
+                acc[h] = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(u[i].d), _mm_loadu_ps(dx + 4 * h)), \
+                                      _mm_cvtepi32_ps(s4), acc[h]);                          \
+            }                                                                                \
         }                                                                                    \
-        float out[4];                                                                        \
-        _mm_storeu_ps(out, acc);                                                             \
+        float out[KV_IQ_TILE_NX];                                                            \
+        _mm_storeu_ps(out, acc[0]);                                                          \
+        _mm_storeu_ps(out + 4, acc[1]);                                                      \
         for (int j = 0; j < nx; j++) y[j * ys] = out[j];                                     \
     }
 KV_IQ_TILE_DOT(tile_dot_avx2, KV_TGT, KV_IQ_MADD_ADD)
@@ -731,9 +738,24 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 #define KV_IQ_TILE_MIN_N 8      /* fewer x rows: the row kernels */
 #define KV_IQ_TILE_BYTES 32768  /* decoded weights per tile (rows of it, 1 to 16) */
 
-/* rows [r0, r1) in tiles: decode the tile's rows once, then each group of four x rows runs
- * over all of them (the group's x blocks stay in L1 across the tile); NULL-buffer fallback:
- * the row kernels */
+/* dot(...) with its nx (1 to KV_IQ_TILE_NX) a constant, so its loops over x rows unroll */
+#define KV_IQ_TILE_CASE(dot, u, nb, xj, xs, nx, yj, ys)                                      \
+    switch (nx) {                                                                            \
+        case 8: dot(u, nb, xj, xs, 8, yj, ys); break;                                        \
+        case 7: dot(u, nb, xj, xs, 7, yj, ys); break;                                        \
+        case 6: dot(u, nb, xj, xs, 6, yj, ys); break;                                        \
+        case 5: dot(u, nb, xj, xs, 5, yj, ys); break;                                        \
+        case 4: dot(u, nb, xj, xs, 4, yj, ys); break;                                        \
+        case 3: dot(u, nb, xj, xs, 3, yj, ys); break;                                        \
+        case 2: dot(u, nb, xj, xs, 2, yj, ys); break;                                        \
+        default: dot(u, nb, xj, xs, 1, yj, ys); break;                                       \
+    }
+
+/* rows [r0, r1) in tiles: decode the tile's rows once, then each group of eight x rows runs
+ * over all of them (the group's x blocks stay in L1 across the tile). x goes in chunks of
+ * KV_GROUP_CHUNK (qk.h), each against every tile, so that a chunk stays in L2 while the
+ * tiles pass: with all of x per tile, a tall matrix's x (4.8 MB at 512 rows of 8192
+ * columns) came again from L3 for every few rows. NULL-buffer fallback: the row kernels */
 #define KV_IQ_TILED(name, tgt, dot, rows)                                                    \
     static inline __attribute__((always_inline)) tgt void name(                             \
         const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,          \
@@ -748,20 +770,21 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
             rows(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);                \
             return;                                                                          \
         }                                                                                    \
-        for (int64_t r = r0; r < r1; r += tr) {                                              \
-            const int64_t nt = r1 - r < tr ? r1 - r : tr;                                    \
-            for (int64_t t = 0; t < nt; t++)                                                 \
-                unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb);                \
-            for (int64_t j = 0; j < n; j += KV_IQ_NX) {                                      \
-                const char *xj = (const char *)xq + j * xstride;                             \
-                float *yj = y + j * ystride + r;                                             \
+        const int64_t step = KV_GROUP_CHUNK(xstride, n);                                     \
+        for (int64_t c = 0; c < n; c += step) {                                              \
+            const int64_t m = n - c < step ? n - c : step;                                   \
+            for (int64_t r = r0; r < r1; r += tr) {                                          \
+                const int64_t nt = r1 - r < tr ? r1 - r : tr;                                \
                 for (int64_t t = 0; t < nt; t++)                                             \
-                    switch (n - j >= KV_IQ_NX ? KV_IQ_NX : n - j) {                          \
-                        case 4: dot(buf + t * nb, nb, xj, xstride, 4, yj + t, ystride); break; \
-                        case 3: dot(buf + t * nb, nb, xj, xstride, 3, yj + t, ystride); break; \
-                        case 2: dot(buf + t * nb, nb, xj, xstride, 2, yj + t, ystride); break; \
-                        default: dot(buf + t * nb, nb, xj, xstride, 1, yj + t, ystride); break; \
-                    }                                                                        \
+                    unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb);            \
+                for (int64_t j = c; j < c + m; j += KV_IQ_TILE_NX) {                         \
+                    const char *xj = (const char *)xq + j * xstride;                         \
+                    float *yj = y + j * ystride + r;                                         \
+                    const int nx = c + m - j >= KV_IQ_TILE_NX ? KV_IQ_TILE_NX                \
+                                                              : (int)(c + m - j);            \
+                    for (int64_t t = 0; t < nt; t++)                                         \
+                        KV_IQ_TILE_CASE(dot, buf + t * nb, nb, xj, xstride, nx, yj + t, ystride); \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
         free(buf);                                                                           \
