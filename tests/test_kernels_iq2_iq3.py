@@ -127,8 +127,8 @@ def test_decode_value_planes_are_the_portable_bits(qtype, cols):
 
 @pytest.mark.skipif("avx2" not in ISAS, reason="no AVX2 on this CPU")
 def test_every_simd_path_gives_the_same_bits(tmp_path):
-    """Decode (1 and 3 x rows), the tiles (9) and the byte rows (40) of every type, and 130 x
-    rows of 4096 columns (on the AVX2 path, tiles over x in three chunks), on this CPU's
+    """Decode (1 and 3 x rows), the tiles (9) and the byte rows (40) of every type, and 240 x
+    rows of 4096 columns (on the AVX2 path, tiles over x in two chunks), on this CPU's
     paths, the AVX2 one (KVLAB_NO_VNNI), the AVX512-VNNI row kernels without the value planes
     (KVLAB_NO_VBMI) and, where built, the emulated AVX-512 kernels."""
     script = (
@@ -137,7 +137,7 @@ def test_every_simd_path_gives_the_same_bits(tmp_path):
         "from test_kernels_iq2_iq3 import GRID_TYPES, random_blocks\n"
         "from kvlab.kernels import qmatmul\n"
         "x = torch.randn(40, 1280, generator=torch.Generator().manual_seed(15))\n"
-        "wide = torch.randn(130, 4096, generator=torch.Generator().manual_seed(17))\n"
+        "wide = torch.randn(240, 4096, generator=torch.Generator().manual_seed(17))\n"
         "torch.save([qmatmul(x[:n].contiguous(), random_blocks(q, 19, 1280, seed=16))\n"
         "            for q in GRID_TYPES for n in (1, 3, 9, 40)]\n"
         "           + [qmatmul(wide, random_blocks(q, 7, 4096, seed=18)) for q in GRID_TYPES],\n"

@@ -690,15 +690,19 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
     }
 }
 
-/* one decoded weight row against nx (1 to KV_IQ_TILE_NX) x rows; STEP as in KV_IQ_ROW. Eight
- * x rows per pass share each decoded sub-block's load and its scales' shuffle, and a
- * super-block's 8 sums are reduced together (4 x rows per reduction, as in sb_floats) */
+/* one decoded weight row's nb super-blocks against nx (1 to KV_IQ_TILE_NX) x rows; STEP as in
+ * KV_IQ_ROW. Eight x rows per pass share each decoded sub-block's load and its scales'
+ * shuffle, and a super-block's 8 sums are reduced together (4 x rows per reduction). With
+ * `more` the sums go on from y (the earlier super-blocks' float sums, so the same steps in
+ * the same order), else from 0. */
 #define KV_IQ_TILE_NX 8
 #define KV_IQ_TILE_DOT(name, tgt, STEP)                                                      \
     static inline __attribute__((always_inline)) tgt void name(                             \
         const kv_iq_unp *u, int64_t nb, const char *xq, int64_t xs, const int nx, float *y, \
-        int64_t ys) {                                                                        \
-        __m128 acc[2] = {_mm_setzero_ps(), _mm_setzero_ps()};                                \
+        int64_t ys, const int more) {                                                        \
+        float out[KV_IQ_TILE_NX] = {0};                                                      \
+        for (int j = 0; more && j < nx; j++) out[j] = y[j * ys];                             \
+        __m128 acc[2] = {_mm_loadu_ps(out), _mm_loadu_ps(out + 4)};                          \
         for (int64_t i = 0; i < nb; i++) {                                                   \
             const kv_act256 *a[KV_IQ_TILE_NX];                                               \
             __m256i sumi[KV_IQ_TILE_NX];                                                     \
@@ -727,7 +731,6 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
                                       _mm_cvtepi32_ps(s4), acc[h]);                          \
             }                                                                                \
         }                                                                                    \
-        float out[KV_IQ_TILE_NX];                                                            \
         _mm_storeu_ps(out, acc[0]);                                                          \
         _mm_storeu_ps(out + 4, acc[1]);                                                      \
         for (int j = 0; j < nx; j++) y[j * ys] = out[j];                                     \
@@ -739,23 +742,33 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 #define KV_IQ_TILE_BYTES 32768  /* decoded weights per tile (rows of it, 1 to 16) */
 
 /* dot(...) with its nx (1 to KV_IQ_TILE_NX) a constant, so its loops over x rows unroll */
-#define KV_IQ_TILE_CASE(dot, u, nb, xj, xs, nx, yj, ys)                                      \
+#define KV_IQ_TILE_CASE(dot, u, nb, xj, xs, nx, yj, ys, more)                                \
     switch (nx) {                                                                            \
-        case 8: dot(u, nb, xj, xs, 8, yj, ys); break;                                        \
-        case 7: dot(u, nb, xj, xs, 7, yj, ys); break;                                        \
-        case 6: dot(u, nb, xj, xs, 6, yj, ys); break;                                        \
-        case 5: dot(u, nb, xj, xs, 5, yj, ys); break;                                        \
-        case 4: dot(u, nb, xj, xs, 4, yj, ys); break;                                        \
-        case 3: dot(u, nb, xj, xs, 3, yj, ys); break;                                        \
-        case 2: dot(u, nb, xj, xs, 2, yj, ys); break;                                        \
-        default: dot(u, nb, xj, xs, 1, yj, ys); break;                                       \
+        case 8: dot(u, nb, xj, xs, 8, yj, ys, more); break;                                  \
+        case 7: dot(u, nb, xj, xs, 7, yj, ys, more); break;                                  \
+        case 6: dot(u, nb, xj, xs, 6, yj, ys, more); break;                                  \
+        case 5: dot(u, nb, xj, xs, 5, yj, ys, more); break;                                  \
+        case 4: dot(u, nb, xj, xs, 4, yj, ys, more); break;                                  \
+        case 3: dot(u, nb, xj, xs, 3, yj, ys, more); break;                                  \
+        case 2: dot(u, nb, xj, xs, 2, yj, ys, more); break;                                  \
+        default: dot(u, nb, xj, xs, 1, yj, ys, more); break;                                 \
     }
+/* x rows per chunk: about 1 MB of x (all of it up to 1 MB), a multiple of KV_IQ_TILE_NX; each
+ * chunk decodes every weight row again, so a few dozen rows of a wide x would make the
+ * decode a large share (2048 x 8192 against 512 x rows, one thread, AVX2 paths on an
+ * AVX512-VNNI CPU: 90 GFLOP/s in 256 KiB chunks, 99 in these) */
+#define KV_IQ_TILE_CHUNK(xstride, n)                                                         \
+    ((n) * (xstride) <= (1 << 20) ? (n)                                                      \
+     : KV_IQ_TILE_NX * ((1 << 20) / (xstride) / KV_IQ_TILE_NX > 1                            \
+                        ? (1 << 20) / (xstride) / KV_IQ_TILE_NX : 1))
+#define KV_IQ_TILE_KB 8  /* super-blocks per dot: 8 x rows' 8 blocks (18.7 KB) stay in L1 */
 
 /* rows [r0, r1) in tiles: decode the tile's rows once, then each group of eight x rows runs
- * over all of them (the group's x blocks stay in L1 across the tile). x goes in chunks of
- * KV_GROUP_CHUNK (qk.h), each against every tile, so that a chunk stays in L2 while the
- * tiles pass: with all of x per tile, a tall matrix's x (4.8 MB at 512 rows of 8192
- * columns) came again from L3 for every few rows. NULL-buffer fallback: the row kernels */
+ * over all of them, KV_IQ_TILE_KB super-blocks at a time (the group's x blocks stay in L1
+ * across the tile). x goes in chunks of KV_IQ_TILE_CHUNK, each against every tile, so that a
+ * chunk stays near while the tiles pass: with all of x per tile, a wide matrix's x (4.8 MB
+ * at 512 rows of 8192 columns) came again from L3 for every few rows. NULL-buffer
+ * fallback: the row kernels */
 #define KV_IQ_TILED(name, tgt, dot, rows)                                                    \
     static inline __attribute__((always_inline)) tgt void name(                             \
         const int qt, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,          \
@@ -770,21 +783,25 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
             rows(qt, w, row_bytes, r0, r1, cols, xq, xstride, n, y, ystride);                \
             return;                                                                          \
         }                                                                                    \
-        const int64_t step = KV_GROUP_CHUNK(xstride, n);                                     \
+        const int64_t step = KV_IQ_TILE_CHUNK(xstride, n);                                   \
         for (int64_t c = 0; c < n; c += step) {                                              \
             const int64_t m = n - c < step ? n - c : step;                                   \
             for (int64_t r = r0; r < r1; r += tr) {                                          \
                 const int64_t nt = r1 - r < tr ? r1 - r : tr;                                \
                 for (int64_t t = 0; t < nt; t++)                                             \
                     unpack_iq_row(qt, w + (r + t) * row_bytes, nb, buf + t * nb);            \
-                for (int64_t j = c; j < c + m; j += KV_IQ_TILE_NX) {                         \
-                    const char *xj = (const char *)xq + j * xstride;                         \
-                    float *yj = y + j * ystride + r;                                         \
-                    const int nx = c + m - j >= KV_IQ_TILE_NX ? KV_IQ_TILE_NX                \
-                                                              : (int)(c + m - j);            \
-                    for (int64_t t = 0; t < nt; t++)                                         \
-                        KV_IQ_TILE_CASE(dot, buf + t * nb, nb, xj, xstride, nx, yj + t, ystride); \
-                }                                                                            \
+                for (int64_t k = 0; k < nb; k += KV_IQ_TILE_KB)                              \
+                    for (int64_t j = c; j < c + m; j += KV_IQ_TILE_NX) {                     \
+                        const char *xj = (const char *)xq + j * xstride                      \
+                                         + k * (int64_t)sizeof(kv_act256);                   \
+                        float *yj = y + j * ystride + r;                                     \
+                        const int nx = c + m - j >= KV_IQ_TILE_NX ? KV_IQ_TILE_NX            \
+                                                                  : (int)(c + m - j);        \
+                        const int64_t kn = nb - k < KV_IQ_TILE_KB ? nb - k : KV_IQ_TILE_KB;  \
+                        for (int64_t t = 0; t < nt; t++)                                     \
+                            KV_IQ_TILE_CASE(dot, buf + t * nb + k, kn, xj, xstride, nx,      \
+                                            yj + t, ystride, k > 0);                         \
+                    }                                                                        \
             }                                                                                \
         }                                                                                    \
         free(buf);                                                                           \
