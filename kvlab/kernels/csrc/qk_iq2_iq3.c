@@ -674,7 +674,12 @@ KV_IQ_DRIVER(gemv_iq_vnni, KV_TGT_V, row_iq_vnni)
  * isum = sum_g sc_g * (sum (q + 64) x - 64 * bsum_g), the row kernels' integer exactly. The
  * float step per super-block is theirs too (four x rows' fmaf in one vector), so a row's
  * output does not depend on n. */
-typedef struct { __m256i q[8]; __m256i sc16; float d; } kv_iq_unp;  /* one super-block */
+typedef struct {  /* one super-block */
+    __m256i q[8];     /* values + 64 */
+    __m256i sc[8];    /* sub-block s's scales as scales_of makes them, ready for one madd */
+    __m256i sc64;     /* the 16 per-16 scales * 64, for the x block sums */
+    float d;
+} kv_iq_unp;
 
 /* a sub-block's signed values + 64: the unsigned bytes maddubs and vpdpbusd take */
 KV_INL __m256i plus64(kv_iq_sub v) {
@@ -684,8 +689,12 @@ KV_INL __m256i plus64(kv_iq_sub v) {
 KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp *u) {
     const kv_iq_type t = iq_type(qt);
     for (int64_t i = 0; i < nb; i++, b += t.bytes) {
-        for (int s = 0; s < 8; s++) u[i].q[s] = plus64(sub_of(qt, b, s));
-        u[i].sc16 = sb_scales(qt, b);
+        const __m256i sc16 = sb_scales(qt, b);
+        for (int s = 0; s < 8; s++) {
+            u[i].q[s] = plus64(sub_of(qt, b, s));
+            u[i].sc[s] = scales_of(sc16, s);
+        }
+        u[i].sc64 = _mm256_slli_epi16(sc16, 6);  /* below 2^11: the scales are below 32 */
         u[i].d = half_at(b) * t.unit;
     }
 }
@@ -711,11 +720,11 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
             for (int j = 0; j < nx; j++) {                                                   \
                 a[j] = (const kv_act256 *)(xq + j * xs) + i;                                 \
                 dx[j] = a[j]->d;                                                             \
-                const __m256i bsum = _mm256_madd_epi16(load256(a[j]->bsums), u[i].sc16);    \
-                sumi[j] = _mm256_sub_epi32(sumi[j], _mm256_slli_epi32(bsum, 6));             \
+                sumi[j] = _mm256_sub_epi32(sumi[j],                                          \
+                                           _mm256_madd_epi16(load256(a[j]->bsums), u[i].sc64)); \
             }                                                                                \
             for (int s = 0; s < 8; s++) {                                                    \
-                const __m256i q = u[i].q[s], sc = scales_of(u[i].sc16, s);                   \
+                const __m256i q = u[i].q[s], sc = u[i].sc[s];                                \
                 for (int j = 0; j < nx; j++) {                                               \
                     const __m256i x = load256(a[j]->qs + 32 * s);                            \
                     sumi[j] = STEP(sumi[j], _mm256_maddubs_epi16(q, x), sc);                 \
@@ -739,7 +748,7 @@ KV_IQ_TILE_DOT(tile_dot_avx2, KV_TGT, KV_IQ_MADD_ADD)
 KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 
 #define KV_IQ_TILE_MIN_N 8      /* fewer x rows: the row kernels */
-#define KV_IQ_TILE_BYTES 32768  /* decoded weights per tile (rows of it, 1 to 16) */
+#define KV_IQ_TILE_BYTES 131072 /* decoded weights per tile (rows of it, 1 to 16), in L2 */
 
 /* dot(...) with its nx (1 to KV_IQ_TILE_NX) a constant, so its loops over x rows unroll */
 #define KV_IQ_TILE_CASE(dot, u, nb, xj, xs, nx, yj, ys, more)                                \
