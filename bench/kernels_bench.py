@@ -1,7 +1,7 @@
 """Kernel figures on the default model, read against this machine's ceilings.
 
     python bench/kernels_bench.py [--model FILE.gguf] [--threads 1,2] [--quick] [--types-only]
-                                  [--rounds N]
+                                  [--prefill-types] [--rounds N]
 
 Prints, in one run:
   * memory read bandwidth (torch sum over a 1 GiB fp32 tensor), per thread count;
@@ -19,6 +19,10 @@ Prints, in one run:
     decode (n=1, ns per row) and prefill (n=64) time against Q4_K's, one thread, the types
     taking turns for --rounds calls, median and fastest call of each, so a machine shared
     with other work still gives fair ratios. --types-only prints just these.
+  * --prefill-types prints only each IQ type's prefill (n=512) at a Llama 3.2 1B MLP's two
+    shapes, 8192x2048 (gate, up) and 2048x8192 (down), next to Q4_K in 8-row groups (what a
+    Q4_K_M file's prefill runs), the types taking turns for --rounds calls at each of
+    --threads' counts: GFLOP/s of the median call.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ T = GGMLQuantizationType
 DRAM_SET_BYTES = 128 << 20  # > 4x the 32 MiB L3 here: cycled matrices miss the cache
 TYPES = (T.Q4_K, T.IQ4_NL, T.MXFP4, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)
 TYPE_SHAPE = (4096, 4096)
+LATTICE_TYPES = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)  # grid-decoded IQ types
 
 
 def pass_times(fn: Callable[[], object], reps: int) -> list[float]:
@@ -182,6 +187,20 @@ def type_speeds(rounds: int) -> None:
                   f"{med[T.Q4_K.name] / t:5.2f}x Q4_K")
 
 
+def prefill_type_speeds(rounds: int) -> None:
+    """n=512 GFLOP/s of the IQ types and grouped Q4_K at an MLP's two shapes, interleaved."""
+    n = 512
+    for rows, cols in ((8192, 2048), (2048, 8192)):
+        ws = {q.name: random_weight(q, rows, cols) for q in LATTICE_TYPES}
+        ws["Q4_Kx8"] = group_rows(random_weight(T.Q4_K, rows, cols))
+        x = torch.randn(n, cols)
+        times = interleaved_times({name: partial(qmatmul, x, w) for name, w in ws.items()},
+                                  max(3, rounds))
+        cells = [f"{name} {2.0 * n * rows * cols / statistics.median(ts) / 1e9:6.1f}"
+                 for name, ts in times.items()]
+        print(f"  prefill n={n} {rows}x{cols} GFLOP/s: " + ", ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="GGUF file (default: the default model)")
@@ -189,10 +208,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--types-only", action="store_true",
                     help="only the per-type decode figures (Q4_K, MXFP4, the IQ types)")
+    ap.add_argument("--prefill-types", action="store_true",
+                    help="only the IQ types' prefill at an MLP's shapes, next to Q4_K's")
     ap.add_argument("--rounds", type=int, default=48,
                     help="turns of the interleaved per-type comparison (--types-only)")
     args = ap.parse_args()
     reps = 3 if args.quick else 7
+    if args.prefill_types:
+        print(f"kernels: {kernel_backend_detail()}")
+        for nt in [int(v) for v in args.threads.split(",")]:
+            set_num_threads(nt)
+            print(f"\n== {nt} thread(s)")
+            prefill_type_speeds(args.rounds)
+        return
     if args.types_only:
         print(f"kernels: {kernel_backend_detail()}")
         for nt in [int(v) for v in args.threads.split(",")]:

@@ -297,10 +297,13 @@ int kv_use_vnni(void);  /* AVX512-VNNI + VL present and not switched off (KVLAB_
  * slower. A smaller x is read whole. */
 #define KV_GROUP_XBYTES (256 * 1024)
 #define KV_GROUP_XWHOLE (512 * 1024)
+/* x rows per chunk: all n up to `whole` bytes of x, else about `bytes` of them, a multiple of
+ * `mult` (at least one) */
+#define KV_X_CHUNK(xstride, n, whole, bytes, mult)                                         \
+    ((n) * (xstride) <= (whole) ? (n)                                                      \
+     : (mult) * (((bytes) / (xstride)) / (mult) > 1 ? ((bytes) / (xstride)) / (mult) : 1))
 #define KV_GROUP_CHUNK(xstride, n)                                                         \
-    ((n) * (xstride) <= KV_GROUP_XWHOLE ? (n)                                              \
-     : KV_GROUP_NX * ((KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX > 1                      \
-                          ? (KV_GROUP_XBYTES / (xstride)) / KV_GROUP_NX : 1))
+    KV_X_CHUNK(xstride, n, KV_GROUP_XWHOLE, KV_GROUP_XBYTES, KV_GROUP_NX)
 /* the driver; with pairs (a constant 1) two groups per tile where there are two and several
  * x rows (prefill): tile2(b, ...) computes groups b and b + nb (16 rows, y and y + 8) */
 #define KV_GROUP_DRIVER(name, TGT, tile, tile2, pairs, blk_t, block_elems)                \

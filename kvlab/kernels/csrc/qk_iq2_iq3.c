@@ -763,13 +763,9 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
         default: dot(u, nb, xj, xs, 1, yj, ys, more); break;                                 \
     }
 /* x rows per chunk: about 1 MB of x (all of it up to 1 MB), a multiple of KV_IQ_TILE_NX; each
- * chunk decodes every weight row again, so a few dozen rows of a wide x would make the
- * decode a large share (2048 x 8192 against 512 x rows, one thread, AVX2 paths on an
- * AVX512-VNNI CPU: 90 GFLOP/s in 256 KiB chunks, 99 in these) */
-#define KV_IQ_TILE_CHUNK(xstride, n)                                                         \
-    ((n) * (xstride) <= (1 << 20) ? (n)                                                      \
-     : KV_IQ_TILE_NX * ((1 << 20) / (xstride) / KV_IQ_TILE_NX > 1                            \
-                        ? (1 << 20) / (xstride) / KV_IQ_TILE_NX : 1))
+ * chunk decodes every weight row again, and qk.h's 256 KiB chunks hold only 24 rows of an
+ * 8192-column x, too few to carry that decode */
+#define KV_IQ_TILE_CHUNK(xstride, n) KV_X_CHUNK(xstride, n, 1 << 20, 1 << 20, KV_IQ_TILE_NX)
 #define KV_IQ_TILE_KB 8  /* super-blocks per dot: 8 x rows' 8 blocks (18.7 KB) stay in L1 */
 
 /* rows [r0, r1) in tiles: decode the tile's rows once, then each group of eight x rows runs
