@@ -700,8 +700,8 @@ KV_INL void unpack_iq_row(const int qt, const uint8_t *b, int64_t nb, kv_iq_unp 
 }
 
 /* one decoded weight row's nb super-blocks against nx (1 to KV_IQ_TILE_NX) x rows; STEP as in
- * KV_IQ_ROW. Eight x rows per pass share each decoded sub-block's load and its scales'
- * shuffle, and a super-block's 8 sums are reduced together (4 x rows per reduction). With
+ * KV_IQ_ROW. Eight x rows per pass share each decoded sub-block's values and scales, and a
+ * super-block's 8 sums are reduced together (4 x rows per reduction). With
  * `more` the sums go on from y (the earlier super-blocks' float sums, so the same steps in
  * the same order), else from 0. */
 #define KV_IQ_TILE_NX 8
@@ -771,7 +771,7 @@ KV_IQ_TILE_DOT(tile_dot_vnni, KV_TGT_V, _mm256_dpwssd_epi32)
 /* rows [r0, r1) in tiles: decode the tile's rows once, then each group of eight x rows runs
  * over all of them, KV_IQ_TILE_KB super-blocks at a time (the group's x blocks stay in L1
  * across the tile). x goes in chunks of KV_IQ_TILE_CHUNK, each against every tile, so that a
- * chunk stays near while the tiles pass: with all of x per tile, a wide matrix's x (4.8 MB
+ * chunk stays in cache while the tiles pass: with all of x per tile, a wide matrix's x (4.8 MB
  * at 512 rows of 8192 columns) came again from L3 for every few rows. NULL-buffer
  * fallback: the row kernels */
 #define KV_IQ_TILED(name, tgt, dot, rows)                                                    \
