@@ -273,8 +273,9 @@ KV_INL_B __m512i table_at(const uint8_t *t, const int rows, const kv_pl_regs *u,
 
 /* plane p's grid values from the codes of values 0-3 (lo) or 4-7 (hi) */
 KV_INL_B __m512i code_plane(__m512i lo, __m512i hi, const int p) {
-    const __m512i levels = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));  /* kv_iq2_levels */
+    int32_t four;  /* kv_iq2_levels in every dword: byte c of a 16-byte lane is level c % 4 */
+    memcpy(&four, kv_iq2_levels, 4);
+    const __m512i levels = _mm512_set1_epi32(four);
     const __m512i c = p % 4 ? _mm512_srli_epi16(p < 4 ? lo : hi, 2 * (p % 4)) : p < 4 ? lo : hi;
     return _mm512_shuffle_epi8(levels, _mm512_and_si512(c, _mm512_set1_epi8(3)));
 }
